@@ -20,6 +20,9 @@ class SamplingParams:
         ignore_eos: keep generating past EOS (benchmarks with fixed output lengths).
         logprobs: return the log-probability of each sampled token and this many top alternatives
             (``None``: none).
+        num_speculative_tokens: draft tokens proposed per step for this request by a
+            :class:`~llmserve.speculative.SpeculativeEngine` (``None``: the engine's default,
+            0: no speculation); ignored by the other engines.
 
     Raises:
         ValueError: on construction, for any field outside its range (the message names it).
@@ -34,6 +37,7 @@ class SamplingParams:
     stop: list[str] = field(default_factory=list)
     ignore_eos: bool = False
     logprobs: int | None = None
+    num_speculative_tokens: int | None = None
 
     def __post_init__(self) -> None:
         if isinstance(self.max_tokens, bool) or not isinstance(self.max_tokens, int) or self.max_tokens < 1:
@@ -48,6 +52,11 @@ class SamplingParams:
             raise ValueError(f"seed must be an integer or None, got {self.seed!r}")
         if self.logprobs is not None and (not isinstance(self.logprobs, int) or not 0 <= self.logprobs <= 20):
             raise ValueError(f"logprobs must be an integer in [0, 20] or None, got {self.logprobs!r}")
+        if self.num_speculative_tokens is not None and (
+                isinstance(self.num_speculative_tokens, bool) or not isinstance(self.num_speculative_tokens, int)
+                or self.num_speculative_tokens < 0):
+            raise ValueError(f"num_speculative_tokens must be an integer >= 0 or None, "
+                             f"got {self.num_speculative_tokens!r}")
         if isinstance(self.stop, str):
             self.stop = [self.stop]
         self.stop = list(self.stop)

@@ -22,8 +22,8 @@ class AttentionMetadata:
     """Tensors describing one step's attention (built only by ``ModelRunner``).
 
     Attributes:
-        slot_mapping: ``[N]`` int64, flat cache slot for each new token's K/V (``-1`` = padding,
-            not written).
+        slot_mapping: ``[N]`` int64, flat cache slot for each new token's K/V (``-1`` = padding;
+            it lands in the cache's scratch last block, which no sequence owns).
         query_start_loc: ``[B+1]`` int32, cumulative query lengths (``cu_seqlens_q``).
         context_lens: ``[B]`` int32, tokens in the cache per sequence after this step's write.
         block_tables: ``[B, max_blocks]`` int32, physical block ids (unused entries are 0).

@@ -1,0 +1,62 @@
+# llmserve experiment pipeline. Reproduce checkpoint 3 (default profile: tiny model, CPU):
+#
+#     snakemake --cores 1 results/checkpoint3
+#
+# GPU profile: add `--config profile=h200` (or `--configfile config/checkpoint3-h200.yaml`).
+# Stages, one file each under workflow/rules/: workload -> benchmark -> aggregate -> checksums.
+# Methodology and table columns: docs/benchmarking.md.
+
+from pathlib import Path
+
+from snakemake.exceptions import WorkflowError
+from snakemake.utils import min_version, validate
+
+min_version("8.20")
+
+
+configfile: "config/checkpoint3.yaml"
+
+
+# `--config profile=NAME` selects config/checkpoint3-NAME.yaml (command-line values still win).
+# A matrix given whole with `--configfile FILE` needs no such file.
+if config.get("profile", "cpu") != "cpu":
+    if Path(f"config/checkpoint3-{config['profile']}.yaml").exists():
+
+        configfile: f"config/checkpoint3-{config['profile']}.yaml"
+
+    elif not workflow.overwrite_configfiles:
+        raise WorkflowError(
+            f"profile {config['profile']!r}: no config/checkpoint3-{config['profile']}.yaml; "
+            "profiles: " + ", ".join(
+                sorted(["cpu"] + [p.stem.removeprefix("checkpoint3-")
+                                  for p in Path("config").glob("checkpoint3-*.yaml")])))
+
+
+validate(config, "workflow/schemas/config.schema.yaml")
+
+
+include: "workflow/rules/common.smk"
+include: "workflow/rules/workload.smk"
+include: "workflow/rules/benchmark.smk"
+include: "workflow/rules/aggregate.smk"
+include: "workflow/rules/checksums.smk"
+
+
+rule checkpoint3:
+    """Every checkpoint-3 result of the selected profile: raw runs, tables, plots, checksums."""
+    input:
+        TRACKED_FILES,
+        CHECKSUM_FILE,
+    default_target: True
+
+
+# The documented command names the results folder. A folder that other jobs write into cannot
+# itself be a job output (Snakemake refuses nested outputs), so the path is registered as the
+# *name* of a target rule: Snakemake resolves a target that matches a rule name to that rule.
+for _alias in ("results/checkpoint3", "results/checkpoint3/"):
+
+    rule:
+        name:
+            _alias
+        input:
+            rules.checkpoint3.input,

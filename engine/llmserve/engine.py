@@ -1,0 +1,543 @@
+"""Engines: the paged, batched ``LLMEngine``; the ``NaiveEngine`` control; the asyncio front end.
+
+``LLMEngine.step()`` is one iteration of continuous (or static) batching:
+schedule -> build tensors -> forward -> advance ``num_computed_tokens`` -> sample for the
+sequences that caught up -> stop checks. Every request keeps a timing record
+(:class:`~llmserve.sequence.RequestMetrics`) from which the benchmark derives TTFT, TPOT, ITL.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import dataclasses
+import itertools
+import queue
+import threading
+import time
+import uuid
+from collections.abc import AsyncIterator, Callable
+from dataclasses import dataclass, field
+
+import torch
+
+from .config import EngineConfig
+from .sampler import Sampler
+from .sampling_params import SamplingParams
+from .sequence import RequestMetrics, Sequence, SequenceStatus
+
+TokenCallback = Callable[["RequestOutput"], None]
+
+
+@dataclass(slots=True)
+class RequestOutput:
+    """What a request produced so far.
+
+    Attributes:
+        request_id: the request's id.
+        prompt_token_ids: the prompt.
+        output_token_ids: all output tokens so far.
+        new_token_ids: tokens produced by the step that made this output.
+        finished: whether the request ended.
+        finish_reason: ``stop`` | ``length`` | ``abort`` | ``None``.
+        metrics: the request's timing record (shared, live object).
+        logprobs: per output token ``None`` or ``{"token_logprob", "top"}`` records.
+        stop_reason: the stop token id that ended it, if any.
+    """
+
+    request_id: str
+    prompt_token_ids: list[int]
+    output_token_ids: list[int]
+    new_token_ids: list[int]
+    finished: bool
+    finish_reason: str | None
+    metrics: RequestMetrics
+    logprobs: list[dict | None] = field(default_factory=list)
+    stop_reason: int | str | None = None
+
+    @classmethod
+    def from_seq(cls, seq: Sequence, new_token_ids: list[int]) -> "RequestOutput":
+        return cls(seq.request_id, seq.prompt_token_ids, list(seq.output_token_ids), new_token_ids,
+                   seq.is_finished, seq.finish_reason, seq.metrics, list(seq.output_logprobs),
+                   seq.stop_reason)
+
+
+class _EngineBase:
+    """Model/tokenizer loading and request validation shared by both engines."""
+
+    def __init__(self, config: EngineConfig, *, load_model_fn=None) -> None:
+        from .models.loader import load_model
+        from .tokenizer import load_tokenizer
+
+        self.config = config
+        self.device = torch.device(config.device)
+        torch.manual_seed(config.seed)
+        loader = load_model_fn or load_model
+        self.model, self.model_config, self.model_path = loader(
+            config.model, device=config.device, dtype=config.dtype,
+            attention_backend=config.attention_backend)
+        if config.linear_backend != "torch":
+            from .quantization import quantize_model
+            quantize_model(self.model, config.linear_backend)
+        self.model.eval()
+        self.tokenizer = load_tokenizer(self.model_path)
+        self.max_model_len = min(config.scheduler.max_model_len, self.model_config.max_position_embeddings)
+        self.eos_token_ids = tuple(self.model_config.eos_token_ids) or (
+            (self.tokenizer.eos_token_id,) if self.tokenizer.eos_token_id is not None else ())
+        self.sampler = Sampler(self.device, seed=config.seed)
+        self._ids = itertools.count()
+
+    # ---- request intake ----------------------------------------------------------------------
+    def encode_prompt(self, prompt: str | list[int]) -> list[int]:
+        """Token ids of ``prompt`` (text is tokenized; ids are validated against the vocab).
+
+        Raises:
+            ValueError: empty prompt, or an id outside ``[0, vocab_size)``.
+        """
+        if isinstance(prompt, str):
+            if prompt == "":
+                raise ValueError("prompt must not be empty")
+            ids = self.tokenizer.encode(prompt, add_special_tokens=False)
+        else:
+            ids = [int(t) for t in prompt]
+        if not ids:
+            raise ValueError("prompt must contain at least one token")
+        vocab = self.model_config.vocab_size
+        bad = [t for t in ids if not 0 <= t < vocab]
+        if bad:
+            raise ValueError(f"prompt token ids must be in [0, {vocab}), got {bad[:5]}")
+        return ids
+
+    def _check_length(self, num_prompt_tokens: int, sp: SamplingParams) -> None:
+        total = num_prompt_tokens + sp.max_tokens
+        if total > self.max_model_len:
+            raise ValueError(
+                f"prompt ({num_prompt_tokens} tokens) + max_tokens ({sp.max_tokens}) = {total} exceeds "
+                f"the model's context of {self.max_model_len} tokens; shorten the prompt or lower max_tokens")
+
+    def _new_seq(self, prompt, sampling_params, request_id, arrival_time, priority) -> Sequence:
+        ids = self.encode_prompt(prompt)
+        sp = sampling_params or SamplingParams()
+        self._check_length(len(ids), sp)
+        rid = request_id if request_id is not None else f"req-{next(self._ids)}-{uuid.uuid4().hex[:8]}"
+        return Sequence(rid, ids, sp, arrival_time=arrival_time, priority=priority,
+                        eos_token_ids=self.eos_token_ids)
+
+    def generate(self, prompts: list[str | list[int]] | str | list[int],
+                 sampling_params: SamplingParams | list[SamplingParams] | None = None) -> list[RequestOutput]:
+        """Run prompts to completion (offline batch); outputs in prompt order."""
+        if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
+            prompts = [prompts]
+        if not isinstance(sampling_params, list):
+            sampling_params = [sampling_params or SamplingParams()] * len(prompts)
+        seqs = [self.add_request(p, sp) for p, sp in zip(prompts, sampling_params)]
+        while self.has_unfinished_requests():
+            self.step()
+        return [RequestOutput.from_seq(s, []) for s in seqs]
+
+
+class LLMEngine(_EngineBase):
+    """Paged KV cache + iteration-level scheduling (continuous or static batching).
+
+    Continuous batching follows Orca (Yu et al., OSDI 2022); the paged KV cache follows
+    vLLM/PagedAttention (Kwon et al., SOSP 2023); chunked prefill follows Sarathi-Serve
+    (Agrawal et al., OSDI 2024).
+
+    Args:
+        config: engine configuration (model, device, dtype, cache, scheduler, backends).
+
+    Raises:
+        ValueError/FileNotFoundError: from model loading or config validation.
+    """
+
+    def __init__(self, config: EngineConfig, **kw) -> None:
+        super().__init__(config, **kw)
+        from .kv_cache import BlockManager, KVCache
+        from .model_runner import ModelRunner
+        from .scheduler import Scheduler
+
+        self.kv_cache = KVCache.from_config(self.model_config, config.cache, self.model.dtype
+                                            if hasattr(self.model, "dtype") else config.torch_dtype,
+                                            self.device)
+        self.block_size = config.cache.block_size
+        self.block_manager = BlockManager(self.kv_cache.num_blocks, self.block_size)
+        sched_cfg = dataclasses.replace(config.scheduler, max_model_len=self.max_model_len)
+        self.scheduler = Scheduler(sched_cfg, self.block_manager)
+        self.runner = ModelRunner(self.model, self.kv_cache.kv_caches, self.block_size, self.device)
+        self._seqs: dict[str, Sequence] = {}
+        self._callbacks: dict[str, TokenCallback] = {}
+        self.num_steps = 0
+        self.max_blocks_in_use = 0
+
+    def check_request(self, prompt: str | list[int], sampling_params: SamplingParams | None = None) -> list[int]:
+        """Validate a request without queueing it; return its prompt ids.
+
+        Raises:
+            ValueError: empty prompt, bad token ids, context exceeded, or more KV blocks than
+                the whole cache holds.
+        """
+        ids = self.encode_prompt(prompt)
+        sp = sampling_params or SamplingParams()
+        self._check_length(len(ids), sp)
+        need = self.block_manager.blocks_needed(len(ids) + sp.max_tokens)
+        if need > self.block_manager.num_total_blocks:
+            raise ValueError(
+                f"request needs {need} KV blocks but the cache has only {self.block_manager.num_total_blocks}; "
+                "lower max_tokens or give the cache more blocks")
+        return ids
+
+    def add_request(self, prompt: str | list[int], sampling_params: SamplingParams | None = None,
+                    request_id: str | None = None, arrival_time: float | None = None,
+                    priority: int = 0, callback: TokenCallback | None = None) -> Sequence:
+        """Queue a request; it joins the batch at the next ``step()``.
+
+        Args:
+            prompt: text or token ids.
+            sampling_params: decoding rules (default greedy, 16 tokens).
+            request_id: unique id (generated when ``None``).
+            arrival_time: ``time.perf_counter()`` timestamp (default now).
+            priority: lower runs first under the priority policy.
+            callback: called with a :class:`RequestOutput` for every new token and at finish.
+
+        Raises:
+            ValueError: the request can never fit (rejected at once; nothing is queued).
+        """
+        seq = self._new_seq(prompt, sampling_params, request_id, arrival_time, priority)
+        if seq.request_id in self._seqs:
+            raise ValueError(f"request_id {seq.request_id!r} is already in use")
+        self.scheduler.add_request(seq)
+        self._seqs[seq.request_id] = seq
+        if callback is not None:
+            self._callbacks[seq.request_id] = callback
+        return seq
+
+    def abort_request(self, request_id: str) -> bool:
+        """Cancel a request; its blocks are freed at once. Returns False if unknown/finished."""
+        seq = self.scheduler.abort_request(request_id)
+        if seq is None:
+            return False
+        self._finish(seq)
+        return True
+
+    def _finish(self, seq: Sequence) -> None:
+        self._seqs.pop(seq.request_id, None)
+        self.sampler.release(seq.request_id)
+        cb = self._callbacks.pop(seq.request_id, None)
+        if cb is not None and seq.status is SequenceStatus.FINISHED_ABORTED:
+            cb(RequestOutput.from_seq(seq, []))
+
+    def has_unfinished_requests(self) -> bool:
+        return self.scheduler.has_unfinished_requests()
+
+    def step(self) -> list[RequestOutput]:
+        """One scheduling iteration and one forward pass.
+
+        Returns:
+            an output for each sequence that received a token this step.
+        """
+        out = self.scheduler.schedule()
+        if not out.scheduled:
+            return []
+        self.num_steps += 1
+        in_use = self.block_manager.num_total_blocks - self.block_manager.num_free_blocks
+        self.max_blocks_in_use = max(self.max_blocks_in_use, in_use)
+        logits, sample_idx = self.runner.execute(out.scheduled)
+        for item in out.scheduled:
+            item.seq.num_computed_tokens += item.num_new_tokens
+        if not sample_idx:
+            return []
+        seqs = [out.scheduled[i].seq for i in sample_idx]
+        result = self.sampler.sample(logits, [s.sampling_params for s in seqs], [s.request_id for s in seqs])
+        now = time.perf_counter()
+        outputs = []
+        for seq, tok, lp in zip(seqs, result.token_ids, result.logprobs):
+            seq.append_token(tok, now)
+            if seq.sampling_params.logprobs is not None:
+                seq.output_logprobs.append(lp)
+            status = seq.check_stop(self.max_model_len)
+            if status is not None:
+                self.scheduler.finish_request(seq, status)
+            ro = RequestOutput.from_seq(seq, [tok])
+            outputs.append(ro)
+            cb = self._callbacks.get(seq.request_id)
+            if cb is not None:
+                cb(ro)
+            if status is not None:
+                self._finish(seq)
+        return outputs
+
+    def stats(self) -> dict:
+        """Scheduler and KV cache counters (for metrics endpoints and benchmark reports)."""
+        bm = self.block_manager
+        total = bm.num_total_blocks
+        used = total - bm.num_free_blocks
+        return {
+            "num_running": self.scheduler.num_running,
+            "num_waiting": self.scheduler.num_waiting,
+            "num_free_blocks": bm.num_free_blocks,
+            "num_total_blocks": total,
+            "kv_cache_usage": used / total if total else 0.0,
+            "max_blocks_in_use": self.max_blocks_in_use,
+            "kv_cache_usage_high_water": self.max_blocks_in_use / total if total else 0.0,
+            "num_preemptions": self.scheduler.num_preemptions,
+            "num_recomputed_tokens": self.scheduler.num_recomputed_tokens,
+            "num_steps": self.num_steps,
+            "block_size": self.block_size,
+        }
+
+
+class NaiveEngine(_EngineBase):
+    """The control: one request at a time, a full-prefix forward pass per generated token.
+
+    No KV cache and no batching: each new token re-runs the reference (SDPA) path over the
+    whole prompt + output so far. A lock makes concurrent callers of ``step()``/``generate``
+    wait, so it can never turn into a batched baseline.
+    """
+
+    def __init__(self, config: EngineConfig, **kw) -> None:
+        super().__init__(config, **kw)
+        self._lock = threading.RLock()
+        self._queue: collections.deque[Sequence] = collections.deque()
+        self._current: Sequence | None = None
+        self._callbacks: dict[str, TokenCallback] = {}
+        self.num_steps = 0
+
+    def check_request(self, prompt, sampling_params=None) -> list[int]:
+        ids = self.encode_prompt(prompt)
+        self._check_length(len(ids), sampling_params or SamplingParams())
+        return ids
+
+    def add_request(self, prompt, sampling_params=None, request_id=None, arrival_time=None,
+                    priority=0, callback=None) -> Sequence:
+        seq = self._new_seq(prompt, sampling_params, request_id, arrival_time, priority)
+        with self._lock:
+            self._queue.append(seq)
+            if callback is not None:
+                self._callbacks[seq.request_id] = callback
+        return seq
+
+    def abort_request(self, request_id: str) -> bool:
+        with self._lock:
+            for seq in list(self._queue) + ([self._current] if self._current else []):
+                if seq.request_id == request_id:
+                    if seq is self._current:
+                        self._current = None
+                    else:
+                        self._queue.remove(seq)
+                    seq.status = SequenceStatus.FINISHED_ABORTED
+                    seq.metrics.finish_time = time.perf_counter()
+                    cb = self._callbacks.pop(request_id, None)
+                    if cb:
+                        cb(RequestOutput.from_seq(seq, []))
+                    return True
+        return False
+
+    def has_unfinished_requests(self) -> bool:
+        return self._current is not None or bool(self._queue)
+
+    def stats(self) -> dict:
+        return {"num_running": int(self._current is not None), "num_waiting": len(self._queue),
+                "num_preemptions": 0, "num_recomputed_tokens": 0, "num_steps": self.num_steps,
+                "kv_cache_usage": None}
+
+    @torch.inference_mode()
+    def step(self) -> list[RequestOutput]:
+        """Generate one token of the current request (full-prefix forward, batch 1)."""
+        with self._lock:
+            if self._current is None:
+                if not self._queue:
+                    return []
+                self._current = self._queue.popleft()
+                self._current.status = SequenceStatus.RUNNING
+                self._current.metrics.first_scheduled_time = time.perf_counter()
+            seq = self._current
+            ids = torch.tensor([seq.all_token_ids], dtype=torch.long, device=self.device)     # [1, T]
+            logits = self.model.forward_reference(ids, last_only=True)[:, -1, :]                               # [1, V]
+            self.num_steps += 1
+            res = self.sampler.sample(logits.float(), [seq.sampling_params], [seq.request_id])
+            tok = res.token_ids[0]
+            seq.append_token(tok)
+            if seq.sampling_params.logprobs is not None:
+                seq.output_logprobs.append(res.logprobs[0])
+            status = seq.check_stop(self.max_model_len)
+            if status is not None:
+                seq.status = status
+                seq.metrics.finish_time = time.perf_counter()
+                self._current = None
+                self.sampler.release(seq.request_id)
+            ro = RequestOutput.from_seq(seq, [tok])
+            cb = self._callbacks.get(seq.request_id)
+            if cb:
+                cb(ro)
+            if status is not None:
+                self._callbacks.pop(seq.request_id, None)
+            return [ro]
+
+
+_SENTINEL = object()
+
+
+class AsyncLLMEngine:
+    """asyncio front end: many concurrent callers, one background step loop.
+
+    The wrapped engine is owned by one background thread that alternates between applying
+    queued commands (add, abort) and calling ``step()``; new tokens reach each caller's
+    ``asyncio.Queue`` through ``loop.call_soon_threadsafe``. Validation happens in the caller
+    (``check_request``), so a request that can never fit raises ``ValueError`` at once. An abort
+    is applied before the next step, so a cancelled request frees its blocks within one step.
+
+    Args:
+        engine: an ``LLMEngine`` or ``NaiveEngine``.
+        max_waiting: bound on queued (not yet running) requests; ``None`` = unbounded.
+    """
+
+    def __init__(self, engine: LLMEngine | NaiveEngine, max_waiting: int | None = None) -> None:
+        self.engine = engine
+        self.max_waiting = max_waiting
+        self._commands: queue.SimpleQueue = queue.SimpleQueue()
+        self._wake = threading.Event()
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+        self._queues: dict[str, tuple[asyncio.AbstractEventLoop, asyncio.Queue]] = {}
+        self._pending = 0
+        self._pending_lock = threading.Lock()
+        self.errored: BaseException | None = None
+
+    # ---- lifecycle ---------------------------------------------------------------------------
+    def start(self) -> None:
+        if self._thread is None:
+            self._thread = threading.Thread(target=self._loop, name="llmserve-engine", daemon=True)
+            self._thread.start()
+
+    def shutdown(self, timeout: float = 5.0) -> None:
+        """Abort everything in flight and stop the loop (waits at most ``timeout`` seconds)."""
+        for rid in list(self._queues):
+            self._commands.put(("abort", rid))
+        self._stop.set()
+        self._wake.set()
+        if self._thread is not None:
+            self._thread.join(timeout)
+            self._thread = None
+
+    @property
+    def is_running(self) -> bool:
+        return self._thread is not None and self._thread.is_alive()
+
+    def num_in_flight(self) -> int:
+        return len(self._queues)
+
+    def stats(self) -> dict:
+        s = dict(self.engine.stats())
+        s["num_waiting"] = (s.get("num_waiting") or 0) + self._pending
+        return s
+
+    # ---- background thread ---------------------------------------------------------------------
+    def _deliver(self, rid: str, item) -> None:
+        entry = self._queues.get(rid)
+        if entry is None:
+            return
+        loop, q = entry
+        try:
+            loop.call_soon_threadsafe(q.put_nowait, item)
+        except RuntimeError:  # loop closed
+            self._queues.pop(rid, None)
+
+    def _apply_commands(self) -> None:
+        while True:
+            try:
+                cmd = self._commands.get_nowait()
+            except queue.Empty:
+                return
+            if cmd[0] == "add":
+                _, rid, prompt_ids, sp, priority, arrival = cmd
+                with self._pending_lock:
+                    self._pending -= 1
+                if rid not in self._queues:      # cancelled before it was added
+                    continue
+                try:
+                    self.engine.add_request(prompt_ids, sp, request_id=rid, arrival_time=arrival,
+                                            priority=priority)
+                except Exception as e:  # noqa: BLE001 - reported to the caller
+                    self._deliver(rid, e)
+            elif cmd[0] == "abort":
+                rid = cmd[1]
+                if self.engine.abort_request(rid):
+                    self._deliver(rid, _SENTINEL)
+
+    def _loop(self) -> None:
+        while not self._stop.is_set():
+            self._apply_commands()
+            if not self.engine.has_unfinished_requests():
+                self._wake.wait(0.05)
+                self._wake.clear()
+                continue
+            try:
+                outputs = self.engine.step()
+            except Exception as e:  # noqa: BLE001 - a failed step fails every caller, loop survives
+                self.errored = e
+                for rid in list(self._queues):
+                    self.engine.abort_request(rid)
+                    self._deliver(rid, e)
+                continue
+            for out in outputs:
+                self._deliver(out.request_id, out)
+        self._apply_commands()
+
+    # ---- public async API --------------------------------------------------------------------
+    async def generate(self, prompt: str | list[int], sampling_params: SamplingParams | None = None,
+                       request_id: str | None = None, priority: int = 0) -> AsyncIterator[RequestOutput]:
+        """Submit a request and yield a :class:`RequestOutput` after every new token.
+
+        Raises:
+            ValueError: invalid or never-fitting request (before anything is queued).
+            RuntimeError: the waiting queue is full (``max_waiting``).
+        Cancelling or closing the iterator aborts the request.
+        """
+        self.start()
+        sp = sampling_params or SamplingParams()
+        ids = self.engine.check_request(prompt, sp)
+        if self.max_waiting is not None and self.stats().get("num_waiting", 0) >= self.max_waiting:
+            raise QueueFullError(f"the waiting queue is full ({self.max_waiting} requests); retry later")
+        rid = request_id or f"req-{uuid.uuid4().hex}"
+        if rid in self._queues:
+            raise ValueError(f"request_id {rid!r} is already in use")
+        q: asyncio.Queue = asyncio.Queue()
+        self._queues[rid] = (asyncio.get_running_loop(), q)
+        with self._pending_lock:
+            self._pending += 1
+        self._commands.put(("add", rid, ids, sp, priority, time.perf_counter()))
+        self._wake.set()
+        finished = False
+        try:
+            while True:
+                item = await q.get()
+                if item is _SENTINEL:
+                    finished = True
+                    return
+                if isinstance(item, BaseException):
+                    finished = True
+                    raise item
+                if item.finished:
+                    finished = True
+                yield item
+                if finished:
+                    return
+        finally:
+            self._queues.pop(rid, None)
+            if not finished:
+                self._commands.put(("abort", rid))
+                self._wake.set()
+
+    async def abort(self, request_id: str) -> None:
+        """Abort a request (applied before the next engine step)."""
+        self._commands.put(("abort", request_id))
+        self._wake.set()
+
+
+class QueueFullError(RuntimeError):
+    """The asynchronous engine's waiting queue is at its configured bound."""
+
+
+def build_engine(config: EngineConfig, naive: bool = False) -> LLMEngine | NaiveEngine:
+    """Construct the engine a config names (``naive=True`` for the sequential control)."""
+    return NaiveEngine(config) if naive else LLMEngine(config)

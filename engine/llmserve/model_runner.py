@@ -1,0 +1,126 @@
+"""ModelRunner: the only place that turns scheduled sequences into tensors.
+
+For each scheduled sequence with ``n`` new tokens starting at ``c = num_computed_tokens`` it
+emits the token ids ``all_token_ids[c:c+n]``, their positions ``c..c+n-1``, and the flat cache
+slot of each (``block_ids[p // block_size] * block_size + p % block_size``). The batch is
+flat (varlen): ``query_start_loc`` marks where each sequence's rows start. Logits are computed
+only for the last row of each sequence that catches up this step (the rows that sample).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from .attention.metadata import AttentionMetadata
+
+
+@dataclass(slots=True)
+class ModelInput:
+    """Host-built tensors of one step (already on the model's device).
+
+    Attributes:
+        input_ids: ``[N]`` int64.
+        positions: ``[N]`` int64.
+        attn_metadata: see :class:`AttentionMetadata`.
+        sample_rows: ``[S]`` int64 rows of the flat batch whose logits are sampled.
+        sample_seq_indices: for each sampled row, the index into the scheduled list.
+    """
+
+    input_ids: torch.Tensor
+    positions: torch.Tensor
+    attn_metadata: AttentionMetadata
+    sample_rows: torch.Tensor
+    sample_seq_indices: list[int]
+
+
+class ModelRunner:
+    """Builds inputs and runs the model's paged forward pass.
+
+    Args:
+        model: a ``Qwen2ForCausalLM`` (``forward(input_ids, positions, kv_caches, meta)`` and
+            ``compute_logits(hidden)``).
+        kv_caches: per layer ``(k_cache, v_cache)``, each ``[num_blocks + 1, block_size, Hkv, D]``.
+        block_size: tokens per block.
+        device: the model's device.
+    """
+
+    def __init__(self, model: torch.nn.Module, kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
+                 block_size: int, device: torch.device | str) -> None:
+        self.model = model
+        self.kv_caches = kv_caches
+        self.block_size = block_size
+        self.device = torch.device(device)
+        self._pin = self.device.type == "cuda"
+
+    def _to_device(self, array: np.ndarray, dtype: torch.dtype) -> torch.Tensor:
+        t = torch.from_numpy(array).to(dtype)
+        if self._pin:
+            t = t.pin_memory()
+        return t.to(self.device, non_blocking=True)
+
+    def prepare(self, scheduled: list) -> ModelInput:
+        """Build the step's tensors from ``ScheduledSequence``-like items (``.seq``,
+        ``.num_new_tokens``). Python work is per sequence, not per token (numpy slices)."""
+        bs = self.block_size
+        ids_parts, pos_parts, slot_parts = [], [], []
+        q_lens, ctx_lens, tables = [], [], []
+        sample_rows, sample_idx = [], []
+        row = 0
+        for i, item in enumerate(scheduled):
+            seq, n = item.seq, item.num_new_tokens
+            c = seq.num_computed_tokens
+            tokens = seq.all_token_ids
+            table = np.asarray(seq.block_ids, dtype=np.int64)
+            pos = np.arange(c, c + n, dtype=np.int64)
+            ids_parts.append(np.asarray(tokens[c:c + n], dtype=np.int64))
+            pos_parts.append(pos)
+            slot_parts.append(table[pos // bs] * bs + pos % bs)
+            q_lens.append(n)
+            ctx_lens.append(c + n)
+            tables.append(table)
+            row += n
+            if c + n == len(tokens):
+                sample_rows.append(row - 1)
+                sample_idx.append(i)
+        b = len(scheduled)
+        max_blocks = max(len(t) for t in tables)
+        block_tables = np.zeros((b, max_blocks), dtype=np.int64)
+        for i, t in enumerate(tables):
+            block_tables[i, :len(t)] = t
+        qsl = np.zeros(b + 1, dtype=np.int64)
+        np.cumsum(q_lens, out=qsl[1:])
+        meta = AttentionMetadata(
+            slot_mapping=self._to_device(np.concatenate(slot_parts), torch.int64),
+            query_start_loc=self._to_device(qsl, torch.int32),
+            context_lens=self._to_device(np.asarray(ctx_lens, dtype=np.int64), torch.int32),
+            block_tables=self._to_device(block_tables, torch.int32),
+            max_query_len=max(q_lens),
+            max_context_len=max(ctx_lens),
+            block_size=bs,
+            is_decode_only=max(q_lens) == 1,
+        )
+        return ModelInput(
+            input_ids=self._to_device(np.concatenate(ids_parts), torch.int64),
+            positions=self._to_device(np.concatenate(pos_parts), torch.int64),
+            attn_metadata=meta,
+            sample_rows=self._to_device(np.asarray(sample_rows, dtype=np.int64), torch.int64),
+            sample_seq_indices=sample_idx,
+        )
+
+    @torch.inference_mode()
+    def execute(self, scheduled: list) -> tuple[torch.Tensor, list[int]]:
+        """Run one forward pass.
+
+        Returns:
+            ``(logits [S, vocab] float32, sample_seq_indices)``: logits for the sequences that
+            caught up this step, and their indices in ``scheduled``.
+        """
+        inp = self.prepare(scheduled)
+        hidden = self.model(inp.input_ids, inp.positions, self.kv_caches, inp.attn_metadata)  # [N, H]
+        if not inp.sample_seq_indices:
+            return hidden.new_empty((0, 0), dtype=torch.float32), []
+        logits = self.model.compute_logits(hidden[inp.sample_rows])                          # [S, V]
+        return logits, inp.sample_seq_indices

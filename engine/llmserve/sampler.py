@@ -1,0 +1,133 @@
+"""Token sampling: greedy, temperature, top-k, top-p, per-request seeds, optional logprobs.
+
+All rows are processed on the logits' device; the only host synchronisation is the final
+transfer of the chosen ids (and logprobs when asked for). Sampling uses the exponential-race
+form of the categorical draw (argmax of ``p_i / E_i`` with ``E_i ~ Exp(1)``, equivalent to
+``torch.multinomial``; the Gumbel-max trick in another guise), which needs no sort and lets
+every row draw its noise from its own generator.
+
+Top-p follows Holtzman et al. 2020 ("The Curious Case of Neural Text Degeneration"): keep the
+smallest set of most-likely tokens whose mass reaches ``top_p`` (the token that crosses the
+threshold is kept).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from .sampling_params import SamplingParams
+
+
+@dataclass(slots=True)
+class SampleResult:
+    """Chosen ids and, for rows that asked, logprob records.
+
+    Attributes:
+        token_ids: one int per row.
+        logprobs: per row ``None`` or ``{"token_logprob": float, "top": [(id, logprob), ...]}``.
+    """
+
+    token_ids: list[int]
+    logprobs: list[dict | None]
+
+
+def apply_top_k_top_p(logits: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
+    """Mask logits outside each row's top-k and nucleus (top-p) sets with ``-inf``.
+
+    Args:
+        logits: ``[B, V]`` float32 (already temperature-scaled).
+        top_k: ``[B]`` int64, ``<= 0`` or ``>= V`` means disabled.
+        top_p: ``[B]`` float32 in (0, 1]; 1 means disabled.
+
+    Returns:
+        ``[B, V]`` float32 with excluded entries at ``-inf``.
+    """
+    vocab = logits.shape[-1]
+    sorted_logits, sorted_idx = logits.sort(dim=-1, descending=True)              # [B, V]
+    ranks = torch.arange(vocab, device=logits.device)[None, :]                    # [1, V]
+    k = torch.where(top_k <= 0, torch.full_like(top_k, vocab), top_k.clamp(max=vocab))
+    remove = ranks >= k[:, None]                                                  # beyond top-k
+    probs = torch.softmax(sorted_logits.masked_fill(remove, float("-inf")), dim=-1)
+    mass_before = probs.cumsum(dim=-1) - probs                                     # mass of better tokens
+    remove |= mass_before >= top_p[:, None]                                        # nucleus cut
+    remove[:, 0] = False                                                           # always keep the best
+    sorted_logits = sorted_logits.masked_fill(remove, float("-inf"))
+    return torch.empty_like(logits).scatter_(-1, sorted_idx, sorted_logits)
+
+
+class Sampler:
+    """Turns one step's logits into one token per sequence.
+
+    Seeded requests own a ``torch.Generator`` (created on first use, keyed by request id), so
+    their streams are reproducible whatever else is in the batch. Unseeded requests share the
+    engine's generator.
+    """
+
+    def __init__(self, device: torch.device | str, seed: int = 0) -> None:
+        self.device = torch.device(device)
+        self._engine_gen = torch.Generator(device=self.device)
+        self._engine_gen.manual_seed(seed)
+        self._generators: dict[str, torch.Generator] = {}
+
+    def release(self, request_id: str) -> None:
+        """Forget a finished request's generator."""
+        self._generators.pop(request_id, None)
+
+    def _generator(self, request_id: str, seed: int | None) -> torch.Generator:
+        if seed is None:
+            return self._engine_gen
+        gen = self._generators.get(request_id)
+        if gen is None:
+            gen = torch.Generator(device=self.device)
+            gen.manual_seed(seed)
+            self._generators[request_id] = gen
+        return gen
+
+    @torch.inference_mode()
+    def sample(self, logits: torch.Tensor, params: list[SamplingParams],
+               request_ids: list[str]) -> SampleResult:
+        """Pick the next token for each row.
+
+        Args:
+            logits: ``[B, V]`` float32 model logits, row i for ``params[i]``.
+            params: sampling parameters per row.
+            request_ids: request id per row (keys for per-request generators).
+
+        Returns:
+            :class:`SampleResult` with ``B`` token ids.
+        """
+        b = logits.shape[0]
+        if b == 0:
+            return SampleResult([], [])
+        greedy = [p.greedy for p in params]
+        chosen = logits.argmax(dim=-1)                                            # [B]
+        if not all(greedy):
+            rows = [i for i, g in enumerate(greedy) if not g]
+            sub = logits[rows]                                                    # [S, V]
+            temps = torch.tensor([params[i].temperature for i in rows], device=logits.device)
+            sub = sub / temps[:, None]
+            top_k = torch.tensor([params[i].top_k for i in rows], device=logits.device, dtype=torch.long)
+            top_p = torch.tensor([params[i].top_p for i in rows], device=logits.device, dtype=torch.float32)
+            if bool((top_k > 0).any()) or bool((top_p < 1).any()):
+                sub = apply_top_k_top_p(sub, top_k, top_p)
+            probs = torch.softmax(sub, dim=-1)                                    # [S, V]
+            noise = torch.empty_like(probs)
+            for j, i in enumerate(rows):
+                noise[j].exponential_(generator=self._generator(request_ids[i], params[i].seed))
+            chosen[rows] = (probs / noise).argmax(dim=-1)
+        logprob_records: list[dict | None] = [None] * b
+        want = [i for i, p in enumerate(params) if p.logprobs is not None]
+        if want:
+            lp = torch.log_softmax(logits[want], dim=-1)                         # [W, V]
+            kmax = max(params[i].logprobs for i in want)
+            top_vals, top_ids = (lp.topk(kmax, dim=-1) if kmax > 0 else (None, None))
+            tok_lp = lp.gather(1, chosen[want][:, None]).squeeze(1).tolist()
+            for j, i in enumerate(want):
+                k = params[i].logprobs
+                top = []
+                if k:
+                    top = list(zip(top_ids[j, :k].tolist(), top_vals[j, :k].tolist()))
+                logprob_records[i] = {"token_logprob": tok_lp[j], "top": top}
+        return SampleResult(chosen.tolist(), logprob_records)

@@ -1,0 +1,899 @@
+"""The OpenAI-compatible HTTP API (FastAPI) over an :class:`~llmserve.engine.AsyncLLMEngine`.
+
+Endpoints: ``POST /v1/completions``, ``POST /v1/chat/completions``, ``GET /v1/models``,
+``GET /health``, ``GET /metrics`` (Prometheus text format).
+
+How one request flows:
+
+1. The body is validated (strict pydantic models, then model-dependent checks: context length,
+   vocabulary, queue bound). Every problem answers HTTP 400 (429 for a full queue) with
+   ``{"error": {"message", "type", "param", "code"}}``; nothing reaches the engine.
+2. Each prompt x ``n`` becomes one engine request (a *choice*). Their first outputs are awaited
+   before the HTTP status is sent, so a ``ValueError`` from the engine's own admission check
+   still becomes a 400 and a queue overflow a 429, even for streamed requests.
+3. Each output's new tokens go through an :class:`IncrementalDetokenizer` (UTF-8 safe, stop
+   strings on characters). A matched stop string aborts the engine request at once so its KV
+   blocks are freed. Streamed and non-streamed answers consume the same events, so their
+   texts and usage agree by construction.
+4. A client disconnect (streaming: Starlette cancels the body iterator; non-streaming: a task
+   awaiting ``http.disconnect``) cancels the choice tasks; closing their engine iterators aborts
+   the requests before the engine's next step.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import logging
+import time
+import uuid
+from dataclasses import dataclass, field
+from typing import Any, AsyncIterator, Callable
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+from pydantic import ValidationError
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from ..sampling_params import SamplingParams
+from .detokenizer import IncrementalDetokenizer, decode_tokens, token_bytes, token_text
+from .metrics import RequestTracker, ServiceMetrics
+from .protocol import (APIError, ChatCompletionRequest, CompletionRequest, ModelCard, ModelList,
+                       error_body)
+
+log = logging.getLogger("llmserve.service")
+
+CHATML_STOP_TOKENS = ("<|im_end|>", "<|endoftext|>")
+MAX_CHOICES = 256  # prompts x n in one HTTP request
+
+
+# ------------------------------------------------------------------------------------------------
+# Errors
+# ------------------------------------------------------------------------------------------------
+def _error_response(status: int, message: str, type: str = "invalid_request_error", param: str | None = None,
+                    code: str | None = None) -> JSONResponse:
+    return JSONResponse(error_body(message, type, param, code), status_code=status)
+
+
+def _param_of(loc: tuple) -> str | None:
+    """``('body', 'stream_options', 'include_usage')`` -> ``stream_options.include_usage``;
+    pydantic's union-branch tags (``constrained-str``, ``list[int]``) end the path."""
+    out = ""
+    for p in loc:
+        if p == "body" and not out:
+            continue
+        if isinstance(p, int) or (isinstance(p, str) and p.isdigit()):
+            if not out:
+                break
+            out += f"[{p}]"
+        elif isinstance(p, str) and p.isidentifier() and p not in ("str", "int", "float", "bool", "list", "dict"):
+            out += f".{p}" if out else p
+        else:
+            break
+    return out or None
+
+
+_FIELD_HINTS = {
+    "prompt": "prompt must be a non-empty string, a non-empty list of non-empty strings, a non-empty list of "
+              "token ids (integers >= 0), or a non-empty list of such lists",
+    "stop": "stop must be a non-empty string or a list of at most 4 non-empty strings",
+}
+
+
+def _validation_message(errors: list[dict]) -> tuple[str, str | None]:
+    if not errors:
+        return "invalid request body", None
+    first = errors[0]
+    param = _param_of(tuple(first.get("loc", ())))
+    msg = first.get("msg", "invalid value")
+    if first.get("type") in ("json_invalid", "json_type"):
+        return f"request body is not valid JSON: {msg}", None
+    if param is None and first.get("type") in ("missing", "model_attributes_type", "dict_type"):
+        return f"request body must be a JSON object: {msg}", None
+    top = param.split(".")[0].split("[")[0] if param else None
+    if top in _FIELD_HINTS and sum(1 for e in errors if _param_of(tuple(e.get("loc", ()))) == param) > 1:
+        text = f"{_FIELD_HINTS[top]} ({msg})"
+    else:
+        text = f"{param}: {msg}" if param else msg
+    others = sorted({p for p in (_param_of(tuple(e.get("loc", ()))) for e in errors[1:])
+                     if p and p.split(".")[0].split("[")[0] != top})
+    if others:
+        text += f" (also invalid: {', '.join(others[:5])})"
+    return text, param
+
+
+def install_error_handlers(app: FastAPI, metrics: ServiceMetrics | None = None) -> None:
+    """Every error answers in OpenAI's shape; bad input is 400, never 422 or 500."""
+
+    @app.exception_handler(APIError)
+    async def _api_error(_: Request, exc: APIError) -> JSONResponse:
+        if metrics is not None:
+            metrics.on_rejected(exc.code or ("queue_full" if exc.status_code == 429 else "invalid_request"))
+        return JSONResponse(exc.body(), status_code=exc.status_code)
+
+    @app.exception_handler(ClientDisconnected)
+    async def _gone(_: Request, exc: ClientDisconnected) -> Response:
+        return Response(status_code=499)
+
+    @app.exception_handler(RequestValidationError)
+    async def _validation_error(_: Request, exc: RequestValidationError) -> JSONResponse:
+        msg, param = _validation_message(list(exc.errors()))
+        if metrics is not None:
+            metrics.on_rejected("invalid_request")
+        return _error_response(400, msg, param=param)
+
+    @app.exception_handler(ValidationError)
+    async def _pydantic_error(_: Request, exc: ValidationError) -> JSONResponse:
+        msg, param = _validation_message(list(exc.errors()))
+        return _error_response(400, msg, param=param)
+
+    @app.exception_handler(StarletteHTTPException)
+    async def _http_error(_: Request, exc: StarletteHTTPException) -> JSONResponse:
+        code = {404: "not_found", 405: "method_not_allowed"}.get(exc.status_code)
+        kind = "invalid_request_error" if exc.status_code < 500 else "internal_server_error"
+        return _error_response(exc.status_code, str(exc.detail), type=kind, code=code)
+
+    app.add_middleware(InternalErrorMiddleware)
+
+
+class InternalErrorMiddleware:
+    """Catch-all for true internal errors: answer 500 in OpenAI's shape and keep the connection
+    usable. (Starlette's own ``Exception`` handler re-raises after answering, which makes uvicorn
+    drop the keep-alive connection.)"""
+
+    def __init__(self, app) -> None:
+        self.app = app
+
+    async def __call__(self, scope, receive, send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        started = False
+
+        async def _send(message) -> None:
+            nonlocal started
+            if message["type"] == "http.response.start":
+                started = True
+            await send(message)
+
+        try:
+            await self.app(scope, receive, _send)
+        except Exception as exc:  # noqa: BLE001 - this is the catch-all
+            log.exception("internal error while serving %s %s", scope.get("method"), scope.get("path"))
+            if started:
+                return  # the status line is gone; the body is cut short
+            resp = _error_response(500, f"internal server error: {type(exc).__name__}: {exc}",
+                                   type="internal_server_error")
+            await resp(scope, receive, send)
+
+
+# ------------------------------------------------------------------------------------------------
+# Engine adapter
+# ------------------------------------------------------------------------------------------------
+class _EngineView:
+    """What the service needs from an AsyncLLMEngine (and its wrapped LLMEngine), read tolerantly
+    so a test fake implementing only the documented interface works too."""
+
+    def __init__(self, async_engine: Any, tokenizer: Any = None, max_model_len: int | None = None,
+                 vocab_size: int | None = None) -> None:
+        self.async_engine = async_engine
+        inner = getattr(async_engine, "engine", None)
+        self.inner = inner
+        self.tokenizer = tokenizer if tokenizer is not None else getattr(inner, "tokenizer", None) \
+            or getattr(async_engine, "tokenizer", None)
+        if self.tokenizer is None:
+            raise ValueError("no tokenizer: pass tokenizer= or an engine with a .tokenizer")
+        engine_len = getattr(inner, "max_model_len", None) or getattr(async_engine, "max_model_len", None)
+        lens = [int(v) for v in (max_model_len, engine_len) if v]
+        self.max_model_len = min(lens) if lens else 4096
+        mc = getattr(inner, "model_config", None) or getattr(async_engine, "model_config", None)
+        self.vocab_size = int(vocab_size or getattr(mc, "vocab_size", 0) or len(self.tokenizer))
+
+    def stats(self) -> dict:
+        for obj in (self.async_engine, self.inner):
+            fn = getattr(obj, "stats", None)
+            if callable(fn):
+                return dict(fn())
+        return {}
+
+    def capacity_tokens(self) -> int | None:
+        s = self.stats()
+        total, bs = s.get("num_total_blocks"), s.get("block_size")
+        return int(total) * int(bs) if total and bs else None
+
+    def check_request(self, prompt_ids: list[int], sp: SamplingParams) -> None:
+        fn = getattr(self.inner, "check_request", None)
+        if callable(fn):
+            fn(prompt_ids, sp)  # raises ValueError
+
+    @property
+    def max_waiting(self) -> int | None:
+        return getattr(self.async_engine, "max_waiting", None)
+
+
+# ------------------------------------------------------------------------------------------------
+# One choice = one engine request
+# ------------------------------------------------------------------------------------------------
+@dataclass
+class ChoiceEvent:
+    index: int
+    text: str
+    token_ids: list[int]
+    logprobs: list[tuple[int, float, list[tuple[int, float]]]]
+    finish_reason: str | None
+
+
+@dataclass
+class _Choice:
+    index: int
+    request_id: str
+    prompt_ids: list[int]
+    sampling_params: SamplingParams
+    priority: int
+    detok: IncrementalDetokenizer
+    tracker: RequestTracker | None
+    gen: Any = None
+    first: Any = None
+    num_seen: int = 0
+    finish_reason: str | None = None
+    done: bool = False
+    engine_finished: bool = False
+    text_parts: list[str] = field(default_factory=list)
+    logprobs: list = field(default_factory=list)
+
+    @property
+    def num_output_tokens(self) -> int:
+        return self.detok.num_tokens
+
+
+class ClientDisconnected(Exception):
+    """The client went away before the answer was ready (answered with status 499, which nobody
+    reads)."""
+
+
+async def _safe_abort(engine: Any, request_id: str) -> None:
+    try:
+        await engine.abort(request_id)
+    except Exception:  # noqa: BLE001 - aborting an unknown/finished request is fine
+        log.debug("abort(%s) failed", request_id, exc_info=True)
+
+
+async def _cancel_and_wait(tasks) -> None:
+    tasks = [t for t in tasks if t is not None]
+    for t in tasks:
+        t.cancel()
+    if tasks:
+        await asyncio.gather(*tasks, return_exceptions=True)
+
+
+class _Generation:
+    """All choices of one HTTP request, and their lifecycle."""
+
+    def __init__(self, service: "Service", choices: list[_Choice]) -> None:
+        self.service = service
+        self.engine = service.view.async_engine
+        self.choices = choices
+        self.tasks: list[asyncio.Task] = []
+        self.closed = False
+
+    async def _first(self, ch: _Choice) -> None:
+        ch.gen = self.engine.generate(ch.prompt_ids, ch.sampling_params, request_id=ch.request_id,
+                                      priority=ch.priority)
+        self.service.in_flight.add(ch.request_id)
+        try:
+            ch.first = await ch.gen.__anext__()
+        except StopAsyncIteration:
+            ch.first = None
+
+    async def start(self, request: Request | None) -> None:
+        """Submit every choice and wait for each first output (or an admission error).
+
+        Raises:
+            APIError: 400 (engine ValueError), 429 (queue full); every choice is aborted.
+            ClientDisconnected: the client went away meanwhile; every choice is aborted.
+        """
+        firsts = [asyncio.ensure_future(self._first(ch)) for ch in self.choices]
+        watch = asyncio.ensure_future(_wait_disconnect(request)) if request is not None else None
+        pending = set(firsts)
+        error: BaseException | None = None
+        try:
+            while pending and error is None:
+                done, _ = await asyncio.wait(pending | ({watch} if watch else set()),
+                                             return_when=asyncio.FIRST_COMPLETED)
+                if watch is not None and watch in done:
+                    error = ClientDisconnected()
+                    break
+                for f in done:
+                    pending.discard(f)
+                    if f.exception() is not None and error is None:
+                        error = f.exception()
+        except BaseException:
+            await _cancel_and_wait(firsts)
+            await self.close()
+            raise
+        finally:
+            await _cancel_and_wait([watch])
+        if error is None:
+            return
+        await _cancel_and_wait(firsts)
+        await self.close()
+        if isinstance(error, ValueError):
+            raise APIError(str(error)) from error
+        if type(error).__name__ == "QueueFullError":
+            raise APIError(str(error), status_code=429, type="rate_limit_exceeded", code="queue_full") from error
+        raise error
+
+    def _process(self, ch: _Choice, out: Any) -> ChoiceEvent | None:
+        """Feed one RequestOutput through the choice's detokenizer."""
+        if ch.done:
+            return None
+        ids = getattr(out, "output_token_ids", None)
+        new = list(ids[ch.num_seen:]) if ids is not None else list(getattr(out, "new_token_ids", None) or [])
+        lp_list = getattr(out, "logprobs", None) or []
+        text_parts: list[str] = []
+        used: list[int] = []
+        lps: list = []
+        for tok in new:
+            pos = ch.num_seen
+            ch.num_seen += 1
+            used.append(tok)
+            text_parts.append(ch.detok.add_token(tok))
+            if ch.sampling_params.logprobs is not None:
+                rec = lp_list[pos] if pos < len(lp_list) else None
+                lps.append(_norm_logprob(tok, rec))
+            if ch.detok.stopped:
+                break
+        if ch.tracker is not None:
+            ch.tracker.on_output(out, len(used))
+        finish = None
+        if ch.detok.stopped:
+            finish = "stop"
+        elif getattr(out, "finished", False):
+            ch.engine_finished = True
+            text_parts.append(ch.detok.finish())
+            finish = "stop" if ch.detok.stopped else (getattr(out, "finish_reason", None) or "stop")
+        if finish is not None:
+            ch.done = True
+            ch.finish_reason = finish
+            if ch.tracker is not None:
+                ch.tracker.on_finish(finish, out)
+        text = "".join(text_parts)
+        ch.text_parts.append(text)
+        ch.logprobs.extend(lps)
+        return ChoiceEvent(ch.index, text, used, lps, finish)
+
+    async def _run_choice(self, ch: _Choice, put: Callable[[Any], None]) -> None:
+        try:
+            if ch.first is not None:
+                ev = self._process(ch, ch.first)
+                if ev is not None:
+                    put(ev)
+            while not ch.done and ch.gen is not None:
+                try:
+                    out = await ch.gen.__anext__()
+                except StopAsyncIteration:
+                    break
+                ev = self._process(ch, out)
+                if ev is not None:
+                    put(ev)
+            if not ch.done:  # the iterator ended without a finished output (aborted by the engine)
+                text = ch.detok.finish()
+                ch.done = True
+                ch.finish_reason = "stop" if ch.detok.stopped else "abort"
+                ch.text_parts.append(text)
+                if ch.tracker is not None:
+                    ch.tracker.on_finish(ch.finish_reason)
+                put(ChoiceEvent(ch.index, text, [], [], ch.finish_reason))
+        except asyncio.CancelledError:
+            raise
+        except Exception as e:  # noqa: BLE001 - handed to the consumer
+            put(e)
+        finally:
+            await self._close_choice(ch)
+
+    async def _close_choice(self, ch: _Choice) -> None:
+        gen, ch.gen = ch.gen, None
+        if gen is not None:
+            try:
+                await gen.aclose()  # the engine iterator aborts the request when closed early
+            except BaseException:  # noqa: BLE001 - includes 'already running' while cancelled
+                pass
+        if not ch.engine_finished:
+            # stop string matched / cancelled / failed: make sure the engine drops it now
+            await _safe_abort(self.engine, ch.request_id)
+        if not ch.done:
+            ch.done = True
+            ch.finish_reason = ch.finish_reason or "abort"
+            if ch.tracker is not None:
+                ch.tracker.on_finish("abort")
+        self.service.in_flight.discard(ch.request_id)
+
+    async def events(self) -> AsyncIterator[ChoiceEvent]:
+        """Merge the choices' events in arrival order; closing it aborts everything left."""
+        q: asyncio.Queue = asyncio.Queue()
+        self.tasks = [asyncio.ensure_future(self._run_choice(ch, q.put_nowait)) for ch in self.choices]
+        remaining = len(self.choices)
+        try:
+            while remaining:
+                item = await q.get()
+                if isinstance(item, BaseException):
+                    raise item
+                if item.finish_reason is not None:
+                    remaining -= 1
+                yield item
+        finally:
+            await self.close()
+
+    async def close(self) -> None:
+        """Cancel the choice tasks and abort every engine request that has not finished."""
+        if self.closed:
+            return
+        self.closed = True
+        await _cancel_and_wait(self.tasks)
+        for ch in self.choices:
+            if ch.gen is not None or not ch.done or not ch.engine_finished:
+                await self._close_choice(ch)
+
+
+def _norm_logprob(tok: int, rec: Any) -> tuple[int, float, list[tuple[int, float]]]:
+    """Engine logprob record -> (token id, logprob, [(id, logprob), ...])."""
+    if rec is None:
+        return (tok, float("nan"), [])
+    if isinstance(rec, dict):
+        lp = rec.get("token_logprob", rec.get("logprob"))
+        top = rec.get("top") or rec.get("top_logprobs") or []
+        if isinstance(top, dict):
+            top = list(top.items())
+        return (tok, float(lp) if lp is not None else float("nan"), [(int(i), float(v)) for i, v in top])
+    return (tok, float(rec), [])
+
+
+async def _wait_disconnect(request: Request) -> None:
+    """Return when the client disconnects (the request body has already been read)."""
+    while True:
+        message = await request.receive()
+        if message.get("type") == "http.disconnect":
+            return
+
+
+def _json_float(x: float) -> float | None:
+    return None if x != x or x in (float("inf"), float("-inf")) else x
+
+
+# ------------------------------------------------------------------------------------------------
+# The service
+# ------------------------------------------------------------------------------------------------
+class Service:
+    """State shared by the routes of one app."""
+
+    def __init__(self, view: _EngineView, served_model_name: str, aliases: tuple[str, ...],
+                 metrics: ServiceMetrics, max_waiting: int | None) -> None:
+        self.view = view
+        self.tokenizer = view.tokenizer
+        self.served_model_name = served_model_name
+        self.model_names = {served_model_name, *aliases}
+        self.metrics = metrics
+        self.max_waiting = max_waiting
+        self.in_flight: set[str] = set()
+        self.draining = False
+        self.created = int(time.time())
+        self.chat_stop_ids = self._special_ids(CHATML_STOP_TOKENS)
+
+    def _special_ids(self, tokens) -> list[int]:
+        ids = []
+        for t in tokens:
+            try:
+                i = self.tokenizer.convert_tokens_to_ids(t)
+            except Exception:  # noqa: BLE001
+                continue
+            unk = getattr(self.tokenizer, "unk_token_id", None)
+            if isinstance(i, int) and i >= 0 and i != unk:
+                ids.append(i)
+        return ids
+
+    # ---- validation ------------------------------------------------------------------------
+    def check_model(self, model: str | None) -> None:
+        if model is not None and model not in self.model_names:
+            raise APIError(f"model {model!r} does not exist; this server serves {self.served_model_name!r} "
+                           "(see GET /v1/models)", param="model", code="model_not_found")
+
+    def check_capacity(self, num_new: int) -> None:
+        if self.draining:
+            raise APIError("the server is shutting down", status_code=503, type="service_unavailable",
+                           code="shutting_down")
+        bound = self.max_waiting
+        if bound is None:
+            return
+        waiting = self.view.stats().get("num_waiting") or 0
+        if waiting >= bound:
+            raise APIError(f"the waiting queue is full ({waiting} requests waiting, bound {bound}); retry later",
+                           status_code=429, type="rate_limit_exceeded", code="queue_full")
+
+    def tokenize_prompt(self, prompt: str | list[int], param: str = "prompt") -> list[int]:
+        if isinstance(prompt, str):
+            if not prompt:
+                raise APIError("prompt must not be empty", param=param)
+            ids = list(self.tokenizer.encode(prompt, add_special_tokens=False))
+        else:
+            ids = [int(t) for t in prompt]
+            bad = [t for t in ids if not 0 <= t < self.view.vocab_size]
+            if bad:
+                raise APIError(f"prompt token ids must be in [0, {self.view.vocab_size}), got {bad[:5]}",
+                               param=param, code="invalid_token_id")
+        if not ids:
+            raise APIError("prompt must contain at least one token", param=param)
+        return ids
+
+    def check_context(self, num_prompt: int, max_tokens: int, param: str) -> None:
+        limit = self.view.max_model_len
+        if num_prompt + max_tokens > limit:
+            raise APIError(
+                f"this model's maximum context length is {limit} tokens; the request has {num_prompt} prompt "
+                f"tokens and asks for {max_tokens} completion tokens ({num_prompt + max_tokens} in total); "
+                "shorten the prompt or lower max_tokens",
+                param="max_tokens" if num_prompt < limit else param, code="context_length_exceeded")
+
+    def sampling_params(self, req, max_tokens: int, logprobs: int | None, seed_offset: int,
+                        stop_token_ids: list[int]) -> SamplingParams:
+        seed = req.seed
+        if seed is not None:
+            seed = (seed + seed_offset) % (2**63)
+        try:
+            return SamplingParams(
+                max_tokens=max_tokens,
+                temperature=1.0 if req.temperature is None else req.temperature,
+                top_p=1.0 if req.top_p is None else req.top_p,
+                top_k=0 if req.top_k is None else req.top_k,
+                seed=seed,
+                stop_token_ids=list(stop_token_ids),
+                stop=[],  # stop strings are matched here, on detokenized text
+                ignore_eos=bool(req.ignore_eos),
+                logprobs=logprobs,
+            )
+        except ValueError as e:
+            raise APIError(str(e)) from e
+
+    def unsupported(self, req) -> None:
+        for name in ("presence_penalty", "frequency_penalty"):
+            v = getattr(req, name, None)
+            if v not in (None, 0, 0.0):
+                raise APIError(f"{name} is not supported by this server (only 0)", param=name,
+                               code="unsupported_parameter")
+
+    def build_choices(self, prompts: list[list[int]], n: int, make_sp: Callable[[int, int], SamplingParams],
+                      stop: list[str], priority: int, kind: str) -> list[_Choice]:
+        base = uuid.uuid4().hex
+        choices = []
+        for p_idx, ids in enumerate(prompts):
+            for i in range(n):
+                sp = make_sp(p_idx, i)
+                try:
+                    self.view.check_request(ids, sp)
+                except ValueError as e:
+                    raise APIError(str(e)) from e
+                choices.append(_Choice(index=p_idx * n + i, request_id=f"{kind}-{base}-{p_idx * n + i}",
+                                       prompt_ids=ids, sampling_params=sp, priority=priority,
+                                       detok=IncrementalDetokenizer(self.tokenizer, stop),
+                                       tracker=None))
+        return choices
+
+    def start_tracking(self, choices: list[_Choice]) -> None:
+        for ch in choices:
+            ch.tracker = self.metrics.tracker(len(ch.prompt_ids))
+
+
+def _usage(prompt_tokens: int, completion_tokens: int) -> dict:
+    return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
+            "total_tokens": prompt_tokens + completion_tokens}
+
+
+def _sse(obj: Any) -> str:
+    return f"data: {json.dumps(obj, ensure_ascii=False, separators=(',', ':'))}\n\n"
+
+
+# ------------------------------------------------------------------------------------------------
+# Logprob formatting
+# ------------------------------------------------------------------------------------------------
+def _completion_logprobs(tokenizer, entries, start_offset: int) -> dict:
+    tokens, token_lps, tops, offsets = [], [], [], []
+    off = start_offset
+    for tok, lp, top in entries:
+        s = token_text(tokenizer, tok)
+        tokens.append(s)
+        token_lps.append(_json_float(lp))
+        tops.append({token_text(tokenizer, t): _json_float(v) for t, v in top} if top else None)
+        offsets.append(off)
+        off += len(s)
+    return {"tokens": tokens, "token_logprobs": token_lps, "top_logprobs": tops, "text_offset": offsets}
+
+
+def _chat_logprobs(tokenizer, entries) -> dict:
+    content = []
+    for tok, lp, top in entries:
+        content.append({
+            "token": token_text(tokenizer, tok), "logprob": _json_float(lp), "bytes": token_bytes(tokenizer, tok),
+            "top_logprobs": [{"token": token_text(tokenizer, t), "logprob": _json_float(v),
+                              "bytes": token_bytes(tokenizer, t)} for t, v in top],
+        })
+    return {"content": content}
+
+
+# ------------------------------------------------------------------------------------------------
+# App factory
+# ------------------------------------------------------------------------------------------------
+def create_app(engine: Any, *, tokenizer: Any = None, served_model_name: str = "tiny",
+               model_aliases: tuple[str, ...] = (), max_model_len: int | None = None,
+               vocab_size: int | None = None, max_waiting: int | None = None,
+               shutdown_timeout: float = 10.0, owns_engine: bool = False,
+               max_choices: int = MAX_CHOICES) -> FastAPI:
+    """Build the FastAPI app.
+
+    Args:
+        engine: an ``AsyncLLMEngine`` (``generate(prompt_ids, sp, request_id=, priority=)`` async
+            iterator, ``abort(request_id)``); its ``.engine`` (an ``LLMEngine``) supplies
+            ``tokenizer``, ``max_model_len``, ``model_config.vocab_size``, ``check_request`` and
+            ``stats()`` when not given here.
+        tokenizer: HF tokenizer (default: the engine's).
+        served_model_name: the ``model`` clients name; ``model_aliases`` are accepted too.
+        max_model_len: context length in tokens (default, and at most: the engine's).
+        max_waiting: answer 429 while this many requests wait (default: the engine's
+            ``max_waiting``; ``None`` = unbounded).
+        shutdown_timeout: seconds the lifespan shutdown waits for in-flight requests before
+            aborting them.
+        owns_engine: call ``engine.shutdown()`` when the app shuts down.
+        max_choices: most engine requests (prompts x ``n``) one HTTP request may start.
+    """
+    view = _EngineView(engine, tokenizer, max_model_len, vocab_size)
+    metrics = ServiceMetrics(view.stats)
+    service = Service(view, served_model_name, tuple(model_aliases), metrics,
+                      max_waiting if max_waiting is not None else view.max_waiting)
+
+    @contextlib.asynccontextmanager
+    async def lifespan(app: FastAPI):
+        start = getattr(engine, "start", None)
+        if callable(start):
+            start()
+        yield
+        service.draining = True
+        deadline = time.monotonic() + max(0.0, shutdown_timeout)
+        while service.in_flight and time.monotonic() < deadline:
+            await asyncio.sleep(0.05)
+        for rid in list(service.in_flight):
+            log.warning("shutdown: aborting in-flight request %s", rid)
+            await _safe_abort(engine, rid)
+        if owns_engine:
+            stop = getattr(engine, "shutdown", None)
+            if callable(stop):
+                await asyncio.to_thread(stop)
+
+    app = FastAPI(title="llmserve", version="0.1.0", lifespan=lifespan,
+                  description="OpenAI-compatible completions over the llmserve engine")
+    app.state.service = service
+    app.state.metrics = metrics
+    install_error_handlers(app, metrics)
+
+    @app.get("/health")
+    async def health() -> Response:
+        errored = getattr(engine, "errored", None)
+        is_running = getattr(engine, "is_running", True)
+        if errored is not None and not is_running:
+            return _error_response(503, f"engine loop failed: {errored!r}", type="service_unavailable")
+        return JSONResponse({"status": "ok"})
+
+    @app.get("/metrics")
+    async def metrics_endpoint() -> Response:
+        body, ctype = metrics.render()
+        return Response(body, media_type=ctype)
+
+    @app.get("/v1/models", response_model=ModelList)
+    async def models() -> dict:
+        card = ModelCard(id=service.served_model_name, created=service.created,
+                         root=service.served_model_name, max_model_len=view.max_model_len)
+        return {"object": "list", "data": [card.model_dump()]}
+
+    @app.post("/v1/completions", responses={400: {"description": "invalid request"},
+                                            429: {"description": "queue full"}})
+    async def completions(body: CompletionRequest, request: Request) -> Response:
+        service.check_model(body.model)
+        service.unsupported(body)
+        if body.suffix:
+            raise APIError("suffix is not supported", param="suffix", code="unsupported_parameter")
+        n = body.n or 1
+        if body.best_of is not None and body.best_of != n:
+            raise APIError("best_of must equal n (best-of sampling is not supported)", param="best_of",
+                           code="unsupported_parameter")
+        if body.echo and body.logprobs is not None:
+            raise APIError("echo with logprobs is not supported (prompt logprobs are not computed)",
+                           param="echo", code="unsupported_parameter")
+        max_tokens = 16 if body.max_tokens is None else body.max_tokens
+        prompts = [service.tokenize_prompt(p) for p in body.prompts()]
+        if len(prompts) * n > max_choices:
+            raise APIError(f"too many choices: {len(prompts)} prompts x n={n} > {max_choices} per request",
+                           param="prompt" if len(prompts) > 1 else "n")
+        for ids in prompts:
+            service.check_context(len(ids), max_tokens, "prompt")
+        service.check_capacity(len(prompts) * n)
+        choices = service.build_choices(
+            prompts, n, lambda p, i: service.sampling_params(body, max_tokens, body.logprobs, i, []),
+            body.stop_list(), body.priority or 0, "cmpl")
+        echo_texts = [decode_tokens(service.tokenizer, ids) if body.echo else "" for ids in prompts]
+        gen = _Generation(service, choices)
+        await gen.start(request)
+        service.start_tracking(choices)
+        rid, created, model = f"cmpl-{uuid.uuid4().hex}", int(time.time()), service.served_model_name
+        prompt_tokens = sum(len(p) for p in prompts)
+        want_lp = body.logprobs is not None
+
+        if body.stream:
+            include_usage = bool(body.stream_options and body.stream_options.include_usage)
+
+            async def stream() -> AsyncIterator[str]:
+                offsets = {ch.index: len(echo_texts[ch.index // n]) for ch in choices}
+                pending_lp: dict[int, list] = {ch.index: [] for ch in choices}
+                extra = {"usage": None} if include_usage else {}
+                try:
+                    if body.echo:
+                        for ch in choices:
+                            yield _sse({"id": rid, "object": "text_completion", "created": created, "model": model,
+                                        "choices": [{"index": ch.index, "text": echo_texts[ch.index // n],
+                                                     "logprobs": None, "finish_reason": None}], **extra})
+                    async for ev in gen.events():
+                        pending_lp[ev.index].extend(ev.logprobs)
+                        if not ev.text and ev.finish_reason is None:
+                            continue
+                        lp = None
+                        if want_lp:
+                            lp = _completion_logprobs(service.tokenizer, pending_lp[ev.index], offsets[ev.index])
+                            pending_lp[ev.index] = []
+                        offsets[ev.index] += len(ev.text)
+                        yield _sse({"id": rid, "object": "text_completion", "created": created, "model": model,
+                                    "choices": [{"index": ev.index, "text": ev.text, "logprobs": lp,
+                                                 "finish_reason": ev.finish_reason}], **extra})
+                    if include_usage:
+                        yield _sse({"id": rid, "object": "text_completion", "created": created, "model": model,
+                                    "choices": [], "usage": _usage(prompt_tokens,
+                                                                   sum(c.num_output_tokens for c in choices))})
+                except asyncio.CancelledError:
+                    raise
+                except Exception as e:  # noqa: BLE001 - headers are sent: report in-band
+                    log.exception("error while streaming %s", rid)
+                    yield _sse(error_body(f"internal error: {type(e).__name__}: {e}", "internal_server_error"))
+                finally:
+                    await gen.close()
+                yield "data: [DONE]\n\n"
+
+            return StreamingResponse(stream(), media_type="text/event-stream",
+                                     headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+
+        await _collect(gen, request)
+        out_choices = []
+        for ch in choices:
+            text = echo_texts[ch.index // n] + "".join(ch.text_parts)
+            lp = _completion_logprobs(service.tokenizer, ch.logprobs, len(echo_texts[ch.index // n])) \
+                if want_lp else None
+            out_choices.append({"index": ch.index, "text": text, "logprobs": lp, "finish_reason": ch.finish_reason})
+        return JSONResponse({"id": rid, "object": "text_completion", "created": created, "model": model,
+                             "choices": out_choices,
+                             "usage": _usage(prompt_tokens, sum(c.num_output_tokens for c in choices))})
+
+    @app.post("/v1/chat/completions", responses={400: {"description": "invalid request"},
+                                                 429: {"description": "queue full"}})
+    async def chat_completions(body: ChatCompletionRequest, request: Request) -> Response:
+        service.check_model(body.model)
+        service.unsupported(body)
+        n = body.n or 1
+        if body.top_logprobs is not None and not body.logprobs:
+            raise APIError("top_logprobs requires logprobs to be true", param="top_logprobs")
+        messages = [{"role": m.role, "content": m.text()} for m in body.messages]
+        ids = service.tokenize_prompt(render_chat(service.tokenizer, messages), param="messages")
+        limit = view.max_model_len
+        if body.max_completion_tokens is not None:
+            max_tokens = body.max_completion_tokens
+        elif body.max_tokens is not None:
+            max_tokens = body.max_tokens
+        else:
+            room = limit - len(ids)
+            cap = view.capacity_tokens()
+            if cap is not None:
+                room = min(room, cap - len(ids))
+            max_tokens = max(1, room)
+        service.check_context(len(ids), max_tokens, "messages")
+        service.check_capacity(n)
+        lp_k = (body.top_logprobs or 0) if body.logprobs else None
+        choices = service.build_choices(
+            [ids], n, lambda p, i: service.sampling_params(body, max_tokens, lp_k, i, service.chat_stop_ids),
+            body.stop_list(), body.priority or 0, "chat")
+        gen = _Generation(service, choices)
+        await gen.start(request)
+        service.start_tracking(choices)
+        rid, created, model = f"chatcmpl-{uuid.uuid4().hex}", int(time.time()), service.served_model_name
+        prompt_tokens = len(ids)
+
+        if body.stream:
+            include_usage = bool(body.stream_options and body.stream_options.include_usage)
+
+            async def stream() -> AsyncIterator[str]:
+                extra = {"usage": None} if include_usage else {}
+                pending_lp: dict[int, list] = {ch.index: [] for ch in choices}
+                head = {"id": rid, "object": "chat.completion.chunk", "created": created, "model": model}
+                try:
+                    for ch in choices:
+                        yield _sse({**head, "choices": [{"index": ch.index,
+                                                         "delta": {"role": "assistant", "content": ""},
+                                                         "logprobs": None, "finish_reason": None}], **extra})
+                    async for ev in gen.events():
+                        pending_lp[ev.index].extend(ev.logprobs)
+                        if not ev.text and ev.finish_reason is None:
+                            continue
+                        lp = None
+                        if lp_k is not None:
+                            lp = _chat_logprobs(service.tokenizer, pending_lp[ev.index])
+                            pending_lp[ev.index] = []
+                        delta = {"content": ev.text} if ev.text else {}
+                        yield _sse({**head, "choices": [{"index": ev.index, "delta": delta, "logprobs": lp,
+                                                         "finish_reason": ev.finish_reason}], **extra})
+                    if include_usage:
+                        yield _sse({**head, "choices": [],
+                                    "usage": _usage(prompt_tokens * 1, sum(c.num_output_tokens for c in choices))})
+                except asyncio.CancelledError:
+                    raise
+                except Exception as e:  # noqa: BLE001
+                    log.exception("error while streaming %s", rid)
+                    yield _sse(error_body(f"internal error: {type(e).__name__}: {e}", "internal_server_error"))
+                finally:
+                    await gen.close()
+                yield "data: [DONE]\n\n"
+
+            return StreamingResponse(stream(), media_type="text/event-stream",
+                                     headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+
+        await _collect(gen, request)
+        out_choices = []
+        for ch in choices:
+            out_choices.append({
+                "index": ch.index,
+                "message": {"role": "assistant", "content": "".join(ch.text_parts)},
+                "logprobs": _chat_logprobs(service.tokenizer, ch.logprobs) if lp_k is not None else None,
+                "finish_reason": ch.finish_reason})
+        return JSONResponse({"id": rid, "object": "chat.completion", "created": created, "model": model,
+                             "choices": out_choices,
+                             "usage": _usage(prompt_tokens, sum(c.num_output_tokens for c in choices))})
+
+    return app
+
+
+async def _collect(gen: _Generation, request: Request) -> None:
+    """Run a non-streamed generation to the end; a client disconnect aborts it."""
+
+    async def consume() -> None:
+        async for _ in gen.events():
+            pass
+
+    task = asyncio.ensure_future(consume())
+    watch = asyncio.ensure_future(_wait_disconnect(request))
+    try:
+        done, _ = await asyncio.wait({task, watch}, return_when=asyncio.FIRST_COMPLETED)
+        if task not in done:
+            raise ClientDisconnected()
+        task.result()
+    finally:
+        await _cancel_and_wait([watch, task])
+        await gen.close()
+
+
+def render_chat(tokenizer: Any, messages: list[dict]) -> str:
+    """The ChatML prompt (``<|im_start|>role\\ncontent<|im_end|>\\n`` ... then the assistant
+    header), via :func:`llmserve.tokenizer.apply_chat_template` when it exists."""
+    try:
+        from ..tokenizer import apply_chat_template
+    except ImportError:
+        apply_chat_template = None
+    if apply_chat_template is not None:
+        out = apply_chat_template(tokenizer, messages)
+        if isinstance(out, str):
+            return out
+        return decode_tokens(tokenizer, list(out), skip_special_tokens=False)
+    parts = [f"<|im_start|>{m['role']}\n{m['content']}<|im_end|>\n" for m in messages]
+    return "".join(parts) + "<|im_start|>assistant\n"

@@ -1,0 +1,207 @@
+"""Request bodies of the OpenAI-compatible API (pydantic v2) and the error shape.
+
+Field names and defaults follow OpenAI's Completions and Chat Completions APIs; ``top_k``,
+``priority`` and ``ignore_eos`` are extensions (as in vLLM). Models are *strict*: a string where
+a number belongs, a boolean where an integer belongs, or a float for ``n`` is a wrong type and
+answers HTTP 400 (OpenAI rejects them too), never a silent coercion. Unknown fields are ignored
+(clients send vendor-specific extras).
+
+Ranges that depend on the served model (context length, vocabulary) are checked by the app.
+"""
+
+from __future__ import annotations
+
+from typing import Annotated, Any, Literal, Optional, Union
+
+from pydantic import BaseModel, ConfigDict, Field, field_validator
+
+MAX_N = 16
+MAX_LOGPROBS = 20
+MAX_STOP = 4
+
+TokenIds = Annotated[list[Annotated[int, Field(ge=0)]], Field(min_length=1)]
+
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(strict=True, extra="ignore")
+
+
+class StreamOptions(_Strict):
+    include_usage: bool = False
+
+
+class _SamplingFields(_Strict):
+    """Fields shared by both endpoints."""
+
+    model: Optional[str] = Field(default=None, description="served model name; omitted means the served model")
+    temperature: Optional[Annotated[float, Field(ge=0.0, le=2.0)]] = Field(
+        default=None, description="0 is greedy; default 1.0")
+    top_p: Optional[Annotated[float, Field(gt=0.0, le=1.0)]] = None
+    top_k: Optional[Annotated[int, Field(ge=-1)]] = Field(default=None, description="extension; 0 or -1 disables")
+    n: Optional[Annotated[int, Field(ge=1, le=MAX_N)]] = 1
+    stop: Optional[Union[Annotated[str, Field(min_length=1)],
+                         Annotated[list[Annotated[str, Field(min_length=1)]], Field(max_length=MAX_STOP)]]] = None
+    seed: Optional[Annotated[int, Field(ge=0, le=2**63 - 1)]] = None
+    stream: Optional[bool] = False
+    stream_options: Optional[StreamOptions] = None
+    priority: Optional[int] = Field(default=0, description="extension; lower is served first under the priority policy")
+    ignore_eos: Optional[bool] = Field(default=False, description="extension; keep generating past EOS")
+    user: Optional[str] = None
+    # Accepted for compatibility; only the neutral value is supported.
+    presence_penalty: Optional[Annotated[float, Field(ge=-2.0, le=2.0)]] = None
+    frequency_penalty: Optional[Annotated[float, Field(ge=-2.0, le=2.0)]] = None
+
+    def stop_list(self) -> list[str]:
+        if self.stop is None:
+            return []
+        return [self.stop] if isinstance(self.stop, str) else list(self.stop)
+
+
+class CompletionRequest(_SamplingFields):
+    """``POST /v1/completions``. ``prompt`` is a string, a list of strings, a list of token ids,
+    or a list of token-id lists; each prompt yields ``n`` choices."""
+
+    prompt: Union[Annotated[str, Field(min_length=1)],
+                  Annotated[list[Annotated[str, Field(min_length=1)]], Field(min_length=1)],
+                  TokenIds,
+                  Annotated[list[TokenIds], Field(min_length=1)]]
+    max_tokens: Optional[Annotated[int, Field(ge=1)]] = 16
+    logprobs: Optional[Annotated[int, Field(ge=0, le=MAX_LOGPROBS)]] = None
+    echo: Optional[bool] = False
+    suffix: Optional[str] = None
+    best_of: Optional[Annotated[int, Field(ge=1, le=MAX_N)]] = None
+
+    def prompts(self) -> list[str | list[int]]:
+        """The prompts as a list (one entry per prompt)."""
+        p = self.prompt
+        if isinstance(p, str):
+            return [p]
+        if p and isinstance(p[0], int):
+            return [list(p)]  # one token-id prompt
+        return list(p)
+
+
+class ChatContentPart(_Strict):
+    type: Literal["text"]
+    text: str
+
+
+class ChatMessage(_Strict):
+    role: Literal["system", "developer", "user", "assistant", "tool"]
+    content: Optional[Union[str, Annotated[list[ChatContentPart], Field(min_length=1)]]] = None
+    name: Optional[str] = None
+
+    def text(self) -> str:
+        if self.content is None:
+            return ""
+        if isinstance(self.content, str):
+            return self.content
+        return "".join(part.text for part in self.content)
+
+
+class ChatCompletionRequest(_SamplingFields):
+    """``POST /v1/chat/completions``; messages are rendered with the ChatML template."""
+
+    messages: Annotated[list[ChatMessage], Field(min_length=1)]
+    max_tokens: Optional[Annotated[int, Field(ge=1)]] = None
+    max_completion_tokens: Optional[Annotated[int, Field(ge=1)]] = None
+    logprobs: Optional[bool] = False
+    top_logprobs: Optional[Annotated[int, Field(ge=0, le=MAX_LOGPROBS)]] = None
+
+    @field_validator("messages")
+    @classmethod
+    def _has_content(cls, v: list[ChatMessage]) -> list[ChatMessage]:
+        if not any(m.text() for m in v):
+            raise ValueError("messages must contain some text")
+        return v
+
+
+class ErrorInfo(BaseModel):
+    message: str
+    type: str
+    param: Optional[str] = None
+    code: Optional[str] = None
+
+
+class ErrorResponse(BaseModel):
+    """The body of every non-2xx answer: ``{"error": {message, type, param, code}}``."""
+
+    error: ErrorInfo
+
+
+class APIError(Exception):
+    """Raised inside handlers; rendered as :class:`ErrorResponse` with ``status_code``."""
+
+    def __init__(self, message: str, *, status_code: int = 400, param: str | None = None,
+                 code: str | None = None, type: str = "invalid_request_error") -> None:
+        super().__init__(message)
+        self.message = message
+        self.status_code = status_code
+        self.param = param
+        self.code = code
+        self.type = type
+
+    def body(self) -> dict[str, Any]:
+        return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
+
+
+def error_body(message: str, type: str = "invalid_request_error", param: str | None = None,
+               code: str | None = None) -> dict[str, Any]:
+    return {"error": {"message": message, "type": type, "param": param, "code": code}}
+
+
+class ModelCard(BaseModel):
+    id: str
+    object: Literal["model"] = "model"
+    created: int
+    owned_by: str = "llmserve"
+    root: Optional[str] = None
+    max_model_len: int
+
+
+class ModelList(BaseModel):
+    object: Literal["list"] = "list"
+    data: list[ModelCard]
+
+
+class Usage(BaseModel):
+    prompt_tokens: int
+    completion_tokens: int
+    total_tokens: int
+
+
+class CompletionChoice(BaseModel):
+    index: int
+    text: str
+    logprobs: Optional[dict[str, Any]] = None
+    finish_reason: Optional[str] = None
+
+
+class CompletionResponse(BaseModel):
+    id: str
+    object: Literal["text_completion"] = "text_completion"
+    created: int
+    model: str
+    choices: list[CompletionChoice]
+    usage: Optional[Usage] = None
+
+
+class ChatResponseMessage(BaseModel):
+    role: Literal["assistant"] = "assistant"
+    content: Optional[str] = None
+
+
+class ChatCompletionChoice(BaseModel):
+    index: int
+    message: ChatResponseMessage
+    logprobs: Optional[dict[str, Any]] = None
+    finish_reason: Optional[str] = None
+
+
+class ChatCompletionResponse(BaseModel):
+    id: str
+    object: Literal["chat.completion"] = "chat.completion"
+    created: int
+    model: str
+    choices: list[ChatCompletionChoice]
+    usage: Optional[Usage] = None

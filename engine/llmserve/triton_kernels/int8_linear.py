@@ -1,0 +1,343 @@
+"""Weight-only INT8 linear layer in Triton: ``y = x @ (w_int8 * scale[:, None]).T + bias``.
+
+Weight format: ``w_int8`` is ``[N, K]`` int8, row-major — the same orientation as
+``nn.Linear.weight`` (out_features x in_features), so a state-dict transform quantizes each
+weight in place without transposing. ``scale`` is ``[N]`` (fp32, fp16 or bf16): symmetric
+per-output-channel scales, ``w ~= w_int8 * scale[:, None]`` with ``w_int8`` in ``[-127, 127]``.
+
+The kernel reads int8 tiles, converts them to the activation dtype in registers (every int8
+value is exact in bf16/fp16), multiplies on the tensor cores with fp32 accumulation and applies
+the per-channel scale (and bias) once in the epilogue — the scale factors out of the K sum:
+``sum_k x[m,k] * q[n,k] * s[n] = s[n] * sum_k x[m,k] * q[n,k]``.
+
+Two tilings:
+
+* small ``M`` (decode, ``M <= 64``): "swap AB" — the kernel computes ``y.T = w @ x.T`` so the
+  weight tile is the MMA's left operand (``BLOCK_N`` rows of output channels) and the few tokens
+  are the narrow right operand (``BLOCK_M`` >= 16); with few output tiles, split-K over ``K``
+  (fp32 partials in a workspace, summed by a small reduction kernel that also applies scale and
+  bias) gives every SM work. This regime is bound by reading the weight once: half the bytes
+  of bf16.
+* large ``M`` (prefill): a classic tiled GEMM (Triton tutorial "Matrix Multiplication", grouped
+  tile order for L2 reuse) with 128x128x64 tiles.
+
+On CPU tensors (Triton interpreter) tiles are cast to fp32 before the product and one fixed
+small configuration is used.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+
+import torch
+import triton
+import triton.language as tl
+
+__all__ = ["Int8LinearConfig", "choose_int8_config", "int8_linear", "int8_linear_reference",
+           "quantize_int8_per_channel"]
+
+
+@triton.jit
+def _int8_linear_kernel(x_ptr, w_ptr, s_ptr, bias_ptr, y_ptr, ws_ptr, cnt_ptr, M, N, K, k_per_split,
+                        stride_xm, stride_xk, stride_wn, stride_wk, stride_ym, stride_yn,
+                        HAS_BIAS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                        BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr, SWAP_AB: tl.constexpr,
+                        EVEN_K: tl.constexpr, SPLIT: tl.constexpr, FUSED_REDUCE: tl.constexpr,
+                        FP32_MATH: tl.constexpr):
+    pid = tl.program_id(0)
+    pid_k = tl.program_id(1)
+    num_pid_m = tl.cdiv(M, BLOCK_M)
+    num_pid_n = tl.cdiv(N, BLOCK_N)
+    # Grouped ordering: GROUP_M row tiles share each weight column tile while it sits in L2.
+    num_pid_in_group = GROUP_M * num_pid_n
+    group_id = pid // num_pid_in_group
+    first_pid_m = group_id * GROUP_M
+    group_size_m = tl.minimum(num_pid_m - first_pid_m, GROUP_M)
+    pid_m = first_pid_m + ((pid % num_pid_in_group) % group_size_m)
+    pid_n = (pid % num_pid_in_group) // group_size_m
+
+    rm = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    rm_ld = rm % M  # wrapped: loads stay in bounds without masks; stores are masked
+    rn_ld = rn % N
+    k_lo = pid_k * k_per_split
+    k_hi = tl.minimum(k_lo + k_per_split, K)
+    offs_k = tl.max_contiguous(tl.multiple_of(k_lo + tl.arange(0, BLOCK_K), BLOCK_K), BLOCK_K)
+    x_ptrs = x_ptr + rm_ld[:, None].to(tl.int64) * stride_xm + offs_k[None, :] * stride_xk  # [BM, BK]
+    w_ptrs = w_ptr + rn_ld[:, None].to(tl.int64) * stride_wn + offs_k[None, :] * stride_wk  # [BN, BK]
+    if SWAP_AB:
+        acc = tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32)
+    else:
+        acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+    for k0 in range(k_lo, k_hi, BLOCK_K):
+        if EVEN_K:
+            x = tl.load(x_ptrs)
+            w = tl.load(w_ptrs)
+        else:
+            kmask = (k0 - k_lo + offs_k) < k_hi
+            x = tl.load(x_ptrs, mask=kmask[None, :], other=0.0)
+            w = tl.load(w_ptrs, mask=kmask[None, :], other=0)
+        if FP32_MATH:
+            xf = x.to(tl.float32)
+            wf = w.to(tl.float32)
+            if SWAP_AB:
+                acc = tl.dot(wf, tl.trans(xf), acc, input_precision="ieee")   # [BN, BM]
+            else:
+                acc = tl.dot(xf, tl.trans(wf), acc, input_precision="ieee")   # [BM, BN]
+        else:
+            wf = w.to(x.dtype)
+            if SWAP_AB:
+                acc = tl.dot(wf, tl.trans(x), acc)
+            else:
+                acc = tl.dot(x, tl.trans(wf), acc)
+        x_ptrs += BLOCK_K * stride_xk
+        w_ptrs += BLOCK_K * stride_wk
+
+    if SWAP_AB:
+        acc = tl.trans(acc)  # [BM, BN]
+    mask = (rm[:, None] < M) & (rn[None, :] < N)
+    if SPLIT:
+        ws = ws_ptr + (pid_k.to(tl.int64) * M + rm[:, None]) * N + rn[None, :]
+        tl.store(ws, acc, mask=mask)
+        if FUSED_REDUCE:
+            # The last split of this output tile to finish sums all partials (in split order,
+            # so the result is deterministic) and writes y; then it re-arms the tile counter.
+            # Stores above are released by the barrier + acq_rel atomic (the "semaphore"
+            # pattern of split-K / stream-K GEMMs); partials are re-read from L2 (.cg).
+            num_splits = tl.num_programs(1)
+            tl.debug_barrier()
+            count = tl.atomic_add(cnt_ptr + pid, 1)
+            if count == num_splits - 1:
+                tot = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+                for s in range(0, num_splits):
+                    part = ws_ptr + (s * M + rm[:, None].to(tl.int64)) * N + rn[None, :]
+                    tot += tl.load(part, mask=mask, other=0.0, cache_modifier=".cg")
+                scale = tl.load(s_ptr + rn_ld).to(tl.float32)
+                y = tot * scale[None, :]
+                if HAS_BIAS:
+                    y += tl.load(bias_ptr + rn_ld).to(tl.float32)[None, :]
+                y_ptrs = y_ptr + rm[:, None].to(tl.int64) * stride_ym + rn[None, :] * stride_yn
+                tl.store(y_ptrs, y.to(y_ptr.dtype.element_ty), mask=mask)
+                tl.atomic_xchg(cnt_ptr + pid, 0)
+    else:
+        scale = tl.load(s_ptr + rn_ld).to(tl.float32)
+        y = acc * scale[None, :]
+        if HAS_BIAS:
+            y += tl.load(bias_ptr + rn_ld).to(tl.float32)[None, :]
+        y_ptrs = y_ptr + rm[:, None].to(tl.int64) * stride_ym + rn[None, :] * stride_yn
+        tl.store(y_ptrs, y.to(y_ptr.dtype.element_ty), mask=mask)
+
+
+@triton.jit
+def _splitk_reduce_kernel(ws_ptr, s_ptr, bias_ptr, y_ptr, M, N, num_splits, stride_ym,
+                          HAS_BIAS: tl.constexpr, BLOCK: tl.constexpr):
+    pid = tl.program_id(0)
+    offs = pid * BLOCK + tl.arange(0, BLOCK)
+    mask = offs < M * N
+    acc = tl.zeros([BLOCK], dtype=tl.float32)
+    for s in range(0, num_splits):
+        acc += tl.load(ws_ptr + s * M * N + offs, mask=mask, other=0.0)
+    n = offs % N
+    m = offs // N
+    y = acc * tl.load(s_ptr + n, mask=mask, other=0.0).to(tl.float32)
+    if HAS_BIAS:
+        y += tl.load(bias_ptr + n, mask=mask, other=0.0).to(tl.float32)
+    tl.store(y_ptr + m.to(tl.int64) * stride_ym + n, y.to(y_ptr.dtype.element_ty), mask=mask)
+
+
+@dataclass(frozen=True, slots=True)
+class Int8LinearConfig:
+    """Tile configuration of :func:`int8_linear` (see :func:`choose_int8_config`)."""
+
+    block_m: int
+    block_n: int
+    block_k: int
+    split_k: int = 1
+    swap_ab: bool = False
+    group_m: int = 8
+    num_warps: int = 4
+    num_stages: int = 3
+    fused_reduce: bool = False  # split-K: last split reduces (no second launch) vs reduce kernel
+
+
+_NUM_SMS: dict[int, int] = {}
+_COUNTERS: dict[tuple[str, int | None], torch.Tensor] = {}
+
+
+def _tile_counters(device: torch.device, n: int) -> torch.Tensor:
+    """Zeroed int32 per-tile arrival counters for the fused split-K reduction; each kernel
+    leaves them zero again. One buffer per device: calls on concurrent streams of one device
+    must not both use the fused reduction."""
+    key = (device.type, device.index)
+    buf = _COUNTERS.get(key)
+    if buf is None or buf.numel() < n:
+        buf = torch.zeros(max(n, 4096), dtype=torch.int32, device=device)
+        _COUNTERS[key] = buf
+    return buf
+
+
+def _num_sms(device: torch.device) -> int:
+    if device.type != "cuda":
+        return 4
+    idx = device.index if device.index is not None else torch.cuda.current_device()
+    if idx not in _NUM_SMS:
+        _NUM_SMS[idx] = torch.cuda.get_device_properties(idx).multi_processor_count
+    return _NUM_SMS[idx]
+
+
+def _fit_split(m: int, n: int, k: int, bm: int, bn: int, bk: int, target: int,
+               max_split: int = 32) -> int:
+    """Split-K factor so that ``tiles * split >= target`` programs, each split at least two
+    ``bk`` steps long; returned after rounding each split to whole ``bk`` steps."""
+    tiles = triton.cdiv(m, bm) * triton.cdiv(n, bn)
+    split = max(1, min(triton.cdiv(target, tiles), max_split, k // (2 * bk)))
+    k_per = triton.cdiv(triton.cdiv(k, split), bk) * bk
+    return triton.cdiv(k, k_per)
+
+
+def choose_int8_config(m: int, n: int, k: int, device: torch.device) -> Int8LinearConfig:
+    """Shape-keyed tile configuration (no autotuning: deterministic and CUDA-graph safe).
+
+    * CPU (Triton interpreter): small tiles, swap-AB for ``m <= 16`` with split-K 2 when ``k``
+      allows, so the tests exercise every path quickly.
+    * GPU, ``m <= 64``: swap-AB, ``BLOCK_M = max(16, next_pow2(m))``, ``BLOCK_N = 64``,
+      ``BLOCK_K = 256`` and split-K up to about two programs per SM.
+    * GPU, larger ``m``: 128x128x64 tiles (64 rows for ``m <= 256``), 8 warps, 4 stages.
+    """
+    if device.type != "cuda":
+        if m <= 16:
+            split = 2 if k >= 64 else 1
+            return Int8LinearConfig(16, 32, 32, split_k=split, swap_ab=True, num_warps=1,
+                                    num_stages=1)
+        return Int8LinearConfig(32, 32, 32, num_warps=1, num_stages=1)
+    sms = _num_sms(device)
+    if m <= 64:
+        bm = max(16, triton.next_power_of_2(m))
+        bn, bk = 64, 256
+        split = _fit_split(m, n, k, bm, bn, bk, 2 * sms)
+        return Int8LinearConfig(bm, bn, bk, split_k=split, swap_ab=True, num_warps=4,
+                                num_stages=4 if bm <= 32 else 3)
+    bm = 64 if m <= 256 else 128
+    return Int8LinearConfig(bm, 128, 64, split_k=1, swap_ab=False, num_warps=8 if bm == 128 else 4,
+                            num_stages=4)
+
+
+def _check_int8_inputs(x, w_int8, scale, bias):
+    if not isinstance(x, torch.Tensor) or x.dtype not in (torch.float16, torch.bfloat16, torch.float32):
+        raise ValueError(f"x must be a float16/bfloat16/float32 tensor, got {getattr(x, 'dtype', type(x))}")
+    if not isinstance(w_int8, torch.Tensor) or w_int8.dtype != torch.int8 or w_int8.dim() != 2:
+        raise ValueError("w_int8 must be a 2-D int8 tensor [N, K] (out_features x in_features), got "
+                         f"{getattr(w_int8, 'dtype', type(w_int8))} {tuple(getattr(w_int8, 'shape', ()))}")
+    n, k = w_int8.shape
+    if x.dim() < 1 or x.shape[-1] != k:
+        raise ValueError(f"x's last dim ({x.shape[-1] if x.dim() else None}) must equal w_int8's "
+                         f"in_features K={k}")
+    if w_int8.stride(1) != 1:
+        raise ValueError(f"w_int8 must be row-major [N, K] (stride(1) == 1), got strides "
+                         f"{tuple(w_int8.stride())}")
+    if not isinstance(scale, torch.Tensor) or scale.shape != (n,) or not scale.is_floating_point():
+        raise ValueError(f"scale must be a float tensor of shape [{n}] (one per output channel), got "
+                         f"{getattr(scale, 'dtype', type(scale))} {tuple(getattr(scale, 'shape', ()))}")
+    if bias is not None and (not isinstance(bias, torch.Tensor) or bias.shape != (n,)
+                             or not bias.is_floating_point()):
+        raise ValueError(f"bias must be None or a float tensor of shape [{n}], got "
+                         f"{tuple(getattr(bias, 'shape', ()))}")
+    for name, t in (("w_int8", w_int8), ("scale", scale), ("bias", bias)):
+        if t is not None and t.device != x.device:
+            raise ValueError(f"{name} is on {t.device} but x is on {x.device}")
+    if not scale.is_contiguous() or (bias is not None and not bias.is_contiguous()):
+        raise ValueError("scale and bias must be contiguous")
+
+
+def int8_linear(x: torch.Tensor, w_int8: torch.Tensor, scale: torch.Tensor,
+                bias: torch.Tensor | None = None, *, config: Int8LinearConfig | None = None
+                ) -> torch.Tensor:
+    """Weight-only INT8 linear: ``y = x @ (w_int8 * scale[:, None]).T (+ bias)``.
+
+    Args:
+        x: ``[..., K]`` float16/bfloat16/float32 activations.
+        w_int8: ``[N, K]`` int8, row-major (``nn.Linear.weight`` orientation).
+        scale: ``[N]`` float per-output-channel scales (any float dtype; used in fp32).
+        bias: optional ``[N]`` float bias.
+        config: tile configuration override (default :func:`choose_int8_config`).
+
+    Returns:
+        ``[..., N]`` in ``x.dtype``. Accumulation is fp32.
+
+    Raises:
+        ValueError: wrong dtypes, shapes, strides or devices; CPU tensors without
+            ``TRITON_INTERPRET=1``.
+    """
+    _check_int8_inputs(x, w_int8, scale, bias)
+    n, k = w_int8.shape
+    lead = x.shape[:-1]
+    x2 = x.reshape(-1, k)                                                     # [M, K]
+    if x2.stride(-1) != 1:
+        x2 = x2.contiguous()
+    m = x2.shape[0]
+    y = torch.empty((m, n), dtype=x.dtype, device=x.device)                   # [M, N]
+    if m == 0:
+        return y.reshape(*lead, n)
+    on_cpu = x.device.type == "cpu"
+    if on_cpu and os.environ.get("TRITON_INTERPRET", "0") != "1":
+        raise ValueError("int8_linear on CPU tensors needs the Triton interpreter: set "
+                         "TRITON_INTERPRET=1 before importing llmserve.triton_kernels")
+    cfg = config or choose_int8_config(m, n, k, x.device)
+    k_per = triton.cdiv(triton.cdiv(k, cfg.split_k), cfg.block_k) * cfg.block_k
+    split = triton.cdiv(k, k_per)
+    even_k = k % cfg.block_k == 0
+    has_bias = bias is not None
+    ws = (torch.empty((split, m, n), dtype=torch.float32, device=x.device) if split > 1 else y)
+    tiles = triton.cdiv(m, cfg.block_m) * triton.cdiv(n, cfg.block_n)
+    fused = split > 1 and cfg.fused_reduce
+    cnt = _tile_counters(x.device, tiles) if fused else ws
+    _int8_linear_kernel[(tiles, split)](
+        x2, w_int8, scale, bias if has_bias else scale, y, ws, cnt, m, n, k, k_per,
+        x2.stride(0), x2.stride(1), w_int8.stride(0), w_int8.stride(1), y.stride(0), y.stride(1),
+        HAS_BIAS=has_bias, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
+        GROUP_M=cfg.group_m, SWAP_AB=cfg.swap_ab, EVEN_K=even_k, SPLIT=split > 1,
+        FUSED_REDUCE=fused, FP32_MATH=on_cpu or x.dtype == torch.float32,
+        num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+    if split > 1 and not fused:
+        block = 1024 if not on_cpu else 256
+        _splitk_reduce_kernel[(triton.cdiv(m * n, block),)](
+            ws, scale, bias if has_bias else scale, y, m, n, split, y.stride(0),
+            HAS_BIAS=has_bias, BLOCK=block, num_warps=4 if not on_cpu else 1)
+    return y.reshape(*lead, n)
+
+
+def int8_linear_reference(x: torch.Tensor, w_int8: torch.Tensor, scale: torch.Tensor,
+                          bias: torch.Tensor | None = None) -> torch.Tensor:
+    """PyTorch reference of :func:`int8_linear`: dequantize in fp32, matmul, cast to
+    ``x.dtype``. Shapes as :func:`int8_linear`."""
+    w = w_int8.to(torch.float32) * scale.to(torch.float32)[:, None]          # [N, K]
+    y = x.to(torch.float32) @ w.T                                             # [..., N]
+    if bias is not None:
+        y = y + bias.to(torch.float32)
+    return y.to(x.dtype)
+
+
+def quantize_int8_per_channel(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Symmetric per-output-channel INT8 quantization of a linear weight.
+
+    ``scale[n] = max_k |w[n, k]| / 127`` (1.0 for all-zero rows), ``w_int8 = round(w / scale)``
+    clamped to ``[-127, 127]`` (the symmetric range; -128 is never used).
+
+    Args:
+        w: ``[N, K]`` float weight (``nn.Linear.weight``).
+
+    Returns:
+        ``(w_int8 [N, K] int8 contiguous, scale [N] float32)``.
+
+    Raises:
+        ValueError: ``w`` is not a 2-D float tensor.
+    """
+    if not isinstance(w, torch.Tensor) or w.dim() != 2 or not w.is_floating_point():
+        raise ValueError(f"w must be a 2-D float tensor [N, K], got "
+                         f"{getattr(w, 'dtype', type(w))} {tuple(getattr(w, 'shape', ()))}")
+    wf = w.detach().to(torch.float32)
+    amax = wf.abs().amax(dim=1)                                               # [N]
+    scale = torch.where(amax > 0, amax / 127.0, torch.ones_like(amax))
+    w_int8 = torch.round(wf / scale[:, None]).clamp_(-127, 127).to(torch.int8).contiguous()
+    return w_int8, scale

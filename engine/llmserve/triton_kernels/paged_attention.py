@@ -1,0 +1,682 @@
+"""Paged attention in Triton: KV-cache write, split-K decode ("flash-decoding") and a varlen
+prefill/chunk kernel over block tables.
+
+Layout (the same as :mod:`llmserve.attention.metadata` and the PyTorch reference
+:func:`llmserve.attention.torch_backend.paged_attention_torch`):
+
+* ``query`` ``[N, Hq, D]``: the flat varlen batch; sequence ``i`` owns rows
+  ``query_start_loc[i] : query_start_loc[i+1]``.
+* ``k_cache``/``v_cache`` ``[num_blocks + 1, block_size, Hkv, D]`` (contiguous; the last block
+  is the engine's scratch block). Cache position ``p`` of sequence ``i`` lives at
+  ``[block_tables[i, p // block_size], p % block_size]``.
+* Query row ``j`` of sequence ``i`` has position ``context_lens[i] - q_len_i + j`` and attends
+  to cache positions ``0 .. position`` (causal).
+
+Kernels:
+
+* ``_write_kv_kernel``: one program per new token; copies its ``[Hkv, D]`` key and value rows to
+  the flat slot ``slot_mapping[n]``; slots ``< 0`` (padding) are skipped.
+* ``_decode_kernel`` + ``_decode_reduce_kernel``: flash-decoding (Dao et al. 2023,
+  "Flash-Decoding for long-context inference"). Grid ``(B, Hkv, num_splits)``: a program loads
+  each K/V tile of its KV head once and uses it for all ``G = Hq / Hkv`` query heads of that KV
+  head (the G rows are padded to ``G_PAD >= 16`` so the tile products run on ``tl.dot``); each
+  split covers a contiguous range of the context and writes fp32 partial statistics (running
+  max ``m``, sum ``l``, un-normalised output) that the reduction kernel merges with the
+  log-sum-exp rule of online softmax (Milakov & Gimelshein 2018). With one split the decode
+  kernel normalises and writes the output itself.
+* ``_prefill_kernel``: FlashAttention-style (Dao et al. 2022) varlen kernel, grid
+  ``(Hq, query tiles, B)``: a tile of query rows of one head streams the paged prefix and the
+  causal part of its own chunk; tiles entirely below the tile's first query position skip the
+  mask. Query heads are the fastest grid axis so the ``G`` heads sharing a KV head run next to
+  each other and share the K/V tiles through L2; query tiles run last-first (longest first).
+
+Mixed batches (some sequences decoding one token, others prefilling a chunk) run both kernels:
+the decode kernel serves the ``q_len == 1`` sequences and the prefill kernel the rest, each
+skipping the other's sequences, writing disjoint output rows.
+
+All softmax arithmetic is fp32 (scores in the log2 domain, ``exp2``). On the GPU the tile
+products take bf16/fp16 operands with fp32 accumulation (as FlashAttention does); fp32 inputs
+use IEEE fp32 products. On CPU tensors (Triton interpreter) every loaded tile is cast to fp32
+before any arithmetic, because the interpreter's bf16 arithmetic is wrong.
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+import triton
+import triton.language as tl
+
+__all__ = [
+    "SUPPORTED_HEAD_DIMS",
+    "choose_num_splits",
+    "paged_attention_decode",
+    "paged_attention_prefill",
+    "paged_attention_triton",
+    "write_kv_triton",
+]
+
+SUPPORTED_HEAD_DIMS = (32, 64, 128, 256)
+#: Default for merging decode splits inside the decode kernel (last split to finish) rather
+#: than in a second launch; chosen from the H200 measurements in results/kernels/.
+DECODE_FUSED_REDUCE = False
+_LOG2E = 1.4426950408889634
+
+
+# ----------------------------------------------------------------------------------------------
+# kernels
+# ----------------------------------------------------------------------------------------------
+
+
+@triton.jit
+def _write_kv_kernel(key_ptr, value_ptr, k_cache_ptr, v_cache_ptr, slot_ptr,
+                     stride_kn, stride_kh, stride_vn, stride_vh,
+                     stride_cb, stride_ct, stride_ch,
+                     NUM_KV_HEADS: tl.constexpr, HKV_PAD: tl.constexpr, HEAD_DIM: tl.constexpr,
+                     PAGE: tl.constexpr):
+    n = tl.program_id(0)
+    slot = tl.load(slot_ptr + n).to(tl.int64)
+    if slot < 0:  # padding token: nothing to write
+        return
+    offs_h = tl.arange(0, HKV_PAD)
+    offs_d = tl.arange(0, HEAD_DIM)
+    hmask = offs_h[:, None] < NUM_KV_HEADS                                    # [HKV_PAD, 1]
+    blk = slot // PAGE
+    off = slot % PAGE
+    k = tl.load(key_ptr + n.to(tl.int64) * stride_kn + offs_h[:, None] * stride_kh + offs_d[None, :],
+                mask=hmask, other=0.0)                                        # [HKV_PAD, D]
+    v = tl.load(value_ptr + n.to(tl.int64) * stride_vn + offs_h[:, None] * stride_vh + offs_d[None, :],
+                mask=hmask, other=0.0)
+    dst = blk * stride_cb + off * stride_ct + offs_h[:, None] * stride_ch + offs_d[None, :]
+    tl.store(k_cache_ptr + dst, k.to(k_cache_ptr.dtype.element_ty), mask=hmask)
+    tl.store(v_cache_ptr + dst, v.to(v_cache_ptr.dtype.element_ty), mask=hmask)
+
+
+@triton.jit
+def _kv_tile_offsets(bt_row_ptr, t, kvh, stride_kb, stride_kt, stride_kh,
+                     PAGE: tl.constexpr, MASKED: tl.constexpr, tmask):
+    """Element offsets ``[BLOCK_N]`` of cache positions ``t`` (one KV head) through the block
+    table row."""
+    if MASKED:
+        page = tl.load(bt_row_ptr + t // PAGE, mask=tmask, other=0)
+    else:
+        page = tl.load(bt_row_ptr + t // PAGE)
+    return page.to(tl.int64) * stride_kb + (t % PAGE) * stride_kt + kvh * stride_kh
+
+
+@triton.jit
+def _decode_kernel(q_ptr, k_cache_ptr, v_cache_ptr, out_ptr, m_ptr, l_ptr, acc_ptr, cnt_ptr,
+                   bt_ptr, ctx_ptr, qsl_ptr, qk_scale, tiles_per_split, num_splits, num_q_heads,
+                   stride_qn, stride_qh, stride_kb, stride_kt, stride_kh,
+                   stride_on, stride_oh, stride_btb,
+                   G: tl.constexpr, G_PAD: tl.constexpr, HEAD_DIM: tl.constexpr,
+                   PAGE: tl.constexpr, BLOCK_N: tl.constexpr, FP32_MATH: tl.constexpr,
+                   SKIP_NON_DECODE: tl.constexpr, DIRECT_OUT: tl.constexpr,
+                   FUSED_REDUCE: tl.constexpr):
+    b = tl.program_id(0)
+    kvh = tl.program_id(1)
+    split = tl.program_id(2)
+    q_row = tl.load(qsl_ptr + b)
+    if SKIP_NON_DECODE:
+        if tl.load(qsl_ptr + b + 1) - q_row != 1:  # served by the prefill kernel
+            return
+    ctx = tl.load(ctx_ptr + b)
+    start = split * tiles_per_split * BLOCK_N
+    end = tl.minimum(start + tiles_per_split * BLOCK_N, ctx)
+
+    offs_g = tl.arange(0, G_PAD)
+    offs_d = tl.arange(0, HEAD_DIM)
+    offs_n = tl.arange(0, BLOCK_N)
+    heads = kvh * G + offs_g                                                  # [G_PAD]
+    gmask = offs_g < G
+    q = tl.load(q_ptr + q_row.to(tl.int64) * stride_qn + heads[:, None] * stride_qh + offs_d[None, :],
+                mask=gmask[:, None], other=0.0)                               # [G_PAD, D]
+    if FP32_MATH:
+        q = q.to(tl.float32)
+    else:
+        q = q.to(k_cache_ptr.dtype.element_ty)
+
+    bt_row_ptr = bt_ptr + b.to(tl.int64) * stride_btb
+    m_i = tl.full([G_PAD], float("-inf"), tl.float32)
+    l_i = tl.zeros([G_PAD], tl.float32)
+    acc = tl.zeros([G_PAD, HEAD_DIM], tl.float32)
+
+    n_full = tl.maximum(end - start, 0) // BLOCK_N
+    full_end = start + n_full * BLOCK_N
+    # Full tiles: no masks.
+    for n0 in range(start, full_end, BLOCK_N):
+        t = n0 + offs_n
+        off = _kv_tile_offsets(bt_row_ptr, t, kvh, stride_kb, stride_kt, stride_kh, PAGE, False, t)
+        k = tl.load(k_cache_ptr + off[:, None] + offs_d[None, :])             # [BLOCK_N, D]
+        v = tl.load(v_cache_ptr + off[:, None] + offs_d[None, :])             # [BLOCK_N, D]
+        if FP32_MATH:
+            s = tl.dot(q, tl.trans(k.to(tl.float32)), input_precision="ieee")  # [G_PAD, BLOCK_N]
+        else:
+            s = tl.dot(q, tl.trans(k))
+        s = s * qk_scale
+        m_new = tl.maximum(m_i, tl.max(s, 1))
+        alpha = tl.exp2(m_i - m_new)
+        p = tl.exp2(s - m_new[:, None])
+        l_i = l_i * alpha + tl.sum(p, 1)
+        if FP32_MATH:
+            acc = acc * alpha[:, None] + tl.dot(p, v.to(tl.float32), input_precision="ieee")
+        else:
+            acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
+        m_i = m_new
+    # Tail tile (fewer than BLOCK_N positions left): masked.
+    if full_end < end:
+        t = full_end + offs_n
+        tmask = t < end
+        off = _kv_tile_offsets(bt_row_ptr, t, kvh, stride_kb, stride_kt, stride_kh, PAGE, True, tmask)
+        k = tl.load(k_cache_ptr + off[:, None] + offs_d[None, :], mask=tmask[:, None], other=0.0)
+        v = tl.load(v_cache_ptr + off[:, None] + offs_d[None, :], mask=tmask[:, None], other=0.0)
+        if FP32_MATH:
+            s = tl.dot(q, tl.trans(k.to(tl.float32)), input_precision="ieee")
+        else:
+            s = tl.dot(q, tl.trans(k))
+        s = tl.where(tmask[None, :], s * qk_scale, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(s, 1))
+        alpha = tl.exp2(m_i - m_new)
+        p = tl.exp2(s - m_new[:, None])
+        l_i = l_i * alpha + tl.sum(p, 1)
+        if FP32_MATH:
+            acc = acc * alpha[:, None] + tl.dot(p, v.to(tl.float32), input_precision="ieee")
+        else:
+            acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
+        m_i = m_new
+
+    if DIRECT_OUT:
+        out = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
+        tl.store(out_ptr + q_row.to(tl.int64) * stride_on + heads[:, None] * stride_oh + offs_d[None, :],
+                 out.to(out_ptr.dtype.element_ty), mask=gmask[:, None])
+    else:
+        idx = (b.to(tl.int64) * num_q_heads + heads) * num_splits + split    # [G_PAD]
+        tl.store(m_ptr + idx, m_i, mask=gmask)
+        tl.store(l_ptr + idx, l_i, mask=gmask)
+        tl.store(acc_ptr + idx[:, None] * HEAD_DIM + offs_d[None, :], acc, mask=gmask[:, None])
+        if FUSED_REDUCE:
+            # The last split of (sequence, KV head) to finish merges all splits (in split
+            # order: deterministic) and re-arms the counter; no reduction launch. Partial
+            # stores are released by the barrier + acq_rel atomic and re-read from L2 (.cg).
+            tl.debug_barrier()
+            cnt = cnt_ptr + b * tl.num_programs(1) + kvh
+            count = tl.atomic_add(cnt, 1)
+            if count == num_splits - 1:
+                base = (b.to(tl.int64) * num_q_heads + heads) * num_splits            # [G_PAD]
+                m_t = tl.full([G_PAD], float("-inf"), tl.float32)
+                l_t = tl.zeros([G_PAD], tl.float32)
+                o_t = tl.zeros([G_PAD, HEAD_DIM], tl.float32)
+                for sp in range(0, num_splits):
+                    m_s = tl.load(m_ptr + base + sp, mask=gmask, other=float("-inf"), cache_modifier=".cg")
+                    l_s = tl.load(l_ptr + base + sp, mask=gmask, other=0.0, cache_modifier=".cg")
+                    o_s = tl.load(acc_ptr + (base + sp)[:, None] * HEAD_DIM + offs_d[None, :],
+                                  mask=gmask[:, None], other=0.0, cache_modifier=".cg")
+                    m_n = tl.maximum(m_t, m_s)
+                    m_n_safe = tl.where(m_n == float("-inf"), 0.0, m_n)
+                    w_t = tl.exp2(m_t - m_n_safe)
+                    w_s = tl.exp2(m_s - m_n_safe)
+                    l_t = l_t * w_t + l_s * w_s
+                    o_t = o_t * w_t[:, None] + o_s * w_s[:, None]
+                    m_t = m_n
+                out = o_t / tl.where(l_t > 0, l_t, 1.0)[:, None]
+                tl.store(out_ptr + q_row.to(tl.int64) * stride_on + heads[:, None] * stride_oh + offs_d[None, :],
+                         out.to(out_ptr.dtype.element_ty), mask=gmask[:, None])
+                tl.atomic_xchg(cnt, 0)
+
+
+@triton.jit
+def _decode_reduce_kernel(out_ptr, m_ptr, l_ptr, acc_ptr, qsl_ptr, num_splits, num_q_heads,
+                          stride_on, stride_oh,
+                          HEAD_DIM: tl.constexpr, S_PAD: tl.constexpr,
+                          SKIP_NON_DECODE: tl.constexpr):
+    b = tl.program_id(0)
+    h = tl.program_id(1)
+    q_row = tl.load(qsl_ptr + b)
+    if SKIP_NON_DECODE:
+        if tl.load(qsl_ptr + b + 1) - q_row != 1:
+            return
+    offs_s = tl.arange(0, S_PAD)
+    offs_d = tl.arange(0, HEAD_DIM)
+    smask = offs_s < num_splits
+    base = (b.to(tl.int64) * num_q_heads + h) * num_splits
+    m = tl.load(m_ptr + base + offs_s, mask=smask, other=float("-inf"))       # [S_PAD]
+    l = tl.load(l_ptr + base + offs_s, mask=smask, other=0.0)                 # [S_PAD]
+    m_max = tl.max(m, 0)
+    m_max = tl.where(m_max == float("-inf"), 0.0, m_max)
+    w = tl.exp2(m - m_max)                                                    # 0 for empty splits
+    l_tot = tl.sum(w * l, 0)
+    acc = tl.load(acc_ptr + (base + offs_s)[:, None] * HEAD_DIM + offs_d[None, :],
+                  mask=smask[:, None], other=0.0)                             # [S_PAD, D]
+    out = tl.sum(w[:, None] * acc, 0) / tl.where(l_tot > 0, l_tot, 1.0)       # [D]
+    tl.store(out_ptr + q_row.to(tl.int64) * stride_on + h * stride_oh + offs_d,
+             out.to(out_ptr.dtype.element_ty))
+
+
+@triton.jit
+def _prefill_kernel(q_ptr, k_cache_ptr, v_cache_ptr, out_ptr, bt_ptr, ctx_ptr, qsl_ptr,
+                    qk_scale, num_m_tiles,
+                    stride_qn, stride_qh, stride_kb, stride_kt, stride_kh,
+                    stride_on, stride_oh, stride_btb,
+                    G: tl.constexpr, HEAD_DIM: tl.constexpr, PAGE: tl.constexpr,
+                    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, FP32_MATH: tl.constexpr,
+                    SKIP_DECODE: tl.constexpr):
+    h = tl.program_id(0)
+    m_tile = num_m_tiles - 1 - tl.program_id(1)   # longest (last) query tiles first
+    b = tl.program_id(2)
+    q_start = tl.load(qsl_ptr + b)
+    q_len = tl.load(qsl_ptr + b + 1) - q_start
+    if SKIP_DECODE:
+        if q_len <= 1:  # served by the decode kernel
+            return
+    if m_tile * BLOCK_M >= q_len:
+        return
+    ctx = tl.load(ctx_ptr + b)
+    kvh = h // G
+
+    offs_m = m_tile * BLOCK_M + tl.arange(0, BLOCK_M)
+    offs_d = tl.arange(0, HEAD_DIM)
+    offs_n = tl.arange(0, BLOCK_N)
+    mmask = offs_m < q_len
+    q_pos = ctx - q_len + offs_m                                              # [BLOCK_M]
+    rows = (q_start + offs_m).to(tl.int64)
+    q = tl.load(q_ptr + rows[:, None] * stride_qn + h * stride_qh + offs_d[None, :],
+                mask=mmask[:, None], other=0.0)                               # [BLOCK_M, D]
+    if FP32_MATH:
+        q = q.to(tl.float32)
+    else:
+        q = q.to(k_cache_ptr.dtype.element_ty)
+
+    bt_row_ptr = bt_ptr + b.to(tl.int64) * stride_btb
+    m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
+    l_i = tl.zeros([BLOCK_M], tl.float32)
+    acc = tl.zeros([BLOCK_M, HEAD_DIM], tl.float32)
+
+    first_pos = ctx - q_len + m_tile * BLOCK_M      # position of the tile's first query row
+    kv_end = tl.minimum(ctx, first_pos + BLOCK_M)   # one past the last key any row may see
+    full_end = ((first_pos + 1) // BLOCK_N) * BLOCK_N  # keys below: visible to every row
+    for n0 in range(0, full_end, BLOCK_N):
+        t = n0 + offs_n
+        off = _kv_tile_offsets(bt_row_ptr, t, kvh, stride_kb, stride_kt, stride_kh, PAGE, False, t)
+        k = tl.load(k_cache_ptr + off[:, None] + offs_d[None, :])             # [BLOCK_N, D]
+        v = tl.load(v_cache_ptr + off[:, None] + offs_d[None, :])
+        if FP32_MATH:
+            s = tl.dot(q, tl.trans(k.to(tl.float32)), input_precision="ieee")  # [BLOCK_M, BLOCK_N]
+        else:
+            s = tl.dot(q, tl.trans(k))
+        s = s * qk_scale
+        m_new = tl.maximum(m_i, tl.max(s, 1))
+        alpha = tl.exp2(m_i - m_new)
+        p = tl.exp2(s - m_new[:, None])
+        l_i = l_i * alpha + tl.sum(p, 1)
+        if FP32_MATH:
+            acc = acc * alpha[:, None] + tl.dot(p, v.to(tl.float32), input_precision="ieee")
+        else:
+            acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
+        m_i = m_new
+    for n0 in range(full_end, kv_end, BLOCK_N):  # the diagonal: causal mask
+        t = n0 + offs_n
+        tmask = t < kv_end
+        off = _kv_tile_offsets(bt_row_ptr, t, kvh, stride_kb, stride_kt, stride_kh, PAGE, True, tmask)
+        k = tl.load(k_cache_ptr + off[:, None] + offs_d[None, :], mask=tmask[:, None], other=0.0)
+        v = tl.load(v_cache_ptr + off[:, None] + offs_d[None, :], mask=tmask[:, None], other=0.0)
+        if FP32_MATH:
+            s = tl.dot(q, tl.trans(k.to(tl.float32)), input_precision="ieee")
+        else:
+            s = tl.dot(q, tl.trans(k))
+        allowed = (t[None, :] <= q_pos[:, None]) & tmask[None, :]
+        s = tl.where(allowed, s * qk_scale, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(s, 1))
+        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)  # rows with nothing visible yet
+        alpha = tl.exp2(m_i - m_safe)
+        p = tl.exp2(s - m_safe[:, None])
+        l_i = l_i * alpha + tl.sum(p, 1)
+        if FP32_MATH:
+            acc = acc * alpha[:, None] + tl.dot(p, v.to(tl.float32), input_precision="ieee")
+        else:
+            acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
+        m_i = m_new
+
+    out = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
+    tl.store(out_ptr + rows[:, None] * stride_on + h * stride_oh + offs_d[None, :],
+             out.to(out_ptr.dtype.element_ty), mask=mmask[:, None])
+
+
+# ----------------------------------------------------------------------------------------------
+# launchers
+# ----------------------------------------------------------------------------------------------
+
+_FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+_INDEX_DTYPES = (torch.int32, torch.int64)
+_NUM_SMS: dict[int, int] = {}
+_COUNTERS: dict[tuple[str, int | None], torch.Tensor] = {}
+
+
+def _counters(device: torch.device, n: int) -> torch.Tensor:
+    """Zeroed int32 arrival counters for the fused split reduction (left zero by every
+    kernel). One buffer per device: concurrent streams must not both use the fused path."""
+    key = (device.type, device.index)
+    buf = _COUNTERS.get(key)
+    if buf is None or buf.numel() < n:
+        buf = torch.zeros(max(n, 4096), dtype=torch.int32, device=device)
+        _COUNTERS[key] = buf
+    return buf
+
+
+def _on_cpu(t: torch.Tensor) -> bool:
+    """True when ``t`` lives on the CPU, i.e. the kernels must run in the Triton interpreter.
+
+    Raises:
+        ValueError: CPU tensors while ``TRITON_INTERPRET`` is not ``1`` (the kernels were
+            compiled for a GPU and cannot read host memory).
+    """
+    if t.device.type == "cpu":
+        if os.environ.get("TRITON_INTERPRET", "0") != "1":
+            raise ValueError("Triton kernels on CPU tensors need the Triton interpreter: set "
+                             "TRITON_INTERPRET=1 before importing llmserve.triton_kernels "
+                             "(or move the tensors to a CUDA device)")
+        return True
+    return False
+
+
+def _num_sms(device: torch.device) -> int:
+    if device.type != "cuda":
+        return 4  # interpreter: small, so CPU tests still exercise several splits
+    idx = device.index if device.index is not None else torch.cuda.current_device()
+    if idx not in _NUM_SMS:
+        _NUM_SMS[idx] = torch.cuda.get_device_properties(idx).multi_processor_count
+    return _NUM_SMS[idx]
+
+
+def _check_float(name: str, t: torch.Tensor, ndim: int) -> None:
+    if not isinstance(t, torch.Tensor):
+        raise ValueError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
+    if t.dtype not in _FLOAT_DTYPES:
+        raise ValueError(f"{name} must be float16, bfloat16 or float32, got {t.dtype}")
+    if t.dim() != ndim:
+        raise ValueError(f"{name} must have {ndim} dims, got shape {tuple(t.shape)}")
+    if t.stride(-1) != 1:
+        raise ValueError(f"{name} must be contiguous in its last dim (stride 1), got strides "
+                         f"{tuple(t.stride())}")
+
+
+def _check_cache(k_cache: torch.Tensor, v_cache: torch.Tensor) -> tuple[int, int, int, int]:
+    _check_float("k_cache", k_cache, 4)
+    _check_float("v_cache", v_cache, 4)
+    if k_cache.shape != v_cache.shape or k_cache.dtype != v_cache.dtype:
+        raise ValueError(f"k_cache and v_cache must match: {tuple(k_cache.shape)} {k_cache.dtype} vs "
+                         f"{tuple(v_cache.shape)} {v_cache.dtype}")
+    if not (k_cache.is_contiguous() and v_cache.is_contiguous()):
+        raise ValueError("k_cache and v_cache must be contiguous "
+                         "[num_blocks + 1, block_size, num_kv_heads, head_dim] tensors")
+    if k_cache.device != v_cache.device:
+        raise ValueError(f"k_cache on {k_cache.device} but v_cache on {v_cache.device}")
+    nb, bs, hkv, d = k_cache.shape
+    if d not in SUPPORTED_HEAD_DIMS:
+        raise ValueError(f"head_dim must be one of {SUPPORTED_HEAD_DIMS}, got {d}")
+    if bs < 1 or bs & (bs - 1):
+        raise ValueError(f"block_size must be a power of two, got {bs}")
+    return nb, bs, hkv, d
+
+
+def _check_index(name: str, t: torch.Tensor, ndim: int, device: torch.device) -> None:
+    if not isinstance(t, torch.Tensor) or t.dtype not in _INDEX_DTYPES:
+        raise ValueError(f"{name} must be an int32 or int64 tensor, got "
+                         f"{getattr(t, 'dtype', type(t).__name__)}")
+    if t.dim() != ndim:
+        raise ValueError(f"{name} must have {ndim} dims, got shape {tuple(t.shape)}")
+    if t.device != device:
+        raise ValueError(f"{name} is on {t.device} but the KV cache is on {device}")
+    if t.stride(-1) != 1:
+        raise ValueError(f"{name} must be contiguous in its last dim, got strides {tuple(t.stride())}")
+
+
+def write_kv_triton(key: torch.Tensor, value: torch.Tensor, k_cache: torch.Tensor,
+                    v_cache: torch.Tensor, slot_mapping: torch.Tensor) -> None:
+    """Scatter this step's K/V rows into the paged cache (in place).
+
+    Args:
+        key, value: ``[N, Hkv, D]`` float (may be strided views, e.g. slices of a fused QKV
+            output; the last dim must have stride 1). Cast to the cache dtype on store.
+        k_cache, v_cache: contiguous ``[num_blocks + 1, block_size, Hkv, D]``.
+        slot_mapping: ``[N]`` int64/int32 flat slots ``block * block_size + offset``; entries
+            ``< 0`` (padding) are skipped (nothing is written, not even the scratch block).
+
+    Raises:
+        ValueError: wrong dtypes, shapes, devices or strides.
+    """
+    _, bs, hkv, d = _check_cache(k_cache, v_cache)
+    for name, t in (("key", key), ("value", value)):
+        _check_float(name, t, 3)
+        if tuple(t.shape[1:]) != (hkv, d):
+            raise ValueError(f"{name} must be [N, {hkv}, {d}] to match the cache, got {tuple(t.shape)}")
+        if t.device != k_cache.device:
+            raise ValueError(f"{name} is on {t.device} but the KV cache is on {k_cache.device}")
+    if key.shape[0] != value.shape[0]:
+        raise ValueError(f"key has {key.shape[0]} rows but value has {value.shape[0]}")
+    _check_index("slot_mapping", slot_mapping, 1, k_cache.device)
+    n = key.shape[0]
+    if slot_mapping.shape[0] != n:
+        raise ValueError(f"slot_mapping has {slot_mapping.shape[0]} entries for {n} tokens")
+    if n == 0:
+        return
+    _on_cpu(k_cache)
+    _write_kv_kernel[(n,)](
+        key, value, k_cache, v_cache, slot_mapping,
+        key.stride(0), key.stride(1), value.stride(0), value.stride(1),
+        k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
+        NUM_KV_HEADS=hkv, HKV_PAD=triton.next_power_of_2(hkv), HEAD_DIM=d, PAGE=bs,
+        num_warps=1 if d * hkv <= 512 else 4)
+
+
+def _check_attention_inputs(query, k_cache, v_cache, meta):
+    _, bs, hkv, d = _check_cache(k_cache, v_cache)
+    _check_float("query", query, 3)
+    n, hq, dq = query.shape
+    if dq != d:
+        raise ValueError(f"query head_dim {dq} != cache head_dim {d}")
+    if hq % hkv:
+        raise ValueError(f"num_q_heads ({hq}) must be a multiple of num_kv_heads ({hkv})")
+    if query.dtype != k_cache.dtype:
+        raise ValueError(f"query dtype {query.dtype} must equal the KV cache dtype {k_cache.dtype}")
+    if query.device != k_cache.device:
+        raise ValueError(f"query is on {query.device} but the KV cache is on {k_cache.device}")
+    if meta.block_size != bs:
+        raise ValueError(f"meta.block_size ({meta.block_size}) != the cache's block size ({bs})")
+    dev = k_cache.device
+    _check_index("meta.query_start_loc", meta.query_start_loc, 1, dev)
+    _check_index("meta.context_lens", meta.context_lens, 1, dev)
+    _check_index("meta.block_tables", meta.block_tables, 2, dev)
+    b = meta.context_lens.shape[0]
+    if meta.query_start_loc.shape[0] != b + 1:
+        raise ValueError(f"query_start_loc must have num_seqs + 1 = {b + 1} entries, got "
+                         f"{meta.query_start_loc.shape[0]}")
+    if meta.block_tables.shape[0] != b:
+        raise ValueError(f"block_tables has {meta.block_tables.shape[0]} rows for {b} sequences")
+    return n, hq, hkv, d, bs, b
+
+
+def choose_num_splits(batch: int, num_kv_heads: int, max_context_len: int, block_n: int,
+                      num_sms: int) -> int:
+    """Number of context splits for the decode kernel.
+
+    Enough programs to give every SM about four (``batch * num_kv_heads * splits >= 4 *
+    num_sms``) so the memory system sees enough loads in flight, but no split shorter than one
+    ``block_n`` tile. Returns the count actually used after rounding the tiles per split.
+    """
+    tiles = max(1, triton.cdiv(max_context_len, block_n))
+    base = max(1, batch * num_kv_heads)
+    splits = min(tiles, max(1, triton.cdiv(4 * num_sms, base)), 128)
+    tiles_per_split = triton.cdiv(tiles, splits)
+    return triton.cdiv(tiles, tiles_per_split)
+
+
+def _decode_config(d: int, on_cpu: bool) -> dict:
+    if on_cpu:
+        return dict(BLOCK_N=16, num_warps=1, num_stages=1)
+    return dict(BLOCK_N=64 if d <= 128 else 32, num_warps=4, num_stages=3)
+
+
+def paged_attention_decode(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                           meta, scale: float, out: torch.Tensor | None = None, *,
+                           skip_non_decode: bool = False, num_splits: int | None = None,
+                           block_n: int | None = None, num_warps: int | None = None,
+                           num_stages: int | None = None, fused_reduce: bool | None = None
+                           ) -> torch.Tensor:
+    """Split-K decode attention: one query token per sequence (row ``query_start_loc[i]``).
+
+    Args:
+        query: ``[N, Hq, D]``, same dtype as the cache.
+        k_cache, v_cache: ``[num_blocks + 1, block_size, Hkv, D]`` contiguous.
+        meta: :class:`~llmserve.attention.metadata.AttentionMetadata`.
+        scale: softmax scale.
+        out: optional ``[N, Hq, D]`` output (written only at the decode rows).
+        skip_non_decode: leave sequences whose query length is not 1 untouched (mixed batches).
+        num_splits, block_n, num_warps, num_stages: overrides of the heuristics (benchmarks).
+        fused_reduce: merge the splits in the last-finishing split program (one launch)
+            instead of a separate reduction kernel (default :data:`DECODE_FUSED_REDUCE`).
+
+    Returns:
+        ``out`` (allocated when not given; rows not written are zero when allocated here).
+
+    Raises:
+        ValueError: inconsistent shapes, dtypes, devices or strides.
+    """
+    n, hq, hkv, d, bs, b = _check_attention_inputs(query, k_cache, v_cache, meta)
+    on_cpu = _on_cpu(query)
+    if out is None:
+        out = torch.zeros_like(query) if (n != b or skip_non_decode) else torch.empty_like(query)
+    if b == 0 or n == 0:
+        return out
+    cfg = _decode_config(d, on_cpu)
+    if block_n is not None:
+        cfg["BLOCK_N"] = block_n
+    if num_warps is not None:
+        cfg["num_warps"] = num_warps
+    if num_stages is not None:
+        cfg["num_stages"] = num_stages
+    bn = cfg["BLOCK_N"]
+    max_ctx = max(int(meta.max_context_len), 1)
+    tiles = triton.cdiv(max_ctx, bn)
+    if num_splits is None:
+        num_splits = choose_num_splits(b, hkv, max_ctx, bn, _num_sms(query.device))
+    num_splits = max(1, min(int(num_splits), tiles))
+    tiles_per_split = triton.cdiv(tiles, num_splits)
+    num_splits = triton.cdiv(tiles, tiles_per_split)
+    g = hq // hkv
+    g_pad = max(16, triton.next_power_of_2(g))
+    direct = num_splits == 1
+    fused = (DECODE_FUSED_REDUCE if fused_reduce is None else fused_reduce) and not direct
+    cnt = _counters(query.device, b * hkv) if fused else meta.context_lens
+    if direct:
+        m_buf = l_buf = acc_buf = out  # unused
+    else:
+        m_buf = torch.empty((b, hq, num_splits), dtype=torch.float32, device=query.device)
+        l_buf = torch.empty_like(m_buf)
+        acc_buf = torch.empty((b, hq, num_splits, d), dtype=torch.float32, device=query.device)
+    fp32_math = on_cpu or query.dtype == torch.float32
+    _decode_kernel[(b, hkv, num_splits)](
+        query, k_cache, v_cache, out, m_buf, l_buf, acc_buf, cnt,
+        meta.block_tables, meta.context_lens, meta.query_start_loc,
+        float(scale) * _LOG2E, tiles_per_split, num_splits, hq,
+        query.stride(0), query.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
+        out.stride(0), out.stride(1), meta.block_tables.stride(0),
+        G=g, G_PAD=g_pad, HEAD_DIM=d, PAGE=bs, BLOCK_N=bn, FP32_MATH=fp32_math,
+        SKIP_NON_DECODE=skip_non_decode, DIRECT_OUT=direct, FUSED_REDUCE=fused,
+        num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
+    if not direct and not fused:
+        _decode_reduce_kernel[(b, hq)](
+            out, m_buf, l_buf, acc_buf, meta.query_start_loc, num_splits, hq,
+            out.stride(0), out.stride(1),
+            HEAD_DIM=d, S_PAD=triton.next_power_of_2(num_splits), SKIP_NON_DECODE=skip_non_decode,
+            num_warps=1 if on_cpu else 4)
+    return out
+
+
+def _prefill_config(d: int, on_cpu: bool) -> dict:
+    if on_cpu:
+        return dict(BLOCK_M=16, BLOCK_N=16, num_warps=1, num_stages=1)
+    if d <= 64:
+        return dict(BLOCK_M=128, BLOCK_N=64, num_warps=4, num_stages=3)
+    if d <= 128:
+        return dict(BLOCK_M=128, BLOCK_N=64, num_warps=8, num_stages=3)
+    return dict(BLOCK_M=64, BLOCK_N=32, num_warps=4, num_stages=2)
+
+
+def paged_attention_prefill(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                            meta, scale: float, out: torch.Tensor | None = None, *,
+                            skip_decode: bool = False, block_m: int | None = None,
+                            block_n: int | None = None, num_warps: int | None = None,
+                            num_stages: int | None = None) -> torch.Tensor:
+    """Varlen causal attention of query chunks against their paged prefix and themselves.
+
+    Args:
+        query: ``[N, Hq, D]``, same dtype as the cache.
+        k_cache, v_cache: ``[num_blocks + 1, block_size, Hkv, D]`` contiguous, already holding
+            this step's K/V.
+        meta: :class:`~llmserve.attention.metadata.AttentionMetadata` (uses ``max_query_len``).
+        scale: softmax scale.
+        out: optional ``[N, Hq, D]`` output.
+        skip_decode: leave sequences with query length 1 to the decode kernel.
+        block_m, block_n, num_warps, num_stages: overrides of the per-head-dim config.
+
+    Returns:
+        ``out`` (zero-initialised when allocated here, so padding rows are zero).
+
+    Raises:
+        ValueError: inconsistent shapes, dtypes, devices or strides.
+    """
+    n, hq, hkv, d, bs, b = _check_attention_inputs(query, k_cache, v_cache, meta)
+    on_cpu = _on_cpu(query)
+    if out is None:
+        out = torch.zeros_like(query)
+    if b == 0 or n == 0 or meta.max_query_len <= 0:
+        return out
+    cfg = _prefill_config(d, on_cpu)
+    for key, val in (("BLOCK_M", block_m), ("BLOCK_N", block_n), ("num_warps", num_warps),
+                     ("num_stages", num_stages)):
+        if val is not None:
+            cfg[key] = val
+    num_m_tiles = triton.cdiv(int(meta.max_query_len), cfg["BLOCK_M"])
+    fp32_math = on_cpu or query.dtype == torch.float32
+    _prefill_kernel[(hq, num_m_tiles, b)](
+        query, k_cache, v_cache, out, meta.block_tables, meta.context_lens, meta.query_start_loc,
+        float(scale) * _LOG2E, num_m_tiles,
+        query.stride(0), query.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
+        out.stride(0), out.stride(1), meta.block_tables.stride(0),
+        G=hq // hkv, HEAD_DIM=d, PAGE=bs, BLOCK_M=cfg["BLOCK_M"], BLOCK_N=cfg["BLOCK_N"],
+        FP32_MATH=fp32_math, SKIP_DECODE=skip_decode,
+        num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
+    return out
+
+
+def paged_attention_triton(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                           meta, scale: float) -> torch.Tensor:
+    """Causal paged attention of a flat varlen batch (same contract as
+    :func:`llmserve.attention.torch_backend.paged_attention_torch`).
+
+    Decode-only steps (``meta.is_decode_only``: exactly one query row per sequence) take the
+    split-K decode kernel alone; other steps run the decode kernel for their ``q_len == 1``
+    sequences and the prefill kernel for the rest (each skips the other's sequences).
+
+    Args:
+        query: ``[N, Hq, D]`` float16/bfloat16/float32 (the cache dtype).
+        k_cache, v_cache: ``[num_blocks + 1, block_size, Hkv, D]``, contiguous, holding this
+            step's K/V.
+        meta: :class:`~llmserve.attention.metadata.AttentionMetadata`.
+        scale: softmax scale (usually ``D ** -0.5``).
+
+    Returns:
+        ``[N, Hq, D]`` in ``query.dtype``; rows not covered by ``query_start_loc`` are zero.
+
+    Raises:
+        ValueError: inconsistent shapes, dtypes, devices or strides; head_dim not in
+            :data:`SUPPORTED_HEAD_DIMS`.
+    """
+    if meta.is_decode_only:
+        return paged_attention_decode(query, k_cache, v_cache, meta, scale)
+    out = torch.zeros_like(query)
+    paged_attention_decode(query, k_cache, v_cache, meta, scale, out, skip_non_decode=True)
+    paged_attention_prefill(query, k_cache, v_cache, meta, scale, out, skip_decode=True)
+    return out
+

@@ -1,0 +1,164 @@
+"""Shared fixtures and helpers.
+
+* ``hf_qwen2`` (session): factory of small random Qwen2 checkpoints written by ``transformers``
+  itself (``Qwen2ForCausalLM(Qwen2Config(...)).save_pretrained``), with weights rescaled by
+  :func:`peaked_init_` so greedy argmax has a clear margin. Returns ``(path, hf_model)``.
+* ``tiny_model`` / ``tiny_path`` (session): the embedded tiny model, loaded once (fp32, CPU).
+* :func:`build_attn_metadata`: hand-built :class:`AttentionMetadata` for a step of
+  ``(num_computed, num_new)`` sequences over given block tables, plus positions.
+* GPU tests are marked ``gpu`` and skipped when CUDA is unavailable.
+"""
+
+from __future__ import annotations
+
+import math
+from pathlib import Path
+
+import pytest
+import torch
+
+from llmserve.attention import AttentionMetadata
+
+
+def pytest_collection_modifyitems(config, items):
+    if torch.cuda.is_available():
+        return
+    skip = pytest.mark.skip(reason="needs a CUDA device")
+    for item in items:
+        if "gpu" in item.keywords:
+            item.add_marker(skip)
+
+
+# --------------------------------------------------------------------------------------------
+# Random HF checkpoints
+# --------------------------------------------------------------------------------------------
+
+@torch.no_grad()
+def peaked_init_(model: torch.nn.Module, seed: int = 0, embed_std: float = 1.0) -> torch.nn.Module:
+    """Re-initialise an HF-named Qwen2 model in place so its logits are peaked.
+
+    Embedding (and an untied ``lm_head``) ~ N(0, embed_std^2); linear weights ~
+    N(0, 1/fan_in) so every layer moves the residual stream; biases ~ N(0, 0.01); norm
+    weights ~ 1 + N(0, 0.01). Deterministic in ``seed``.
+    """
+    g = torch.Generator().manual_seed(seed)
+    for name, p in model.named_parameters():
+        if name.endswith("embed_tokens.weight") or name == "lm_head.weight":
+            new = torch.randn(p.shape, generator=g) * embed_std
+        elif name.endswith("norm.weight"):
+            new = 1.0 + 0.1 * torch.randn(p.shape, generator=g)
+        elif name.endswith(".bias"):
+            new = 0.1 * torch.randn(p.shape, generator=g)
+        else:
+            new = torch.randn(p.shape, generator=g) / math.sqrt(p.shape[1])
+        p.copy_(new.to(p.dtype))
+    return model
+
+
+HF_VARIANTS: dict[str, dict] = {
+    # name: Qwen2Config overrides (vocab 1000, hidden 64, 2 layers unless overridden)
+    "gqa_tied": dict(num_attention_heads=4, num_key_value_heads=2, tie_word_embeddings=True),
+    "mha_untied": dict(num_attention_heads=4, num_key_value_heads=4, tie_word_embeddings=False),
+    "gqa4_untied_sharded": dict(num_attention_heads=8, num_key_value_heads=2, head_dim=16,
+                                tie_word_embeddings=False, _shard="60KB"),
+}
+
+
+def make_hf_qwen2(path: Path, seed: int = 0, vocab_size: int = 1000, hidden_size: int = 64,
+                  intermediate_size: int = 128, num_hidden_layers: int = 2,
+                  max_position_embeddings: int = 512, rope_theta: float = 10000.0,
+                  _shard: str | None = None, **overrides):
+    """Write a random ``transformers`` Qwen2 checkpoint to ``path``; return the HF model (fp32)."""
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+
+    cfg = Qwen2Config(vocab_size=vocab_size, hidden_size=hidden_size,
+                      intermediate_size=intermediate_size, num_hidden_layers=num_hidden_layers,
+                      max_position_embeddings=max_position_embeddings, rope_theta=rope_theta,
+                      rms_norm_eps=1e-6, bos_token_id=None, eos_token_id=None, pad_token_id=None,
+                      **overrides)
+    torch.manual_seed(seed)
+    model = Qwen2ForCausalLM(cfg).float().eval()
+    peaked_init_(model, seed)
+    kw = {"max_shard_size": _shard} if _shard else {}
+    model.save_pretrained(str(path), **kw)
+    return model
+
+
+@pytest.fixture(scope="session")
+def hf_qwen2(tmp_path_factory):
+    """Factory ``get(variant) -> (checkpoint_dir, hf_model)`` over :data:`HF_VARIANTS`, each
+    written once per session."""
+    made: dict[str, tuple[Path, object]] = {}
+
+    def get(variant: str):
+        if variant not in made:
+            path = tmp_path_factory.mktemp(f"hf-{variant}")
+            model = make_hf_qwen2(path, **HF_VARIANTS[variant])
+            made[variant] = (path, model)
+        return made[variant]
+
+    return get
+
+
+# --------------------------------------------------------------------------------------------
+# The embedded tiny model
+# --------------------------------------------------------------------------------------------
+
+@pytest.fixture(scope="session")
+def tiny_path() -> Path:
+    from llmserve.models.tiny import ensure_tiny_checkpoint
+    return ensure_tiny_checkpoint()
+
+
+@pytest.fixture(scope="session")
+def tiny_model(tiny_path):
+    """``(model, config)`` of the tiny checkpoint, fp32 on CPU, loaded once per session."""
+    from llmserve.models.loader import load_model
+    model, config, _ = load_model(str(tiny_path), device="cpu", dtype="float32")
+    return model, config
+
+
+# --------------------------------------------------------------------------------------------
+# Attention metadata by hand
+# --------------------------------------------------------------------------------------------
+
+def build_attn_metadata(seqs: list[tuple[int, int]], block_tables: list[list[int]],
+                        block_size: int, device: str | torch.device = "cpu"
+                        ) -> tuple[AttentionMetadata, torch.Tensor]:
+    """Metadata for one step in which sequence ``i`` already has ``seqs[i][0]`` tokens cached
+    and computes ``seqs[i][1]`` new ones, using physical blocks ``block_tables[i]``.
+
+    Returns:
+        ``(meta, positions)``; ``positions`` ``[N]`` int64 matches the flat token order.
+    """
+    slots, positions, qsl, ctx = [], [], [0], []
+    for (done, new), bt in zip(seqs, block_tables):
+        assert len(bt) * block_size >= done + new, "block table too short"
+        for p in range(done, done + new):
+            positions.append(p)
+            slots.append(bt[p // block_size] * block_size + p % block_size)
+        qsl.append(qsl[-1] + new)
+        ctx.append(done + new)
+    width = max(len(bt) for bt in block_tables)
+    table = torch.zeros(len(block_tables), width, dtype=torch.int32)
+    for i, bt in enumerate(block_tables):
+        table[i, :len(bt)] = torch.tensor(bt, dtype=torch.int32)
+    meta = AttentionMetadata(
+        slot_mapping=torch.tensor(slots, dtype=torch.int64, device=device),
+        query_start_loc=torch.tensor(qsl, dtype=torch.int32, device=device),
+        context_lens=torch.tensor(ctx, dtype=torch.int32, device=device),
+        block_tables=table.to(device),
+        max_query_len=max(n for _, n in seqs),
+        max_context_len=max(ctx),
+        block_size=block_size,
+        is_decode_only=all(n == 1 for _, n in seqs),
+    )
+    return meta, torch.tensor(positions, dtype=torch.int64, device=device)
+
+
+def empty_kv_caches(config, num_blocks: int, block_size: int, dtype=torch.float32, device="cpu"):
+    """One zeroed ``(k, v)`` pair per layer, ``[num_blocks + 1, block_size, Hkv, D]`` (the
+    extra last block is the scratch block)."""
+    shape = (num_blocks + 1, block_size, config.num_key_value_heads, config.head_dim)
+    return [(torch.zeros(shape, dtype=dtype, device=device), torch.zeros(shape, dtype=dtype, device=device))
+            for _ in range(config.num_hidden_layers)]

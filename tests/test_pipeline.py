@@ -1,0 +1,278 @@
+"""The checkpoint-3 Snakemake pipeline: DAG, lint, profiles, aggregation rules, end to end.
+
+The end-to-end test runs a reduced matrix (two cells: the naive control and continuous
+batching, one repetition, a few short requests) through the real `llmserve benchmark` in a
+temporary copy of the workflow, then checks the summary table, the checksum file
+(`sha256sum -c`), that a second dry run has nothing to do, and that editing only the
+aggregation script reruns aggregation but no benchmark cell.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+SCRIPTS = ROOT / "workflow" / "scripts"
+
+pytest.importorskip("snakemake")
+pytest.importorskip("pandas")
+
+
+def snakemake(*args: str, cwd: Path = ROOT, timeout: int = 300) -> subprocess.CompletedProcess:
+    """Run Snakemake in `cwd`; stdout and stderr merged into `.stdout`."""
+    return subprocess.run([sys.executable, "-m", "snakemake", *args], cwd=cwd, text=True,
+                          stdout=subprocess.PIPE, stderr=subprocess.STDOUT, timeout=timeout)
+
+
+def script(name: str, *args: str, cwd: Path = ROOT) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, str(SCRIPTS / name), *args], cwd=cwd, text=True,
+                          capture_output=True, timeout=120)
+
+
+def job_counts(dry_run_output: str) -> dict[str, int]:
+    """`{rule: count}` from the "Job stats" table of a dry run."""
+    counts, in_table = {}, False
+    for line in dry_run_output.splitlines():
+        if line.startswith("job ") and "count" in line:
+            in_table = True
+            continue
+        if in_table:
+            parts = line.split()
+            if not parts or parts[0] == "total":
+                break
+            if len(parts) == 2 and parts[1].isdigit():
+                counts[parts[0]] = int(parts[1])
+    return counts
+
+
+# ---------------------------------------------------------------------------------------------
+# DAG, lint, profiles (no engine runs)
+# ---------------------------------------------------------------------------------------------
+def test_dry_run_default_target_is_the_results_folder():
+    r = snakemake("-n", "--nolock", "results/checkpoint3")
+    assert r.returncode == 0, r.stdout
+    counts = job_counts(r.stdout)
+    assert counts.get("benchmark_cell", 0) >= 10, counts
+    for rule in ("aggregate", "plots", "checksums", "results/checkpoint3"):
+        assert rule in counts or "Nothing to be done" in r.stdout, (rule, counts)
+
+
+def test_lint_is_clean():
+    r = snakemake("--lint", "--nolock")
+    assert r.returncode == 0, r.stdout
+    assert "Congratulations, your workflow is in a good condition!" in r.stdout, r.stdout
+
+
+def test_gpu_profile_selected_by_config_and_configfile():
+    for sel in (["--config", "profile=h200"], ["--configfile", "config/checkpoint3-h200.yaml"]):
+        r = snakemake("-n", "--nolock", "-p", "results/checkpoint3", "--forceall", *sel)
+        assert r.returncode == 0, r.stdout
+        assert "--device cuda" in r.stdout and "results/checkpoint3/h200/raw/" in r.stdout
+        assert "gpu=1" in r.stdout  # benchmark jobs declare the GPU
+        assert "--max-batch-size 64" in r.stdout and "--paged-attention-backend triton" in r.stdout
+        assert job_counts(r.stdout)["benchmark_cell"] > 100
+
+
+def test_unknown_profile_names_the_known_ones():
+    r = snakemake("-n", "--nolock", "--config", "profile=nope")
+    assert r.returncode != 0
+    assert "config/checkpoint3-nope.yaml" in r.stdout and "cpu, h200" in r.stdout
+
+
+def test_schema_rejects_a_bad_matrix(tmp_path):
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("sweeps:\n  main:\n    - {scheduler: [warp]}\n  failure_regimes: []\n")
+    r = snakemake("-n", "--nolock", "--configfile", str(bad))
+    assert r.returncode != 0 and "warp" in r.stdout
+
+
+# ---------------------------------------------------------------------------------------------
+# Scripts: code hash, checksums, aggregation rules
+# ---------------------------------------------------------------------------------------------
+def test_code_hash_follows_content_not_mtime(tmp_path):
+    sys.path.insert(0, str(SCRIPTS))
+    try:
+        import code_hash
+    finally:
+        sys.path.remove(str(SCRIPTS))
+    pkg = tmp_path / "pkg"
+    (pkg / "sub").mkdir(parents=True)
+    (pkg / "a.py").write_text("x = 1\n")
+    (pkg / "sub" / "b.py").write_text("y = 2\n")
+    (pkg / "notes.txt").write_text("not code\n")
+    h0 = code_hash.code_hash(pkg)
+    os.utime(pkg / "a.py", (1, 1))  # touch only
+    assert code_hash.code_hash(pkg) == h0
+    (pkg / "notes.txt").write_text("changed, but not a source file\n")
+    assert code_hash.code_hash(pkg) == h0
+    (pkg / "sub" / "b.py").write_text("y = 2  # a comment\n")
+    assert code_hash.code_hash(pkg) != h0
+
+
+def test_checksums_write_and_verify_with_sha256sum(tmp_path):
+    (tmp_path / "results").mkdir()
+    (tmp_path / "results" / "a.csv").write_text("a,b\n1,2\n")
+    (tmp_path / "results" / "b~x_y.json").write_text("{}\n")
+    r = script("checksums.py", "write", "--output", "checksums/t.sha256", "results/b~x_y.json",
+               "results/a.csv", cwd=tmp_path)
+    assert r.returncode == 0, r.stderr
+    lines = (tmp_path / "checksums" / "t.sha256").read_text().splitlines()
+    assert [ln.split("  ")[1] for ln in lines] == ["results/a.csv", "results/b~x_y.json"]
+    assert lines[0].split("  ")[0] == hashlib.sha256(b"a,b\n1,2\n").hexdigest()
+    if shutil.which("sha256sum"):
+        ok = subprocess.run(["sha256sum", "-c", "checksums/t.sha256"], cwd=tmp_path)
+        assert ok.returncode == 0
+    (tmp_path / "results" / "a.csv").write_text("tampered\n")
+    assert script("checksums.py", "check", "checksums/t.sha256", cwd=tmp_path).returncode == 1
+
+
+CELL = "scheduler~{s}_policy~fcfs_batch~{b}_chunk~0_linear~torch_attn~torch_rate~{r}_blocks~auto_rep~0"
+
+
+def fake_report(path: Path, *, scheduler: str, batch: int, rate: str = "profile",
+                status: str = "ok", digest: str = "d1", throughput: float = 10.0,
+                cpu: str = "AMD EPYC", error: str | None = None) -> Path:
+    """A minimal report with the fields the aggregation reads, and its provenance file."""
+    cell = CELL.format(s=scheduler, b=batch, r=rate)
+    out = path / f"{cell}.json"
+    profile = {"name": "p", "seed": 0, "num_requests": 4, "arrival": {"rate": 4.0, "burstiness": 1.0},
+               "dataset": {"kind": "sharegpt"}, "temperature": 0.0}
+    report = {
+        "status": status, "error": error, "created_at": "2026-01-01T00:00:00+00:00",
+        "config": {"model": "tiny", "dtype": None, "requests": 4, "warmup_requests": 1},
+        "engine_config": {"model": "tiny", "dtype": "float32"}, "profile": profile,
+        "seed": 0, "workload": {"num_requests": 4}, "warmup": {"num_requests": 1},
+        "git": {"revision": "abc", "dirty": False}, "versions": {"torch": "2.13.0"},
+        "hardware": {"device": "cpu", "device_name": cpu, "cpu_model": cpu, "cpu_count": 2},
+        "aggregates": {"num_requests": 4, "num_completed": 4 if status == "ok" else 1,
+                       "output_throughput": throughput if status == "ok" else None,
+                       "ttft_ms_p95": 100.0, "tpot_ms_p95": 5.0, "kv_cache_usage_peak": 0.1,
+                       "kv_memory_reduction_vs_contiguous": 0.9, "num_preemptions": 0,
+                       "num_recomputed_tokens": 0},
+        "requests": [{"status": "ok", "ttft_ms": 50.0 + i} for i in range(4)],
+        "token_digest": digest if status == "ok" else None,
+    }
+    out.write_text(json.dumps(report))
+    params = dict(part.split("~") for part in cell.split("_"))
+    (path / f"{cell}.provenance.json").write_text(json.dumps(
+        {"cell": cell, "params": params, "code_hash": "h", "thread_env": {"OMP_NUM_THREADS": "1"}}))
+    return out
+
+
+def run_aggregate(tmp_path: Path, main: list[Path], failure: list[Path]) -> subprocess.CompletedProcess:
+    out = tmp_path / "out"
+    return script("aggregate_checkpoint3.py", "--profile", "t", "--main", *map(str, main),
+                  "--failure-regimes", *map(str, failure),
+                  "--summary-csv", str(out / "summary.csv"), "--summary-md", str(out / "summary.md"),
+                  "--failure-csv", str(out / "failure.csv"), "--failure-md", str(out / "failure.md"))
+
+
+def test_aggregation_keeps_failures_and_checks_digests(tmp_path):
+    import pandas as pd
+
+    main = [fake_report(tmp_path, scheduler="naive", batch=1, digest="same"),
+            fake_report(tmp_path, scheduler="continuous", batch=8, digest="same", throughput=40.0),
+            fake_report(tmp_path, scheduler="static", batch=8, digest="other"),
+            fake_report(tmp_path, scheduler="static", batch=4, status="failed",
+                        error="OutOfMemoryError: CUDA out of memory")]
+    failure = [fake_report(tmp_path, scheduler="continuous", batch=8, rate="inf", digest="same",
+                           throughput=20.0)]
+    r = run_aggregate(tmp_path, main, failure)
+    assert r.returncode == 0, r.stderr
+    df = pd.read_csv(tmp_path / "out" / "summary.csv")
+    assert len(df) == 4
+    verdict = dict(zip(df["scheduler"] + df["batch"].astype(str), df["digest_agrees_with_naive"]))
+    assert verdict == {"naive1": "reference", "continuous8": "yes", "static8": "NO",
+                       "static4": "n/a (failed)"}
+    failed = df[df["status"] == "failed"].iloc[0]
+    assert "CUDA out of memory" in failed["error"]
+    md = (tmp_path / "out" / "summary.md").read_text()
+    assert "CUDA out of memory" in md and "**Hardware:** cpu — AMD EPYC" in md
+    fdf = pd.read_csv(tmp_path / "out" / "failure.csv")
+    assert fdf["output_throughput_vs_baseline"].iloc[0] == pytest.approx(0.5)
+
+
+def test_aggregation_refuses_runs_from_different_hardware(tmp_path):
+    main = [fake_report(tmp_path, scheduler="naive", batch=1),
+            fake_report(tmp_path, scheduler="continuous", batch=8, cpu="Intel Xeon")]
+    r = run_aggregate(tmp_path, main, [])
+    assert r.returncode == 1
+    assert "refusing to put runs side by side: 'hardware' differs" in r.stderr
+    assert "cpu_model" in r.stderr and "Intel Xeon" in r.stderr
+
+
+# ---------------------------------------------------------------------------------------------
+# End to end: a reduced matrix through the real benchmark harness
+# ---------------------------------------------------------------------------------------------
+REDUCED = """\
+profile: citest
+requests: 2
+warmup_requests: 0
+repetitions: 1
+timeout_s: 120
+load_profile_overrides:
+  name: sharegpt-citest
+  prompt_len: {max: 32}
+  output_len: {scale: 0.05, max: 6}
+sweeps:
+  main:
+    - {scheduler: [naive]}
+    - {scheduler: [continuous], batch: [4]}
+  failure_regimes: []
+"""
+
+
+@pytest.fixture(scope="module")
+def reduced_run(tmp_path_factory):
+    pytest.importorskip("matplotlib")
+    if shutil.which("llmserve") is None:
+        pytest.skip("the llmserve CLI is not installed (pip install -e .)")
+    work = tmp_path_factory.mktemp("pipeline")
+    shutil.copy(ROOT / "Snakefile", work)
+    for folder in ("workflow", "config", "envs"):
+        shutil.copytree(ROOT / folder, work / folder)
+    (work / "config" / "checkpoint3-citest.yaml").write_text(REDUCED)
+    run = snakemake("--cores", "1", "results/checkpoint3", "--config", "profile=citest",
+                    cwd=work, timeout=900)
+    return work, run
+
+
+def test_reduced_matrix_end_to_end(reduced_run):
+    work, run = reduced_run
+    assert run.returncode == 0, run.stdout[-4000:]
+    out = work / "results" / "checkpoint3" / "citest"
+    md = (out / "summary.md").read_text()
+    rows = [ln for ln in md.splitlines() if ln.startswith("| naive") or ln.startswith("| continuous")]
+    assert len(rows) == 2, md
+    assert "sharegpt-citest" in md and "**Model:** `tiny`" in md
+    for png in ("batch_scaling.png", "ttft_cdf.png"):
+        assert (out / "plots" / png).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    checksum = work / "checksums" / "checkpoint3-citest.sha256"
+    listed = [ln.split("  ", 1)[1] for ln in checksum.read_text().splitlines()]
+    assert "results/checkpoint3/citest/summary.md" in listed
+    assert sum(p.endswith(".json") and "/raw/" in p for p in listed) == 4  # 2 reports + 2 provenance
+    assert not any("/logs/" in p for p in listed)
+    if shutil.which("sha256sum"):
+        ok = subprocess.run(["sha256sum", "-c", str(checksum.relative_to(work))], cwd=work,
+                            capture_output=True, text=True)
+        assert ok.returncode == 0, ok.stdout + ok.stderr
+
+
+def test_reduced_matrix_reruns_only_what_changed(reduced_run):
+    work, run = reduced_run
+    assert run.returncode == 0
+    r = snakemake("-n", "results/checkpoint3", "--config", "profile=citest", cwd=work)
+    assert r.returncode == 0 and "Nothing to be done" in r.stdout, r.stdout[-3000:]
+    agg = work / "workflow" / "scripts" / "aggregate_checkpoint3.py"
+    agg.write_text(agg.read_text() + "\n# an edit of the aggregation script only\n")
+    r = snakemake("-n", "results/checkpoint3", "--config", "profile=citest", cwd=work)
+    counts = job_counts(r.stdout)
+    assert counts.get("aggregate") == 1 and "benchmark_cell" not in counts, counts

@@ -1,0 +1,305 @@
+"""Triton kernels vs PyTorch references: paged attention (KV write, decode, prefill/chunk, mixed
+batches) and the INT8 weight-only linear.
+
+Without CUDA the kernels run in Triton's interpreter on CPU tensors (fp32/fp16: the
+interpreter's bf16 arithmetic is wrong). ``TRITON_INTERPRET`` must be set before the kernels are
+defined; ``llmserve.triton_kernels`` sets it itself when CUDA is unavailable, and this module
+sets it too before importing anything from Triton, so import order across test modules does not
+matter. Shapes are small but awkward (block boundaries, 1-token contexts, GQA 1/2/6/7, K not a
+multiple of the tile) to keep the interpreter fast. ``gpu``-marked tests check bf16 on CUDA.
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+import pytest  # noqa: E402
+
+pytest.importorskip("triton")
+
+from llmserve.attention import get_attention_backend  # noqa: E402
+from llmserve.attention.metadata import AttentionMetadata  # noqa: E402
+from llmserve.attention.torch_backend import paged_attention_torch, write_kv_torch  # noqa: E402
+from llmserve.triton_kernels import (  # noqa: E402
+    int8_linear,
+    int8_linear_reference,
+    paged_attention_decode,
+    paged_attention_prefill,
+    paged_attention_triton,
+    quantize_int8_per_channel,
+    write_kv_triton,
+)
+from llmserve.triton_kernels.int8_linear import Int8LinearConfig  # noqa: E402
+from llmserve.triton_kernels.paged_attention import choose_num_splits  # noqa: E402
+
+DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+gpu = pytest.mark.gpu
+needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+
+
+def make_batch(seqs, block_size, hq, hkv, d, dtype, device=DEVICE, pad_rows=0, seed=0):
+    """Random paged batch. ``seqs``: list of ``(context_len, q_len)``. Blocks are a random
+    permutation of the pool; every cache entry (unused blocks and scratch too) is random, so a
+    read outside the block table shows up as an error."""
+    g = torch.Generator().manual_seed(seed)
+    nblk = [(c + block_size - 1) // block_size for c, _ in seqs]
+    num_blocks = sum(nblk) + 3
+    perm = torch.randperm(num_blocks, generator=g).tolist()
+    bt = torch.zeros(len(seqs), max(nblk), dtype=torch.int32)
+    slots, i = [], 0
+    for s, ((c, ql), nb) in enumerate(zip(seqs, nblk)):
+        bt[s, :nb] = torch.tensor(perm[i:i + nb], dtype=torch.int32)
+        i += nb
+        for p in range(c - ql, c):
+            slots.append(int(bt[s, p // block_size]) * block_size + p % block_size)
+    slots += [-1] * pad_rows
+    shape = (num_blocks + 1, block_size, hkv, d)
+    k_cache = torch.randn(shape, generator=g).to(dtype).to(device)
+    v_cache = torch.randn(shape, generator=g).to(dtype).to(device)
+    q_lens = [ql for _, ql in seqs]
+    qsl = torch.tensor([0] + torch.tensor(q_lens).cumsum(0).tolist(), dtype=torch.int32)
+    n = sum(q_lens) + pad_rows
+    query = torch.randn((n, hq, d), generator=g).to(dtype).to(device)
+    meta = AttentionMetadata(
+        slot_mapping=torch.tensor(slots, dtype=torch.int64, device=device),
+        query_start_loc=qsl.to(device),
+        context_lens=torch.tensor([c for c, _ in seqs], dtype=torch.int32, device=device),
+        block_tables=bt.to(device), max_query_len=max(q_lens), max_context_len=max(c for c, _ in seqs),
+        block_size=block_size, is_decode_only=all(ql == 1 for ql in q_lens) and pad_rows == 0)
+    return query, k_cache, v_cache, meta
+
+
+def assert_close(out, ref, dtype):
+    assert out.shape == ref.shape and out.dtype == ref.dtype
+    assert torch.isfinite(out).all()
+    tol = {torch.float32: 2e-5, torch.float16: 2e-3, torch.bfloat16: 2e-2}[dtype]
+    err = (out.float() - ref.float()).abs().max().item()
+    assert err <= tol * max(1.0, ref.float().abs().max().item()), f"max abs err {err}"
+
+
+# ---------------------------------------------------------------------------------------------
+# paged attention
+# ---------------------------------------------------------------------------------------------
+
+DECODE_CASES = [
+    # (contexts, block_size, hq, hkv, d, dtype)
+    pytest.param([1, 15, 16, 17, 33], 16, 2, 2, 64, torch.float32, id="gqa1-d64-fp32"),
+    pytest.param([16, 32, 31, 2], 16, 4, 2, 128, torch.float16, id="gqa2-d128-fp16"),
+    pytest.param([1, 24, 25, 23, 40], 8, 12, 2, 64, torch.float32, id="gqa6-d64-bs8"),
+    pytest.param([48, 47, 49, 1], 16, 7, 1, 32, torch.float16, id="gqa7-d32-fp16"),
+]
+
+
+@pytest.mark.parametrize("contexts,block_size,hq,hkv,d,dtype", DECODE_CASES)
+def test_decode_matches_reference(contexts, block_size, hq, hkv, d, dtype):
+    q, kc, vc, meta = make_batch([(c, 1) for c in contexts], block_size, hq, hkv, d, dtype)
+    assert meta.is_decode_only
+    ref = paged_attention_torch(q, kc, vc, meta, d ** -0.5)
+    assert_close(paged_attention_triton(q, kc, vc, meta, d ** -0.5), ref, dtype)
+
+
+@pytest.mark.parametrize("num_splits", [1, 3, 7])
+def test_decode_split_counts(num_splits):
+    """Splits = 1 (direct store), uneven splits, and more splits than some sequences have
+    tiles (empty splits must merge as zero weight)."""
+    q, kc, vc, meta = make_batch([(1, 1), (17, 1), (64, 1), (100, 1)], 16, 6, 2, 64, torch.float32)
+    ref = paged_attention_torch(q, kc, vc, meta, 0.125)
+    out = paged_attention_decode(q, kc, vc, meta, 0.125, num_splits=num_splits)
+    assert_close(out, ref, torch.float32)
+
+
+def test_choose_num_splits_fills_the_gpu():
+    assert choose_num_splits(64, 2, 2048, 64, 132) * 64 * 2 >= 4 * 132
+    assert choose_num_splits(1, 2, 2048, 64, 132) <= 32  # never more splits than tiles
+    assert choose_num_splits(512, 8, 2048, 64, 132) == 1
+    assert choose_num_splits(4, 2, 10, 64, 132) == 1
+
+
+PREFILL_CASES = [
+    # (seqs [(context, q_len)], block_size, hq, hkv, d, dtype)
+    pytest.param([(16, 16), (17, 17), (5, 5)], 16, 4, 2, 64, torch.float32, id="fresh-gqa2"),
+    pytest.param([(40, 9), (33, 17), (32, 16)], 16, 12, 2, 128, torch.float16, id="chunk-prefix-gqa6"),
+    pytest.param([(1, 1), (20, 1), (31, 15), (64, 32), (9, 2)], 8, 7, 1, 32, torch.float32,
+                 id="mixed-gqa7"),
+    pytest.param([(18, 18), (1, 1)], 16, 2, 2, 128, torch.float16, id="mixed-gqa1-d128"),
+]
+
+
+@pytest.mark.parametrize("seqs,block_size,hq,hkv,d,dtype", PREFILL_CASES)
+def test_prefill_and_mixed_match_reference(seqs, block_size, hq, hkv, d, dtype):
+    q, kc, vc, meta = make_batch(seqs, block_size, hq, hkv, d, dtype)
+    ref = paged_attention_torch(q, kc, vc, meta, d ** -0.5)
+    assert_close(paged_attention_triton(q, kc, vc, meta, d ** -0.5), ref, dtype)
+
+
+def test_prefill_kernel_alone_serves_decode_rows_too():
+    """The varlen kernel is correct for q_len == 1 sequences as well (no decode fast path)."""
+    q, kc, vc, meta = make_batch([(1, 1), (23, 1), (20, 6)], 8, 4, 2, 32, torch.float32)
+    ref = paged_attention_torch(q, kc, vc, meta, 0.2)
+    assert_close(paged_attention_prefill(q, kc, vc, meta, 0.2), ref, torch.float32)
+
+
+def test_padding_rows_are_zero():
+    q, kc, vc, meta = make_batch([(9, 3), (5, 1)], 4, 2, 1, 32, torch.float32, pad_rows=3)
+    out = paged_attention_triton(q, kc, vc, meta, 0.3)
+    ref = paged_attention_torch(q, kc, vc, meta, 0.3)
+    assert_close(out, ref, torch.float32)
+    assert (out[-3:] == 0).all()
+
+
+def test_write_kv_matches_reference_and_skips_padding():
+    hq, hkv, d = 4, 2, 32
+    q, kc, vc, meta = make_batch([(10, 10), (7, 1)], 4, hq, hkv, d, torch.float16, pad_rows=2)
+    n = q.shape[0]
+    qkv = torch.randn(n, hq + 2 * hkv, d, device=DEVICE).to(torch.float16)  # fused projection
+    key, value = qkv[:, hq:hq + hkv], qkv[:, hq + hkv:]                      # strided views
+    kc_t, vc_t = kc.clone(), vc.clone()
+    write_kv_torch(key, value, kc, vc, meta.slot_mapping)
+    write_kv_triton(key, value, kc_t, vc_t, meta.slot_mapping)
+    # The torch reference lets slot -1 land in the scratch block; Triton skips it.
+    assert torch.equal(kc_t[:-1], kc[:-1]) and torch.equal(vc_t[:-1], vc[:-1])
+
+
+def test_backend_end_to_end_chunked_then_decode():
+    """Backend object: write this step's K/V then attend, chunk by chunk, against torch."""
+    hq, hkv, d, bs = 6, 2, 64, 8
+    torch_be, triton_be = get_attention_backend("torch"), get_attention_backend("triton")
+    assert triton_be.name == "triton"
+    q, kc, vc, meta = make_batch([(19, 19)], bs, hq, hkv, d, torch.float32)
+    kc.zero_()
+    vc.zero_()
+    kc_t, vc_t = kc.clone(), vc.clone()
+    k_new = torch.randn(19, hkv, d, device=DEVICE)
+    v_new = torch.randn(19, hkv, d, device=DEVICE)
+    bt = meta.block_tables
+    for lo, hi in ((0, 12), (12, 18), (18, 19)):  # two chunks, then one decode-like token
+        slots = torch.tensor([int(bt[0, p // bs]) * bs + p % bs for p in range(lo, hi)],
+                             dtype=torch.int64, device=DEVICE)
+        m = AttentionMetadata(slots, torch.tensor([0, hi - lo], dtype=torch.int32, device=DEVICE),
+                              torch.tensor([hi], dtype=torch.int32, device=DEVICE), bt, hi - lo, hi, bs,
+                              is_decode_only=hi - lo == 1)
+        torch_be.write_kv(k_new[lo:hi], v_new[lo:hi], kc, vc, slots)
+        triton_be.write_kv(k_new[lo:hi], v_new[lo:hi], kc_t, vc_t, slots)
+        ref = torch_be.forward(q[lo:hi], kc, vc, m, d ** -0.5)
+        assert_close(triton_be.forward(q[lo:hi], kc_t, vc_t, m, d ** -0.5), ref, torch.float32)
+
+
+def test_attention_input_errors():
+    q, kc, vc, meta = make_batch([(5, 1)], 4, 2, 1, 32, torch.float32)
+    with pytest.raises(ValueError, match="head_dim"):
+        bad = torch.zeros(kc.shape[:-1] + (48,), device=DEVICE)
+        paged_attention_triton(torch.zeros(1, 2, 48, device=DEVICE), bad, bad, meta, 1.0)
+    with pytest.raises(ValueError, match="dtype"):
+        paged_attention_triton(q.half(), kc, vc, meta, 1.0)
+    with pytest.raises(ValueError, match="multiple"):
+        paged_attention_triton(q[:, :1].expand(1, 3, 32).contiguous(), kc.expand(-1, -1, 2, -1).contiguous(),
+                               vc.expand(-1, -1, 2, -1).contiguous(), meta, 1.0)
+    with pytest.raises(ValueError, match="contiguous"):
+        wide = torch.zeros(kc.shape[:-1] + (64,), device=DEVICE)[..., :32]  # strided, not contiguous
+        paged_attention_triton(q, wide, wide, meta, 1.0)
+    with pytest.raises(ValueError, match="block_size"):
+        meta.block_size = 8
+        paged_attention_triton(q, kc, vc, meta, 1.0)
+    with pytest.raises(ValueError, match="slot_mapping"):
+        write_kv_triton(q[:, :1], q[:, :1], kc, vc, torch.zeros(1, dtype=torch.float32, device=DEVICE))
+
+
+# ---------------------------------------------------------------------------------------------
+# INT8 weight-only linear
+# ---------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("m", [1, 7, 64, 300])
+@pytest.mark.parametrize("dtype,bias", [(torch.float32, True), (torch.float16, False)])
+def test_int8_linear_matches_dequant_matmul(m, dtype, bias):
+    g = torch.Generator().manual_seed(m)
+    n, k = 48, 100  # K not a multiple of the 32-wide tile, N not of 32
+    w = torch.randn(n, k, generator=g) * 0.05
+    w_q, scale = quantize_int8_per_channel(w)
+    x = torch.randn(m, k, generator=g).to(dtype).to(DEVICE)
+    b = torch.randn(n, generator=g).to(DEVICE) if bias else None
+    w_q, scale = w_q.to(DEVICE), scale.to(DEVICE)
+    y = int8_linear(x, w_q, scale, b)
+    assert_close(y, int8_linear_reference(x, w_q, scale, b), dtype)
+
+
+@pytest.mark.parametrize("cfg", [
+    Int8LinearConfig(16, 32, 32, split_k=3, swap_ab=True, num_warps=1, num_stages=1),
+    Int8LinearConfig(16, 16, 64, split_k=1, swap_ab=True, num_warps=1, num_stages=1),
+    Int8LinearConfig(32, 16, 32, split_k=2, swap_ab=False, group_m=2, num_warps=1, num_stages=1),
+])
+def test_int8_linear_configs(cfg):
+    """Split-K with an uneven last split, swap-AB without split, non-swapped split-K with
+    grouped ordering; a 3-D input with a bf16 scale."""
+    g = torch.Generator().manual_seed(1)
+    n, k = 40, 136
+    w_q, scale = quantize_int8_per_channel(torch.randn(n, k, generator=g))
+    scale = scale.to(torch.bfloat16).to(DEVICE)
+    w_q = w_q.to(DEVICE)
+    x = torch.randn(2, 9, k, generator=g).to(DEVICE)
+    y = int8_linear(x, w_q, scale, config=cfg)
+    assert y.shape == (2, 9, n)
+    assert_close(y, int8_linear_reference(x, w_q, scale), torch.float32)
+
+
+def test_quantize_int8_per_channel():
+    w = torch.randn(24, 33)
+    w[3] = 0
+    w_q, scale = quantize_int8_per_channel(w)
+    assert w_q.dtype == torch.int8 and w_q.shape == w.shape and scale.shape == (24,)
+    assert w_q.abs().max() <= 127 and scale[3] == 1.0 and (w_q[3] == 0).all()
+    err = (w_q.float() * scale[:, None] - w).abs()
+    assert (err <= scale[:, None] / 2 + 1e-7).all()
+    assert (w_q.abs().amax(dim=1)[torch.arange(24) != 3] == 127).all()
+
+
+def test_int8_linear_input_errors():
+    w_q, scale = quantize_int8_per_channel(torch.randn(8, 16))
+    w_q, scale = w_q.to(DEVICE), scale.to(DEVICE)
+    x = torch.randn(2, 16, device=DEVICE)
+    with pytest.raises(ValueError, match="in_features"):
+        int8_linear(torch.randn(2, 15, device=DEVICE), w_q, scale)
+    with pytest.raises(ValueError, match="int8"):
+        int8_linear(x, w_q.float(), scale)
+    with pytest.raises(ValueError, match="scale"):
+        int8_linear(x, w_q, scale[:4])
+    with pytest.raises(ValueError, match="bias"):
+        int8_linear(x, w_q, scale, torch.zeros(3, device=DEVICE))
+    with pytest.raises(ValueError, match="row-major"):
+        int8_linear(x, w_q.t().contiguous().t(), scale)
+
+
+# ---------------------------------------------------------------------------------------------
+# GPU: bf16 at real (Qwen2.5-1.5B) shapes
+# ---------------------------------------------------------------------------------------------
+
+
+@gpu
+@needs_cuda
+@pytest.mark.parametrize("seqs", [
+    [(c, 1) for c in (1, 15, 16, 17, 255, 256, 257, 2048, 3001)],
+    [(300, 300), (1000, 211), (64, 1), (17, 17), (2048, 1)],
+])
+def test_gpu_bf16_attention_qwen15b_layout(seqs):
+    q, kc, vc, meta = make_batch(seqs, 16, 12, 2, 128, torch.bfloat16, device=torch.device("cuda"))
+    ref = paged_attention_torch(q, kc, vc, meta, 128 ** -0.5)
+    assert_close(paged_attention_triton(q, kc, vc, meta, 128 ** -0.5), ref, torch.bfloat16)
+
+
+@gpu
+@needs_cuda
+@pytest.mark.parametrize("k,n", [(1536, 8960), (8960, 1536), (1536, 2048)])
+@pytest.mark.parametrize("m", [1, 16, 300])
+def test_gpu_bf16_int8_linear(k, n, m):
+    dev = torch.device("cuda")
+    w_q, scale = quantize_int8_per_channel(torch.randn(n, k, device=dev) * 0.02)
+    x = torch.randn(m, k, device=dev, dtype=torch.bfloat16)
+    y = int8_linear(x, w_q, scale)
+    ref = int8_linear_reference(x.float(), w_q, scale)
+    rel = ((y.float() - ref).norm() / ref.norm()).item()
+    assert rel < 1e-2, rel

@@ -1,0 +1,168 @@
+# Shared definitions of the checkpoint-3 pipeline: output paths, the benchmark matrix (a
+# snakemake.utils.Paramspace of cells) and helpers. No jobs are defined in this file.
+
+import importlib.util
+from itertools import product
+from pathlib import Path
+
+import pandas as pd
+from snakemake.utils import Paramspace
+
+# ----------------------------------------------------------------------------------------------
+# Output layout (all paths relative to the working directory, the repository root)
+# ----------------------------------------------------------------------------------------------
+PROFILE = config["profile"]
+OUT = f"results/checkpoint3/{PROFILE}"
+RAW = f"{OUT}/raw"
+LOGS = f"{OUT}/logs"  # git-ignored (results/**/logs/)
+PLOTS = f"{OUT}/plots"
+CHECKSUM_FILE = f"checksums/checkpoint3-{PROFILE}.sha256"
+ENV = "../../envs/llmserve.yaml"  # relative to this file, as the conda directive expects
+SCRIPTS = "workflow/scripts"
+
+# The load profile every cell runs: the file itself, or a derived copy with the overrides.
+DERIVE_PROFILE = bool(config.get("load_profile_overrides"))
+LOAD_PROFILE = f"{OUT}/load_profile.yaml" if DERIVE_PROFILE else config["load_profile"]
+
+# Benchmarks on a GPU declare it, so `--resources gpu=1` serialises them (docs/benchmarking.md).
+GPU = 1 if str(config["device"]).startswith("cuda") else 0
+
+
+def _load_code_hash_module():
+    """workflow/scripts/code_hash.py as a module (the workflow's scripts are not a package)."""
+    path = Path(workflow.basedir) / SCRIPTS / "code_hash.py"
+    spec = importlib.util.spec_from_file_location("checkpoint3_code_hash", path)
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+# Hash of every llmserve source file that `llmserve` imports. Passed to each benchmark job as a
+# param: Snakemake's params trigger reruns the cells when any engine .py file changes.
+CODE_HASH = _load_code_hash_module().code_hash()
+
+# ----------------------------------------------------------------------------------------------
+# The matrix
+# ----------------------------------------------------------------------------------------------
+# Column order = order of the fields in a cell id, e.g.
+#   scheduler~continuous_policy~fcfs_batch~8_chunk~0_linear~torch_attn~torch_rate~profile_blocks~auto_rep~0
+# Names and values never contain "_" or "~", so a cell id parses back unambiguously.
+COLUMNS = ["scheduler", "policy", "batch", "chunk", "linear", "attn", "rate", "blocks"]
+
+
+def _fmt(value):
+    """A matrix value as it appears in a cell id (4.0 -> "4", 0.5 -> "0.5")."""
+    if isinstance(value, float) and value.is_integer():
+        value = int(value)
+    return str(value)
+
+
+def normalise_cell(cell):
+    """Canonical form of a cell: fields the configuration ignores take one fixed value, so the
+    same run is never scheduled twice under two names.
+
+    naive keeps no KV cache and runs one request at a time (batch 1, no chunking, no paged
+    attention, no block budget, arrival order); paged is continuous batching at batch 1.
+    """
+    cell = dict(cell)
+    if cell["scheduler"] == "naive":
+        cell.update(policy="fcfs", batch=1, chunk=0, attn="torch", blocks="auto")
+    elif cell["scheduler"] == "paged":
+        cell.update(batch=1)
+    return {k: _fmt(cell[k]) for k in COLUMNS}
+
+
+def expand_sweep(blocks, defaults):
+    """Cells of one sweep: the union of each block's cartesian product, in order, de-duplicated."""
+    cells, seen = [], set()
+    for block in blocks:
+        lists = [block.get(k, [defaults[k]]) for k in COLUMNS]
+        for values in product(*lists):
+            cell = normalise_cell(dict(zip(COLUMNS, values)))
+            key = tuple(cell.values())
+            if key not in seen:
+                seen.add(key)
+                cells.append(cell)
+    return cells
+
+
+def cell_frame(cells, repetitions):
+    """DataFrame of cells x repetitions (every value a string), in matrix order."""
+    rows = [dict(cell, rep=str(r)) for cell in cells for r in range(repetitions)]
+    return pd.DataFrame(rows, columns=COLUMNS + ["rep"], dtype=str)
+
+
+def cell_ids(frame):
+    """Cell ids (Paramspace instance patterns) of a cell_frame."""
+    return list(Paramspace(frame, filename_params="*", single_wildcard="cell").instance_patterns)
+
+
+SWEEPS = {name: expand_sweep(blocks, config["defaults"]) for name, blocks in config["sweeps"].items()}
+_ALL = expand_sweep([b for blocks in config["sweeps"].values() for b in blocks], config["defaults"])
+MATRIX = Paramspace(cell_frame(_ALL, config["repetitions"]), filename_params="*",
+                    single_wildcard="cell")
+ALL_CELLS = list(MATRIX.instance_patterns)
+SWEEP_CELLS = {name: cell_ids(cell_frame(cells, config["repetitions"]))
+               for name, cells in SWEEPS.items()}
+
+
+def benchmark_flags(wildcards):
+    """`llmserve benchmark` flags of one cell (its params plus the profile-wide settings)."""
+    c = MATRIX.instance(wildcards)
+    flags = [
+        f"--config {c['scheduler']}", f"--policy {c['policy']}",
+        f"--max-batch-size {c['batch']}", f"--prefill-chunk-size {c['chunk']}",
+        f"--linear-backend {c['linear']}", f"--paged-attention-backend {c['attn']}",
+        f"--model {config['model']}", f"--device {config['device']}", f"--dtype {config['dtype']}",
+        f"--requests {config['requests']}", f"--seed {config['seed']}",
+        f"--warmup-requests {config['warmup_requests']}", f"--block-size {config['block_size']}",
+        f"--timeout {config['timeout_s']}", "--no-progress",
+    ]
+    if c["rate"] != "profile":
+        flags.append(f"--arrival-rate {c['rate']}")
+    if c["blocks"] != "auto":
+        flags.append(f"--num-blocks {c['blocks']}")
+    if config.get("max_num_batched_tokens"):
+        flags.append(f"--max-num-batched-tokens {config['max_num_batched_tokens']}")
+    return " ".join(flags)
+
+
+def raw_files(cells, kinds=("json", "csv", "provenance.json")):
+    """Raw result paths of the given cell ids."""
+    return [f"{RAW}/{cell}.{kind}" for cell in cells for kind in kinds]
+
+
+def deep_merge(base, overrides):
+    """`base` with `overrides` applied (nested mappings merged, everything else replaced)."""
+    out = dict(base)
+    for key, value in (overrides or {}).items():
+        if isinstance(value, dict) and isinstance(out.get(key), dict):
+            out[key] = deep_merge(out[key], value)
+        else:
+            out[key] = value
+    return out
+
+
+PLOT_FILES = [f"{PLOTS}/batch_scaling.png", f"{PLOTS}/ttft_cdf.png"]
+TABLE_FILES = [f"{OUT}/summary.csv", f"{OUT}/summary.md",
+               f"{OUT}/failure_regimes.csv", f"{OUT}/failure_regimes.md"]
+TRACKED_FILES = (([LOAD_PROFILE] if DERIVE_PROFILE else []) + raw_files(ALL_CELLS)
+                 + TABLE_FILES + PLOT_FILES)
+
+wildcard_constraints:
+    cell="[a-z]+~[^/]+",
+
+
+def write_derived_profile(base_path, overrides, output_path, log_path):
+    """Write `base_path` with `overrides` applied to `output_path`, validated by the benchmark
+    harness's own profile validator (a bad override fails here, before any cell runs)."""
+    import yaml
+    from llmserve.benchmark.workload import validate_profile
+
+    derived = deep_merge(yaml.safe_load(Path(base_path).read_text()), overrides)
+    validate_profile(derived, source=output_path)
+    header = (f"# Derived load profile: {base_path} with `load_profile_overrides` of the\n"
+              f"# checkpoint-3 config (profile {PROFILE}). Written by the pipeline; edit the\n"
+              f"# config instead. Field reference: engine/llmserve/benchmark/workload.py.\n")
+    Path(output_path).write_text(header + yaml.safe_dump(derived, sort_keys=False))
+    Path(log_path).write_text(f"derived {output_path} from {base_path} with {overrides}\n")

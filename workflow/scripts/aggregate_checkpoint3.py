@@ -1,0 +1,494 @@
+"""Aggregate checkpoint-3 benchmark runs into the summary and failure-regime tables.
+
+Input: the JSON reports of ``llmserve benchmark`` (schema: ``llmserve.benchmark.report``), one
+per matrix cell and repetition, each with its ``<cell>.provenance.json`` beside it (written by
+``workflow/scripts/code_hash.py provenance``). Output, per table: a CSV (every number, full
+error text) and a Markdown page (header with the matched run conditions, the table, the output
+digest groups). Usage (the pipeline's ``aggregate`` rule runs it)::
+
+    python workflow/scripts/aggregate_checkpoint3.py --profile cpu \\
+        --main raw/a.json raw/b.json --failure-regimes raw/c.json \\
+        --summary-csv summary.csv --summary-md summary.md \\
+        --failure-csv failure_regimes.csv --failure-md failure_regimes.md
+
+Rules (docs/benchmarking.md explains them):
+
+* Matching: runs are only put side by side when they share the load profile (content, arrival
+  rate excepted: that is a matrix column), seed, request count, model, dtype, warm-up rule,
+  software (package versions and the llmserve code hash) and hardware. Otherwise this script
+  exits with status 1 and names the field, the differing values and the cells.
+* Repetitions: each number is the median over the cell's successful repetitions, with min and
+  max; status, errors and request counts cover every repetition.
+* Failures stay: a failed cell is a row with its error; nothing is dropped.
+* Digests: under greedy decoding every scheduler must generate the same tokens for the same
+  workload. A cell's ``token_digest`` is compared with the naive (sequential, no KV cache)
+  control that ran the same workload with the same weights (linear backend).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import sys
+from collections import OrderedDict
+from pathlib import Path
+from typing import Any
+
+import pandas as pd
+
+PARAM_COLUMNS = ["scheduler", "policy", "batch", "chunk", "linear", "attn", "rate", "blocks"]
+
+#: Numbers aggregated over repetitions: output column stem -> key of report["aggregates"].
+METRICS = OrderedDict([
+    ("output_throughput", "output_throughput"),      # output tokens / s of the measured phase
+    ("ttft_p50_ms", "ttft_ms_p50"),
+    ("ttft_p95_ms", "ttft_ms_p95"),
+    ("tpot_p50_ms", "tpot_ms_p50"),
+    ("tpot_p95_ms", "tpot_ms_p95"),
+    ("itl_p95_ms", "itl_ms_p95"),
+    ("e2e_p95_ms", "e2e_ms_p95"),
+    ("kv_usage_peak", "kv_cache_usage_peak"),         # fraction of the KV blocks, high-water
+    ("kv_memory_reduction", "kv_memory_reduction_vs_contiguous"),
+    ("preemptions", "num_preemptions"),
+    ("recomputed_tokens", "num_recomputed_tokens"),
+    ("completed", "num_completed"),
+])
+#: Metrics shown as median [min, max] in the CSV.
+RANGED = ("output_throughput", "ttft_p95_ms", "tpot_p95_ms")
+
+
+class MatchError(ValueError):
+    """Runs that must not be compared were given together."""
+
+
+# ---------------------------------------------------------------------------------------------
+# Loading
+# ---------------------------------------------------------------------------------------------
+def provenance_path(report_path: Path) -> Path:
+    """``raw/X.json`` -> ``raw/X.provenance.json``."""
+    return report_path.with_name(report_path.name[: -len(".json")] + ".provenance.json")
+
+
+def parse_cell_id(cell: str) -> dict[str, str]:
+    """``scheduler~naive_policy~fcfs_..._rep~0`` -> ``{"scheduler": "naive", ..., "rep": "0"}``."""
+    out = {}
+    for part in cell.split("_"):
+        key, sep, value = part.partition("~")
+        if not sep:
+            raise ValueError(f"cell id {cell!r}: part {part!r} is not key~value")
+        out[key] = value
+    return out
+
+
+def _profile_sans_rate(profile: dict | None) -> str | None:
+    if not profile:
+        return None
+    p = json.loads(json.dumps(profile))
+    (p.get("arrival") or {}).pop("rate", None)
+    return json.dumps(p, sort_keys=True)
+
+
+def load_run(path: Path, sweep: str) -> dict[str, Any]:
+    """One run (report + provenance) flattened into the fields the tables need."""
+    report = json.loads(path.read_text())
+    prov_file = provenance_path(path)
+    prov = json.loads(prov_file.read_text()) if prov_file.exists() else {}
+    cell_id = path.name[: -len(".json")]
+    params = prov.get("params") or parse_cell_id(cell_id)
+    cfg = report.get("config") or {}
+    econf = report.get("engine_config") or {}
+    agg = report.get("aggregates") or {}
+    hw = dict(report.get("hardware") or {})
+    if prov.get("thread_env"):
+        hw["thread_env"] = prov["thread_env"]
+    versions = dict(report.get("versions") or {})
+    if prov.get("code_hash"):
+        versions["llmserve_code_hash"] = prov["code_hash"]
+    profile = report.get("profile") or {}
+    warm = (report.get("warmup") or {}).get("num_requests", cfg.get("warmup_requests"))
+    run = {
+        "path": str(path), "sweep": sweep, "cell": cell_id.rsplit("_rep~", 1)[0],
+        **{k: str(params.get(k)) for k in PARAM_COLUMNS}, "rep": str(params.get("rep", "0")),
+        "status": report.get("status") or "failed",
+        "error": report.get("error") or None,
+        "num_requests": agg.get("num_requests"),
+        "token_digest": report.get("token_digest"),
+        "temperature": profile.get("temperature"),
+        "created_at": report.get("created_at"),
+        "git_revision": (report.get("git") or {}).get("revision"),
+        "git_dirty": (report.get("git") or {}).get("dirty"),
+        # Fields that must agree for runs to be compared (None = unknown, e.g. a crash stub).
+        "match": OrderedDict([
+            ("load profile", _profile_sans_rate(profile)),
+            ("load profile name", profile.get("name")),
+            ("seed", report.get("seed")),
+            ("requests", (report.get("workload") or {}).get("num_requests", cfg.get("requests"))),
+            ("model", cfg.get("model") or econf.get("model")),
+            ("dtype", econf.get("dtype") or cfg.get("dtype")),
+            ("warm-up requests", warm),
+            ("software versions", json.dumps(versions, sort_keys=True) if versions else None),
+            ("hardware", json.dumps(hw, sort_keys=True) if hw else None),
+        ]),
+        "profile": profile, "versions": versions, "hardware": hw,
+    }
+    for col, key in METRICS.items():
+        v = agg.get(key)
+        run[col] = float(v) if isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v) else None
+    return run
+
+
+# ---------------------------------------------------------------------------------------------
+# Matching rules
+# ---------------------------------------------------------------------------------------------
+def check_matching(runs: list[dict[str, Any]]) -> OrderedDict:
+    """The common value of every matching field; raises :class:`MatchError` naming the field.
+
+    A field that is unknown (None) in a run, e.g. the load profile of a run that failed before
+    loading it, does not count as a difference.
+    """
+    common: OrderedDict = OrderedDict()
+    if not runs:
+        return common
+    for field in runs[0]["match"]:
+        by_value: dict[Any, list[str]] = OrderedDict()
+        for r in runs:
+            v = r["match"][field]
+            if v is not None:
+                by_value.setdefault(v, []).append(Path(r["path"]).name)
+        if len(by_value) > 1:
+            lines = []
+            for v, cells in by_value.items():
+                shown = v if len(str(v)) <= 300 else str(v)[:300] + "..."
+                more = f" (+{len(cells) - 3} more)" if len(cells) > 3 else ""
+                lines.append(f"  {shown}\n    in {', '.join(cells[:3])}{more}")
+            detail = _first_difference(list(by_value))
+            raise MatchError(
+                f"refusing to put runs side by side: {field!r} differs between runs"
+                f"{' (' + detail + ')' if detail else ''}:\n" + "\n".join(lines)
+                + "\nRerun the differing cells under the same conditions (e.g. `snakemake "
+                  "--forcerun benchmark_cell`), or keep them in separate profiles.")
+        common[field] = next(iter(by_value), None)
+    return common
+
+
+def _first_difference(values: list[Any]) -> str:
+    """For JSON-object values, the first key whose value differs (e.g. ``torch``)."""
+    try:
+        dicts = [json.loads(v) for v in values]
+    except (TypeError, ValueError):
+        return ""
+    if not all(isinstance(d, dict) for d in dicts):
+        return ""
+    for key in sorted(set().union(*dicts)):
+        vals = {json.dumps(d.get(key), sort_keys=True) for d in dicts}
+        if len(vals) > 1:
+            return f"first differing key {key!r}: " + " vs ".join(sorted(vals))
+    return ""
+
+
+# ---------------------------------------------------------------------------------------------
+# Aggregation
+# ---------------------------------------------------------------------------------------------
+def _digest_group(r: dict[str, Any]) -> tuple:
+    # Same prompts and output lengths (profile minus arrival rate, seed, request count), same
+    # weights (model, dtype, linear backend): greedy decoding must give the same tokens.
+    m = r["match"]
+    return (m["load profile"], m["seed"], m["requests"], m["model"], m["dtype"], r["linear"])
+
+
+def aggregate_cells(runs: list[dict[str, Any]], all_runs: list[dict[str, Any]]) -> pd.DataFrame:
+    """One row per cell (repetitions folded), in the order the cells were given."""
+    naive_digest: dict[tuple, str] = {}
+    for r in all_runs:
+        if r["scheduler"] == "naive" and r["status"] == "ok" and r["token_digest"]:
+            naive_digest.setdefault(_digest_group(r), r["token_digest"])
+    cells: OrderedDict[str, list[dict]] = OrderedDict()
+    for r in runs:
+        cells.setdefault(r["cell"], []).append(r)
+    rows = []
+    for cell, reps in cells.items():
+        ok = [r for r in reps if r["status"] == "ok"]
+        first = reps[0]
+        row: dict[str, Any] = {"sweep": first["sweep"], "cell": cell}
+        row.update({k: first[k] for k in PARAM_COLUMNS})
+        row["repetitions"] = len(reps)
+        row["runs_ok"] = len(ok)
+        row["status"] = ("ok" if len(ok) == len(reps) else "failed" if not ok
+                         else f"partial ({len(ok)}/{len(reps)} ok)")
+        row["num_requests"] = first["num_requests"]
+        src = ok or reps  # request counts of failed runs too: how far did they get?
+        done = [r["completed"] for r in src if r["completed"] is not None]
+        row["completed_median"] = float(pd.Series(done).median()) if done else None
+        for col in METRICS:
+            if col == "completed":
+                continue
+            vals = pd.Series([r[col] for r in ok if r[col] is not None], dtype="float64")
+            row[f"{col}_median"] = float(vals.median()) if len(vals) else None
+            if col in RANGED:
+                row[f"{col}_min"] = float(vals.min()) if len(vals) else None
+                row[f"{col}_max"] = float(vals.max()) if len(vals) else None
+        digests = sorted({r["token_digest"] for r in ok if r["token_digest"]})
+        row["token_digest"] = digests[0] if len(digests) == 1 else ("; ".join(digests) or None)
+        row["digest_agrees_with_naive"] = _digest_verdict(first, ok, digests, naive_digest)
+        errors = list(OrderedDict.fromkeys(r["error"] for r in reps if r["error"]))
+        row["error"] = " | ".join(errors) or None
+        rows.append(row)
+    return pd.DataFrame(rows)
+
+
+def _digest_verdict(first: dict, ok: list[dict], digests: list[str], naive: dict) -> str:
+    if not ok:
+        return "n/a (failed)"
+    if len(digests) > 1:
+        return "NO (repetitions differ)"
+    if first["scheduler"] == "naive":
+        return "reference"
+    ref = naive.get(_digest_group(first))
+    if ref is None:
+        return "n/a (no naive run)"
+    if digests and digests[0] == ref:
+        return "yes"
+    incomplete = [r for r in ok if r["completed"] is not None and r["num_requests"]
+                  and r["completed"] < r["num_requests"]]
+    if incomplete:
+        r = incomplete[0]
+        return f"NO ({int(r['num_requests'] - r['completed'])} requests not completed)"
+    return "NO"
+
+
+def add_baselines(failure: pd.DataFrame, main: pd.DataFrame, default_rate: str,
+                  default_blocks: str) -> pd.DataFrame:
+    """Failure-regime rows vs the same configuration at the default rate and KV budget."""
+    failure = failure.copy()
+    index = {tuple(r[k] for k in PARAM_COLUMNS): r for _, r in main.iterrows()}
+    base_cells, thr, ttft = [], [], []
+    for _, r in failure.iterrows():
+        key = dict((k, r[k]) for k in PARAM_COLUMNS)
+        key.update(rate=default_rate, blocks=default_blocks)
+        b = index.get(tuple(key[k] for k in PARAM_COLUMNS))
+        base_cells.append(None if b is None else b["cell"])
+        thr.append(_ratio(r.get("output_throughput_median"), None if b is None else b["output_throughput_median"]))
+        ttft.append(_ratio(r.get("ttft_p95_ms_median"), None if b is None else b["ttft_p95_ms_median"]))
+    failure["baseline_cell"] = base_cells
+    failure["output_throughput_vs_baseline"] = thr
+    failure["ttft_p95_vs_baseline"] = ttft
+    return failure
+
+
+def _ratio(a: Any, b: Any) -> float | None:
+    if a is None or b is None or pd.isna(a) or pd.isna(b) or b == 0:
+        return None
+    return float(a) / float(b)
+
+
+# ---------------------------------------------------------------------------------------------
+# Markdown
+# ---------------------------------------------------------------------------------------------
+def _num(v: Any, digits: int = 1) -> str:
+    if v is None or (isinstance(v, float) and math.isnan(v)):
+        return "–"
+    return f"{v:,.{digits}f}"
+
+
+def _ranged(row: pd.Series, stem: str, digits: int = 1) -> str:
+    med = row.get(f"{stem}_median")
+    if med is None or pd.isna(med):
+        return "–"
+    lo, hi = row.get(f"{stem}_min"), row.get(f"{stem}_max")
+    if row["runs_ok"] > 1 and lo is not None and hi is not None:
+        return f"{_num(med, digits)} [{_num(lo, digits)}–{_num(hi, digits)}]"
+    return _num(med, digits)
+
+
+def _pct(v: Any) -> str:
+    return "–" if v is None or pd.isna(v) else f"{100 * v:.1f}%"
+
+
+def _esc(text: Any, limit: int = 160) -> str:
+    if text is None or (isinstance(text, float) and math.isnan(text)):
+        return ""
+    s = str(text).replace("|", "\\|").replace("\n", " ")
+    return s if len(s) <= limit else s[: limit - 1] + "…"
+
+
+def _requests(row: pd.Series) -> str:
+    c, n = row.get("completed_median"), row.get("num_requests")
+    if c is None or pd.isna(c) or n is None or pd.isna(n):
+        return "–"
+    return f"{int(c) if float(c).is_integer() else c}/{int(n)}"
+
+
+def _chunk(v: str) -> str:
+    return "off" if str(v) == "0" else str(v)
+
+
+def header_lines(title: str, profile_name: str, common: OrderedDict, runs: list[dict]) -> list[str]:
+    """The run conditions every row shares (the matching fields), for the page header."""
+    any_run = next((r for r in runs if r["profile"]), runs[0] if runs else None)
+    prof = (any_run or {}).get("profile") or {}
+    versions = next((r["versions"] for r in runs if r["versions"]), {})
+    hw = next((r["hardware"] for r in runs if r["hardware"]), {})
+    revs = sorted({(r["git_revision"] or "?")[:12] + ("+dirty" if r["git_dirty"] else "")
+                   for r in runs})
+    created = sorted(r["created_at"] for r in runs if r["created_at"])
+    temp = prof.get("temperature")
+    sw = ", ".join(f"{k} {v}" for k, v in versions.items() if v and k != "llmserve_code_hash")
+    lines = [
+        f"# {title} — profile `{profile_name}`",
+        "",
+        "Generated by `workflow/scripts/aggregate_checkpoint3.py` from the raw reports in `raw/`;",
+        "do not edit. Columns and rules: `docs/benchmarking.md`. Every run below shares these",
+        "conditions (the aggregation refuses to combine runs that differ in any of them):",
+        "",
+        f"- **Load profile:** `{prof.get('name')}` — {prof.get('num_requests')} requests, "
+        f"seed {common.get('seed')}, dataset {(prof.get('dataset') or {}).get('kind')}, "
+        f"prompt_len {_lenspec(prof.get('prompt_len'))}, output_len {_lenspec(prof.get('output_len'))}, "
+        f"arrival burstiness {(prof.get('arrival') or {}).get('burstiness')}, "
+        f"ignore_eos {prof.get('ignore_eos')}, "
+        f"temperature {temp} ({'greedy' if temp == 0 else 'sampling'})",
+        f"- **Warm-up:** {common.get('warm-up requests')} request(s) before measuring, excluded from statistics",
+        f"- **Model:** `{common.get('model')}`, dtype {common.get('dtype')}",
+        f"- **Hardware:** {hw.get('device')} — {hw.get('device_name')}"
+        + (f", {hw.get('cpu_count')} CPU cores" if hw.get("cpu_count") else "")
+        + (f", torch threads (OMP_NUM_THREADS) {hw['thread_env'].get('OMP_NUM_THREADS')}"
+           if hw.get("thread_env") else "")
+        + (f", {hw.get('gpu_count')} x {hw.get('gpu_name')}" if hw.get("gpu_name") else ""),
+        f"- **Software:** {sw}",
+        f"- **llmserve code hash:** `{(versions.get('llmserve_code_hash') or '?')[:16]}`; "
+        f"git {', '.join(revs) or '?'}",
+        f"- **Runs:** {len(runs)} ({', '.join(created[:1] + created[-1:]) if created else '?'})",
+        "",
+    ]
+    return lines
+
+
+def _lenspec(spec: dict | None) -> str:
+    if not spec:
+        return "?"
+    d = spec.get("distribution")
+    if d == "fixed":
+        return f"fixed {spec.get('value')}"
+    rng = f"[{spec.get('min')}, {spec.get('max')}]"
+    return f"{d} {rng}" + (f" median {spec.get('median')}" if spec.get("median") else "")
+
+
+def summary_markdown(df: pd.DataFrame, header: list[str], digest_groups: list[str]) -> str:
+    lines = list(header)
+    lines += ["## Results", "",
+              "Median over successful repetitions, [min–max] when there are several. TTFT/TPOT in ms.",
+              "",
+              "| Scheduler | Policy | Batch | Chunk | Linear | Attn | Output tok/s | p95 TTFT ms "
+              "| p95 TPOT ms | KV reduction vs contiguous | KV peak | Preempt | Requests | Status "
+              "| Digest = naive | Error |",
+              "|---|---|---:|---|---|---|---:|---:|---:|---:|---:|---:|---:|---|---|---|"]
+    for _, r in df.iterrows():
+        lines.append(
+            f"| {r['scheduler']} | {r['policy']} | {r['batch']} | {_chunk(r['chunk'])} | {r['linear']} "
+            f"| {r['attn']} | {_ranged(r, 'output_throughput')} | {_ranged(r, 'ttft_p95_ms', 0)} "
+            f"| {_ranged(r, 'tpot_p95_ms', 2)} | {_pct(r['kv_memory_reduction_median'])} "
+            f"| {_pct(r['kv_usage_peak_median'])} | {_num(r['preemptions_median'], 0)} "
+            f"| {_requests(r)} | {r['status']} | {r['digest_agrees_with_naive']} | {_esc(r['error'])} |")
+    lines += ["", *digest_groups]
+    return "\n".join(lines) + "\n"
+
+
+def failure_markdown(df: pd.DataFrame, header: list[str], digest_groups: list[str]) -> str:
+    lines = list(header)
+    lines += ["## Failure regimes", "",
+              "Past saturation (arrival rates above what the configuration sustains, `inf` = all at",
+              "t = 0) and KV caches too small for the load (`blocks`: preemption by recompute,",
+              "rejections). Ratios compare with the same configuration at the default rate and KV",
+              "budget (`vs base`); failed cells and regressions stay in the table.",
+              "",
+              "| Scheduler | Policy | Batch | Chunk | Rate | Blocks | Output tok/s | vs base "
+              "| p95 TTFT ms | vs base | p95 TPOT ms | Preempt | Recomputed tok | KV peak "
+              "| Requests | Status | Digest = naive | Error |",
+              "|---|---|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---|---|---|"]
+    for _, r in df.iterrows():
+        lines.append(
+            f"| {r['scheduler']} | {r['policy']} | {r['batch']} | {_chunk(r['chunk'])} | {r['rate']} "
+            f"| {r['blocks']} | {_ranged(r, 'output_throughput')} "
+            f"| {_times(r['output_throughput_vs_baseline'])} | {_ranged(r, 'ttft_p95_ms', 0)} "
+            f"| {_times(r['ttft_p95_vs_baseline'])} | {_ranged(r, 'tpot_p95_ms', 2)} "
+            f"| {_num(r['preemptions_median'], 0)} | {_num(r['recomputed_tokens_median'], 0)} "
+            f"| {_pct(r['kv_usage_peak_median'])} | {_requests(r)} | {r['status']} "
+            f"| {r['digest_agrees_with_naive']} | {_esc(r['error'])} |")
+    lines += ["", *digest_groups]
+    return "\n".join(lines) + "\n"
+
+
+def _times(v: Any) -> str:
+    return "–" if v is None or pd.isna(v) else f"×{v:.2f}"
+
+
+def digest_group_lines(df: pd.DataFrame) -> list[str]:
+    """Which cells generated identical tokens (groups by digest, per linear backend)."""
+    lines = ["## Output digests", "",
+             "sha256 of all generated token ids in request order (`token_digest`). Cells with the",
+             "same digest generated exactly the same tokens; under greedy decoding every scheduler,",
+             "batch size, chunk size and attention backend should land in the naive control's group.",
+             ""]
+    for linear, part in df.groupby("linear", sort=False):
+        groups: OrderedDict[str, list[str]] = OrderedDict()
+        for _, r in part.iterrows():
+            key = r["token_digest"] if isinstance(r["token_digest"], str) else "(no digest: failed)"
+            label = (f"{r['scheduler']}/{r['policy']} b{r['batch']} chunk {_chunk(r['chunk'])} "
+                     f"attn {r['attn']}" + (f" rate {r['rate']}" if r["rate"] != "profile" else "")
+                     + (f" blocks {r['blocks']}" if r["blocks"] != "auto" else ""))
+            groups.setdefault(key, []).append(label)
+        lines.append(f"- linear backend `{linear}`:")
+        for digest, labels in groups.items():
+            shown = f"`{digest[:16]}`" if not digest.startswith("(") else digest
+            lines.append(f"  - {shown}: {'; '.join(labels)}")
+    return lines + [""]
+
+
+# ---------------------------------------------------------------------------------------------
+# CLI
+# ---------------------------------------------------------------------------------------------
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--profile", required=True, help="matrix profile name (for the headers)")
+    p.add_argument("--main", nargs="+", type=Path, required=True, help="reports of the main sweep")
+    p.add_argument("--failure-regimes", nargs="*", type=Path, default=[],
+                   help="reports of the failure-regime sweep")
+    p.add_argument("--default-rate", default="profile", help="the matrix's default rate value")
+    p.add_argument("--default-blocks", default="auto", help="the matrix's default blocks value")
+    p.add_argument("--summary-csv", type=Path, required=True)
+    p.add_argument("--summary-md", type=Path, required=True)
+    p.add_argument("--failure-csv", type=Path, required=True)
+    p.add_argument("--failure-md", type=Path, required=True)
+    a = p.parse_args(argv)
+
+    main_runs = [load_run(f, "main") for f in a.main]
+    fail_runs = [load_run(f, "failure_regimes") for f in a.failure_regimes]
+    all_runs = main_runs + fail_runs
+    try:
+        common = check_matching(all_runs)
+    except MatchError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 1
+
+    main_df = aggregate_cells(main_runs, all_runs)
+    fail_df = aggregate_cells(fail_runs, all_runs) if fail_runs else pd.DataFrame(columns=main_df.columns)
+    fail_df = add_baselines(fail_df, main_df, a.default_rate, a.default_blocks)
+
+    for path in (a.summary_csv, a.summary_md, a.failure_csv, a.failure_md):
+        path.parent.mkdir(parents=True, exist_ok=True)
+    main_df.to_csv(a.summary_csv, index=False, float_format="%.6g")
+    fail_df.to_csv(a.failure_csv, index=False, float_format="%.6g")
+    a.summary_md.write_text(summary_markdown(
+        main_df, header_lines("Checkpoint 3: batching, scheduling, chunked prefill", a.profile,
+                              common, all_runs), digest_group_lines(main_df)))
+    a.failure_md.write_text(failure_markdown(
+        fail_df, header_lines("Checkpoint 3: failure regimes", a.profile, common, all_runs),
+        digest_group_lines(fail_df) if len(fail_df) else []))
+    n_failed = int((main_df["status"] != "ok").sum()) + int((fail_df["status"] != "ok").sum())
+    print(f"aggregated {len(all_runs)} runs into {len(main_df)} + {len(fail_df)} cells "
+          f"({n_failed} not ok) -> {a.summary_md}, {a.failure_md}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
