@@ -33,6 +33,7 @@ import math
 import os
 import sys
 import time
+import zlib
 from pathlib import Path
 
 import torch
@@ -75,13 +76,17 @@ def log(*a):
         print(f"[{time.time() - T0:6.1f}s]", *a, flush=True)
 
 
-def mine() -> bool:
-    """Each kernel configuration the run will launch is one 'unit'. Pre-compile workers
-    (``WARM``) each launch every W-th unit once so Triton's on-disk cache is filled in
-    parallel; the main process then finds every kernel compiled."""
+def mine(key=None) -> bool:
+    """Whether this process runs the next launch. Pre-compile workers (``WARM``) each take the
+    launches whose compile ``key`` (the constexprs and specialisations that select a binary)
+    hashes to them, so every binary is compiled once, in parallel, into Triton's on-disk cache;
+    the main process (``WARM is None``) runs everything and finds every kernel compiled."""
     global _UNIT
     _UNIT += 1
-    return WARM is None or (_UNIT - 1) % WARM[1] == WARM[0]
+    if WARM is None:
+        return True
+    h = zlib.crc32(repr(key).encode()) if key is not None else _UNIT
+    return h % WARM[1] == WARM[0]
 
 
 # ---------------------------------------------------------------------------------------------
@@ -255,7 +260,7 @@ def parity(cfg) -> list[dict]:
             variants.append(("prefill kernel only", lambda: paged_attention_prefill(q, kc, vc, meta, d ** -0.5)))
         ref = None
         for vname, fn in variants:
-            if not mine():
+            if not mine(("attn", name, vname)):
                 continue
             if WARM is not None:
                 fn()
@@ -284,7 +289,7 @@ def parity(cfg) -> list[dict]:
             if c0.split_k > 1:
                 variants.append(("fused_reduce", Int8LinearConfig(**{**_cfg_dict(c0), "fused_reduce": not c0.fused_reduce})))
             for vname, cc in variants:
-                if not mine():
+                if not mine(_i8key(m, cc)):
                     continue
                 if WARM is not None:
                     int8_linear(x, w_q, scale, config=cc)
@@ -299,6 +304,10 @@ def parity(cfg) -> list[dict]:
                 rows.append(dict(kernel="int8_linear", case=f"M={m} K={k} N={n} [{vname}]", rel_err=e, ok=ok))
                 log(f"parity int8 M={m} K={k} N={n} [{vname}]: rel err {e:.2e} {'OK' if ok else 'FAIL'}")
     return rows
+
+
+def _i8key(m: int, c: Int8LinearConfig):
+    return ("i8", m == 1, m > 64, c.split_k > 1, tuple(_cfg_dict(c).values()))
 
 
 def _cfg_dict(c: Int8LinearConfig) -> dict:
@@ -325,7 +334,7 @@ def bench_decode(cfg, bw_meas) -> tuple[list[dict], list[dict]]:
         kc, vc, sets = paged_inputs(seqs, bs, hq, hkv, d, dtype, copies=copies)
         reps = max(copies, 20)
         fns = [lambda q=q, m=m: paged_attention_decode(q, kc, vc, m, scale) for q, m in sets]
-        if mine():
+        if mine(("dec-default", choose_num_splits(b, hkv, ctx, 64, _sms()) > 1)):
             us = time_graph(fns, reps)
             splits = choose_num_splits(b, hkv, ctx, 64, _sms())
             row = dict(batch=b, context=ctx, impl="triton", num_splits=splits, us=us,
@@ -348,7 +357,8 @@ def bench_decode(cfg, bw_meas) -> tuple[list[dict], list[dict]]:
             for bn, warps, stages in cfg.decode_sweep_cfgs:
                 for ns in cfg.decode_sweep_splits:
                     for fused in (False, True):
-                        if (ns == 1 and fused) or not mine() or time.time() - T0 > cfg.sweep_deadline_s:
+                        if (ns == 1 and fused) or not mine(("dec", bn, warps, stages, ns > 1, fused)) \
+                                or time.time() - T0 > cfg.sweep_deadline_s:
                             continue
                         f2 = [lambda q=q, m=m: paged_attention_decode(
                             q, kc, vc, m, scale, num_splits=ns, block_n=bn, num_warps=warps,
@@ -376,14 +386,14 @@ def bench_prefill(cfg) -> tuple[list[dict], list[dict]]:
         flops = attn_flops(seqs, hq, d)
         kc, vc, sets = paged_inputs(seqs, bs, hq, hkv, d, dtype, copies=2)
         fns = [lambda q=q, m=m: paged_attention_triton(q, kc, vc, m, scale) for q, m in sets]
-        if mine():
+        if mine(("prefill-default", name)):
             us = time_graph(fns, 4, 10)
             rows.append(dict(case=name, impl="triton", us=us, tflops=flops / us / 1e6,
                              frac_ref_flops=flops / (us * 1e-6) / REF_FLOPS))
             log(f"prefill {name}: triton {us:.1f} us, {flops / us / 1e6:.0f} TFLOP/s")
         if cfg.sweep and pi == 0:
             for bm, bn, warps, stages in cfg.prefill_sweep_cfgs:
-                if not mine() or time.time() - T0 > cfg.sweep_deadline_s:
+                if not mine(("pf", bm, bn, warps, stages)) or time.time() - T0 > cfg.sweep_deadline_s:
                     continue
                 f2 = [lambda q=q, m=m: paged_attention_prefill(q, kc, vc, m, scale, block_m=bm, block_n=bn,
                                                                num_warps=warps, num_stages=stages)
@@ -438,7 +448,7 @@ def bench_int8(cfg) -> tuple[list[dict], list[dict]]:
             reps = max(copies_q, 20) if m <= 64 else max(copies_q, 8)
             q_fns = [lambda i=i: int8_linear(x, w_q[i], sc[i]) for i in range(copies_q)]
             b_fns = [lambda i=i: F.linear(x, w_b[i]) for i in range(copies_b)]
-            if mine():
+            if mine(_i8key(m, c)):
                 us_q = time_graph(q_fns, reps)
                 us_b = time_graph(b_fns, max(copies_b, 20) if m <= 64 else max(copies_b, 8))
                 bytes_q = n * k + 2 * m * k + 2 * m * n + 4 * n
@@ -478,7 +488,7 @@ def bench_int8(cfg) -> tuple[list[dict], list[dict]]:
                     if cc in seen:
                         continue
                     seen.add(cc)
-                    if not mine() or time.time() - T0 > cfg.sweep_deadline_s:
+                    if not mine(_i8key(m, cc)) or time.time() - T0 > cfg.sweep_deadline_s:
                         continue
                     f2 = [lambda i=i, cc=cc: int8_linear(x, w_q[i], sc[i], config=cc) for i in range(copies_q)]
                     try:

@@ -238,6 +238,5 @@ def test_gpu_bf16_parity_qwen25_05b_shapes(tmp_path):
     spec.loader.exec_module(mod)
     res = mod.run_parity(tmp_path, device="cuda", dtype="bfloat16")
     print(json.dumps(res, indent=2))
-    for path in ("reference", "paged"):
-        assert res[path]["top1_agreement_vs_hf"] >= 0.99, res
-        assert res[path]["rel_err_vs_hf"] <= 1e-2, res
+    assert not res["failures"], res["failures"]
+    assert res["reference"]["top1_agreement_vs_hf"] >= 0.99 and res["paged"]["top1_agreement_vs_hf"] >= 0.99

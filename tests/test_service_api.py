@@ -204,8 +204,8 @@ def test_multibyte_output_is_valid_utf8_when_streamed(client, engine):
     (the model emitted invalid UTF-8), and the concatenation equals the non-streamed text."""
     rng = random.Random(3)
     seen_split = False
-    for i in range(4):
-        body = {"prompt": [rng.randrange(100, 150000) for _ in range(4)], "max_tokens": 20,
+    for i in range(3):
+        body = {"prompt": [rng.randrange(100, 150000) for _ in range(4)], "max_tokens": 16,
                 "temperature": 1.0, "seed": i, "ignore_eos": True}
         with ThreadPoolExecutor(1) as pool:  # both at once: they share engine steps
             fut = pool.submit(client.post, "/v1/completions", json={**body, "logprobs": 0})
@@ -314,9 +314,12 @@ def test_disconnect_mid_stream_returns_blocks(server, engine):
         assert first[0].startswith("data: ")
         assert engine.stats()["num_running"] == 1
         assert engine.stats()["num_free_blocks"] < engine.stats()["num_total_blocks"]
-    t0 = time.monotonic()
+        steps_at_close = engine.stats()["num_steps"]
     assert_idle(engine, timeout=5.0)
-    assert time.monotonic() - t0 < 5.0
+    # aborted before the engine's next step, give or take the step in flight and the time the
+    # server needs to notice the closed socket
+    print("STEPS AFTER CLOSE", engine.stats()["num_steps"] - steps_at_close)
+    assert engine.stats()["num_steps"] - steps_at_close <= 3
 
 
 def test_disconnect_non_streaming_returns_blocks(server, engine):
@@ -504,7 +507,10 @@ def test_schemathesis_completions_never_5xx(engine):
 
     app = create_app(engine, served_model_name="tiny", max_model_len=20, max_choices=2)
     with BackgroundServer(app) as srv:
-        schema = schemathesis.openapi.from_url(srv.url + "/openapi.json")
+        if hasattr(schemathesis, "openapi") and hasattr(schemathesis.openapi, "from_url"):
+            schema = schemathesis.openapi.from_url(srv.url + "/openapi.json")  # schemathesis 4
+        else:
+            schema = schemathesis.from_uri(srv.url + "/openapi.json")  # schemathesis 3
         op = schema["/v1/completions"]["POST"]
         seen: dict[int, int] = {}
         t0 = time.monotonic()

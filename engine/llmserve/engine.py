@@ -163,11 +163,31 @@ class LLMEngine(_EngineBase):
         self.block_manager = BlockManager(self.kv_cache.num_blocks, self.block_size)
         sched_cfg = dataclasses.replace(config.scheduler, max_model_len=self.max_model_len)
         self.scheduler = Scheduler(sched_cfg, self.block_manager)
-        self.runner = ModelRunner(self.model, self.kv_cache.kv_caches, self.block_size, self.device)
+        forward, graphs = self._build_fast_path(config)
+        self.runner = ModelRunner(self.model, self.kv_cache.kv_caches, self.block_size, self.device,
+                                  forward=forward, cuda_graphs=graphs)
         self._seqs: dict[str, Sequence] = {}
         self._callbacks: dict[str, TokenCallback] = {}
         self.num_steps = 0
         self.max_blocks_in_use = 0
+
+    def _build_fast_path(self, config: EngineConfig):
+        """On CUDA: the fused forward (Triton norm/rope/silu kernels, packed QKV and gate-up
+        GEMMs) and, with the Triton attention backend and ``use_cuda_graph``, decode graphs.
+        On CPU: the readable path only."""
+        if self.device.type != "cuda":
+            return None, None
+        from .cuda_graph import CUDAGraphDecodeRunner
+        from .models.fast_forward import FastQwen2Forward
+
+        fast = FastQwen2Forward(self.model)
+        graphs = None
+        if config.attention_backend == "triton" and config.use_cuda_graph:
+            graphs = CUDAGraphDecodeRunner(fast, self.model.compute_logits, self.kv_cache.kv_caches,
+                                           self.block_size, config.scheduler.max_num_seqs,
+                                           self.max_model_len, self.device)
+            graphs.capture()
+        return fast, graphs
 
     def check_request(self, prompt: str | list[int], sampling_params: SamplingParams | None = None) -> list[int]:
         """Validate a request without queueing it; return its prompt ids.

@@ -48,12 +48,18 @@ class ModelRunner:
     """
 
     def __init__(self, model: torch.nn.Module, kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
-                 block_size: int, device: torch.device | str) -> None:
+                 block_size: int, device: torch.device | str, forward=None, cuda_graphs=None) -> None:
         self.model = model
         self.kv_caches = kv_caches
         self.block_size = block_size
         self.device = torch.device(device)
         self._pin = self.device.type == "cuda"
+        # ``forward``: the fused path (models/fast_forward.py) when enabled, else the model.
+        self.forward = forward or model
+        # ``cuda_graphs``: a CUDAGraphDecodeRunner replaying decode-only steps, or None.
+        self.cuda_graphs = cuda_graphs
+        self.num_graph_steps = 0
+        self.num_eager_steps = 0
 
     def _to_device(self, array: np.ndarray, dtype: torch.dtype) -> torch.Tensor:
         t = torch.from_numpy(array).to(dtype)
@@ -110,17 +116,51 @@ class ModelRunner:
             sample_seq_indices=sample_idx,
         )
 
+    def _try_graph(self, scheduled: list) -> tuple[torch.Tensor, list[int]] | None:
+        """Replay a captured graph when every sequence decodes exactly one token."""
+        g = self.cuda_graphs
+        b = len(scheduled)
+        if g is None or b > g.max_batch:
+            return None
+        bs = self.block_size
+        ids = np.empty(b, dtype=np.int64)
+        pos = np.empty(b, dtype=np.int64)
+        slots = np.empty(b, dtype=np.int64)
+        tables = []
+        for i, item in enumerate(scheduled):
+            seq = item.seq
+            c = seq.num_computed_tokens
+            if item.num_new_tokens != 1 or c + 1 != seq.num_tokens:
+                return None
+            ids[i] = seq.output_token_ids[-1] if seq.output_token_ids else seq.prompt_token_ids[-1]
+            pos[i] = c
+            slots[i] = seq.block_ids[c // bs] * bs + c % bs
+            tables.append(seq.block_ids)
+        width = max(len(t) for t in tables)
+        if width > g.max_blocks:
+            return None
+        table = np.zeros((b, width), dtype=np.int64)
+        for i, t in enumerate(tables):
+            table[i, :len(t)] = t
+        logits = g.run(ids, pos, slots, pos + 1, table)
+        self.num_graph_steps += 1
+        return logits, list(range(b))
+
     @torch.inference_mode()
     def execute(self, scheduled: list) -> tuple[torch.Tensor, list[int]]:
-        """Run one forward pass.
+        """Run one forward pass (a CUDA-graph replay for decode-only steps when available).
 
         Returns:
             ``(logits [S, vocab] float32, sample_seq_indices)``: logits for the sequences that
             caught up this step, and their indices in ``scheduled``.
         """
+        replay = self._try_graph(scheduled)
+        if replay is not None:
+            return replay
+        self.num_eager_steps += 1
         inp = self.prepare(scheduled)
-        hidden = self.model(inp.input_ids, inp.positions, self.kv_caches, inp.attn_metadata)  # [N, H]
+        hidden = self.forward(inp.input_ids, inp.positions, self.kv_caches, inp.attn_metadata)  # [N, H]
         if not inp.sample_seq_indices:
             return hidden.new_empty((0, 0), dtype=torch.float32), []
-        logits = self.model.compute_logits(hidden[inp.sample_rows])                          # [S, V]
+        logits = self.model.compute_logits(hidden[inp.sample_rows])                            # [S, V]
         return logits, inp.sample_seq_indices

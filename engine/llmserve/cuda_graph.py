@@ -1,0 +1,156 @@
+"""CUDA-graph replay of decode steps, one graph per batch-size bucket.
+
+A decode step of a small model is launch-bound: hundreds of short kernels whose CPU launch
+cost exceeds their GPU time. Capturing the whole step (embedding -> layers -> logits) once per
+batch-size bucket and replaying it removes the per-kernel launch cost (the technique vLLM and
+SGLang use; CUDA Programming Guide, "CUDA Graphs").
+
+Static inputs live in one device buffer filled by a single host-to-device copy from a pinned
+staging buffer: token ids, positions, slot mapping, context lengths and the block table, each a
+view into it. A batch of ``b`` sequences runs in the smallest bucket ``>= b``; the padding rows
+write their K/V to the scratch block (slot ``-1``) and read a 1-token context, and their logits
+are discarded. The attention metadata's ``max_context_len`` is fixed at capture time to the
+engine's ``max_model_len``, so the kernel grid never changes between replays.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+from .attention.metadata import AttentionMetadata
+
+
+def default_buckets(max_batch: int) -> list[int]:
+    """1, 2, 4, 8, then multiples of 16 up to ``max_batch`` (inclusive)."""
+    out = [b for b in (1, 2, 4, 8) if b <= max_batch]
+    out += list(range(16, max_batch + 1, 16))
+    if not out or out[-1] != max_batch:
+        out.append(max_batch)
+    return sorted(set(out))
+
+
+class CUDAGraphDecodeRunner:
+    """Captures and replays decode steps.
+
+    Args:
+        forward: ``(input_ids, positions, kv_caches, meta) -> hidden [N, H]``.
+        compute_logits: ``hidden [N, H] -> logits [N, V]`` float32.
+        kv_caches: per-layer ``(k, v)`` cache tensors.
+        block_size: tokens per block.
+        max_batch: largest bucket (the scheduler's ``max_num_seqs``).
+        max_model_len: longest sequence; fixes the block-table width and the attention grid.
+        device: a CUDA device.
+    """
+
+    def __init__(self, forward, compute_logits, kv_caches, block_size: int, max_batch: int,
+                 max_model_len: int, device: torch.device) -> None:
+        self.forward = forward
+        self.compute_logits = compute_logits
+        self.kv_caches = kv_caches
+        self.block_size = block_size
+        self.max_model_len = max_model_len
+        self.device = device
+        self.buckets = default_buckets(max_batch)
+        self.max_batch = self.buckets[-1]
+        self.max_blocks = (max_model_len + block_size - 1) // block_size
+        b, nb = self.max_batch, self.max_blocks
+        # Layout of the packed int64 input buffer: ids | positions | slots | ctx_lens | table
+        self._sizes = [b, b, b, b, b * nb]
+        self._offsets = np.cumsum([0] + self._sizes)
+        total = int(self._offsets[-1])
+        self._host = torch.zeros(total, dtype=torch.int64, pin_memory=True)
+        self._host_np = self._host.numpy()
+        self._dev = torch.zeros(total, dtype=torch.int64, device=device)
+        o = self._offsets
+        self.input_ids = self._dev[o[0]:o[1]]
+        self.positions = self._dev[o[1]:o[2]]
+        self.slots = self._dev[o[2]:o[3]]
+        self.ctx_lens64 = self._dev[o[3]:o[4]]
+        self.table64 = self._dev[o[4]:o[5]].view(b, nb)
+        # The kernels take int32 metadata; these are refreshed inside the graph.
+        self.ctx_lens = torch.zeros(b, dtype=torch.int32, device=device)
+        self.block_tables = torch.zeros(b, nb, dtype=torch.int32, device=device)
+        self.query_start_loc = torch.arange(b + 1, dtype=torch.int32, device=device)
+        self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
+        self.outputs: dict[int, torch.Tensor] = {}
+        self.pool = None
+
+    def _meta(self, b: int) -> AttentionMetadata:
+        return AttentionMetadata(
+            slot_mapping=self.slots[:b], query_start_loc=self.query_start_loc[:b + 1],
+            context_lens=self.ctx_lens[:b], block_tables=self.block_tables[:b],
+            max_query_len=1, max_context_len=self.max_model_len, block_size=self.block_size,
+            is_decode_only=True)
+
+    def _run(self, b: int) -> torch.Tensor:
+        self.ctx_lens[:b].copy_(self.ctx_lens64[:b])
+        self.block_tables[:b].copy_(self.table64[:b])
+        hidden = self.forward(self.input_ids[:b], self.positions[:b], self.kv_caches, self._meta(b))
+        return self.compute_logits(hidden)                                    # [b, V]
+
+    @torch.inference_mode()
+    def capture(self) -> None:
+        """Capture every bucket, largest first (smaller graphs reuse its memory pool)."""
+        # Padding values: slot -1 (scratch), context 1, block 0 -> harmless reads.
+        self._fill_padding(0)
+        self._dev.copy_(self._host)
+        torch.cuda.synchronize(self.device)
+        stream = torch.cuda.Stream(self.device)
+        stream.wait_stream(torch.cuda.current_stream(self.device))
+        with torch.cuda.stream(stream):
+            for b in reversed(self.buckets):
+                for _ in range(2):                                            # warm-up / autotune
+                    self._run(b)
+                torch.cuda.synchronize(self.device)
+                g = torch.cuda.CUDAGraph()
+                with torch.cuda.graph(g, pool=self.pool, stream=stream):
+                    self.outputs[b] = self._run(b)
+                if self.pool is None:
+                    self.pool = g.pool()
+                self.graphs[b] = g
+        torch.cuda.current_stream(self.device).wait_stream(stream)
+        torch.cuda.synchronize(self.device)
+
+    def _fill_padding(self, start: int) -> None:
+        o, h = self._offsets, self._host_np
+        h[o[0] + start:o[1]] = 0
+        h[o[1] + start:o[2]] = 0
+        h[o[2] + start:o[3]] = -1
+        h[o[3] + start:o[4]] = 1
+        h[o[4] + start * self.max_blocks:o[5]] = 0
+
+    def bucket_for(self, b: int) -> int | None:
+        for s in self.buckets:
+            if s >= b:
+                return s
+        return None
+
+    def run(self, token_ids: np.ndarray, positions: np.ndarray, slots: np.ndarray,
+            context_lens: np.ndarray, block_tables: np.ndarray) -> torch.Tensor:
+        """Replay the bucket graph for ``b = len(token_ids)`` decode rows.
+
+        Args:
+            token_ids, positions, slots, context_lens: ``[b]`` int64 arrays.
+            block_tables: ``[b, w]`` int64 with ``w <= max_blocks``.
+
+        Returns:
+            logits ``[b, V]`` float32 (a view of the graph's static output: consume before the
+            next replay).
+        """
+        b = len(token_ids)
+        bucket = self.bucket_for(b)
+        o, h = self._offsets, self._host_np
+        h[o[0]:o[0] + b] = token_ids
+        h[o[1]:o[1] + b] = positions
+        h[o[2]:o[2] + b] = slots
+        h[o[3]:o[3] + b] = context_lens
+        table = h[o[4]:o[5]].reshape(self.max_batch, self.max_blocks)
+        table[:b] = 0
+        table[:b, :block_tables.shape[1]] = block_tables
+        self._fill_padding(b)
+        n = int(o[4] + bucket * self.max_blocks)
+        self._dev[:n].copy_(self._host[:n], non_blocking=True)               # one H2D copy
+        # ids/pos/slots/ctx for rows < bucket live before o[4]; the table rows after it
+        self.graphs[bucket].replay()
+        return self.outputs[bucket][:b]
