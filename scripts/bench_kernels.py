@@ -307,7 +307,9 @@ def parity(cfg) -> list[dict]:
 
 
 def _i8key(m: int, c: Int8LinearConfig):
-    return ("i8", m == 1, m > 64, c.split_k > 1, tuple(_cfg_dict(c).values()))
+    d = _cfg_dict(c)
+    d.pop("split_k")
+    return ("i8", m, c.split_k > 1, tuple(d.values()))
 
 
 def _cfg_dict(c: Int8LinearConfig) -> dict:
@@ -324,6 +326,7 @@ def _sms() -> int:
 
 def bench_decode(cfg, bw_meas) -> tuple[list[dict], list[dict]]:
     rows, sweep = [], []
+    t_sec = time.time()
     hq, hkv, d, bs, dtype = cfg.hq, cfg.hkv, cfg.d, 16, cfg.dtype
     elt = torch.finfo(dtype).bits // 8
     scale = d ** -0.5
@@ -358,7 +361,7 @@ def bench_decode(cfg, bw_meas) -> tuple[list[dict], list[dict]]:
                 for ns in cfg.decode_sweep_splits:
                     for fused in (False, True):
                         if (ns == 1 and fused) or not mine(("dec", bn, warps, stages, ns > 1, fused)) \
-                                or time.time() - T0 > cfg.sweep_deadline_s:
+                                or time.time() - t_sec > cfg.budget['decode']:
                             continue
                         f2 = [lambda q=q, m=m: paged_attention_decode(
                             q, kc, vc, m, scale, num_splits=ns, block_n=bn, num_warps=warps,
@@ -380,6 +383,7 @@ def bench_decode(cfg, bw_meas) -> tuple[list[dict], list[dict]]:
 
 def bench_prefill(cfg) -> tuple[list[dict], list[dict]]:
     rows, sweep = [], []
+    t_sec = time.time()
     hq, hkv, d, bs, dtype = cfg.hq, cfg.hkv, cfg.d, 16, cfg.dtype
     scale = d ** -0.5
     for pi, (name, seqs) in enumerate(cfg.prefill_points):
@@ -393,7 +397,7 @@ def bench_prefill(cfg) -> tuple[list[dict], list[dict]]:
             log(f"prefill {name}: triton {us:.1f} us, {flops / us / 1e6:.0f} TFLOP/s")
         if cfg.sweep and pi == 0:
             for bm, bn, warps, stages in cfg.prefill_sweep_cfgs:
-                if not mine(("pf", bm, bn, warps, stages)) or time.time() - T0 > cfg.sweep_deadline_s:
+                if not mine(("pf", bm, bn, warps, stages)) or time.time() - t_sec > cfg.budget['prefill']:
                     continue
                 f2 = [lambda q=q, m=m: paged_attention_prefill(q, kc, vc, m, scale, block_m=bm, block_n=bn,
                                                                num_warps=warps, num_stages=stages)
@@ -434,6 +438,7 @@ def bench_prefill(cfg) -> tuple[list[dict], list[dict]]:
 
 def bench_int8(cfg) -> tuple[list[dict], list[dict]]:
     rows, sweep = [], []
+    t_sec = time.time()
     dtype = cfg.dtype
     sms = _sms()
     for (k, n) in cfg.int8_shapes:
@@ -488,7 +493,7 @@ def bench_int8(cfg) -> tuple[list[dict], list[dict]]:
                     if cc in seen:
                         continue
                     seen.add(cc)
-                    if not mine(_i8key(m, cc)) or time.time() - T0 > cfg.sweep_deadline_s:
+                    if not mine(_i8key(m, cc)) or time.time() - t_sec > cfg.budget['int8']:
                         continue
                     f2 = [lambda i=i, cc=cc: int8_linear(x, w_q[i], sc[i], config=cc) for i in range(copies_q)]
                     try:
@@ -584,7 +589,8 @@ def targets(res) -> dict:
 class Cfg:
     def __init__(self, smoke: bool, sweep: bool, deadline: float):
         self.sweep = sweep
-        self.sweep_deadline_s = deadline
+        # seconds of each section after which no further sweep point is started
+        self.budget = dict(decode=0.3 * deadline, int8=0.55 * deadline, prefill=0.15 * deadline)
         if smoke:  # CPU interpreter smoke test: tiny shapes, fp16
             self.dtype = torch.float16
             self.hq, self.hkv, self.d = 12, 2, 32
@@ -673,7 +679,7 @@ def main(argv=None) -> int:
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     p.add_argument("--no-sweep", action="store_true", help="skip the config sweeps")
     p.add_argument("--sweep-deadline", type=float, default=150.0,
-                   help="stop starting sweep points after this many seconds of run time")
+                   help="seconds of sweeping in all (30%% decode, 55%% int8, 15%% prefill)")
     p.add_argument("--workers", type=int, default=min(12, max(1, (os.cpu_count() or 2) - 2)),
                    help="processes that pre-compile the kernels in parallel (0: none)")
     p.add_argument("--skip", default="", help="comma list of sections to skip: prefill,int8,decode")

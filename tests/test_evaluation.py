@@ -280,8 +280,27 @@ class FakeEngine:
         return [SimpleNamespace(output_token_ids=[p[0]] * params.max_tokens) for p in prompts]
 
 
-def test_failing_mode_is_kept_as_a_failed_row(tiny_model, monkeypatch, tmp_path):
-    model, config = tiny_model
+def _small_model():
+    """A random llmserve Qwen2 with a 256-token vocabulary (fast on CPU), peaked logits."""
+    from llmserve.config import ModelConfig
+    from llmserve.models.qwen2 import Qwen2ForCausalLM
+
+    cfg = ModelConfig(vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                      num_attention_heads=4, num_key_value_heads=2, head_dim=16,
+                      max_position_embeddings=256, tie_word_embeddings=True, torch_dtype="float32")
+    g = torch.Generator().manual_seed(0)
+    model = Qwen2ForCausalLM(cfg).eval()
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            fan_in = p.shape[1] if p.dim() == 2 and "embed" not in name else 1
+            base = 1.0 if name.endswith("norm.weight") else 0.0
+            scale = 0.1 if p.dim() == 1 else fan_in ** -0.5
+            p.copy_(base + scale * torch.randn(p.shape, generator=g))
+    return model, cfg
+
+
+def test_failing_mode_is_kept_as_a_failed_row(monkeypatch, tmp_path):
+    model, config = _small_model()
     settings = QuantEvalSettings(eval_tokens=24, window=16, stride=8, group_size=16,
                                  throughput_requests=2, throughput_batch_size=2,
                                  throughput_prompt_len=4, throughput_output_len=3,

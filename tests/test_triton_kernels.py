@@ -103,13 +103,25 @@ def test_decode_matches_reference(contexts, block_size, hq, hkv, d, dtype):
     assert_close(paged_attention_triton(q, kc, vc, meta, d ** -0.5), ref, dtype)
 
 
-@pytest.mark.parametrize("num_splits", [1, 3, 7])
-def test_decode_split_counts(num_splits):
+@pytest.mark.parametrize("num_splits,fused", [(1, False), (3, False), (7, False), (3, True)])
+def test_decode_split_counts(num_splits, fused):
     """Splits = 1 (direct store), uneven splits, and more splits than some sequences have
-    tiles (empty splits must merge as zero weight)."""
+    tiles (empty splits must merge as zero weight); the in-kernel (fused) merge too, twice, so
+    its arrival counters must have been re-armed."""
     q, kc, vc, meta = make_batch([(1, 1), (17, 1), (64, 1), (100, 1)], 16, 6, 2, 64, torch.float32)
     ref = paged_attention_torch(q, kc, vc, meta, 0.125)
-    out = paged_attention_decode(q, kc, vc, meta, 0.125, num_splits=num_splits)
+    if fused:
+        paged_attention_decode(q, kc, vc, meta, 0.125, num_splits=num_splits, fused_reduce=True)
+    out = paged_attention_decode(q, kc, vc, meta, 0.125, num_splits=num_splits, fused_reduce=fused)
+    assert_close(out, ref, torch.float32)
+
+
+@pytest.mark.parametrize("fused", [False, True])
+def test_decode_many_splits(fused):
+    """More than 16 splits: the reduction merges them in several chunks."""
+    q, kc, vc, meta = make_batch([(300, 1), (5, 1)], 16, 2, 1, 32, torch.float32)
+    ref = paged_attention_torch(q, kc, vc, meta, 0.17)
+    out = paged_attention_decode(q, kc, vc, meta, 0.17, num_splits=19, fused_reduce=fused)
     assert_close(out, ref, torch.float32)
 
 
@@ -232,6 +244,7 @@ def test_int8_linear_matches_dequant_matmul(m, dtype, bias):
     Int8LinearConfig(16, 32, 32, split_k=3, swap_ab=True, num_warps=1, num_stages=1),
     Int8LinearConfig(16, 16, 64, split_k=1, swap_ab=True, num_warps=1, num_stages=1),
     Int8LinearConfig(32, 16, 32, split_k=2, swap_ab=False, group_m=2, num_warps=1, num_stages=1),
+    Int8LinearConfig(16, 32, 32, split_k=3, swap_ab=True, num_warps=1, num_stages=1, fused_reduce=True),
 ])
 def test_int8_linear_configs(cfg):
     """Split-K with an uneven last split, swap-AB without split, non-swapped split-K with
@@ -243,6 +256,8 @@ def test_int8_linear_configs(cfg):
     w_q = w_q.to(DEVICE)
     x = torch.randn(2, 9, k, generator=g).to(DEVICE)
     y = int8_linear(x, w_q, scale, config=cfg)
+    if cfg.fused_reduce:  # twice: the per-tile arrival counters must have been re-armed
+        y = int8_linear(x, w_q, scale, config=cfg)
     assert y.shape == (2, 9, n)
     assert_close(y, int8_linear_reference(x, w_q, scale), torch.float32)
 

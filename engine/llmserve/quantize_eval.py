@@ -533,18 +533,18 @@ def write_report(report: dict[str, Any], json_path: str | Path, csv_path: str | 
 
 def format_summary(report: dict[str, Any]) -> str:
     """A plain-text table of the rows (for the terminal)."""
-    def f(v, spec):
-        return "-" if v is None else format(v, spec)
+    def f(v, spec, width):
+        return f"{'-':>{width}}" if v is None else format(v, f">{width}{spec}")
     lines = [(f"model {report['model']['name']} on {report['device']['requested']} "
               f"(baseline {report['baseline']['compute_dtype']})"),
-             (f"{'mode':<12}{'status':<8}{'MB':>9}{'ratio':>7}{'ppl':>11}{'KL':>10}{'top1':>7}"
-              f"{'hellaswag':>10}{'tok/s':>9}")]
+             (f"{'mode':<12} {'status':<7} {'MB':>9} {'ratio':>6} {'ppl':>10} {'KL':>9} "
+              f"{'top1':>6} {'hellaswag':>9} {'tok/s':>8}")]
     for r in report["modes"]:
         mb = None if r["stored_bytes"] is None else r["stored_bytes"] / 1e6
-        lines.append(f"{r['mode']:<12}{r['status']:<8}{f(mb, '9.2f')}{f(r['bytes_ratio'], '7.3f')}"
-                     f"{f(r['perplexity'], '11.4g')}{f(r['kl_mean'], '10.2e')}"
-                     f"{f(r['top1_agreement'], '7.3f')}{f(r['hellaswag_acc'], '10.3f')}"
-                     f"{f(r['throughput_tok_s'], '9.1f')}")
+        lines.append(f"{r['mode']:<12} {r['status']:<7} {f(mb, '.2f', 9)} "
+                     f"{f(r['bytes_ratio'], '.3f', 6)} {f(r['perplexity'], '.4g', 10)} "
+                     f"{f(r['kl_mean'], '.2e', 9)} {f(r['top1_agreement'], '.3f', 6)} "
+                     f"{f(r['hellaswag_acc'], '.3f', 9)} {f(r['throughput_tok_s'], '.1f', 8)}")
         if r["error"]:
             lines.append(f"    error: {r['error'][:300]}")
     lines.append("note: " + report["note"])

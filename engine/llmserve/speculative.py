@@ -172,7 +172,10 @@ class _DraftState:
 
 
 class _SeqView:
-    """What :meth:`ModelRunner.prepare` reads from a sequence, with tentative tokens appended."""
+    """What :class:`ModelRunner` reads from a sequence (``num_computed_tokens``,
+    ``all_token_ids``, ``num_tokens``, ``block_ids``; its CUDA-graph path also reads
+    ``output_token_ids[-1]``), over a token list with tentative draft tokens appended and a
+    block table of either model's cache."""
 
     __slots__ = ("request_id", "num_computed_tokens", "all_token_ids", "block_ids")
 
@@ -182,6 +185,18 @@ class _SeqView:
         self.num_computed_tokens = num_computed_tokens
         self.all_token_ids = all_token_ids
         self.block_ids = block_ids
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.all_token_ids)
+
+    @property
+    def output_token_ids(self) -> list[int]:   # only [-1] (the newest token) is read
+        return self.all_token_ids
+
+    @property
+    def prompt_token_ids(self) -> list[int]:
+        return self.all_token_ids
 
 
 @dataclass(slots=True)
@@ -268,26 +283,12 @@ def _peek_model_config(name: str) -> ModelConfig | None:
 
 
 def _load_draft(name: str | os.PathLike, config: EngineConfig, load_fn: Callable | None):
-    """Load the draft model (``random:<preset>`` names fall back to random weights built from
-    :mod:`llmserve.models.presets` when the loader does not know them)."""
+    """Load the draft model on the target's device and dtype (``random:<preset>`` names give
+    random weights with a published model's shapes, see :mod:`llmserve.models.presets`)."""
     from .models.loader import load_model
 
-    loader = load_fn or load_model
-    try:
-        model, mcfg, _path = loader(name, device=config.device, dtype=config.dtype,
-                                    attention_backend=config.attention_backend)
-    except (FileNotFoundError, ValueError):
-        if load_fn is not None or not str(name).lower().startswith("random:"):
-            raise
-        from .config import resolve_dtype
-        from .models.presets import preset_config
-        from .models.qwen2 import Qwen2ForCausalLM
-        mcfg = preset_config(str(name))
-        with torch.device(config.device):
-            model = Qwen2ForCausalLM(mcfg, attention_backend=config.attention_backend)
-        model = model.to(resolve_dtype(config.dtype))
-        model.tie_weights()
-        model.rope_cos_sin(torch.device(config.device))
+    model, mcfg, _path = (load_fn or load_model)(name, device=config.device, dtype=config.dtype,
+                                                 attention_backend=config.attention_backend)
     model.eval()
     for p in model.parameters():
         p.requires_grad_(False)
@@ -370,12 +371,34 @@ class SpeculativeEngine(LLMEngine):
             block_size=self.block_size, num_kv_heads=self.draft_config.num_key_value_heads,
             head_dim=self.draft_config.head_dim, dtype=self.draft_model.dtype, device=self.device)
         self.draft_block_manager = BlockManager(self.kv_cache.num_blocks, self.block_size)
+        forward, graphs = self._build_draft_fast_path(self.config, share)
         self.draft_runner = ModelRunner(self.draft_model, self.draft_kv_cache.kv_caches,
-                                        self.block_size, self.device)
+                                        self.block_size, self.device, forward=forward,
+                                        cuda_graphs=graphs)
         self._draft_states: dict[str, _DraftState] = {}
         self._draft_max_pos = self.draft_config.max_position_embeddings
         self._vocab = self.model_config.vocab_size
         self.spec_stats = SpeculativeStats()
+
+    def _build_draft_fast_path(self, config: EngineConfig, share: bool):
+        """On CUDA the draft runs the fused forward too (the target's own one when shared) and,
+        with the Triton backend and ``use_cuda_graph``, replays captured graphs for its 1-token
+        passes (passes 2..k are always decode-only). On CPU: the readable path."""
+        if self.device.type != "cuda":
+            return None, None
+        if share:
+            fast = self.runner.forward
+        else:
+            from .models.fast_forward import FastQwen2Forward
+            fast = FastQwen2Forward(self.draft_model)
+        graphs = None
+        if config.attention_backend == "triton" and config.use_cuda_graph:
+            from .cuda_graph import CUDAGraphDecodeRunner
+            graphs = CUDAGraphDecodeRunner(fast, self.draft_model.compute_logits,
+                                           self.draft_kv_cache.kv_caches, self.block_size,
+                                           config.scheduler.max_num_seqs, self.max_model_len, self.device)
+            graphs.capture()
+        return fast, graphs
 
     # ---- bookkeeping ---------------------------------------------------------------------------
     def _k_for(self, seq: Sequence) -> int:
@@ -460,53 +483,47 @@ class SpeculativeEngine(LLMEngine):
         return specs, mirrors
 
     # ---- draft passes ----------------------------------------------------------------------------
-    def _draft_forward(self, items: list[_Item], sample_rows: list[int]) -> torch.Tensor | None:
-        inp = self.draft_runner.prepare(items)
-        hidden = self.draft_model(inp.input_ids, inp.positions, self.draft_kv_cache.kv_caches,
-                                  inp.attn_metadata)                                      # [N, Hd]
-        self.spec_stats.num_draft_passes += 1
-        self.spec_stats.num_draft_tokens += sum(it.num_new_tokens for it in items)
-        if not sample_rows:
-            return None
-        rows = torch.tensor(sample_rows, dtype=torch.long, device=self.device)
-        return self._align_vocab(self.draft_model.compute_logits(hidden[rows]))          # [R, V]
-
     def _propose(self, specs: list[_Spec], mirrors: list[tuple[_DraftState, Sequence, int]]) -> None:
         """Run the draft's passes: pass 1 mirrors prefill chunks and catches every speculated
-        sequence up to its newest token; pass ``j`` proposes draft ``j``."""
-        kmax = max((s.k for s in specs), default=0)
+        sequence up to its newest token (usually 1-2 tokens); pass ``j`` proposes draft ``j``
+        (1 token a sequence: a CUDA-graph replay when available)."""
         if not specs and not mirrors:
             return
+        kmax = max((s.k for s in specs), default=0)
+        st = self.spec_stats
         for j in range(1, max(kmax, 1) + 1):
             items: list[_Item] = []
-            rows: list[int] = []
-            active: list[_Spec] = []
-            row = 0
+            owners: list[_Spec | None] = []
             if j == 1:
                 for ds, seq, n in mirrors:
                     items.append(_Item(_SeqView(seq.request_id, ds.num_computed_tokens,
                                                 seq.all_token_ids, ds.block_ids), n))
-                    row += n
+                    owners.append(None)
             for s in specs:
                 if s.k < j:
                     continue
                 c = s.ds.num_computed_tokens
                 tokens = s.seq.all_token_ids + s.drafts
-                n = len(tokens) - c                                  # 1 after the first pass
-                items.append(_Item(_SeqView(s.seq.request_id, c, tokens, s.ds.block_ids), n))
-                row += n
-                rows.append(row - 1)
-                active.append(s)
+                items.append(_Item(_SeqView(s.seq.request_id, c, tokens, s.ds.block_ids),
+                                   len(tokens) - c))                 # 1 token after the first pass
+                owners.append(s)
             if not items:
                 break
-            logits = self._draft_forward(items, rows)                                  # [R, V]
-            for ds, seq, n in (mirrors if j == 1 else ()):
-                ds.num_computed_tokens += n
-            for it, s in zip(items[len(mirrors) if j == 1 else 0:], active):
-                s.ds.num_computed_tokens += it.num_new_tokens
-            if logits is None:
-                continue
-            self._sample_drafts(logits, active)
+            # Logits come back for every item that catches up: all spec items (their view ends
+            # at the newest token) and mirrors that finish a prompt (ignored).
+            logits, idx = self.draft_runner.execute(items)                              # [R, Vd]
+            st.num_draft_passes += 1
+            st.num_draft_tokens += sum(it.num_new_tokens for it in items)
+            if j == 1:
+                for ds, _seq, n in mirrors:
+                    ds.num_computed_tokens += n
+            for it, s in zip(items, owners):
+                if s is not None:
+                    s.ds.num_computed_tokens += it.num_new_tokens
+            rows = [r for r, i in enumerate(idx) if owners[i] is not None]
+            active = [owners[idx[r]] for r in rows]
+            if active:
+                self._sample_drafts(self._align_vocab(logits[rows]), active)
 
     def _sample_drafts(self, logits: torch.Tensor, active: list[_Spec]) -> None:
         chosen = logits.argmax(dim=-1)                                                 # [R]
@@ -587,38 +604,41 @@ class SpeculativeEngine(LLMEngine):
 
         # One target pass: every scheduled item, speculated ones with their drafts appended.
         spec_of = {s.index: s for s in specs}
-        items: list[Any] = []
-        rows: list[int] = []
         normal: list[int] = []           # indices into out.scheduled that sample normally
         nrows: list[int] = []            # their logits rows
         spec_offsets: list[int] = []     # first logits row of each spec (order of `specs`)
-        row = 0
-        for idx, item in enumerate(out.scheduled):
-            s = spec_of.get(idx)
-            if s is not None:
-                seq = s.seq
-                items.append(_Item(_SeqView(seq.request_id, s.T - 1, seq.all_token_ids + s.drafts,
-                                            seq.block_ids), 1 + s.k))
-                spec_offsets.append(len(rows))
-                rows.extend(range(row, row + 1 + s.k))
-                row += 1 + s.k
-            else:
-                items.append(item)
-                row += item.num_new_tokens
-                if item.will_sample:
-                    nrows.append(len(rows))
-                    rows.append(row - 1)
-                    normal.append(idx)
-        inp = self.runner.prepare(items)
-        hidden = self.model(inp.input_ids, inp.positions, self.runner.kv_caches, inp.attn_metadata)  # [N, H]
-        logits = None
-        if rows:
+        if not specs:                    # the LLMEngine path (CUDA-graph replay when decode-only)
+            logits, normal = self.runner.execute(out.scheduled)                      # [S, V]
+            nrows = list(range(len(normal)))
+        else:
+            items: list[Any] = []
+            rows: list[int] = []
+            row = 0
+            for idx, item in enumerate(out.scheduled):
+                s = spec_of.get(idx)
+                if s is not None:
+                    seq = s.seq
+                    items.append(_Item(_SeqView(seq.request_id, s.T - 1, seq.all_token_ids + s.drafts,
+                                                seq.block_ids), 1 + s.k))
+                    spec_offsets.append(len(rows))
+                    rows.extend(range(row, row + 1 + s.k))
+                    row += 1 + s.k
+                else:
+                    items.append(item)
+                    row += item.num_new_tokens
+                    if item.will_sample:
+                        nrows.append(len(rows))
+                        rows.append(row - 1)
+                        normal.append(idx)
+            inp = self.runner.prepare(items)
+            hidden = self.runner.forward(inp.input_ids, inp.positions, self.runner.kv_caches,
+                                         inp.attn_metadata)                              # [N, H]
             logits = self.model.compute_logits(
                 hidden[torch.tensor(rows, dtype=torch.long, device=self.device)])    # [R, V]
         for idx, item in enumerate(out.scheduled):
             if idx not in spec_of:
                 item.seq.num_computed_tokens += item.num_new_tokens
-        if logits is None:
+        if not normal and not specs:
             return []
 
         emitted: dict[int, tuple[list[int], list[dict | None]]] = {}

@@ -6,11 +6,27 @@
 # flag) stops the workflow.
 #
 # Reruns: `code_hash` changes with any llmserve source file, and Snakemake's params trigger then
-# reruns every cell; `flags` changes with the cell's settings.
+# reruns every cell; `flags` changes with the cell's settings. Without Snakemake's metadata (a
+# fresh clone of committed results), code_change_marker compares the hash each cell recorded in
+# its provenance file with the current one and reruns the stale cells. If the sources change while the
+# workflow runs, the job fails (before or after measuring) instead of keeping a cell measured on
+# code its recorded hash does not describe.
+
+rule code_changed_marker:
+    output:
+        f"{LOGS}/code-changed-{{code}}.stamp",
+    log:
+        f"{LOGS}/code-changed-{{code}}.log",
+    conda:
+        ENV
+    shell:
+        "date -u > {output} 2> {log}"
+
 
 rule benchmark_cell:
     input:
         profile=LOAD_PROFILE,
+        code_changed=code_change_marker,
     output:
         json=f"{RAW}/{{cell}}.json",
         csv=f"{RAW}/{{cell}}.csv",
@@ -30,8 +46,9 @@ rule benchmark_cell:
     conda:
         ENV
     shell:
+        "python {params.tool} check --expected {params.code_hash} > {log:q} 2>&1; "
         "rc=0; timeout -k 30 {params.outer_timeout} {params.llmserve} benchmark {params.flags}"
-        " --profile {input.profile:q} --output {output.json:q} --csv {output.csv:q} > {log:q} 2>&1"
+        " --profile {input.profile:q} --output {output.json:q} --csv {output.csv:q} >> {log:q} 2>&1"
         " || rc=$?; "
         "python {params.tool} provenance --json {output.json:q} --csv {output.csv:q}"
         " --output {output.provenance:q} --cell {wildcards.cell:q} --exit-status $rc"

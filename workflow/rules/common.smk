@@ -2,6 +2,7 @@
 # snakemake.utils.Paramspace of cells) and helpers. No jobs are defined in this file.
 
 import importlib.util
+import json
 from itertools import product
 from pathlib import Path
 
@@ -125,6 +126,27 @@ def benchmark_flags(wildcards):
     if config.get("max_num_batched_tokens"):
         flags.append(f"--max-num-batched-tokens {config['max_num_batched_tokens']}")
     return " ".join(flags)
+
+
+def recorded_code_hash(cell):
+    """The llmserve code hash a finished cell recorded in its provenance file (None if absent)."""
+    try:
+        return json.loads(Path(f"{RAW}/{cell}.provenance.json").read_text()).get("code_hash")
+    except (OSError, ValueError):
+        return None
+
+
+def code_change_marker(wildcards):
+    """A fresh marker file as extra input when the cell ran on other llmserve sources.
+
+    Snakemake's params trigger needs .snakemake/metadata, which a fresh clone of committed
+    results lacks; the provenance file travels with the results, so comparing it with the
+    current hash reruns stale cells there too (the marker is newer than their outputs).
+    """
+    recorded = recorded_code_hash(wildcards.cell)
+    if recorded is not None and recorded != CODE_HASH:
+        return [f"{LOGS}/code-changed-{CODE_HASH[:16]}.stamp"]
+    return []
 
 
 def raw_files(cells, kinds=("json", "csv", "provenance.json")):

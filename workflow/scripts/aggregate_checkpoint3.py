@@ -157,34 +157,37 @@ def check_matching(runs: list[dict[str, Any]]) -> OrderedDict:
             if v is not None:
                 by_value.setdefault(v, []).append(Path(r["path"]).name)
         if len(by_value) > 1:
+            key = _first_differing_key(list(by_value))
             lines = []
             for v, cells in by_value.items():
-                shown = v if len(str(v)) <= 300 else str(v)[:300] + "..."
+                shown = f"{key} = {json.loads(v).get(key)!r}" if key else str(v)
+                shown = shown if len(shown) <= 240 else shown[:240] + "..."
                 more = f" (+{len(cells) - 3} more)" if len(cells) > 3 else ""
                 lines.append(f"  {shown}\n    in {', '.join(cells[:3])}{more}")
-            detail = _first_difference(list(by_value))
+            hint = ("the runs were measured on different llmserve sources: rerun them on one "
+                    "version (`snakemake --forcerun benchmark_cell`)"
+                    if key == "llmserve_code_hash" else
+                    "rerun the differing cells under the same conditions (e.g. `snakemake "
+                    "--forcerun benchmark_cell`), or keep them in separate profiles")
             raise MatchError(
                 f"refusing to put runs side by side: {field!r} differs between runs"
-                f"{' (' + detail + ')' if detail else ''}:\n" + "\n".join(lines)
-                + "\nRerun the differing cells under the same conditions (e.g. `snakemake "
-                  "--forcerun benchmark_cell`), or keep them in separate profiles.")
+                f"{f' (in {key!r})' if key else ''}:\n" + "\n".join(lines) + f"\nFix: {hint}.")
         common[field] = next(iter(by_value), None)
     return common
 
 
-def _first_difference(values: list[Any]) -> str:
-    """For JSON-object values, the first key whose value differs (e.g. ``torch``)."""
+def _first_differing_key(values: list[Any]) -> str | None:
+    """For JSON-object values, the first key whose value differs (e.g. ``cpu_model``)."""
     try:
         dicts = [json.loads(v) for v in values]
     except (TypeError, ValueError):
-        return ""
+        return None
     if not all(isinstance(d, dict) for d in dicts):
-        return ""
+        return None
     for key in sorted(set().union(*dicts)):
-        vals = {json.dumps(d.get(key), sort_keys=True) for d in dicts}
-        if len(vals) > 1:
-            return f"first differing key {key!r}: " + " vs ".join(sorted(vals))
-    return ""
+        if len({json.dumps(d.get(key), sort_keys=True) for d in dicts}) > 1:
+            return key
+    return None
 
 
 # ---------------------------------------------------------------------------------------------

@@ -10,10 +10,14 @@ Usage::
 
     python workflow/scripts/code_hash.py                 # print the hash of the imported llmserve
     python workflow/scripts/code_hash.py --list          # the files it covers
+    python workflow/scripts/code_hash.py check --expected H   # exit 1 if the sources changed
     python workflow/scripts/code_hash.py provenance --json raw/X.json --csv raw/X.csv \\
         --output raw/X.provenance.json --cell X --exit-status 0 --expected-code-hash H
 
-``provenance`` runs after ``llmserve benchmark`` in the benchmark rule. It records the cell
+``check`` runs before ``llmserve benchmark`` in the benchmark rule and ``provenance`` after it;
+both fail the job when the sources no longer match the hash the workflow started with (an
+engine edited mid-run), so no cell is ever kept that was measured on other code than its
+recorded parameters say. ``provenance`` It records the cell
 parameters, the code hash at run time and how the benchmark process ended. If the process died
 without writing its report (killed by the outer ``timeout``, the OOM killer, a segfault), it
 writes a schema-complete ``status: failed`` report and CSV row in its place, so a crashed cell is
@@ -30,7 +34,8 @@ import os
 import sys
 from pathlib import Path
 
-__all__ = ["package_root", "source_files", "code_hash", "write_provenance"]
+__all__ = ["package_root", "source_files", "code_hash", "write_provenance", "check_unchanged",
+           "SourcesChanged"]
 
 #: Hashed: every Python source of the package (Triton kernels are .py files too).
 SOURCE_SUFFIXES = (".py",)
@@ -144,12 +149,28 @@ def write_provenance(*, json_path: Path, csv_path: Path, output: Path, cell: str
         # Snakemake sets these to the job's `threads`; torch's intra-op pool follows them.
         "thread_env": {k: os.environ.get(k) for k in ("OMP_NUM_THREADS", "MKL_NUM_THREADS")},
     }
-    if expected_code_hash and expected_code_hash != actual:
-        print(f"warning: llmserve sources changed while the workflow ran (hash at DAG build "
-              f"{expected_code_hash[:12]}, now {actual[:12]}); rerun the workflow", file=sys.stderr)
     output.parent.mkdir(parents=True, exist_ok=True)
     output.write_text(json.dumps(prov, indent=2, sort_keys=True) + "\n")
     return prov
+
+
+class SourcesChanged(RuntimeError):
+    """The llmserve sources differ from those the workflow was started with."""
+
+
+def check_unchanged(expected: str, when: str) -> None:
+    """Raise :class:`SourcesChanged` if :func:`code_hash` is no longer ``expected``.
+
+    A cell measured while the engine was being edited would belong to no code version, and its
+    recorded parameters (the hash at DAG build) would hide that from later runs; failing the job
+    instead makes Snakemake discard its outputs and run it again next time.
+    """
+    actual = code_hash()
+    if actual != expected:
+        raise SourcesChanged(
+            f"llmserve sources changed {when} (hash when the workflow started {expected[:12]}, "
+            f"now {actual[:12]}); this cell is not kept. Run Snakemake again once the sources "
+            "are stable: every cell then reruns against the new code.")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -166,13 +187,27 @@ def main(argv: list[str] | None = None) -> int:
     pv.add_argument("--expected-code-hash", default=None, help="hash the DAG was built with")
     pv.add_argument("--log", default=None, help="log file to cite in a crash report")
     pv.add_argument("--device", default="cpu", help="the cell's --device (for a crash report)")
+    ck = sub.add_parser("check", help="exit 1 if the sources no longer hash to --expected")
+    ck.add_argument("--expected", required=True)
     a = p.parse_args(argv)
+    if a.cmd == "check":
+        try:
+            check_unchanged(a.expected, "since the workflow started")
+        except SourcesChanged as e:
+            print(f"error: {e}", file=sys.stderr)
+            return 1
+        return 0
     if a.cmd == "provenance":
         prov = write_provenance(json_path=a.json, csv_path=a.csv, output=a.output, cell=a.cell,
                                 exit_status=a.exit_status, expected_code_hash=a.expected_code_hash,
                                 log=a.log, device=a.device)
         print(f"provenance: {a.cell} code {prov['code_hash'][:12]} exit {a.exit_status}"
               + (" (crash report written)" if prov["crash_report_written"] else ""))
+        if a.expected_code_hash and prov["code_hash"] != a.expected_code_hash:
+            print(f"error: {SourcesChanged.__doc__.strip()} (while this cell ran: started with "
+                  f"{a.expected_code_hash[:12]}, now {prov['code_hash'][:12]}); the job fails so "
+                  "that Snakemake discards this cell and reruns it.", file=sys.stderr)
+            return 1
         return 0
     if a.list:
         root = a.root or package_root()

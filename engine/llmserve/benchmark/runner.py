@@ -66,6 +66,8 @@ class BenchmarkOptions:
     model: str = "tiny"
     device: str = "cpu"
     dtype: str | None = None
+    speculative_model: str | None = None
+    num_speculative_tokens: int = 4
     profile: str | None = None
     dataset_path: str | None = None
     requests: int | None = None
@@ -164,6 +166,12 @@ def add_benchmark_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--device", default="cpu", help="cpu | cuda | cuda:N (default cpu)")
     g.add_argument("--dtype", default=None,
                    help="float32 | float16 | bfloat16 (default fp32 on CPU, bf16 on CUDA)")
+    g.add_argument("--speculative-model", default=None, metavar="PATH|tiny",
+                   help="draft model for speculative decoding ('tiny', a checkpoint directory, a hub "
+                        "id, random:<preset>, or 'target' to reuse the target's weights); "
+                        "builds a SpeculativeEngine (not with --config naive)")
+    g.add_argument("--num-speculative-tokens", type=_nonneg_int, default=4,
+                   help="draft tokens proposed per step with --speculative-model (default 4)")
 
     w = p.add_argument_group("workload")
     w.add_argument("--profile", default=None, metavar="FILE",
@@ -276,6 +284,17 @@ def default_engine_factory(config, naive: bool):
     from ..engine import LLMEngine, NaiveEngine
 
     return NaiveEngine(config) if naive else LLMEngine(config)
+
+
+def _speculative_engine_factory(opts: BenchmarkOptions) -> Callable[[Any, bool], Any]:
+    """Factory building a :class:`~llmserve.speculative.SpeculativeEngine` (``--speculative-model``)."""
+    def factory(config, naive: bool):
+        if naive:
+            raise ValueError("--speculative-model needs a paged engine; it cannot be used with --config naive")
+        from ..speculative import SpeculativeEngine
+        return SpeculativeEngine(config, draft_model=opts.speculative_model,
+                                 num_speculative_tokens=opts.num_speculative_tokens)
+    return factory
 
 
 def _base_vocab(engine: Any) -> int | None:
@@ -528,7 +547,7 @@ def run_benchmark(opts: BenchmarkOptions, engine_factory: Callable[[Any, bool], 
         "workload": None, "warmup": None, "git": git_info(), "versions": package_versions(),
         "hardware": hardware_info(opts.device), "requests": [], "aggregates": None,
         "kv_cache": None, "gpu": empty_gpu_summary("run did not reach the measured phase"),
-        "component_profile": None, "token_digest": None,
+        "component_profile": None, "token_digest": None, "speculative": None,
     }
     engine = None
     workload: Workload | None = None
@@ -545,6 +564,8 @@ def run_benchmark(opts: BenchmarkOptions, engine_factory: Callable[[Any, bool], 
             profile["arrival"]["burstiness"] = float(opts.burstiness)
         econf = make_engine_config(opts, seed)
         report["engine_config"] = dataclasses.asdict(econf)
+        if engine_factory is None and opts.speculative_model:
+            engine_factory = _speculative_engine_factory(opts)
         engine = (engine_factory or default_engine_factory)(econf, opts.config == "naive")
         max_model_len = int(getattr(engine, "max_model_len", None) or opts.max_model_len)
         vocab = _base_vocab(engine)
@@ -567,6 +588,8 @@ def run_benchmark(opts: BenchmarkOptions, engine_factory: Callable[[Any, bool], 
         report["warmup"] = {"num_requests": n_warm, "wall_time_s": time.perf_counter() - t_start}
         if isinstance(getattr(engine, "max_blocks_in_use", None), int):
             engine.max_blocks_in_use = 0  # measure the KV high-water of the measured phase only
+        if hasattr(engine, "reset_speculative_stats"):
+            engine.reset_speculative_stats()  # speculative counters of the measured phase only
 
         block_size = int(getattr(engine, "block_size", None) or opts.block_size)
         monitor = GPUMonitor(opts.device).start()
@@ -624,6 +647,8 @@ def _finish_report(report: dict[str, Any], opts: BenchmarkOptions, state: _RunSt
                  "gpu_util_mean": gpu.get("util_mean"), "gpu_util_peak": gpu.get("util_peak"),
                  "gpu_memory_peak_bytes": gpu.get("memory_used_peak_bytes")}
         report["kv_cache"] = kv
+        if hasattr(engine, "speculative_stats"):
+            report["speculative"] = engine.speculative_stats()
         report["aggregates"] = aggregate_records(records, duration, slo_ttft_ms=opts.slo_ttft_ms,
                                                  slo_tpot_ms=opts.slo_tpot_ms, extra=extra)
         report["aggregates"]["num_steps"] = state.num_steps

@@ -263,6 +263,8 @@ def load_model(name: str | os.PathLike = "tiny", device: str | torch.device = "c
     from safetensors import safe_open
 
     torch_dtype = resolve_dtype(dtype)
+    if isinstance(name, str) and name.startswith("random:"):
+        return load_random_model(name, device, torch_dtype, attention_backend)
     path = resolve_model_path(name)
     config = read_model_config(path)
     files = checkpoint_files(path)
@@ -291,6 +293,41 @@ def load_model(name: str | os.PathLike = "tiny", device: str | torch.device = "c
     assert not leftover, f"parameters left uninitialised: {leftover}"
     model.eval()
     return model, config, path
+
+
+def load_random_model(name: str, device: str | torch.device = "cpu",
+                      dtype: str | torch.dtype = "bfloat16", attention_backend=None,
+                      seed: int = 0) -> tuple[Qwen2ForCausalLM, ModelConfig, None]:
+    """A model with the exact shapes of a published Qwen2.5 checkpoint and random weights
+    (``random:qwen2.5-0.5b|1.5b|3b|7b``), built directly on ``device``: for performance runs
+    where no checkpoint can be downloaded (speed does not depend on weight values).
+
+    Weights are N(0, 0.02) (the ``initializer_range`` of Qwen2 configs), norms are ones.
+    Returns ``(model, config, None)``: there is no checkpoint directory, so the built-in
+    tokenizer is used.
+
+    Raises:
+        ValueError: unknown preset (lists the known ones).
+    """
+    from .presets import preset_config
+
+    config = preset_config(name)
+    dev = _normalize_device(device)
+    torch.manual_seed(seed)
+    with torch.device(dev):
+        model = Qwen2ForCausalLM(config, attention_backend=attention_backend).to(resolve_dtype(dtype))
+    with torch.no_grad():
+        for pname, p in model.named_parameters():
+            if pname.endswith("layernorm.weight") or pname.endswith("norm.weight"):
+                p.fill_(1.0)
+            else:
+                p.normal_(0.0, 0.02)
+    model.tie_weights()
+    model.rope_cos_sin(dev)
+    for p in model.parameters():
+        p.requires_grad_(False)
+    model.eval()
+    return model, config, None
 
 
 def save_checkpoint(model: nn.Module, config: ModelConfig, path: str | os.PathLike,

@@ -277,6 +277,7 @@ class _Generation:
         self.choices = choices
         self.tasks: list[asyncio.Task] = []
         self.closed = False
+        self._closing: asyncio.Future | None = None
 
     async def _first(self, ch: _Choice) -> None:
         ch.gen = self.engine.generate(ch.prompt_ids, ch.sampling_params, request_id=ch.request_id,
@@ -427,14 +428,37 @@ class _Generation:
             await self.close()
 
     async def close(self) -> None:
-        """Cancel the choice tasks and abort every engine request that has not finished."""
-        if self.closed:
-            return
+        """Cancel the choice tasks and abort every engine request that has not finished.
+
+        Idempotent. Runs in its own task (shielded), so it completes even when the caller is
+        being cancelled, as a handler is when its client disconnects.
+        """
+        if self._closing is None:
+            self._closing = asyncio.ensure_future(self._close_impl())
+        await asyncio.shield(self._closing)
+
+    async def _close_impl(self) -> None:
         self.closed = True
         await _cancel_and_wait(self.tasks)
         for ch in self.choices:
             if ch.gen is not None or not ch.done or not ch.engine_finished:
                 await self._close_choice(ch)
+
+
+class _SSEResponse(StreamingResponse):
+    """SSE response that releases its generation however the response ends, including when the
+    client disconnects before the body iterator ever started."""
+
+    def __init__(self, content: AsyncIterator[str], generation: _Generation) -> None:
+        super().__init__(content, media_type="text/event-stream",
+                         headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+        self._generation = generation
+
+    async def __call__(self, scope, receive, send) -> None:
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            await self._generation.close()
 
 
 def _norm_logprob(tok: int, rec: Any) -> tuple[int, float, list[tuple[int, float]]]:
@@ -764,8 +788,7 @@ def create_app(engine: Any, *, tokenizer: Any = None, served_model_name: str = "
                     await gen.close()
                 yield "data: [DONE]\n\n"
 
-            return StreamingResponse(stream(), media_type="text/event-stream",
-                                     headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+            return _SSEResponse(stream(), gen)
 
         await _collect(gen, request)
         out_choices = []
@@ -846,8 +869,7 @@ def create_app(engine: Any, *, tokenizer: Any = None, served_model_name: str = "
                     await gen.close()
                 yield "data: [DONE]\n\n"
 
-            return StreamingResponse(stream(), media_type="text/event-stream",
-                                     headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+            return _SSEResponse(stream(), gen)
 
         await _collect(gen, request)
         out_choices = []

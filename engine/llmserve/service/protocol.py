@@ -37,14 +37,16 @@ class _SamplingFields(_Strict):
     temperature: Optional[Annotated[float, Field(ge=0.0, le=2.0)]] = Field(
         default=None, description="0 is greedy; default 1.0")
     top_p: Optional[Annotated[float, Field(gt=0.0, le=1.0)]] = None
-    top_k: Optional[Annotated[int, Field(ge=-1)]] = Field(default=None, description="extension; 0 or -1 disables")
+    top_k: Optional[Annotated[int, Field(ge=-1, le=2**31 - 1)]] = Field(
+        default=None, description="extension; 0 or -1 disables")
     n: Optional[Annotated[int, Field(ge=1, le=MAX_N)]] = 1
     stop: Optional[Union[Annotated[str, Field(min_length=1)],
                          Annotated[list[Annotated[str, Field(min_length=1)]], Field(max_length=MAX_STOP)]]] = None
     seed: Optional[Annotated[int, Field(ge=0, le=2**63 - 1)]] = None
     stream: Optional[bool] = False
     stream_options: Optional[StreamOptions] = None
-    priority: Optional[int] = Field(default=0, description="extension; lower is served first under the priority policy")
+    priority: Optional[Annotated[int, Field(ge=-(2**63), le=2**63 - 1)]] = Field(
+        default=0, description="extension; lower is served first under the priority policy")
     ignore_eos: Optional[bool] = Field(default=False, description="extension; keep generating past EOS")
     user: Optional[str] = None
     # Accepted for compatibility; only the neutral value is supported.

@@ -228,7 +228,7 @@ def _decode_kernel(q_ptr, k_cache_ptr, v_cache_ptr, out_ptr, m_ptr, l_ptr, acc_p
 @triton.jit
 def _decode_reduce_kernel(out_ptr, m_ptr, l_ptr, acc_ptr, qsl_ptr, num_splits, num_q_heads,
                           stride_on, stride_oh,
-                          HEAD_DIM: tl.constexpr, S_PAD: tl.constexpr,
+                          HEAD_DIM: tl.constexpr, S_BLOCK: tl.constexpr,
                           SKIP_NON_DECODE: tl.constexpr):
     b = tl.program_id(0)
     h = tl.program_id(1)
@@ -236,19 +236,26 @@ def _decode_reduce_kernel(out_ptr, m_ptr, l_ptr, acc_ptr, qsl_ptr, num_splits, n
     if SKIP_NON_DECODE:
         if tl.load(qsl_ptr + b + 1) - q_row != 1:
             return
-    offs_s = tl.arange(0, S_PAD)
+    offs_s = tl.arange(0, S_BLOCK)
     offs_d = tl.arange(0, HEAD_DIM)
-    smask = offs_s < num_splits
     base = (b.to(tl.int64) * num_q_heads + h) * num_splits
-    m = tl.load(m_ptr + base + offs_s, mask=smask, other=float("-inf"))       # [S_PAD]
-    l = tl.load(l_ptr + base + offs_s, mask=smask, other=0.0)                 # [S_PAD]
-    m_max = tl.max(m, 0)
-    m_max = tl.where(m_max == float("-inf"), 0.0, m_max)
-    w = tl.exp2(m - m_max)                                                    # 0 for empty splits
-    l_tot = tl.sum(w * l, 0)
-    acc = tl.load(acc_ptr + (base + offs_s)[:, None] * HEAD_DIM + offs_d[None, :],
-                  mask=smask[:, None], other=0.0)                             # [S_PAD, D]
-    out = tl.sum(w[:, None] * acc, 0) / tl.where(l_tot > 0, l_tot, 1.0)       # [D]
+    m_t = tl.full([1], float("-inf"), tl.float32)
+    l_t = tl.zeros([1], tl.float32)
+    o_t = tl.zeros([HEAD_DIM], tl.float32)
+    for s0 in range(0, num_splits, S_BLOCK):  # S_BLOCK splits at a time, merged online
+        smask = (s0 + offs_s) < num_splits
+        m = tl.load(m_ptr + base + s0 + offs_s, mask=smask, other=float("-inf"))   # [S_BLOCK]
+        l = tl.load(l_ptr + base + s0 + offs_s, mask=smask, other=0.0)             # [S_BLOCK]
+        acc = tl.load(acc_ptr + (base + s0 + offs_s)[:, None] * HEAD_DIM + offs_d[None, :],
+                      mask=smask[:, None], other=0.0)                              # [S_BLOCK, D]
+        m_new = tl.maximum(m_t, tl.max(m, 0))                                      # [1]
+        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+        w = tl.exp2(m - m_safe)                                                    # 0 for empty splits
+        w_t = tl.exp2(m_t - m_safe)
+        l_t = l_t * w_t + tl.sum(w * l, 0)
+        o_t = o_t * w_t + tl.sum(w[:, None] * acc, 0)
+        m_t = m_new
+    out = o_t / tl.where(l_t > 0, l_t, 1.0)                                        # [D]
     tl.store(out_ptr + q_row.to(tl.int64) * stride_on + h * stride_oh + offs_d,
              out.to(out_ptr.dtype.element_ty))
 
@@ -588,7 +595,7 @@ def paged_attention_decode(query: torch.Tensor, k_cache: torch.Tensor, v_cache: 
         _decode_reduce_kernel[(b, hq)](
             out, m_buf, l_buf, acc_buf, meta.query_start_loc, num_splits, hq,
             out.stride(0), out.stride(1),
-            HEAD_DIM=d, S_PAD=triton.next_power_of_2(num_splits), SKIP_NON_DECODE=skip_non_decode,
+            HEAD_DIM=d, S_BLOCK=min(16, triton.next_power_of_2(num_splits)), SKIP_NON_DECODE=skip_non_decode,
             num_warps=1 if on_cpu else 4)
     return out
 
