@@ -47,6 +47,7 @@ rule checkpoint3:
     input:
         TRACKED_FILES,
         CHECKSUM_FILE,
+        STALE_MARKERS,  # non-empty only when finished cells ran on other llmserve sources
     default_target: True
 
 

@@ -26,10 +26,12 @@ pytest.importorskip("snakemake")
 pytest.importorskip("pandas")
 
 
-def snakemake(*args: str, cwd: Path = ROOT, timeout: int = 300) -> subprocess.CompletedProcess:
+def snakemake(*args: str, cwd: Path = ROOT, timeout: int = 300,
+              env: dict | None = None) -> subprocess.CompletedProcess:
     """Run Snakemake in `cwd`; stdout and stderr merged into `.stdout`."""
     return subprocess.run([sys.executable, "-m", "snakemake", *args], cwd=cwd, text=True,
-                          stdout=subprocess.PIPE, stderr=subprocess.STDOUT, timeout=timeout)
+                          stdout=subprocess.PIPE, stderr=subprocess.STDOUT, timeout=timeout,
+                          env=env)
 
 
 def script(name: str, *args: str, cwd: Path = ROOT) -> subprocess.CompletedProcess:
@@ -239,14 +241,20 @@ def reduced_run(tmp_path_factory):
     shutil.copy(ROOT / "Snakefile", work)
     for folder in ("workflow", "config", "envs"):
         shutil.copytree(ROOT / folder, work / folder)
+    # A snapshot of the engine, imported through PYTHONPATH, so that the run (whose cells fail on
+    # purpose when the llmserve sources change under them) is independent of edits to the tree.
+    shutil.copytree(ROOT / "engine" / "llmserve", work / "engine" / "llmserve",
+                    ignore=shutil.ignore_patterns("__pycache__"))
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(
+        [str(work / "engine"), *filter(None, [os.environ.get("PYTHONPATH")])]))
     (work / "config" / "checkpoint3-citest.yaml").write_text(REDUCED)
     run = snakemake("--cores", "1", "results/checkpoint3", "--config", "profile=citest",
-                    cwd=work, timeout=900)
-    return work, run
+                    cwd=work, timeout=900, env=env)
+    return work, run, env
 
 
 def test_reduced_matrix_end_to_end(reduced_run):
-    work, run = reduced_run
+    work, run, _ = reduced_run
     assert run.returncode == 0, run.stdout[-4000:]
     out = work / "results" / "checkpoint3" / "citest"
     md = (out / "summary.md").read_text()
@@ -267,12 +275,22 @@ def test_reduced_matrix_end_to_end(reduced_run):
 
 
 def test_reduced_matrix_reruns_only_what_changed(reduced_run):
-    work, run = reduced_run
+    work, run, env = reduced_run
     assert run.returncode == 0
-    r = snakemake("-n", "results/checkpoint3", "--config", "profile=citest", cwd=work)
+    dry = ("-n", "results/checkpoint3", "--config", "profile=citest")
+    r = snakemake(*dry, cwd=work, env=env)
     assert r.returncode == 0 and "Nothing to be done" in r.stdout, r.stdout[-3000:]
+    # Only the aggregation script changes: aggregation (and what follows) reruns, no cell.
     agg = work / "workflow" / "scripts" / "aggregate_checkpoint3.py"
     agg.write_text(agg.read_text() + "\n# an edit of the aggregation script only\n")
-    r = snakemake("-n", "results/checkpoint3", "--config", "profile=citest", cwd=work)
-    counts = job_counts(r.stdout)
+    counts = job_counts(snakemake(*dry, cwd=work, env=env).stdout)
     assert counts.get("aggregate") == 1 and "benchmark_cell" not in counts, counts
+    # A comment in an engine file: every cell reruns (params trigger), and so it does without
+    # Snakemake's metadata too (a fresh clone), through the provenance files' code hash.
+    engine_file = work / "engine" / "llmserve" / "sampling_params.py"
+    engine_file.write_text(engine_file.read_text() + "\n# a comment\n")
+    counts = job_counts(snakemake(*dry, cwd=work, env=env).stdout)
+    assert counts.get("benchmark_cell") == 2, counts
+    shutil.rmtree(work / ".snakemake")
+    counts = job_counts(snakemake(*dry, cwd=work, env=env).stdout)
+    assert counts.get("benchmark_cell") == 2 and counts.get("code_changed_marker") == 1, counts

@@ -517,7 +517,8 @@ def test_schemathesis_completions_never_5xx(engine):
         t0 = time.monotonic()
 
         @settings(max_examples=int(os.environ.get("LLMSERVE_SCHEMATHESIS_EXAMPLES", "30")), deadline=None,
-                  suppress_health_check=list(HealthCheck), phases=[Phase.explicit, Phase.generate], database=None)
+                  suppress_health_check=list(HealthCheck), phases=[Phase.explicit, Phase.generate], database=None,
+                  derandomize=True)
         @given(case=op.as_strategy())
         def check(case):
             t = time.monotonic()
@@ -532,7 +533,6 @@ def test_schemathesis_completions_never_5xx(engine):
 
         check()
         assert time.monotonic() - t0 < 120
-        print("SEEN", seen)
         assert seen.get(200, 0) > 0 and seen.get(400, 0) > 0, seen
         assert httpx.get(srv.url + "/health").status_code == 200
     assert_idle(engine)

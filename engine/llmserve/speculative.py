@@ -45,8 +45,9 @@ from __future__ import annotations
 import dataclasses
 import os
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any, Callable
+from typing import Any
 
 import torch
 
@@ -58,8 +59,15 @@ from .sampler import apply_top_k_top_p
 from .sampling_params import SamplingParams
 from .sequence import Sequence
 
-__all__ = ["SpeculativeEngine", "SpeculativeStats", "rejection_sample", "greedy_verify",
-           "processed_probs", "MAX_SPECULATIVE_TOKENS", "DRAFT_IS_TARGET"]
+__all__ = [
+    "DRAFT_IS_TARGET",
+    "MAX_SPECULATIVE_TOKENS",
+    "SpeculativeEngine",
+    "SpeculativeStats",
+    "greedy_verify",
+    "processed_probs",
+    "rejection_sample",
+]
 
 MAX_SPECULATIVE_TOKENS = 32
 DRAFT_IS_TARGET = "target"   # draft_model value: reuse the target's weights (own KV cache)
@@ -163,7 +171,7 @@ class _DraftState:
     """The draft model's view of one request: its own block table and progress (duck-typed
     for :class:`BlockManager`, which reads ``request_id``, ``num_computed_tokens``, ``block_ids``)."""
 
-    __slots__ = ("request_id", "num_computed_tokens", "block_ids")
+    __slots__ = ("block_ids", "num_computed_tokens", "request_id")
 
     def __init__(self, request_id: str) -> None:
         self.request_id = request_id
@@ -177,7 +185,7 @@ class _SeqView:
     ``output_token_ids[-1]``), over a token list with tentative draft tokens appended and a
     block table of either model's cache."""
 
-    __slots__ = ("request_id", "num_computed_tokens", "all_token_ids", "block_ids")
+    __slots__ = ("all_token_ids", "block_ids", "num_computed_tokens", "request_id")
 
     def __init__(self, request_id: str, num_computed_tokens: int, all_token_ids: list[int],
                  block_ids: list[int]) -> None:
@@ -452,8 +460,8 @@ class SpeculativeEngine(LLMEngine):
         for idx, item in enumerate(scheduled):
             seq = item.seq
             kreq = self._k_for(seq)
-            if kreq <= 0:
-                continue
+            if kreq <= 0 or seq.sampling_params.max_tokens < 3:
+                continue   # (the first token comes from prefill; k <= max_tokens - 2 after it)
             ds = self._draft_states.get(seq.request_id)
             if ds is None:
                 ds = self._draft_states[seq.request_id] = _DraftState(seq.request_id)

@@ -136,17 +136,25 @@ def recorded_code_hash(cell):
         return None
 
 
-def code_change_marker(wildcards):
-    """A fresh marker file as extra input when the cell ran on other llmserve sources.
+def stale_marker(cell):
+    """Marker file for a finished cell whose recorded code hash is not the current one, else None.
 
-    Snakemake's params trigger needs .snakemake/metadata, which a fresh clone of committed
-    results lacks; the provenance file travels with the results, so comparing it with the
-    current hash reruns stale cells there too (the marker is newer than their outputs).
+    Snakemake's params trigger needs .snakemake/metadata, which a fresh clone of committed results
+    lacks. The provenance file travels with the results, so comparing its hash with the current
+    one finds stale cells there too. The marker (git-ignored, named after the old and new hash)
+    is an input of the stale cell and of the target rule: the target needs it, so it is made,
+    and the cell, whose input is now newer than its outputs, reruns.
     """
-    recorded = recorded_code_hash(wildcards.cell)
+    recorded = recorded_code_hash(cell)
     if recorded is not None and recorded != CODE_HASH:
-        return [f"{LOGS}/code-changed-{CODE_HASH[:16]}.stamp"]
-    return []
+        return f"{LOGS}/code-changed/{recorded[:16]}-to-{CODE_HASH[:16]}.stamp"
+    return None
+
+
+def code_change_marker(wildcards):
+    """Input function of the benchmark rule: [marker] for a stale cell, else []."""
+    marker = stale_marker(wildcards.cell)
+    return [marker] if marker else []
 
 
 def raw_files(cells, kinds=("json", "csv", "provenance.json")):
@@ -168,6 +176,7 @@ def deep_merge(base, overrides):
 PLOT_FILES = [f"{PLOTS}/batch_scaling.png", f"{PLOTS}/ttft_cdf.png"]
 TABLE_FILES = [f"{OUT}/summary.csv", f"{OUT}/summary.md",
                f"{OUT}/failure_regimes.csv", f"{OUT}/failure_regimes.md"]
+STALE_MARKERS = sorted({m for m in map(stale_marker, ALL_CELLS) if m})
 TRACKED_FILES = (([LOAD_PROFILE] if DERIVE_PROFILE else []) + raw_files(ALL_CELLS)
                  + TABLE_FILES + PLOT_FILES)
 

@@ -39,12 +39,50 @@ __all__ = ["Int8LinearConfig", "choose_int8_config", "int8_linear", "int8_linear
 
 
 @triton.jit
+def _int8_epilogue(acc, rm, rn, rn_ld, tile_id, pid_k, M, N, s_ptr, bias_ptr, y_ptr, ws_ptr, cnt_ptr,
+                   stride_ym, stride_yn, HAS_BIAS: tl.constexpr, SPLIT: tl.constexpr,
+                   FUSED_REDUCE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+    """Store an fp32 ``acc [BLOCK_M, BLOCK_N]`` tile: scale (+ bias) and cast, or (split-K) store
+    the partial and, with FUSED_REDUCE, let the last split of the tile reduce all partials."""
+    mask = (rm[:, None] < M) & (rn[None, :] < N)
+    if SPLIT:
+        ws = ws_ptr + (pid_k.to(tl.int64) * M + rm[:, None]) * N + rn[None, :]
+        tl.store(ws, acc, mask=mask)
+        if FUSED_REDUCE:
+            # The last split of this output tile to finish sums all partials (in split order,
+            # so the result is deterministic) and writes y; then it re-arms the tile counter.
+            # Stores above are released by the barrier + acq_rel atomic (the "semaphore"
+            # pattern of split-K / stream-K GEMMs); partials are re-read from L2 (.cg).
+            num_splits = tl.num_programs(1)
+            tl.debug_barrier()
+            count = tl.atomic_add(cnt_ptr + tile_id, 1)
+            if count == num_splits - 1:
+                tot = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+                for s in range(0, num_splits):
+                    part = ws_ptr + (s * M + rm[:, None].to(tl.int64)) * N + rn[None, :]
+                    tot += tl.load(part, mask=mask, other=0.0, cache_modifier=".cg")
+                y = tot * tl.load(s_ptr + rn_ld).to(tl.float32)[None, :]
+                if HAS_BIAS:
+                    y += tl.load(bias_ptr + rn_ld).to(tl.float32)[None, :]
+                y_ptrs = y_ptr + rm[:, None].to(tl.int64) * stride_ym + rn[None, :] * stride_yn
+                tl.store(y_ptrs, y.to(y_ptr.dtype.element_ty), mask=mask)
+                tl.atomic_xchg(cnt_ptr + tile_id, 0)
+    else:
+        y = acc * tl.load(s_ptr + rn_ld).to(tl.float32)[None, :]
+        if HAS_BIAS:
+            y += tl.load(bias_ptr + rn_ld).to(tl.float32)[None, :]
+        y_ptrs = y_ptr + rm[:, None].to(tl.int64) * stride_ym + rn[None, :] * stride_yn
+        tl.store(y_ptrs, y.to(y_ptr.dtype.element_ty), mask=mask)
+
+
+@triton.jit
 def _int8_linear_kernel(x_ptr, w_ptr, s_ptr, bias_ptr, y_ptr, ws_ptr, cnt_ptr, M, N, K, k_per_split,
                         stride_xm, stride_xk, stride_wn, stride_wk, stride_ym, stride_yn,
                         HAS_BIAS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                         BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr, SWAP_AB: tl.constexpr,
                         EVEN_K: tl.constexpr, SPLIT: tl.constexpr, FUSED_REDUCE: tl.constexpr,
                         FP32_MATH: tl.constexpr):
+    """Tensor-core tile kernel (``kind="mma"``)."""
     pid = tl.program_id(0)
     pid_k = tl.program_id(1)
     num_pid_m = tl.cdiv(M, BLOCK_M)
@@ -93,40 +131,62 @@ def _int8_linear_kernel(x_ptr, w_ptr, s_ptr, bias_ptr, y_ptr, ws_ptr, cnt_ptr, M
                 acc = tl.dot(x, tl.trans(wf), acc)
         x_ptrs += BLOCK_K * stride_xk
         w_ptrs += BLOCK_K * stride_wk
-
     if SWAP_AB:
         acc = tl.trans(acc)  # [BM, BN]
-    mask = (rm[:, None] < M) & (rn[None, :] < N)
-    if SPLIT:
-        ws = ws_ptr + (pid_k.to(tl.int64) * M + rm[:, None]) * N + rn[None, :]
-        tl.store(ws, acc, mask=mask)
-        if FUSED_REDUCE:
-            # The last split of this output tile to finish sums all partials (in split order,
-            # so the result is deterministic) and writes y; then it re-arms the tile counter.
-            # Stores above are released by the barrier + acq_rel atomic (the "semaphore"
-            # pattern of split-K / stream-K GEMMs); partials are re-read from L2 (.cg).
-            num_splits = tl.num_programs(1)
-            tl.debug_barrier()
-            count = tl.atomic_add(cnt_ptr + pid, 1)
-            if count == num_splits - 1:
-                tot = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
-                for s in range(0, num_splits):
-                    part = ws_ptr + (s * M + rm[:, None].to(tl.int64)) * N + rn[None, :]
-                    tot += tl.load(part, mask=mask, other=0.0, cache_modifier=".cg")
-                scale = tl.load(s_ptr + rn_ld).to(tl.float32)
-                y = tot * scale[None, :]
-                if HAS_BIAS:
-                    y += tl.load(bias_ptr + rn_ld).to(tl.float32)[None, :]
-                y_ptrs = y_ptr + rm[:, None].to(tl.int64) * stride_ym + rn[None, :] * stride_yn
-                tl.store(y_ptrs, y.to(y_ptr.dtype.element_ty), mask=mask)
-                tl.atomic_xchg(cnt_ptr + pid, 0)
-    else:
-        scale = tl.load(s_ptr + rn_ld).to(tl.float32)
-        y = acc * scale[None, :]
-        if HAS_BIAS:
-            y += tl.load(bias_ptr + rn_ld).to(tl.float32)[None, :]
-        y_ptrs = y_ptr + rm[:, None].to(tl.int64) * stride_ym + rn[None, :] * stride_yn
-        tl.store(y_ptrs, y.to(y_ptr.dtype.element_ty), mask=mask)
+    _int8_epilogue(acc, rm, rn, rn_ld, pid, pid_k, M, N, s_ptr, bias_ptr, y_ptr, ws_ptr, cnt_ptr,
+                   stride_ym, stride_yn, HAS_BIAS, SPLIT, FUSED_REDUCE, BLOCK_M, BLOCK_N)
+
+
+@triton.jit
+def _int8_gemv_kernel(x_ptr, w_ptr, s_ptr, bias_ptr, y_ptr, ws_ptr, cnt_ptr, M, N, K, k_per_split,
+                      stride_xm, stride_xk, stride_wn, stride_wk, stride_ym, stride_yn,
+                      HAS_BIAS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                      BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr, SPLIT: tl.constexpr,
+                      FUSED_REDUCE: tl.constexpr):
+    """CUDA-core kernel for a few rows (``kind="gemv"``, ``M <= BLOCK_M``): each program streams
+    ``BLOCK_N`` weight rows over its K range with 16-byte loads, accumulates
+    ``x[m, k] * w[n, k]`` element-wise in fp32 registers and reduces over K once at the end; no
+    tensor cores, little shared memory, so many programs per SM keep many loads in flight."""
+    pid_n = tl.program_id(0)
+    pid_k = tl.program_id(1)
+    rm = tl.arange(0, BLOCK_M)
+    rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    rm_ld = rm % M
+    rn_ld = rn % N
+    k_lo = pid_k * k_per_split
+    k_hi = tl.minimum(k_lo + k_per_split, K)
+    offs_k = tl.max_contiguous(tl.multiple_of(k_lo + tl.arange(0, BLOCK_K), BLOCK_K), BLOCK_K)
+    x_ptrs = x_ptr + rm_ld[:, None].to(tl.int64) * stride_xm + offs_k[None, :] * stride_xk  # [BM, BK]
+    w_ptrs = w_ptr + rn_ld[:, None].to(tl.int64) * stride_wn + offs_k[None, :] * stride_wk  # [BN, BK]
+    acc3 = tl.zeros([BLOCK_M, BLOCK_N, BLOCK_K], dtype=tl.float32)  # reduced over K once, at the end
+    for k0 in range(k_lo, k_hi, BLOCK_K):
+        if EVEN_K:
+            w = tl.load(w_ptrs, eviction_policy="evict_first")
+            x = tl.load(x_ptrs, eviction_policy="evict_last")
+        else:
+            kmask = (k0 - k_lo + offs_k) < k_hi
+            w = tl.load(w_ptrs, mask=kmask[None, :], other=0, eviction_policy="evict_first")
+            x = tl.load(x_ptrs, mask=kmask[None, :], other=0.0, eviction_policy="evict_last")
+        acc3 += x.to(tl.float32)[:, None, :] * w.to(tl.float32)[None, :, :]  # [BM, BN, BK]
+        x_ptrs += BLOCK_K * stride_xk
+        w_ptrs += BLOCK_K * stride_wk
+    acc = tl.sum(acc3, axis=2)                                                # [BM, BN]
+    _int8_epilogue(acc, rm, rn, rn_ld, pid_n, pid_k, M, N, s_ptr, bias_ptr, y_ptr, ws_ptr, cnt_ptr,
+                   stride_ym, stride_yn, HAS_BIAS, SPLIT, FUSED_REDUCE, BLOCK_M, BLOCK_N)
+
+
+@triton.jit
+def _dequant_kernel(w_ptr, s_ptr, out_ptr, N, K, stride_wn, stride_on,
+                    BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+    """``out[n, k] = w[n, k] * scale[n]`` in the output dtype (``kind="dequant"``)."""
+    rn = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+    rk = tl.program_id(1) * BLOCK_K + tl.arange(0, BLOCK_K)
+    mask = (rn[:, None] < N) & (rk[None, :] < K)
+    w = tl.load(w_ptr + rn[:, None].to(tl.int64) * stride_wn + rk[None, :], mask=mask, other=0)
+    sc = tl.load(s_ptr + rn, mask=rn < N, other=0.0).to(tl.float32)
+    out = w.to(tl.float32) * sc[:, None]
+    tl.store(out_ptr + rn[:, None].to(tl.int64) * stride_on + rk[None, :],
+             out.to(out_ptr.dtype.element_ty), mask=mask)
 
 
 @triton.jit
@@ -159,6 +219,7 @@ class Int8LinearConfig:
     num_warps: int = 4
     num_stages: int = 3
     fused_reduce: bool = False  # split-K: last split reduces (no second launch) vs reduce kernel
+    kind: str = "mma"  # "mma" (tensor cores), "gemv" (CUDA cores, M <= block_m), "dequant"
 
 
 _NUM_SMS: dict[int, int] = {}
@@ -284,21 +345,44 @@ def int8_linear(x: torch.Tensor, w_int8: torch.Tensor, scale: torch.Tensor,
         raise ValueError("int8_linear on CPU tensors needs the Triton interpreter: set "
                          "TRITON_INTERPRET=1 before importing llmserve.triton_kernels")
     cfg = config or choose_int8_config(m, n, k, x.device)
+    if cfg.kind not in ("mma", "gemv", "dequant"):
+        raise ValueError(f"Int8LinearConfig.kind must be 'mma', 'gemv' or 'dequant', got {cfg.kind!r}")
+    if cfg.kind == "dequant":
+        # Compute-bound shapes: one pass int8 -> x.dtype weights, then the vendor GEMM (the
+        # same trade vLLM's AWQ path makes for >= 256 tokens). Costs 3 bytes per weight more.
+        w_deq = torch.empty((n, k), dtype=x.dtype, device=x.device)                # [N, K]
+        bn, bk = (32, 32) if on_cpu else (32, 256)
+        _dequant_kernel[(triton.cdiv(n, bn), triton.cdiv(k, bk))](
+            w_int8, scale, w_deq, n, k, w_int8.stride(0), w_deq.stride(0),
+            BLOCK_N=bn, BLOCK_K=bk, num_warps=1 if on_cpu else 4)
+        y = torch.nn.functional.linear(x2, w_deq, bias)                            # [M, N]
+        return y.reshape(*lead, n)
+    if cfg.kind == "gemv" and m > cfg.block_m:
+        raise ValueError(f"the gemv kernel serves M <= block_m ({cfg.block_m}), got M={m}")
     k_per = triton.cdiv(triton.cdiv(k, cfg.split_k), cfg.block_k) * cfg.block_k
     split = triton.cdiv(k, k_per)
     even_k = k % cfg.block_k == 0
     has_bias = bias is not None
     ws = (torch.empty((split, m, n), dtype=torch.float32, device=x.device) if split > 1 else y)
-    tiles = triton.cdiv(m, cfg.block_m) * triton.cdiv(n, cfg.block_n)
+    if cfg.kind == "gemv":
+        tiles = triton.cdiv(n, cfg.block_n)
+    else:
+        tiles = triton.cdiv(m, cfg.block_m) * triton.cdiv(n, cfg.block_n)
     fused = split > 1 and cfg.fused_reduce
     cnt = _tile_counters(x.device, tiles) if fused else ws
-    _int8_linear_kernel[(tiles, split)](
-        x2, w_int8, scale, bias if has_bias else scale, y, ws, cnt, m, n, k, k_per,
-        x2.stride(0), x2.stride(1), w_int8.stride(0), w_int8.stride(1), y.stride(0), y.stride(1),
-        HAS_BIAS=has_bias, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
-        GROUP_M=cfg.group_m, SWAP_AB=cfg.swap_ab, EVEN_K=even_k, SPLIT=split > 1,
-        FUSED_REDUCE=fused, FP32_MATH=on_cpu or x.dtype == torch.float32,
-        num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+    args = (x2, w_int8, scale, bias if has_bias else scale, y, ws, cnt, m, n, k, k_per,
+            x2.stride(0), x2.stride(1), w_int8.stride(0), w_int8.stride(1), y.stride(0), y.stride(1))
+    if cfg.kind == "gemv":
+        _int8_gemv_kernel[(tiles, split)](
+            *args, HAS_BIAS=has_bias, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
+            EVEN_K=even_k, SPLIT=split > 1, FUSED_REDUCE=fused,
+            num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+    else:
+        _int8_linear_kernel[(tiles, split)](
+            *args, HAS_BIAS=has_bias, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
+            GROUP_M=cfg.group_m, SWAP_AB=cfg.swap_ab, EVEN_K=even_k, SPLIT=split > 1,
+            FUSED_REDUCE=fused, FP32_MATH=on_cpu or x.dtype == torch.float32,
+            num_warps=cfg.num_warps, num_stages=cfg.num_stages)
     if split > 1 and not fused:
         block = 1024 if not on_cpu else 256
         _splitk_reduce_kernel[(triton.cdiv(m * n, block),)](
