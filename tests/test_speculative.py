@@ -297,10 +297,16 @@ def _small_model(layers: int, seed: int) -> tuple[Qwen2ForCausalLM, ModelConfig]
 
 @pytest.fixture(scope="module")
 def small_models(tmp_path_factory):
-    """(target_dir, draft_dir, target model): 2-layer target and 1-layer draft, different weights."""
+    """(target_dir, draft_dir, target model): a 2-layer target; the draft is its first layer
+    with perturbed weights (per-position TV to the target ~0.1-0.7, so acceptance is partial)."""
     root = tmp_path_factory.mktemp("spec-small")
     target, tcfg = _small_model(2, seed=1)
-    draft, dcfg = _small_model(1, seed=2)
+    dcfg = dataclasses.replace(tcfg, num_hidden_layers=1)
+    draft = Qwen2ForCausalLM(dcfg).eval()
+    g = torch.Generator().manual_seed(2)
+    with torch.no_grad():
+        draft.load_state_dict({k: v + 0.05 * torch.randn(v.shape, generator=g)
+                               for k, v in target.state_dict().items() if ".layers.1." not in k})
     save_checkpoint(target, tcfg, root / "target")
     save_checkpoint(draft, dcfg, root / "draft")
     return root / "target", root / "draft", target
@@ -419,6 +425,33 @@ def test_mixed_batch_seeds_and_abort(small_models):
     assert _counts_free(eng) == free0 and not eng.has_unfinished_requests()
     st = eng.stats()
     assert st["speculative"]["num_verifications"] > 0 and st["num_free_blocks"] == free0[0]
+
+
+def test_draft_cache_consistent_after_rollbacks(small_models):
+    """After rejections roll the draft's cache back (and it catches up 1-2 tokens), its greedy
+    proposals still equal the draft model's uncached greedy continuation of the sequence."""
+    target_dir, draft_dir, _ = small_models
+    cfg = EngineConfig(model=str(target_dir), cache=CacheConfig(block_size=BLOCK, num_blocks=256),
+                       scheduler=SchedulerConfig(max_num_seqs=8, max_model_len=64))
+    eng = SpeculativeEngine(cfg, draft_model=str(draft_dir), num_speculative_tokens=3)
+    propose = eng._propose
+    checked = []
+
+    def checked_propose(specs, mirrors):
+        propose(specs, mirrors)
+        for s in specs:
+            ids = torch.tensor([s.seq.all_token_ids])
+            for d in s.drafts:
+                assert eng.draft_model.forward_reference(ids, last_only=True)[0, -1].argmax().item() == d
+                ids = torch.cat([ids, torch.tensor([[d]])], 1)
+            checked.append((s.ds.num_computed_tokens, s.T + s.k - 1))   # computed through d_{k-1}
+
+    eng._propose = checked_propose
+    reqs = [([1 + i, 2 + i % 3, 5], SamplingParams(max_tokens=20, ignore_eos=True)) for i in range(6)]
+    out = _run(eng, reqs)
+    st = eng.speculative_stats()
+    assert len(checked) == st["num_verifications"] > 20 and all(c == e for c, e in checked)
+    assert 0 < st["acceptance_rate"] < 1 and all(len(o) == 20 for o in out)
 
 
 def test_validation():

@@ -126,7 +126,8 @@ def test_decode_many_splits(fused):
 
 
 def test_choose_num_splits_fills_the_gpu():
-    assert choose_num_splits(64, 2, 2048, 64, 132) * 64 * 2 >= 4 * 132
+    assert choose_num_splits(64, 2, 2048, 64, 132) == 3  # one wave of ~3 programs per SM
+    assert choose_num_splits(256, 2, 2048, 64, 132) == 3  # 3.9 waves rather than 1.3
     assert choose_num_splits(1, 2, 2048, 64, 132) <= 32  # never more splits than tiles
     assert choose_num_splits(512, 8, 2048, 64, 132) == 1
     assert choose_num_splits(4, 2, 10, 64, 132) == 1
@@ -245,10 +246,14 @@ def test_int8_linear_matches_dequant_matmul(m, dtype, bias):
     Int8LinearConfig(16, 16, 64, split_k=1, swap_ab=True, num_warps=1, num_stages=1),
     Int8LinearConfig(32, 16, 32, split_k=2, swap_ab=False, group_m=2, num_warps=1, num_stages=1),
     Int8LinearConfig(16, 32, 32, split_k=3, swap_ab=True, num_warps=1, num_stages=1, fused_reduce=True),
+    Int8LinearConfig(32, 16, 32, split_k=3, num_warps=1, num_stages=1, fused_reduce=True, kind="gemv"),
+    Int8LinearConfig(32, 8, 64, split_k=2, num_warps=1, num_stages=1, kind="gemv"),
+    Int8LinearConfig(1, 1, 1, kind="dequant"),
 ])
 def test_int8_linear_configs(cfg):
-    """Split-K with an uneven last split, swap-AB without split, non-swapped split-K with
-    grouped ordering; a 3-D input with a bf16 scale."""
+    """Every kernel kind: split-K with an uneven last split, swap-AB without split, non-swapped
+    split-K with grouped ordering, fused split-K reduction, multi-row gemv (fused and reduce
+    kernel), dequantize + matmul; a 3-D input (M = 18) with a bf16 scale."""
     g = torch.Generator().manual_seed(1)
     n, k = 40, 136
     w_q, scale = quantize_int8_per_channel(torch.randn(n, k, generator=g))
@@ -287,6 +292,10 @@ def test_int8_linear_input_errors():
         int8_linear(x, w_q, scale, torch.zeros(3, device=DEVICE))
     with pytest.raises(ValueError, match="row-major"):
         int8_linear(x, w_q.t().contiguous().t(), scale)
+    with pytest.raises(ValueError, match="kind"):
+        int8_linear(x, w_q, scale, config=Int8LinearConfig(16, 16, 16, kind="cutlass"))
+    with pytest.raises(ValueError, match="gemv"):
+        int8_linear(x, w_q, scale, config=Int8LinearConfig(1, 16, 16, kind="gemv"))
 
 
 # ---------------------------------------------------------------------------------------------

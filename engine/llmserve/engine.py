@@ -27,6 +27,7 @@ from .sampling_params import SamplingParams
 from .sequence import RequestMetrics, Sequence, SequenceStatus
 
 TokenCallback = Callable[["RequestOutput"], None]
+_FINISHED = frozenset(s for s in SequenceStatus if s.finished)
 
 
 @dataclass(slots=True)
@@ -57,9 +58,14 @@ class RequestOutput:
 
     @classmethod
     def from_seq(cls, seq: Sequence, new_token_ids: list[int]) -> "RequestOutput":
-        return cls(seq.request_id, seq.prompt_token_ids, list(seq.output_token_ids), new_token_ids,
-                   seq.is_finished, seq.finish_reason, seq.metrics, list(seq.output_logprobs),
-                   seq.stop_reason)
+        """Build from a sequence. ``output_token_ids`` and ``logprobs`` are the sequence's live
+        lists while it runs (no per-step copy: at batch 256 the copies cost more than the
+        rest of the step's bookkeeping); a finished request's lists no longer change. Copy
+        them to keep a snapshot of a running request."""
+        finished = seq.status in _FINISHED
+        return cls(seq.request_id, seq.prompt_token_ids, seq.output_token_ids, new_token_ids,
+                   finished, seq.status.value if finished else None, seq.metrics,
+                   seq.output_logprobs, seq.stop_reason)
 
 
 class _EngineBase:

@@ -5,6 +5,9 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 
+GREEDY_EPS = 1e-5
+
+
 @dataclass(slots=True)
 class SamplingParams:
     """How to pick each next token and when to stop.
@@ -68,4 +71,6 @@ class SamplingParams:
 
     @property
     def greedy(self) -> bool:
-        return self.temperature == 0.0
+        """Temperatures below 1e-5 are treated as greedy (dividing logits by a vanishing
+        temperature overflows to NaN; its limit is the argmax)."""
+        return self.temperature < GREEDY_EPS

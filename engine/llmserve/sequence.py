@@ -25,7 +25,7 @@ class SequenceStatus(enum.Enum):
 
     @property
     def finished(self) -> bool:
-        return self not in (SequenceStatus.WAITING, SequenceStatus.RUNNING)
+        return self is not SequenceStatus.WAITING and self is not SequenceStatus.RUNNING
 
 
 @dataclass(slots=True)

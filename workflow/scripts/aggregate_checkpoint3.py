@@ -322,8 +322,14 @@ def _requests(row: pd.Series) -> str:
     return f"{int(c) if float(c).is_integer() else c}/{int(n)}"
 
 
-def _chunk(v: str) -> str:
+def _chunk(v: str, scheduler: str = "") -> str:
+    if scheduler == "naive":  # no KV cache, no prefill chunks
+        return "–"
     return "off" if str(v) == "0" else str(v)
+
+
+def _attn(row: pd.Series) -> str:
+    return "–" if row["scheduler"] == "naive" else str(row["attn"])  # naive: no paged attention
 
 
 def header_lines(title: str, profile_name: str, common: OrderedDict, runs: list[dict]) -> list[str]:
@@ -387,8 +393,8 @@ def summary_markdown(df: pd.DataFrame, header: list[str], digest_groups: list[st
               "|---|---|---:|---|---|---|---:|---:|---:|---:|---:|---:|---:|---|---|---|"]
     for _, r in df.iterrows():
         lines.append(
-            f"| {r['scheduler']} | {r['policy']} | {r['batch']} | {_chunk(r['chunk'])} | {r['linear']} "
-            f"| {r['attn']} | {_ranged(r, 'output_throughput')} | {_ranged(r, 'ttft_p95_ms', 0)} "
+            f"| {r['scheduler']} | {r['policy']} | {r['batch']} | {_chunk(r['chunk'], r['scheduler'])} "
+            f"| {r['linear']} | {_attn(r)} | {_ranged(r, 'output_throughput')} | {_ranged(r, 'ttft_p95_ms', 0)} "
             f"| {_ranged(r, 'tpot_p95_ms', 2)} | {_pct(r['kv_memory_reduction_median'])} "
             f"| {_pct(r['kv_usage_peak_median'])} | {_num(r['preemptions_median'], 0)} "
             f"| {_requests(r)} | {r['status']} | {r['digest_agrees_with_naive']} | {_esc(r['error'])} |")
@@ -410,7 +416,8 @@ def failure_markdown(df: pd.DataFrame, header: list[str], digest_groups: list[st
               "|---|---|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---|---|---|"]
     for _, r in df.iterrows():
         lines.append(
-            f"| {r['scheduler']} | {r['policy']} | {r['batch']} | {_chunk(r['chunk'])} | {r['rate']} "
+            f"| {r['scheduler']} | {r['policy']} | {r['batch']} | {_chunk(r['chunk'], r['scheduler'])} "
+            f"| {r['rate']} "
             f"| {r['blocks']} | {_ranged(r, 'output_throughput')} "
             f"| {_times(r['output_throughput_vs_baseline'])} | {_ranged(r, 'ttft_p95_ms', 0)} "
             f"| {_times(r['ttft_p95_vs_baseline'])} | {_ranged(r, 'tpot_p95_ms', 2)} "
@@ -436,8 +443,9 @@ def digest_group_lines(df: pd.DataFrame) -> list[str]:
         groups: OrderedDict[str, list[str]] = OrderedDict()
         for _, r in part.iterrows():
             key = r["token_digest"] if isinstance(r["token_digest"], str) else "(no digest: failed)"
-            label = (f"{r['scheduler']}/{r['policy']} b{r['batch']} chunk {_chunk(r['chunk'])} "
-                     f"attn {r['attn']}" + (f" rate {r['rate']}" if r["rate"] != "profile" else "")
+            label = (f"{r['scheduler']}/{r['policy']} b{r['batch']}"
+                     + ("" if r["scheduler"] == "naive" else
+                        f" chunk {_chunk(r['chunk'])} attn {r['attn']}") + (f" rate {r['rate']}" if r["rate"] != "profile" else "")
                      + (f" blocks {r['blocks']}" if r["blocks"] != "auto" else ""))
             groups.setdefault(key, []).append(label)
         lines.append(f"- linear backend `{linear}`:")
