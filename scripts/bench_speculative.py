@@ -40,7 +40,6 @@ from pathlib import Path
 
 import numpy as np
 import torch
-
 from llmserve.config import CacheConfig, EngineConfig, SchedulerConfig
 from llmserve.engine import LLMEngine
 from llmserve.sampling_params import SamplingParams

@@ -21,12 +21,10 @@ from __future__ import annotations
 import dataclasses
 import random
 
+import llmserve.speculative as spec_mod
 import numpy as np
 import pytest
 import torch
-from scipy import stats
-
-import llmserve.speculative as spec_mod
 from llmserve.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig
 from llmserve.engine import LLMEngine
 from llmserve.models.loader import save_checkpoint
@@ -216,7 +214,9 @@ def _chi2(counts: np.ndarray, probs: np.ndarray) -> tuple[float, float, float]:
     keep = exp_c > 0
     assert obs_c[~keep].sum() == 0, "a zero-probability outcome was produced"
     stat = float(((obs_c[keep] - exp_c[keep]) ** 2 / exp_c[keep]).sum())
-    pval = float(stats.chi2.sf(stat, keep.sum() - 1))
+    df = int(keep.sum()) - 1   # chi-square survival function = regularized upper gamma Q(df/2, x/2)
+    pval = float(torch.special.gammaincc(torch.tensor(df / 2, dtype=torch.float64),
+                                         torch.tensor(stat / 2, dtype=torch.float64)))
     return pval, 0.5 * float(np.abs(counts / n - probs).sum()), stat
 
 
@@ -467,8 +467,13 @@ def test_validation():
 def test_benchmark_speculative_section(small_models, tmp_path):
     """``llmserve benchmark --speculative-model``: same greedy tokens as without it, and a
     ``speculative`` section with the counters."""
-    from llmserve.benchmark.runner import BenchmarkOptions, add_benchmark_args, run_benchmark
     import argparse
+
+    from llmserve.benchmark.runner import (
+        BenchmarkOptions,
+        add_benchmark_args,
+        run_benchmark,
+    )
 
     target_dir, draft_dir, _ = small_models
     prof = tmp_path / "p.yaml"

@@ -129,7 +129,7 @@ def test_choose_num_splits_fills_the_gpu():
     assert choose_num_splits(64, 2, 2048, 64, 132) == 3  # one wave of ~3 programs per SM
     assert choose_num_splits(256, 2, 2048, 64, 132) == 3  # 3.9 waves rather than 1.3
     assert choose_num_splits(1, 2, 2048, 64, 132) <= 32  # never more splits than tiles
-    assert choose_num_splits(512, 8, 2048, 64, 132) == 1
+    assert choose_num_splits(512, 8, 2048, 64, 132) <= 2  # already ~10 waves
     assert choose_num_splits(4, 2, 10, 64, 132) == 1
 
 

@@ -690,7 +690,7 @@ class SpeculativeEngine(LLMEngine):
                 st.num_emitted_tokens += len(new)
                 st.num_truncated_tokens += len(toks) - len(new)
                 if status is None:   # roll back the rejected drafts in both caches
-                    seq.num_computed_tokens = s.T + s.k
+                    seq.num_computed_tokens = s.T + s.n_acc
                     self.block_manager.trim(seq, seq.num_computed_tokens)
                     s.ds.num_computed_tokens = min(s.ds.num_computed_tokens, seq.num_computed_tokens)
                     self.draft_block_manager.trim(s.ds, s.ds.num_computed_tokens)

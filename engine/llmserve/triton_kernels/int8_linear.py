@@ -5,24 +5,27 @@ Weight format: ``w_int8`` is ``[N, K]`` int8, row-major — the same orientation
 weight in place without transposing. ``scale`` is ``[N]`` (fp32, fp16 or bf16): symmetric
 per-output-channel scales, ``w ~= w_int8 * scale[:, None]`` with ``w_int8`` in ``[-127, 127]``.
 
-The kernel reads int8 tiles, converts them to the activation dtype in registers (every int8
-value is exact in bf16/fp16), multiplies on the tensor cores with fp32 accumulation and applies
-the per-channel scale (and bias) once in the epilogue — the scale factors out of the K sum:
-``sum_k x[m,k] * q[n,k] * s[n] = s[n] * sum_k x[m,k] * q[n,k]``.
+The fused kernels read int8 tiles, convert them in registers (every int8 value is exact in
+bf16/fp16), accumulate in fp32 and apply the per-channel scale (and bias) once in the epilogue —
+the scale factors out of the K sum: ``sum_k x[m,k] * q[n,k] * s[n] = s[n] * sum_k x[m,k] * q[n,k]``.
 
-Two tilings:
+Three kernel kinds (:class:`Int8LinearConfig.kind`), chosen per shape by
+:func:`choose_int8_config` from H200 measurements (``results/kernels/NOTES.md``):
 
-* small ``M`` (decode, ``M <= 64``): "swap AB" — the kernel computes ``y.T = w @ x.T`` so the
-  weight tile is the MMA's left operand (``BLOCK_N`` rows of output channels) and the few tokens
-  are the narrow right operand (``BLOCK_M`` >= 16); with few output tiles, split-K over ``K``
-  (fp32 partials in a workspace, summed by a small reduction kernel that also applies scale and
-  bias) gives every SM work. This regime is bound by reading the weight once: half the bytes
-  of bf16.
-* large ``M`` (prefill): a classic tiled GEMM (Triton tutorial "Matrix Multiplication", grouped
-  tile order for L2 reuse) with 128x128x64 tiles.
+* ``"gemv"`` (decode, M = 1): CUDA cores, a few output rows per program, 16-byte int8 loads,
+  fp32 element-wise accumulation reduced over K once; little shared memory, so many programs
+  per SM keep many loads in flight (gemlite's GEMV kernels use the same idea).
+* ``"mma"`` (decode, M <= 64): tensor-core tiles (``BLOCK_M`` >= 16) with the int8 tile
+  converted in registers; split-K over K when there are few output tiles, with the partials
+  summed by the last split to finish (``fused_reduce``) or by a small reduction kernel. An
+  optional "swap AB" orientation computes ``y.T = w @ x.T`` (measured slower on Hopper).
+* ``"dequant"`` (prefill, M > 64): one pass int8 -> ``x.dtype`` weights, then cuBLAS. The fused
+  tile kernel measured 1.7-2.1x slower than bf16 cuBLAS at M >= 256 (a guess, not profiled: the
+  converted operand goes back through shared memory before each wgmma, stalling the pipeline);
+  dequantize + cuBLAS costs 1.12-1.19x. vLLM's AWQ path makes the same trade for >= 256 tokens.
 
-On CPU tensors (Triton interpreter) tiles are cast to fp32 before the product and one fixed
-small configuration is used.
+On CPU tensors (Triton interpreter) tiles are cast to fp32 before the product and small
+configurations of the same kinds are used.
 """
 
 from __future__ import annotations
@@ -373,8 +376,8 @@ def int8_linear(x: torch.Tensor, w_int8: torch.Tensor, scale: torch.Tensor,
         return y.reshape(*lead, n)
     on_cpu = x.device.type == "cpu"
     if on_cpu and os.environ.get("TRITON_INTERPRET", "0") != "1":
-        raise ValueError("int8_linear on CPU tensors needs the Triton interpreter: set "
-                         "TRITON_INTERPRET=1 before importing llmserve.triton_kernels")
+        raise ValueError("int8_linear needs CUDA tensors, or (CPU tensors) the Triton interpreter: "
+                         "set TRITON_INTERPRET=1 before importing llmserve.triton_kernels")
     cfg = config or choose_int8_config(m, n, k, x.device)
     if cfg.kind not in ("mma", "gemv", "dequant"):
         raise ValueError(f"Int8LinearConfig.kind must be 'mma', 'gemv' or 'dequant', got {cfg.kind!r}")

@@ -224,8 +224,8 @@ def _decode_kernel(q_ptr, k_cache_ptr, v_cache_ptr, out_ptr, m_ptr, l_ptr, acc_p
                     o_t = o_t * w_t[:, None] + o_s * w_s[:, None]
                     m_t = m_n
                 out = o_t / tl.where(l_t > 0, l_t, 1.0)[:, None]
-                tl.store(out_ptr + q_row.to(tl.int64) * stride_on + heads[:, None] * stride_oh + offs_d[None, :],
-                         out.to(out_ptr.dtype.element_ty), mask=gmask[:, None])
+                o_ptrs = out_ptr + q_row.to(tl.int64) * stride_on + heads[:, None] * stride_oh + offs_d[None, :]
+                tl.store(o_ptrs, out.to(out_ptr.dtype.element_ty), mask=gmask[:, None])
                 tl.atomic_xchg(cnt, 0)
 
 
@@ -249,14 +249,14 @@ def _decode_reduce_kernel(out_ptr, m_ptr, l_ptr, acc_ptr, qsl_ptr, num_splits, n
     for s0 in range(0, num_splits, S_BLOCK):  # S_BLOCK splits at a time, merged online
         smask = (s0 + offs_s) < num_splits
         m = tl.load(m_ptr + base + s0 + offs_s, mask=smask, other=float("-inf"))   # [S_BLOCK]
-        l = tl.load(l_ptr + base + s0 + offs_s, mask=smask, other=0.0)             # [S_BLOCK]
+        l_s = tl.load(l_ptr + base + s0 + offs_s, mask=smask, other=0.0)           # [S_BLOCK]
         acc = tl.load(acc_ptr + (base + s0 + offs_s)[:, None] * HEAD_DIM + offs_d[None, :],
                       mask=smask[:, None], other=0.0)                              # [S_BLOCK, D]
         m_new = tl.maximum(m_t, tl.max(m, 0))                                      # [1]
         m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
         w = tl.exp2(m - m_safe)                                                    # 0 for empty splits
         w_t = tl.exp2(m_t - m_safe)
-        l_t = l_t * w_t + tl.sum(w * l, 0)
+        l_t = l_t * w_t + tl.sum(w * l_s, 0)
         o_t = o_t * w_t + tl.sum(w[:, None] * acc, 0)
         m_t = m_new
     out = o_t / tl.where(l_t > 0, l_t, 1.0)                                        # [D]
@@ -383,9 +383,9 @@ def _on_cpu(t: torch.Tensor) -> bool:
     """
     if t.device.type == "cpu":
         if os.environ.get("TRITON_INTERPRET", "0") != "1":
-            raise ValueError("Triton kernels on CPU tensors need the Triton interpreter: set "
-                             "TRITON_INTERPRET=1 before importing llmserve.triton_kernels "
-                             "(or move the tensors to a CUDA device)")
+            raise ValueError("Triton kernels need CUDA tensors, or (CPU tensors) the Triton "
+                             "interpreter: set TRITON_INTERPRET=1 before importing "
+                             "llmserve.triton_kernels")
         return True
     return False
 
