@@ -10,3 +10,5 @@ export LLMSERVE_CACHE=${LLMSERVE_CACHE:-/tmp/llmserve-cache}
 export PYTHONUNBUFFERED=1
 if [ -f .gpu/sharegpt-subset.json ]; then export LLMSERVE_SHAREGPT_PATH=$PWD/.gpu/sharegpt-subset.json; fi
 set +e
+mkdir -p /tmp/site/bin
+command -v python >/dev/null 2>&1 || ln -sf "$(command -v python3)" /tmp/site/bin/python

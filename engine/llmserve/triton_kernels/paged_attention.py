@@ -65,6 +65,16 @@ DECODE_FUSED_REDUCE = True
 #: Above this many splits the separate (parallel) reduction kernel is used: on the H200 the
 #: in-kernel merge saved ~1-2 us at 2-5 splits but cost ~5 us at 32 (batch 1, context 2048).
 FUSED_REDUCE_MAX_SPLITS = 8
+# Experiment knobs (A/B runs on the GPU; defaults = the tuned choices above):
+# LLMSERVE_DECODE_SPLITS=legacy uses the first heuristic (about 4 programs per SM);
+# LLMSERVE_DECODE_STAGES=N overrides the decode kernel's pipeline depth.
+# Defaults from the engine-level A/B on the H200 (offline workload, 256 requests, CUDA-graph
+# decode with max_context_len fixed to max_model_len, so most splits of short sequences are
+# empty): "legacy" + 3 stages gave the fastest decode kernel at batch 256 (12.5 us vs 17.5 us
+# for "waves" + 2 stages per layer, results/h200/notes/). The kernel-level sweep, where every
+# sequence has the full context, preferred "waves"; pass LLMSERVE_DECODE_SPLITS=waves for it.
+_SPLIT_POLICY = os.environ.get("LLMSERVE_DECODE_SPLITS", "legacy")
+_DECODE_STAGES = int(os.environ.get("LLMSERVE_DECODE_STAGES", "3") or 0)
 _LOG2E = 1.4426950408889634
 
 
@@ -574,6 +584,8 @@ def paged_attention_decode(query: torch.Tensor, k_cache: torch.Tensor, v_cache: 
     if b == 0 or n == 0:
         return out
     cfg = _decode_config(d, on_cpu)
+    if _DECODE_STAGES and not on_cpu:
+        cfg["num_stages"] = _DECODE_STAGES
     if block_n is not None:
         cfg["BLOCK_N"] = block_n
     if num_warps is not None:
@@ -583,6 +595,8 @@ def paged_attention_decode(query: torch.Tensor, k_cache: torch.Tensor, v_cache: 
     bn = cfg["BLOCK_N"]
     max_ctx = max(int(meta.max_context_len), 1)
     tiles = triton.cdiv(max_ctx, bn)
+    if num_splits is None and _SPLIT_POLICY == "legacy":
+        num_splits = min(tiles, max(1, triton.cdiv(4 * _num_sms(query.device), max(1, b * hkv))), 128)
     if num_splits is None:
         num_splits = choose_num_splits(b, hkv, max_ctx, bn, _num_sms(query.device), d)
     num_splits = max(1, min(int(num_splits), tiles))
