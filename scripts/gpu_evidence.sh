@@ -24,5 +24,6 @@ b)
     --config profile=h200-quick llmserve="python3 -m llmserve.cli" > "$OUT/snakemake.log" 2>&1
   tail -5 "$OUT/snakemake.log"
   tar czf "$OUT/checkpoint3-h200-quick.tgz" results/checkpoint3/h200-quick checksums/checkpoint3-h200-quick.sha256 2>/dev/null
+  timeout 90 python3 -m llmserve.cli bench-compare --parts offline --skip-hf --out "$OUT/offline" 2>&1 | grep "^|"
   ;;
 esac

@@ -182,9 +182,10 @@ def offline_llmserve(preset: str, prompts, outs, max_num_seqs: int, chunk: int, 
 
     max_len = max(len(p) + o for p, o in zip(prompts, outs)) + 16
     eng = llmserve_engine(preset, max_num_seqs=max_num_seqs, max_model_len=max_len, chunk=chunk, budget=budget)
-    # Warm-up: a few requests of the workload's lengths, so Triton's per-specialisation
-    # compiles (prefill chunks of several shapes, decode buckets) happen before timing.
-    eng.generate([p[:len(p)] for p in prompts[:12]], SamplingParams(max_tokens=24, ignore_eos=True))
+    # Warm-up: the first 64 requests of the workload with short outputs, so Triton's
+    # per-specialisation compiles (prefill chunks, mixed prefill+decode steps, decode buckets)
+    # happen before timing. A first run on a fresh machine otherwise pays ~5 s of compiles.
+    eng.generate(prompts[:64], SamplingParams(max_tokens=32, ignore_eos=True))
     torch.cuda.synchronize()
     t0 = time.perf_counter()
     for p, o in zip(prompts, outs):
@@ -219,6 +220,9 @@ def offline_hf_continuous(preset: str, prompts, outs) -> dict:
     torch.cuda.synchronize()
     dt = time.perf_counter() - t0
     produced = sum(len(r.generated_tokens) for r in res.values())
+    if produced == 0:
+        raise RuntimeError(f"generate_batch returned {len(res)} results with no generated tokens "
+                           "(its log says the requests failed during generation)")
     del model
     gc.collect()
     torch.cuda.empty_cache()
