@@ -40,6 +40,7 @@ include: "workflow/rules/workload.smk"
 include: "workflow/rules/benchmark.smk"
 include: "workflow/rules/aggregate.smk"
 include: "workflow/rules/checksums.smk"
+include: "workflow/rules/checkpoint4.smk"
 
 
 rule checkpoint3:

@@ -295,4 +295,9 @@ def test_reduced_matrix_reruns_only_what_changed(reduced_run):
     assert counts.get("benchmark_cell") == 2, counts
     shutil.rmtree(work / ".snakemake")
     counts = job_counts(snakemake(*dry, cwd=work, env=env).stdout)
-    assert counts.get("benchmark_cell") == 2 and counts.get("code_changed_marker") == 1, counts
+    assert counts.get("benchmark_cell") == 2 and counts.get("code_changed_marker") == 2, counts
+    # Rerun for real (still without the old metadata): afterwards nothing is left to do.
+    r = snakemake("--cores", "1", *dry[1:], cwd=work, env=env, timeout=900)
+    assert r.returncode == 0, r.stdout[-3000:]
+    r = snakemake(*dry, cwd=work, env=env)
+    assert "Nothing to be done" in r.stdout, r.stdout[-3000:]

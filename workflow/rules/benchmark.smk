@@ -8,19 +8,20 @@
 # Reruns: `code_hash` changes with any llmserve source file, and Snakemake's params trigger then
 # reruns every cell; `flags` changes with the cell's settings. Without Snakemake's metadata (a
 # fresh clone of committed results), stale_marker (common.smk) compares the hash each cell
-# recorded in its provenance file with the current one and reruns the stale cells. If the sources change while the
-# workflow runs, the job fails (before or after measuring) instead of keeping a cell measured on
-# code its recorded hash does not describe.
+# recorded in its provenance file with the current one and reruns the stale cells. If the
+# sources change while the workflow runs, the job fails (before or after measuring) instead of
+# keeping a cell measured on code its recorded hash does not describe.
 
 rule code_changed_marker:
     output:
-        f"{LOGS}/code-changed/{{old}}-to-{{new}}.stamp",
+        f"{LOGS}/code-changed/{{cell}}/{{old}}-to-{{new}}.stamp",
     log:
-        f"{LOGS}/code-changed/{{old}}-to-{{new}}.log",
+        f"{LOGS}/code-changed/{{cell}}/{{old}}-to-{{new}}.log",
     conda:
         ENV
     shell:
-        "echo 'llmserve sources changed: {wildcards.old} -> {wildcards.new}' > {output} 2> {log}"
+        "echo 'llmserve sources changed since this cell ran: {wildcards.old} -> {wildcards.new}'"
+        " > {output:q} 2> {log:q}"
 
 
 rule benchmark_cell:

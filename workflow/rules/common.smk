@@ -141,20 +141,29 @@ def stale_marker(cell):
 
     Snakemake's params trigger needs .snakemake/metadata, which a fresh clone of committed results
     lacks. The provenance file travels with the results, so comparing its hash with the current
-    one finds stale cells there too. The marker (git-ignored, named after the old and new hash)
-    is an input of the stale cell and of the target rule: the target needs it, so it is made,
-    and the cell, whose input is now newer than its outputs, reruns.
+    one finds stale cells there too. The marker (git-ignored, one folder per cell, named after the
+    old and new hash) is an input of the stale cell and of the target rule: the target needs it,
+    so it is made, and the cell, whose input is now newer than its outputs, reruns.
     """
     recorded = recorded_code_hash(cell)
     if recorded is not None and recorded != CODE_HASH:
-        return f"{LOGS}/code-changed/{recorded[:16]}-to-{CODE_HASH[:16]}.stamp"
+        return f"{LOGS}/code-changed/{cell}/{recorded[:16]}-to-{CODE_HASH[:16]}.stamp"
     return None
 
 
 def code_change_marker(wildcards):
-    """Input function of the benchmark rule: [marker] for a stale cell, else []."""
-    marker = stale_marker(wildcards.cell)
-    return [marker] if marker else []
+    """Input function of the benchmark rule: the cell's markers for the current code.
+
+    Besides a new marker for a stale cell, the markers that earlier reruns left for the current
+    code stay inputs, so the set of inputs Snakemake recorded for the cell does not change after
+    the rerun (which its `input` rerun trigger would otherwise take for a change).
+    """
+    folder = Path(f"{LOGS}/code-changed/{wildcards.cell}")
+    markers = sorted(str(p) for p in folder.glob(f"*-to-{CODE_HASH[:16]}.stamp"))
+    stale = stale_marker(wildcards.cell)
+    if stale is not None and stale not in markers:
+        markers.append(stale)
+    return markers
 
 
 def raw_files(cells, kinds=("json", "csv", "provenance.json")):

@@ -1,0 +1,66 @@
+# Checkpoint 4: the quantization and linear-backend experiment (`llmserve quantize-eval`):
+# stored bytes, quality against the 16-bit model (KL, top-1 agreement, perplexity) and matched
+# decode throughput for fp16, reference INT8, reference INT4 and fused INT8. A mode that fails
+# (triton-int8 without a GPU) stays in the table as a failed row.
+#
+#   snakemake --cores 1 results/checkpoint4                     # tiny model on the CPU
+#
+# The GPU result (Qwen2.5-1.5B shapes on an H200) is tracked in results/checkpoint4/h200/.
+
+Q4 = {
+    "profile": PROFILE,
+    "model": config["model"],
+    "device": config["device"],
+    "dtype": config["dtype"],
+    "modes": "fp16,int8,int4,triton-int8",
+    "eval_tokens": 1024,
+}
+Q4_OUT = f"results/checkpoint4/{Q4['profile']}"
+
+
+rule quantize_eval:
+    input:
+        script=f"{SCRIPTS}/plot_quantization.py",
+    output:
+        json=f"{Q4_OUT}/quantization.json",
+        csv=f"{Q4_OUT}/quantization.csv",
+        png=f"{Q4_OUT}/quantization.png",
+    params:
+        llmserve=config["llmserve"],
+        code_hash=CODE_HASH,  # engine sources: a change reruns the evaluation
+        q=Q4,
+    log:
+        f"{Q4_OUT}/logs/quantize_eval.log",
+    resources:
+        gpu=1 if str(config["device"]).startswith("cuda") else 0,
+    conda:
+        ENV
+    shell:
+        "{params.llmserve} quantize-eval --model {params.q[model]} --device {params.q[device]}"
+        " --dtype {params.q[dtype]} --modes {params.q[modes]} --eval-tokens {params.q[eval_tokens]}"
+        " --output {output.json} --csv {output.csv} > {log} 2>&1;"
+        " python {input.script} {output.json} --output {output.png} >> {log} 2>&1"
+
+
+rule checkpoint4_checksums:
+    input:
+        script=f"{SCRIPTS}/checksums.py",
+        files=rules.quantize_eval.output,
+    output:
+        f"checksums/checkpoint4-{Q4['profile']}.sha256",
+    log:
+        f"{Q4_OUT}/logs/checksums.log",
+    conda:
+        ENV
+    shell:
+        "python {input.script} write --output {output} {input.files} > {log} 2>&1"
+
+
+for _alias in ("results/checkpoint4", "results/checkpoint4/"):
+
+    rule:
+        name:
+            _alias
+        input:
+            rules.quantize_eval.output,
+            rules.checkpoint4_checksums.output,
