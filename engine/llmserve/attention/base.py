@@ -45,4 +45,3 @@ def get_attention_backend(name: str) -> AttentionBackend:
             raise RuntimeError(f"the triton attention backend needs Triton: {e}") from e
         return TritonPagedAttention()
     raise ValueError(f"unknown attention backend {name!r}; supported: ['torch', 'triton']")
-# pipeline rerun check (temporary)
