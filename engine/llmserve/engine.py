@@ -280,17 +280,21 @@ class LLMEngine(_EngineBase):
             seq.append_token(tok, now)
             if seq.sampling_params.logprobs is not None:
                 seq.output_logprobs.append(lp)
-            status = seq.check_stop(self.max_model_len)
-            if status is not None:
-                self.scheduler.finish_request(seq, status)
-            ro = RequestOutput.from_seq(seq, [tok])
-            outputs.append(ro)
-            cb = self._callbacks.get(seq.request_id)
-            if cb is not None:
-                cb(ro)
-            if status is not None:
-                self._finish(seq)
+            self._emit(seq, [tok], seq.check_stop(self.max_model_len), outputs)
         return outputs
+
+    def _emit(self, seq: Sequence, new_token_ids: list[int], status: SequenceStatus | None,
+              outputs: list[RequestOutput]) -> None:
+        """Finish ``seq`` when ``status`` is set, record its output, call its callback."""
+        if status is not None:
+            self.scheduler.finish_request(seq, status)
+        ro = RequestOutput.from_seq(seq, new_token_ids)
+        outputs.append(ro)
+        cb = self._callbacks.get(seq.request_id)
+        if cb is not None:
+            cb(ro)
+        if status is not None:
+            self._finish(seq)
 
     def stats(self) -> dict:
         """Scheduler and KV cache counters (for metrics endpoints and benchmark reports)."""

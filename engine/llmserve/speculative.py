@@ -694,15 +694,7 @@ class SpeculativeEngine(LLMEngine):
                     self.block_manager.trim(seq, seq.num_computed_tokens)
                     s.ds.num_computed_tokens = min(s.ds.num_computed_tokens, seq.num_computed_tokens)
                     self.draft_block_manager.trim(s.ds, s.ds.num_computed_tokens)
-            if status is not None:
-                self.scheduler.finish_request(seq, status)
-            ro = RequestOutput.from_seq(seq, new)
-            outputs.append(ro)
-            cb = self._callbacks.get(seq.request_id)
-            if cb is not None:
-                cb(ro)
-            if status is not None:
-                self._finish(seq)
+            self._emit(seq, new, status, outputs)
         return outputs
 
 
