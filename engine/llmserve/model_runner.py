@@ -78,17 +78,16 @@ class ModelRunner:
         for i, item in enumerate(scheduled):
             seq, n = item.seq, item.num_new_tokens
             c = seq.num_computed_tokens
-            tokens = seq.all_token_ids
             table = np.asarray(seq.block_ids, dtype=np.int64)
             pos = np.arange(c, c + n, dtype=np.int64)
-            ids_parts.append(np.asarray(tokens[c:c + n], dtype=np.int64))
+            ids_parts.append(np.asarray(seq.token_ids_slice(c, c + n), dtype=np.int64))
             pos_parts.append(pos)
             slot_parts.append(table[pos // bs] * bs + pos % bs)
             q_lens.append(n)
             ctx_lens.append(c + n)
             tables.append(table)
             row += n
-            if c + n == len(tokens):
+            if c + n == seq.num_tokens:
                 sample_rows.append(row - 1)
                 sample_idx.append(i)
         b = len(scheduled)

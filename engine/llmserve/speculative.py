@@ -181,7 +181,7 @@ class _DraftState:
 
 class _SeqView:
     """What :class:`ModelRunner` reads from a sequence (``num_computed_tokens``,
-    ``all_token_ids``, ``num_tokens``, ``block_ids``; its CUDA-graph path also reads
+    ``token_ids_slice``, ``num_tokens``, ``block_ids``; its CUDA-graph path also reads
     ``output_token_ids[-1]``), over a token list with tentative draft tokens appended and a
     block table of either model's cache."""
 
@@ -197,6 +197,9 @@ class _SeqView:
     @property
     def num_tokens(self) -> int:
         return len(self.all_token_ids)
+
+    def token_ids_slice(self, start: int, end: int) -> list[int]:
+        return self.all_token_ids[start:end]
 
     @property
     def output_token_ids(self) -> list[int]:   # only [-1] (the newest token) is read

@@ -37,6 +37,8 @@ import torch
 import triton
 import triton.language as tl
 
+from ._launch import num_sms, zeroed_counters
+
 __all__ = ["Int8LinearConfig", "choose_int8_config", "int8_linear", "int8_linear_reference",
            "quantize_int8_per_channel"]
 
@@ -243,29 +245,13 @@ class Int8LinearConfig:
     kind: str = "mma"  # "mma" (tensor cores), "gemv" (CUDA cores, M <= block_m), "dequant"
 
 
-_NUM_SMS: dict[int, int] = {}
-_COUNTERS: dict[tuple[str, int | None], torch.Tensor] = {}
-
-
 def _tile_counters(device: torch.device, n: int) -> torch.Tensor:
-    """Zeroed int32 per-tile arrival counters for the fused split-K reduction; each kernel
-    leaves them zero again. One buffer per device: calls on concurrent streams of one device
-    must not both use the fused reduction."""
-    key = (device.type, device.index)
-    buf = _COUNTERS.get(key)
-    if buf is None or buf.numel() < n:
-        buf = torch.zeros(max(n, 4096), dtype=torch.int32, device=device)
-        _COUNTERS[key] = buf
-    return buf
+    """Zeroed per-tile arrival counters for the fused split-K reduction."""
+    return zeroed_counters("int8_linear", device, n)
 
 
 def _num_sms(device: torch.device) -> int:
-    if device.type != "cuda":
-        return 4
-    idx = device.index if device.index is not None else torch.cuda.current_device()
-    if idx not in _NUM_SMS:
-        _NUM_SMS[idx] = torch.cuda.get_device_properties(idx).multi_processor_count
-    return _NUM_SMS[idx]
+    return num_sms(device, cpu_default=4)
 
 
 def _fit_split(m: int, n: int, k: int, bm: int, bn: int, bk: int, target: int,

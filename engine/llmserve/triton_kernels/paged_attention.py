@@ -49,6 +49,8 @@ import torch
 import triton
 import triton.language as tl
 
+from ._launch import num_sms, zeroed_counters
+
 __all__ = [
     "SUPPORTED_HEAD_DIMS",
     "choose_num_splits",
@@ -369,19 +371,11 @@ def _prefill_kernel(q_ptr, k_cache_ptr, v_cache_ptr, out_ptr, bt_ptr, ctx_ptr, q
 
 _FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 _INDEX_DTYPES = (torch.int32, torch.int64)
-_NUM_SMS: dict[int, int] = {}
-_COUNTERS: dict[tuple[str, int | None], torch.Tensor] = {}
 
 
 def _counters(device: torch.device, n: int) -> torch.Tensor:
-    """Zeroed int32 arrival counters for the fused split reduction (left zero by every
-    kernel). One buffer per device: concurrent streams must not both use the fused path."""
-    key = (device.type, device.index)
-    buf = _COUNTERS.get(key)
-    if buf is None or buf.numel() < n:
-        buf = torch.zeros(max(n, 4096), dtype=torch.int32, device=device)
-        _COUNTERS[key] = buf
-    return buf
+    """Zeroed arrival counters for the fused split reduction."""
+    return zeroed_counters("paged_attention", device, n)
 
 
 def _on_cpu(t: torch.Tensor) -> bool:
@@ -401,12 +395,7 @@ def _on_cpu(t: torch.Tensor) -> bool:
 
 
 def _num_sms(device: torch.device) -> int:
-    if device.type != "cuda":
-        return 16  # interpreter: small, so CPU tests still exercise several splits
-    idx = device.index if device.index is not None else torch.cuda.current_device()
-    if idx not in _NUM_SMS:
-        _NUM_SMS[idx] = torch.cuda.get_device_properties(idx).multi_processor_count
-    return _NUM_SMS[idx]
+    return num_sms(device, cpu_default=16)
 
 
 def _check_float(name: str, t: torch.Tensor, ndim: int) -> None:
