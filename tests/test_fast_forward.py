@@ -84,6 +84,31 @@ def test_fast_forward_matches_readable_path(hq, hkv):
         torch.testing.assert_close(sd_after[k], sd_before[k])
 
 
+@pytest.mark.parametrize("seqs", [
+    [(1, 1)],                                  # batch 1, first position
+    [(9, 1), (4, 1), (17, 1)],                 # batch 3 decode, block boundaries (4, 16+1)
+    [(8, 1), (5, 1), (1, 1), (12, 1)],         # batch 4 = GEMV_MAX_M
+    [(7, 3)],                                  # a 3-token chunk also takes the gemv path
+])
+def test_gemv_path_matches_readable_path(seqs):
+    """Steps of <= 4 tokens run the matrix-vector path (norms and SiLU-mul folded into the
+    projections, residual adds into their epilogues); same hidden states and cache writes."""
+    model = small_model(6, 2)
+    ids, pos, caches, meta = batch(model, seqs)
+    caches2 = [(k.clone(), v.clone()) for k, v in caches]
+    caches3 = [(k.clone(), v.clone()) for k, v in caches]
+    ref = model(ids, pos, caches, meta)
+    fast = FastQwen2Forward(model, use_gemv=True)
+    assert fast.use_gemv
+    out = fast(ids, pos, caches2, meta)
+    torch.testing.assert_close(out, ref, atol=5e-5, rtol=5e-5)
+    for (k1, v1), (k2, v2) in zip(caches, caches2):
+        torch.testing.assert_close(k2[:-1], k1[:-1], atol=1e-5, rtol=1e-5)
+        torch.testing.assert_close(v2[:-1], v1[:-1], atol=1e-5, rtol=1e-5)
+    off = FastQwen2Forward(model, use_gemv=False)(ids, pos, caches3, meta)
+    torch.testing.assert_close(off, ref, atol=2e-5, rtol=2e-5)
+
+
 def test_add_rmsnorm_and_silu_match_reference():
     torch.manual_seed(1)
     x = torch.randn(7, 33, device=DEVICE)

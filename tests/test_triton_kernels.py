@@ -34,6 +34,7 @@ from llmserve.triton_kernels import (  # noqa: E402
     quantize_int8_per_channel,
     write_kv_triton,
 )
+from llmserve.triton_kernels.gemv import GemvConfig, gemv, gemv_reference  # noqa: E402
 from llmserve.triton_kernels.int8_linear import Int8LinearConfig  # noqa: E402
 from llmserve.triton_kernels.paged_attention import choose_num_splits  # noqa: E402
 
@@ -299,6 +300,63 @@ def test_int8_linear_input_errors():
 
 
 # ---------------------------------------------------------------------------------------------
+# matrix-vector kernel with fused prologues / epilogues (decode of 1..4 tokens)
+# ---------------------------------------------------------------------------------------------
+
+
+def _gemv_case(m, n, k, prologue, int8, dtype, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(m, 2 * k if prologue == "silu_mul" else k, generator=g).to(dtype).to(DEVICE)
+    w = torch.randn(n, k, generator=g) * 0.1
+    scale = None
+    if int8:
+        w, scale = quantize_int8_per_channel(w)
+        scale = scale.to(DEVICE)
+    w = w.to(DEVICE) if int8 else w.to(dtype).to(DEVICE)
+    gw = (torch.randn(k, generator=g).to(dtype).to(DEVICE) if prologue == "rmsnorm" else None)
+    return x, w, scale, gw
+
+
+@pytest.mark.parametrize("m,n,k,prologue,int8,dtype,cfg", [
+    (1, 37, 100, "none", False, torch.float32, None),              # K, N not tile multiples
+    (1, 64, 96, "rmsnorm", False, torch.float16, None),
+    (3, 21, 64, "silu_mul", False, torch.float32, GemvConfig(4, 16, 1, 2)),   # pipelined loop
+    (4, 40, 72, "rmsnorm", True, torch.float32, GemvConfig(2, 32, 1, 3)),
+    (2, 9, 33, "silu_mul", True, torch.float16, GemvConfig(1, 16, 1, 1)),
+])
+def test_gemv_matches_reference(m, n, k, prologue, int8, dtype, cfg):
+    x, w, scale, gw = _gemv_case(m, n, k, prologue, int8, dtype)
+    bias = torch.randn(n, device=DEVICE).to(dtype)
+    res = torch.randn(m, n, device=DEVICE).to(dtype)
+    kw = dict(scale=scale, bias=bias, residual=res, prologue=prologue, norm_weight=gw, eps=1e-5)
+    ref = gemv_reference(x, w, **kw)
+    assert_close(gemv(x, w, config=cfg, **kw), ref, dtype)
+    out = res.clone()                                       # in place: out is the residual
+    gemv(x, w, config=cfg, out=out, **{**kw, "residual": out})
+    assert_close(out, ref, dtype)
+    kw.update(bias=None, residual=None)
+    assert_close(gemv(x, w, config=cfg, **kw), gemv_reference(x, w, **kw), dtype)
+
+
+def test_gemv_input_errors():
+    x, w, scale, gw = _gemv_case(2, 8, 16, "rmsnorm", True, torch.float32)
+    with pytest.raises(ValueError, match="M <= 4"):
+        gemv(torch.randn(5, 16, device=DEVICE), w, scale=scale)
+    with pytest.raises(ValueError, match="scale"):
+        gemv(x, w)
+    with pytest.raises(ValueError, match="norm_weight"):
+        gemv(x, w, scale=scale, prologue="rmsnorm")
+    with pytest.raises(ValueError, match="needs 32"):
+        gemv(x, w, scale=scale, prologue="silu_mul")
+    with pytest.raises(ValueError, match="prologue"):
+        gemv(x, w, scale=scale, prologue="gelu")
+    with pytest.raises(ValueError, match="dtype"):
+        gemv(x, w.float().half(), scale=scale)
+    with pytest.raises(ValueError, match="residual"):
+        gemv(x, w, scale=scale, residual=torch.zeros(2, 9, device=DEVICE))
+
+
+# ---------------------------------------------------------------------------------------------
 # GPU: bf16 at real (Qwen2.5-1.5B) shapes
 # ---------------------------------------------------------------------------------------------
 
@@ -327,3 +385,28 @@ def test_gpu_bf16_int8_linear(k, n, m):
     ref = int8_linear_reference(x.float(), w_q, scale)
     rel = ((y.float() - ref).norm() / ref.norm()).item()
     assert rel < 1e-2, rel
+
+
+@gpu
+@needs_cuda
+@pytest.mark.parametrize("k,n", [(1536, 2048), (1536, 1536), (1536, 17920), (8960, 1536), (1536, 151936)])
+@pytest.mark.parametrize("m", [1, 4])
+def test_gpu_bf16_gemv(k, n, m):
+    dev = torch.device("cuda")
+    for prologue, int8 in (("none", False), ("rmsnorm", False), ("silu_mul", False), ("none", True)):
+        if prologue == "silu_mul" and n > 8960:
+            continue
+        x = torch.randn(m, 2 * k if prologue == "silu_mul" else k, device=dev, dtype=torch.bfloat16)
+        w = torch.randn(n, k, device=dev) * 0.02
+        scale = None
+        if int8:
+            w, scale = quantize_int8_per_channel(w)
+        else:
+            w = w.to(torch.bfloat16)
+        gw = torch.rand(k, device=dev, dtype=torch.bfloat16) + 0.5 if prologue == "rmsnorm" else None
+        res = torch.randn(m, n, device=dev, dtype=torch.bfloat16)
+        kw = dict(scale=scale, residual=res, prologue=prologue, norm_weight=gw)
+        y = gemv(x, w, **kw).float()
+        ref = gemv_reference(x.float(), w if int8 else w.float(), **kw).float()
+        rel = ((y - ref).norm() / ref.norm()).item()
+        assert rel < 1e-2, (prologue, int8, rel)

@@ -9,6 +9,11 @@ What changes against the readable path (``models/qwen2.py``):
   ``state_dict()`` are unchanged and no memory is duplicated.
 * RMSNorm and the residual add are one kernel; RoPE, the QKV split and the K/V cache write are
   one kernel; SiLU-and-mul is one kernel (``triton_kernels/fused.py``).
+* Steps of at most ``GEMV_MAX_M`` (4) tokens - batch-1..4 decode - take a matrix-vector path
+  (``triton_kernels/gemv.py``) with the norms and SiLU-and-mul folded into the projections and
+  the residual add into their epilogues: six kernels a layer (QKV+norm, rope+KV write,
+  attention (+ merge), O+residual, gate-up+norm, down+SiLU-mul+residual). The residual stream
+  is updated in place. ``LLMSERVE_DECODE_GEMV=0`` turns this path off (A/B runs).
 
 Layers whose projections were swapped for quantized modules keep calling those modules (the
 packing applies to plain ``nn.Linear`` only). Parity with the readable path is tested in
@@ -17,12 +22,15 @@ packing applies to plain ``nn.Linear`` only). Parity with the readable path is t
 
 from __future__ import annotations
 
+import os
+
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 from ..attention import AttentionMetadata
 from ..triton_kernels.fused import add_rmsnorm, rope_qkv_write_kv, silu_and_mul
+from ..triton_kernels.gemv import GEMV_MAX_M, gemv
 
 
 def _pack(linears: list[nn.Linear], with_bias: bool) -> tuple[torch.Tensor, torch.Tensor | None]:
@@ -48,9 +56,15 @@ class FastQwen2Forward:
 
     Call it like ``model.forward``: ``(input_ids [N], positions [N], kv_caches, meta) ->
     hidden [N, H]``. Needs Triton (a GPU, or ``TRITON_INTERPRET=1`` with CPU tensors).
+
+    Args:
+        model: as above.
+        use_gemv: take the matrix-vector path for steps of ``N <= GEMV_MAX_M`` tokens when
+            every projection is a plain ``nn.Linear`` (default: on unless the environment sets
+            ``LLMSERVE_DECODE_GEMV=0``).
     """
 
-    def __init__(self, model: nn.Module) -> None:
+    def __init__(self, model: nn.Module, use_gemv: bool | None = None) -> None:
         self.model = model
         cfg = model.config
         self.num_heads = cfg.num_attention_heads
@@ -67,9 +81,16 @@ class FastQwen2Forward:
             if all(type(m) is nn.Linear for m in (mlp.gate_proj, mlp.up_proj)):
                 entry["gate_up"] = _pack([mlp.gate_proj, mlp.up_proj], with_bias=False)
             self.layers.append(entry)
+        if use_gemv is None:
+            use_gemv = os.environ.get("LLMSERVE_DECODE_GEMV", "1") != "0"
+        plain = all("qkv" in e and "gate_up" in e and type(e["layer"].self_attn.o_proj) is nn.Linear
+                    and type(e["layer"].mlp.down_proj) is nn.Linear for e in self.layers)
+        self.use_gemv = bool(use_gemv) and plain
 
     def __call__(self, input_ids: torch.Tensor, positions: torch.Tensor,
                  kv_caches: list[tuple[torch.Tensor, torch.Tensor]], meta: AttentionMetadata) -> torch.Tensor:
+        if self.use_gemv and input_ids.shape[0] <= GEMV_MAX_M:
+            return self._forward_gemv(input_ids, positions, kv_caches, meta)
         model = self.model
         backend = model.attention_backend
         cos, sin = model.rope_cos_sin(input_ids.device)                     # [L, D/2] fp32
@@ -95,4 +116,34 @@ class FastQwen2Forward:
                 gu = torch.cat([mlp.gate_proj(h), mlp.up_proj(h)], dim=-1)
             x = mlp.down_proj(silu_and_mul(gu))                             # [N, H]
         h, _ = add_rmsnorm(x, model.model.norm.weight, self.eps, residual)  # [N, H]
+        return h
+
+    def _forward_gemv(self, input_ids: torch.Tensor, positions: torch.Tensor,
+                      kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
+                      meta: AttentionMetadata) -> torch.Tensor:
+        """The same function for ``N <= GEMV_MAX_M`` tokens with fused matrix-vector kernels:
+        ``r`` is the residual stream ``[N, H]``, updated in place by the O and down
+        projections' epilogues; each layer's two RMSNorms run inside the QKV and gate-up
+        projections and SiLU-and-mul inside the down projection."""
+        model = self.model
+        backend = model.attention_backend
+        cos, sin = model.rope_cos_sin(input_ids.device)                     # [L, D/2] fp32
+        r = model.model.embed_tokens(input_ids)                             # [N, H]
+        n = r.shape[0]
+        for entry, (k_cache, v_cache) in zip(self.layers, kv_caches):
+            layer = entry["layer"]
+            w_qkv, b_qkv = entry["qkv"]
+            qkv = gemv(r, w_qkv, bias=b_qkv, prologue="rmsnorm",
+                       norm_weight=layer.input_layernorm.weight, eps=self.eps)  # [N, (Hq+2Hkv)*D]
+            q = rope_qkv_write_kv(qkv, positions, meta.slot_mapping, cos, sin, k_cache, v_cache,
+                                  self.num_heads, self.num_kv_heads)        # [N, Hq, D]
+            o = backend.forward(q, k_cache, v_cache, meta, self.scale)     # [N, Hq, D]
+            o_proj = layer.self_attn.o_proj
+            gemv(o.reshape(n, self.num_heads * self.head_dim), o_proj.weight, bias=o_proj.bias,
+                 residual=r, out=r)                                         # r += o @ Wo.T
+            gu = gemv(r, entry["gate_up"][0], prologue="rmsnorm",
+                      norm_weight=layer.post_attention_layernorm.weight, eps=self.eps)  # [N, 2I]
+            down = layer.mlp.down_proj
+            gemv(gu, down.weight, bias=down.bias, prologue="silu_mul", residual=r, out=r)
+        h, _ = add_rmsnorm(r, model.model.norm.weight, self.eps)            # [N, H]
         return h

@@ -1,0 +1,256 @@
+"""Small-M matrix-vector kernel ("gemv") with fused prologues and epilogues, for decode steps of
+one to four tokens: ``y = epilogue(prologue(x) @ W.T)``.
+
+Why a separate kernel: at batch 1 a decode step is a chain of matrix-vector products whose only
+real cost is reading the weights once. cuBLAS's bf16 GEMV reached 3.2 TB/s on the largest
+Qwen2.5-1.5B projection on the H200 but only 0.9-1.1 TB/s on the small ones (O projection
+4.7 MB in 6.4 us), and every RMSNorm, SiLU-and-mul and residual add around it is one more
+launch of a few microseconds. This kernel
+
+* streams ``BLOCK_N`` weight rows a program through a software-pipelined K loop
+  (``tl.range(..., num_stages=STAGES)``: the weight tiles go global -> shared memory with
+  ``cp.async`` several tiles ahead, so many bytes stay in flight without holding registers),
+  accumulating ``x[m, k] * w[n, k]`` element-wise in fp32 and reducing over K once at the end;
+* reads int8 weights with per-output-channel scales (the weight-only INT8 path, scale applied
+  once in the epilogue) or bf16/fp16/fp32 weights;
+* fuses, on the input side, RMSNorm (``x * g`` is accumulated together with ``sum(x^2)``; the
+  row's ``rsqrt(mean(x^2) + eps)`` is a per-row scalar, so it is applied once in the epilogue,
+  exactly: ``sum_k (x_k r g_k) w_nk = r * sum_k (x_k g_k) w_nk``) or SiLU-and-mul over a
+  packed ``[gate | up]`` input; and on the output side bias and a residual add.
+
+Numerics against the unfused path (HF Qwen2): the unfused path rounds the normalised (or
+SiLU-ed) activation to the model dtype before the matmul; this kernel keeps it in fp32, so bf16
+results differ by about one bf16 rounding of the activation (relative ~4e-3 per element,
+averaged down by the K sum) and are slightly *closer* to the fp32 result. In fp32 (CPU tests)
+both paths agree to rounding.
+
+The same "many small row tiles, fp32 element-wise accumulation, one reduction" structure is what
+gemlite's and TensorRT-LLM's weight-only GEMV kernels use; the RMSNorm-into-GEMV fusion is the
+one in FlashInfer/TensorRT-LLM "fused add-RMSNorm + quantized GEMM" decoders, written here from
+the algebra above.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+
+import torch
+import triton
+import triton.language as tl
+
+from ._launch import num_sms
+
+__all__ = ["GemvConfig", "choose_gemv_config", "gemv", "gemv_reference", "GEMV_MAX_M"]
+
+GEMV_MAX_M = 4  # rows of x a program serves (the kernel's BLOCK_M); larger M use a GEMM
+
+PROLOGUES = {"none": 0, "rmsnorm": 1, "silu_mul": 2}
+
+
+@triton.jit
+def _gemv_kernel(x_ptr, w_ptr, y_ptr, scale_ptr, bias_ptr, res_ptr, g_ptr,
+                 M, N, K, stride_xm, stride_wn, stride_ym, stride_rm, eps,
+                 W_INT8: tl.constexpr, HAS_BIAS: tl.constexpr, HAS_RES: tl.constexpr,
+                 PROLOGUE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                 BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr, STAGES: tl.constexpr):
+    """One program: ``BLOCK_N`` output columns for all ``M <= BLOCK_M`` rows.
+
+    ``x`` is addressed as a ``[BLOCK_M, BLOCK_N, BLOCK_K]`` tile with a zero stride along N (all
+    N-rows of the tile read the same activations: L1 hits), so it arrives in the weight tile's
+    register layout and no shared-memory layout conversion is needed.
+    """
+    pid_n = tl.program_id(0)
+    rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    rn_ld = rn % N                                          # wrapped: in-bounds loads, masked stores
+    rm = tl.arange(0, BLOCK_M)
+    rm_ld = rm % M
+    rk = tl.arange(0, BLOCK_K)
+    w_base = w_ptr + rn_ld[None, :, None].to(tl.int64) * stride_wn + rk[None, None, :]   # [1, BN, BK]
+    x_base = x_ptr + rm_ld[:, None, None].to(tl.int64) * stride_xm + (rn * 0)[None, :, None] \
+        + rk[None, None, :]                                                              # [BM, BN, BK]
+    acc = tl.zeros([BLOCK_M, BLOCK_N, BLOCK_K], dtype=tl.float32)
+    if PROLOGUE == 1:
+        sq = tl.zeros([BLOCK_M, BLOCK_N, BLOCK_K], dtype=tl.float32)
+    for k0 in tl.range(0, K, BLOCK_K, num_stages=STAGES):
+        if EVEN_K:
+            w = tl.load(w_base + k0, eviction_policy="evict_first").to(tl.float32)
+            x = tl.load(x_base + k0).to(tl.float32)
+        else:
+            kmask = (k0 + rk) < K
+            w = tl.load(w_base + k0, mask=kmask[None, None, :], other=0,
+                        eviction_policy="evict_first").to(tl.float32)
+            x = tl.load(x_base + k0, mask=kmask[None, None, :], other=0.0).to(tl.float32)
+        if PROLOGUE == 1:        # RMSNorm: x * g now, rsqrt(mean(x^2) + eps) in the epilogue
+            sq += x * x
+            if EVEN_K:
+                g = tl.load(g_ptr + k0 + rk).to(tl.float32)
+            else:
+                g = tl.load(g_ptr + k0 + rk, mask=(k0 + rk) < K, other=0.0).to(tl.float32)
+            x = x * g[None, None, :]
+        elif PROLOGUE == 2:      # SiLU-and-mul: x holds the gate half, the up half sits K later
+            if EVEN_K:
+                u = tl.load(x_base + K + k0).to(tl.float32)
+            else:
+                u = tl.load(x_base + K + k0, mask=kmask[None, None, :], other=0.0).to(tl.float32)
+            x = x / (1.0 + tl.exp(-x)) * u
+        acc += x * w
+    out = tl.sum(acc, axis=2)                                                            # [BM, BN]
+    if PROLOGUE == 1:
+        ms = tl.sum(sq, axis=2) / K                            # [BM, BN], every column equal
+        out = out * tl.math.rsqrt(ms + eps)
+    if W_INT8:
+        out = out * tl.load(scale_ptr + rn_ld).to(tl.float32)[None, :]
+    if HAS_BIAS:
+        out = out + tl.load(bias_ptr + rn_ld).to(tl.float32)[None, :]
+    mask = (rm[:, None] < M) & (rn[None, :] < N)
+    if HAS_RES:
+        r = tl.load(res_ptr + rm_ld[:, None].to(tl.int64) * stride_rm + rn_ld[None, :])
+        # the unfused path rounds the projection to the model dtype before the residual add
+        out = r.to(tl.float32) + out.to(y_ptr.dtype.element_ty).to(tl.float32)
+    tl.store(y_ptr + rm[:, None].to(tl.int64) * stride_ym + rn[None, :],
+             out.to(y_ptr.dtype.element_ty), mask=mask)
+
+
+@dataclass(frozen=True, slots=True)
+class GemvConfig:
+    """Launch configuration of :func:`gemv`: ``block_n`` output columns a program, ``block_k``
+    weight columns a pipeline step, ``stages`` tiles in flight (1: no pipelining)."""
+
+    block_n: int
+    block_k: int
+    num_warps: int = 4
+    stages: int = 3
+
+
+def choose_gemv_config(m: int, n: int, k: int, w_dtype: torch.dtype, device: torch.device) -> GemvConfig:
+    """Shape-keyed configuration (deterministic, CUDA-graph safe; no autotuning).
+
+    GPU defaults come from the H200 sweep of ``scripts/bench_kernels.py`` (``results/kernels/``):
+    tiles of ``block_n * block_k`` weight elements big enough that each program keeps several
+    KB in flight per pipeline stage, and enough programs (``n / block_n``) to give every SM
+    several, so the last wave is short. CPU (Triton interpreter): small tiles, no pipelining.
+    """
+    if device.type != "cuda":
+        return GemvConfig(block_n=8, block_k=32, num_warps=1, stages=1)
+    env = os.environ.get("LLMSERVE_GEMV_CONFIG")
+    if env:  # "block_n,block_k,num_warps,stages" - for sweeps and A/B runs
+        bn, bk, nw, st = (int(v) for v in env.split(","))
+        return GemvConfig(bn, bk, nw, st)
+    elt = 1 if w_dtype == torch.int8 else 2
+    sms = num_sms(device, cpu_default=4)
+    bk = 512 if elt == 1 else 256
+    bn = 8
+    # fewer rows a program where 8 would leave fewer than ~4 programs per SM
+    while bn > 1 and triton.cdiv(n, bn) < 4 * sms:
+        bn //= 2
+    if m > 1:  # the [BM, BN, BK] fp32 accumulator grows with BLOCK_M
+        bk = max(64, bk // triton.next_power_of_2(m))
+    return GemvConfig(block_n=bn, block_k=min(bk, triton.next_power_of_2(k)), num_warps=4, stages=3)
+
+
+def gemv(x: torch.Tensor, weight: torch.Tensor, *, scale: torch.Tensor | None = None,
+         bias: torch.Tensor | None = None, residual: torch.Tensor | None = None,
+         prologue: str = "none", norm_weight: torch.Tensor | None = None, eps: float = 1e-6,
+         out: torch.Tensor | None = None, config: GemvConfig | None = None) -> torch.Tensor:
+    """``y = residual + (prologue(x) @ (weight * scale[:, None]).T + bias)`` for ``M <= 4`` rows.
+
+    Args:
+        x: ``[M, K]`` activations (``[M, 2K]`` = ``[gate | up]`` for ``prologue="silu_mul"``),
+            ``M <= GEMV_MAX_M``, last dim contiguous; fp16/bf16/fp32.
+        weight: ``[N, K]`` row-major (``nn.Linear.weight`` orientation), int8 (then ``scale``
+            is required) or the float dtype of ``x``.
+        scale: ``[N]`` per-output-channel scales of an int8 weight.
+        bias: optional ``[N]``.
+        residual: optional ``[M, N]`` added after the projection (rounded to ``x.dtype``
+            first, like the unfused ``x + proj(h)``). May be ``out`` itself (in place).
+        prologue: ``"none"``; ``"rmsnorm"``: ``x -> norm_weight * x * rsqrt(mean(x^2) + eps)``
+            (Qwen2 RMSNorm, the normalised value kept in fp32); ``"silu_mul"``:
+            ``x -> silu(x[:, :K]) * x[:, K:]``.
+        norm_weight: ``[K]`` RMSNorm gain for ``prologue="rmsnorm"``.
+        eps: RMSNorm epsilon.
+        out: optional ``[M, N]`` output buffer (contiguous last dim).
+        config: launch override (default :func:`choose_gemv_config`).
+
+    Returns:
+        ``[M, N]`` in ``x.dtype``; fp32 accumulation.
+
+    Raises:
+        ValueError: shapes, dtypes, strides or devices that do not fit, ``M > GEMV_MAX_M``, an
+            unknown prologue, CPU tensors without ``TRITON_INTERPRET=1``.
+    """
+    if prologue not in PROLOGUES:
+        raise ValueError(f"prologue must be one of {sorted(PROLOGUES)}, got {prologue!r}")
+    if x.dim() != 2 or x.stride(-1) != 1 or x.dtype not in (torch.float16, torch.bfloat16, torch.float32):
+        raise ValueError(f"x must be a 2-D fp16/bf16/fp32 tensor with a contiguous last dim, got "
+                         f"{x.dtype} {tuple(x.shape)} stride {x.stride()}")
+    if weight.dim() != 2 or weight.stride(-1) != 1:
+        raise ValueError(f"weight must be [N, K] row-major, got {tuple(weight.shape)} stride {weight.stride()}")
+    n, k = weight.shape
+    m = x.shape[0]
+    want_k = 2 * k if prologue == "silu_mul" else k
+    if x.shape[1] != want_k:
+        raise ValueError(f"x has {x.shape[1]} columns; weight [N={n}, K={k}] with prologue "
+                         f"{prologue!r} needs {want_k}")
+    if m > GEMV_MAX_M:
+        raise ValueError(f"gemv serves M <= {GEMV_MAX_M} rows, got M={m}; use a GEMM")
+    w_int8 = weight.dtype == torch.int8
+    if w_int8 and (scale is None or scale.shape != (n,)):
+        raise ValueError(f"an int8 weight needs scale [N={n}]")
+    if not w_int8 and weight.dtype != x.dtype:
+        raise ValueError(f"weight dtype {weight.dtype} must be int8 or x's dtype {x.dtype}")
+    if bias is not None and bias.shape != (n,):
+        raise ValueError(f"bias must be [N={n}], got {tuple(bias.shape)}")
+    if prologue == "rmsnorm" and (norm_weight is None or norm_weight.shape != (k,)):
+        raise ValueError(f"prologue 'rmsnorm' needs norm_weight [K={k}]")
+    if residual is not None and (residual.shape != (m, n) or residual.stride(-1) != 1):
+        raise ValueError(f"residual must be [M={m}, N={n}] with a contiguous last dim, got "
+                         f"{tuple(residual.shape)}")
+    for name, t in (("weight", weight), ("scale", scale), ("bias", bias), ("residual", residual),
+                    ("norm_weight", norm_weight), ("out", out)):
+        if t is not None and t.device != x.device:
+            raise ValueError(f"{name} is on {t.device} but x is on {x.device}")
+    if x.device.type == "cpu" and os.environ.get("TRITON_INTERPRET", "0") != "1":
+        raise ValueError("gemv needs CUDA tensors, or (CPU tensors) TRITON_INTERPRET=1 set before "
+                         "importing llmserve.triton_kernels")
+    if out is None:
+        out = torch.empty((m, n), dtype=x.dtype, device=x.device)
+    elif out.shape != (m, n) or out.stride(-1) != 1 or out.dtype != x.dtype:
+        raise ValueError(f"out must be [M={m}, N={n}] {x.dtype} with a contiguous last dim")
+    if m == 0:
+        return out
+    cfg = config or choose_gemv_config(m, n, k, weight.dtype, x.device)
+    bm = triton.next_power_of_2(m)
+    dummy = weight
+    _gemv_kernel[(triton.cdiv(n, cfg.block_n),)](
+        x, weight, out, scale if w_int8 else dummy, bias if bias is not None else dummy,
+        residual if residual is not None else out, norm_weight if norm_weight is not None else dummy,
+        m, n, k, x.stride(0), weight.stride(0), out.stride(0),
+        residual.stride(0) if residual is not None else out.stride(0), eps,
+        W_INT8=w_int8, HAS_BIAS=bias is not None, HAS_RES=residual is not None,
+        PROLOGUE=PROLOGUES[prologue], BLOCK_M=bm, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
+        EVEN_K=k % cfg.block_k == 0, STAGES=cfg.stages, num_warps=cfg.num_warps)
+    return out
+
+
+def gemv_reference(x: torch.Tensor, weight: torch.Tensor, *, scale: torch.Tensor | None = None,
+                   bias: torch.Tensor | None = None, residual: torch.Tensor | None = None,
+                   prologue: str = "none", norm_weight: torch.Tensor | None = None,
+                   eps: float = 1e-6) -> torch.Tensor:
+    """PyTorch reference of :func:`gemv` in fp32 (same arguments; the activation is not
+    rounded between prologue and matmul, the projection is rounded before the residual add)."""
+    xf = x.float()
+    if prologue == "rmsnorm":
+        xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps) * norm_weight.float()
+    elif prologue == "silu_mul":
+        k = weight.shape[1]
+        xf = torch.nn.functional.silu(xf[:, :k]) * xf[:, k:]
+    w = weight.float()
+    if scale is not None:
+        w = w * scale.float()[:, None]
+    y = xf @ w.T
+    if bias is not None:
+        y = y + bias.float()
+    if residual is not None:
+        y = residual.float() + y.to(x.dtype).float()
+    return y.to(x.dtype)
