@@ -207,26 +207,61 @@ def offline_llmserve(preset: str, prompts, outs, max_num_seqs: int, chunk: int, 
     return out
 
 
-@torch.inference_mode()
-def offline_hf_continuous(preset: str, prompts, outs) -> dict:
+def hf_generate_batch(model, prompts, max_new: int) -> dict:
+    """HF continuous batching (``model.generate_batch``), greedy, EOS ignored, ``max_new`` tokens each.
+
+    Args:
+        model: an HF causal LM (any device; ``generate_batch`` picks its paged attention).
+        prompts: list of token-id lists (one per request).
+        max_new: new tokens asked of every request.
+
+    Returns: ``{"results", "produced", "per_request", "failed"}``: the ``generate_batch`` dict,
+    the total generated tokens, each request's generated-token count (input order) and
+    ``{request_id: error}`` for the requests transformers marked failed.
+
+    Runs with inference mode off. ``generate_batch`` builds its cache and static input tensors
+    in the calling thread (warm-up) and decodes in a background thread; in transformers 5.17
+    that thread only enters ``torch.no_grad`` (``_run_generation_loop``), so tensors made under
+    a caller's ``torch.inference_mode()`` are inference tensors it may not update in place
+    ("Inplace update to inference tensor outside InferenceMode"), and every request fails with
+    zero tokens. ``eos_token_id=-1`` is transformers' own "no EOS" value for this API.
+    """
     from transformers.generation import GenerationConfig
 
-    model = hf_model(preset)                 # generate_batch switches sdpa to "paged|sdpa"
-    max_new = int(round(np.mean(outs)))
     gc_ = GenerationConfig(max_new_tokens=max_new, min_new_tokens=max_new, do_sample=False,
                            eos_token_id=-1, pad_token_id=0)
+    with torch.inference_mode(False), torch.no_grad():
+        res = model.generate_batch(prompts, generation_config=gc_, progress_bar=False)
+    per_request = [len(r.generated_tokens) for r in res.values()]
+    failed = {k: r.error for k, r in res.items() if getattr(r, "error", None) is not None}
+    return {"results": res, "produced": sum(per_request), "per_request": per_request, "failed": failed}
+
+
+def offline_hf_continuous(preset: str, prompts, outs) -> dict:
+    """Offline workload through HF ``generate_batch`` (its continuous batching), bf16 on CUDA.
+
+    Every request asks for ``round(mean(outs))`` new tokens (``generate_batch`` takes one
+    ``max_new_tokens``), so the total matches the workload's output tokens on average.
+    ``output_tokens`` counts the tokens actually generated; ``output_tok_per_s`` is that over
+    the wall time of the call (seconds). Raises if no token was generated.
+    """
+    model = hf_model(preset)                 # generate_batch switches sdpa to "paged|sdpa"
+    max_new = int(round(np.mean(outs)))
+    torch.cuda.synchronize()
     t0 = time.perf_counter()
-    res = model.generate_batch(prompts, generation_config=gc_, progress_bar=False)
+    out = hf_generate_batch(model, prompts, max_new)
     torch.cuda.synchronize()
     dt = time.perf_counter() - t0
-    produced = sum(len(r.generated_tokens) for r in res.values())
-    if produced == 0:
-        raise RuntimeError(f"generate_batch returned {len(res)} results with no generated tokens "
-                           "(its log says the requests failed during generation)")
-    del model
+    produced, failed = out["produced"], out["failed"]
+    del model, out
     gc.collect()
     torch.cuda.empty_cache()
+    if produced == 0:
+        first = next(iter(failed.values()), None)
+        raise RuntimeError(f"generate_batch produced no tokens for {len(prompts)} requests "
+                           f"({len(failed)} marked failed; first error: {first})")
     return {"requests": len(prompts), "max_new_tokens_each": max_new, "output_tokens": produced,
+            "requested_output_tokens": max_new * len(prompts), "failed_requests": len(failed),
             "seconds": dt, "output_tok_per_s": produced / dt}
 
 

@@ -32,6 +32,7 @@ the algebra above.
 
 from __future__ import annotations
 
+import json
 import os
 from dataclasses import dataclass
 
@@ -39,7 +40,6 @@ import torch
 import triton
 import triton.language as tl
 
-from ._launch import num_sms
 
 __all__ = ["GemvConfig", "choose_gemv_config", "gemv", "gemv_reference", "GEMV_MAX_M"]
 
@@ -123,30 +123,64 @@ class GemvConfig:
     stages: int = 3
 
 
-def choose_gemv_config(m: int, n: int, k: int, w_dtype: torch.dtype, device: torch.device) -> GemvConfig:
-    """Shape-keyed configuration (deterministic, CUDA-graph safe; no autotuning).
+_TABLE: dict[str, list[int]] | None = None
 
-    GPU defaults come from the H200 sweep of ``scripts/bench_kernels.py`` (``results/kernels/``):
-    tiles of ``block_n * block_k`` weight elements big enough that each program keeps several
-    KB in flight per pipeline stage, and enough programs (``n / block_n``) to give every SM
-    several, so the last wave is short. CPU (Triton interpreter): small tiles, no pipelining.
+
+def _table() -> dict[str, list[int]]:
+    """Tuned configurations: ``gemv_configs.json`` next to this file, or the file named by
+    ``LLMSERVE_GEMV_TABLE``; written by ``scripts/bench_gemv.py`` from a device sweep. Keys are
+    ``"<gpu name>|<int8|float>|<prologue>|<M>|<K>|<N>"``, values ``[block_n, block_k,
+    num_warps, stages]``."""
+    global _TABLE
+    if _TABLE is None:
+        path = os.environ.get("LLMSERVE_GEMV_TABLE") or os.path.join(os.path.dirname(__file__),
+                                                                     "gemv_configs.json")
+        try:
+            with open(path) as f:
+                _TABLE = {k: v for k, v in json.load(f).get("configs", {}).items()}
+        except (OSError, ValueError):
+            _TABLE = {}
+    return _TABLE
+
+
+def table_key(gpu: str, int8: bool, prologue: str, m: int, k: int, n: int) -> str:
+    """Key of one tuned configuration (see :func:`_table`)."""
+    return f"{gpu}|{'int8' if int8 else 'float'}|{prologue}|{m}|{k}|{n}"
+
+
+def choose_gemv_config(m: int, n: int, k: int, w_dtype: torch.dtype, device: torch.device,
+                       prologue: str = "none") -> GemvConfig:
+    """Shape-keyed configuration (deterministic, CUDA-graph safe; no autotuning at run time).
+
+    Order: ``LLMSERVE_GEMV_CONFIG="bn,bk,warps,stages"`` (A/B runs), then the tuned table
+    (exact GPU name, weight kind, prologue, M, K, N), then a rule from the H200 sweeps in
+    ``results/kernels/gemv_*.md``: no software pipelining (``stages=1`` beat 2-4 on every
+    shape: with one or two rows a program, many programs per SM keep enough loads in flight
+    without it), 512-1024 weight elements a program and step, one or two rows a program.
+    CPU (Triton interpreter): small tiles.
     """
     if device.type != "cuda":
         return GemvConfig(block_n=8, block_k=32, num_warps=1, stages=1)
     env = os.environ.get("LLMSERVE_GEMV_CONFIG")
-    if env:  # "block_n,block_k,num_warps,stages" - for sweeps and A/B runs
+    if env:
         bn, bk, nw, st = (int(v) for v in env.split(","))
         return GemvConfig(bn, bk, nw, st)
-    elt = 1 if w_dtype == torch.int8 else 2
-    sms = num_sms(device, cpu_default=4)
-    bk = 512 if elt == 1 else 256
-    bn = 8
-    # fewer rows a program where 8 would leave fewer than ~4 programs per SM
-    while bn > 1 and triton.cdiv(n, bn) < 4 * sms:
-        bn //= 2
-    if m > 1:  # the [BM, BN, BK] fp32 accumulator grows with BLOCK_M
-        bk = max(64, bk // triton.next_power_of_2(m))
-    return GemvConfig(block_n=bn, block_k=min(bk, triton.next_power_of_2(k)), num_warps=4, stages=3)
+    hit = _table().get(table_key(_gpu_name(device), w_dtype == torch.int8, prologue, m, k, n))
+    if hit:
+        return GemvConfig(*hit)
+    bn = 1 if n <= 4096 else 2
+    bk = max(64, (1024 if bn == 1 else 512) // triton.next_power_of_2(m))
+    return GemvConfig(block_n=bn, block_k=min(bk, triton.next_power_of_2(k)), num_warps=4, stages=1)
+
+
+_GPU_NAMES: dict[int, str] = {}
+
+
+def _gpu_name(device: torch.device) -> str:
+    idx = device.index if device.index is not None else torch.cuda.current_device()
+    if idx not in _GPU_NAMES:
+        _GPU_NAMES[idx] = torch.cuda.get_device_name(idx)
+    return _GPU_NAMES[idx]
 
 
 def gemv(x: torch.Tensor, weight: torch.Tensor, *, scale: torch.Tensor | None = None,
@@ -219,7 +253,7 @@ def gemv(x: torch.Tensor, weight: torch.Tensor, *, scale: torch.Tensor | None = 
         raise ValueError(f"out must be [M={m}, N={n}] {x.dtype} with a contiguous last dim")
     if m == 0:
         return out
-    cfg = config or choose_gemv_config(m, n, k, weight.dtype, x.device)
+    cfg = config or choose_gemv_config(m, n, k, weight.dtype, x.device, prologue)
     bm = triton.next_power_of_2(m)
     dummy = weight
     _gemv_kernel[(triton.cdiv(n, cfg.block_n),)](

@@ -1,0 +1,310 @@
+#!/usr/bin/env python
+"""Sweep and time the matrix-vector kernel (``llmserve.triton_kernels.gemv``) on a GPU.
+
+For each projection of Qwen2.5-0.5B/1.5B/7B as the engine's decode path calls it (bf16, fused
+RMSNorm / SiLU-and-mul prologues and residual epilogue; M = 1, and M = 2, 4 for 1.5B), the LM
+head, and the INT8 shapes of the Triton-kernel issue (M = 1, 2, 4): a two-phase sweep of launch
+configurations (phase 1: tile shapes x warps without pipelining; phase 2: 2 and 3 pipeline
+stages for the three best), every configuration checked against an fp32 reference before it is
+timed, against the unfused kernels it replaces (cuBLAS ``F.linear`` plus the fused elementwise
+kernels) or, for INT8, the bf16 cuBLAS matmul. ``--table`` writes the best configuration of
+each case in the format ``choose_gemv_config`` reads.
+
+Timing: CUDA graphs of R back-to-back calls rotating over weight copies totalling > 200 MB (so
+every call reads HBM), CUDA events per replay, median over replays / R. Bandwidth is
+weight bytes / time against the 4.24 TB/s reference copy bandwidth (DESIGN.md).
+
+Writes ``gemv.json`` and ``gemv.md`` to ``--out``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime as _dt
+import json
+import math
+import multiprocessing as mp
+import os
+import sys
+import time
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+import triton
+
+from llmserve.triton_kernels.fused import add_rmsnorm, silu_and_mul
+from llmserve.triton_kernels.gemv import GemvConfig, choose_gemv_config, gemv, gemv_reference, table_key
+from llmserve.triton_kernels.int8_linear import int8_linear, quantize_int8_per_channel
+
+REF_BW = 4.24e12
+ROTATE = 200e6
+DEV = torch.device("cuda")
+
+# Qwen2.5 projection shapes (K, N) as the engine's gemv path calls them: QKV with the RMSNorm
+# prologue and bias, O with the residual epilogue, gate-up with the RMSNorm prologue, down with
+# the SiLU-and-mul prologue and the residual epilogue.
+LAYER = {"qkv": ("rmsnorm", False, True), "o": ("none", True, False),
+         "gate_up": ("rmsnorm", False, False), "down": ("silu_mul", True, False)}
+MODELS = {"0.5b": {"qkv": (896, 1152), "o": (896, 896), "gate_up": (896, 9728), "down": (4864, 896)},
+          "1.5b": {"qkv": (1536, 2048), "o": (1536, 1536), "gate_up": (1536, 17920), "down": (8960, 1536)},
+          "7b": {"qkv": (3584, 4608), "o": (3584, 3584), "gate_up": (3584, 37888), "down": (18944, 3584)}}
+LM_HEAD = {"0.5b": (896, 151936), "1.5b": (1536, 151936), "7b": (3584, 152064)}
+INT8_SHAPES = [("int8 gate/up", 1536, 8960), ("int8 down", 8960, 1536), ("int8 qkv", 1536, 2048)]
+PAIRS = [(bn, bk) for bn in (1, 2, 4, 8) for bk in (128, 256, 512, 1024, 2048)
+         if 256 <= bn * bk <= 8192]
+WARPS = (2, 4, 8)
+STAGES2 = (2, 3)
+
+
+def log(*a):
+    print(f"[{time.time() - T0:6.1f}s]", *a, flush=True)
+
+
+T0 = time.time()
+
+
+def time_graph(fns, reps: int, replays: int = 12) -> float:
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s):
+        for f in fns:
+            f()
+    torch.cuda.current_stream().wait_stream(s)
+    torch.cuda.synchronize()
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        for i in range(reps):
+            fns[i % len(fns)]()
+    g.replay()
+    torch.cuda.synchronize()
+    ts = []
+    for _ in range(replays):
+        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        a.record()
+        g.replay()
+        b.record()
+        b.synchronize()
+        ts.append(a.elapsed_time(b) * 1e3 / reps)
+    del g
+    ts.sort()
+    return ts[len(ts) // 2]
+
+
+def weights(k: int, n: int, int8: bool, copies: int):
+    if int8:
+        w = torch.randint(-127, 128, (copies, n, k), dtype=torch.int8, device=DEV)
+        sc = torch.rand(copies, n, device=DEV) * 1e-3 + 1e-4
+        return w, sc
+    return torch.empty((copies, n, k), dtype=torch.bfloat16, device=DEV).normal_(0, 0.02), None
+
+
+def cases():
+    """(label, model, proj, K, N, int8, M, prologue, residual, bias) of every swept case."""
+    out = []
+    for model, projs in MODELS.items():
+        for proj, (k, n) in projs.items():
+            for m in ((1, 2, 4) if model == "1.5b" else (1,)):
+                out.append((f"{model} {proj}", model, proj, k, n, False, m, *LAYER[proj]))
+    for model, (k, n) in LM_HEAD.items():
+        out.append((f"{model} lm_head", model, "lm_head", k, n, False, 1, "none", False, False))
+    for lab, k, n in INT8_SHAPES:
+        for m in (1, 2, 4):
+            out.append((lab, "int8", "plain", k, n, True, m, "none", False, False))
+    return out
+
+
+class Case:
+    """Inputs of one case and callables for the gemv under a config and its unfused baseline."""
+
+    def __init__(self, c, rotate: float):
+        self.lab, self.model, self.proj, self.k, self.n, self.int8, self.m, self.pro, self.res, \
+            self.has_bias = c
+        k, n, m = self.k, self.n, self.m
+        elt = 1 if self.int8 else 2
+        self.copies = max(1, math.ceil(rotate / (n * k * elt))) if rotate else 1
+        self.w, self.sc = weights(k, n, self.int8, self.copies)
+        self.x = torch.randn(m, 2 * k if self.pro == "silu_mul" else k, device=DEV, dtype=torch.bfloat16)
+        self.g = torch.rand(k, device=DEV, dtype=torch.bfloat16) + 0.5
+        self.bias = torch.randn(n, device=DEV, dtype=torch.bfloat16) if self.has_bias else None
+        self.r = torch.randn(m, n, device=DEV, dtype=torch.bfloat16)
+        self.res_in = torch.randn(m, k, device=DEV, dtype=torch.bfloat16)
+        self.reps = max(self.copies, 24)
+
+    def kw(self, i):
+        return dict(scale=self.sc[i] if self.int8 else None, bias=self.bias,
+                    residual=self.r if self.res else None, out=self.r if self.res else None,
+                    prologue=self.pro, norm_weight=self.g if self.pro == "rmsnorm" else None)
+
+    def fns(self, cfg):
+        return [lambda i=i: gemv(self.x, self.w[i], config=cfg, **self.kw(i)) for i in range(self.copies)]
+
+    def check(self, cfg) -> float:
+        kw = self.kw(0)
+        kw.pop("out")
+        kw["residual"] = self.r.clone() if self.res else None
+        y = gemv(self.x, self.w[0], config=cfg, **kw)
+        ref = gemv_reference(self.x.float(), self.w[0] if self.int8 else self.w[0].float(), **kw)
+        return rel_err(y, ref)
+
+    def baseline(self):
+        """The unfused kernels this call replaces in the engine (cuBLAS + fused elementwise)."""
+        if self.int8:                       # bf16 cuBLAS on the same shape (the #6 target)
+            wb = torch.empty((max(1, math.ceil(ROTATE / (2 * self.n * self.k))), self.n, self.k),
+                             dtype=torch.bfloat16, device=DEV).normal_(0, 0.02)
+            return [lambda i=i: F.linear(self.x, wb[i]) for i in range(wb.shape[0])], wb
+        w, eps = self.w, 1e-6
+        if self.pro == "rmsnorm":
+            return [lambda i=i: F.linear(add_rmsnorm(self.x, self.g, eps, self.res_in)[0], w[i], self.bias)
+                    for i in range(self.copies)], None
+        if self.pro == "silu_mul":
+            return [lambda i=i: F.linear(silu_and_mul(self.x), w[i]) for i in range(self.copies)], None
+        return [lambda i=i: F.linear(self.x, w[i], self.bias) for i in range(self.copies)], None
+
+
+def all_configs():
+    return [GemvConfig(bn, bk, w, s) for bn, bk in PAIRS for w in WARPS for s in (1,) + STAGES2]
+
+
+def _precompile(args):
+    wid, nw = args
+    i = 0
+    seen = set()
+    for c in cases():
+        case = Case(c, 0)
+        key = (c[5], c[6], c[7], c[8], c[9]) + tuple(c[3] % b == 0 for b in (2048, 1024, 512, 256, 128))
+        if key in seen:          # same kernel binaries as an earlier case
+            continue
+        seen.add(key)
+        for cfg in all_configs():
+            i += 1
+            if i % nw != wid:
+                continue
+            try:
+                case.fns(cfg)[0]()
+            except Exception:  # noqa: BLE001 - the main run reports it
+                pass
+        del case
+    torch.cuda.synchronize()
+    return wid
+
+
+def rel_err(a, b):
+    return ((a.float() - b.float()).norm() / b.float().norm().clamp_min(1e-30)).item()
+
+
+def run_case(c, sweep: bool) -> dict:
+    case = Case(c, ROTATE)
+    k, n, m = case.k, case.n, case.m
+    elt = 1 if case.int8 else 2
+
+    def t_cfg(cfg):
+        try:
+            e = case.check(cfg)
+            if not e < 1e-2:
+                return float("inf"), e
+            return time_graph(case.fns(cfg), case.reps), e
+        except Exception as ex:  # noqa: BLE001 - e.g. out of registers / shared memory
+            return float("inf"), str(ex)[:200]
+
+    bfns, _keep = case.baseline()
+    base = time_graph(bfns, max(len(bfns), 24))
+    row = dict(case=case.lab, model=case.model, proj=case.proj, K=k, N=n, M=m,
+               weight="int8" if case.int8 else "bf16", prologue=case.pro, residual=case.res,
+               bias=case.has_bias, baseline_us=base,
+               baseline="cuBLAS bf16 F.linear" if case.int8 else
+               {"rmsnorm": "add_rmsnorm + cuBLAS", "silu_mul": "silu_and_mul + cuBLAS",
+                "none": "cuBLAS"}[case.pro])
+    if case.int8:  # the int8_linear default for this shape (the earlier kernel kinds)
+        row["int8_linear_us"] = time_graph([lambda i=i: int8_linear(case.x, case.w[i], case.sc[i])
+                                            for i in range(case.copies)], case.reps)
+    dflt = choose_gemv_config(m, n, k, case.w.dtype, DEV, case.pro)
+    row["default_config"] = [dflt.block_n, dflt.block_k, dflt.num_warps, dflt.stages]
+    row["default_us"], row["default_rel_err"] = t_cfg(dflt)
+    tried = [dict(cfg=row["default_config"], us=row["default_us"], rel_err=row["default_rel_err"])]
+    if sweep:
+        p1 = []
+        for bn, bk in PAIRS:
+            for nw in WARPS:
+                cfg = GemvConfig(bn, bk, nw, 1)
+                u, e = t_cfg(cfg)
+                p1.append((u, cfg))
+                tried.append(dict(cfg=[bn, bk, nw, 1], us=u, rel_err=e))
+        p1.sort(key=lambda t: t[0])
+        for _, c0 in p1[:3]:
+            for st in STAGES2:
+                cfg = GemvConfig(c0.block_n, c0.block_k, c0.num_warps, st)
+                u, e = t_cfg(cfg)
+                tried.append(dict(cfg=[cfg.block_n, cfg.block_k, cfg.num_warps, st], us=u, rel_err=e))
+        row["sweep"] = tried
+    best = min(tried, key=lambda d: d["us"])
+    row["best_config"], row["best_us"] = best["cfg"], best["us"]
+    row["best_weight_tbps"] = n * k * elt / row["best_us"] / 1e6
+    row["best_frac_ref_bw"] = row["best_weight_tbps"] * 1e12 / REF_BW
+    row["speedup"] = base / row["best_us"]
+    row["floor_us"] = n * k * elt / REF_BW * 1e6
+    log(f"{case.lab} M={m} {row['weight']} {case.pro}{' +res' if case.res else ''}: baseline "
+        f"({row['baseline']}) {base:.2f} us, default {row['default_us']:.2f} {row['default_config']}, "
+        f"best {row['best_us']:.2f} us {row['best_config']} ({row['best_weight_tbps']:.2f} TB/s), "
+        f"{row['speedup']:.2f}x")
+    del case, bfns, _keep
+    return row
+
+
+def markdown(res) -> str:
+    e = res["env"]
+    out = ["# Matrix-vector kernel (gemv) on the GPU", "",
+           f"- {e['gpu']}, torch {e['torch']}, triton {e['triton']}, {e['date']}",
+           f"- command: `{e['command']}`",
+           "- times: median of CUDA-graph replays / calls per replay, weights rotated over > 200 MB;",
+           "  TB/s = weight bytes / time (reference copy bandwidth 4.24 TB/s; a pure read stream can",
+           "  exceed it). Baseline: the unfused kernels the fused call replaces in the engine, or for",
+           "  int8 rows the bf16 cuBLAS matmul of the same shape (issue target >= 1.5x).", "",
+           "| case | M | weight | fused ops | baseline | baseline us | gemv best us | best cfg (BN,BK,warps,stages) "
+           "| weight TB/s | % of 4.24 | speed-up | default cfg us | int8_linear (mma kinds) us |",
+           "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
+    for r in res["cases"]:
+        ops = "+".join(x for x in (r["prologue"] if r["prologue"] != "none" else "",
+                                   "bias" if r["bias"] else "", "residual" if r["residual"] else "") if x) or "-"
+        out.append(f"| {r['case']} | {r['M']} | {r['weight']} | {ops} | {r['baseline']} | {r['baseline_us']:.2f} | "
+                   f"{r['best_us']:.2f} | {r['best_config']} | {r['best_weight_tbps']:.2f} | "
+                   f"{100 * r['best_frac_ref_bw']:.0f}% | {r['speedup']:.2f}x | {r['default_us']:.2f} | "
+                   f"{r.get('int8_linear_us', float('nan')):.2f} |")
+    return "\n".join(out) + "\n"
+
+
+def main() -> int:
+    p = argparse.ArgumentParser()
+    p.add_argument("--out", type=Path, default=Path("results/kernels"))
+    p.add_argument("--workers", type=int, default=14)
+    p.add_argument("--no-sweep", action="store_true")
+    p.add_argument("--table", type=Path, help="write the tuned configurations here (JSON)")
+    a = p.parse_args()
+    a.out.mkdir(parents=True, exist_ok=True)
+    gpu = torch.cuda.get_device_name(0)
+    env = dict(gpu=gpu, torch=torch.__version__, triton=triton.__version__,
+               date=_dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
+               command="python3 scripts/bench_gemv.py " + " ".join(sys.argv[1:]))
+    if not a.no_sweep and a.workers:
+        with mp.get_context("spawn").Pool(a.workers) as pool:
+            list(pool.imap_unordered(_precompile, [(i, a.workers) for i in range(a.workers)]))
+        log("pre-compiled")
+    res = dict(env=env, cases=[])
+
+    def save():
+        (a.out / "gemv.json").write_text(json.dumps(res, indent=1))
+        (a.out / "gemv.md").write_text(markdown(res))
+        if a.table:
+            configs = {table_key(gpu, r["weight"] == "int8", r["prologue"], r["M"], r["K"], r["N"]):
+                       r["best_config"] for r in res["cases"] if math.isfinite(r["best_us"])}
+            a.table.write_text(json.dumps(dict(source=env, configs=configs), indent=1, sort_keys=True) + "\n")
+
+    for c in cases():
+        res["cases"].append(run_case(c, sweep=not a.no_sweep))
+        save()
+    print(markdown(res))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
