@@ -42,19 +42,20 @@ ROTATE = 200e6
 DEV = torch.device("cuda")
 
 # Qwen2.5 projection shapes (K, N) as the engine's gemv path calls them: QKV with the RMSNorm
-# prologue and bias, O with the residual epilogue, gate-up with the RMSNorm prologue, down with
-# the SiLU-and-mul prologue and the residual epilogue.
-LAYER = {"qkv": ("rmsnorm", False, True), "o": ("none", True, False),
-         "gate_up": ("rmsnorm", False, False), "down": ("silu_mul", True, False)}
-MODELS = {"0.5b": {"qkv": (896, 1152), "o": (896, 896), "gate_up": (896, 9728), "down": (4864, 896)},
-          "1.5b": {"qkv": (1536, 2048), "o": (1536, 1536), "gate_up": (1536, 17920), "down": (8960, 1536)},
-          "7b": {"qkv": (3584, 4608), "o": (3584, 3584), "gate_up": (3584, 37888), "down": (18944, 3584)}}
+# prologue and bias, O with the residual epilogue, gate-up with the RMSNorm prologue and the
+# SwiGLU epilogue (N = intermediate size, 2N weight rows), down with the residual epilogue.
+# value: (prologue, residual, bias, glu)
+LAYER = {"qkv": ("rmsnorm", False, True, False), "o": ("none", True, False, False),
+         "gate_up": ("rmsnorm", False, False, True), "down": ("none", True, False, False)}
+MODELS = {"0.5b": {"qkv": (896, 1152), "o": (896, 896), "gate_up": (896, 4864), "down": (4864, 896)},
+          "1.5b": {"qkv": (1536, 2048), "o": (1536, 1536), "gate_up": (1536, 8960), "down": (8960, 1536)},
+          "7b": {"qkv": (3584, 4608), "o": (3584, 3584), "gate_up": (3584, 18944), "down": (18944, 3584)}}
 LM_HEAD = {"0.5b": (896, 151936), "1.5b": (1536, 151936), "7b": (3584, 152064)}
 INT8_SHAPES = [("int8 gate/up", 1536, 8960), ("int8 down", 8960, 1536), ("int8 qkv", 1536, 2048)]
 PAIRS = [(bn, bk) for bn in (1, 2, 4, 8) for bk in (128, 256, 512, 1024, 2048)
          if 256 <= bn * bk <= 8192]
 WARPS = (2, 4, 8)
-STAGES2 = (2, 3)
+STAGES2 = (2,)
 
 
 def log(*a):
@@ -100,17 +101,17 @@ def weights(k: int, n: int, int8: bool, copies: int):
 
 
 def cases():
-    """(label, model, proj, K, N, int8, M, prologue, residual, bias) of every swept case."""
+    """(label, model, proj, K, N, int8, M, prologue, residual, bias, glu) of every swept case."""
     out = []
     for model, projs in MODELS.items():
         for proj, (k, n) in projs.items():
             for m in ((1, 2, 4) if model == "1.5b" else (1,)):
                 out.append((f"{model} {proj}", model, proj, k, n, False, m, *LAYER[proj]))
     for model, (k, n) in LM_HEAD.items():
-        out.append((f"{model} lm_head", model, "lm_head", k, n, False, 1, "none", False, False))
+        out.append((f"{model} lm_head", model, "lm_head", k, n, False, 1, "none", False, False, False))
     for lab, k, n in INT8_SHAPES:
         for m in (1, 2, 4):
-            out.append((lab, "int8", "plain", k, n, True, m, "none", False, False))
+            out.append((lab, "int8", "plain", k, n, True, m, "none", False, False, False))
     return out
 
 
@@ -119,12 +120,13 @@ class Case:
 
     def __init__(self, c, rotate: float):
         self.lab, self.model, self.proj, self.k, self.n, self.int8, self.m, self.pro, self.res, \
-            self.has_bias = c
+            self.has_bias, self.glu = c
         k, n, m = self.k, self.n, self.m
         elt = 1 if self.int8 else 2
-        self.copies = max(1, math.ceil(rotate / (n * k * elt))) if rotate else 1
-        self.w, self.sc = weights(k, n, self.int8, self.copies)
-        self.x = torch.randn(m, 2 * k if self.pro == "silu_mul" else k, device=DEV, dtype=torch.bfloat16)
+        self.rows = 2 * n if self.glu else n                 # weight rows read
+        self.copies = max(1, math.ceil(rotate / (self.rows * k * elt))) if rotate else 1
+        self.w, self.sc = weights(k, self.rows, self.int8, self.copies)
+        self.x = torch.randn(m, k, device=DEV, dtype=torch.bfloat16)
         self.g = torch.rand(k, device=DEV, dtype=torch.bfloat16) + 0.5
         self.bias = torch.randn(n, device=DEV, dtype=torch.bfloat16) if self.has_bias else None
         self.r = torch.randn(m, n, device=DEV, dtype=torch.bfloat16)
@@ -134,7 +136,7 @@ class Case:
     def kw(self, i):
         return dict(scale=self.sc[i] if self.int8 else None, bias=self.bias,
                     residual=self.r if self.res else None, out=self.r if self.res else None,
-                    prologue=self.pro, norm_weight=self.g if self.pro == "rmsnorm" else None)
+                    prologue=self.pro, norm_weight=self.g if self.pro == "rmsnorm" else None, glu=self.glu)
 
     def fns(self, cfg):
         return [lambda i=i: gemv(self.x, self.w[i], config=cfg, **self.kw(i)) for i in range(self.copies)]
@@ -154,11 +156,12 @@ class Case:
                              dtype=torch.bfloat16, device=DEV).normal_(0, 0.02)
             return [lambda i=i: F.linear(self.x, wb[i]) for i in range(wb.shape[0])], wb
         w, eps = self.w, 1e-6
+        if self.glu:
+            return [lambda i=i: silu_and_mul(F.linear(add_rmsnorm(self.x, self.g, eps, self.res_in)[0], w[i]))
+                    for i in range(self.copies)], None
         if self.pro == "rmsnorm":
             return [lambda i=i: F.linear(add_rmsnorm(self.x, self.g, eps, self.res_in)[0], w[i], self.bias)
                     for i in range(self.copies)], None
-        if self.pro == "silu_mul":
-            return [lambda i=i: F.linear(silu_and_mul(self.x), w[i]) for i in range(self.copies)], None
         return [lambda i=i: F.linear(self.x, w[i], self.bias) for i in range(self.copies)], None
 
 
@@ -172,7 +175,7 @@ def _precompile(args):
     seen = set()
     for c in cases():
         case = Case(c, 0)
-        key = (c[5], c[6], c[7], c[8], c[9]) + tuple(c[3] % b == 0 for b in (2048, 1024, 512, 256, 128))
+        key = (c[5], c[6], c[7], c[8], c[9], c[10]) + tuple(c[3] % b == 0 for b in (2048, 1024, 512, 256, 128))
         if key in seen:          # same kernel binaries as an earlier case
             continue
         seen.add(key)
@@ -209,16 +212,16 @@ def run_case(c, sweep: bool) -> dict:
 
     bfns, _keep = case.baseline()
     base = time_graph(bfns, max(len(bfns), 24))
-    row = dict(case=case.lab, model=case.model, proj=case.proj, K=k, N=n, M=m,
+    row = dict(case=case.lab, model=case.model, proj=case.proj, K=k, N=n, M=m, glu=case.glu,
                weight="int8" if case.int8 else "bf16", prologue=case.pro, residual=case.res,
                bias=case.has_bias, baseline_us=base,
                baseline="cuBLAS bf16 F.linear" if case.int8 else
-               {"rmsnorm": "add_rmsnorm + cuBLAS", "silu_mul": "silu_and_mul + cuBLAS",
-                "none": "cuBLAS"}[case.pro])
+               ("add_rmsnorm + cuBLAS + silu_and_mul" if case.glu else
+                {"rmsnorm": "add_rmsnorm + cuBLAS", "none": "cuBLAS"}[case.pro]))
     if case.int8:  # the int8_linear default for this shape (the earlier kernel kinds)
         row["int8_linear_us"] = time_graph([lambda i=i: int8_linear(case.x, case.w[i], case.sc[i])
                                             for i in range(case.copies)], case.reps)
-    dflt = choose_gemv_config(m, n, k, case.w.dtype, DEV, case.pro)
+    dflt = choose_gemv_config(m, n, k, case.w.dtype, DEV, case.pro + ("+glu" if case.glu else ""))
     row["default_config"] = [dflt.block_n, dflt.block_k, dflt.num_warps, dflt.stages]
     row["default_us"], row["default_rel_err"] = t_cfg(dflt)
     tried = [dict(cfg=row["default_config"], us=row["default_us"], rel_err=row["default_rel_err"])]
@@ -239,10 +242,10 @@ def run_case(c, sweep: bool) -> dict:
         row["sweep"] = tried
     best = min(tried, key=lambda d: d["us"])
     row["best_config"], row["best_us"] = best["cfg"], best["us"]
-    row["best_weight_tbps"] = n * k * elt / row["best_us"] / 1e6
+    row["best_weight_tbps"] = case.rows * k * elt / row["best_us"] / 1e6
     row["best_frac_ref_bw"] = row["best_weight_tbps"] * 1e12 / REF_BW
     row["speedup"] = base / row["best_us"]
-    row["floor_us"] = n * k * elt / REF_BW * 1e6
+    row["floor_us"] = case.rows * k * elt / REF_BW * 1e6
     log(f"{case.lab} M={m} {row['weight']} {case.pro}{' +res' if case.res else ''}: baseline "
         f"({row['baseline']}) {base:.2f} us, default {row['default_us']:.2f} {row['default_config']}, "
         f"best {row['best_us']:.2f} us {row['best_config']} ({row['best_weight_tbps']:.2f} TB/s), "
@@ -261,11 +264,12 @@ def markdown(res) -> str:
            "  exceed it). Baseline: the unfused kernels the fused call replaces in the engine, or for",
            "  int8 rows the bf16 cuBLAS matmul of the same shape (issue target >= 1.5x).", "",
            "| case | M | weight | fused ops | baseline | baseline us | gemv best us | best cfg (BN,BK,warps,stages) "
-           "| weight TB/s | % of 4.24 | speed-up | default cfg us | int8_linear (mma kinds) us |",
+           "| weight TB/s | % of 4.24 | speed-up | default cfg us | int8_linear default us |",
            "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
     for r in res["cases"]:
         ops = "+".join(x for x in (r["prologue"] if r["prologue"] != "none" else "",
-                                   "bias" if r["bias"] else "", "residual" if r["residual"] else "") if x) or "-"
+                                   "bias" if r["bias"] else "", "residual" if r["residual"] else "",
+                                   "swiglu" if r.get("glu") else "") if x) or "-"
         out.append(f"| {r['case']} | {r['M']} | {r['weight']} | {ops} | {r['baseline']} | {r['baseline_us']:.2f} | "
                    f"{r['best_us']:.2f} | {r['best_config']} | {r['best_weight_tbps']:.2f} | "
                    f"{100 * r['best_frac_ref_bw']:.0f}% | {r['speedup']:.2f}x | {r['default_us']:.2f} | "
@@ -295,7 +299,8 @@ def main() -> int:
         (a.out / "gemv.json").write_text(json.dumps(res, indent=1))
         (a.out / "gemv.md").write_text(markdown(res))
         if a.table:
-            configs = {table_key(gpu, r["weight"] == "int8", r["prologue"], r["M"], r["K"], r["N"]):
+            configs = {table_key(gpu, r["weight"] == "int8", r["prologue"] + ("+glu" if r["glu"] else ""),
+                                 r["M"], r["K"], r["N"]):
                        r["best_config"] for r in res["cases"] if math.isfinite(r["best_us"])}
             a.table.write_text(json.dumps(dict(source=env, configs=configs), indent=1, sort_keys=True) + "\n")
 

@@ -98,7 +98,7 @@ def test_gemv_path_matches_readable_path(seqs):
     caches2 = [(k.clone(), v.clone()) for k, v in caches]
     caches3 = [(k.clone(), v.clone()) for k, v in caches]
     ref = model(ids, pos, caches, meta)
-    fast = FastQwen2Forward(model, use_gemv=True)
+    fast = FastQwen2Forward(model, use_gemv=True, gemv_max_tokens=4)
     assert fast.use_gemv
     out = fast(ids, pos, caches2, meta)
     torch.testing.assert_close(out, ref, atol=5e-5, rtol=5e-5)

@@ -250,6 +250,7 @@ def test_int8_linear_matches_dequant_matmul(m, dtype, bias):
     Int8LinearConfig(32, 16, 32, split_k=3, num_warps=1, num_stages=1, fused_reduce=True, kind="gemv"),
     Int8LinearConfig(32, 8, 64, split_k=2, num_warps=1, num_stages=1, kind="gemv"),
     Int8LinearConfig(1, 1, 1, kind="dequant"),
+    Int8LinearConfig(1, 2, 64, num_warps=1, num_stages=1, kind="vec"),
 ])
 def test_int8_linear_configs(cfg):
     """Every kernel kind: split-K with an uneven last split, swap-AB without split, non-swapped
@@ -261,10 +262,12 @@ def test_int8_linear_configs(cfg):
     scale = scale.to(torch.bfloat16).to(DEVICE)
     w_q = w_q.to(DEVICE)
     x = torch.randn(2, 9, k, generator=g).to(DEVICE)
+    if cfg.kind == "vec":   # the matrix-vector kernel serves M <= 4
+        x = x[:1, :3]
     y = int8_linear(x, w_q, scale, config=cfg)
     if cfg.fused_reduce:  # twice: the per-tile arrival counters must have been re-armed
         y = int8_linear(x, w_q, scale, config=cfg)
-    assert y.shape == (2, 9, n)
+    assert y.shape == (*x.shape[:-1], n)
     assert_close(y, int8_linear_reference(x, w_q, scale), torch.float32)
 
 
@@ -304,10 +307,10 @@ def test_int8_linear_input_errors():
 # ---------------------------------------------------------------------------------------------
 
 
-def _gemv_case(m, n, k, prologue, int8, dtype, seed=0):
+def _gemv_case(m, n, k, prologue, int8, dtype, glu=False, seed=0):
     g = torch.Generator().manual_seed(seed)
-    x = torch.randn(m, 2 * k if prologue == "silu_mul" else k, generator=g).to(dtype).to(DEVICE)
-    w = torch.randn(n, k, generator=g) * 0.1
+    x = torch.randn(m, k, generator=g).to(dtype).to(DEVICE)
+    w = torch.randn(2 * n if glu else n, k, generator=g) * 0.1
     scale = None
     if int8:
         w, scale = quantize_int8_per_channel(w)
@@ -320,9 +323,9 @@ def _gemv_case(m, n, k, prologue, int8, dtype, seed=0):
 @pytest.mark.parametrize("m,n,k,prologue,int8,dtype,cfg", [
     (1, 37, 100, "none", False, torch.float32, None),              # K, N not tile multiples
     (1, 64, 96, "rmsnorm", False, torch.float16, None),
-    (3, 21, 64, "silu_mul", False, torch.float32, GemvConfig(4, 16, 1, 2)),   # pipelined loop
+    (3, 21, 64, "none", False, torch.float32, GemvConfig(4, 16, 1, 2)),   # pipelined loop
     (4, 40, 72, "rmsnorm", True, torch.float32, GemvConfig(2, 32, 1, 3)),
-    (2, 9, 33, "silu_mul", True, torch.float16, GemvConfig(1, 16, 1, 1)),
+    (2, 9, 33, "none", True, torch.float16, GemvConfig(1, 16, 1, 1)),
 ])
 def test_gemv_matches_reference(m, n, k, prologue, int8, dtype, cfg):
     x, w, scale, gw = _gemv_case(m, n, k, prologue, int8, dtype)
@@ -338,6 +341,27 @@ def test_gemv_matches_reference(m, n, k, prologue, int8, dtype, cfg):
     assert_close(gemv(x, w, config=cfg, **kw), gemv_reference(x, w, **kw), dtype)
 
 
+@pytest.mark.parametrize("m,n,k,prologue,int8,dtype,cfg", [
+    (1, 19, 100, "rmsnorm", False, torch.float32, None),           # the engine's MLP call
+    (4, 24, 64, "rmsnorm", True, torch.float32, GemvConfig(2, 32, 1, 1)),
+    (2, 33, 40, "none", False, torch.float16, GemvConfig(4, 16, 1, 2)),
+])
+def test_gemv_swiglu_epilogue(m, n, k, prologue, int8, dtype, cfg):
+    """``silu(gate) * up`` of a packed ``[gate; up]`` projection, gate row n and up row N + n
+    in one program (int8: each half with its own scales)."""
+    x, w, scale, gw = _gemv_case(m, n, k, prologue, int8, dtype, glu=True)
+    kw = dict(scale=scale, prologue=prologue, norm_weight=gw, glu=True)
+    y = gemv(x, w, config=cfg, **kw)
+    assert y.shape == (m, n)
+    assert_close(y, gemv_reference(x, w, **kw), dtype)
+    wf = (w.float() * scale[:, None]) if int8 else w.float()          # independent check
+    xf = x.float()
+    if prologue == "rmsnorm":
+        xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + 1e-6) * gw.float()
+    p = xf @ wf.T
+    assert_close(y, (torch.nn.functional.silu(p[:, :n]) * p[:, n:]).to(dtype), dtype)
+
+
 def test_gemv_input_errors():
     x, w, scale, gw = _gemv_case(2, 8, 16, "rmsnorm", True, torch.float32)
     with pytest.raises(ValueError, match="M <= 4"):
@@ -346,14 +370,16 @@ def test_gemv_input_errors():
         gemv(x, w)
     with pytest.raises(ValueError, match="norm_weight"):
         gemv(x, w, scale=scale, prologue="rmsnorm")
-    with pytest.raises(ValueError, match="needs 32"):
-        gemv(x, w, scale=scale, prologue="silu_mul")
+    with pytest.raises(ValueError, match="needs 16"):
+        gemv(torch.randn(2, 32, device=DEVICE), w, scale=scale)
     with pytest.raises(ValueError, match="prologue"):
         gemv(x, w, scale=scale, prologue="gelu")
     with pytest.raises(ValueError, match="dtype"):
         gemv(x, w.float().half(), scale=scale)
     with pytest.raises(ValueError, match="residual"):
         gemv(x, w, scale=scale, residual=torch.zeros(2, 9, device=DEVICE))
+    with pytest.raises(ValueError, match="glu"):
+        gemv(x, w[:7], scale=scale[:7], glu=True)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -393,20 +419,21 @@ def test_gpu_bf16_int8_linear(k, n, m):
 @pytest.mark.parametrize("m", [1, 4])
 def test_gpu_bf16_gemv(k, n, m):
     dev = torch.device("cuda")
-    for prologue, int8 in (("none", False), ("rmsnorm", False), ("silu_mul", False), ("none", True)):
-        if prologue == "silu_mul" and n > 8960:
+    for prologue, int8, glu in (("none", False, False), ("rmsnorm", False, False),
+                                ("rmsnorm", False, True), ("none", True, False)):
+        if glu and n > 17920:
             continue
-        x = torch.randn(m, 2 * k if prologue == "silu_mul" else k, device=dev, dtype=torch.bfloat16)
-        w = torch.randn(n, k, device=dev) * 0.02
+        x = torch.randn(m, k, device=dev, dtype=torch.bfloat16)
+        w = torch.randn(2 * n if glu else n, k, device=dev) * 0.02
         scale = None
         if int8:
             w, scale = quantize_int8_per_channel(w)
         else:
             w = w.to(torch.bfloat16)
         gw = torch.rand(k, device=dev, dtype=torch.bfloat16) + 0.5 if prologue == "rmsnorm" else None
-        res = torch.randn(m, n, device=dev, dtype=torch.bfloat16)
-        kw = dict(scale=scale, residual=res, prologue=prologue, norm_weight=gw)
+        res = None if glu else torch.randn(m, n, device=dev, dtype=torch.bfloat16)
+        kw = dict(scale=scale, residual=res, prologue=prologue, norm_weight=gw, glu=glu)
         y = gemv(x, w, **kw).float()
         ref = gemv_reference(x.float(), w if int8 else w.float(), **kw).float()
         rel = ((y - ref).norm() / ref.norm()).item()
-        assert rel < 1e-2, (prologue, int8, rel)
+        assert rel < 1e-2, (prologue, int8, glu, rel)

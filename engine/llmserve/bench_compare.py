@@ -207,13 +207,15 @@ def offline_llmserve(preset: str, prompts, outs, max_num_seqs: int, chunk: int, 
     return out
 
 
-def hf_generate_batch(model, prompts, max_new: int) -> dict:
+def hf_generate_batch(model, prompts, max_new: int, cb_config=None) -> dict:
     """HF continuous batching (``model.generate_batch``), greedy, EOS ignored, ``max_new`` tokens each.
 
     Args:
         model: an HF causal LM (any device; ``generate_batch`` picks its paged attention).
         prompts: list of token-id lists (one per request).
         max_new: new tokens asked of every request.
+        cb_config: optional ``transformers.ContinuousBatchingConfig`` (cache blocks, batch
+            tokens); None keeps transformers' own sizing, which the benchmark uses.
 
     Returns: ``{"results", "produced", "per_request", "failed"}``: the ``generate_batch`` dict,
     the total generated tokens, each request's generated-token count (input order) and
@@ -230,8 +232,9 @@ def hf_generate_batch(model, prompts, max_new: int) -> dict:
 
     gc_ = GenerationConfig(max_new_tokens=max_new, min_new_tokens=max_new, do_sample=False,
                            eos_token_id=-1, pad_token_id=0)
+    kw = {} if cb_config is None else {"continuous_batching_config": cb_config}
     with torch.inference_mode(False), torch.no_grad():
-        res = model.generate_batch(prompts, generation_config=gc_, progress_bar=False)
+        res = model.generate_batch(prompts, generation_config=gc_, progress_bar=False, **kw)
     per_request = [len(r.generated_tokens) for r in res.values()]
     failed = {k: r.error for k, r in res.items() if getattr(r, "error", None) is not None}
     return {"results": res, "produced": sum(per_request), "per_request": per_request, "failed": failed}

@@ -9,10 +9,10 @@ What changes against the readable path (``models/qwen2.py``):
   ``state_dict()`` are unchanged and no memory is duplicated.
 * RMSNorm and the residual add are one kernel; RoPE, the QKV split and the K/V cache write are
   one kernel; SiLU-and-mul is one kernel (``triton_kernels/fused.py``).
-* Steps of at most ``GEMV_MAX_M`` (4) tokens - batch-1..4 decode - take a matrix-vector path
+* Steps of one token (batch-1 decode; up to ``GEMV_MAX_M`` = 4 on request) take a matrix-vector path
   (``triton_kernels/gemv.py``) with the norms and SiLU-and-mul folded into the projections and
-  the residual add into their epilogues: six kernels a layer (QKV+norm, rope+KV write,
-  attention (+ merge), O+residual, gate-up+norm, down+SiLU-mul+residual). The residual stream
+  the residual adds into their epilogues: six kernels a layer (norm+QKV, rope+KV write,
+  attention (+ merge), O+residual, norm+gate-up+SiLU-mul, down+residual). The residual stream
   is updated in place. ``LLMSERVE_DECODE_GEMV=0`` turns this path off (A/B runs).
 
 Layers whose projections were swapped for quantized modules keep calling those modules (the
@@ -59,12 +59,16 @@ class FastQwen2Forward:
 
     Args:
         model: as above.
-        use_gemv: take the matrix-vector path for steps of ``N <= GEMV_MAX_M`` tokens when
-            every projection is a plain ``nn.Linear`` (default: on unless the environment sets
-            ``LLMSERVE_DECODE_GEMV=0``).
+        use_gemv: take the matrix-vector path for steps of ``N <= gemv_max_tokens`` tokens
+            when every projection is a plain ``nn.Linear`` (default: on unless the environment
+            sets ``LLMSERVE_DECODE_GEMV=0``).
+        gemv_max_tokens: largest step (tokens) that takes it, at most ``GEMV_MAX_M``. Default 1
+            (``LLMSERVE_DECODE_GEMV_MAX`` overrides): on the H200 the kernel beats cuBLAS at
+            M = 1 but not yet at M = 2..4 on the MLP shapes (``results/kernels/``).
     """
 
-    def __init__(self, model: nn.Module, use_gemv: bool | None = None) -> None:
+    def __init__(self, model: nn.Module, use_gemv: bool | None = None,
+                 gemv_max_tokens: int | None = None) -> None:
         self.model = model
         cfg = model.config
         self.num_heads = cfg.num_attention_heads
@@ -86,10 +90,15 @@ class FastQwen2Forward:
         plain = all("qkv" in e and "gate_up" in e and type(e["layer"].self_attn.o_proj) is nn.Linear
                     and type(e["layer"].mlp.down_proj) is nn.Linear for e in self.layers)
         self.use_gemv = bool(use_gemv) and plain
+        if gemv_max_tokens is None:
+            gemv_max_tokens = int(os.environ.get("LLMSERVE_DECODE_GEMV_MAX", "1"))
+        if not 1 <= gemv_max_tokens <= GEMV_MAX_M:
+            raise ValueError(f"gemv_max_tokens must be in [1, {GEMV_MAX_M}], got {gemv_max_tokens}")
+        self.gemv_max_tokens = gemv_max_tokens
 
     def __call__(self, input_ids: torch.Tensor, positions: torch.Tensor,
                  kv_caches: list[tuple[torch.Tensor, torch.Tensor]], meta: AttentionMetadata) -> torch.Tensor:
-        if self.use_gemv and input_ids.shape[0] <= GEMV_MAX_M:
+        if self.use_gemv and input_ids.shape[0] <= self.gemv_max_tokens:
             return self._forward_gemv(input_ids, positions, kv_caches, meta)
         model = self.model
         backend = model.attention_backend
@@ -124,7 +133,7 @@ class FastQwen2Forward:
         """The same function for ``N <= GEMV_MAX_M`` tokens with fused matrix-vector kernels:
         ``r`` is the residual stream ``[N, H]``, updated in place by the O and down
         projections' epilogues; each layer's two RMSNorms run inside the QKV and gate-up
-        projections and SiLU-and-mul inside the down projection."""
+        projections and SiLU-and-mul in the gate-up projection's epilogue."""
         model = self.model
         backend = model.attention_backend
         cos, sin = model.rope_cos_sin(input_ids.device)                     # [L, D/2] fp32
@@ -141,9 +150,9 @@ class FastQwen2Forward:
             o_proj = layer.self_attn.o_proj
             gemv(o.reshape(n, self.num_heads * self.head_dim), o_proj.weight, bias=o_proj.bias,
                  residual=r, out=r)                                         # r += o @ Wo.T
-            gu = gemv(r, entry["gate_up"][0], prologue="rmsnorm",
-                      norm_weight=layer.post_attention_layernorm.weight, eps=self.eps)  # [N, 2I]
+            act = gemv(r, entry["gate_up"][0], prologue="rmsnorm", glu=True,
+                       norm_weight=layer.post_attention_layernorm.weight, eps=self.eps)  # [N, I]
             down = layer.mlp.down_proj
-            gemv(gu, down.weight, bias=down.bias, prologue="silu_mul", residual=r, out=r)
+            gemv(act, down.weight, bias=down.bias, residual=r, out=r)      # r += act @ Wd.T
         h, _ = add_rmsnorm(r, model.model.norm.weight, self.eps)            # [N, H]
         return h

@@ -9,9 +9,12 @@ The fused kernels read int8 tiles, convert them in registers (every int8 value i
 bf16/fp16), accumulate in fp32 and apply the per-channel scale (and bias) once in the epilogue —
 the scale factors out of the K sum: ``sum_k x[m,k] * q[n,k] * s[n] = s[n] * sum_k x[m,k] * q[n,k]``.
 
-Three kernel kinds (:class:`Int8LinearConfig.kind`), chosen per shape by
+Four kernel kinds (:class:`Int8LinearConfig.kind`), chosen per shape by
 :func:`choose_int8_config` from H200 measurements (``results/kernels/NOTES.md``):
 
+* ``"vec"`` (decode, M = 1, the default there): the matrix-vector kernel of ``gemv.py`` (one or
+  two weight rows a program, no software pipelining, per-channel scale in the epilogue);
+  1.42-1.57x the bf16 cuBLAS time on Qwen2.5-1.5B shapes, against 1.15-1.32x for ``"gemv"``.
 * ``"gemv"`` (decode, M = 1): CUDA cores, a few output rows per program, 16-byte int8 loads,
   fp32 element-wise accumulation reduced over K once; little shared memory, so many programs
   per SM keep many loads in flight (gemlite's GEMV kernels use the same idea).
@@ -38,6 +41,7 @@ import triton
 import triton.language as tl
 
 from ._launch import num_sms, zeroed_counters
+from .gemv import GEMV_MAX_M, GemvConfig, choose_gemv_config, gemv
 
 __all__ = ["Int8LinearConfig", "choose_int8_config", "int8_linear", "int8_linear_reference",
            "quantize_int8_per_channel"]
@@ -242,7 +246,7 @@ class Int8LinearConfig:
     num_warps: int = 4
     num_stages: int = 3
     fused_reduce: bool = False  # split-K: last split reduces (no second launch) vs reduce kernel
-    kind: str = "mma"  # "mma" (tensor cores), "gemv" (CUDA cores, M <= block_m), "dequant"
+    kind: str = "mma"  # "mma" (tensor cores), "gemv" (CUDA cores, M <= block_m), "vec", "dequant"
 
 
 def _tile_counters(device: torch.device, n: int) -> torch.Tensor:
@@ -270,8 +274,8 @@ def choose_int8_config(m: int, n: int, k: int, device: torch.device) -> Int8Line
     Picked from the H200 sweep in ``results/kernels/`` (Qwen2.5-1.5B shapes, bf16; speed-ups
     over cuBLAS bf16 in parentheses):
 
-    * ``m == 1`` and ``k <= 4096``: CUDA-core gemv, 8 output rows a program, ``BLOCK_K`` 128
-      for wide layers (``n >= 4096``; gate/up 7.8 us, 1.32x) else 512 (qkv 4.6 us, 1.19x).
+    * ``m == 1``: the ``gemv.py`` matrix-vector kernel (``"vec"``) with its tuned or rule-based
+      configuration (gate/up 7.1 us, 1.42x; down 7.8 us, 1.56x; qkv 3.5 us, 1.57x).
     * ``m <= 64`` otherwise: tensor-core tiles ``BLOCK_M = max(16, next_pow2(m))`` with the
       weight tile as the MMA's B operand (plain orientation measured faster than swap-AB):
       ``k <= 4096``: 32x256 weight tiles, split-K only to reach one program per SM (gate/up
@@ -281,18 +285,17 @@ def choose_int8_config(m: int, n: int, k: int, device: torch.device) -> Int8Line
       fused tile kernels measured 1.7-2.1x, at M=256 too).
     * CPU (Triton interpreter): the same kinds with small tiles, so tests cover every path.
     """
+    if m == 1:  # block_n / block_k / num_warps / num_stages of the gemv.py launch
+        g = choose_gemv_config(1, n, k, torch.int8, device)
+        return Int8LinearConfig(1, g.block_n, g.block_k, num_warps=g.num_warps, num_stages=g.stages,
+                                kind="vec")
     if device.type != "cuda":
-        if m == 1:
-            return Int8LinearConfig(1, 16, 32, split_k=1, num_warps=1, num_stages=1, kind="gemv")
         if m <= 64:
             split = 2 if k >= 64 else 1
             return Int8LinearConfig(16 if m <= 16 else 32, 32, 32, split_k=split, num_warps=1,
                                     num_stages=1, fused_reduce=True)
         return Int8LinearConfig(1, 1, 1, kind="dequant")
     sms = _num_sms(device)
-    if m == 1 and k <= 4096:
-        bk = 128 if n >= 4096 else 512
-        return Int8LinearConfig(1, 8, bk, split_k=1, num_warps=4, num_stages=1, kind="gemv")
     if m <= 64:
         bm = max(16, triton.next_power_of_2(m))
         if k <= 4096:
@@ -365,8 +368,14 @@ def int8_linear(x: torch.Tensor, w_int8: torch.Tensor, scale: torch.Tensor,
         raise ValueError("int8_linear needs CUDA tensors, or (CPU tensors) the Triton interpreter: "
                          "set TRITON_INTERPRET=1 before importing llmserve.triton_kernels")
     cfg = config or choose_int8_config(m, n, k, x.device)
-    if cfg.kind not in ("mma", "gemv", "dequant"):
-        raise ValueError(f"Int8LinearConfig.kind must be 'mma', 'gemv' or 'dequant', got {cfg.kind!r}")
+    if cfg.kind not in ("mma", "gemv", "vec", "dequant"):
+        raise ValueError(f"Int8LinearConfig.kind must be 'mma', 'gemv', 'vec' or 'dequant', got {cfg.kind!r}")
+    if cfg.kind == "vec":
+        if m > GEMV_MAX_M:
+            raise ValueError(f"kind 'vec' serves M <= {GEMV_MAX_M}, got M={m}")
+        y = gemv(x2, w_int8, scale=scale, bias=bias,
+                 config=GemvConfig(cfg.block_n, cfg.block_k, cfg.num_warps, cfg.num_stages))
+        return y.reshape(*lead, n)
     if cfg.kind == "dequant":
         # Compute-bound shapes: one pass int8 -> x.dtype weights, then the vendor GEMM (the
         # same trade vLLM's AWQ path makes for >= 256 tokens). Costs 3 bytes per weight more.
