@@ -84,7 +84,7 @@ def _int8_epilogue(acc, rm, rn, rn_ld, tile_id, pid_k, M, N, s_ptr, bias_ptr, y_
         tl.store(y_ptrs, y.to(y_ptr.dtype.element_ty), mask=mask)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["M", "k_per_split"])  # M varies per step: no recompiles
 def _int8_linear_kernel(x_ptr, w_ptr, s_ptr, bias_ptr, y_ptr, ws_ptr, cnt_ptr, M, N, K, k_per_split,
                         stride_xm, stride_xk, stride_wn, stride_wk, stride_ym, stride_yn,
                         HAS_BIAS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
@@ -146,7 +146,7 @@ def _int8_linear_kernel(x_ptr, w_ptr, s_ptr, bias_ptr, y_ptr, ws_ptr, cnt_ptr, M
                    stride_ym, stride_yn, HAS_BIAS, SPLIT, FUSED_REDUCE, BLOCK_M, BLOCK_N)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["M", "k_per_split"])
 def _int8_gemv_kernel(x_ptr, w_ptr, s_ptr, bias_ptr, y_ptr, ws_ptr, cnt_ptr, M, N, K, k_per_split,
                       stride_xm, stride_xk, stride_wn, stride_wk, stride_ym, stride_yn,
                       HAS_BIAS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
@@ -216,7 +216,7 @@ def _dequant_kernel(w_ptr, s_ptr, out_ptr, N, K, stride_wn, stride_on,
              out.to(out_ptr.dtype.element_ty), mask=mask)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["M"])
 def _splitk_reduce_kernel(ws_ptr, s_ptr, bias_ptr, y_ptr, M, N, num_splits, stride_ym,
                           HAS_BIAS: tl.constexpr, BLOCK: tl.constexpr):
     pid = tl.program_id(0)

@@ -121,7 +121,10 @@ def _kv_tile_offsets(bt_row_ptr, t, kvh, stride_kb, stride_kt, stride_kh,
     return page.to(tl.int64) * stride_kb + (t % PAGE) * stride_kt + kvh * stride_kh
 
 
-@triton.jit
+# Arguments that change from step to step are not specialised (Triton would otherwise compile
+# a new binary whenever one of them becomes 1 or a multiple of 16: seconds of stall in the
+# middle of serving, seen as multi-second TTFT outliers in the first open-loop runs).
+@triton.jit(do_not_specialize=["tiles_per_split", "num_splits", "stride_btb"])
 def _decode_kernel(q_ptr, k_cache_ptr, v_cache_ptr, out_ptr, m_ptr, l_ptr, acc_ptr, cnt_ptr,
                    bt_ptr, ctx_ptr, qsl_ptr, qk_scale, tiles_per_split, num_splits, num_q_heads,
                    stride_qn, stride_qh, stride_kb, stride_kt, stride_kh,
@@ -241,7 +244,7 @@ def _decode_kernel(q_ptr, k_cache_ptr, v_cache_ptr, out_ptr, m_ptr, l_ptr, acc_p
                 tl.atomic_xchg(cnt, 0)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["num_splits"])
 def _decode_reduce_kernel(out_ptr, m_ptr, l_ptr, acc_ptr, qsl_ptr, num_splits, num_q_heads,
                           stride_on, stride_oh,
                           HEAD_DIM: tl.constexpr, S_BLOCK: tl.constexpr,
@@ -276,7 +279,7 @@ def _decode_reduce_kernel(out_ptr, m_ptr, l_ptr, acc_ptr, qsl_ptr, num_splits, n
              out.to(out_ptr.dtype.element_ty))
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["num_m_tiles", "stride_btb"])
 def _prefill_kernel(q_ptr, k_cache_ptr, v_cache_ptr, out_ptr, bt_ptr, ctx_ptr, qsl_ptr,
                     qk_scale, num_m_tiles,
                     stride_qn, stride_qh, stride_kb, stride_kt, stride_kh,
