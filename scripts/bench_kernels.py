@@ -297,8 +297,8 @@ def parity(cfg) -> list[dict]:
                                  Int8LinearConfig(**{**_cfg_dict(c0), "fused_reduce": not c0.fused_reduce})))
             if m <= 16:
                 bm = triton.next_power_of_2(m)
-                variants.append(("gemv split", Int8LinearConfig(bm, 16, max(64, 512 // bm), split_k=3, num_stages=1,
-                                                                fused_reduce=True, kind="gemv")))
+                if m <= 4:
+                    variants.append(("vec", Int8LinearConfig(1, 2, 256, num_warps=4, num_stages=1, kind="vec")))
                 variants.append(("mma plain BM=16 split", Int8LinearConfig(16, 64, 128, split_k=3, fused_reduce=True)))
             else:
                 variants.append(("dequant+cuBLAS", Int8LinearConfig(1, 1, 1, kind="dequant")))
@@ -455,18 +455,14 @@ def bench_prefill(cfg) -> tuple[list[dict], list[dict]]:
 # ---------------------------------------------------------------------------------------------
 
 def int8_candidates(cfg, m: int, n: int, k: int, sms: int) -> list[Int8LinearConfig]:
-    """Sweep candidates: CUDA-core gemv, tensor-core swap-AB and plain tiles with split-K
-    (fused reduction), and for large M plain/swap tiles and dequantize + cuBLAS."""
+    """Sweep candidates: the matrix-vector kind (M <= 4; ``scripts/bench_gemv.py`` sweeps it in
+    depth), tensor-core swap-AB and plain tiles with split-K (fused reduction), and for large M
+    plain/swap tiles and dequantize + cuBLAS."""
     out = []
     if m <= 64:
-        bm = max(1, triton.next_power_of_2(m))
-        for bn, bk, warps in cfg.int8_gemv_cfgs:
-            if bm * bn * bk > 16384 or bm > 16:
-                continue
-            for mult in (1, 2, 4):
-                split = _fit_split(1, n, k, 1, bn, bk, mult * sms)  # gemv: one M tile
-                out.append(Int8LinearConfig(bm, bn, bk, split_k=split, num_warps=warps, num_stages=1,
-                                            fused_reduce=True, kind="gemv"))
+        if m <= 4:
+            for bn, bk, warps in cfg.int8_gemv_cfgs:
+                out.append(Int8LinearConfig(1, bn, bk, num_warps=warps, num_stages=1, kind="vec"))
         bm16 = max(16, triton.next_power_of_2(m))
         for swap, bn, bk, stages in cfg.int8_mma_small_cfgs:
             for mult in (1, 2):
@@ -654,7 +650,7 @@ class Cfg:
             self.int8_m = [1, 20]
             self.int8_sweep_m = [1]
             self.int8_sweep_shapes = [(64, 48)]
-            self.int8_gemv_cfgs = [(16, 32, 1)]
+            self.int8_gemv_cfgs = [(2, 32, 1)]
             self.int8_mma_small_cfgs = [(True, 32, 32, 1)]
             self.int8_large_cfgs = []
             return
@@ -678,8 +674,7 @@ class Cfg:
         self.int8_m = [1, 2, 4, 8, 16, 32, 64, 256, 2048]
         self.int8_sweep_m = [1, 4, 16, 256, 2048]
         self.int8_sweep_shapes = [(1536, 8960), (8960, 1536), (1536, 2048)]
-        self.int8_gemv_cfgs = [(8, 512, 4), (8, 256, 4), (8, 128, 4), (4, 256, 4), (4, 512, 2),
-                               (8, 128, 2), (4, 128, 2), (16, 512, 4), (16, 128, 4)]
+        self.int8_gemv_cfgs = [(2, 256, 2), (2, 512, 4), (1, 1024, 4), (4, 256, 4), (2, 512, 2)]
         self.int8_mma_small_cfgs = [(True, 32, 512, 4), (True, 64, 256, 4), (True, 16, 512, 4),
                                     (False, 32, 256, 4), (False, 64, 256, 4), (False, 64, 128, 4),
                                     (False, 128, 128, 4)]

@@ -247,15 +247,14 @@ def test_int8_linear_matches_dequant_matmul(m, dtype, bias):
     Int8LinearConfig(16, 16, 64, split_k=1, swap_ab=True, num_warps=1, num_stages=1),
     Int8LinearConfig(32, 16, 32, split_k=2, swap_ab=False, group_m=2, num_warps=1, num_stages=1),
     Int8LinearConfig(16, 32, 32, split_k=3, swap_ab=True, num_warps=1, num_stages=1, fused_reduce=True),
-    Int8LinearConfig(32, 16, 32, split_k=3, num_warps=1, num_stages=1, fused_reduce=True, kind="gemv"),
-    Int8LinearConfig(32, 8, 64, split_k=2, num_warps=1, num_stages=1, kind="gemv"),
     Int8LinearConfig(1, 1, 1, kind="dequant"),
     Int8LinearConfig(1, 2, 64, num_warps=1, num_stages=1, kind="vec"),
 ])
 def test_int8_linear_configs(cfg):
     """Every kernel kind: split-K with an uneven last split, swap-AB without split, non-swapped
     split-K with grouped ordering, fused split-K reduction, multi-row gemv (fused and reduce
-    kernel), dequantize + matmul; a 3-D input (M = 18) with a bf16 scale."""
+    kernel), dequantize + matmul, the matrix-vector kind (M = 3); a 3-D input (M = 18) with a
+    bf16 scale."""
     g = torch.Generator().manual_seed(1)
     n, k = 40, 136
     w_q, scale = quantize_int8_per_channel(torch.randn(n, k, generator=g))
@@ -298,8 +297,9 @@ def test_int8_linear_input_errors():
         int8_linear(x, w_q.t().contiguous().t(), scale)
     with pytest.raises(ValueError, match="kind"):
         int8_linear(x, w_q, scale, config=Int8LinearConfig(16, 16, 16, kind="cutlass"))
-    with pytest.raises(ValueError, match="gemv"):
-        int8_linear(x, w_q, scale, config=Int8LinearConfig(1, 16, 16, kind="gemv"))
+    with pytest.raises(ValueError, match="vec"):
+        int8_linear(torch.randn(5, 16, device=DEVICE), w_q, scale,
+                    config=Int8LinearConfig(1, 16, 16, kind="vec"))
 
 
 # ---------------------------------------------------------------------------------------------

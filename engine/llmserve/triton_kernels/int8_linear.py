@@ -9,15 +9,14 @@ The fused kernels read int8 tiles, convert them in registers (every int8 value i
 bf16/fp16), accumulate in fp32 and apply the per-channel scale (and bias) once in the epilogue —
 the scale factors out of the K sum: ``sum_k x[m,k] * q[n,k] * s[n] = s[n] * sum_k x[m,k] * q[n,k]``.
 
-Four kernel kinds (:class:`Int8LinearConfig.kind`), chosen per shape by
+Three kernel kinds (:class:`Int8LinearConfig.kind`), chosen per shape by
 :func:`choose_int8_config` from H200 measurements (``results/kernels/NOTES.md``):
 
-* ``"vec"`` (decode, M = 1, the default there): the matrix-vector kernel of ``gemv.py`` (one or
-  two weight rows a program, no software pipelining, per-channel scale in the epilogue);
-  1.42-1.57x the bf16 cuBLAS time on Qwen2.5-1.5B shapes, against 1.15-1.32x for ``"gemv"``.
-* ``"gemv"`` (decode, M = 1): CUDA cores, a few output rows per program, 16-byte int8 loads,
-  fp32 element-wise accumulation reduced over K once; little shared memory, so many programs
-  per SM keep many loads in flight (gemlite's GEMV kernels use the same idea).
+* ``"vec"`` (decode, M <= 4; the default at M = 1): the matrix-vector kernel of ``gemv.py``
+  (one or two weight rows a program, fp32 element-wise accumulation reduced over K once, the
+  per-channel scale in the epilogue); 1.42-1.60x faster than bf16 cuBLAS on Qwen2.5-1.5B
+  shapes at M = 1. It replaced an earlier CUDA-core kernel of this file (8 rows a program,
+  split-K; 1.15-1.32x), whose measurements stay in ``results/kernels/h200_run*``.
 * ``"mma"`` (decode, M <= 64): tensor-core tiles (``BLOCK_M`` >= 16) with the int8 tile
   converted in registers; split-K over K when there are few output tiles, with the partials
   summed by the last split to finish (``fused_reduce``) or by a small reduction kernel. An
@@ -146,62 +145,6 @@ def _int8_linear_kernel(x_ptr, w_ptr, s_ptr, bias_ptr, y_ptr, ws_ptr, cnt_ptr, M
                    stride_ym, stride_yn, HAS_BIAS, SPLIT, FUSED_REDUCE, BLOCK_M, BLOCK_N)
 
 
-@triton.jit(do_not_specialize=["M", "k_per_split"])
-def _int8_gemv_kernel(x_ptr, w_ptr, s_ptr, bias_ptr, y_ptr, ws_ptr, cnt_ptr, M, N, K, k_per_split,
-                      stride_xm, stride_xk, stride_wn, stride_wk, stride_ym, stride_yn,
-                      HAS_BIAS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                      BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr, SPLIT: tl.constexpr,
-                      FUSED_REDUCE: tl.constexpr):
-    """CUDA-core kernel for a few rows (``kind="gemv"``, ``M <= BLOCK_M``): each program streams
-    ``BLOCK_N`` weight rows over its K range with 16-byte loads, accumulates
-    ``x[m, k] * w[n, k]`` element-wise in fp32 registers and reduces over K once at the end; no
-    tensor cores, little shared memory, so many programs per SM keep many loads in flight."""
-    pid_n = tl.program_id(0)
-    pid_k = tl.program_id(1)
-    rm = tl.arange(0, BLOCK_M)
-    rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-    rm_ld = rm % M
-    rn_ld = rn % N
-    k_lo = pid_k * k_per_split
-    k_hi = tl.minimum(k_lo + k_per_split, K)
-    offs_k = tl.max_contiguous(tl.multiple_of(k_lo + tl.arange(0, BLOCK_K), BLOCK_K), BLOCK_K)
-    x_ptrs = x_ptr + rm_ld[:, None].to(tl.int64) * stride_xm + offs_k[None, :] * stride_xk  # [BM, BK]
-    w_ptrs = w_ptr + rn_ld[:, None].to(tl.int64) * stride_wn + offs_k[None, :] * stride_wk  # [BN, BK]
-    if BLOCK_M == 1:  # one row: 2-D accumulator, x broadcast along the weight rows
-        acc2 = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
-        # x's row, addressed as a [BN, BK] tile (every row the same: L1 hits) so it lands in
-        # the weight tile's register layout with no shared-memory layout conversion.
-        x1_ptrs = x_ptr + (rn * 0)[:, None] + offs_k[None, :] * stride_xk     # [BN, BK]
-        for k0 in range(k_lo, k_hi, BLOCK_K):
-            if EVEN_K:
-                w = tl.load(w_ptrs, eviction_policy="evict_first")
-                x1 = tl.load(x1_ptrs, eviction_policy="evict_last")
-            else:
-                kmask = (k0 - k_lo + offs_k) < k_hi
-                w = tl.load(w_ptrs, mask=kmask[None, :], other=0, eviction_policy="evict_first")
-                x1 = tl.load(x1_ptrs, mask=kmask[None, :], other=0.0, eviction_policy="evict_last")
-            acc2 += w.to(tl.float32) * x1.to(tl.float32)                      # [BN, BK]
-            x1_ptrs += BLOCK_K * stride_xk
-            w_ptrs += BLOCK_K * stride_wk
-        acc = tl.sum(acc2, axis=1)[None, :]                                   # [1, BN]
-    else:
-        acc3 = tl.zeros([BLOCK_M, BLOCK_N, BLOCK_K], dtype=tl.float32)  # reduced over K at the end
-        for k0 in range(k_lo, k_hi, BLOCK_K):
-            if EVEN_K:
-                w = tl.load(w_ptrs, eviction_policy="evict_first")
-                x = tl.load(x_ptrs, eviction_policy="evict_last")
-            else:
-                kmask = (k0 - k_lo + offs_k) < k_hi
-                w = tl.load(w_ptrs, mask=kmask[None, :], other=0, eviction_policy="evict_first")
-                x = tl.load(x_ptrs, mask=kmask[None, :], other=0.0, eviction_policy="evict_last")
-            acc3 += x.to(tl.float32)[:, None, :] * w.to(tl.float32)[None, :, :]  # [BM, BN, BK]
-            x_ptrs += BLOCK_K * stride_xk
-            w_ptrs += BLOCK_K * stride_wk
-        acc = tl.sum(acc3, axis=2)                                            # [BM, BN]
-    _int8_epilogue(acc, rm, rn, rn_ld, pid_n, pid_k, M, N, s_ptr, bias_ptr, y_ptr, ws_ptr, cnt_ptr,
-                   stride_ym, stride_yn, HAS_BIAS, SPLIT, FUSED_REDUCE, BLOCK_M, BLOCK_N)
-
-
 @triton.jit
 def _dequant_kernel(w_ptr, s_ptr, out_ptr, N, K, stride_wn, stride_on,
                     BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
@@ -246,7 +189,7 @@ class Int8LinearConfig:
     num_warps: int = 4
     num_stages: int = 3
     fused_reduce: bool = False  # split-K: last split reduces (no second launch) vs reduce kernel
-    kind: str = "mma"  # "mma" (tensor cores), "gemv" (CUDA cores, M <= block_m), "vec", "dequant"
+    kind: str = "mma"  # "mma" (tensor cores), "vec" (gemv.py, M <= 4), "dequant"
 
 
 def _tile_counters(device: torch.device, n: int) -> torch.Tensor:
@@ -368,8 +311,8 @@ def int8_linear(x: torch.Tensor, w_int8: torch.Tensor, scale: torch.Tensor,
         raise ValueError("int8_linear needs CUDA tensors, or (CPU tensors) the Triton interpreter: "
                          "set TRITON_INTERPRET=1 before importing llmserve.triton_kernels")
     cfg = config or choose_int8_config(m, n, k, x.device)
-    if cfg.kind not in ("mma", "gemv", "vec", "dequant"):
-        raise ValueError(f"Int8LinearConfig.kind must be 'mma', 'gemv', 'vec' or 'dequant', got {cfg.kind!r}")
+    if cfg.kind not in ("mma", "vec", "dequant"):
+        raise ValueError(f"Int8LinearConfig.kind must be 'mma', 'vec' or 'dequant', got {cfg.kind!r}")
     if cfg.kind == "vec":
         if m > GEMV_MAX_M:
             raise ValueError(f"kind 'vec' serves M <= {GEMV_MAX_M}, got M={m}")
@@ -386,32 +329,21 @@ def int8_linear(x: torch.Tensor, w_int8: torch.Tensor, scale: torch.Tensor,
             BLOCK_N=bn, BLOCK_K=bk, num_warps=1 if on_cpu else 4)
         y = torch.nn.functional.linear(x2, w_deq, bias)                            # [M, N]
         return y.reshape(*lead, n)
-    if cfg.kind == "gemv" and m > cfg.block_m:
-        raise ValueError(f"the gemv kernel serves M <= block_m ({cfg.block_m}), got M={m}")
     k_per = triton.cdiv(triton.cdiv(k, cfg.split_k), cfg.block_k) * cfg.block_k
     split = triton.cdiv(k, k_per)
     even_k = k % cfg.block_k == 0
     has_bias = bias is not None
     ws = (torch.empty((split, m, n), dtype=torch.float32, device=x.device) if split > 1 else y)
-    if cfg.kind == "gemv":
-        tiles = triton.cdiv(n, cfg.block_n)
-    else:
-        tiles = triton.cdiv(m, cfg.block_m) * triton.cdiv(n, cfg.block_n)
+    tiles = triton.cdiv(m, cfg.block_m) * triton.cdiv(n, cfg.block_n)
     fused = split > 1 and cfg.fused_reduce
     cnt = _tile_counters(x.device, tiles) if fused else ws
     args = (x2, w_int8, scale, bias if has_bias else scale, y, ws, cnt, m, n, k, k_per,
             x2.stride(0), x2.stride(1), w_int8.stride(0), w_int8.stride(1), y.stride(0), y.stride(1))
-    if cfg.kind == "gemv":
-        _int8_gemv_kernel[(tiles, split)](
-            *args, HAS_BIAS=has_bias, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
-            EVEN_K=even_k, SPLIT=split > 1, FUSED_REDUCE=fused,
-            num_warps=cfg.num_warps, num_stages=cfg.num_stages)
-    else:
-        _int8_linear_kernel[(tiles, split)](
-            *args, HAS_BIAS=has_bias, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
-            GROUP_M=cfg.group_m, SWAP_AB=cfg.swap_ab, EVEN_K=even_k, SPLIT=split > 1,
-            FUSED_REDUCE=fused, FP32_MATH=on_cpu or x.dtype == torch.float32,
-            num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+    _int8_linear_kernel[(tiles, split)](
+        *args, HAS_BIAS=has_bias, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
+        GROUP_M=cfg.group_m, SWAP_AB=cfg.swap_ab, EVEN_K=even_k, SPLIT=split > 1,
+        FUSED_REDUCE=fused, FP32_MATH=on_cpu or x.dtype == torch.float32,
+        num_warps=cfg.num_warps, num_stages=cfg.num_stages)
     if split > 1 and not fused:
         block = 1024 if not on_cpu else 256
         _splitk_reduce_kernel[(triton.cdiv(m * n, block),)](
