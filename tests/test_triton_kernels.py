@@ -375,11 +375,54 @@ def test_gemv_input_errors():
     with pytest.raises(ValueError, match="prologue"):
         gemv(x, w, scale=scale, prologue="gelu")
     with pytest.raises(ValueError, match="dtype"):
-        gemv(x, w.float().half(), scale=scale)
+        gemv(x, w.float().half())
     with pytest.raises(ValueError, match="residual"):
         gemv(x, w, scale=scale, residual=torch.zeros(2, 9, device=DEVICE))
     with pytest.raises(ValueError, match="glu"):
         gemv(x, w[:7], scale=scale[:7], glu=True)
+    with pytest.raises(ValueError, match="contiguous"):              # strided scale / bias / gain
+        gemv(x, w, scale=torch.rand(16, device=DEVICE)[::2])
+    with pytest.raises(ValueError, match="contiguous"):
+        gemv(x, w, scale=scale, bias=torch.rand(16, device=DEVICE)[::2])
+    with pytest.raises(ValueError, match="floating"):
+        gemv(x, w, scale=scale, bias=torch.ones(8, dtype=torch.int64, device=DEVICE))
+    with pytest.raises(ValueError, match="only for int8"):
+        gemv(x, torch.randn(8, 16, device=DEVICE), scale=scale)
+    xx = torch.randn(2, 16, device=DEVICE)
+    with pytest.raises(ValueError, match="share memory"):
+        gemv(xx, torch.randn(16, 16, device=DEVICE), residual=xx, out=xx)
+    with pytest.raises(ValueError, match="eps"):
+        gemv(x, w, scale=scale, prologue="rmsnorm", norm_weight=gw, eps=None)
+    for bad in (dict(block_n=3, block_k=32), dict(block_n=0, block_k=32), dict(block_n=2, block_k=48),
+                dict(block_n=2, block_k=32, stages=0)):
+        with pytest.raises(ValueError, match="GemvConfig"):
+            GemvConfig(**bad)
+
+
+def test_gemv_config_env_and_table(monkeypatch, tmp_path):
+    from llmserve.triton_kernels import gemv as gm
+    monkeypatch.setenv("LLMSERVE_GEMV_CONFIG", "2,64,2,1")
+    assert gm.choose_gemv_config(1, 10, 10, torch.float32, DEVICE) == GemvConfig(2, 64, 2, 1)
+    for bad in ("8,32,4", "8,48,4,1", "a,b,c,d"):
+        monkeypatch.setenv("LLMSERVE_GEMV_CONFIG", bad)
+        with pytest.raises(ValueError, match="LLMSERVE_GEMV_CONFIG"):
+            gm.choose_gemv_config(1, 10, 10, torch.float32, DEVICE)
+    monkeypatch.delenv("LLMSERVE_GEMV_CONFIG")
+    table = tmp_path / "t.json"                  # malformed entries are skipped, good ones kept
+    table.write_text('{"configs": {"a": [1, 2], "b": [2, 48, 4, 1], "c": [2, 256, 4, 1]}}')
+    monkeypatch.setenv("LLMSERVE_GEMV_TABLE", str(table))
+    monkeypatch.setattr(gm, "_TABLE", None)
+    assert gm._table() == {"c": GemvConfig(2, 256, 4, 1)}
+    table.write_text("[1, 2, 3]")
+    monkeypatch.setattr(gm, "_TABLE", None)
+    assert gm._table() == {}
+    monkeypatch.setattr(gm, "_TABLE", None)
+    monkeypatch.delenv("LLMSERVE_GEMV_TABLE")
+    shipped = gm._table()                         # the package's own table parses completely
+    import json
+    import os
+    raw = json.load(open(os.path.join(os.path.dirname(gm.__file__), "gemv_configs.json")))["configs"]
+    assert len(shipped) == len(raw) > 0
 
 
 # ---------------------------------------------------------------------------------------------

@@ -217,9 +217,10 @@ def hf_generate_batch(model, prompts, max_new: int, cb_config=None) -> dict:
         cb_config: optional ``transformers.ContinuousBatchingConfig`` (cache blocks, batch
             tokens); None keeps transformers' own sizing, which the benchmark uses.
 
-    Returns: ``{"results", "produced", "per_request", "failed"}``: the ``generate_batch`` dict,
-    the total generated tokens, each request's generated-token count (input order) and
-    ``{request_id: error}`` for the requests transformers marked failed.
+    Returns: ``{"results", "produced", "per_request", "failed", "missing"}``: the
+    ``generate_batch`` dict, the total generated tokens, the generated-token count of each
+    returned request, ``{request_id: error}`` for the requests transformers marked failed, and
+    how many requests are absent from the results (unfinished ones are dropped there).
 
     Runs with inference mode off. ``generate_batch`` builds its cache and static input tensors
     in the calling thread (warm-up) and decodes in a background thread; in transformers 5.17
@@ -237,7 +238,10 @@ def hf_generate_batch(model, prompts, max_new: int, cb_config=None) -> dict:
         res = model.generate_batch(prompts, generation_config=gc_, progress_bar=False, **kw)
     per_request = [len(r.generated_tokens) for r in res.values()]
     failed = {k: r.error for k, r in res.items() if getattr(r, "error", None) is not None}
-    return {"results": res, "produced": sum(per_request), "per_request": per_request, "failed": failed}
+    # transformers leaves requests that never finished out of the result dict: count them too
+    missing = max(0, len(prompts) - len(res))
+    return {"results": res, "produced": sum(per_request), "per_request": per_request, "failed": failed,
+            "missing": missing}
 
 
 def offline_hf_continuous(preset: str, prompts, outs) -> dict:
@@ -255,7 +259,7 @@ def offline_hf_continuous(preset: str, prompts, outs) -> dict:
     out = hf_generate_batch(model, prompts, max_new)
     torch.cuda.synchronize()
     dt = time.perf_counter() - t0
-    produced, failed = out["produced"], out["failed"]
+    produced, failed, missing = out["produced"], out["failed"], out["missing"]
     del model, out
     gc.collect()
     torch.cuda.empty_cache()
@@ -264,7 +268,7 @@ def offline_hf_continuous(preset: str, prompts, outs) -> dict:
         raise RuntimeError(f"generate_batch produced no tokens for {len(prompts)} requests "
                            f"({len(failed)} marked failed; first error: {first})")
     return {"requests": len(prompts), "max_new_tokens_each": max_new, "output_tokens": produced,
-            "requested_output_tokens": max_new * len(prompts), "failed_requests": len(failed),
+            "requested_output_tokens": max_new * len(prompts), "failed_requests": len(failed) + missing,
             "seconds": dt, "output_tok_per_s": produced / dt}
 
 

@@ -51,14 +51,11 @@ def _pack(linears: list[nn.Linear], with_bias: bool) -> tuple[torch.Tensor, torc
 class FastQwen2Forward:
     """Fused forward for a loaded :class:`~llmserve.models.qwen2.Qwen2ForCausalLM`.
 
-    Args:
-        model: the model (weights already on their device and dtype).
-
     Call it like ``model.forward``: ``(input_ids [N], positions [N], kv_caches, meta) ->
     hidden [N, H]``. Needs Triton (a GPU, or ``TRITON_INTERPRET=1`` with CPU tensors).
 
     Args:
-        model: as above.
+        model: the model (weights already on their device and dtype).
         use_gemv: take the matrix-vector path for steps of ``N <= gemv_max_tokens`` tokens
             when every projection is a plain ``nn.Linear`` (default: on unless the environment
             sets ``LLMSERVE_DECODE_GEMV=0``).
@@ -92,7 +89,7 @@ class FastQwen2Forward:
         self.use_gemv = bool(use_gemv) and plain
         if gemv_max_tokens is None:
             gemv_max_tokens = int(os.environ.get("LLMSERVE_DECODE_GEMV_MAX", "1"))
-        if not 1 <= gemv_max_tokens <= GEMV_MAX_M:
+        if not 1 <= gemv_max_tokens <= GEMV_MAX_M:  # noqa: SIM300
             raise ValueError(f"gemv_max_tokens must be in [1, {GEMV_MAX_M}], got {gemv_max_tokens}")
         self.gemv_max_tokens = gemv_max_tokens
 

@@ -7,10 +7,11 @@ Qwen2.5-1.5B projection on the H200 but only 0.9-1.1 TB/s on the small ones (O p
 4.7 MB in 6.4 us), and every RMSNorm, SiLU-and-mul and residual add around it is one more
 launch of a few microseconds. This kernel
 
-* streams ``BLOCK_N`` weight rows a program through a software-pipelined K loop
-  (``tl.range(..., num_stages=STAGES)``: the weight tiles go global -> shared memory with
-  ``cp.async`` several tiles ahead, so many bytes stay in flight without holding registers),
-  accumulating ``x[m, k] * w[n, k]`` element-wise in fp32 and reducing over K once at the end;
+* streams ``BLOCK_N`` (1-8) weight rows a program through its K loop, accumulating
+  ``x[m, k] * w[n, k]`` element-wise in fp32 and reducing over K once at the end; with one or
+  two rows a program there are thousands of programs, so many loads are in flight without
+  software pipelining (``STAGES`` > 1 streams the tiles through shared memory with ``cp.async``;
+  it measured slower on the H200 on 21 of 23 shapes, so the tuned configurations use 1);
 * reads int8 weights with per-output-channel scales (the weight-only INT8 path, scale applied
   once in the epilogue) or bf16/fp16/fp32 weights;
 * fuses, on the input side, RMSNorm (``x * g`` is accumulated together with ``sum(x^2)``; the
@@ -50,7 +51,7 @@ import triton.language as tl
 
 __all__ = ["GemvConfig", "choose_gemv_config", "gemv", "gemv_reference", "GEMV_MAX_M"]
 
-GEMV_MAX_M = 4  # rows of x a program serves (the kernel's BLOCK_M); larger M use a GEMM
+GEMV_MAX_M = 4  # most rows of x (every program serves all of them); larger M use a GEMM
 
 PROLOGUES = {"none": 0, "rmsnorm": 1}
 
@@ -144,26 +145,44 @@ class GemvConfig:
     block_n: int
     block_k: int
     num_warps: int = 4
-    stages: int = 3
+    stages: int = 1
+
+    def __post_init__(self) -> None:
+        for name in ("block_n", "block_k", "num_warps"):
+            v = getattr(self, name)
+            if not isinstance(v, int) or v < 1 or v & (v - 1):
+                raise ValueError(f"GemvConfig.{name} must be a power of two >= 1, got {v!r}")
+        if self.num_warps > 16:
+            raise ValueError(f"GemvConfig.num_warps must be <= 16, got {self.num_warps}")
+        if not isinstance(self.stages, int) or self.stages < 1:
+            raise ValueError(f"GemvConfig.stages must be an int >= 1, got {self.stages!r}")
 
 
-_TABLE: dict[str, list[int]] | None = None
+_TABLE: dict[str, GemvConfig] | None = None
 
 
-def _table() -> dict[str, list[int]]:
+def _table() -> dict[str, GemvConfig]:
     """Tuned configurations: ``gemv_configs.json`` next to this file, or the file named by
     ``LLMSERVE_GEMV_TABLE``; written by ``scripts/bench_gemv.py`` from a device sweep. Keys are
     ``"<gpu name>|<int8|float>|<prologue>|<M>|<K>|<N>"``, values ``[block_n, block_k,
-    num_warps, stages]``."""
+    num_warps, stages]``; malformed entries are ignored. Read once per process."""
     global _TABLE
     if _TABLE is None:
         path = os.environ.get("LLMSERVE_GEMV_TABLE") or os.path.join(os.path.dirname(__file__),
                                                                      "gemv_configs.json")
+        _TABLE = {}
         try:
             with open(path) as f:
-                _TABLE = {k: v for k, v in json.load(f).get("configs", {}).items()}
+                data = json.load(f)
         except (OSError, ValueError):
-            _TABLE = {}
+            data = {}
+        configs = data.get("configs", {}) if isinstance(data, dict) else {}
+        for key, v in (configs.items() if isinstance(configs, dict) else ()):
+            try:                                    # malformed entries are skipped
+                _TABLE[key] = GemvConfig(*v) if isinstance(v, list) and len(v) == 4 else None
+            except (TypeError, ValueError):
+                pass
+        _TABLE = {k: v for k, v in _TABLE.items() if v is not None}
     return _TABLE
 
 
@@ -183,15 +202,21 @@ def choose_gemv_config(m: int, n: int, k: int, w_dtype: torch.dtype, device: tor
     without it), 512-1024 weight elements a program and step, one or two rows a program.
     CPU (Triton interpreter): small tiles.
     """
-    if device.type != "cuda":
-        return GemvConfig(block_n=8, block_k=32, num_warps=1, stages=1)
     env = os.environ.get("LLMSERVE_GEMV_CONFIG")
     if env:
-        bn, bk, nw, st = (int(v) for v in env.split(","))
-        return GemvConfig(bn, bk, nw, st)
+        try:
+            vals = [int(v) for v in env.split(",")]
+            if len(vals) != 4:
+                raise ValueError(f"{len(vals)} values")
+            return GemvConfig(*vals)
+        except (TypeError, ValueError) as e:
+            raise ValueError(f"LLMSERVE_GEMV_CONFIG must be 'block_n,block_k,num_warps,stages' "
+                             f"(powers of two; stages >= 1), got {env!r}: {e}") from None
+    if device.type != "cuda":
+        return GemvConfig(block_n=8, block_k=32, num_warps=1, stages=1)
     hit = _table().get(table_key(_gpu_name(device), w_dtype == torch.int8, prologue, m, k, n))
     if hit:
-        return GemvConfig(*hit)
+        return hit
     bn = 1 if n <= 4096 else 2
     bk = max(64, (1024 if bn == 1 else 512) // triton.next_power_of_2(m))
     return GemvConfig(block_n=bn, block_k=min(bk, triton.next_power_of_2(k)), num_warps=4, stages=1)
@@ -258,6 +283,14 @@ def gemv(x: torch.Tensor, weight: torch.Tensor, *, scale: torch.Tensor | None = 
     w_int8 = weight.dtype == torch.int8
     if w_int8 and (scale is None or scale.shape != (rows,)):
         raise ValueError(f"an int8 weight needs scale [{rows}] (one per weight row)")
+    if not w_int8 and scale is not None:
+        raise ValueError("scale is only for int8 weights (a float weight is used as is)")
+    for name, t in (("scale", scale), ("bias", bias), ("norm_weight", norm_weight), ("residual", residual)):
+        if t is not None and (not t.is_floating_point() or t.stride(-1) != 1):
+            raise ValueError(f"{name} must be a floating-point tensor with a contiguous last dim, got "
+                             f"{t.dtype} stride {t.stride()}")
+    if not isinstance(eps, (int, float)):
+        raise ValueError(f"eps must be a number, got {eps!r}")
     if not w_int8 and weight.dtype != x.dtype:
         raise ValueError(f"weight dtype {weight.dtype} must be int8 or x's dtype {x.dtype}")
     if bias is not None and bias.shape != (n,):
@@ -278,6 +311,9 @@ def gemv(x: torch.Tensor, weight: torch.Tensor, *, scale: torch.Tensor | None = 
         out = torch.empty((m, n), dtype=x.dtype, device=x.device)
     elif out.shape != (m, n) or out.stride(-1) != 1 or out.dtype != x.dtype:
         raise ValueError(f"out must be [M={m}, N={n}] {x.dtype} with a contiguous last dim")
+    elif out.numel() and x.numel() and out.untyped_storage().data_ptr() == x.untyped_storage().data_ptr():
+        raise ValueError("out must not share memory with x (programs read all of x while others "
+                         "write out); only out is residual is allowed")
     if m == 0:
         return out
     cfg = config or choose_gemv_config(m, n, k, weight.dtype, x.device, prologue + ("+glu" if glu else ""))
