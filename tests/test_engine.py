@@ -187,3 +187,25 @@ def test_naive_engine_serialises_callers():
     while engine.has_unfinished_requests():
         steps.append(len(engine.step()))
     assert steps == [1] * 5        # one token of one request per step: never batched
+
+
+def test_step_seconds_account_for_the_steps():
+    """``stats()["step_seconds"]`` splits step() wall time into schedule / execute / sample /
+    postprocess; the parts are non-negative and sum to no more than the time spent stepping."""
+    import time as _time
+
+    from llmserve.config import EngineConfig
+    from llmserve.engine import LLMEngine
+    from llmserve.sampling_params import SamplingParams
+
+    eng = LLMEngine(EngineConfig())
+    for p in ([5, 6, 7], [8, 9]):
+        eng.add_request(p, SamplingParams(max_tokens=4, ignore_eos=True))
+    t = _time.perf_counter()
+    while eng.has_unfinished_requests():
+        eng.step()
+    wall = _time.perf_counter() - t
+    st = eng.stats()["step_seconds"]
+    assert set(st) == {"schedule", "execute", "sample", "postprocess"}
+    assert all(v >= 0 for v in st.values()) and st["execute"] > 0
+    assert sum(st.values()) <= wall

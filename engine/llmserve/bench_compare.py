@@ -200,7 +200,9 @@ def offline_llmserve(preset: str, prompts, outs, max_num_seqs: int, chunk: int, 
            "output_tok_per_s": total_out / dt, "num_steps": st["num_steps"],
            "num_preemptions": st["num_preemptions"], "graph_steps": eng.runner.num_graph_steps,
            "eager_steps": eng.runner.num_eager_steps, "num_blocks": st["num_total_blocks"],
-           "max_num_seqs": max_num_seqs, "prefill_chunk": chunk, "max_num_batched_tokens": budget}
+           "max_num_seqs": max_num_seqs, "prefill_chunk": chunk, "max_num_batched_tokens": budget,
+           # where the wall time went (LLMEngine.step_seconds): "sample" holds the device wait
+           "step_seconds": st["step_seconds"]}
     del eng
     gc.collect()
     torch.cuda.empty_cache()

@@ -176,6 +176,12 @@ class LLMEngine(_EngineBase):
         self._callbacks: dict[str, TokenCallback] = {}
         self.num_steps = 0
         self.max_blocks_in_use = 0
+        # Wall seconds of each phase of step(), summed over steps. On a GPU, "execute" is host
+        # work (input preparation, kernel or graph launches; the device runs asynchronously),
+        # "sample" includes waiting for the device (the token ids come back to the host there),
+        # and "schedule" + "postprocess" are host work the device waits for at batch sizes
+        # where a step's kernels finish first.
+        self.step_seconds = {"schedule": 0.0, "execute": 0.0, "sample": 0.0, "postprocess": 0.0}
 
     def _build_fast_path(self, config: EngineConfig):
         """On CUDA: the fused forward (Triton norm/rope/silu kernels, packed QKV and gate-up
@@ -261,15 +267,20 @@ class LLMEngine(_EngineBase):
         Returns:
             an output for each sequence that received a token this step.
         """
+        t0 = time.perf_counter()
         out = self.scheduler.schedule()
         if not out.scheduled:
             return []
         self.num_steps += 1
         in_use = self.block_manager.num_total_blocks - self.block_manager.num_free_blocks
         self.max_blocks_in_use = max(self.max_blocks_in_use, in_use)
+        t1 = time.perf_counter()
         logits, sample_idx = self.runner.execute(out.scheduled)
         for item in out.scheduled:
             item.seq.num_computed_tokens += item.num_new_tokens
+        t2 = time.perf_counter()
+        self.step_seconds["schedule"] += t1 - t0
+        self.step_seconds["execute"] += t2 - t1
         if not sample_idx:
             return []
         seqs = [out.scheduled[i].seq for i in sample_idx]
@@ -281,6 +292,8 @@ class LLMEngine(_EngineBase):
             if seq.sampling_params.logprobs is not None:
                 seq.output_logprobs.append(lp)
             self._emit(seq, [tok], seq.check_stop(self.max_model_len), outputs)
+        self.step_seconds["sample"] += now - t2
+        self.step_seconds["postprocess"] += time.perf_counter() - now
         return outputs
 
     def _emit(self, seq: Sequence, new_token_ids: list[int], status: SequenceStatus | None,
@@ -313,6 +326,7 @@ class LLMEngine(_EngineBase):
             "num_recomputed_tokens": self.scheduler.num_recomputed_tokens,
             "num_steps": self.num_steps,
             "block_size": self.block_size,
+            "step_seconds": dict(self.step_seconds),
         }
 
 
