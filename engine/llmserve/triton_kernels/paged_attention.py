@@ -121,6 +121,55 @@ def _kv_tile_offsets(bt_row_ptr, t, kvh, stride_kb, stride_kt, stride_kh,
     return page.to(tl.int64) * stride_kb + (t % PAGE) * stride_kt + kvh * stride_kh
 
 
+@triton.jit
+def _load_kv_tile(k_cache_ptr, v_cache_ptr, bt_row_ptr, t, kvh, offs_d, stride_kb, stride_kt, stride_kh,
+                  PAGE: tl.constexpr, MASKED: tl.constexpr, tmask):
+    """K and V tiles ``[BLOCK_N, D]`` of cache positions ``t`` (one KV head); with ``MASKED``,
+    positions outside ``tmask`` read as 0."""
+    off = _kv_tile_offsets(bt_row_ptr, t, kvh, stride_kb, stride_kt, stride_kh, PAGE, MASKED, tmask)
+    ptrs = off[:, None] + offs_d[None, :]
+    if MASKED:
+        k = tl.load(k_cache_ptr + ptrs, mask=tmask[:, None], other=0.0)
+        v = tl.load(v_cache_ptr + ptrs, mask=tmask[:, None], other=0.0)
+    else:
+        k = tl.load(k_cache_ptr + ptrs)
+        v = tl.load(v_cache_ptr + ptrs)
+    return k, v
+
+
+@triton.jit
+def _qk(q, k, FP32_MATH: tl.constexpr):
+    """Scores ``q @ k.T`` ``[R, BLOCK_N]`` in fp32 (exact fp32 products in the interpreter)."""
+    if FP32_MATH:
+        s = tl.dot(q, tl.trans(k.to(tl.float32)), input_precision="ieee")
+    else:
+        s = tl.dot(q, tl.trans(k))
+    return s
+
+
+@triton.jit
+def _online_softmax_step(s, v, m_i, l_i, acc, FP32_MATH: tl.constexpr, MAYBE_EMPTY: tl.constexpr):
+    """Fold one key tile into the running softmax state (FlashAttention-2's online softmax,
+    Dao 2023), base 2: ``s`` ``[R, BLOCK_N]`` scaled scores (``log2(e) / sqrt(D)`` already
+    applied, masked positions ``-inf``), ``v`` ``[BLOCK_N, D]``; returns the new running max
+    ``m_i [R]``, denominator ``l_i [R]`` and unnormalised output ``acc [R, D]``.
+    ``MAYBE_EMPTY``: a row may have no visible key yet (causal diagonal), so its max stays
+    ``-inf`` and must not be subtracted."""
+    m_new = tl.maximum(m_i, tl.max(s, 1))
+    if MAYBE_EMPTY:
+        m_ref = tl.where(m_new == float("-inf"), 0.0, m_new)
+    else:
+        m_ref = m_new
+    alpha = tl.exp2(m_i - m_ref)
+    p = tl.exp2(s - m_ref[:, None])
+    l_i = l_i * alpha + tl.sum(p, 1)
+    if FP32_MATH:
+        acc = acc * alpha[:, None] + tl.dot(p, v.to(tl.float32), input_precision="ieee")
+    else:
+        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
+    return m_new, l_i, acc
+
+
 # Arguments that change from step to step are not specialised (Triton would otherwise compile
 # a new binary whenever one of them becomes 1 or a multiple of 16: seconds of stall in the
 # middle of serving, seen as multi-second TTFT outliers in the first open-loop runs).
@@ -166,44 +215,18 @@ def _decode_kernel(q_ptr, k_cache_ptr, v_cache_ptr, out_ptr, m_ptr, l_ptr, acc_p
     # Full tiles: no masks.
     for n0 in range(start, full_end, BLOCK_N):
         t = n0 + offs_n
-        off = _kv_tile_offsets(bt_row_ptr, t, kvh, stride_kb, stride_kt, stride_kh, PAGE, False, t)
-        k = tl.load(k_cache_ptr + off[:, None] + offs_d[None, :])             # [BLOCK_N, D]
-        v = tl.load(v_cache_ptr + off[:, None] + offs_d[None, :])             # [BLOCK_N, D]
-        if FP32_MATH:
-            s = tl.dot(q, tl.trans(k.to(tl.float32)), input_precision="ieee")  # [G_PAD, BLOCK_N]
-        else:
-            s = tl.dot(q, tl.trans(k))
-        s = s * qk_scale
-        m_new = tl.maximum(m_i, tl.max(s, 1))
-        alpha = tl.exp2(m_i - m_new)
-        p = tl.exp2(s - m_new[:, None])
-        l_i = l_i * alpha + tl.sum(p, 1)
-        if FP32_MATH:
-            acc = acc * alpha[:, None] + tl.dot(p, v.to(tl.float32), input_precision="ieee")
-        else:
-            acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
-        m_i = m_new
+        k, v = _load_kv_tile(k_cache_ptr, v_cache_ptr, bt_row_ptr, t, kvh, offs_d, stride_kb, stride_kt,
+                             stride_kh, PAGE, False, t)                       # [BLOCK_N, D] each
+        s = _qk(q, k, FP32_MATH) * qk_scale                                   # [G_PAD, BLOCK_N]
+        m_i, l_i, acc = _online_softmax_step(s, v, m_i, l_i, acc, FP32_MATH, False)
     # Tail tile (fewer than BLOCK_N positions left): masked.
     if full_end < end:
         t = full_end + offs_n
         tmask = t < end
-        off = _kv_tile_offsets(bt_row_ptr, t, kvh, stride_kb, stride_kt, stride_kh, PAGE, True, tmask)
-        k = tl.load(k_cache_ptr + off[:, None] + offs_d[None, :], mask=tmask[:, None], other=0.0)
-        v = tl.load(v_cache_ptr + off[:, None] + offs_d[None, :], mask=tmask[:, None], other=0.0)
-        if FP32_MATH:
-            s = tl.dot(q, tl.trans(k.to(tl.float32)), input_precision="ieee")
-        else:
-            s = tl.dot(q, tl.trans(k))
-        s = tl.where(tmask[None, :], s * qk_scale, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(s, 1))
-        alpha = tl.exp2(m_i - m_new)
-        p = tl.exp2(s - m_new[:, None])
-        l_i = l_i * alpha + tl.sum(p, 1)
-        if FP32_MATH:
-            acc = acc * alpha[:, None] + tl.dot(p, v.to(tl.float32), input_precision="ieee")
-        else:
-            acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
-        m_i = m_new
+        k, v = _load_kv_tile(k_cache_ptr, v_cache_ptr, bt_row_ptr, t, kvh, offs_d, stride_kb, stride_kt,
+                             stride_kh, PAGE, True, tmask)
+        s = tl.where(tmask[None, :], _qk(q, k, FP32_MATH) * qk_scale, float("-inf"))
+        m_i, l_i, acc = _online_softmax_step(s, v, m_i, l_i, acc, FP32_MATH, False)
 
     if DIRECT_OUT:
         out = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
@@ -323,45 +346,19 @@ def _prefill_kernel(q_ptr, k_cache_ptr, v_cache_ptr, out_ptr, bt_ptr, ctx_ptr, q
     full_end = ((first_pos + 1) // BLOCK_N) * BLOCK_N  # keys below: visible to every row
     for n0 in range(0, full_end, BLOCK_N):
         t = n0 + offs_n
-        off = _kv_tile_offsets(bt_row_ptr, t, kvh, stride_kb, stride_kt, stride_kh, PAGE, False, t)
-        k = tl.load(k_cache_ptr + off[:, None] + offs_d[None, :])             # [BLOCK_N, D]
-        v = tl.load(v_cache_ptr + off[:, None] + offs_d[None, :])
-        if FP32_MATH:
-            s = tl.dot(q, tl.trans(k.to(tl.float32)), input_precision="ieee")  # [BLOCK_M, BLOCK_N]
-        else:
-            s = tl.dot(q, tl.trans(k))
-        s = s * qk_scale
-        m_new = tl.maximum(m_i, tl.max(s, 1))
-        alpha = tl.exp2(m_i - m_new)
-        p = tl.exp2(s - m_new[:, None])
-        l_i = l_i * alpha + tl.sum(p, 1)
-        if FP32_MATH:
-            acc = acc * alpha[:, None] + tl.dot(p, v.to(tl.float32), input_precision="ieee")
-        else:
-            acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
-        m_i = m_new
+        k, v = _load_kv_tile(k_cache_ptr, v_cache_ptr, bt_row_ptr, t, kvh, offs_d, stride_kb, stride_kt,
+                             stride_kh, PAGE, False, t)                       # [BLOCK_N, D] each
+        s = _qk(q, k, FP32_MATH) * qk_scale                                   # [BLOCK_M, BLOCK_N]
+        m_i, l_i, acc = _online_softmax_step(s, v, m_i, l_i, acc, FP32_MATH, False)
     for n0 in range(full_end, kv_end, BLOCK_N):  # the diagonal: causal mask
         t = n0 + offs_n
         tmask = t < kv_end
-        off = _kv_tile_offsets(bt_row_ptr, t, kvh, stride_kb, stride_kt, stride_kh, PAGE, True, tmask)
-        k = tl.load(k_cache_ptr + off[:, None] + offs_d[None, :], mask=tmask[:, None], other=0.0)
-        v = tl.load(v_cache_ptr + off[:, None] + offs_d[None, :], mask=tmask[:, None], other=0.0)
-        if FP32_MATH:
-            s = tl.dot(q, tl.trans(k.to(tl.float32)), input_precision="ieee")
-        else:
-            s = tl.dot(q, tl.trans(k))
+        k, v = _load_kv_tile(k_cache_ptr, v_cache_ptr, bt_row_ptr, t, kvh, offs_d, stride_kb, stride_kt,
+                             stride_kh, PAGE, True, tmask)
         allowed = (t[None, :] <= q_pos[:, None]) & tmask[None, :]
-        s = tl.where(allowed, s * qk_scale, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(s, 1))
-        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)  # rows with nothing visible yet
-        alpha = tl.exp2(m_i - m_safe)
-        p = tl.exp2(s - m_safe[:, None])
-        l_i = l_i * alpha + tl.sum(p, 1)
-        if FP32_MATH:
-            acc = acc * alpha[:, None] + tl.dot(p, v.to(tl.float32), input_precision="ieee")
-        else:
-            acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
-        m_i = m_new
+        s = tl.where(allowed, _qk(q, k, FP32_MATH) * qk_scale, float("-inf"))
+        # rows with nothing visible yet keep a -inf max
+        m_i, l_i, acc = _online_softmax_step(s, v, m_i, l_i, acc, FP32_MATH, True)
 
     out = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
     tl.store(out_ptr + rows[:, None] * stride_on + h * stride_oh + offs_d[None, :],
