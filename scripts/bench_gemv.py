@@ -32,6 +32,7 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 import triton
+from cuda_timing import graph_time_us  # scripts/, next to this file
 
 from llmserve.triton_kernels.fused import add_rmsnorm, silu_and_mul
 from llmserve.triton_kernels.gemv import GemvConfig, choose_gemv_config, gemv, gemv_reference, table_key
@@ -69,31 +70,8 @@ def log(*a):
 T0 = time.time()
 
 
-def time_graph(fns, reps: int, replays: int = 12) -> float:
-    s = torch.cuda.Stream()
-    s.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(s):
-        for f in fns:
-            f()
-    torch.cuda.current_stream().wait_stream(s)
-    torch.cuda.synchronize()
-    g = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g):
-        for i in range(reps):
-            fns[i % len(fns)]()
-    g.replay()
-    torch.cuda.synchronize()
-    ts = []
-    for _ in range(replays):
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        g.replay()
-        b.record()
-        b.synchronize()
-        ts.append(a.elapsed_time(b) * 1e3 / reps)
-    del g
-    ts.sort()
-    return ts[len(ts) // 2]
+def time_graph(fns, reps: int) -> float:
+    return graph_time_us(fns, reps, replays=12)
 
 
 def weights(k: int, n: int, int8: bool, copies: int):
@@ -205,14 +183,19 @@ def run_case(c, sweep: bool) -> dict:
     k, n, m = case.k, case.n, case.m
     elt = 1 if case.int8 else 2
 
-    def t_cfg(cfg):
+    def t_cfg(cfg) -> dict:
+        """One sweep row: ``us`` is None, with ``error`` saying why, when the configuration
+        failed its parity check or its launch (e.g. out of registers)."""
+        out = dict(cfg=[cfg.block_n, cfg.block_k, cfg.num_warps, cfg.stages], us=None, rel_err=None, error=None)
         try:
-            e = case.check(cfg)
-            if not e < 1e-2:
-                return float("inf"), e
-            return time_graph(case.fns(cfg), case.reps), e
-        except Exception as ex:  # noqa: BLE001 - e.g. out of registers / shared memory
-            return float("inf"), str(ex)[:200]
+            out["rel_err"] = case.check(cfg)
+            if out["rel_err"] < 1e-2:
+                out["us"] = time_graph(case.fns(cfg), case.reps)
+            else:
+                out["error"] = f"relative error {out['rel_err']:.2e} >= 1e-2 against fp32"
+        except Exception as ex:  # noqa: BLE001 - kept as a row
+            out["error"] = f"{type(ex).__name__}: {ex}"[:300]
+        return out
 
     bfns, _keep = case.baseline()
     base = time_graph(bfns, max(len(bfns), 24))
@@ -222,40 +205,40 @@ def run_case(c, sweep: bool) -> dict:
                baseline="cuBLAS bf16 F.linear" if case.int8 else
                ("add_rmsnorm + cuBLAS + silu_and_mul" if case.glu else
                 {"rmsnorm": "add_rmsnorm + cuBLAS", "none": "cuBLAS"}[case.pro]))
-    if case.int8:  # the int8_linear default for this shape (the earlier kernel kinds)
+    if case.int8:  # the int8_linear default for this shape
         row["int8_linear_us"] = time_graph([lambda i=i: int8_linear(case.x, case.w[i], case.sc[i])
                                             for i in range(case.copies)], case.reps)
     dflt = choose_gemv_config(m, n, k, case.w.dtype, DEV, case.pro + ("+glu" if case.glu else ""))
-    row["default_config"] = [dflt.block_n, dflt.block_k, dflt.num_warps, dflt.stages]
-    row["default_us"], row["default_rel_err"] = t_cfg(dflt)
-    tried = [dict(cfg=row["default_config"], us=row["default_us"], rel_err=row["default_rel_err"])]
+    d = t_cfg(dflt)
+    row["default_config"], row["default_us"], row["default_error"] = d["cfg"], d["us"], d["error"]
+    tried = [d]
     if sweep:
-        p1 = []
-        for bn, bk in PAIRS:
-            for nw in WARPS:
-                cfg = GemvConfig(bn, bk, nw, 1)
-                u, e = t_cfg(cfg)
-                p1.append((u, cfg))
-                tried.append(dict(cfg=[bn, bk, nw, 1], us=u, rel_err=e))
-        p1.sort(key=lambda t: t[0])
-        for _, c0 in p1[:3]:
-            for st in STAGES2:
-                cfg = GemvConfig(c0.block_n, c0.block_k, c0.num_warps, st)
-                u, e = t_cfg(cfg)
-                tried.append(dict(cfg=[cfg.block_n, cfg.block_k, cfg.num_warps, st], us=u, rel_err=e))
+        p1 = [t_cfg(GemvConfig(bn, bk, nw, 1)) for bn, bk in PAIRS for nw in WARPS]
+        tried += p1
+        for r in sorted((r for r in p1 if r["us"] is not None), key=lambda r: r["us"])[:3]:
+            bn, bk, nw, _ = r["cfg"]
+            tried += [t_cfg(GemvConfig(bn, bk, nw, st)) for st in STAGES2]
         row["sweep"] = tried
-    best = min(tried, key=lambda d: d["us"])
-    row["best_config"], row["best_us"] = best["cfg"], best["us"]
-    row["best_weight_tbps"] = case.rows * k * elt / row["best_us"] / 1e6
-    row["best_frac_ref_bw"] = row["best_weight_tbps"] * 1e12 / REF_BW
-    row["speedup"] = base / row["best_us"]
+    ok = [r for r in tried if r["us"] is not None]
+    best = min(ok, key=lambda r: r["us"]) if ok else None
+    row["best_config"], row["best_us"] = (best["cfg"], best["us"]) if best else (None, None)
     row["floor_us"] = case.rows * k * elt / REF_BW * 1e6
-    log(f"{case.lab} M={m} {row['weight']} {case.pro}{' +res' if case.res else ''}: baseline "
-        f"({row['baseline']}) {base:.2f} us, default {row['default_us']:.2f} {row['default_config']}, "
-        f"best {row['best_us']:.2f} us {row['best_config']} ({row['best_weight_tbps']:.2f} TB/s), "
-        f"{row['speedup']:.2f}x")
+    if best:
+        row["best_weight_tbps"] = case.rows * k * elt / best["us"] / 1e6
+        row["best_frac_ref_bw"] = row["best_weight_tbps"] * 1e12 / REF_BW
+        row["speedup"] = base / best["us"]
+        log(f"{case.lab} M={m} {row['weight']} {case.pro}{' +res' if case.res else ''}: baseline "
+            f"({row['baseline']}) {base:.2f} us, default {_f(row['default_us'])} {row['default_config']}, "
+            f"best {best['us']:.2f} us {best['cfg']} ({row['best_weight_tbps']:.2f} TB/s), {row['speedup']:.2f}x")
+    else:
+        row["error"] = "every configuration failed (see sweep)"
+        log(f"{case.lab} M={m}: every configuration failed")
     del case, bfns, _keep
     return row
+
+
+def _f(v, digits: int = 2) -> str:
+    return "-" if v is None else f"{v:.{digits}f}"
 
 
 def markdown(res) -> str:
@@ -268,16 +251,20 @@ def markdown(res) -> str:
            "  exceed it). Baseline: the unfused kernels the fused call replaces in the engine, or for",
            "  int8 rows the bf16 cuBLAS matmul of the same shape (issue target >= 1.5x).", "",
            "| case | M | weight | fused ops | baseline | baseline us | gemv best us | best cfg (BN,BK,warps,stages) "
-           "| weight TB/s | % of 4.24 | speed-up | default cfg us | int8_linear default us |",
-           "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
+           "| weight TB/s | % of 4.24 | speed-up | default cfg us | int8_linear default us | error |",
+           "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
     for r in res["cases"]:
+        if "prologue" not in r:  # the case itself failed (kept as a row)
+            out.append(f"| {r['case']} | {r.get('M')} | | | | | | | | | | | | error: {r['error']} |")
+            continue
         ops = "+".join(x for x in (r["prologue"] if r["prologue"] != "none" else "",
                                    "bias" if r["bias"] else "", "residual" if r["residual"] else "",
                                    "swiglu" if r.get("glu") else "") if x) or "-"
-        out.append(f"| {r['case']} | {r['M']} | {r['weight']} | {ops} | {r['baseline']} | {r['baseline_us']:.2f} | "
-                   f"{r['best_us']:.2f} | {r['best_config']} | {r['best_weight_tbps']:.2f} | "
-                   f"{100 * r['best_frac_ref_bw']:.0f}% | {r['speedup']:.2f}x | {r['default_us']:.2f} | "
-                   f"{r.get('int8_linear_us', float('nan')):.2f} |")
+        pct = None if r["best_us"] is None else 100 * r["best_frac_ref_bw"]
+        out.append(f"| {r['case']} | {r['M']} | {r['weight']} | {ops} | {r['baseline']} | {_f(r['baseline_us'])} | "
+                   f"{_f(r['best_us'])} | {r['best_config']} | {_f(r.get('best_weight_tbps'))} | "
+                   f"{_f(pct, 0)}% | {_f(r.get('speedup'))}x | {_f(r['default_us'])} | "
+                   f"{_f(r.get('int8_linear_us'))} | {r.get('error') or ''} |")
     return "\n".join(out) + "\n"
 
 
@@ -305,11 +292,15 @@ def main() -> int:
         if a.table:
             configs = {table_key(gpu, r["weight"] == "int8", r["prologue"] + ("+glu" if r["glu"] else ""),
                                  r["M"], r["K"], r["N"]):
-                       r["best_config"] for r in res["cases"] if math.isfinite(r["best_us"])}
+                       r["best_config"] for r in res["cases"] if r.get("best_us") is not None}
             a.table.write_text(json.dumps(dict(source=env, configs=configs), indent=1, sort_keys=True) + "\n")
 
     for c in cases():
-        res["cases"].append(run_case(c, sweep=not a.no_sweep))
+        try:
+            res["cases"].append(run_case(c, sweep=not a.no_sweep))
+        except Exception as e:  # noqa: BLE001 - e.g. out of memory: kept as a row with the error
+            res["cases"].append(dict(case=c[0], M=c[6], error=f"{type(e).__name__}: {e}"[:300]))
+            log(f"{c[0]} M={c[6]} failed: {e}")
         save()
     print(markdown(res))
     return 0

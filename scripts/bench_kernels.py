@@ -43,6 +43,7 @@ if not torch.cuda.is_available():
 
 import torch.nn.functional as F  # noqa: E402
 import triton  # noqa: E402
+from cuda_timing import graph_time_us  # noqa: E402  (scripts/, next to this file)
 
 from llmserve.attention.metadata import AttentionMetadata  # noqa: E402
 from llmserve.attention.torch_backend import paged_attention_torch  # noqa: E402
@@ -110,31 +111,7 @@ def time_graph(fns, reps: int, replays: int = 15) -> float:
         for i in range(reps):
             fns[i % len(fns)]()
         return (time.perf_counter() - t) / reps * 1e6
-    s = torch.cuda.Stream()
-    s.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(s):
-        for f in fns:
-            f()
-    torch.cuda.current_stream().wait_stream(s)
-    torch.cuda.synchronize()
-    g = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g):
-        for i in range(reps):
-            fns[i % len(fns)]()
-    for _ in range(3):
-        g.replay()
-    torch.cuda.synchronize()
-    times = []
-    for _ in range(replays):
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        g.replay()
-        b.record()
-        b.synchronize()
-        times.append(a.elapsed_time(b) * 1e3 / reps)
-    del g
-    times.sort()
-    return times[len(times) // 2]
+    return graph_time_us(fns, reps, replays)
 
 
 def time_eager(fns, iters: int = 50) -> float:

@@ -1,0 +1,76 @@
+#!/usr/bin/env python
+"""Host (Python) time of LLMEngine decode steps, with the device work taken out.
+
+The engine runs the tiny CPU model; its CUDA-graph runner is replaced by a stand-in whose
+``run`` does the same host-side buffer filling as ``CUDAGraphDecodeRunner.run`` and returns
+ready logits at once, so what is timed is scheduling, input preparation, sampling and output
+bookkeeping: the work a GPU waits for between decode steps when it is not overlapped.
+
+Usage: ``python3 scripts/host_overhead.py --batch 1 64 256`` (prints us per step and the
+``LLMEngine.step_seconds`` split). Results depend on the CPU: name it when you quote them.
+"""
+
+from __future__ import annotations
+
+import argparse
+import platform
+import time
+
+import numpy as np
+import torch
+
+from llmserve.config import EngineConfig, SchedulerConfig
+from llmserve.engine import LLMEngine
+from llmserve.sampling_params import SamplingParams
+
+
+class InstantGraphs:
+    """Stand-in for ``CUDAGraphDecodeRunner``: fills a host staging buffer like ``run`` does and
+    returns fixed logits (a tiny vocabulary, so the argmax costs nothing)."""
+
+    def __init__(self, max_batch: int, max_blocks: int) -> None:
+        self.max_batch, self.max_blocks = max_batch, max_blocks
+        self.logits = torch.zeros(max_batch, 8)
+        self.host = np.zeros(4 * max_batch + max_batch * max_blocks, dtype=np.int64)
+
+    def run(self, ids, pos, slots, ctx, table):
+        b, mb, h = len(ids), self.max_batch, self.host
+        h[:b], h[mb:mb + b], h[2 * mb:2 * mb + b], h[3 * mb:3 * mb + b] = ids, pos, slots, ctx
+        t = h[4 * mb:].reshape(mb, self.max_blocks)
+        t[:b] = 0
+        t[:b, :table.shape[1]] = table
+        return self.logits[:b]
+
+
+def measure(batch: int, steps: int) -> dict:
+    eng = LLMEngine(EngineConfig(scheduler=SchedulerConfig(max_num_seqs=max(batch, 8))))
+    eng.runner.cuda_graphs = InstantGraphs(max(batch, 8), eng.max_model_len // eng.block_size + 1)
+    for _ in range(batch):
+        eng.add_request(list(range(10, 42)), SamplingParams(max_tokens=steps + 8, ignore_eos=True))
+    while eng.runner.num_graph_steps == 0:      # prefill (eager, the CPU model) is not timed
+        eng.step()
+    for k in eng.step_seconds:
+        eng.step_seconds[k] = 0.0
+    t = time.perf_counter()
+    for _ in range(steps):
+        eng.step()
+    dt = time.perf_counter() - t
+    return {"batch": batch, "steps": steps, "host_us_per_step": dt / steps * 1e6,
+            **{f"{k}_us": v / steps * 1e6 for k, v in eng.step_seconds.items()}}
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--batch", type=int, nargs="+", default=[1, 64, 256])
+    p.add_argument("--steps", type=int, default=500)
+    a = p.parse_args()
+    print(f"cpu: {platform.processor() or platform.machine()}, threads {torch.get_num_threads()}, "
+          f"python {platform.python_version()}, torch {torch.__version__}")
+    for b in a.batch:
+        r = measure(b, a.steps)
+        print(f"batch {b:4d}: {r['host_us_per_step']:8.1f} us/step  (schedule {r['schedule_us']:.1f}, "
+              f"execute {r['execute_us']:.1f}, sample {r['sample_us']:.1f}, postprocess {r['postprocess_us']:.1f})")
+
+
+if __name__ == "__main__":
+    main()
