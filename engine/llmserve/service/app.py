@@ -446,13 +446,30 @@ class _Generation:
 
 
 class _SSEResponse(StreamingResponse):
-    """SSE response that releases its generation however the response ends, including when the
+    """SSE response of one generation. Frames the chunk iterator: an exception after the
+    headers went out becomes an in-band OpenAI error chunk, and the stream always ends with
+    ``data: [DONE]``. Releases the generation however the response ends, including when the
     client disconnects before the body iterator ever started."""
 
-    def __init__(self, content: AsyncIterator[str], generation: _Generation) -> None:
-        super().__init__(content, media_type="text/event-stream",
+    def __init__(self, chunks: AsyncIterator[str], generation: _Generation, request_id: str) -> None:
+        super().__init__(self._framed(chunks, generation, request_id), media_type="text/event-stream",
                          headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
         self._generation = generation
+
+    @staticmethod
+    async def _framed(chunks: AsyncIterator[str], generation: _Generation, request_id: str) -> AsyncIterator[str]:
+        try:
+            async for chunk in chunks:
+                yield chunk
+        except asyncio.CancelledError:
+            raise
+        except Exception as e:  # noqa: BLE001 - headers are sent: report in-band
+            log.exception("error while streaming %s", request_id)
+            yield _sse(error_body(f"internal error: {type(e).__name__}: {e}", "internal_server_error"))
+        finally:
+            await chunks.aclose()
+            await generation.close()
+        yield "data: [DONE]\n\n"
 
     async def __call__(self, scope, receive, send) -> None:
         try:
@@ -757,38 +774,29 @@ def create_app(engine: Any, *, tokenizer: Any = None, served_model_name: str = "
                 offsets = {ch.index: len(echo_texts[ch.index // n]) for ch in choices}
                 pending_lp: dict[int, list] = {ch.index: [] for ch in choices}
                 extra = {"usage": None} if include_usage else {}
-                try:
-                    if body.echo:
-                        for ch in choices:
-                            yield _sse({"id": rid, "object": "text_completion", "created": created, "model": model,
-                                        "choices": [{"index": ch.index, "text": echo_texts[ch.index // n],
-                                                     "logprobs": None, "finish_reason": None}], **extra})
-                    async for ev in gen.events():
-                        pending_lp[ev.index].extend(ev.logprobs)
-                        if not ev.text and ev.finish_reason is None:
-                            continue
-                        lp = None
-                        if want_lp:
-                            lp = _completion_logprobs(service.tokenizer, pending_lp[ev.index], offsets[ev.index])
-                            pending_lp[ev.index] = []
-                        offsets[ev.index] += len(ev.text)
+                if body.echo:
+                    for ch in choices:
                         yield _sse({"id": rid, "object": "text_completion", "created": created, "model": model,
-                                    "choices": [{"index": ev.index, "text": ev.text, "logprobs": lp,
-                                                 "finish_reason": ev.finish_reason}], **extra})
-                    if include_usage:
-                        yield _sse({"id": rid, "object": "text_completion", "created": created, "model": model,
-                                    "choices": [], "usage": _usage(prompt_tokens,
-                                                                   sum(c.num_output_tokens for c in choices))})
-                except asyncio.CancelledError:
-                    raise
-                except Exception as e:  # noqa: BLE001 - headers are sent: report in-band
-                    log.exception("error while streaming %s", rid)
-                    yield _sse(error_body(f"internal error: {type(e).__name__}: {e}", "internal_server_error"))
-                finally:
-                    await gen.close()
-                yield "data: [DONE]\n\n"
+                                    "choices": [{"index": ch.index, "text": echo_texts[ch.index // n],
+                                                 "logprobs": None, "finish_reason": None}], **extra})
+                async for ev in gen.events():
+                    pending_lp[ev.index].extend(ev.logprobs)
+                    if not ev.text and ev.finish_reason is None:
+                        continue
+                    lp = None
+                    if want_lp:
+                        lp = _completion_logprobs(service.tokenizer, pending_lp[ev.index], offsets[ev.index])
+                        pending_lp[ev.index] = []
+                    offsets[ev.index] += len(ev.text)
+                    yield _sse({"id": rid, "object": "text_completion", "created": created, "model": model,
+                                "choices": [{"index": ev.index, "text": ev.text, "logprobs": lp,
+                                             "finish_reason": ev.finish_reason}], **extra})
+                if include_usage:
+                    yield _sse({"id": rid, "object": "text_completion", "created": created, "model": model,
+                                "choices": [], "usage": _usage(prompt_tokens,
+                                                               sum(c.num_output_tokens for c in choices))})
 
-            return _SSEResponse(stream(), gen)
+            return _SSEResponse(stream(), gen, rid)
 
         await _collect(gen, request)
         out_choices = []
@@ -841,35 +849,26 @@ def create_app(engine: Any, *, tokenizer: Any = None, served_model_name: str = "
                 extra = {"usage": None} if include_usage else {}
                 pending_lp: dict[int, list] = {ch.index: [] for ch in choices}
                 head = {"id": rid, "object": "chat.completion.chunk", "created": created, "model": model}
-                try:
-                    for ch in choices:
-                        yield _sse({**head, "choices": [{"index": ch.index,
-                                                         "delta": {"role": "assistant", "content": ""},
-                                                         "logprobs": None, "finish_reason": None}], **extra})
-                    async for ev in gen.events():
-                        pending_lp[ev.index].extend(ev.logprobs)
-                        if not ev.text and ev.finish_reason is None:
-                            continue
-                        lp = None
-                        if lp_k is not None:
-                            lp = _chat_logprobs(service.tokenizer, pending_lp[ev.index])
-                            pending_lp[ev.index] = []
-                        delta = {"content": ev.text} if ev.text else {}
-                        yield _sse({**head, "choices": [{"index": ev.index, "delta": delta, "logprobs": lp,
-                                                         "finish_reason": ev.finish_reason}], **extra})
-                    if include_usage:
-                        yield _sse({**head, "choices": [],
-                                    "usage": _usage(prompt_tokens * 1, sum(c.num_output_tokens for c in choices))})
-                except asyncio.CancelledError:
-                    raise
-                except Exception as e:  # noqa: BLE001
-                    log.exception("error while streaming %s", rid)
-                    yield _sse(error_body(f"internal error: {type(e).__name__}: {e}", "internal_server_error"))
-                finally:
-                    await gen.close()
-                yield "data: [DONE]\n\n"
+                for ch in choices:
+                    yield _sse({**head, "choices": [{"index": ch.index,
+                                                     "delta": {"role": "assistant", "content": ""},
+                                                     "logprobs": None, "finish_reason": None}], **extra})
+                async for ev in gen.events():
+                    pending_lp[ev.index].extend(ev.logprobs)
+                    if not ev.text and ev.finish_reason is None:
+                        continue
+                    lp = None
+                    if lp_k is not None:
+                        lp = _chat_logprobs(service.tokenizer, pending_lp[ev.index])
+                        pending_lp[ev.index] = []
+                    delta = {"content": ev.text} if ev.text else {}
+                    yield _sse({**head, "choices": [{"index": ev.index, "delta": delta, "logprobs": lp,
+                                                     "finish_reason": ev.finish_reason}], **extra})
+                if include_usage:
+                    yield _sse({**head, "choices": [],
+                                "usage": _usage(prompt_tokens, sum(c.num_output_tokens for c in choices))})
 
-            return _SSEResponse(stream(), gen)
+            return _SSEResponse(stream(), gen, rid)
 
         await _collect(gen, request)
         out_choices = []
