@@ -11,29 +11,17 @@ import asyncio
 import json
 import threading
 import time
-from dataclasses import dataclass, field
 from types import SimpleNamespace
 
 import httpx
 import pytest
 
+from llmserve.engine import RequestOutput
 from llmserve.sequence import RequestMetrics
 from llmserve.service.app import create_app
 from llmserve.service.server import BackgroundServer
 
 FFFD = "\ufffd"
-
-
-@dataclass
-class FakeOutput:
-    request_id: str
-    prompt_token_ids: list[int]
-    output_token_ids: list[int]
-    new_token_ids: list[int]
-    finished: bool
-    finish_reason: str | None
-    metrics: RequestMetrics
-    logprobs: list = field(default_factory=list)
 
 
 class QueueFullError(RuntimeError):
@@ -42,7 +30,7 @@ class QueueFullError(RuntimeError):
 
 class FakeAsyncEngine:
     """Implements AsyncLLMEngine's documented interface: ``generate`` (async iterator of
-    RequestOutput-like objects, abort on close), ``abort``, ``stats``; plus ``tokenizer``,
+    ``RequestOutput`` objects, abort on close), ``abort``, ``stats``; plus ``tokenizer``,
     ``max_model_len`` and ``model_config.vocab_size`` that the service reads.
 
     ``script(prompt_ids, sp) -> list[int]`` decides the output tokens; ``eos`` ends with
@@ -103,7 +91,7 @@ class FakeAsyncEngine:
                     metrics.finish_time = now
                 lps = [{"token_logprob": -0.5, "top": [(t, -0.5), (0, -1.5)][: sp.logprobs]}
                        if sp.logprobs is not None else None for _ in out_ids]
-                yield FakeOutput(request_id, list(prompt), list(out_ids), [t], last, reason, metrics, lps)
+                yield RequestOutput(request_id, list(prompt), list(out_ids), [t], last, reason, metrics, lps)
                 if last:
                     return
         finally:
