@@ -4,6 +4,7 @@
 rule aggregate:
     input:
         script=f"{SCRIPTS}/aggregate_checkpoint3.py",
+        cell_ids=f"{SCRIPTS}/code_hash.py",  # parse_cell_id
         main=expand(f"{RAW}/{{cell}}.json", cell=SWEEP_CELLS["main"]),
         failure_regimes=expand(f"{RAW}/{{cell}}.json", cell=SWEEP_CELLS["failure_regimes"]),
         provenance=expand(f"{RAW}/{{cell}}.provenance.json", cell=ALL_CELLS),

@@ -36,6 +36,7 @@ from pathlib import Path
 from typing import Any
 
 import pandas as pd
+from code_hash import parse_cell_id  # noqa: E402  (workflow/scripts/, next to this file)
 
 PARAM_COLUMNS = ["scheduler", "policy", "batch", "chunk", "linear", "attn", "rate", "blocks"]
 
@@ -68,17 +69,6 @@ class MatchError(ValueError):
 def provenance_path(report_path: Path) -> Path:
     """``raw/X.json`` -> ``raw/X.provenance.json``."""
     return report_path.with_name(report_path.name[: -len(".json")] + ".provenance.json")
-
-
-def parse_cell_id(cell: str) -> dict[str, str]:
-    """``scheduler~naive_policy~fcfs_..._rep~0`` -> ``{"scheduler": "naive", ..., "rep": "0"}``."""
-    out = {}
-    for part in cell.split("_"):
-        key, sep, value = part.partition("~")
-        if not sep:
-            raise ValueError(f"cell id {cell!r}: part {part!r} is not key~value")
-        out[key] = value
-    return out
 
 
 def _profile_sans_rate(profile: dict | None) -> str | None:

@@ -35,7 +35,7 @@ import sys
 from pathlib import Path
 
 __all__ = ["package_root", "source_files", "code_hash", "write_provenance", "check_unchanged",
-           "SourcesChanged"]
+           "SourcesChanged", "parse_cell_id"]
 
 #: Hashed: every Python source of the package (Triton kernels are .py files too).
 SOURCE_SUFFIXES = (".py",)
@@ -81,7 +81,7 @@ def code_hash(root: Path | None = None) -> str:
     return h.hexdigest()
 
 
-def _parse_cell(cell: str) -> dict[str, str]:
+def parse_cell_id(cell: str) -> dict[str, str]:
     """``sched~continuous_policy~fcfs_...`` -> ``{"sched": "continuous", ...}``.
 
     Values never contain ``_`` (the matrix columns are enums, integers, rates and "auto"),
@@ -140,7 +140,7 @@ def write_provenance(*, json_path: Path, csv_path: Path, output: Path, cell: str
     actual = code_hash()
     prov = {
         "cell": cell,
-        "params": _parse_cell(cell),
+        "params": parse_cell_id(cell),
         "code_hash": actual,
         "code_hash_at_dag_build": expected_code_hash,
         "code_files": len(source_files()),
