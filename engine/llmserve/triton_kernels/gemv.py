@@ -170,19 +170,20 @@ def _table() -> dict[str, GemvConfig]:
     if _TABLE is None:
         path = os.environ.get("LLMSERVE_GEMV_TABLE") or os.path.join(os.path.dirname(__file__),
                                                                      "gemv_configs.json")
-        _TABLE = {}
         try:
             with open(path) as f:
                 data = json.load(f)
         except (OSError, ValueError):
             data = {}
-        configs = data.get("configs", {}) if isinstance(data, dict) else {}
+        configs = data.get("configs") if isinstance(data, dict) else None
+        table = {}
         for key, v in (configs.items() if isinstance(configs, dict) else ()):
-            try:                                    # malformed entries are skipped
-                _TABLE[key] = GemvConfig(*v) if isinstance(v, list) and len(v) == 4 else None
-            except (TypeError, ValueError):
-                pass
-        _TABLE = {k: v for k, v in _TABLE.items() if v is not None}
+            if isinstance(v, list) and len(v) == 4:
+                try:
+                    table[key] = GemvConfig(*v)
+                except (TypeError, ValueError):
+                    pass                            # malformed entries are skipped
+        _TABLE = table
     return _TABLE
 
 
