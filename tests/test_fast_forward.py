@@ -105,6 +105,9 @@ def test_gemv_path_matches_readable_path(seqs):
     for (k1, v1), (k2, v2) in zip(caches, caches2):
         torch.testing.assert_close(k2[:-1], k1[:-1], atol=1e-5, rtol=1e-5)
         torch.testing.assert_close(v2[:-1], v1[:-1], atol=1e-5, rtol=1e-5)
+    logits = fast.compute_logits(out)                       # the LM head as a gemv, fp32 out
+    assert logits.dtype == torch.float32
+    torch.testing.assert_close(logits, model.compute_logits(ref), atol=2e-4, rtol=2e-4)
     off = FastQwen2Forward(model, use_gemv=False)(ids, pos, caches3, meta)
     torch.testing.assert_close(off, ref, atol=2e-5, rtol=2e-5)
 

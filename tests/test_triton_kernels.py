@@ -34,7 +34,8 @@ from llmserve.triton_kernels import (  # noqa: E402
     quantize_int8_per_channel,
     write_kv_triton,
 )
-from llmserve.triton_kernels.gemv import GemvConfig, gemv, gemv_reference  # noqa: E402
+from llmserve.triton_kernels.fused import rope_qkv_write_kv  # noqa: E402
+from llmserve.triton_kernels.gemv import GemvConfig, gemv, gemv_qkv_rope, gemv_reference  # noqa: E402
 from llmserve.triton_kernels.int8_linear import Int8LinearConfig  # noqa: E402
 from llmserve.triton_kernels.paged_attention import choose_num_splits  # noqa: E402
 
@@ -124,6 +125,21 @@ def test_decode_many_splits(fused):
     ref = paged_attention_torch(q, kc, vc, meta, 0.17)
     out = paged_attention_decode(q, kc, vc, meta, 0.17, num_splits=19, fused_reduce=fused)
     assert_close(out, ref, torch.float32)
+
+
+@pytest.mark.parametrize("num_splits,fused", [(8, False), (8, True), (40, True), (40, False)])
+def test_decode_grid_sized_for_a_longer_context(num_splits, fused):
+    """A CUDA graph sizes the grid for ``max_model_len``: every sequence spreads its own tiles
+    over the splits (1-token, block-boundary and one-tile contexts use one split and skip the
+    partials; longer ones several), and empty splits exit without writing partials. Run twice
+    so the fused merge's counters must have been re-armed."""
+    q, kc, vc, meta = make_batch([(1, 1), (16, 1), (17, 1), (33, 1), (200, 1), (129, 1)], 16, 6, 2, 64,
+                                 torch.float32)
+    ref = paged_attention_torch(q, kc, vc, meta, 0.125)
+    meta.max_context_len = 4096                                   # as the graph runner does
+    for _ in range(2):
+        out = paged_attention_decode(q, kc, vc, meta, 0.125, num_splits=num_splits, fused_reduce=fused)
+        assert_close(out, ref, torch.float32)
 
 
 def test_choose_num_splits_fills_the_gpu():
@@ -360,6 +376,52 @@ def test_gemv_swiglu_epilogue(m, n, k, prologue, int8, dtype, cfg):
         xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + 1e-6) * gw.float()
     p = xf @ wf.T
     assert_close(y, (torch.nn.functional.silu(p[:, :n]) * p[:, n:]).to(dtype), dtype)
+
+
+@pytest.mark.parametrize("m,hq,hkv,d,int8,dtype,cfg", [
+    (1, 12, 2, 32, False, torch.float32, None),      # Qwen2.5-1.5B head ratio, small D
+    (3, 7, 1, 16, True, torch.float32, GemvConfig(2, 16, 1, 1)),   # GQA 7, K not a tile multiple
+    (4, 2, 2, 64, False, torch.float16, GemvConfig(4, 32, 1, 1)),
+])
+def test_gemv_qkv_rope_matches_unfused(m, hq, hkv, d, int8, dtype, cfg):
+    """RMSNorm + packed QKV + bias + RoPE + K/V cache write in one kernel against the unfused
+    pair ``gemv`` then ``rope_qkv_write_kv`` (padding slot -1 goes to the scratch block)."""
+    h = 40
+    x, w, scale, gw = _gemv_case(m, (hq + 2 * hkv) * d, h, "rmsnorm", int8, dtype, seed=m)
+    bias = torch.randn((hq + 2 * hkv) * d, device=DEVICE).to(dtype)
+    half = d // 2
+    ang = torch.arange(64.0)[:, None] / (10000.0 ** (torch.arange(half) / half))[None, :]
+    cos, sin = ang.cos().contiguous().to(DEVICE), ang.sin().contiguous().to(DEVICE)
+    shape = (6, 4, hkv, d)                                  # 5 blocks + scratch, block size 4
+    kc, vc = torch.randn(shape).to(dtype).to(DEVICE), torch.randn(shape).to(dtype).to(DEVICE)
+    kc_ref, vc_ref = kc.clone(), vc.clone()
+    pos = torch.tensor([5, 63, 0, 17][:m], device=DEVICE)
+    slots = torch.tensor([3, 19, -1, 4][:m], device=DEVICE)
+    kw = dict(scale=scale, bias=bias, prologue="rmsnorm", norm_weight=gw, eps=1e-6)
+    qkv = gemv(x, w, config=cfg, **kw)
+    q_ref = rope_qkv_write_kv(qkv, pos, slots, cos, sin, kc_ref, vc_ref, hq, hkv)
+    q = gemv_qkv_rope(x, w, bias=bias, norm_weight=gw, eps=1e-6, positions=pos, slot_mapping=slots,
+                      cos=cos, sin=sin, k_cache=kc, v_cache=vc, num_heads=hq, num_kv_heads=hkv,
+                      scale=scale, config=cfg)
+    assert q.shape == (m, hq, d)
+    assert_close(q, q_ref, dtype)
+    assert_close(kc, kc_ref, dtype)
+    assert_close(vc, vc_ref, dtype)
+    with pytest.raises(ValueError, match="Hq"):
+        gemv_qkv_rope(x, w, bias=bias, norm_weight=gw, eps=1e-6, positions=pos, slot_mapping=slots,
+                      cos=cos, sin=sin, k_cache=kc, v_cache=vc, num_heads=hq + 1, num_kv_heads=hkv,
+                      scale=scale)
+
+
+def test_gemv_float32_output():
+    """A plain projection may write fp32 (the LM head's logits) from fp16 activations."""
+    x, w, _, _ = _gemv_case(2, 50, 64, "none", False, torch.float16)
+    out = torch.empty(2, 50, device=DEVICE)
+    gemv(x, w, out=out)
+    ref = x.float() @ w.float().T
+    assert (out - ref).abs().max().item() < 1e-3 * max(1.0, ref.abs().max().item())
+    with pytest.raises(ValueError, match="float32"):
+        gemv(x, w, out=out, residual=torch.zeros(2, 50, device=DEVICE, dtype=torch.float16))
 
 
 def test_gemv_input_errors():

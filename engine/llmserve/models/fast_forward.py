@@ -10,10 +10,15 @@ What changes against the readable path (``models/qwen2.py``):
 * RMSNorm and the residual add are one kernel; RoPE, the QKV split and the K/V cache write are
   one kernel; SiLU-and-mul is one kernel (``triton_kernels/fused.py``).
 * Steps of one token (batch-1 decode; up to ``GEMV_MAX_M`` = 4 on request) take a matrix-vector path
-  (``triton_kernels/gemv.py``) with the norms and SiLU-and-mul folded into the projections and
-  the residual adds into their epilogues: six kernels a layer (norm+QKV, rope+KV write,
-  attention (+ merge), O+residual, norm+gate-up+SiLU-mul, down+residual). The residual stream
-  is updated in place. ``LLMSERVE_DECODE_GEMV=0`` turns this path off (A/B runs).
+  (``triton_kernels/gemv.py``) with the norms and SiLU-and-mul folded into the projections,
+  RoPE and the K/V cache write into the QKV projection's epilogue and the residual adds into
+  the O and down projections' epilogues: four projection kernels and the attention kernel a
+  layer. The residual stream is updated in place; the LM head is a matrix-vector kernel that
+  writes fp32 logits (:meth:`FastQwen2Forward.compute_logits`). ``LLMSERVE_DECODE_GEMV=0``
+  turns this path off (A/B runs).
+* On Hopper these kernels are launched with programmatic dependent launch (PDL,
+  ``triton_kernels/_launch.py``): each starts while the previous one drains and reads its
+  first weight tile before waiting for it. ``LLMSERVE_PDL=0`` turns it off.
 
 Layers whose projections were swapped for quantized modules keep calling those modules (the
 packing applies to plain ``nn.Linear`` only). Parity with the readable path is tested in
@@ -29,8 +34,11 @@ import torch.nn.functional as F
 from torch import nn
 
 from ..attention import AttentionMetadata
+from ..attention.triton_backend import TritonPagedAttention
+from ..triton_kernels._launch import pdl_available
 from ..triton_kernels.fused import add_rmsnorm, rope_qkv_write_kv, silu_and_mul
-from ..triton_kernels.gemv import GEMV_MAX_M, gemv
+from ..triton_kernels.gemv import GEMV_MAX_M, gemv, gemv_qkv_rope
+from ..triton_kernels.paged_attention import paged_attention_decode
 
 
 def _pack(linears: list[nn.Linear], with_bias: bool) -> tuple[torch.Tensor, torch.Tensor | None]:
@@ -92,6 +100,8 @@ class FastQwen2Forward:
         if not 1 <= gemv_max_tokens <= GEMV_MAX_M:  # noqa: SIM300
             raise ValueError(f"gemv_max_tokens must be in [1, {GEMV_MAX_M}], got {gemv_max_tokens}")
         self.gemv_max_tokens = gemv_max_tokens
+        self.pdl = self.use_gemv and pdl_available(model.lm_head.weight.device)
+        self._plain_head = type(model.lm_head) is nn.Linear and model.lm_head.bias is None
 
     def __call__(self, input_ids: torch.Tensor, positions: torch.Tensor,
                  kv_caches: list[tuple[torch.Tensor, torch.Tensor]], meta: AttentionMetadata) -> torch.Tensor:
@@ -124,32 +134,51 @@ class FastQwen2Forward:
         h, _ = add_rmsnorm(x, model.model.norm.weight, self.eps, residual)  # [N, H]
         return h
 
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """``hidden [M, H] -> logits [M, V]`` float32, as ``model.compute_logits``; steps that
+        took the matrix-vector path use the matrix-vector kernel for the LM head too (fp32
+        written directly: no separate cast)."""
+        m = hidden.shape[0]
+        if not (self.use_gemv and self._plain_head and 0 < m <= self.gemv_max_tokens):
+            return self.model.compute_logits(hidden)
+        w = self.model.lm_head.weight                                       # [V, H]
+        out = torch.empty((m, w.shape[0]), dtype=torch.float32, device=hidden.device)
+        return gemv(hidden, w, out=out, pdl=self.pdl)
+
     def _forward_gemv(self, input_ids: torch.Tensor, positions: torch.Tensor,
                       kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
                       meta: AttentionMetadata) -> torch.Tensor:
         """The same function for ``N <= GEMV_MAX_M`` tokens with fused matrix-vector kernels:
         ``r`` is the residual stream ``[N, H]``, updated in place by the O and down
         projections' epilogues; each layer's two RMSNorms run inside the QKV and gate-up
-        projections and SiLU-and-mul in the gate-up projection's epilogue."""
+        projections, RoPE and the K/V cache write in the QKV projection's epilogue and
+        SiLU-and-mul in the gate-up projection's epilogue."""
         model = self.model
         backend = model.attention_backend
+        direct_decode = isinstance(backend, TritonPagedAttention) and meta.is_decode_only
+        pdl = self.pdl
         cos, sin = model.rope_cos_sin(input_ids.device)                     # [L, D/2] fp32
         r = model.model.embed_tokens(input_ids)                             # [N, H]
         n = r.shape[0]
         for entry, (k_cache, v_cache) in zip(self.layers, kv_caches):
             layer = entry["layer"]
             w_qkv, b_qkv = entry["qkv"]
-            qkv = gemv(r, w_qkv, bias=b_qkv, prologue="rmsnorm",
-                       norm_weight=layer.input_layernorm.weight, eps=self.eps)  # [N, (Hq+2Hkv)*D]
-            q = rope_qkv_write_kv(qkv, positions, meta.slot_mapping, cos, sin, k_cache, v_cache,
-                                  self.num_heads, self.num_kv_heads)        # [N, Hq, D]
-            o = backend.forward(q, k_cache, v_cache, meta, self.scale)     # [N, Hq, D]
+            q = gemv_qkv_rope(r, w_qkv, bias=b_qkv, norm_weight=layer.input_layernorm.weight,
+                              eps=self.eps, positions=positions, slot_mapping=meta.slot_mapping,
+                              cos=cos, sin=sin, k_cache=k_cache, v_cache=v_cache,
+                              num_heads=self.num_heads, num_kv_heads=self.num_kv_heads,
+                              pdl=pdl)                                      # [N, Hq, D]
+            if direct_decode:
+                o = paged_attention_decode(q, k_cache, v_cache, meta, self.scale, pdl=pdl)
+            else:
+                o = backend.forward(q, k_cache, v_cache, meta, self.scale)  # [N, Hq, D]
             o_proj = layer.self_attn.o_proj
             gemv(o.reshape(n, self.num_heads * self.head_dim), o_proj.weight, bias=o_proj.bias,
-                 residual=r, out=r)                                         # r += o @ Wo.T
+                 residual=r, out=r, pdl=pdl)                                # r += o @ Wo.T
             act = gemv(r, entry["gate_up"][0], prologue="rmsnorm", glu=True,
-                       norm_weight=layer.post_attention_layernorm.weight, eps=self.eps)  # [N, I]
+                       norm_weight=layer.post_attention_layernorm.weight, eps=self.eps,
+                       pdl=pdl)                                             # [N, I]
             down = layer.mlp.down_proj
-            gemv(act, down.weight, bias=down.bias, residual=r, out=r)      # r += act @ Wd.T
+            gemv(act, down.weight, bias=down.bias, residual=r, out=r, pdl=pdl)  # r += act @ Wd.T
         h, _ = add_rmsnorm(r, model.model.norm.weight, self.eps)            # [N, H]
         return h

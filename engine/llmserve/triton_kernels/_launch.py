@@ -30,3 +30,63 @@ def zeroed_counters(owner: str, device: torch.device, n: int) -> torch.Tensor:
         buf = torch.zeros(max(n, 4096), dtype=torch.int32, device=device)
         _COUNTERS[key] = buf
     return buf
+
+
+# ----------------------------------------------------------------------------------------------
+# Programmatic dependent launch (PDL, Hopper and later)
+# ----------------------------------------------------------------------------------------------
+# A kernel launched with PDL may start while its predecessor in the stream is still running;
+# it must execute ``griddepcontrol.wait`` (Triton: ``gdc_wait``) before it reads anything the
+# predecessor wrote or writes anything the predecessor reads. Work before the wait that touches
+# only immutable data (weights) overlaps the predecessor's tail. Each of our PDL kernels calls
+# ``gdc_launch_dependents`` right after its own wait, so at most one kernel runs ahead.
+# CUDA Programming Guide, "Programmatic Dependent Launch and Synchronization"; Triton exposes it
+# as ``triton.language.extra.cuda.gdc_wait`` and the ``launch_pdl`` launch option.
+
+_PDL_OK: dict[int, bool] = {}
+
+
+def _triton_has_pdl() -> bool:
+    try:
+        import dataclasses
+
+        from triton.backends.nvidia.compiler import CUDAOptions
+        from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait  # noqa: F401
+    except Exception:  # noqa: BLE001 - any import problem means: no PDL
+        return False
+    return any(f.name == "launch_pdl" for f in dataclasses.fields(CUDAOptions))
+
+
+def pdl_available(device: torch.device) -> bool:
+    """Whether kernels on ``device`` can be launched with PDL: a CUDA device of compute
+    capability >= 9.0, a Triton that has ``launch_pdl``, and ``LLMSERVE_PDL`` not ``0``."""
+    import os
+
+    if device.type != "cuda" or os.environ.get("LLMSERVE_PDL", "1") == "0":
+        return False
+    if os.environ.get("TRITON_INTERPRET", "0") == "1":
+        return False
+    idx = device.index if device.index is not None else torch.cuda.current_device()
+    if idx not in _PDL_OK:
+        _PDL_OK[idx] = torch.cuda.get_device_capability(idx)[0] >= 9 and _triton_has_pdl()
+    return _PDL_OK[idx]
+
+
+def pdl_launch_kwargs(use_pdl: bool) -> dict:
+    """Extra launch options of a kernel launched with PDL (empty otherwise, so the interpreter
+    and older Tritons never see the option)."""
+    return {"launch_pdl": True} if use_pdl else {}
+
+
+try:  # the device-side half of PDL; no-ops where this Triton lacks it (never traced then)
+    from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
+except ImportError:  # pragma: no cover - old Triton
+    import triton
+
+    @triton.jit
+    def gdc_wait():
+        pass
+
+    @triton.jit
+    def gdc_launch_dependents():
+        pass

@@ -48,8 +48,9 @@ import torch
 import triton
 import triton.language as tl
 
+from ._launch import gdc_launch_dependents, gdc_wait, pdl_launch_kwargs
 
-__all__ = ["GemvConfig", "choose_gemv_config", "gemv", "gemv_reference", "GEMV_MAX_M"]
+__all__ = ["GemvConfig", "choose_gemv_config", "gemv", "gemv_qkv_rope", "gemv_reference", "GEMV_MAX_M"]
 
 GEMV_MAX_M = 4  # most rows of x (every program serves all of them); larger M use a GEMM
 
@@ -57,84 +58,158 @@ PROLOGUES = {"none": 0, "rmsnorm": 1}
 
 
 @triton.jit
+def _load_w(w_base, k0, K, rk, EVEN_K: tl.constexpr):
+    """One ``[1, BLOCK_N, BLOCK_K]`` weight tile (streamed once: evict first)."""
+    if EVEN_K:
+        w = tl.load(w_base + k0, eviction_policy="evict_first")
+    else:
+        w = tl.load(w_base + k0, mask=((k0 + rk) < K)[None, None, :], other=0,
+                    eviction_policy="evict_first")
+    return w
+
+
+@triton.jit
+def _gemv_step(acc, acc_b, sq, w, wb, x_base, g_ptr, k0, K, rk, PROLOGUE: tl.constexpr,
+               TWO_ROWS: tl.constexpr, EVEN_K: tl.constexpr):
+    """Accumulate one K tile: ``acc += prologue(x) * w`` (and ``acc_b`` for the second weight row
+    of a GLU / RoPE pair; ``sq += x^2`` for the RMSNorm prologue)."""
+    if EVEN_K:
+        x = tl.load(x_base + k0).to(tl.float32)
+    else:
+        x = tl.load(x_base + k0, mask=((k0 + rk) < K)[None, None, :], other=0.0).to(tl.float32)
+    if PROLOGUE == 1:        # RMSNorm: x * g now, rsqrt(mean(x^2) + eps) in the epilogue
+        sq += x * x
+        if EVEN_K:
+            g = tl.load(g_ptr + k0 + rk).to(tl.float32)
+        else:
+            g = tl.load(g_ptr + k0 + rk, mask=(k0 + rk) < K, other=0.0).to(tl.float32)
+        x = x * g[None, None, :]
+    acc += x * w.to(tl.float32)
+    if TWO_ROWS:
+        acc_b += x * wb.to(tl.float32)
+    return acc, acc_b, sq
+
+
+@triton.jit
 def _gemv_kernel(x_ptr, w_ptr, y_ptr, scale_ptr, bias_ptr, res_ptr, g_ptr,
+                 kc_ptr, vc_ptr, cos_ptr, sin_ptr, pos_ptr, slot_ptr, num_slots,
                  M, N, K, stride_xm, stride_wn, stride_ym, stride_rm, eps,
                  W_INT8: tl.constexpr, HAS_BIAS: tl.constexpr, HAS_RES: tl.constexpr,
-                 PROLOGUE: tl.constexpr, GLU: tl.constexpr, BLOCK_M: tl.constexpr,
-                 BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr,
-                 STAGES: tl.constexpr):
-    """One program: ``BLOCK_N`` output columns for all ``M <= BLOCK_M`` rows.
+                 PROLOGUE: tl.constexpr, GLU: tl.constexpr, ROPE: tl.constexpr,
+                 HQ: tl.constexpr, HKV: tl.constexpr, HALF: tl.constexpr,
+                 BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                 EVEN_K: tl.constexpr, STAGES: tl.constexpr, USE_PDL: tl.constexpr):
+    """One program: ``BLOCK_N`` outputs for all ``M <= BLOCK_M`` rows.
 
-    ``x`` is addressed as a ``[BLOCK_M, BLOCK_N, BLOCK_K]`` tile with a zero stride along N (all
-    N-rows of the tile read the same activations: L1 hits), so it arrives in the weight tile's
-    register layout and no shared-memory layout conversion is needed.
+    An output is one weight row, or (``GLU``) the pair gate row ``n`` / up row ``N + n``, or
+    (``ROPE``) the pair of rows ``j`` and ``j + D/2`` of one head of the packed QKV weight, which
+    RoPE rotates together. ``x`` is addressed as a ``[BLOCK_M, BLOCK_N, BLOCK_K]`` tile with a
+    zero stride along N (all N-rows of the tile read the same activations: L1 hits), so it
+    arrives in the weight tile's register layout and no layout conversion is needed.
+
+    With ``USE_PDL`` the first weight tile is loaded before ``gdc_wait``: weights never depend
+    on the previous kernel, so their first bytes stream while that kernel drains.
     """
+    TWO_ROWS: tl.constexpr = GLU or ROPE
     pid_n = tl.program_id(0)
     rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     rn_ld = rn % N                                          # wrapped: in-bounds loads, masked stores
+    if ROPE:                                                # pair (head, j): rows j and j + HALF
+        head = rn_ld // HALF
+        j = rn_ld % HALF
+        row_a = head * (2 * HALF) + j
+        row_b = row_a + HALF
+    else:
+        row_a = rn_ld
+        row_b = rn_ld + N                                   # GLU: the "up" row (unused otherwise)
     rm = tl.arange(0, BLOCK_M)
     rm_ld = rm % M
     rk = tl.arange(0, BLOCK_K)
-    w_base = w_ptr + rn_ld[None, :, None].to(tl.int64) * stride_wn + rk[None, None, :]   # [1, BN, BK]
+    w_base = w_ptr + row_a[None, :, None].to(tl.int64) * stride_wn + rk[None, None, :]   # [1, BN, BK]
+    wb_base = w_ptr + row_b[None, :, None].to(tl.int64) * stride_wn + rk[None, None, :]
     x_base = x_ptr + rm_ld[:, None, None].to(tl.int64) * stride_xm + (rn * 0)[None, :, None] \
         + rk[None, None, :]                                                              # [BM, BN, BK]
+    w = _load_w(w_base, 0, K, rk, EVEN_K)
+    if TWO_ROWS:
+        wb = _load_w(wb_base, 0, K, rk, EVEN_K)
+    else:
+        wb = w
+    if USE_PDL:  # everything below may read what the previous kernel wrote
+        gdc_wait()
+        gdc_launch_dependents()
     acc = tl.zeros([BLOCK_M, BLOCK_N, BLOCK_K], dtype=tl.float32)
-    if GLU:                      # the "up" rows sit N rows below the "gate" rows
-        acc_u = tl.zeros([BLOCK_M, BLOCK_N, BLOCK_K], dtype=tl.float32)
+    if TWO_ROWS:
+        acc_b = tl.zeros([BLOCK_M, BLOCK_N, BLOCK_K], dtype=tl.float32)
+    else:
+        acc_b = tl.zeros([1, 1, 1], dtype=tl.float32)
     if PROLOGUE == 1:
         sq = tl.zeros([BLOCK_M, BLOCK_N, BLOCK_K], dtype=tl.float32)
-    for k0 in tl.range(0, K, BLOCK_K, num_stages=STAGES):
-        if EVEN_K:
-            w = tl.load(w_base + k0, eviction_policy="evict_first").to(tl.float32)
-            if GLU:
-                wu = tl.load(w_base + N * stride_wn + k0, eviction_policy="evict_first").to(tl.float32)
-            x = tl.load(x_base + k0).to(tl.float32)
-        else:
-            kmask = (k0 + rk) < K
-            w = tl.load(w_base + k0, mask=kmask[None, None, :], other=0,
-                        eviction_policy="evict_first").to(tl.float32)
-            if GLU:
-                wu = tl.load(w_base + N * stride_wn + k0, mask=kmask[None, None, :], other=0,
-                             eviction_policy="evict_first").to(tl.float32)
-            x = tl.load(x_base + k0, mask=kmask[None, None, :], other=0.0).to(tl.float32)
-        if PROLOGUE == 1:        # RMSNorm: x * g now, rsqrt(mean(x^2) + eps) in the epilogue
-            sq += x * x
-            if EVEN_K:
-                g = tl.load(g_ptr + k0 + rk).to(tl.float32)
-            else:
-                g = tl.load(g_ptr + k0 + rk, mask=(k0 + rk) < K, other=0.0).to(tl.float32)
-            x = x * g[None, None, :]
-        acc += x * w
-        if GLU:
-            acc_u += x * wu
+    else:
+        sq = tl.zeros([1, 1, 1], dtype=tl.float32)
+    acc, acc_b, sq = _gemv_step(acc, acc_b, sq, w, wb, x_base, g_ptr, 0, K, rk, PROLOGUE, TWO_ROWS,
+                                EVEN_K)
+    for k0 in tl.range(BLOCK_K, K, BLOCK_K, num_stages=STAGES):
+        w = _load_w(w_base, k0, K, rk, EVEN_K)
+        if TWO_ROWS:
+            wb = _load_w(wb_base, k0, K, rk, EVEN_K)
+        acc, acc_b, sq = _gemv_step(acc, acc_b, sq, w, wb, x_base, g_ptr, k0, K, rk, PROLOGUE,
+                                    TWO_ROWS, EVEN_K)
     out = tl.sum(acc, axis=2)                                                            # [BM, BN]
-    if GLU:
-        up = tl.sum(acc_u, axis=2)
+    if TWO_ROWS:
+        out_b = tl.sum(acc_b, axis=2)
     if PROLOGUE == 1:
         ms = tl.sum(sq, axis=2) / K                            # [BM, BN], every column equal
         rstd = tl.math.rsqrt(ms + eps)
         out = out * rstd
-        if GLU:
-            up = up * rstd
+        if TWO_ROWS:
+            out_b = out_b * rstd
     if W_INT8:
-        out = out * tl.load(scale_ptr + rn_ld).to(tl.float32)[None, :]
-        if GLU:
-            up = up * tl.load(scale_ptr + N + rn_ld).to(tl.float32)[None, :]
-    if GLU:
-        # SwiGLU as the unfused path rounds it: gate and up projections, then silu(gate), in
-        # the model dtype; the product in fp32, rounded once at the store
-        g = out.to(y_ptr.dtype.element_ty).to(tl.float32)
-        up = up.to(y_ptr.dtype.element_ty).to(tl.float32)
-        out = (g / (1.0 + tl.exp(-g))).to(y_ptr.dtype.element_ty).to(tl.float32) * up
-    if HAS_BIAS:
-        out = out + tl.load(bias_ptr + rn_ld).to(tl.float32)[None, :]
+        out = out * tl.load(scale_ptr + row_a).to(tl.float32)[None, :]
+        if TWO_ROWS:
+            out_b = out_b * tl.load(scale_ptr + row_b).to(tl.float32)[None, :]
     mask = (rm[:, None] < M) & (rn[None, :] < N)
-    if HAS_RES:
-        r = tl.load(res_ptr + rm_ld[:, None].to(tl.int64) * stride_rm + rn_ld[None, :])
-        # the unfused path rounds the projection to the model dtype before the residual add
-        out = r.to(tl.float32) + out.to(y_ptr.dtype.element_ty).to(tl.float32)
-    tl.store(y_ptr + rm[:, None].to(tl.int64) * stride_ym + rn[None, :],
-             out.to(y_ptr.dtype.element_ty), mask=mask)
+    if ROPE:
+        # The unfused path: qkv = round(proj + bias); RoPE in fp32 on the rounded values (rotate
+        # half: [a, b] -> [a cos - b sin, b cos + a sin]); q to y, k and v to the cache slot.
+        if HAS_BIAS:
+            out = out + tl.load(bias_ptr + row_a).to(tl.float32)[None, :]
+            out_b = out_b + tl.load(bias_ptr + row_b).to(tl.float32)[None, :]
+        a = out.to(y_ptr.dtype.element_ty).to(tl.float32)
+        b = out_b.to(y_ptr.dtype.element_ty).to(tl.float32)
+        pos = tl.load(pos_ptr + rm_ld).to(tl.int64)                                      # [BM]
+        slot = tl.load(slot_ptr + rm_ld).to(tl.int64)
+        slot = tl.where(slot < 0, slot + num_slots, slot)      # padding -> scratch block
+        c = tl.load(cos_ptr + pos[:, None] * HALF + j[None, :])                          # [BM, BN]
+        s = tl.load(sin_ptr + pos[:, None] * HALF + j[None, :])
+        is_v = (head >= HQ + HKV)[None, :]
+        ra = tl.where(is_v, a, a * c - b * s)
+        rb = tl.where(is_v, b, b * c + a * s)
+        is_q = (head < HQ)[None, :]
+        q_ptrs = y_ptr + rm[:, None].to(tl.int64) * stride_ym + row_a[None, :]
+        tl.store(q_ptrs, ra.to(y_ptr.dtype.element_ty), mask=mask & is_q)
+        tl.store(q_ptrs + HALF, rb.to(y_ptr.dtype.element_ty), mask=mask & is_q)
+        kv_row = tl.where(head < HQ + HKV, head - HQ, head - HQ - HKV) * (2 * HALF) + j   # [BN]
+        c_off = slot[:, None] * (HKV * 2 * HALF) + kv_row[None, :]
+        is_k = (head >= HQ)[None, :] & (head < HQ + HKV)[None, :]
+        tl.store(kc_ptr + c_off, ra.to(kc_ptr.dtype.element_ty), mask=mask & is_k)
+        tl.store(kc_ptr + c_off + HALF, rb.to(kc_ptr.dtype.element_ty), mask=mask & is_k)
+        tl.store(vc_ptr + c_off, ra.to(vc_ptr.dtype.element_ty), mask=mask & is_v)
+        tl.store(vc_ptr + c_off + HALF, rb.to(vc_ptr.dtype.element_ty), mask=mask & is_v)
+    else:
+        if GLU:
+            # SwiGLU as the unfused path rounds it: gate and up projections, then silu(gate),
+            # in the model dtype; the product in fp32, rounded once at the store
+            g = out.to(y_ptr.dtype.element_ty).to(tl.float32)
+            up = out_b.to(y_ptr.dtype.element_ty).to(tl.float32)
+            out = (g / (1.0 + tl.exp(-g))).to(y_ptr.dtype.element_ty).to(tl.float32) * up
+        if HAS_BIAS:
+            out = out + tl.load(bias_ptr + rn_ld).to(tl.float32)[None, :]
+        if HAS_RES:
+            r = tl.load(res_ptr + rm_ld[:, None].to(tl.int64) * stride_rm + rn_ld[None, :])
+            # the unfused path rounds the projection to the model dtype before the residual add
+            out = r.to(tl.float32) + out.to(y_ptr.dtype.element_ty).to(tl.float32)
+        tl.store(y_ptr + rm[:, None].to(tl.int64) * stride_ym + rn[None, :],
+                 out.to(y_ptr.dtype.element_ty), mask=mask)
 
 
 @dataclass(frozen=True, slots=True)
@@ -215,9 +290,14 @@ def choose_gemv_config(m: int, n: int, k: int, w_dtype: torch.dtype, device: tor
                              f"(powers of two; stages >= 1), got {env!r}: {e}") from None
     if device.type != "cuda":
         return GemvConfig(block_n=8, block_k=32, num_warps=1, stages=1)
-    hit = _table().get(table_key(_gpu_name(device), w_dtype == torch.int8, prologue, m, k, n))
+    gpu, int8 = _gpu_name(device), w_dtype == torch.int8
+    hit = _table().get(table_key(gpu, int8, prologue, m, k, n))
     if hit:
         return hit
+    if prologue.endswith("+rope"):  # untuned: the plain projection's tile, halved (2 rows an output)
+        hit = _table().get(table_key(gpu, int8, prologue[:-len("+rope")], m, k, 2 * n))
+        if hit:
+            return GemvConfig(max(1, hit.block_n // 2), hit.block_k, hit.num_warps, hit.stages)
     bn = 1 if n <= 4096 else 2
     bk = max(64, (1024 if bn == 1 else 512) // triton.next_power_of_2(m))
     return GemvConfig(block_n=bn, block_k=min(bk, triton.next_power_of_2(k)), num_warps=4, stages=1)
@@ -233,38 +313,8 @@ def _gpu_name(device: torch.device) -> str:
     return _GPU_NAMES[idx]
 
 
-def gemv(x: torch.Tensor, weight: torch.Tensor, *, scale: torch.Tensor | None = None,
-         bias: torch.Tensor | None = None, residual: torch.Tensor | None = None,
-         prologue: str = "none", norm_weight: torch.Tensor | None = None, eps: float = 1e-6,
-         glu: bool = False, out: torch.Tensor | None = None,
-         config: GemvConfig | None = None) -> torch.Tensor:
-    """``y = residual + (prologue(x) @ (weight * scale[:, None]).T + bias)`` for ``M <= 4`` rows
-    (with ``glu``: ``y = silu(p[:, :N]) * p[:, N:]`` of that projection ``p``).
-
-    Args:
-        x: ``[M, K]`` activations, ``M <= GEMV_MAX_M``, last dim contiguous; fp16/bf16/fp32.
-        weight: ``[N, K]`` (``[2N, K]`` = ``[gate; up]`` with ``glu``) row-major
-            (``nn.Linear.weight`` orientation), int8 (then ``scale`` is required) or the float
-            dtype of ``x``.
-        scale: per-output-channel scales of an int8 weight (one per weight row).
-        bias: optional ``[N]`` (not with ``glu``).
-        residual: optional ``[M, N]`` added after the projection (rounded to ``x.dtype``
-            first, like the unfused ``x + proj(h)``). May be ``out`` itself (in place).
-        prologue: ``"none"`` or ``"rmsnorm"``: ``x -> norm_weight * x * rsqrt(mean(x^2) +
-            eps)`` (Qwen2 RMSNorm, the normalised value kept in fp32).
-        norm_weight: ``[K]`` RMSNorm gain for ``prologue="rmsnorm"``.
-        eps: RMSNorm epsilon.
-        glu: SwiGLU epilogue over the packed gate/up weight (Qwen2 MLP ``act(gate) * up``).
-        out: optional ``[M, N]`` output buffer (contiguous last dim).
-        config: launch override (default :func:`choose_gemv_config`).
-
-    Returns:
-        ``[M, N]`` in ``x.dtype``; fp32 accumulation.
-
-    Raises:
-        ValueError: shapes, dtypes, strides or devices that do not fit, ``M > GEMV_MAX_M``, an
-            unknown prologue, CPU tensors without ``TRITON_INTERPRET=1``.
-    """
+def _check_gemv_inputs(x, weight, scale, bias, residual, prologue, norm_weight, eps, glu, out):
+    """Validate :func:`gemv`'s arguments (``ValueError`` with the reason); returns ``(M, N, K)``."""
     if prologue not in PROLOGUES:
         raise ValueError(f"prologue must be one of {sorted(PROLOGUES)}, got {prologue!r}")
     if x.dim() != 2 or x.stride(-1) != 1 or x.dtype not in (torch.float16, torch.bfloat16, torch.float32):
@@ -308,26 +358,147 @@ def gemv(x: torch.Tensor, weight: torch.Tensor, *, scale: torch.Tensor | None = 
     if x.device.type == "cpu" and os.environ.get("TRITON_INTERPRET", "0") != "1":
         raise ValueError("gemv needs CUDA tensors, or (CPU tensors) TRITON_INTERPRET=1 set before "
                          "importing llmserve.triton_kernels")
+    return m, n, k
+
+
+def _launch(x, weight, out, cfg: GemvConfig, n: int, *, scale=None, bias=None, residual=None,
+            norm_weight=None, prologue="none", eps=1e-6, glu=False, pdl=False, rope=None) -> None:
+    """Launch :func:`_gemv_kernel` over ``n`` outputs (validated arguments). ``rope``: ``(k_cache,
+    v_cache, cos, sin, positions, slot_mapping, num_heads, num_kv_heads)`` for the QKV+RoPE
+    epilogue (then ``n`` counts rotation pairs)."""
+    m, k = x.shape
+    dummy = weight
+    if rope is not None:
+        kc, vc, cos, sin, pos, slots, hq, hkv = rope
+        rope_args = (kc, vc, cos, sin, pos, slots, kc.shape[0] * kc.shape[1])
+        half = cos.shape[-1]
+    else:
+        hq = hkv = half = 1
+        rope_args = (dummy, dummy, dummy, dummy, dummy, dummy, 0)
+    _gemv_kernel[(triton.cdiv(n, cfg.block_n),)](
+        x, weight, out, scale if scale is not None else dummy, bias if bias is not None else dummy,
+        residual if residual is not None else out, norm_weight if norm_weight is not None else dummy,
+        *rope_args, m, n, k, x.stride(0), weight.stride(0), out.stride(0),
+        residual.stride(0) if residual is not None else out.stride(0), eps,
+        W_INT8=weight.dtype == torch.int8, HAS_BIAS=bias is not None, HAS_RES=residual is not None,
+        PROLOGUE=PROLOGUES[prologue], GLU=glu, ROPE=rope is not None, HQ=hq, HKV=hkv, HALF=half,
+        BLOCK_M=triton.next_power_of_2(m), BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
+        EVEN_K=k % cfg.block_k == 0, STAGES=cfg.stages, USE_PDL=pdl, num_warps=cfg.num_warps,
+        **pdl_launch_kwargs(pdl))
+
+
+def gemv_qkv_rope(x: torch.Tensor, weight: torch.Tensor, *, bias: torch.Tensor | None,
+                  norm_weight: torch.Tensor, eps: float, positions: torch.Tensor,
+                  slot_mapping: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                  k_cache: torch.Tensor, v_cache: torch.Tensor, num_heads: int, num_kv_heads: int,
+                  scale: torch.Tensor | None = None, config: GemvConfig | None = None,
+                  pdl: bool = False) -> torch.Tensor:
+    """RMSNorm -> packed QKV projection -> RoPE on Q and K -> K/V written to the paged cache, in
+    one kernel; returns Q. The same function as ``gemv(x, weight, bias=bias,
+    prologue="rmsnorm", ...)`` followed by :func:`~llmserve.triton_kernels.fused.rope_qkv_write_kv`
+    (each program computes the weight rows ``j`` and ``j + D/2`` of one head, the pair RoPE
+    rotates together, so the rotation is an epilogue and the QKV activations never leave
+    registers).
+
+    Args:
+        x: ``[M, H]`` residual-stream rows, ``M <= GEMV_MAX_M``.
+        weight: packed ``[(Hq + 2*Hkv) * D, H]`` q/k/v weight (float, or int8 with ``scale``).
+        bias: ``[(Hq + 2*Hkv) * D]`` or ``None``.
+        norm_weight, eps: the input RMSNorm.
+        positions: ``[M]`` int64 positions; slot_mapping: ``[M]`` int64 cache slots (``-1``:
+            padding, written to the scratch block, the cache's last block).
+        cos, sin: fp32 ``[L, D/2]`` RoPE tables (``L`` > every position).
+        k_cache, v_cache: contiguous ``[num_blocks + 1, block_size, Hkv, D]``.
+        num_heads, num_kv_heads: ``Hq``, ``Hkv``.
+        pdl: programmatic dependent launch (see :func:`gemv`).
+
+    Returns:
+        ``q`` ``[M, Hq, D]`` in ``x.dtype``.
+
+    Raises:
+        ValueError: as :func:`gemv`, plus cache / table / head-count mismatches.
+    """
+    m, rows, k = _check_gemv_inputs(x, weight, scale, bias, None, "rmsnorm", norm_weight, eps, False, None)
+    if k_cache.dim() != 4 or not (k_cache.is_contiguous() and v_cache.is_contiguous()) \
+            or v_cache.shape != k_cache.shape:
+        raise ValueError("k_cache and v_cache must be contiguous [num_blocks + 1, block_size, Hkv, D] "
+                         "tensors of one shape")
+    nb, bs, hkv, d = k_cache.shape
+    if hkv != num_kv_heads or rows != (num_heads + 2 * num_kv_heads) * d or d % 2:
+        raise ValueError(f"weight rows {rows} must be (Hq + 2*Hkv) * D = ({num_heads} + 2*{num_kv_heads}) "
+                         f"* {d} with the cache's Hkv={hkv}")
+    if cos.shape != sin.shape or cos.dim() != 2 or cos.shape[1] * 2 != d or cos.dtype != torch.float32 \
+            or not (cos.is_contiguous() and sin.is_contiguous()):
+        raise ValueError(f"cos/sin must be contiguous fp32 [L, {d // 2}], got {cos.dtype} {tuple(cos.shape)}")
+    for name, t in (("positions", positions), ("slot_mapping", slot_mapping)):
+        if t.shape != (m,) or t.dtype not in (torch.int32, torch.int64):
+            raise ValueError(f"{name} must be int32/int64 [M={m}], got {t.dtype} {tuple(t.shape)}")
+    for name, t in (("k_cache", k_cache), ("v_cache", v_cache), ("cos", cos), ("sin", sin),
+                    ("positions", positions), ("slot_mapping", slot_mapping)):
+        if t.device != x.device:
+            raise ValueError(f"{name} is on {t.device} but x is on {x.device}")
+    q = torch.empty((m, num_heads, d), dtype=x.dtype, device=x.device)
+    if m == 0:
+        return q
+    n_pairs = rows // 2
+    cfg = config or choose_gemv_config(m, n_pairs, k, weight.dtype, x.device, "rmsnorm+rope")
+    _launch(x, weight, q.view(m, num_heads * d), cfg, n_pairs, scale=scale, bias=bias,
+            norm_weight=norm_weight, prologue="rmsnorm", eps=eps, pdl=pdl,
+            rope=(k_cache, v_cache, cos, sin, positions, slot_mapping, num_heads, num_kv_heads))
+    return q
+
+
+def gemv(x: torch.Tensor, weight: torch.Tensor, *, scale: torch.Tensor | None = None,
+         bias: torch.Tensor | None = None, residual: torch.Tensor | None = None,
+         prologue: str = "none", norm_weight: torch.Tensor | None = None, eps: float = 1e-6,
+         glu: bool = False, out: torch.Tensor | None = None,
+         config: GemvConfig | None = None, pdl: bool = False) -> torch.Tensor:
+    """``y = residual + (prologue(x) @ (weight * scale[:, None]).T + bias)`` for ``M <= 4`` rows
+    (with ``glu``: ``y = silu(p[:, :N]) * p[:, N:]`` of that projection ``p``).
+
+    Args:
+        x: ``[M, K]`` activations, ``M <= GEMV_MAX_M``, last dim contiguous; fp16/bf16/fp32.
+        weight: ``[N, K]`` (``[2N, K]`` = ``[gate; up]`` with ``glu``) row-major
+            (``nn.Linear.weight`` orientation), int8 (then ``scale`` is required) or the float
+            dtype of ``x``.
+        scale: per-output-channel scales of an int8 weight (one per weight row).
+        bias: optional ``[N]`` (not with ``glu``).
+        residual: optional ``[M, N]`` added after the projection (rounded to ``x.dtype``
+            first, like the unfused ``x + proj(h)``). May be ``out`` itself (in place).
+        prologue: ``"none"`` or ``"rmsnorm"``: ``x -> norm_weight * x * rsqrt(mean(x^2) +
+            eps)`` (Qwen2 RMSNorm, the normalised value kept in fp32).
+        norm_weight: ``[K]`` RMSNorm gain for ``prologue="rmsnorm"``.
+        eps: RMSNorm epsilon.
+        glu: SwiGLU epilogue over the packed gate/up weight (Qwen2 MLP ``act(gate) * up``).
+        out: optional ``[M, N]`` output buffer (contiguous last dim), ``x.dtype`` or (plain
+            projections: no residual, no glu) float32, e.g. fp32 logits.
+        config: launch override (default :func:`choose_gemv_config`).
+        pdl: launch with programmatic dependent launch (Hopper+; see ``_launch.py``): the
+            first weight tile is read before waiting for the previous kernel. Only for weights
+            that no kernel just before this one writes (the engine's decode path).
+
+    Returns:
+        ``[M, N]`` in ``out``'s dtype (default ``x.dtype``); fp32 accumulation.
+
+    Raises:
+        ValueError: shapes, dtypes, strides or devices that do not fit, ``M > GEMV_MAX_M``, an
+            unknown prologue, CPU tensors without ``TRITON_INTERPRET=1``.
+    """
+    m, n, k = _check_gemv_inputs(x, weight, scale, bias, residual, prologue, norm_weight, eps, glu, out)
     if out is None:
         out = torch.empty((m, n), dtype=x.dtype, device=x.device)
-    elif out.shape != (m, n) or out.stride(-1) != 1 or out.dtype != x.dtype:
-        raise ValueError(f"out must be [M={m}, N={n}] {x.dtype} with a contiguous last dim")
+    elif (out.shape != (m, n) or out.stride(-1) != 1
+          or not (out.dtype == x.dtype or (out.dtype == torch.float32 and residual is None and not glu))):
+        raise ValueError(f"out must be [M={m}, N={n}] {x.dtype} (or float32 without residual/glu) "
+                         f"with a contiguous last dim, got {out.dtype} {tuple(out.shape)}")
     elif out.numel() and x.numel() and out.untyped_storage().data_ptr() == x.untyped_storage().data_ptr():
         raise ValueError("out must not share memory with x (programs read all of x while others "
                          "write out); only out is residual is allowed")
     if m == 0:
         return out
     cfg = config or choose_gemv_config(m, n, k, weight.dtype, x.device, prologue + ("+glu" if glu else ""))
-    bm = triton.next_power_of_2(m)
-    dummy = weight
-    _gemv_kernel[(triton.cdiv(n, cfg.block_n),)](
-        x, weight, out, scale if w_int8 else dummy, bias if bias is not None else dummy,
-        residual if residual is not None else out, norm_weight if norm_weight is not None else dummy,
-        m, n, k, x.stride(0), weight.stride(0), out.stride(0),
-        residual.stride(0) if residual is not None else out.stride(0), eps,
-        W_INT8=w_int8, HAS_BIAS=bias is not None, HAS_RES=residual is not None,
-        PROLOGUE=PROLOGUES[prologue], GLU=glu, BLOCK_M=bm, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
-        EVEN_K=k % cfg.block_k == 0, STAGES=cfg.stages, num_warps=cfg.num_warps)
+    _launch(x, weight, out, cfg, n, scale=scale, bias=bias, residual=residual, norm_weight=norm_weight,
+            prologue=prologue, eps=eps, glu=glu, pdl=pdl)
     return out
 
 

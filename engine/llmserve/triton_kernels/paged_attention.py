@@ -49,7 +49,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ._launch import num_sms, zeroed_counters
+from ._launch import gdc_launch_dependents, gdc_wait, num_sms, pdl_launch_kwargs, zeroed_counters
 
 __all__ = [
     "SUPPORTED_HEAD_DIMS",
@@ -64,9 +64,11 @@ SUPPORTED_HEAD_DIMS = (32, 64, 128, 256)
 #: Default for merging decode splits inside the decode kernel (last split to finish) rather
 #: than in a second launch; chosen from the H200 measurements in results/kernels/.
 DECODE_FUSED_REDUCE = True
-#: Above this many splits the separate (parallel) reduction kernel is used: on the H200 the
-#: in-kernel merge saved ~1-2 us at 2-5 splits but cost ~5 us at 32 (batch 1, context 2048).
-FUSED_REDUCE_MAX_SPLITS = 8
+#: Above this many splits the separate (parallel) reduction kernel is used. On the H200 the
+#: first in-kernel merge (one split at a time) saved ~1-2 us at 2-5 splits but cost ~5 us at 32
+#: (batch 1, context 2048); the merge now reads 4 splits a step and only the non-empty ones.
+#: ``LLMSERVE_DECODE_FUSED_MAX`` overrides (A/B runs).
+FUSED_REDUCE_MAX_SPLITS = int(os.environ.get("LLMSERVE_DECODE_FUSED_MAX", "32"))
 # Experiment knobs (A/B runs on the GPU; defaults = the tuned choices above):
 # LLMSERVE_DECODE_SPLITS=legacy uses the first heuristic (about 4 programs per SM);
 # LLMSERVE_DECODE_STAGES=N overrides the decode kernel's pipeline depth.
@@ -173,23 +175,33 @@ def _online_softmax_step(s, v, m_i, l_i, acc, FP32_MATH: tl.constexpr, MAYBE_EMP
 # Arguments that change from step to step are not specialised (Triton would otherwise compile
 # a new binary whenever one of them becomes 1 or a multiple of 16: seconds of stall in the
 # middle of serving, seen as multi-second TTFT outliers in the first open-loop runs).
-@triton.jit(do_not_specialize=["tiles_per_split", "num_splits", "stride_btb"])
+@triton.jit(do_not_specialize=["num_splits", "stride_btb"])
 def _decode_kernel(q_ptr, k_cache_ptr, v_cache_ptr, out_ptr, m_ptr, l_ptr, acc_ptr, cnt_ptr,
-                   bt_ptr, ctx_ptr, qsl_ptr, qk_scale, tiles_per_split, num_splits, num_q_heads,
+                   bt_ptr, ctx_ptr, qsl_ptr, qk_scale, num_splits, num_q_heads,
                    stride_qn, stride_qh, stride_kb, stride_kt, stride_kh,
                    stride_on, stride_oh, stride_btb,
                    G: tl.constexpr, G_PAD: tl.constexpr, HEAD_DIM: tl.constexpr,
                    PAGE: tl.constexpr, BLOCK_N: tl.constexpr, FP32_MATH: tl.constexpr,
                    SKIP_NON_DECODE: tl.constexpr, DIRECT_OUT: tl.constexpr,
-                   FUSED_REDUCE: tl.constexpr):
+                   FUSED_REDUCE: tl.constexpr, S_CHUNK: tl.constexpr, USE_PDL: tl.constexpr):
+    """Grid ``(B, Hkv, num_splits)``. The split of the context is decided here, per sequence:
+    its ``ceil(ctx / BLOCK_N)`` tiles are spread over the ``num_splits`` programs
+    (:func:`_active_splits`), so a short sequence in a grid sized for ``max_model_len`` (CUDA
+    graphs) uses few programs and the others exit at once."""
     b = tl.program_id(0)
     kvh = tl.program_id(1)
     split = tl.program_id(2)
+    if USE_PDL:  # q and this step's K/V come from the previous kernel
+        gdc_wait()
+        gdc_launch_dependents()
     q_row = tl.load(qsl_ptr + b)
     if SKIP_NON_DECODE:
         if tl.load(qsl_ptr + b + 1) - q_row != 1:  # served by the prefill kernel
             return
     ctx = tl.load(ctx_ptr + b)
+    tiles_per_split, active = _active_splits(ctx, num_splits, BLOCK_N)
+    if split >= active:  # nothing of this sequence's context is left for this split
+        return
     start = split * tiles_per_split * BLOCK_N
     end = tl.minimum(start + tiles_per_split * BLOCK_N, ctx)
 
@@ -228,64 +240,84 @@ def _decode_kernel(q_ptr, k_cache_ptr, v_cache_ptr, out_ptr, m_ptr, l_ptr, acc_p
         s = tl.where(tmask[None, :], _qk(q, k, FP32_MATH) * qk_scale, float("-inf"))
         m_i, l_i, acc = _online_softmax_step(s, v, m_i, l_i, acc, FP32_MATH, False)
 
+    o_ptrs = out_ptr + q_row.to(tl.int64) * stride_on + heads[:, None] * stride_oh + offs_d[None, :]
     if DIRECT_OUT:
         out = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
-        tl.store(out_ptr + q_row.to(tl.int64) * stride_on + heads[:, None] * stride_oh + offs_d[None, :],
-                 out.to(out_ptr.dtype.element_ty), mask=gmask[:, None])
+        tl.store(o_ptrs, out.to(out_ptr.dtype.element_ty), mask=gmask[:, None])
+    elif FUSED_REDUCE and active == 1:  # the whole context in this program: no partials
+        out = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
+        tl.store(o_ptrs, out.to(out_ptr.dtype.element_ty), mask=gmask[:, None])
     else:
         idx = (b.to(tl.int64) * num_q_heads + heads) * num_splits + split    # [G_PAD]
         tl.store(m_ptr + idx, m_i, mask=gmask)
         tl.store(l_ptr + idx, l_i, mask=gmask)
         tl.store(acc_ptr + idx[:, None] * HEAD_DIM + offs_d[None, :], acc, mask=gmask[:, None])
         if FUSED_REDUCE:
-            # The last split of (sequence, KV head) to finish merges all splits (in split
-            # order: deterministic) and re-arms the counter; no reduction launch. Partial
-            # stores are released by the barrier + acq_rel atomic and re-read from L2 (.cg).
+            # The last active split of (sequence, KV head) to finish merges all active splits
+            # (in split order, S_CHUNK at a time: deterministic) and re-arms the counter; no
+            # reduction launch. Partial stores are released by the barrier + acq_rel atomic
+            # and re-read from L2 (.cg).
             tl.debug_barrier()
             cnt = cnt_ptr + b * tl.num_programs(1) + kvh
             count = tl.atomic_add(cnt, 1)
-            if count == num_splits - 1:
+            if count == active - 1:
                 base = (b.to(tl.int64) * num_q_heads + heads) * num_splits            # [G_PAD]
+                offs_s = tl.arange(0, S_CHUNK)
                 m_t = tl.full([G_PAD], float("-inf"), tl.float32)
                 l_t = tl.zeros([G_PAD], tl.float32)
                 o_t = tl.zeros([G_PAD, HEAD_DIM], tl.float32)
-                for sp in range(0, num_splits):
-                    m_s = tl.load(m_ptr + base + sp, mask=gmask, other=float("-inf"), cache_modifier=".cg")
-                    l_s = tl.load(l_ptr + base + sp, mask=gmask, other=0.0, cache_modifier=".cg")
-                    o_s = tl.load(acc_ptr + (base + sp)[:, None] * HEAD_DIM + offs_d[None, :],
-                                  mask=gmask[:, None], other=0.0, cache_modifier=".cg")
-                    m_n = tl.maximum(m_t, m_s)
+                for s0 in range(0, active, S_CHUNK):
+                    sp = s0 + offs_s                                                   # [S]
+                    msk = gmask[:, None] & (sp < active)[None, :]                      # [G_PAD, S]
+                    ix = base[:, None] + sp[None, :]
+                    m_s = tl.load(m_ptr + ix, mask=msk, other=float("-inf"), cache_modifier=".cg")
+                    l_s = tl.load(l_ptr + ix, mask=msk, other=0.0, cache_modifier=".cg")
+                    o_s = tl.load(acc_ptr + ix[:, :, None] * HEAD_DIM + offs_d[None, None, :],
+                                  mask=msk[:, :, None], other=0.0, cache_modifier=".cg")  # [G_PAD, S, D]
+                    m_n = tl.maximum(m_t, tl.max(m_s, axis=1))
                     m_n_safe = tl.where(m_n == float("-inf"), 0.0, m_n)
                     w_t = tl.exp2(m_t - m_n_safe)
-                    w_s = tl.exp2(m_s - m_n_safe)
-                    l_t = l_t * w_t + l_s * w_s
-                    o_t = o_t * w_t[:, None] + o_s * w_s[:, None]
+                    w_s = tl.exp2(m_s - m_n_safe[:, None])                             # 0 if masked
+                    l_t = l_t * w_t + tl.sum(l_s * w_s, axis=1)
+                    o_t = o_t * w_t[:, None] + tl.sum(o_s * w_s[:, :, None], axis=1)
                     m_t = m_n
                 out = o_t / tl.where(l_t > 0, l_t, 1.0)[:, None]
-                o_ptrs = out_ptr + q_row.to(tl.int64) * stride_on + heads[:, None] * stride_oh + offs_d[None, :]
                 tl.store(o_ptrs, out.to(out_ptr.dtype.element_ty), mask=gmask[:, None])
                 tl.atomic_xchg(cnt, 0)
 
 
+@triton.jit
+def _active_splits(ctx, num_splits, BLOCK_N: tl.constexpr):
+    """``(tiles_per_split, active)``: a context of ``ctx`` positions is ``ceil(ctx / BLOCK_N)``
+    tiles, spread evenly over at most ``num_splits`` splits; ``active`` splits are non-empty."""
+    tiles = tl.maximum(tl.cdiv(ctx, BLOCK_N), 1)
+    tiles_per_split = tl.cdiv(tiles, num_splits)
+    return tiles_per_split, tl.cdiv(tiles, tiles_per_split)
+
+
 @triton.jit(do_not_specialize=["num_splits"])
-def _decode_reduce_kernel(out_ptr, m_ptr, l_ptr, acc_ptr, qsl_ptr, num_splits, num_q_heads,
+def _decode_reduce_kernel(out_ptr, m_ptr, l_ptr, acc_ptr, qsl_ptr, ctx_ptr, num_splits, num_q_heads,
                           stride_on, stride_oh,
-                          HEAD_DIM: tl.constexpr, S_BLOCK: tl.constexpr,
-                          SKIP_NON_DECODE: tl.constexpr):
+                          HEAD_DIM: tl.constexpr, S_BLOCK: tl.constexpr, BLOCK_N: tl.constexpr,
+                          SKIP_NON_DECODE: tl.constexpr, USE_PDL: tl.constexpr):
     b = tl.program_id(0)
     h = tl.program_id(1)
+    if USE_PDL:
+        gdc_wait()
+        gdc_launch_dependents()
     q_row = tl.load(qsl_ptr + b)
     if SKIP_NON_DECODE:
         if tl.load(qsl_ptr + b + 1) - q_row != 1:
             return
+    _, active = _active_splits(tl.load(ctx_ptr + b), num_splits, BLOCK_N)
     offs_s = tl.arange(0, S_BLOCK)
     offs_d = tl.arange(0, HEAD_DIM)
     base = (b.to(tl.int64) * num_q_heads + h) * num_splits
     m_t = tl.full([1], float("-inf"), tl.float32)
     l_t = tl.zeros([1], tl.float32)
     o_t = tl.zeros([HEAD_DIM], tl.float32)
-    for s0 in range(0, num_splits, S_BLOCK):  # S_BLOCK splits at a time, merged online
-        smask = (s0 + offs_s) < num_splits
+    for s0 in range(0, active, S_BLOCK):  # S_BLOCK splits at a time, merged online
+        smask = (s0 + offs_s) < active
         m = tl.load(m_ptr + base + s0 + offs_s, mask=smask, other=float("-inf"))   # [S_BLOCK]
         l_s = tl.load(l_ptr + base + s0 + offs_s, mask=smask, other=0.0)           # [S_BLOCK]
         acc = tl.load(acc_ptr + (base + s0 + offs_s)[:, None] * HEAD_DIM + offs_d[None, :],
@@ -544,9 +576,14 @@ def paged_attention_decode(query: torch.Tensor, k_cache: torch.Tensor, v_cache: 
                            meta, scale: float, out: torch.Tensor | None = None, *,
                            skip_non_decode: bool = False, num_splits: int | None = None,
                            block_n: int | None = None, num_warps: int | None = None,
-                           num_stages: int | None = None, fused_reduce: bool | None = None
-                           ) -> torch.Tensor:
+                           num_stages: int | None = None, fused_reduce: bool | None = None,
+                           pdl: bool = False) -> torch.Tensor:
     """Split-K decode attention: one query token per sequence (row ``query_start_loc[i]``).
+
+    The grid has ``num_splits`` programs per (sequence, KV head), sized for
+    ``meta.max_context_len``; each sequence spreads its own context over them and programs
+    with no tiles exit at once, so a CUDA graph captured for ``max_model_len`` costs little for
+    short sequences (and with one non-empty split the output is written without partials).
 
     Args:
         query: ``[N, Hq, D]``, same dtype as the cache.
@@ -559,6 +596,8 @@ def paged_attention_decode(query: torch.Tensor, k_cache: torch.Tensor, v_cache: 
         fused_reduce: merge the splits in the last-finishing split program (one launch)
             instead of a separate reduction kernel (default: :data:`DECODE_FUSED_REDUCE` when
             ``num_splits <= FUSED_REDUCE_MAX_SPLITS``).
+        pdl: launch with programmatic dependent launch (Hopper+; the kernels wait for the
+            previous kernel before their first load, so only the launch latency overlaps).
 
     Returns:
         ``out`` (allocated when not given; rows not written are zero when allocated here).
@@ -589,12 +628,11 @@ def paged_attention_decode(query: torch.Tensor, k_cache: torch.Tensor, v_cache: 
     if num_splits is None:
         num_splits = choose_num_splits(b, hkv, max_ctx, bn, _num_sms(query.device), d)
     num_splits = max(1, min(int(num_splits), tiles))
-    tiles_per_split = triton.cdiv(tiles, num_splits)
-    num_splits = triton.cdiv(tiles, tiles_per_split)
+    num_splits = triton.cdiv(tiles, triton.cdiv(tiles, num_splits))  # whole tiles a split
     g = hq // hkv
     g_pad = max(16, triton.next_power_of_2(g))
     direct = num_splits == 1
-    if fused_reduce is None:  # the in-kernel merge is sequential over splits: few splits only
+    if fused_reduce is None:  # the in-kernel merge runs in one program: not too many splits
         fused_reduce = DECODE_FUSED_REDUCE and num_splits <= FUSED_REDUCE_MAX_SPLITS
     fused = fused_reduce and not direct
     cnt = _counters(query.device, b * hkv) if fused else meta.context_lens
@@ -608,18 +646,20 @@ def paged_attention_decode(query: torch.Tensor, k_cache: torch.Tensor, v_cache: 
     _decode_kernel[(b, hkv, num_splits)](
         query, k_cache, v_cache, out, m_buf, l_buf, acc_buf, cnt,
         meta.block_tables, meta.context_lens, meta.query_start_loc,
-        float(scale) * _LOG2E, tiles_per_split, num_splits, hq,
+        float(scale) * _LOG2E, num_splits, hq,
         query.stride(0), query.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         out.stride(0), out.stride(1), meta.block_tables.stride(0),
         G=g, G_PAD=g_pad, HEAD_DIM=d, PAGE=bs, BLOCK_N=bn, FP32_MATH=fp32_math,
         SKIP_NON_DECODE=skip_non_decode, DIRECT_OUT=direct, FUSED_REDUCE=fused,
-        num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
+        S_CHUNK=4, USE_PDL=pdl, num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
+        **pdl_launch_kwargs(pdl))
     if not direct and not fused:
         _decode_reduce_kernel[(b, hq)](
-            out, m_buf, l_buf, acc_buf, meta.query_start_loc, num_splits, hq,
+            out, m_buf, l_buf, acc_buf, meta.query_start_loc, meta.context_lens, num_splits, hq,
             out.stride(0), out.stride(1),
-            HEAD_DIM=d, S_BLOCK=min(16, triton.next_power_of_2(num_splits)), SKIP_NON_DECODE=skip_non_decode,
-            num_warps=1 if on_cpu else 4)
+            HEAD_DIM=d, S_BLOCK=min(16, triton.next_power_of_2(num_splits)), BLOCK_N=bn,
+            SKIP_NON_DECODE=skip_non_decode, USE_PDL=pdl, num_warps=1 if on_cpu else 4,
+            **pdl_launch_kwargs(pdl))
     return out
 
 
