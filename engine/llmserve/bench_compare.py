@@ -104,9 +104,13 @@ def decode_llmserve(preset: str, steps: int, prompt_len: int = 32) -> dict:
     eng.generate([list(range(100, 100 + prompt_len))], SamplingParams(max_tokens=16, ignore_eos=True))  # warm-up
     seq = eng.add_request(list(range(200, 200 + prompt_len)), sp)
     torch.cuda.synchronize()
+    before, steps0 = dict(eng.step_seconds), eng.num_steps
     while eng.has_unfinished_requests():
         eng.step()
     gaps = np.diff(np.array(seq.metrics.token_times)) * 1e3
+    # where a step's wall time went, us per step ("sample" includes the wait for the device)
+    n_steps = max(1, eng.num_steps - steps0)
+    split_us = {k: (eng.step_seconds[k] - before[k]) / n_steps * 1e6 for k in before}
     # the graph replay alone (GPU time of one decode step), CUDA events
     g = eng.runner.cuda_graphs
     graph_ms = None
@@ -121,7 +125,7 @@ def decode_llmserve(preset: str, steps: int, prompt_len: int = 32) -> dict:
             times.append(s.elapsed_time(e))
         graph_ms = float(np.median(times))
     out = {"step_ms_median": float(np.median(gaps)), "step_ms_p90": float(np.percentile(gaps, 90)),
-           "graph_replay_ms": graph_ms, "weight_bytes": weight_bytes,
+           "graph_replay_ms": graph_ms, "weight_bytes": weight_bytes, "step_split_us": split_us,
            "graph_steps": eng.runner.num_graph_steps, "eager_steps": eng.runner.num_eager_steps}
     del eng
     gc.collect()
