@@ -42,6 +42,7 @@ from llmserve.triton_kernels.int8_linear import int8_linear, quantize_int8_per_c
 REF_BW = 4.24e12
 ROTATE = 200e6
 DEV = torch.device("cuda")
+SMS = torch.cuda.get_device_properties(0).multi_processor_count if torch.cuda.is_available() else 1
 
 # Qwen2.5 projection shapes (K, N) as the engine's gemv path calls them: QKV with the RMSNorm
 # prologue and bias, O with the residual epilogue, gate-up with the RMSNorm prologue and the
@@ -62,6 +63,7 @@ PAIRS = [(bn, bk) for bn in (1, 2, 4, 8) for bk in (128, 256, 512, 1024)
          if 256 <= bn * bk <= 8192]
 WARPS = (2, 4, 8)
 STAGES2 = (2,)
+PERSISTENT = (4, 8, 16, 32)  # programs per SM tried for the three best configurations
 
 
 def log(*a):
@@ -83,8 +85,9 @@ def weights(k: int, n: int, int8: bool, copies: int):
     return torch.empty((copies, n, k), dtype=torch.bfloat16, device=DEV).normal_(0, 0.02), None
 
 
-def cases():
-    """(label, model, proj, K, N, int8, M, prologue, residual, bias, glu) of every swept case."""
+def cases(only=None):
+    """(label, model, proj, K, N, int8, M, prologue, residual, bias, glu) of every swept case
+    (``only``: model names and/or "int8" to keep)."""
     out = []
     for model, projs in MODELS.items():
         for proj, (k, n) in projs.items():
@@ -95,7 +98,7 @@ def cases():
     for lab, k, n in INT8_SHAPES:
         for m in M_INT8:
             out.append((lab, "int8", "plain", k, n, True, m, "none", False, False, False))
-    return out
+    return [c for c in out if not only or c[1] in only]
 
 
 class Case:
@@ -154,10 +157,10 @@ def all_configs():
 
 
 def _precompile(args):
-    wid, nw = args
+    wid, nw, only = args
     i = 0
     seen = set()
-    for c in cases():
+    for c in cases(only):
         case = Case(c, 0)
         key = (c[5], c[6], c[7], c[8], c[9], c[10]) + tuple(c[3] % b == 0 for b in (2048, 1024, 512, 256, 128))
         if key in seen:          # same kernel binaries as an earlier case
@@ -188,7 +191,7 @@ def run_case(c, sweep: bool) -> dict:
     def t_cfg(cfg) -> dict:
         """One sweep row: ``us`` is None, with ``error`` saying why, when the configuration
         failed its parity check or its launch (e.g. out of registers)."""
-        out = dict(cfg=[cfg.block_n, cfg.block_k, cfg.num_warps, cfg.stages], us=None, rel_err=None, error=None)
+        out = dict(cfg=cfg.as_list(), us=None, rel_err=None, error=None)
         try:
             out["rel_err"] = case.check(cfg)
             if out["rel_err"] < 1e-2:
@@ -224,8 +227,11 @@ def run_case(c, sweep: bool) -> dict:
         p1 = [t_cfg(GemvConfig(bn, bk, nw, 1)) for bn, bk in PAIRS for nw in WARPS]
         tried += p1
         for r in sorted((r for r in p1 if r["us"] is not None), key=lambda r: r["us"])[:3]:
-            bn, bk, nw, _ = r["cfg"]
+            bn, bk, nw, _ = r["cfg"][:4]
             tried += [t_cfg(GemvConfig(bn, bk, nw, st)) for st in STAGES2]
+            # persistent grids: at most p programs an SM, each looping over row blocks
+            tried += [t_cfg(GemvConfig(bn, bk, nw, 1, pps)) for pps in PERSISTENT
+                      if pps * SMS < -(-case.n // bn)]
         row["sweep"] = tried
     ok = [r for r in tried if r["us"] is not None]
     best = min(ok, key=lambda r: r["us"]) if ok else None
@@ -282,7 +288,8 @@ def main() -> int:
     p.add_argument("--out", type=Path, default=Path("results/kernels"))
     p.add_argument("--workers", type=int, default=14)
     p.add_argument("--no-sweep", action="store_true")
-    p.add_argument("--table", type=Path, help="write the tuned configurations here (JSON)")
+    p.add_argument("--table", type=Path, help="merge the tuned configurations into this JSON table")
+    p.add_argument("--only", nargs="+", help="models to run (0.5b 1.5b 7b int8); default all")
     a = p.parse_args()
     a.out.mkdir(parents=True, exist_ok=True)
     gpu = torch.cuda.get_device_name(0)
@@ -291,7 +298,7 @@ def main() -> int:
                command="python3 scripts/bench_gemv.py " + " ".join(sys.argv[1:]))
     if not a.no_sweep and a.workers:
         with mp.get_context("spawn").Pool(a.workers) as pool:
-            list(pool.imap_unordered(_precompile, [(i, a.workers) for i in range(a.workers)]))
+            list(pool.imap_unordered(_precompile, [(i, a.workers, a.only) for i in range(a.workers)]))
         log("pre-compiled")
     res = dict(env=env, cases=[])
 
@@ -299,12 +306,16 @@ def main() -> int:
         (a.out / "gemv.json").write_text(json.dumps(res, indent=1))
         (a.out / "gemv.md").write_text(markdown(res))
         if a.table:
-            configs = {table_key(gpu, r["weight"] == "int8", r["prologue"] + ("+glu" if r["glu"] else ""),
-                                 r["M"], r["K"], r["N"]):
-                       r["best_config"] for r in res["cases"] if r.get("best_us") is not None}
-            a.table.write_text(json.dumps(dict(source=env, configs=configs), indent=1, sort_keys=True) + "\n")
+            old = json.loads(a.table.read_text()) if a.table.exists() else {}
+            configs = dict(old.get("configs", {}))
+            configs.update({table_key(gpu, r["weight"] == "int8", r["prologue"] + ("+glu" if r["glu"] else ""),
+                                      r["M"], r["K"], r["N"]):
+                            r["best_config"] for r in res["cases"] if r.get("best_us") is not None})
+            sources = [x for x in old.get("sources", [old["source"]] if "source" in old else [])]
+            a.table.write_text(json.dumps(dict(sources=sources + [env], configs=configs), indent=1,
+                                          sort_keys=True) + "\n")
 
-    for c in cases():
+    for c in cases(a.only):
         try:
             res["cases"].append(run_case(c, sweep=not a.no_sweep))
         except Exception as e:  # noqa: BLE001 - e.g. out of memory: kept as a row with the error

@@ -342,6 +342,7 @@ def _gemv_case(m, n, k, prologue, int8, dtype, glu=False, seed=0):
     (3, 21, 64, "none", False, torch.float32, GemvConfig(4, 16, 1, 2)),   # pipelined loop
     (4, 40, 72, "rmsnorm", True, torch.float32, GemvConfig(2, 32, 1, 3)),
     (2, 9, 33, "none", True, torch.float16, GemvConfig(1, 16, 1, 1)),
+    (3, 37, 100, "rmsnorm", True, torch.float32, GemvConfig(4, 32, 1, 1, 1)),  # persistent: 2 programs
 ])
 def test_gemv_matches_reference(m, n, k, prologue, int8, dtype, cfg):
     x, w, scale, gw = _gemv_case(m, n, k, prologue, int8, dtype)
@@ -361,6 +362,7 @@ def test_gemv_matches_reference(m, n, k, prologue, int8, dtype, cfg):
     (1, 19, 100, "rmsnorm", False, torch.float32, None),           # the engine's MLP call
     (4, 24, 64, "rmsnorm", True, torch.float32, GemvConfig(2, 32, 1, 1)),
     (2, 33, 40, "none", False, torch.float16, GemvConfig(4, 16, 1, 2)),
+    (1, 19, 100, "rmsnorm", False, torch.float32, GemvConfig(2, 32, 1, 1, 2)),  # persistent
 ])
 def test_gemv_swiglu_epilogue(m, n, k, prologue, int8, dtype, cfg):
     """``silu(gate) * up`` of a packed ``[gate; up]`` projection, gate row n and up row N + n
@@ -382,6 +384,7 @@ def test_gemv_swiglu_epilogue(m, n, k, prologue, int8, dtype, cfg):
     (1, 12, 2, 32, False, torch.float32, None),      # Qwen2.5-1.5B head ratio, small D
     (3, 7, 1, 16, True, torch.float32, GemvConfig(2, 16, 1, 1)),   # GQA 7, K not a tile multiple
     (4, 2, 2, 64, False, torch.float16, GemvConfig(4, 32, 1, 1)),
+    (2, 6, 2, 32, False, torch.float32, GemvConfig(2, 16, 1, 1, 1)),   # persistent: 2 programs
 ])
 def test_gemv_qkv_rope_matches_unfused(m, hq, hkv, d, int8, dtype, cfg):
     """RMSNorm + packed QKV + bias + RoPE + K/V cache write in one kernel against the unfused
@@ -465,16 +468,20 @@ def test_gemv_config_env_and_table(monkeypatch, tmp_path):
     from llmserve.triton_kernels import gemv as gm
     monkeypatch.setenv("LLMSERVE_GEMV_CONFIG", "2,64,2,1")
     assert gm.choose_gemv_config(1, 10, 10, torch.float32, DEVICE) == GemvConfig(2, 64, 2, 1)
+    monkeypatch.setenv("LLMSERVE_GEMV_CONFIG", "2,64,2,1,16")
+    assert gm.choose_gemv_config(1, 10, 10, torch.float32, DEVICE).programs_per_sm == 16
     for bad in ("8,32,4", "8,48,4,1", "a,b,c,d"):
         monkeypatch.setenv("LLMSERVE_GEMV_CONFIG", bad)
         with pytest.raises(ValueError, match="LLMSERVE_GEMV_CONFIG"):
             gm.choose_gemv_config(1, 10, 10, torch.float32, DEVICE)
     monkeypatch.delenv("LLMSERVE_GEMV_CONFIG")
     table = tmp_path / "t.json"                  # malformed entries are skipped, good ones kept
-    table.write_text('{"configs": {"a": [1, 2], "b": [2, 48, 4, 1], "c": [2, 256, 4, 1]}}')
+    table.write_text('{"configs": {"a": [1, 2], "b": [2, 48, 4, 1], "c": [2, 256, 4, 1], '
+                     '"d": [1, 512, 2, 1, 8], "e": [1, 512, 2, 1, -1]}}')
     monkeypatch.setenv("LLMSERVE_GEMV_TABLE", str(table))
     monkeypatch.setattr(gm, "_TABLE", None)
-    assert gm._table() == {"c": GemvConfig(2, 256, 4, 1)}
+    assert gm._table() == {"c": GemvConfig(2, 256, 4, 1), "d": GemvConfig(1, 512, 2, 1, 8)}
+    assert gm._table()["d"].as_list() == [1, 512, 2, 1, 8]
     table.write_text("[1, 2, 3]")
     monkeypatch.setattr(gm, "_TABLE", None)
     assert gm._table() == {}

@@ -48,7 +48,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ._launch import gdc_launch_dependents, gdc_wait, pdl_launch_kwargs
+from ._launch import gdc_launch_dependents, gdc_wait, num_sms, pdl_launch_kwargs
 
 __all__ = ["GemvConfig", "choose_gemv_config", "gemv", "gemv_qkv_rope", "gemv_reference", "GEMV_MAX_M"]
 
@@ -66,6 +66,33 @@ def _load_w(w_base, k0, K, rk, EVEN_K: tl.constexpr):
         w = tl.load(w_base + k0, mask=((k0 + rk) < K)[None, None, :], other=0,
                     eviction_policy="evict_first")
     return w
+
+
+@triton.jit
+def _prefetch_w(w_base, K, rk, blk, num_blocks):
+    """The first tile of row block ``blk``, loaded only if that block exists."""
+    live = (rk < K) & ((rk * 0 + blk) < num_blocks)                  # [BLOCK_K]
+    return tl.load(w_base, mask=live[None, None, :], other=0, eviction_policy="evict_first")
+
+
+@triton.jit
+def _gemv_rows(blk, N, BLOCK_N: tl.constexpr, ROPE: tl.constexpr, HALF: tl.constexpr):
+    """Outputs ``rn`` of row block ``blk`` (``rn_ld`` wrapped into range for loads) and their
+    weight rows: ``row_a`` and the second row ``row_b`` of a GLU pair (``N`` rows below) or a
+    RoPE pair (row ``j + D/2`` of the same head); ``head``/``j`` locate a RoPE pair."""
+    rn = blk * BLOCK_N + tl.arange(0, BLOCK_N)
+    rn_ld = rn % N                                          # wrapped: in-bounds loads, masked stores
+    if ROPE:                                                # pair (head, j): rows j and j + HALF
+        head = rn_ld // HALF
+        j = rn_ld % HALF
+        row_a = head * (2 * HALF) + j
+        row_b = row_a + HALF
+    else:
+        head = rn_ld
+        j = rn_ld
+        row_a = rn_ld
+        row_b = rn_ld + N                                   # GLU: the "up" row (unused otherwise)
+    return rn, rn_ld, row_a, row_b, head, j
 
 
 @triton.jit
@@ -99,7 +126,9 @@ def _gemv_kernel(x_ptr, w_ptr, y_ptr, scale_ptr, bias_ptr, res_ptr, g_ptr,
                  HQ: tl.constexpr, HKV: tl.constexpr, HALF: tl.constexpr,
                  BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                  EVEN_K: tl.constexpr, STAGES: tl.constexpr, USE_PDL: tl.constexpr):
-    """One program: ``BLOCK_N`` outputs for all ``M <= BLOCK_M`` rows.
+    """A program computes ``BLOCK_N`` outputs (a row block) for all ``M <= BLOCK_M`` rows of x,
+    for row blocks ``pid, pid + grid, ...`` (one block when the grid covers them all; fewer,
+    "persistent", programs loop and avoid a last partial wave).
 
     An output is one weight row, or (``GLU``) the pair gate row ``n`` / up row ``N + n``, or
     (``ROPE``) the pair of rows ``j`` and ``j + D/2`` of one head of the packed QKV weight, which
@@ -107,120 +136,130 @@ def _gemv_kernel(x_ptr, w_ptr, y_ptr, scale_ptr, bias_ptr, res_ptr, g_ptr,
     zero stride along N (all N-rows of the tile read the same activations: L1 hits), so it
     arrives in the weight tile's register layout and no layout conversion is needed.
 
-    With ``USE_PDL`` the first weight tile is loaded before ``gdc_wait``: weights never depend
-    on the previous kernel, so their first bytes stream while that kernel drains.
+    The first weight tile of the next row block is loaded before the current block's epilogue,
+    and the very first one before ``gdc_wait`` (``USE_PDL``): weights never depend on the
+    previous kernel, so their first bytes stream while that kernel drains.
     """
     TWO_ROWS: tl.constexpr = GLU or ROPE
-    pid_n = tl.program_id(0)
-    rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-    rn_ld = rn % N                                          # wrapped: in-bounds loads, masked stores
-    if ROPE:                                                # pair (head, j): rows j and j + HALF
-        head = rn_ld // HALF
-        j = rn_ld % HALF
-        row_a = head * (2 * HALF) + j
-        row_b = row_a + HALF
-    else:
-        row_a = rn_ld
-        row_b = rn_ld + N                                   # GLU: the "up" row (unused otherwise)
+    pid = tl.program_id(0)
+    nprog = tl.num_programs(0)
+    num_blocks = tl.cdiv(N, BLOCK_N)
     rm = tl.arange(0, BLOCK_M)
     rm_ld = rm % M
     rk = tl.arange(0, BLOCK_K)
-    w_base = w_ptr + row_a[None, :, None].to(tl.int64) * stride_wn + rk[None, None, :]   # [1, BN, BK]
-    wb_base = w_ptr + row_b[None, :, None].to(tl.int64) * stride_wn + rk[None, None, :]
-    x_base = x_ptr + rm_ld[:, None, None].to(tl.int64) * stride_xm + (rn * 0)[None, :, None] \
-        + rk[None, None, :]                                                              # [BM, BN, BK]
-    w = _load_w(w_base, 0, K, rk, EVEN_K)
+    rn, rn_ld, row_a, row_b, head, j = _gemv_rows(pid, N, BLOCK_N, ROPE, HALF)
+    w = _load_w(w_ptr + row_a[None, :, None].to(tl.int64) * stride_wn + rk[None, None, :], 0, K, rk, EVEN_K)
     if TWO_ROWS:
-        wb = _load_w(wb_base, 0, K, rk, EVEN_K)
+        wb = _load_w(w_ptr + row_b[None, :, None].to(tl.int64) * stride_wn + rk[None, None, :], 0, K, rk,
+                     EVEN_K)
     else:
         wb = w
     if USE_PDL:  # everything below may read what the previous kernel wrote
         gdc_wait()
         gdc_launch_dependents()
-    acc = tl.zeros([BLOCK_M, BLOCK_N, BLOCK_K], dtype=tl.float32)
-    if TWO_ROWS:
-        acc_b = tl.zeros([BLOCK_M, BLOCK_N, BLOCK_K], dtype=tl.float32)
-    else:
-        acc_b = tl.zeros([1, 1, 1], dtype=tl.float32)
-    if PROLOGUE == 1:
-        sq = tl.zeros([BLOCK_M, BLOCK_N, BLOCK_K], dtype=tl.float32)
-    else:
-        sq = tl.zeros([1, 1, 1], dtype=tl.float32)
-    acc, acc_b, sq = _gemv_step(acc, acc_b, sq, w, wb, x_base, g_ptr, 0, K, rk, PROLOGUE, TWO_ROWS,
-                                EVEN_K)
-    for k0 in tl.range(BLOCK_K, K, BLOCK_K, num_stages=STAGES):
-        w = _load_w(w_base, k0, K, rk, EVEN_K)
+    for blk in range(pid, num_blocks, nprog):
+        rn, rn_ld, row_a, row_b, head, j = _gemv_rows(blk, N, BLOCK_N, ROPE, HALF)
+        w_base = w_ptr + row_a[None, :, None].to(tl.int64) * stride_wn + rk[None, None, :]   # [1, BN, BK]
+        wb_base = w_ptr + row_b[None, :, None].to(tl.int64) * stride_wn + rk[None, None, :]
+        x_base = x_ptr + rm_ld[:, None, None].to(tl.int64) * stride_xm + (rn * 0)[None, :, None] \
+            + rk[None, None, :]                                                              # [BM, BN, BK]
+        acc = tl.zeros([BLOCK_M, BLOCK_N, BLOCK_K], dtype=tl.float32)
         if TWO_ROWS:
-            wb = _load_w(wb_base, k0, K, rk, EVEN_K)
-        acc, acc_b, sq = _gemv_step(acc, acc_b, sq, w, wb, x_base, g_ptr, k0, K, rk, PROLOGUE,
-                                    TWO_ROWS, EVEN_K)
-    out = tl.sum(acc, axis=2)                                                            # [BM, BN]
-    if TWO_ROWS:
-        out_b = tl.sum(acc_b, axis=2)
-    if PROLOGUE == 1:
-        ms = tl.sum(sq, axis=2) / K                            # [BM, BN], every column equal
-        rstd = tl.math.rsqrt(ms + eps)
-        out = out * rstd
+            acc_b = tl.zeros([BLOCK_M, BLOCK_N, BLOCK_K], dtype=tl.float32)
+        else:
+            acc_b = tl.zeros([1, 1, 1], dtype=tl.float32)
+        if PROLOGUE == 1:
+            sq = tl.zeros([BLOCK_M, BLOCK_N, BLOCK_K], dtype=tl.float32)
+        else:
+            sq = tl.zeros([1, 1, 1], dtype=tl.float32)
+        acc, acc_b, sq = _gemv_step(acc, acc_b, sq, w, wb, x_base, g_ptr, 0, K, rk, PROLOGUE, TWO_ROWS,
+                                    EVEN_K)
+        for k0 in tl.range(BLOCK_K, K, BLOCK_K, num_stages=STAGES):
+            w = _load_w(w_base, k0, K, rk, EVEN_K)
+            if TWO_ROWS:
+                wb = _load_w(wb_base, k0, K, rk, EVEN_K)
+            acc, acc_b, sq = _gemv_step(acc, acc_b, sq, w, wb, x_base, g_ptr, k0, K, rk, PROLOGUE,
+                                        TWO_ROWS, EVEN_K)
+        # the next row block's first tile, in flight during this block's epilogue
+        nxt = blk + nprog
+        _, _, nrow_a, nrow_b, _, _ = _gemv_rows(nxt % num_blocks, N, BLOCK_N, ROPE, HALF)
+        w = _prefetch_w(w_ptr + nrow_a[None, :, None].to(tl.int64) * stride_wn + rk[None, None, :], K, rk,
+                        nxt, num_blocks)
         if TWO_ROWS:
-            out_b = out_b * rstd
-    if W_INT8:
-        out = out * tl.load(scale_ptr + row_a).to(tl.float32)[None, :]
+            wb = _prefetch_w(w_ptr + nrow_b[None, :, None].to(tl.int64) * stride_wn + rk[None, None, :], K,
+                             rk, nxt, num_blocks)
+        else:
+            wb = w
+        out = tl.sum(acc, axis=2)                                                            # [BM, BN]
         if TWO_ROWS:
-            out_b = out_b * tl.load(scale_ptr + row_b).to(tl.float32)[None, :]
-    mask = (rm[:, None] < M) & (rn[None, :] < N)
-    if ROPE:
-        # The unfused path: qkv = round(proj + bias); RoPE in fp32 on the rounded values (rotate
-        # half: [a, b] -> [a cos - b sin, b cos + a sin]); q to y, k and v to the cache slot.
-        if HAS_BIAS:
-            out = out + tl.load(bias_ptr + row_a).to(tl.float32)[None, :]
-            out_b = out_b + tl.load(bias_ptr + row_b).to(tl.float32)[None, :]
-        a = out.to(y_ptr.dtype.element_ty).to(tl.float32)
-        b = out_b.to(y_ptr.dtype.element_ty).to(tl.float32)
-        pos = tl.load(pos_ptr + rm_ld).to(tl.int64)                                      # [BM]
-        slot = tl.load(slot_ptr + rm_ld).to(tl.int64)
-        slot = tl.where(slot < 0, slot + num_slots, slot)      # padding -> scratch block
-        c = tl.load(cos_ptr + pos[:, None] * HALF + j[None, :])                          # [BM, BN]
-        s = tl.load(sin_ptr + pos[:, None] * HALF + j[None, :])
-        is_v = (head >= HQ + HKV)[None, :]
-        ra = tl.where(is_v, a, a * c - b * s)
-        rb = tl.where(is_v, b, b * c + a * s)
-        is_q = (head < HQ)[None, :]
-        q_ptrs = y_ptr + rm[:, None].to(tl.int64) * stride_ym + row_a[None, :]
-        tl.store(q_ptrs, ra.to(y_ptr.dtype.element_ty), mask=mask & is_q)
-        tl.store(q_ptrs + HALF, rb.to(y_ptr.dtype.element_ty), mask=mask & is_q)
-        kv_row = tl.where(head < HQ + HKV, head - HQ, head - HQ - HKV) * (2 * HALF) + j   # [BN]
-        c_off = slot[:, None] * (HKV * 2 * HALF) + kv_row[None, :]
-        is_k = (head >= HQ)[None, :] & (head < HQ + HKV)[None, :]
-        tl.store(kc_ptr + c_off, ra.to(kc_ptr.dtype.element_ty), mask=mask & is_k)
-        tl.store(kc_ptr + c_off + HALF, rb.to(kc_ptr.dtype.element_ty), mask=mask & is_k)
-        tl.store(vc_ptr + c_off, ra.to(vc_ptr.dtype.element_ty), mask=mask & is_v)
-        tl.store(vc_ptr + c_off + HALF, rb.to(vc_ptr.dtype.element_ty), mask=mask & is_v)
-    else:
-        if GLU:
-            # SwiGLU as the unfused path rounds it: gate and up projections, then silu(gate),
-            # in the model dtype; the product in fp32, rounded once at the store
-            g = out.to(y_ptr.dtype.element_ty).to(tl.float32)
-            up = out_b.to(y_ptr.dtype.element_ty).to(tl.float32)
-            out = (g / (1.0 + tl.exp(-g))).to(y_ptr.dtype.element_ty).to(tl.float32) * up
-        if HAS_BIAS:
-            out = out + tl.load(bias_ptr + rn_ld).to(tl.float32)[None, :]
-        if HAS_RES:
-            r = tl.load(res_ptr + rm_ld[:, None].to(tl.int64) * stride_rm + rn_ld[None, :])
-            # the unfused path rounds the projection to the model dtype before the residual add
-            out = r.to(tl.float32) + out.to(y_ptr.dtype.element_ty).to(tl.float32)
-        tl.store(y_ptr + rm[:, None].to(tl.int64) * stride_ym + rn[None, :],
-                 out.to(y_ptr.dtype.element_ty), mask=mask)
+            out_b = tl.sum(acc_b, axis=2)
+        if PROLOGUE == 1:
+            ms = tl.sum(sq, axis=2) / K                            # [BM, BN], every column equal
+            rstd = tl.math.rsqrt(ms + eps)
+            out = out * rstd
+            if TWO_ROWS:
+                out_b = out_b * rstd
+        if W_INT8:
+            out = out * tl.load(scale_ptr + row_a).to(tl.float32)[None, :]
+            if TWO_ROWS:
+                out_b = out_b * tl.load(scale_ptr + row_b).to(tl.float32)[None, :]
+        mask = (rm[:, None] < M) & (rn[None, :] < N)
+        if ROPE:
+            # The unfused path: qkv = round(proj + bias); RoPE in fp32 on the rounded values (rotate
+            # half: [a, b] -> [a cos - b sin, b cos + a sin]); q to y, k and v to the cache slot.
+            if HAS_BIAS:
+                out = out + tl.load(bias_ptr + row_a).to(tl.float32)[None, :]
+                out_b = out_b + tl.load(bias_ptr + row_b).to(tl.float32)[None, :]
+            a = out.to(y_ptr.dtype.element_ty).to(tl.float32)
+            b = out_b.to(y_ptr.dtype.element_ty).to(tl.float32)
+            pos = tl.load(pos_ptr + rm_ld).to(tl.int64)                                      # [BM]
+            slot = tl.load(slot_ptr + rm_ld).to(tl.int64)
+            slot = tl.where(slot < 0, slot + num_slots, slot)      # padding -> scratch block
+            c = tl.load(cos_ptr + pos[:, None] * HALF + j[None, :])                          # [BM, BN]
+            s = tl.load(sin_ptr + pos[:, None] * HALF + j[None, :])
+            is_v = (head >= HQ + HKV)[None, :]
+            ra = tl.where(is_v, a, a * c - b * s)
+            rb = tl.where(is_v, b, b * c + a * s)
+            is_q = (head < HQ)[None, :]
+            q_ptrs = y_ptr + rm[:, None].to(tl.int64) * stride_ym + row_a[None, :]
+            tl.store(q_ptrs, ra.to(y_ptr.dtype.element_ty), mask=mask & is_q)
+            tl.store(q_ptrs + HALF, rb.to(y_ptr.dtype.element_ty), mask=mask & is_q)
+            kv_row = tl.where(head < HQ + HKV, head - HQ, head - HQ - HKV) * (2 * HALF) + j   # [BN]
+            c_off = slot[:, None] * (HKV * 2 * HALF) + kv_row[None, :]
+            is_k = (head >= HQ)[None, :] & (head < HQ + HKV)[None, :]
+            tl.store(kc_ptr + c_off, ra.to(kc_ptr.dtype.element_ty), mask=mask & is_k)
+            tl.store(kc_ptr + c_off + HALF, rb.to(kc_ptr.dtype.element_ty), mask=mask & is_k)
+            tl.store(vc_ptr + c_off, ra.to(vc_ptr.dtype.element_ty), mask=mask & is_v)
+            tl.store(vc_ptr + c_off + HALF, rb.to(vc_ptr.dtype.element_ty), mask=mask & is_v)
+        else:
+            if GLU:
+                # SwiGLU as the unfused path rounds it: gate and up projections, then silu(gate),
+                # in the model dtype; the product in fp32, rounded once at the store
+                g = out.to(y_ptr.dtype.element_ty).to(tl.float32)
+                up = out_b.to(y_ptr.dtype.element_ty).to(tl.float32)
+                out = (g / (1.0 + tl.exp(-g))).to(y_ptr.dtype.element_ty).to(tl.float32) * up
+            if HAS_BIAS:
+                out = out + tl.load(bias_ptr + rn_ld).to(tl.float32)[None, :]
+            if HAS_RES:
+                r = tl.load(res_ptr + rm_ld[:, None].to(tl.int64) * stride_rm + rn_ld[None, :])
+                # the unfused path rounds the projection to the model dtype before the residual add
+                out = r.to(tl.float32) + out.to(y_ptr.dtype.element_ty).to(tl.float32)
+            tl.store(y_ptr + rm[:, None].to(tl.int64) * stride_ym + rn[None, :],
+                     out.to(y_ptr.dtype.element_ty), mask=mask)
 
 
 @dataclass(frozen=True, slots=True)
 class GemvConfig:
-    """Launch configuration of :func:`gemv`: ``block_n`` output columns a program, ``block_k``
-    weight columns a pipeline step, ``stages`` tiles in flight (1: no pipelining)."""
+    """Launch configuration of :func:`gemv`: ``block_n`` output columns a row block,
+    ``block_k`` weight columns a step, ``stages`` tiles in flight (1: no pipelining),
+    ``programs_per_sm`` (0: one program a row block; ``p``: at most ``p`` programs per SM, each
+    looping over row blocks, which avoids a last partial wave)."""
 
     block_n: int
     block_k: int
     num_warps: int = 4
     stages: int = 1
+    programs_per_sm: int = 0
 
     def __post_init__(self) -> None:
         for name in ("block_n", "block_k", "num_warps"):
@@ -231,6 +270,13 @@ class GemvConfig:
             raise ValueError(f"GemvConfig.num_warps must be <= 16, got {self.num_warps}")
         if not isinstance(self.stages, int) or self.stages < 1:
             raise ValueError(f"GemvConfig.stages must be an int >= 1, got {self.stages!r}")
+        if not isinstance(self.programs_per_sm, int) or self.programs_per_sm < 0:
+            raise ValueError(f"GemvConfig.programs_per_sm must be an int >= 0, got {self.programs_per_sm!r}")
+
+    def as_list(self) -> list[int]:
+        """The table form: ``[block_n, block_k, num_warps, stages(, programs_per_sm)]``."""
+        v = [self.block_n, self.block_k, self.num_warps, self.stages]
+        return v + [self.programs_per_sm] if self.programs_per_sm else v
 
 
 _TABLE: dict[str, GemvConfig] | None = None
@@ -240,7 +286,8 @@ def _table() -> dict[str, GemvConfig]:
     """Tuned configurations: ``gemv_configs.json`` next to this file, or the file named by
     ``LLMSERVE_GEMV_TABLE``; written by ``scripts/bench_gemv.py`` from a device sweep. Keys are
     ``"<gpu name>|<int8|float>|<prologue>|<M>|<K>|<N>"``, values ``[block_n, block_k,
-    num_warps, stages]``; malformed entries are ignored. Read once per process."""
+    num_warps, stages]`` or with ``programs_per_sm`` fifth; malformed entries are ignored.
+    Read once per process."""
     global _TABLE
     if _TABLE is None:
         path = os.environ.get("LLMSERVE_GEMV_TABLE") or os.path.join(os.path.dirname(__file__),
@@ -253,7 +300,7 @@ def _table() -> dict[str, GemvConfig]:
         configs = data.get("configs") if isinstance(data, dict) else None
         table = {}
         for key, v in (configs.items() if isinstance(configs, dict) else ()):
-            if isinstance(v, list) and len(v) == 4:
+            if isinstance(v, list) and len(v) in (4, 5):
                 try:
                     table[key] = GemvConfig(*v)
                 except (TypeError, ValueError):
@@ -271,7 +318,7 @@ def choose_gemv_config(m: int, n: int, k: int, w_dtype: torch.dtype, device: tor
                        prologue: str = "none") -> GemvConfig:
     """Shape-keyed configuration (deterministic, CUDA-graph safe; no autotuning at run time).
 
-    Order: ``LLMSERVE_GEMV_CONFIG="bn,bk,warps,stages"`` (A/B runs), then the tuned table
+    Order: ``LLMSERVE_GEMV_CONFIG="bn,bk,warps,stages[,programs_per_sm]"`` (A/B runs), then the tuned table
     (exact GPU name, weight kind, prologue, M, K, N), then a rule from the H200 sweeps in
     ``results/kernels/gemv_*.md``: no software pipelining (``stages=1`` beat 2-4 on every
     shape: with one or two rows a program, many programs per SM keep enough loads in flight
@@ -282,11 +329,11 @@ def choose_gemv_config(m: int, n: int, k: int, w_dtype: torch.dtype, device: tor
     if env:
         try:
             vals = [int(v) for v in env.split(",")]
-            if len(vals) != 4:
+            if len(vals) not in (4, 5):
                 raise ValueError(f"{len(vals)} values")
             return GemvConfig(*vals)
         except (TypeError, ValueError) as e:
-            raise ValueError(f"LLMSERVE_GEMV_CONFIG must be 'block_n,block_k,num_warps,stages' "
+            raise ValueError(f"LLMSERVE_GEMV_CONFIG must be 'block_n,block_k,num_warps,stages[,programs_per_sm]' "
                              f"(powers of two; stages >= 1), got {env!r}: {e}") from None
     if device.type != "cuda":
         return GemvConfig(block_n=8, block_k=32, num_warps=1, stages=1)
@@ -375,7 +422,10 @@ def _launch(x, weight, out, cfg: GemvConfig, n: int, *, scale=None, bias=None, r
     else:
         hq = hkv = half = 1
         rope_args = (dummy, dummy, dummy, dummy, dummy, dummy, 0)
-    _gemv_kernel[(triton.cdiv(n, cfg.block_n),)](
+    blocks = triton.cdiv(n, cfg.block_n)
+    if cfg.programs_per_sm:
+        blocks = min(blocks, cfg.programs_per_sm * num_sms(x.device, cpu_default=2))
+    _gemv_kernel[(blocks,)](
         x, weight, out, scale if scale is not None else dummy, bias if bias is not None else dummy,
         residual if residual is not None else out, norm_weight if norm_weight is not None else dummy,
         *rope_args, m, n, k, x.stride(0), weight.stride(0), out.stride(0),

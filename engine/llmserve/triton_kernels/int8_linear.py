@@ -190,6 +190,7 @@ class Int8LinearConfig:
     num_stages: int = 3
     fused_reduce: bool = False  # split-K: last split reduces (no second launch) vs reduce kernel
     kind: str = "mma"  # "mma" (tensor cores), "vec" (gemv.py, M <= 4), "dequant"
+    programs_per_sm: int = 0  # "vec": GemvConfig.programs_per_sm
 
 
 def _tile_counters(device: torch.device, n: int) -> torch.Tensor:
@@ -231,7 +232,7 @@ def choose_int8_config(m: int, n: int, k: int, device: torch.device) -> Int8Line
     if m == 1:  # block_n / block_k / num_warps / num_stages of the gemv.py launch
         g = choose_gemv_config(1, n, k, torch.int8, device)
         return Int8LinearConfig(1, g.block_n, g.block_k, num_warps=g.num_warps, num_stages=g.stages,
-                                kind="vec")
+                                kind="vec", programs_per_sm=g.programs_per_sm)
     if device.type != "cuda":
         if m <= 64:
             split = 2 if k >= 64 else 1
@@ -317,7 +318,8 @@ def int8_linear(x: torch.Tensor, w_int8: torch.Tensor, scale: torch.Tensor,
         if m > GEMV_MAX_M:
             raise ValueError(f"kind 'vec' serves M <= {GEMV_MAX_M}, got M={m}")
         y = gemv(x2, w_int8, scale=scale, bias=bias,
-                 config=GemvConfig(cfg.block_n, cfg.block_k, cfg.num_warps, cfg.num_stages))
+                 config=GemvConfig(cfg.block_n, cfg.block_k, cfg.num_warps, cfg.num_stages,
+                                   cfg.programs_per_sm))
         return y.reshape(*lead, n)
     if cfg.kind == "dequant":
         # Compute-bound shapes: one pass int8 -> x.dtype weights, then the vendor GEMM (the
