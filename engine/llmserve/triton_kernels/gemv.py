@@ -118,6 +118,98 @@ def _gemv_step(acc, acc_b, sq, w, wb, x_base, g_ptr, k0, K, rk, PROLOGUE: tl.con
 
 
 @triton.jit
+def _gemv_block(blk, w, wb, rm, rm_ld, rk, x_ptr, w_ptr, y_ptr, scale_ptr, bias_ptr, res_ptr, g_ptr,
+                kc_ptr, vc_ptr, cos_ptr, sin_ptr, pos_ptr, slot_ptr, num_slots,
+                M, N, K, stride_xm, stride_wn, stride_ym, stride_rm, eps,
+                W_INT8: tl.constexpr, HAS_BIAS: tl.constexpr, HAS_RES: tl.constexpr,
+                PROLOGUE: tl.constexpr, GLU: tl.constexpr, ROPE: tl.constexpr,
+                HQ: tl.constexpr, HKV: tl.constexpr, HALF: tl.constexpr,
+                BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                EVEN_K: tl.constexpr, STAGES: tl.constexpr):
+    """Row block ``blk``: accumulate over K (``w``/``wb``: its first weight tiles, already
+    loaded), then the epilogue and the stores."""
+    TWO_ROWS: tl.constexpr = GLU or ROPE
+    rn, rn_ld, row_a, row_b, head, j = _gemv_rows(blk, N, BLOCK_N, ROPE, HALF)
+    w_base = w_ptr + row_a[None, :, None].to(tl.int64) * stride_wn + rk[None, None, :]   # [1, BN, BK]
+    wb_base = w_ptr + row_b[None, :, None].to(tl.int64) * stride_wn + rk[None, None, :]
+    x_base = x_ptr + rm_ld[:, None, None].to(tl.int64) * stride_xm + (rn * 0)[None, :, None] \
+        + rk[None, None, :]                                                              # [BM, BN, BK]
+    acc = tl.zeros([BLOCK_M, BLOCK_N, BLOCK_K], dtype=tl.float32)
+    if TWO_ROWS:
+        acc_b = tl.zeros([BLOCK_M, BLOCK_N, BLOCK_K], dtype=tl.float32)
+    else:
+        acc_b = tl.zeros([1, 1, 1], dtype=tl.float32)
+    if PROLOGUE == 1:
+        sq = tl.zeros([BLOCK_M, BLOCK_N, BLOCK_K], dtype=tl.float32)
+    else:
+        sq = tl.zeros([1, 1, 1], dtype=tl.float32)
+    acc, acc_b, sq = _gemv_step(acc, acc_b, sq, w, wb, x_base, g_ptr, 0, K, rk, PROLOGUE, TWO_ROWS,
+                                EVEN_K)
+    for k0 in tl.range(BLOCK_K, K, BLOCK_K, num_stages=STAGES):
+        w = _load_w(w_base, k0, K, rk, EVEN_K)
+        if TWO_ROWS:
+            wb = _load_w(wb_base, k0, K, rk, EVEN_K)
+        acc, acc_b, sq = _gemv_step(acc, acc_b, sq, w, wb, x_base, g_ptr, k0, K, rk, PROLOGUE,
+                                    TWO_ROWS, EVEN_K)
+    out = tl.sum(acc, axis=2)                                                            # [BM, BN]
+    if TWO_ROWS:
+        out_b = tl.sum(acc_b, axis=2)
+    if PROLOGUE == 1:
+        ms = tl.sum(sq, axis=2) / K                            # [BM, BN], every column equal
+        rstd = tl.math.rsqrt(ms + eps)
+        out = out * rstd
+        if TWO_ROWS:
+            out_b = out_b * rstd
+    if W_INT8:
+        out = out * tl.load(scale_ptr + row_a).to(tl.float32)[None, :]
+        if TWO_ROWS:
+            out_b = out_b * tl.load(scale_ptr + row_b).to(tl.float32)[None, :]
+    mask = (rm[:, None] < M) & (rn[None, :] < N)
+    if ROPE:
+        # The unfused path: qkv = round(proj + bias); RoPE in fp32 on the rounded values (rotate
+        # half: [a, b] -> [a cos - b sin, b cos + a sin]); q to y, k and v to the cache slot.
+        if HAS_BIAS:
+            out = out + tl.load(bias_ptr + row_a).to(tl.float32)[None, :]
+            out_b = out_b + tl.load(bias_ptr + row_b).to(tl.float32)[None, :]
+        a = out.to(y_ptr.dtype.element_ty).to(tl.float32)
+        b = out_b.to(y_ptr.dtype.element_ty).to(tl.float32)
+        pos = tl.load(pos_ptr + rm_ld).to(tl.int64)                                      # [BM]
+        slot = tl.load(slot_ptr + rm_ld).to(tl.int64)
+        slot = tl.where(slot < 0, slot + num_slots, slot)      # padding -> scratch block
+        c = tl.load(cos_ptr + pos[:, None] * HALF + j[None, :])                          # [BM, BN]
+        s = tl.load(sin_ptr + pos[:, None] * HALF + j[None, :])
+        is_v = (head >= HQ + HKV)[None, :]
+        ra = tl.where(is_v, a, a * c - b * s)
+        rb = tl.where(is_v, b, b * c + a * s)
+        is_q = (head < HQ)[None, :]
+        q_ptrs = y_ptr + rm[:, None].to(tl.int64) * stride_ym + row_a[None, :]
+        tl.store(q_ptrs, ra.to(y_ptr.dtype.element_ty), mask=mask & is_q)
+        tl.store(q_ptrs + HALF, rb.to(y_ptr.dtype.element_ty), mask=mask & is_q)
+        kv_row = tl.where(head < HQ + HKV, head - HQ, head - HQ - HKV) * (2 * HALF) + j   # [BN]
+        c_off = slot[:, None] * (HKV * 2 * HALF) + kv_row[None, :]
+        is_k = (head >= HQ)[None, :] & (head < HQ + HKV)[None, :]
+        tl.store(kc_ptr + c_off, ra.to(kc_ptr.dtype.element_ty), mask=mask & is_k)
+        tl.store(kc_ptr + c_off + HALF, rb.to(kc_ptr.dtype.element_ty), mask=mask & is_k)
+        tl.store(vc_ptr + c_off, ra.to(vc_ptr.dtype.element_ty), mask=mask & is_v)
+        tl.store(vc_ptr + c_off + HALF, rb.to(vc_ptr.dtype.element_ty), mask=mask & is_v)
+    else:
+        if GLU:
+            # SwiGLU as the unfused path rounds it: gate and up projections, then silu(gate),
+            # in the model dtype; the product in fp32, rounded once at the store
+            g = out.to(y_ptr.dtype.element_ty).to(tl.float32)
+            up = out_b.to(y_ptr.dtype.element_ty).to(tl.float32)
+            out = (g / (1.0 + tl.exp(-g))).to(y_ptr.dtype.element_ty).to(tl.float32) * up
+        if HAS_BIAS:
+            out = out + tl.load(bias_ptr + rn_ld).to(tl.float32)[None, :]
+        if HAS_RES:
+            r = tl.load(res_ptr + rm_ld[:, None].to(tl.int64) * stride_rm + rn_ld[None, :])
+            # the unfused path rounds the projection to the model dtype before the residual add
+            out = r.to(tl.float32) + out.to(y_ptr.dtype.element_ty).to(tl.float32)
+        tl.store(y_ptr + rm[:, None].to(tl.int64) * stride_ym + rn[None, :],
+                 out.to(y_ptr.dtype.element_ty), mask=mask)
+
+
+@triton.jit
 def _gemv_kernel(x_ptr, w_ptr, y_ptr, scale_ptr, bias_ptr, res_ptr, g_ptr,
                  kc_ptr, vc_ptr, cos_ptr, sin_ptr, pos_ptr, slot_ptr, num_slots,
                  M, N, K, stride_xm, stride_wn, stride_ym, stride_rm, eps,
@@ -125,10 +217,12 @@ def _gemv_kernel(x_ptr, w_ptr, y_ptr, scale_ptr, bias_ptr, res_ptr, g_ptr,
                  PROLOGUE: tl.constexpr, GLU: tl.constexpr, ROPE: tl.constexpr,
                  HQ: tl.constexpr, HKV: tl.constexpr, HALF: tl.constexpr,
                  BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                 EVEN_K: tl.constexpr, STAGES: tl.constexpr, USE_PDL: tl.constexpr):
-    """A program computes ``BLOCK_N`` outputs (a row block) for all ``M <= BLOCK_M`` rows of x,
-    for row blocks ``pid, pid + grid, ...`` (one block when the grid covers them all; fewer,
-    "persistent", programs loop and avoid a last partial wave).
+                 EVEN_K: tl.constexpr, STAGES: tl.constexpr, PERSISTENT: tl.constexpr,
+                 USE_PDL: tl.constexpr):
+    """A program computes ``BLOCK_N`` outputs (a row block) for all ``M <= BLOCK_M`` rows of x:
+    row block ``pid``, or with ``PERSISTENT`` (a grid smaller than the block count) blocks
+    ``pid, pid + grid, ...``, which avoids a last partial wave; the first tile of its next
+    block is then loaded before the current block's epilogue.
 
     An output is one weight row, or (``GLU``) the pair gate row ``n`` / up row ``N + n``, or
     (``ROPE``) the pair of rows ``j`` and ``j + D/2`` of one head of the packed QKV weight, which
@@ -136,18 +230,15 @@ def _gemv_kernel(x_ptr, w_ptr, y_ptr, scale_ptr, bias_ptr, res_ptr, g_ptr,
     zero stride along N (all N-rows of the tile read the same activations: L1 hits), so it
     arrives in the weight tile's register layout and no layout conversion is needed.
 
-    The first weight tile of the next row block is loaded before the current block's epilogue,
-    and the very first one before ``gdc_wait`` (``USE_PDL``): weights never depend on the
-    previous kernel, so their first bytes stream while that kernel drains.
+    With ``USE_PDL`` the first weight tile is loaded before ``gdc_wait``: weights never depend
+    on the previous kernel, so their first bytes stream while that kernel drains.
     """
     TWO_ROWS: tl.constexpr = GLU or ROPE
     pid = tl.program_id(0)
-    nprog = tl.num_programs(0)
-    num_blocks = tl.cdiv(N, BLOCK_N)
     rm = tl.arange(0, BLOCK_M)
     rm_ld = rm % M
     rk = tl.arange(0, BLOCK_K)
-    rn, rn_ld, row_a, row_b, head, j = _gemv_rows(pid, N, BLOCK_N, ROPE, HALF)
+    _, _, row_a, row_b, _, _ = _gemv_rows(pid, N, BLOCK_N, ROPE, HALF)
     w = _load_w(w_ptr + row_a[None, :, None].to(tl.int64) * stride_wn + rk[None, None, :], 0, K, rk, EVEN_K)
     if TWO_ROWS:
         wb = _load_w(w_ptr + row_b[None, :, None].to(tl.int64) * stride_wn + rk[None, None, :], 0, K, rk,
@@ -157,95 +248,28 @@ def _gemv_kernel(x_ptr, w_ptr, y_ptr, scale_ptr, bias_ptr, res_ptr, g_ptr,
     if USE_PDL:  # everything below may read what the previous kernel wrote
         gdc_wait()
         gdc_launch_dependents()
-    for blk in range(pid, num_blocks, nprog):
-        rn, rn_ld, row_a, row_b, head, j = _gemv_rows(blk, N, BLOCK_N, ROPE, HALF)
-        w_base = w_ptr + row_a[None, :, None].to(tl.int64) * stride_wn + rk[None, None, :]   # [1, BN, BK]
-        wb_base = w_ptr + row_b[None, :, None].to(tl.int64) * stride_wn + rk[None, None, :]
-        x_base = x_ptr + rm_ld[:, None, None].to(tl.int64) * stride_xm + (rn * 0)[None, :, None] \
-            + rk[None, None, :]                                                              # [BM, BN, BK]
-        acc = tl.zeros([BLOCK_M, BLOCK_N, BLOCK_K], dtype=tl.float32)
-        if TWO_ROWS:
-            acc_b = tl.zeros([BLOCK_M, BLOCK_N, BLOCK_K], dtype=tl.float32)
-        else:
-            acc_b = tl.zeros([1, 1, 1], dtype=tl.float32)
-        if PROLOGUE == 1:
-            sq = tl.zeros([BLOCK_M, BLOCK_N, BLOCK_K], dtype=tl.float32)
-        else:
-            sq = tl.zeros([1, 1, 1], dtype=tl.float32)
-        acc, acc_b, sq = _gemv_step(acc, acc_b, sq, w, wb, x_base, g_ptr, 0, K, rk, PROLOGUE, TWO_ROWS,
-                                    EVEN_K)
-        for k0 in tl.range(BLOCK_K, K, BLOCK_K, num_stages=STAGES):
-            w = _load_w(w_base, k0, K, rk, EVEN_K)
+    if PERSISTENT:
+        nprog = tl.num_programs(0)
+        num_blocks = tl.cdiv(N, BLOCK_N)
+        for blk in range(pid, num_blocks, nprog):
+            w_cur = w
+            wb_cur = wb
+            nxt = blk + nprog          # the next block's first tile, in flight during this block
+            _, _, nrow_a, nrow_b, _, _ = _gemv_rows(nxt % num_blocks, N, BLOCK_N, ROPE, HALF)
+            w = _prefetch_w(w_ptr + nrow_a[None, :, None].to(tl.int64) * stride_wn + rk[None, None, :], K,
+                            rk, nxt, num_blocks)
             if TWO_ROWS:
-                wb = _load_w(wb_base, k0, K, rk, EVEN_K)
-            acc, acc_b, sq = _gemv_step(acc, acc_b, sq, w, wb, x_base, g_ptr, k0, K, rk, PROLOGUE,
-                                        TWO_ROWS, EVEN_K)
-        # the next row block's first tile, in flight during this block's epilogue
-        nxt = blk + nprog
-        _, _, nrow_a, nrow_b, _, _ = _gemv_rows(nxt % num_blocks, N, BLOCK_N, ROPE, HALF)
-        w = _prefetch_w(w_ptr + nrow_a[None, :, None].to(tl.int64) * stride_wn + rk[None, None, :], K, rk,
-                        nxt, num_blocks)
-        if TWO_ROWS:
-            wb = _prefetch_w(w_ptr + nrow_b[None, :, None].to(tl.int64) * stride_wn + rk[None, None, :], K,
-                             rk, nxt, num_blocks)
-        else:
-            wb = w
-        out = tl.sum(acc, axis=2)                                                            # [BM, BN]
-        if TWO_ROWS:
-            out_b = tl.sum(acc_b, axis=2)
-        if PROLOGUE == 1:
-            ms = tl.sum(sq, axis=2) / K                            # [BM, BN], every column equal
-            rstd = tl.math.rsqrt(ms + eps)
-            out = out * rstd
-            if TWO_ROWS:
-                out_b = out_b * rstd
-        if W_INT8:
-            out = out * tl.load(scale_ptr + row_a).to(tl.float32)[None, :]
-            if TWO_ROWS:
-                out_b = out_b * tl.load(scale_ptr + row_b).to(tl.float32)[None, :]
-        mask = (rm[:, None] < M) & (rn[None, :] < N)
-        if ROPE:
-            # The unfused path: qkv = round(proj + bias); RoPE in fp32 on the rounded values (rotate
-            # half: [a, b] -> [a cos - b sin, b cos + a sin]); q to y, k and v to the cache slot.
-            if HAS_BIAS:
-                out = out + tl.load(bias_ptr + row_a).to(tl.float32)[None, :]
-                out_b = out_b + tl.load(bias_ptr + row_b).to(tl.float32)[None, :]
-            a = out.to(y_ptr.dtype.element_ty).to(tl.float32)
-            b = out_b.to(y_ptr.dtype.element_ty).to(tl.float32)
-            pos = tl.load(pos_ptr + rm_ld).to(tl.int64)                                      # [BM]
-            slot = tl.load(slot_ptr + rm_ld).to(tl.int64)
-            slot = tl.where(slot < 0, slot + num_slots, slot)      # padding -> scratch block
-            c = tl.load(cos_ptr + pos[:, None] * HALF + j[None, :])                          # [BM, BN]
-            s = tl.load(sin_ptr + pos[:, None] * HALF + j[None, :])
-            is_v = (head >= HQ + HKV)[None, :]
-            ra = tl.where(is_v, a, a * c - b * s)
-            rb = tl.where(is_v, b, b * c + a * s)
-            is_q = (head < HQ)[None, :]
-            q_ptrs = y_ptr + rm[:, None].to(tl.int64) * stride_ym + row_a[None, :]
-            tl.store(q_ptrs, ra.to(y_ptr.dtype.element_ty), mask=mask & is_q)
-            tl.store(q_ptrs + HALF, rb.to(y_ptr.dtype.element_ty), mask=mask & is_q)
-            kv_row = tl.where(head < HQ + HKV, head - HQ, head - HQ - HKV) * (2 * HALF) + j   # [BN]
-            c_off = slot[:, None] * (HKV * 2 * HALF) + kv_row[None, :]
-            is_k = (head >= HQ)[None, :] & (head < HQ + HKV)[None, :]
-            tl.store(kc_ptr + c_off, ra.to(kc_ptr.dtype.element_ty), mask=mask & is_k)
-            tl.store(kc_ptr + c_off + HALF, rb.to(kc_ptr.dtype.element_ty), mask=mask & is_k)
-            tl.store(vc_ptr + c_off, ra.to(vc_ptr.dtype.element_ty), mask=mask & is_v)
-            tl.store(vc_ptr + c_off + HALF, rb.to(vc_ptr.dtype.element_ty), mask=mask & is_v)
-        else:
-            if GLU:
-                # SwiGLU as the unfused path rounds it: gate and up projections, then silu(gate),
-                # in the model dtype; the product in fp32, rounded once at the store
-                g = out.to(y_ptr.dtype.element_ty).to(tl.float32)
-                up = out_b.to(y_ptr.dtype.element_ty).to(tl.float32)
-                out = (g / (1.0 + tl.exp(-g))).to(y_ptr.dtype.element_ty).to(tl.float32) * up
-            if HAS_BIAS:
-                out = out + tl.load(bias_ptr + rn_ld).to(tl.float32)[None, :]
-            if HAS_RES:
-                r = tl.load(res_ptr + rm_ld[:, None].to(tl.int64) * stride_rm + rn_ld[None, :])
-                # the unfused path rounds the projection to the model dtype before the residual add
-                out = r.to(tl.float32) + out.to(y_ptr.dtype.element_ty).to(tl.float32)
-            tl.store(y_ptr + rm[:, None].to(tl.int64) * stride_ym + rn[None, :],
-                     out.to(y_ptr.dtype.element_ty), mask=mask)
+                wb = _prefetch_w(w_ptr + nrow_b[None, :, None].to(tl.int64) * stride_wn + rk[None, None, :],
+                                 K, rk, nxt, num_blocks)
+            else:
+                wb = w
+            _gemv_block(blk, w_cur, wb_cur, rm, rm_ld, rk, x_ptr, w_ptr, y_ptr, scale_ptr, bias_ptr, res_ptr, g_ptr, kc_ptr, vc_ptr, cos_ptr, sin_ptr, pos_ptr, slot_ptr, num_slots, M, N, K, stride_xm, stride_wn, stride_ym, stride_rm, eps,
+                        W_INT8, HAS_BIAS, HAS_RES, PROLOGUE, GLU, ROPE, HQ, HKV, HALF, BLOCK_M, BLOCK_N,
+                        BLOCK_K, EVEN_K, STAGES)
+    else:
+        _gemv_block(pid, w, wb, rm, rm_ld, rk, x_ptr, w_ptr, y_ptr, scale_ptr, bias_ptr, res_ptr, g_ptr, kc_ptr, vc_ptr, cos_ptr, sin_ptr, pos_ptr, slot_ptr, num_slots, M, N, K, stride_xm, stride_wn, stride_ym, stride_rm, eps,
+                    W_INT8, HAS_BIAS, HAS_RES, PROLOGUE, GLU, ROPE, HQ, HKV, HALF, BLOCK_M, BLOCK_N,
+                    BLOCK_K, EVEN_K, STAGES)
 
 
 @dataclass(frozen=True, slots=True)
@@ -433,7 +457,8 @@ def _launch(x, weight, out, cfg: GemvConfig, n: int, *, scale=None, bias=None, r
         W_INT8=weight.dtype == torch.int8, HAS_BIAS=bias is not None, HAS_RES=residual is not None,
         PROLOGUE=PROLOGUES[prologue], GLU=glu, ROPE=rope is not None, HQ=hq, HKV=hkv, HALF=half,
         BLOCK_M=triton.next_power_of_2(m), BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
-        EVEN_K=k % cfg.block_k == 0, STAGES=cfg.stages, USE_PDL=pdl, num_warps=cfg.num_warps,
+        EVEN_K=k % cfg.block_k == 0, STAGES=cfg.stages, PERSISTENT=blocks < triton.cdiv(n, cfg.block_n),
+        USE_PDL=pdl, num_warps=cfg.num_warps,
         **pdl_launch_kwargs(pdl))
 
 
