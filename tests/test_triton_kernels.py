@@ -127,12 +127,14 @@ def test_decode_many_splits(fused):
     assert_close(out, ref, torch.float32)
 
 
-@pytest.mark.parametrize("num_splits,fused", [(8, False), (8, True), (40, True), (40, False)])
+@pytest.mark.parametrize("num_splits,fused", [(8, False), (8, True), (40, True), (40, False),
+                                               (None, None)])
 def test_decode_grid_sized_for_a_longer_context(num_splits, fused):
     """A CUDA graph sizes the grid for ``max_model_len``: every sequence spreads its own tiles
     over the splits (1-token, block-boundary and one-tile contexts use one split and skip the
     partials; longer ones several), and empty splits exit without writing partials. Run twice
-    so the fused merge's counters must have been re-armed."""
+    so the fused merge's counters must have been re-armed. ``None``: the default split count
+    and at least ``_DECODE_MIN_TILES`` tiles a split."""
     q, kc, vc, meta = make_batch([(1, 1), (16, 1), (17, 1), (33, 1), (200, 1), (129, 1)], 16, 6, 2, 64,
                                  torch.float32)
     ref = paged_attention_torch(q, kc, vc, meta, 0.125)

@@ -79,6 +79,11 @@ FUSED_REDUCE_MAX_SPLITS = int(os.environ.get("LLMSERVE_DECODE_FUSED_MAX", "32"))
 # sequence has the full context, preferred "waves"; pass LLMSERVE_DECODE_SPLITS=waves for it.
 _SPLIT_POLICY = os.environ.get("LLMSERVE_DECODE_SPLITS", "legacy")
 _DECODE_STAGES = int(os.environ.get("LLMSERVE_DECODE_STAGES", "3") or 0)
+# Fewest K/V tiles (BLOCK_N positions each) a decode split takes: contexts up to this many
+# tiles are one split, written without partials or a merge (batch-1 decode: the merge's
+# dependent loads and atomics cost more than splitting gains). LLMSERVE_DECODE_MIN_TILES
+# overrides; an explicit ``num_splits`` argument uses 1 (benchmarks, tests).
+_DECODE_MIN_TILES = max(1, int(os.environ.get("LLMSERVE_DECODE_MIN_TILES", "4") or 1))
 _LOG2E = 1.4426950408889634
 
 
@@ -183,7 +188,8 @@ def _decode_kernel(q_ptr, k_cache_ptr, v_cache_ptr, out_ptr, m_ptr, l_ptr, acc_p
                    G: tl.constexpr, G_PAD: tl.constexpr, HEAD_DIM: tl.constexpr,
                    PAGE: tl.constexpr, BLOCK_N: tl.constexpr, FP32_MATH: tl.constexpr,
                    SKIP_NON_DECODE: tl.constexpr, DIRECT_OUT: tl.constexpr,
-                   FUSED_REDUCE: tl.constexpr, S_CHUNK: tl.constexpr, USE_PDL: tl.constexpr):
+                   FUSED_REDUCE: tl.constexpr, S_CHUNK: tl.constexpr, MIN_TILES: tl.constexpr,
+                   USE_PDL: tl.constexpr):
     """Grid ``(B, Hkv, num_splits)``. The split of the context is decided here, per sequence:
     its ``ceil(ctx / BLOCK_N)`` tiles are spread over the ``num_splits`` programs
     (:func:`_active_splits`), so a short sequence in a grid sized for ``max_model_len`` (CUDA
@@ -191,15 +197,17 @@ def _decode_kernel(q_ptr, k_cache_ptr, v_cache_ptr, out_ptr, m_ptr, l_ptr, acc_p
     b = tl.program_id(0)
     kvh = tl.program_id(1)
     split = tl.program_id(2)
-    if USE_PDL:  # q and this step's K/V come from the previous kernel
+    # The step's metadata is written before the forward pass (PDL contract: not by the kernel
+    # just before this one), so it is read before the wait; q and this step's K/V are not.
+    q_row = tl.load(qsl_ptr + b)
+    ctx = tl.load(ctx_ptr + b)
+    if USE_PDL:
         gdc_wait()
         gdc_launch_dependents()
-    q_row = tl.load(qsl_ptr + b)
     if SKIP_NON_DECODE:
         if tl.load(qsl_ptr + b + 1) - q_row != 1:  # served by the prefill kernel
             return
-    ctx = tl.load(ctx_ptr + b)
-    tiles_per_split, active = _active_splits(ctx, num_splits, BLOCK_N)
+    tiles_per_split, active = _active_splits(ctx, num_splits, BLOCK_N, MIN_TILES)
     if split >= active:  # nothing of this sequence's context is left for this split
         return
     start = split * tiles_per_split * BLOCK_N
@@ -287,11 +295,12 @@ def _decode_kernel(q_ptr, k_cache_ptr, v_cache_ptr, out_ptr, m_ptr, l_ptr, acc_p
 
 
 @triton.jit
-def _active_splits(ctx, num_splits, BLOCK_N: tl.constexpr):
+def _active_splits(ctx, num_splits, BLOCK_N: tl.constexpr, MIN_TILES: tl.constexpr):
     """``(tiles_per_split, active)``: a context of ``ctx`` positions is ``ceil(ctx / BLOCK_N)``
-    tiles, spread evenly over at most ``num_splits`` splits; ``active`` splits are non-empty."""
+    tiles, spread evenly over at most ``num_splits`` splits of at least ``MIN_TILES`` tiles (a
+    short context is one split: no partials, no merge); ``active`` splits are non-empty."""
     tiles = tl.maximum(tl.cdiv(ctx, BLOCK_N), 1)
-    tiles_per_split = tl.cdiv(tiles, num_splits)
+    tiles_per_split = tl.maximum(tl.cdiv(tiles, num_splits), MIN_TILES)
     return tiles_per_split, tl.cdiv(tiles, tiles_per_split)
 
 
@@ -299,7 +308,7 @@ def _active_splits(ctx, num_splits, BLOCK_N: tl.constexpr):
 def _decode_reduce_kernel(out_ptr, m_ptr, l_ptr, acc_ptr, qsl_ptr, ctx_ptr, num_splits, num_q_heads,
                           stride_on, stride_oh,
                           HEAD_DIM: tl.constexpr, S_BLOCK: tl.constexpr, BLOCK_N: tl.constexpr,
-                          SKIP_NON_DECODE: tl.constexpr, USE_PDL: tl.constexpr):
+                          MIN_TILES: tl.constexpr, SKIP_NON_DECODE: tl.constexpr, USE_PDL: tl.constexpr):
     b = tl.program_id(0)
     h = tl.program_id(1)
     if USE_PDL:
@@ -309,7 +318,7 @@ def _decode_reduce_kernel(out_ptr, m_ptr, l_ptr, acc_ptr, qsl_ptr, ctx_ptr, num_
     if SKIP_NON_DECODE:
         if tl.load(qsl_ptr + b + 1) - q_row != 1:
             return
-    _, active = _active_splits(tl.load(ctx_ptr + b), num_splits, BLOCK_N)
+    _, active = _active_splits(tl.load(ctx_ptr + b), num_splits, BLOCK_N, MIN_TILES)
     offs_s = tl.arange(0, S_BLOCK)
     offs_d = tl.arange(0, HEAD_DIM)
     base = (b.to(tl.int64) * num_q_heads + h) * num_splits
@@ -596,8 +605,10 @@ def paged_attention_decode(query: torch.Tensor, k_cache: torch.Tensor, v_cache: 
         fused_reduce: merge the splits in the last-finishing split program (one launch)
             instead of a separate reduction kernel (default: :data:`DECODE_FUSED_REDUCE` when
             ``num_splits <= FUSED_REDUCE_MAX_SPLITS``).
-        pdl: launch with programmatic dependent launch (Hopper+; the kernels wait for the
-            previous kernel before their first load, so only the launch latency overlaps).
+        pdl: launch with programmatic dependent launch (Hopper+): the step's metadata
+            (``query_start_loc``, ``context_lens``) is read before waiting for the previous
+            kernel, so it must not be written by the kernel just before this one (the engine
+            writes it before the forward pass); q and the K/V cache are read after the wait.
 
     Returns:
         ``out`` (allocated when not given; rows not written are zero when allocated here).
@@ -623,11 +634,14 @@ def paged_attention_decode(query: torch.Tensor, k_cache: torch.Tensor, v_cache: 
     bn = cfg["BLOCK_N"]
     max_ctx = max(int(meta.max_context_len), 1)
     tiles = triton.cdiv(max_ctx, bn)
+    num_splits_override = num_splits is not None
     if num_splits is None and _SPLIT_POLICY == "legacy":
         num_splits = min(tiles, max(1, triton.cdiv(4 * _num_sms(query.device), max(1, b * hkv))), 128)
     if num_splits is None:
         num_splits = choose_num_splits(b, hkv, max_ctx, bn, _num_sms(query.device), d)
     num_splits = max(1, min(int(num_splits), tiles))
+    min_tiles = 1 if num_splits_override else _DECODE_MIN_TILES
+    num_splits = max(1, min(num_splits, triton.cdiv(tiles, min_tiles)))
     num_splits = triton.cdiv(tiles, triton.cdiv(tiles, num_splits))  # whole tiles a split
     g = hq // hkv
     g_pad = max(16, triton.next_power_of_2(g))
@@ -651,14 +665,14 @@ def paged_attention_decode(query: torch.Tensor, k_cache: torch.Tensor, v_cache: 
         out.stride(0), out.stride(1), meta.block_tables.stride(0),
         G=g, G_PAD=g_pad, HEAD_DIM=d, PAGE=bs, BLOCK_N=bn, FP32_MATH=fp32_math,
         SKIP_NON_DECODE=skip_non_decode, DIRECT_OUT=direct, FUSED_REDUCE=fused,
-        S_CHUNK=4, USE_PDL=pdl, num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
+        S_CHUNK=4, MIN_TILES=min_tiles, USE_PDL=pdl, num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
         **pdl_launch_kwargs(pdl))
     if not direct and not fused:
         _decode_reduce_kernel[(b, hq)](
             out, m_buf, l_buf, acc_buf, meta.query_start_loc, meta.context_lens, num_splits, hq,
             out.stride(0), out.stride(1),
             HEAD_DIM=d, S_BLOCK=min(16, triton.next_power_of_2(num_splits)), BLOCK_N=bn,
-            SKIP_NON_DECODE=skip_non_decode, USE_PDL=pdl, num_warps=1 if on_cpu else 4,
+            MIN_TILES=min_tiles, SKIP_NON_DECODE=skip_non_decode, USE_PDL=pdl, num_warps=1 if on_cpu else 4,
             **pdl_launch_kwargs(pdl))
     return out
 
