@@ -59,7 +59,7 @@ INT8_SHAPES = [("int8 gate/up", 1536, 8960), ("int8 down", 8960, 1536), ("int8 q
 # shapes, so the engine takes this path at M = 1 only and the default sweep covers M = 1.
 M_BF16: dict[str, tuple[int, ...]] = {}
 M_INT8 = (1,)
-PAIRS = [(bn, bk) for bn in (1, 2, 4, 8) for bk in (128, 256, 512, 1024)
+PAIRS = [(bn, bk) for bn in (1, 2, 4, 8) for bk in (128, 256, 512, 1024, 2048, 4096)
          if 256 <= bn * bk <= 8192]
 WARPS = (2, 4, 8)
 STAGES2 = (2,)

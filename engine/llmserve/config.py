@@ -256,6 +256,9 @@ class EngineConfig:
         attention_backend: ``torch`` (reference paged attention) or ``triton``.
         linear_backend: ``torch`` (16-bit), ``int8``/``int4`` (reference dequantize-then-matmul)
             or ``triton-int8`` (fused kernel).
+        use_cuda_graph: replay decode steps from CUDA graphs (CUDA, Triton attention backend).
+        async_scheduling: launch step n+1 before reading step n's sampled tokens, so host
+            work overlaps the device (``None``: on for CUDA devices, off on CPU).
     """
 
     model: str = "tiny"
@@ -267,6 +270,7 @@ class EngineConfig:
     attention_backend: str = "torch"
     linear_backend: str = "torch"
     use_cuda_graph: bool = True
+    async_scheduling: bool | None = None
 
     def __post_init__(self) -> None:
         resolve_dtype(self.dtype)

@@ -59,7 +59,13 @@ class CUDAGraphDecodeRunner:
         self._sizes = [b, b, b, b, b * nb]
         self._offsets = np.cumsum([0] + self._sizes)
         total = int(self._offsets[-1])
-        self._host = torch.zeros(total, dtype=torch.int64, pin_memory=True)
+        # Two pinned staging buffers used in turn: with asynchronous scheduling the host fills
+        # step n+1's inputs while step n's copy may still be queued behind step n-1 on the
+        # device; the buffer written now was last read by the copy of step n-1, which has
+        # completed once the engine read step n-1's sampled tokens.
+        self._hosts = [torch.zeros(total, dtype=torch.int64, pin_memory=True) for _ in range(2)]
+        self._turn = 0
+        self._host = self._hosts[0]
         self._host_np = self._host.numpy()
         self._dev = torch.zeros(total, dtype=torch.int64, device=device)
         o = self._offsets
@@ -127,12 +133,14 @@ class CUDAGraphDecodeRunner:
         return None
 
     def run(self, token_ids: np.ndarray, positions: np.ndarray, slots: np.ndarray,
-            context_lens: np.ndarray, block_tables: np.ndarray) -> torch.Tensor:
+            context_lens: np.ndarray, block_tables: np.ndarray, fill=None) -> torch.Tensor:
         """Replay the bucket graph for ``b = len(token_ids)`` decode rows.
 
         Args:
             token_ids, positions, slots, context_lens: ``[b]`` int64 arrays.
             block_tables: ``[b, w]`` int64 with ``w <= max_blocks``.
+            fill: optional callable given the graph's ``input_ids`` buffer after the inputs are
+                copied in, to write ids that live on the device (asynchronous scheduling).
 
         Returns:
             logits ``[b, V]`` float32 (a view of the graph's static output: consume before the
@@ -140,6 +148,9 @@ class CUDAGraphDecodeRunner:
         """
         b = len(token_ids)
         bucket = self.bucket_for(b)
+        self._turn ^= 1
+        self._host = self._hosts[self._turn]
+        self._host_np = self._host.numpy()
         o, h = self._offsets, self._host_np
         h[o[0]:o[0] + b] = token_ids
         h[o[1]:o[1] + b] = positions
@@ -151,6 +162,8 @@ class CUDAGraphDecodeRunner:
         self._fill_padding(b)
         n = int(o[4] + bucket * self.max_blocks)
         self._dev[:n].copy_(self._host[:n], non_blocking=True)               # one H2D copy
+        if fill is not None:
+            fill(self.input_ids)
         # ids/pos/slots/ctx for rows < bucket live before o[4]; the table rows after it
         self.graphs[bucket].replay()
         return self.outputs[bucket][:b]

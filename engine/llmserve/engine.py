@@ -12,6 +12,7 @@ import asyncio
 import collections
 import dataclasses
 import itertools
+import os
 import queue
 import threading
 import time
@@ -22,7 +23,7 @@ from dataclasses import dataclass, field
 import torch
 
 from .config import EngineConfig
-from .sampler import Sampler
+from .sampler import PendingSample, Sampler
 from .sampling_params import SamplingParams
 from .sequence import RequestMetrics, Sequence, SequenceStatus
 
@@ -142,6 +143,19 @@ class _EngineBase:
         return [RequestOutput.from_seq(s, []) for s in seqs]
 
 
+@dataclass(slots=True)
+class _InFlightStep:
+    """A launched step whose sampled tokens the host has not read yet."""
+
+    seqs: list[Sequence]
+    sample: "PendingSample"
+
+    def device_source(self) -> tuple[torch.Tensor, dict[str, int]]:
+        """``(token_ids_device [S], {request_id: row})``: where the next step finds the
+        input ids of these sequences."""
+        return self.sample.token_ids_device, {s.request_id: i for i, s in enumerate(self.seqs)}
+
+
 class LLMEngine(_EngineBase):
     """Paged KV cache + iteration-level scheduling (continuous or static batching).
 
@@ -182,6 +196,12 @@ class LLMEngine(_EngineBase):
         # and "schedule" + "postprocess" are host work the device waits for at batch sizes
         # where a step's kernels finish first.
         self.step_seconds = {"schedule": 0.0, "execute": 0.0, "sample": 0.0, "postprocess": 0.0}
+        # Asynchronous scheduling: launch step n+1 before reading step n's tokens (default on
+        # CUDA, where the device runs while the host plans; EngineConfig.async_scheduling).
+        # LLMSERVE_ASYNC_SCHEDULING=0/1 overrides the default for A/B runs.
+        auto = os.environ.get("LLMSERVE_ASYNC_SCHEDULING", "1" if self.device.type == "cuda" else "0") != "0"
+        self.async_scheduling = auto if config.async_scheduling is None else bool(config.async_scheduling)
+        self._inflight: _InFlightStep | None = None
 
     def _build_fast_path(self, config: EngineConfig):
         """On CUDA: the fused forward (Triton norm/rope/silu kernels, packed QKV and gate-up
@@ -259,40 +279,72 @@ class LLMEngine(_EngineBase):
             cb(RequestOutput.from_seq(seq, []))
 
     def has_unfinished_requests(self) -> bool:
-        return self.scheduler.has_unfinished_requests()
+        return self.scheduler.has_unfinished_requests() or self._inflight is not None
 
     def step(self) -> list[RequestOutput]:
         """One scheduling iteration and one forward pass.
 
+        With asynchronous scheduling (:attr:`async_scheduling`, the default on CUDA) the
+        step's sampled tokens are read on the *next* call: this call plans and launches its
+        forward pass (sequences whose newest token is still on the device take it as input
+        there), then reads the previous step's tokens while the device runs, and returns
+        their outputs. A request that stops on EOS therefore costs one extra token of device
+        work, which is discarded; stops by length are known ahead and cost nothing.
+
         Returns:
-            an output for each sequence that received a token this step.
+            an output for each sequence that received a token (this step's, or with
+            asynchronous scheduling the previous step's).
         """
         t0 = time.perf_counter()
         out = self.scheduler.schedule()
-        if not out.scheduled:
-            return []
-        self.num_steps += 1
-        in_use = self.block_manager.num_total_blocks - self.block_manager.num_free_blocks
-        self.max_blocks_in_use = max(self.max_blocks_in_use, in_use)
-        t1 = time.perf_counter()
-        logits, sample_idx = self.runner.execute(out.scheduled)
-        for item in out.scheduled:
-            item.seq.num_computed_tokens += item.num_new_tokens
-        t2 = time.perf_counter()
-        self.step_seconds["schedule"] += t1 - t0
-        self.step_seconds["execute"] += t2 - t1
-        if not sample_idx:
-            return []
-        seqs = [out.scheduled[i].seq for i in sample_idx]
-        result = self.sampler.sample(logits, [s.sampling_params for s in seqs], [s.request_id for s in seqs])
+        launched = None
+        if out.scheduled:
+            self.num_steps += 1
+            in_use = self.block_manager.num_total_blocks - self.block_manager.num_free_blocks
+            self.max_blocks_in_use = max(self.max_blocks_in_use, in_use)
+            t1 = time.perf_counter()
+            pending = self._inflight.device_source() if self._inflight is not None else None
+            logits, sample_idx = self.runner.execute(out.scheduled, pending)
+            for item in out.scheduled:
+                item.seq.num_computed_tokens += item.num_new_tokens
+            t2 = time.perf_counter()
+            self.step_seconds["schedule"] += t1 - t0
+            self.step_seconds["execute"] += t2 - t1
+            if sample_idx:
+                seqs = [out.scheduled[i].seq for i in sample_idx]
+                sample = self.sampler.sample_async(logits, [s.sampling_params for s in seqs],
+                                                   [s.request_id for s in seqs])
+                for seq in seqs:
+                    seq.num_pending += 1
+                launched = _InFlightStep(seqs, sample)
+            self.step_seconds["sample"] += time.perf_counter() - t2
+        outputs: list[RequestOutput] = []
+        if self._inflight is not None:          # the previous step's tokens (asynchronous)
+            outputs = self._read_tokens(self._inflight)
+            self._inflight = None
+        if launched is not None:
+            if self.async_scheduling:
+                self._inflight = launched
+            else:
+                outputs = self._read_tokens(launched)
+        return outputs
+
+    def _read_tokens(self, step: "_InFlightStep") -> list[RequestOutput]:
+        """Wait for ``step``'s sampled tokens, append them, apply stop rules, emit outputs.
+        Sequences that finished (EOS, abort) while the step was in flight drop their token."""
+        t0 = time.perf_counter()
+        result = step.sample.result()
         now = time.perf_counter()
-        outputs = []
-        for seq, tok, lp in zip(seqs, result.token_ids, result.logprobs):
+        outputs: list[RequestOutput] = []
+        for seq, tok, lp in zip(step.seqs, result.token_ids, result.logprobs):
+            seq.num_pending -= 1
+            if seq.is_finished:
+                continue
             seq.append_token(tok, now)
             if seq.sampling_params.logprobs is not None:
                 seq.output_logprobs.append(lp)
             self._emit(seq, [tok], seq.check_stop(self.max_model_len), outputs)
-        self.step_seconds["sample"] += now - t2
+        self.step_seconds["sample"] += now - t0
         self.step_seconds["postprocess"] += time.perf_counter() - now
         return outputs
 

@@ -67,10 +67,33 @@ class ModelRunner:
             t = t.pin_memory()
         return t.to(self.device, non_blocking=True)
 
-    def prepare(self, scheduled: list) -> ModelInput:
+    @staticmethod
+    def _pending_source(seq, pending) -> int:
+        """Index of ``seq``'s pending token in the in-flight step's sampled ids."""
+        if pending is None or seq.request_id not in pending[1]:
+            raise RuntimeError(f"sequence {seq.request_id!r} has a pending token but no in-flight "
+                               "step holds it")
+        return pending[1][seq.request_id]
+
+    def _fill_pending(self, input_ids: torch.Tensor, rows: list[int], src: list[int], pending) -> None:
+        """``input_ids[rows] = pending_ids[src]`` on the device (ids the host has not read)."""
+        tok = pending[0]
+        if rows == src == list(range(len(rows))):
+            input_ids[:len(rows)].copy_(tok[:len(rows)])
+            return
+        r = self._to_device(np.asarray(rows, dtype=np.int64), torch.int64)
+        s = self._to_device(np.asarray(src, dtype=np.int64), torch.int64)
+        input_ids.index_copy_(0, r, tok.index_select(0, s))
+
+    def prepare(self, scheduled: list, pending=None) -> ModelInput:
         """Build the step's tensors from ``ScheduledSequence``-like items (``.seq``,
-        ``.num_new_tokens``). Python work is per sequence, not per token (numpy slices)."""
+        ``.num_new_tokens``). Python work is per sequence, not per token (numpy slices).
+
+        ``pending``: ``(token_ids_device [P] int64, {request_id: index})`` of the step still in
+        flight (asynchronous scheduling); a sequence whose newest token is pending takes it as
+        its input id straight from that device tensor."""
         bs = self.block_size
+        fill_rows, fill_src = [], []
         ids_parts, pos_parts, slot_parts = [], [], []
         q_lens, ctx_lens, tables = [], [], []
         sample_rows, sample_idx = [], []
@@ -90,6 +113,9 @@ class ModelRunner:
             if c + n == seq.num_tokens:
                 sample_rows.append(row - 1)
                 sample_idx.append(i)
+                if seq.num_pending:
+                    fill_rows.append(row - 1)
+                    fill_src.append(self._pending_source(seq, pending))
         b = len(scheduled)
         max_blocks = max(len(t) for t in tables)
         block_tables = np.zeros((b, max_blocks), dtype=np.int64)
@@ -107,15 +133,18 @@ class ModelRunner:
             block_size=bs,
             is_decode_only=max(q_lens) == 1,
         )
+        input_ids = self._to_device(np.concatenate(ids_parts), torch.int64)
+        if fill_rows:
+            self._fill_pending(input_ids, fill_rows, fill_src, pending)
         return ModelInput(
-            input_ids=self._to_device(np.concatenate(ids_parts), torch.int64),
+            input_ids=input_ids,
             positions=self._to_device(np.concatenate(pos_parts), torch.int64),
             attn_metadata=meta,
             sample_rows=self._to_device(np.asarray(sample_rows, dtype=np.int64), torch.int64),
             sample_seq_indices=sample_idx,
         )
 
-    def _try_graph(self, scheduled: list) -> tuple[torch.Tensor, list[int]] | None:
+    def _try_graph(self, scheduled: list, pending=None) -> tuple[torch.Tensor, list[int]] | None:
         """Replay a captured graph when every sequence decodes exactly one token."""
         g = self.cuda_graphs
         b = len(scheduled)
@@ -126,12 +155,18 @@ class ModelRunner:
         pos = np.empty(b, dtype=np.int64)
         slots = np.empty(b, dtype=np.int64)
         tables = []
+        fill_rows, fill_src = [], []
         for i, item in enumerate(scheduled):
             seq = item.seq
             c = seq.num_computed_tokens
             if item.num_new_tokens != 1 or c + 1 != seq.num_tokens:
                 return None
-            ids[i] = seq.output_token_ids[-1] if seq.output_token_ids else seq.prompt_token_ids[-1]
+            if seq.num_pending:
+                ids[i] = 0
+                fill_rows.append(i)
+                fill_src.append(self._pending_source(seq, pending))
+            else:
+                ids[i] = seq.output_token_ids[-1] if seq.output_token_ids else seq.prompt_token_ids[-1]
             pos[i] = c
             slots[i] = seq.block_ids[c // bs] * bs + c % bs
             tables.append(seq.block_ids)
@@ -141,23 +176,27 @@ class ModelRunner:
         table = np.zeros((b, width), dtype=np.int64)
         for i, t in enumerate(tables):
             table[i, :len(t)] = t
-        logits = g.run(ids, pos, slots, pos + 1, table)
+        fill = None
+        if fill_rows:
+            fill = lambda input_ids: self._fill_pending(input_ids, fill_rows, fill_src, pending)  # noqa: E731
+        logits = g.run(ids, pos, slots, pos + 1, table, fill=fill)
         self.num_graph_steps += 1
         return logits, list(range(b))
 
     @torch.inference_mode()
-    def execute(self, scheduled: list) -> tuple[torch.Tensor, list[int]]:
+    def execute(self, scheduled: list, pending=None) -> tuple[torch.Tensor, list[int]]:
         """Run one forward pass (a CUDA-graph replay for decode-only steps when available).
+        ``pending``: the in-flight step's sampled ids, see :meth:`prepare`.
 
         Returns:
             ``(logits [S, vocab] float32, sample_seq_indices)``: logits for the sequences that
             caught up this step, and their indices in ``scheduled``.
         """
-        replay = self._try_graph(scheduled)
+        replay = self._try_graph(scheduled, pending)
         if replay is not None:
             return replay
         self.num_eager_steps += 1
-        inp = self.prepare(scheduled)
+        inp = self.prepare(scheduled, pending)
         hidden = self.forward(inp.input_ids, inp.positions, self.kv_caches, inp.attn_metadata)  # [N, H]
         if not inp.sample_seq_indices:
             return hidden.new_empty((0, 0), dtype=torch.float32), []

@@ -85,10 +85,9 @@ class Sampler:
             self._generators[request_id] = gen
         return gen
 
-    @torch.inference_mode()
     def sample(self, logits: torch.Tensor, params: list[SamplingParams],
                request_ids: list[str]) -> SampleResult:
-        """Pick the next token for each row.
+        """Pick the next token for each row and wait for the result (see :meth:`sample_async`).
 
         Args:
             logits: ``[B, V]`` float32 model logits, row i for ``params[i]``.
@@ -98,9 +97,23 @@ class Sampler:
         Returns:
             :class:`SampleResult` with ``B`` token ids.
         """
+        return self.sample_async(logits, params, request_ids).result()
+
+    @torch.inference_mode()
+    def sample_async(self, logits: torch.Tensor, params: list[SamplingParams],
+                     request_ids: list[str]) -> "PendingSample":
+        """Queue the sampling of one step on the logits' device without waiting for it.
+
+        The chosen ids stay on the device (``PendingSample.token_ids_device``, which the next
+        step can read as its input ids) and are copied to pinned host memory behind a CUDA
+        event, so the host can launch the next step before it reads them
+        (:meth:`PendingSample.result`). No host synchronisation happens here.
+
+        Args/shapes as :meth:`sample`.
+        """
         b = logits.shape[0]
         if b == 0:
-            return SampleResult([], [])
+            return PendingSample(logits.new_empty((0,), dtype=torch.long), [], None, None)
         greedy = [p.greedy for p in params]
         chosen = logits.argmax(dim=-1)                                            # [B]
         if not all(greedy):
@@ -108,26 +121,73 @@ class Sampler:
             sub = logits[rows]                                                    # [S, V]
             temps = torch.tensor([params[i].temperature for i in rows], device=logits.device)
             sub = sub / temps[:, None]
-            top_k = torch.tensor([params[i].top_k for i in rows], device=logits.device, dtype=torch.long)
-            top_p = torch.tensor([params[i].top_p for i in rows], device=logits.device, dtype=torch.float32)
-            if bool((top_k > 0).any()) or bool((top_p < 1).any()):
+            if any(params[i].top_k > 0 for i in rows) or any(params[i].top_p < 1 for i in rows):
+                top_k = torch.tensor([params[i].top_k for i in rows], device=logits.device, dtype=torch.long)
+                top_p = torch.tensor([params[i].top_p for i in rows], device=logits.device,
+                                     dtype=torch.float32)
                 sub = apply_top_k_top_p(sub, top_k, top_p)
             probs = torch.softmax(sub, dim=-1)                                    # [S, V]
             noise = torch.empty_like(probs)
             for j, i in enumerate(rows):
                 noise[j].exponential_(generator=self._generator(request_ids[i], params[i].seed))
             chosen[rows] = (probs / noise).argmax(dim=-1)
-        logprob_records: list[dict | None] = [None] * b
         want = [i for i, p in enumerate(params) if p.logprobs is not None]
+        lp_parts = None
         if want:
             lp = torch.log_softmax(logits[want], dim=-1)                         # [W, V]
             kmax = max(params[i].logprobs for i in want)
-            top_vals, top_ids = (lp.topk(kmax, dim=-1) if kmax > 0 else (None, None))
-            tok_lp = lp.gather(1, chosen[want][:, None]).squeeze(1).tolist()
+            tok_lp = lp.gather(1, chosen[want][:, None]).squeeze(1)               # [W]
+            top_vals, top_ids = lp.topk(kmax, dim=-1) if kmax > 0 else (None, None)
+            lp_parts = (want, [params[i].logprobs for i in want], tok_lp, top_vals, top_ids)
+        return PendingSample(chosen, greedy, lp_parts, b)
+
+
+def _to_host(t: torch.Tensor | None) -> torch.Tensor | None:
+    """Start a copy of ``t`` to (pinned) host memory; returns the host tensor."""
+    if t is None or t.device.type == "cpu":
+        return t
+    host = torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
+    host.copy_(t, non_blocking=True)
+    return host
+
+
+class PendingSample:
+    """One step's sampled ids (and logprobs) on their way to the host.
+
+    Attributes:
+        token_ids_device: ``[B]`` int64 on the logits' device (the next step's input ids).
+    """
+
+    __slots__ = ("token_ids_device", "_host", "_lp", "_event", "_b")
+
+    def __init__(self, chosen: torch.Tensor, greedy, lp_parts, b) -> None:
+        self.token_ids_device = chosen
+        self._b = b or 0
+        self._host = _to_host(chosen)
+        self._lp = None
+        if lp_parts is not None:
+            want, ks, tok_lp, top_vals, top_ids = lp_parts
+            self._lp = (want, ks, _to_host(tok_lp), _to_host(top_vals), _to_host(top_ids))
+        self._event = None
+        if chosen.device.type == "cuda":
+            self._event = torch.cuda.Event()
+            self._event.record()
+
+    def result(self) -> SampleResult:
+        """Wait for this step's sampling (only its own work, not later launches) and return
+        the ids and logprob records."""
+        if self._event is not None:
+            self._event.synchronize()
+        if self._b == 0:
+            return SampleResult([], [])
+        ids = self._host.tolist()
+        records: list[dict | None] = [None] * self._b
+        if self._lp is not None:
+            want, ks, tok_lp, top_vals, top_ids = self._lp
+            tok = tok_lp.tolist()
             for j, i in enumerate(want):
-                k = params[i].logprobs
                 top = []
-                if k:
-                    top = list(zip(top_ids[j, :k].tolist(), top_vals[j, :k].tolist()))
-                logprob_records[i] = {"token_logprob": tok_lp[j], "top": top}
-        return SampleResult(chosen.tolist(), logprob_records)
+                if ks[j]:
+                    top = list(zip(top_ids[j, :ks[j]].tolist(), top_vals[j, :ks[j]].tolist()))
+                records[i] = {"token_logprob": tok[j], "top": top}
+        return SampleResult(ids, records)

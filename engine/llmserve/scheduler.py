@@ -103,7 +103,7 @@ class ScheduledSequence:
     @property
     def token_ids(self) -> list[int]:
         """The ``num_new_tokens`` input ids of this step."""
-        return self.seq.all_token_ids[self.start_position:self.end_position]
+        return self.seq.token_ids_slice(self.start_position, self.end_position)
 
 
 @dataclass(slots=True)
@@ -297,7 +297,9 @@ class Scheduler:
         i = 0
         while i < len(self.running) and budget > 0:
             seq = self.running[i]
-            n = self._num_new_tokens(seq, budget)
+            # asynchronous scheduling: a token still on the device that ends the request by
+            # length needs no step (the engine finishes the request when it reads the token)
+            n = 0 if seq.will_finish_by_length(self.config.max_model_len) else self._num_new_tokens(seq, budget)
             if n <= 0:
                 i += 1
                 continue

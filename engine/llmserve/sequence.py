@@ -15,6 +15,10 @@ from dataclasses import dataclass, field
 from .sampling_params import SamplingParams
 
 
+#: Placeholder id of a token sampled on the device but not yet read by the host.
+PENDING_TOKEN = -1
+
+
 class SequenceStatus(enum.Enum):
     WAITING = "waiting"
     RUNNING = "running"
@@ -60,7 +64,7 @@ class Sequence:
 
     __slots__ = ("request_id", "prompt_token_ids", "output_token_ids", "sampling_params",
                  "priority", "eos_token_ids", "num_computed_tokens", "block_ids", "status",
-                 "metrics", "output_logprobs", "stop_reason", "_arrival_index")
+                 "metrics", "output_logprobs", "stop_reason", "_arrival_index", "num_pending")
 
     def __init__(self, request_id: str, prompt_token_ids: list[int], sampling_params: SamplingParams,
                  arrival_time: float | None = None, priority: int = 0,
@@ -80,6 +84,11 @@ class Sequence:
         self.output_logprobs: list[dict] = []
         self.stop_reason: int | str | None = None
         self._arrival_index = 0
+        # Tokens sampled on the device whose ids the host has not read yet (asynchronous
+        # scheduling: the next step is launched first and takes them as input on the device).
+        # They count in num_tokens (so the scheduler plans the step that consumes them) but
+        # are not in output_token_ids; token_ids_slice shows them as PENDING_TOKEN.
+        self.num_pending = 0
 
     # ---- sizes -----------------------------------------------------------------------------
     @property
@@ -92,8 +101,16 @@ class Sequence:
 
     @property
     def num_tokens(self) -> int:
-        """Prompt + output tokens; the KV cache must eventually hold all but the newest."""
-        return len(self.prompt_token_ids) + len(self.output_token_ids)
+        """Prompt + output tokens (with sampled ones still on the device); the KV cache must
+        eventually hold all but the newest."""
+        return len(self.prompt_token_ids) + len(self.output_token_ids) + self.num_pending
+
+    def will_finish_by_length(self, max_model_len: int) -> bool:
+        """True when a pending (sampled, not yet read) token already ends the request by
+        ``max_tokens`` or ``max_model_len``: no step needs to be planned for it."""
+        return self.num_pending > 0 and (
+            len(self.output_token_ids) + self.num_pending >= self.sampling_params.max_tokens
+            or self.num_tokens >= max_model_len)
 
     @property
     def all_token_ids(self) -> list[int]:
@@ -103,6 +120,9 @@ class Sequence:
         """``all_token_ids[start:end]`` without concatenating the whole prompt and output (the
         model runner calls this every step for every sequence)."""
         p = len(self.prompt_token_ids)
+        known = p + len(self.output_token_ids)
+        if end > known:  # pending tokens: their ids are still on the device
+            return self.token_ids_slice(start, known) + [PENDING_TOKEN] * (end - max(start, known))
         if start >= p:
             return self.output_token_ids[start - p:end - p]
         if end <= p:
@@ -144,7 +164,8 @@ class Sequence:
         if (not sp.ignore_eos and last in self.eos_token_ids) or last in sp.stop_token_ids:
             self.stop_reason = last
             return SequenceStatus.FINISHED_STOPPED
-        if self.num_output_tokens >= sp.max_tokens or self.num_tokens >= max_model_len:
+        if self.num_output_tokens >= sp.max_tokens or \
+                self.num_prompt_tokens + self.num_output_tokens >= max_model_len:
             return SequenceStatus.FINISHED_LENGTH
         return None
 

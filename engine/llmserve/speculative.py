@@ -181,7 +181,7 @@ class _DraftState:
 
 class _SeqView:
     """What :class:`ModelRunner` reads from a sequence (``num_computed_tokens``,
-    ``token_ids_slice``, ``num_tokens``, ``block_ids``; its CUDA-graph path also reads
+    ``token_ids_slice``, ``num_tokens``, ``num_pending``, ``block_ids``; its CUDA-graph path also reads
     ``output_token_ids[-1]``), over a token list with tentative draft tokens appended and a
     block table of either model's cache."""
 
@@ -197,6 +197,10 @@ class _SeqView:
     @property
     def num_tokens(self) -> int:
         return len(self.all_token_ids)
+
+    @property
+    def num_pending(self) -> int:   # every token id is on the host (no asynchronous scheduling)
+        return 0
 
     def token_ids_slice(self, start: int, end: int) -> list[int]:
         return self.all_token_ids[start:end]
@@ -371,6 +375,7 @@ class SpeculativeEngine(LLMEngine):
         cfg = _split_cache(config, target_cfg, draft[1] if draft else target_cfg) \
             if (draft or target_cfg) else config
         super().__init__(cfg, **kw)
+        self.async_scheduling = False  # this engine's step() reads its tokens in the same step
         self.draft_model_name = str(draft_model)
         self.num_speculative_tokens = k
         if share:
