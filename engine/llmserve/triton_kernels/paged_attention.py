@@ -66,9 +66,12 @@ SUPPORTED_HEAD_DIMS = (32, 64, 128, 256)
 DECODE_FUSED_REDUCE = True
 #: Above this many splits the separate (parallel) reduction kernel is used. On the H200 the
 #: first in-kernel merge (one split at a time) saved ~1-2 us at 2-5 splits but cost ~5 us at 32
-#: (batch 1, context 2048); the merge now reads 4 splits a step and only the non-empty ones.
-#: ``LLMSERVE_DECODE_FUSED_MAX`` overrides (A/B runs).
-FUSED_REDUCE_MAX_SPLITS = int(os.environ.get("LLMSERVE_DECODE_FUSED_MAX", "32"))
+#: (batch 1, context 2048). It now merges only the non-empty splits. A merge reading 4 splits
+#: a step ([G_PAD, 4, D] tiles) measured slower on the H200 at batch 64 / context 2048 (46.9 vs
+#: 39.5 us; a guess, not profiled: the merge's registers are reserved for the whole kernel),
+#: so it reads one at a time
+#: (``S_CHUNK = 1``). ``LLMSERVE_DECODE_FUSED_MAX`` overrides (A/B runs).
+FUSED_REDUCE_MAX_SPLITS = int(os.environ.get("LLMSERVE_DECODE_FUSED_MAX", "8"))
 # Experiment knobs (A/B runs on the GPU; defaults = the tuned choices above):
 # LLMSERVE_DECODE_SPLITS=legacy uses the first heuristic (about 4 programs per SM);
 # LLMSERVE_DECODE_STAGES=N overrides the decode kernel's pipeline depth.
@@ -252,7 +255,7 @@ def _decode_kernel(q_ptr, k_cache_ptr, v_cache_ptr, out_ptr, m_ptr, l_ptr, acc_p
     if DIRECT_OUT:
         out = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
         tl.store(o_ptrs, out.to(out_ptr.dtype.element_ty), mask=gmask[:, None])
-    elif FUSED_REDUCE and active == 1:  # the whole context in this program: no partials
+    elif active == 1:  # the whole context in this program: no partials (the reduction skips it)
         out = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
         tl.store(o_ptrs, out.to(out_ptr.dtype.element_ty), mask=gmask[:, None])
     else:
@@ -319,6 +322,8 @@ def _decode_reduce_kernel(out_ptr, m_ptr, l_ptr, acc_ptr, qsl_ptr, ctx_ptr, num_
         if tl.load(qsl_ptr + b + 1) - q_row != 1:
             return
     _, active = _active_splits(tl.load(ctx_ptr + b), num_splits, BLOCK_N, MIN_TILES)
+    if active == 1:  # the decode kernel wrote the output itself
+        return
     offs_s = tl.arange(0, S_BLOCK)
     offs_d = tl.arange(0, HEAD_DIM)
     base = (b.to(tl.int64) * num_q_heads + h) * num_splits
@@ -665,7 +670,7 @@ def paged_attention_decode(query: torch.Tensor, k_cache: torch.Tensor, v_cache: 
         out.stride(0), out.stride(1), meta.block_tables.stride(0),
         G=g, G_PAD=g_pad, HEAD_DIM=d, PAGE=bs, BLOCK_N=bn, FP32_MATH=fp32_math,
         SKIP_NON_DECODE=skip_non_decode, DIRECT_OUT=direct, FUSED_REDUCE=fused,
-        S_CHUNK=4, MIN_TILES=min_tiles, USE_PDL=pdl, num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
+        S_CHUNK=1, MIN_TILES=min_tiles, USE_PDL=pdl, num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
         **pdl_launch_kwargs(pdl))
     if not direct and not fused:
         _decode_reduce_kernel[(b, hq)](
