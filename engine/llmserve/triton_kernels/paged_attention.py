@@ -65,13 +65,12 @@ SUPPORTED_HEAD_DIMS = (32, 64, 128, 256)
 #: than in a second launch; chosen from the H200 measurements in results/kernels/.
 DECODE_FUSED_REDUCE = True
 #: Above this many splits the separate (parallel) reduction kernel is used. On the H200 the
-#: first in-kernel merge (one split at a time) saved ~1-2 us at 2-5 splits but cost ~5 us at 32
-#: (batch 1, context 2048). It now merges only the non-empty splits. A merge reading 4 splits
-#: a step ([G_PAD, 4, D] tiles) measured slower on the H200 at batch 64 / context 2048 (46.9 vs
-#: 39.5 us; a guess, not profiled: the merge's registers are reserved for the whole kernel),
-#: so it reads one at a time
-#: (``S_CHUNK = 1``). ``LLMSERVE_DECODE_FUSED_MAX`` overrides (A/B runs).
-FUSED_REDUCE_MAX_SPLITS = int(os.environ.get("LLMSERVE_DECODE_FUSED_MAX", "8"))
+#: in-kernel merge (one split at a time) saved ~1-2 us at 2-5 splits but cost ~5 us at 32
+#: (batch 1, context 2048). It now merges only the non-empty splits, so a CUDA graph sized for
+#: ``max_model_len`` (32 splits at 2,048) merges two for a two-tile context: batch-1 decode of
+#: Qwen2.5-1.5B measured 5.6 us a layer with it, against 4.4 + 3.4 us for kernel + reduction
+#: before. ``LLMSERVE_DECODE_FUSED_MAX`` overrides (A/B runs).
+FUSED_REDUCE_MAX_SPLITS = int(os.environ.get("LLMSERVE_DECODE_FUSED_MAX", "32"))
 # Experiment knobs (A/B runs on the GPU; defaults = the tuned choices above):
 # LLMSERVE_DECODE_SPLITS=legacy uses the first heuristic (about 4 programs per SM);
 # LLMSERVE_DECODE_STAGES=N overrides the decode kernel's pipeline depth.
@@ -82,11 +81,12 @@ FUSED_REDUCE_MAX_SPLITS = int(os.environ.get("LLMSERVE_DECODE_FUSED_MAX", "8"))
 # sequence has the full context, preferred "waves"; pass LLMSERVE_DECODE_SPLITS=waves for it.
 _SPLIT_POLICY = os.environ.get("LLMSERVE_DECODE_SPLITS", "legacy")
 _DECODE_STAGES = int(os.environ.get("LLMSERVE_DECODE_STAGES", "3") or 0)
-# Fewest K/V tiles (BLOCK_N positions each) a decode split takes: contexts up to this many
-# tiles are one split, written without partials or a merge (batch-1 decode: the merge's
-# dependent loads and atomics cost more than splitting gains). LLMSERVE_DECODE_MIN_TILES
-# overrides; an explicit ``num_splits`` argument uses 1 (benchmarks, tests).
-_DECODE_MIN_TILES = max(1, int(os.environ.get("LLMSERVE_DECODE_MIN_TILES", "4") or 1))
+# Fewest K/V tiles (BLOCK_N positions each) a decode split takes; contexts up to this many
+# tiles are one split, written without partials or a merge. 1 by default: at batch 1 and a
+# two-tile context, 4 measured 6.6 us a layer against 5.6 us for two splits and a merge
+# (H200, Qwen2.5-1.5B, results/h200/notes/s3). LLMSERVE_DECODE_MIN_TILES overrides; an
+# explicit ``num_splits`` argument uses 1.
+_DECODE_MIN_TILES = max(1, int(os.environ.get("LLMSERVE_DECODE_MIN_TILES", "1") or 1))
 _LOG2E = 1.4426950408889634
 
 
@@ -191,12 +191,13 @@ def _decode_kernel(q_ptr, k_cache_ptr, v_cache_ptr, out_ptr, m_ptr, l_ptr, acc_p
                    G: tl.constexpr, G_PAD: tl.constexpr, HEAD_DIM: tl.constexpr,
                    PAGE: tl.constexpr, BLOCK_N: tl.constexpr, FP32_MATH: tl.constexpr,
                    SKIP_NON_DECODE: tl.constexpr, DIRECT_OUT: tl.constexpr,
-                   FUSED_REDUCE: tl.constexpr, S_CHUNK: tl.constexpr, MIN_TILES: tl.constexpr,
+                   FUSED_REDUCE: tl.constexpr, MIN_TILES: tl.constexpr,
                    USE_PDL: tl.constexpr):
     """Grid ``(B, Hkv, num_splits)``. The split of the context is decided here, per sequence:
     its ``ceil(ctx / BLOCK_N)`` tiles are spread over the ``num_splits`` programs
     (:func:`_active_splits`), so a short sequence in a grid sized for ``max_model_len`` (CUDA
-    graphs) uses few programs and the others exit at once."""
+    graphs) uses few programs; the others run no tiles and store nothing (no early return:
+    the tile loop stays outside any branch)."""
     b = tl.program_id(0)
     kvh = tl.program_id(1)
     split = tl.program_id(2)
@@ -211,10 +212,9 @@ def _decode_kernel(q_ptr, k_cache_ptr, v_cache_ptr, out_ptr, m_ptr, l_ptr, acc_p
         if tl.load(qsl_ptr + b + 1) - q_row != 1:  # served by the prefill kernel
             return
     tiles_per_split, active = _active_splits(ctx, num_splits, BLOCK_N, MIN_TILES)
-    if split >= active:  # nothing of this sequence's context is left for this split
-        return
+    live = split < active  # splits past the sequence's context run no tiles and store nothing
     start = split * tiles_per_split * BLOCK_N
-    end = tl.minimum(start + tiles_per_split * BLOCK_N, ctx)
+    end = tl.where(live, tl.minimum(start + tiles_per_split * BLOCK_N, ctx), start)
 
     offs_g = tl.arange(0, G_PAD)
     offs_d = tl.arange(0, HEAD_DIM)
@@ -255,42 +255,39 @@ def _decode_kernel(q_ptr, k_cache_ptr, v_cache_ptr, out_ptr, m_ptr, l_ptr, acc_p
     if DIRECT_OUT:
         out = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
         tl.store(o_ptrs, out.to(out_ptr.dtype.element_ty), mask=gmask[:, None])
-    elif active == 1:  # the whole context in this program: no partials (the reduction skips it)
+    elif active == 1:  # the whole context in split 0: no partials (the reduction skips it)
         out = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
-        tl.store(o_ptrs, out.to(out_ptr.dtype.element_ty), mask=gmask[:, None])
-    else:
+        first = (offs_g * 0 + split) == 0                                    # [G_PAD]
+        tl.store(o_ptrs, out.to(out_ptr.dtype.element_ty), mask=(gmask & first)[:, None])
+    elif live:
         idx = (b.to(tl.int64) * num_q_heads + heads) * num_splits + split    # [G_PAD]
         tl.store(m_ptr + idx, m_i, mask=gmask)
         tl.store(l_ptr + idx, l_i, mask=gmask)
         tl.store(acc_ptr + idx[:, None] * HEAD_DIM + offs_d[None, :], acc, mask=gmask[:, None])
         if FUSED_REDUCE:
             # The last active split of (sequence, KV head) to finish merges all active splits
-            # (in split order, S_CHUNK at a time: deterministic) and re-arms the counter; no
-            # reduction launch. Partial stores are released by the barrier + acq_rel atomic
-            # and re-read from L2 (.cg).
+            # (in split order: deterministic) and re-arms the counter; no reduction launch.
+            # Partial stores are released by the barrier + acq_rel atomic and re-read from L2
+            # (.cg).
             tl.debug_barrier()
             cnt = cnt_ptr + b * tl.num_programs(1) + kvh
             count = tl.atomic_add(cnt, 1)
             if count == active - 1:
                 base = (b.to(tl.int64) * num_q_heads + heads) * num_splits            # [G_PAD]
-                offs_s = tl.arange(0, S_CHUNK)
                 m_t = tl.full([G_PAD], float("-inf"), tl.float32)
                 l_t = tl.zeros([G_PAD], tl.float32)
                 o_t = tl.zeros([G_PAD, HEAD_DIM], tl.float32)
-                for s0 in range(0, active, S_CHUNK):
-                    sp = s0 + offs_s                                                   # [S]
-                    msk = gmask[:, None] & (sp < active)[None, :]                      # [G_PAD, S]
-                    ix = base[:, None] + sp[None, :]
-                    m_s = tl.load(m_ptr + ix, mask=msk, other=float("-inf"), cache_modifier=".cg")
-                    l_s = tl.load(l_ptr + ix, mask=msk, other=0.0, cache_modifier=".cg")
-                    o_s = tl.load(acc_ptr + ix[:, :, None] * HEAD_DIM + offs_d[None, None, :],
-                                  mask=msk[:, :, None], other=0.0, cache_modifier=".cg")  # [G_PAD, S, D]
-                    m_n = tl.maximum(m_t, tl.max(m_s, axis=1))
+                for sp in range(0, active):
+                    m_s = tl.load(m_ptr + base + sp, mask=gmask, other=float("-inf"), cache_modifier=".cg")
+                    l_s = tl.load(l_ptr + base + sp, mask=gmask, other=0.0, cache_modifier=".cg")
+                    o_s = tl.load(acc_ptr + (base + sp)[:, None] * HEAD_DIM + offs_d[None, :],
+                                  mask=gmask[:, None], other=0.0, cache_modifier=".cg")
+                    m_n = tl.maximum(m_t, m_s)
                     m_n_safe = tl.where(m_n == float("-inf"), 0.0, m_n)
                     w_t = tl.exp2(m_t - m_n_safe)
-                    w_s = tl.exp2(m_s - m_n_safe[:, None])                             # 0 if masked
-                    l_t = l_t * w_t + tl.sum(l_s * w_s, axis=1)
-                    o_t = o_t * w_t[:, None] + tl.sum(o_s * w_s[:, :, None], axis=1)
+                    w_s = tl.exp2(m_s - m_n_safe)
+                    l_t = l_t * w_t + l_s * w_s
+                    o_t = o_t * w_t[:, None] + o_s * w_s[:, None]
                     m_t = m_n
                 out = o_t / tl.where(l_t > 0, l_t, 1.0)[:, None]
                 tl.store(o_ptrs, out.to(out_ptr.dtype.element_ty), mask=gmask[:, None])
@@ -670,7 +667,7 @@ def paged_attention_decode(query: torch.Tensor, k_cache: torch.Tensor, v_cache: 
         out.stride(0), out.stride(1), meta.block_tables.stride(0),
         G=g, G_PAD=g_pad, HEAD_DIM=d, PAGE=bs, BLOCK_N=bn, FP32_MATH=fp32_math,
         SKIP_NON_DECODE=skip_non_decode, DIRECT_OUT=direct, FUSED_REDUCE=fused,
-        S_CHUNK=1, MIN_TILES=min_tiles, USE_PDL=pdl, num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
+        MIN_TILES=min_tiles, USE_PDL=pdl, num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
         **pdl_launch_kwargs(pdl))
     if not direct and not fused:
         _decode_reduce_kernel[(b, hq)](
