@@ -139,6 +139,11 @@ def test_decode_grid_sized_for_a_longer_context(num_splits, fused):
                                  torch.float32)
     ref = paged_attention_torch(q, kc, vc, meta, 0.125)
     meta.max_context_len = 4096                                   # as the graph runner does
+    if num_splits is None:   # > FUSED_REDUCE_MAX_SPLITS splits: short contexts merge in the decode
+        import llmserve.triton_kernels.paged_attention as pa    # kernel, long ones in the reduction
+        out = paged_attention_decode(q, kc, vc, meta, 0.125, num_splits=40)
+        assert_close(out, ref, torch.float32)
+        assert pa.FUSED_REDUCE_INLINE < 13        # the 200-token context: 13 tiles, the reduction
     for _ in range(2):
         out = paged_attention_decode(q, kc, vc, meta, 0.125, num_splits=num_splits, fused_reduce=fused)
         assert_close(out, ref, torch.float32)

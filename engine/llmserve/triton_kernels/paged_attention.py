@@ -66,11 +66,16 @@ SUPPORTED_HEAD_DIMS = (32, 64, 128, 256)
 DECODE_FUSED_REDUCE = True
 #: Above this many splits the separate (parallel) reduction kernel is used. On the H200 the
 #: in-kernel merge (one split at a time) saved ~1-2 us at 2-5 splits but cost ~5 us at 32
-#: (batch 1, context 2048). It now merges only the non-empty splits, so a CUDA graph sized for
-#: ``max_model_len`` (32 splits at 2,048) merges two for a two-tile context: batch-1 decode of
-#: Qwen2.5-1.5B measured 5.6 us a layer with it, against 4.4 + 3.4 us for kernel + reduction
-#: before. ``LLMSERVE_DECODE_FUSED_MAX`` overrides (A/B runs).
-FUSED_REDUCE_MAX_SPLITS = int(os.environ.get("LLMSERVE_DECODE_FUSED_MAX", "32"))
+#: (batch 1, context 2048). It merges only the non-empty splits, so in a CUDA graph sized for
+#: ``max_model_len`` (32 splits at 2,048) a two-tile context merges two: H200, Qwen2.5-1.5B
+#: layout, batch 1, context 128: 5.5 us against 7.2-7.4 us for kernel + reduction; but at
+#: context 2,048 (32 non-empty splits) 14.1 us against 7.4-7.6 (scripts/ab_decode_versions.py,
+#: results/h200/notes/s3). Hence the split by *non-empty* splits below.
+#: ``LLMSERVE_DECODE_FUSED_MAX`` overrides (A/B runs).
+FUSED_REDUCE_MAX_SPLITS = int(os.environ.get("LLMSERVE_DECODE_FUSED_MAX", "8"))
+#: With more splits than that, sequences with at most this many non-empty splits are still
+#: merged in the decode kernel (the reduction kernel skips them).
+FUSED_REDUCE_INLINE = 8
 # Experiment knobs (A/B runs on the GPU; defaults = the tuned choices above):
 # LLMSERVE_DECODE_SPLITS=legacy uses the first heuristic (about 4 programs per SM);
 # LLMSERVE_DECODE_STAGES=N overrides the decode kernel's pipeline depth.
@@ -183,15 +188,15 @@ def _online_softmax_step(s, v, m_i, l_i, acc, FP32_MATH: tl.constexpr, MAYBE_EMP
 # Arguments that change from step to step are not specialised (Triton would otherwise compile
 # a new binary whenever one of them becomes 1 or a multiple of 16: seconds of stall in the
 # middle of serving, seen as multi-second TTFT outliers in the first open-loop runs).
-@triton.jit(do_not_specialize=["num_splits", "stride_btb"])
+@triton.jit(do_not_specialize=["num_splits", "inline_max", "stride_btb"])
 def _decode_kernel(q_ptr, k_cache_ptr, v_cache_ptr, out_ptr, m_ptr, l_ptr, acc_ptr, cnt_ptr,
-                   bt_ptr, ctx_ptr, qsl_ptr, qk_scale, num_splits, num_q_heads,
+                   bt_ptr, ctx_ptr, qsl_ptr, qk_scale, num_splits, inline_max, num_q_heads,
                    stride_qn, stride_qh, stride_kb, stride_kt, stride_kh,
                    stride_on, stride_oh, stride_btb,
                    G: tl.constexpr, G_PAD: tl.constexpr, HEAD_DIM: tl.constexpr,
                    PAGE: tl.constexpr, BLOCK_N: tl.constexpr, FP32_MATH: tl.constexpr,
                    SKIP_NON_DECODE: tl.constexpr, DIRECT_OUT: tl.constexpr,
-                   FUSED_REDUCE: tl.constexpr, MIN_TILES: tl.constexpr,
+                   MIN_TILES: tl.constexpr,
                    USE_PDL: tl.constexpr):
     """Grid ``(B, Hkv, num_splits)``. The split of the context is decided here, per sequence:
     its ``ceil(ctx / BLOCK_N)`` tiles are spread over the ``num_splits`` programs
@@ -255,7 +260,7 @@ def _decode_kernel(q_ptr, k_cache_ptr, v_cache_ptr, out_ptr, m_ptr, l_ptr, acc_p
     if DIRECT_OUT:
         out = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
         tl.store(o_ptrs, out.to(out_ptr.dtype.element_ty), mask=gmask[:, None])
-    elif active == 1:  # the whole context in split 0: no partials (the reduction skips it)
+    elif active == 1:  # the whole context in split 0: no partials (nothing to merge)
         out = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
         first = (offs_g * 0 + split) == 0                                    # [G_PAD]
         tl.store(o_ptrs, out.to(out_ptr.dtype.element_ty), mask=(gmask & first)[:, None])
@@ -264,7 +269,7 @@ def _decode_kernel(q_ptr, k_cache_ptr, v_cache_ptr, out_ptr, m_ptr, l_ptr, acc_p
         tl.store(m_ptr + idx, m_i, mask=gmask)
         tl.store(l_ptr + idx, l_i, mask=gmask)
         tl.store(acc_ptr + idx[:, None] * HEAD_DIM + offs_d[None, :], acc, mask=gmask[:, None])
-        if FUSED_REDUCE:
+        if active <= inline_max:  # else the reduction kernel merges this sequence
             # The last active split of (sequence, KV head) to finish merges all active splits
             # (in split order: deterministic) and re-arms the counter; no reduction launch.
             # Partial stores are released by the barrier + acq_rel atomic and re-read from L2
@@ -304,8 +309,8 @@ def _active_splits(ctx, num_splits, BLOCK_N: tl.constexpr, MIN_TILES: tl.constex
     return tiles_per_split, tl.cdiv(tiles, tiles_per_split)
 
 
-@triton.jit(do_not_specialize=["num_splits"])
-def _decode_reduce_kernel(out_ptr, m_ptr, l_ptr, acc_ptr, qsl_ptr, ctx_ptr, num_splits, num_q_heads,
+@triton.jit(do_not_specialize=["num_splits", "inline_max"])
+def _decode_reduce_kernel(out_ptr, m_ptr, l_ptr, acc_ptr, qsl_ptr, ctx_ptr, num_splits, inline_max, num_q_heads,
                           stride_on, stride_oh,
                           HEAD_DIM: tl.constexpr, S_BLOCK: tl.constexpr, BLOCK_N: tl.constexpr,
                           MIN_TILES: tl.constexpr, SKIP_NON_DECODE: tl.constexpr, USE_PDL: tl.constexpr):
@@ -319,7 +324,7 @@ def _decode_reduce_kernel(out_ptr, m_ptr, l_ptr, acc_ptr, qsl_ptr, ctx_ptr, num_
         if tl.load(qsl_ptr + b + 1) - q_row != 1:
             return
     _, active = _active_splits(tl.load(ctx_ptr + b), num_splits, BLOCK_N, MIN_TILES)
-    if active == 1:  # the decode kernel wrote the output itself
+    if active <= inline_max:  # the decode kernel merged (or wrote) this one itself
         return
     offs_s = tl.arange(0, S_BLOCK)
     offs_d = tl.arange(0, HEAD_DIM)
@@ -648,10 +653,15 @@ def paged_attention_decode(query: torch.Tensor, k_cache: torch.Tensor, v_cache: 
     g = hq // hkv
     g_pad = max(16, triton.next_power_of_2(g))
     direct = num_splits == 1
+    fused_reduce_default = fused_reduce is None and DECODE_FUSED_REDUCE
     if fused_reduce is None:  # the in-kernel merge runs in one program: not too many splits
         fused_reduce = DECODE_FUSED_REDUCE and num_splits <= FUSED_REDUCE_MAX_SPLITS
     fused = fused_reduce and not direct
-    cnt = _counters(query.device, b * hkv) if fused else meta.context_lens
+    # Splits merged inside the decode kernel (last split to finish): all of them when fused;
+    # otherwise sequences with at most FUSED_REDUCE_INLINE non-empty splits (short contexts in a
+    # grid sized for max_model_len), the reduction kernel taking the rest.
+    inline_max = num_splits if fused else (FUSED_REDUCE_INLINE if fused_reduce_default else 1)
+    cnt = _counters(query.device, b * hkv) if inline_max > 1 else meta.context_lens
     if direct:
         m_buf = l_buf = acc_buf = out  # unused
     else:
@@ -662,16 +672,16 @@ def paged_attention_decode(query: torch.Tensor, k_cache: torch.Tensor, v_cache: 
     _decode_kernel[(b, hkv, num_splits)](
         query, k_cache, v_cache, out, m_buf, l_buf, acc_buf, cnt,
         meta.block_tables, meta.context_lens, meta.query_start_loc,
-        float(scale) * _LOG2E, num_splits, hq,
+        float(scale) * _LOG2E, num_splits, inline_max, hq,
         query.stride(0), query.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         out.stride(0), out.stride(1), meta.block_tables.stride(0),
         G=g, G_PAD=g_pad, HEAD_DIM=d, PAGE=bs, BLOCK_N=bn, FP32_MATH=fp32_math,
-        SKIP_NON_DECODE=skip_non_decode, DIRECT_OUT=direct, FUSED_REDUCE=fused,
+        SKIP_NON_DECODE=skip_non_decode, DIRECT_OUT=direct,
         MIN_TILES=min_tiles, USE_PDL=pdl, num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
         **pdl_launch_kwargs(pdl))
     if not direct and not fused:
         _decode_reduce_kernel[(b, hq)](
-            out, m_buf, l_buf, acc_buf, meta.query_start_loc, meta.context_lens, num_splits, hq,
+            out, m_buf, l_buf, acc_buf, meta.query_start_loc, meta.context_lens, num_splits, inline_max, hq,
             out.stride(0), out.stride(1),
             HEAD_DIM=d, S_BLOCK=min(16, triton.next_power_of_2(num_splits)), BLOCK_N=bn,
             MIN_TILES=min_tiles, SKIP_NON_DECODE=skip_non_decode, USE_PDL=pdl, num_warps=1 if on_cpu else 4,
