@@ -63,6 +63,7 @@ class BenchmarkOptions:
     paged_attention_backend: str = "torch"
     linear_backend: str = "torch"
     cuda_graph: bool = True
+    async_scheduling: bool | None = None
     model: str = "tiny"
     device: str = "cpu"
     dtype: str | None = None
@@ -161,6 +162,8 @@ def add_benchmark_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--linear-backend", choices=("torch", "int8", "int4", "triton-int8"), default="torch")
     g.add_argument("--cuda-graph", action=argparse.BooleanOptionalAction, default=True,
                    help="let the engine use CUDA graphs for decode (CUDA only)")
+    g.add_argument("--async-scheduling", action=argparse.BooleanOptionalAction, default=None,
+                   help="launch step n+1 before reading step n's tokens (default: on for CUDA)")
     g.add_argument("--model", default="tiny",
                    help="'tiny' (embedded random Qwen2), a checkpoint directory or a hub id")
     g.add_argument("--device", default="cpu", help="cpu | cuda | cuda:N (default cpu)")
@@ -276,7 +279,8 @@ def make_engine_config(opts: BenchmarkOptions, seed: int):
     dtype = opts.dtype or ("float32" if opts.device == "cpu" else "bfloat16")
     return EngineConfig(model=opts.model, device=opts.device, dtype=dtype, seed=seed, cache=cache,
                         scheduler=sched, attention_backend=opts.paged_attention_backend,
-                        linear_backend=opts.linear_backend, use_cuda_graph=opts.cuda_graph)
+                        linear_backend=opts.linear_backend, use_cuda_graph=opts.cuda_graph,
+                        async_scheduling=opts.async_scheduling)
 
 
 def default_engine_factory(config, naive: bool):

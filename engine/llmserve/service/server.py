@@ -38,6 +38,8 @@ def add_serve_subparser(subparsers: Any) -> argparse.ArgumentParser:
                    help="KV blocks (default: from the memory budget / free GPU memory)")
     p.add_argument("--paged-attention-backend", default="torch", choices=["torch", "triton"])
     p.add_argument("--linear-backend", default="torch", choices=["torch", "int8", "int4", "triton-int8"])
+    p.add_argument("--async-scheduling", action=argparse.BooleanOptionalAction, default=None,
+                   help="launch step n+1 before reading step n's tokens (default: on for CUDA)")
     p.add_argument("--max-waiting", type=int, default=1024,
                    help="answer 429 while this many requests wait for the engine (0 = unbounded)")
     p.add_argument("--served-model-name", default=None,
@@ -60,7 +62,8 @@ def build_engine_config(args: argparse.Namespace):
         scheduler=SchedulerConfig(mode="continuous", policy=args.policy, max_num_seqs=args.max_batch_size,
                                   max_num_batched_tokens=args.max_num_batched_tokens,
                                   prefill_chunk_size=args.prefill_chunk_size, max_model_len=args.max_model_len),
-        attention_backend=args.paged_attention_backend, linear_backend=args.linear_backend)
+        attention_backend=args.paged_attention_backend, linear_backend=args.linear_backend,
+        async_scheduling=getattr(args, "async_scheduling", None))
 
 
 def build_app(args: argparse.Namespace):
