@@ -117,6 +117,39 @@ def test_abort_while_a_token_is_in_flight():
     assert asyn.block_manager.num_free_blocks == asyn.block_manager.num_total_blocks
 
 
+@pytest.mark.parametrize("async_", [False, True])
+def test_raising_callback_leaves_other_requests_intact(async_):
+    """A client callback that raises propagates out of step(), but only after every token of
+    the step was recorded: other requests keep the synchronous engine's tokens and no step
+    is read twice."""
+    sync, asyn = pair()
+    eng = asyn if async_ else sync
+    prompts = [[5, 6, 7], [8, 9, 10]]
+    ref = LLMEngine(dataclasses.replace(engine_config(), async_scheduling=False)).generate(
+        prompts, SamplingParams(max_tokens=6, ignore_eos=True))
+    fired = []
+
+    def cb(o):
+        if len(o.output_token_ids) == 2 and not fired:
+            fired.append(1)
+            raise RuntimeError("client callback failed")
+
+    a = eng.add_request(prompts[0], SamplingParams(max_tokens=6, ignore_eos=True))
+    b = eng.add_request(prompts[1], SamplingParams(max_tokens=6, ignore_eos=True), callback=cb)
+    raised = 0
+    while eng.has_unfinished_requests():
+        try:
+            eng.step()
+        except RuntimeError as e:
+            assert "client callback" in str(e)
+            raised += 1
+    assert raised == 1
+    assert a.output_token_ids == ref[0].output_token_ids
+    assert b.output_token_ids == ref[1].output_token_ids
+    assert a.num_pending == b.num_pending == 0
+    assert eng.block_manager.num_free_blocks == eng.block_manager.num_total_blocks
+
+
 def test_default_is_off_on_cpu():
     eng = LLMEngine(engine_config())
     assert eng.async_scheduling is False

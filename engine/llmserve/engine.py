@@ -318,15 +318,14 @@ class LLMEngine(_EngineBase):
                     seq.num_pending += 1
                 launched = _InFlightStep(seqs, sample)
             self.step_seconds["sample"] += time.perf_counter() - t2
+        # Swap first: whatever happens while reading, the launched step stays the one in
+        # flight and the previous one is never read twice.
+        previous, self._inflight = self._inflight, (launched if self.async_scheduling else None)
         outputs: list[RequestOutput] = []
-        if self._inflight is not None:          # the previous step's tokens (asynchronous)
-            outputs = self._read_tokens(self._inflight)
-            self._inflight = None
-        if launched is not None:
-            if self.async_scheduling:
-                self._inflight = launched
-            else:
-                outputs = self._read_tokens(launched)
+        if previous is not None:                # the previous step's tokens (asynchronous)
+            outputs += self._read_tokens(previous)
+        if launched is not None and not self.async_scheduling:
+            outputs += self._read_tokens(launched)
         return outputs
 
     def _read_tokens(self, step: "_InFlightStep") -> list[RequestOutput]:
@@ -336,6 +335,7 @@ class LLMEngine(_EngineBase):
         result = step.sample.result()
         now = time.perf_counter()
         outputs: list[RequestOutput] = []
+        errors: list[BaseException] = []
         for seq, tok, lp in zip(step.seqs, result.token_ids, result.logprobs):
             seq.num_pending -= 1
             if seq.is_finished:
@@ -343,23 +343,33 @@ class LLMEngine(_EngineBase):
             seq.append_token(tok, now)
             if seq.sampling_params.logprobs is not None:
                 seq.output_logprobs.append(lp)
-            self._emit(seq, [tok], seq.check_stop(self.max_model_len), outputs)
+            self._emit(seq, [tok], seq.check_stop(self.max_model_len), outputs, errors)
         self.step_seconds["sample"] += now - t0
         self.step_seconds["postprocess"] += time.perf_counter() - now
+        if errors:  # every token is recorded first; then the first callback error propagates
+            raise errors[0]
         return outputs
 
     def _emit(self, seq: Sequence, new_token_ids: list[int], status: SequenceStatus | None,
-              outputs: list[RequestOutput]) -> None:
-        """Finish ``seq`` when ``status`` is set, record its output, call its callback."""
+              outputs: list[RequestOutput], errors: list[BaseException] | None = None) -> None:
+        """Finish ``seq`` when ``status`` is set, record its output, call its callback (an
+        exception from the callback is appended to ``errors`` when given, else raised, after
+        the engine's own bookkeeping)."""
         if status is not None:
             self.scheduler.finish_request(seq, status)
         ro = RequestOutput.from_seq(seq, new_token_ids)
         outputs.append(ro)
         cb = self._callbacks.get(seq.request_id)
-        if cb is not None:
-            cb(ro)
-        if status is not None:
-            self._finish(seq)
+        try:
+            if cb is not None:
+                cb(ro)
+        except Exception as e:  # noqa: BLE001 - re-raised by the caller once the step is consistent
+            if errors is None:
+                raise
+            errors.append(e)
+        finally:
+            if status is not None:
+                self._finish(seq)
 
     def stats(self) -> dict:
         """Scheduler and KV cache counters (for metrics endpoints and benchmark reports)."""

@@ -259,9 +259,10 @@ def run_component_profile(engine: Any, prompts: list[tuple[list[int], Any, int]]
         else:
             patcher.missing.append("runner")
         sampler, spath = _first(engine, "sampler", "runner.sampler", "model_runner.sampler")
-        patcher.wrap_method(sampler, "sample", "sampling", f"{spath or 'sampler'}.sample")
-        if callable(getattr(sampler, "sample_async", None)):   # LLMEngine's path
-            patcher.wrap_method(sampler, "sample_async", "sampling", f"{spath or 'sampler'}.sample_async")
+        # Sampler.sample calls sample_async (LLMEngine calls it directly): wrap the one that
+        # every engine reaches, once.
+        meth = "sample_async" if callable(getattr(sampler, "sample_async", None)) else "sample"
+        patcher.wrap_method(sampler, meth, "sampling", f"{spath or 'sampler'}.{meth}")
         model, _ = _first(engine, "model", "runner.model", "model_runner.model")
         if model is not None:
             _hook_model(patcher, model, notes)

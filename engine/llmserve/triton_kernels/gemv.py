@@ -368,7 +368,8 @@ def choose_gemv_config(m: int, n: int, k: int, w_dtype: torch.dtype, device: tor
     if prologue.endswith("+rope"):  # untuned: the plain projection's tile, halved (2 rows an output)
         hit = _table().get(table_key(gpu, int8, prologue[:-len("+rope")], m, k, 2 * n))
         if hit:
-            return GemvConfig(max(1, hit.block_n // 2), hit.block_k, hit.num_warps, hit.stages)
+            return GemvConfig(max(1, hit.block_n // 2), hit.block_k, hit.num_warps, hit.stages,
+                              hit.programs_per_sm)
     bn = 1 if n <= 4096 else 2
     bk = max(64, (1024 if bn == 1 else 512) // triton.next_power_of_2(m))
     return GemvConfig(block_n=bn, block_k=min(bk, triton.next_power_of_2(k)), num_warps=4, stages=1)
