@@ -38,20 +38,28 @@ def main() -> None:
     cases = [(64, 2048, 3), (1, 2048, 32), (1, 128, None)]
     inputs = {c: batch(c[0], c[1]) for c in cases}
     for f in sorted(Path(sys.argv[1]).glob("pa_*.py")):
-        spec = importlib.util.spec_from_file_location(f.stem, f)
-        mod = importlib.util.module_from_spec(spec)
-        spec.loader.exec_module(mod)
+        try:
+            spec = importlib.util.spec_from_file_location(f.stem, f)
+            mod = importlib.util.module_from_spec(spec)
+            spec.loader.exec_module(mod)
+        except Exception as e:  # noqa: BLE001 - a version that does not load is a row too
+            rows.append(dict(version=f.stem, error=f"{type(e).__name__}: {e}"[:300]))
+            print(json.dumps(rows[-1]), flush=True)
+            continue
         for (b, ctx, splits) in cases:
             q, kc, vc, meta = inputs[(b, ctx, splits)]
             if splits is None:                      # the engine's graph: grid sized for 2,048
                 meta.max_context_len = 2048
             kw = {} if splits is None else {"num_splits": splits}
             fn = lambda: mod.paged_attention_decode(q, kc, vc, meta, 128 ** -0.5, **kw)  # noqa: E731
-            us = graph_time_us([fn], 50)
-            rows.append(dict(version=f.stem, batch=b, context=ctx, splits=splits, us=us))
-            print(json.dumps(rows[-1]), flush=True)
+            row = dict(version=f.stem, batch=b, context=ctx, splits=splits, us=None, error=None)
+            try:
+                row["us"] = graph_time_us([fn], 50)
+            except Exception as e:  # noqa: BLE001 - kept as a row with the error
+                row["error"] = f"{type(e).__name__}: {e}"[:300]
+            rows.append(row)
+            print(json.dumps(row), flush=True)
             meta.max_context_len = ctx
-
 
 if __name__ == "__main__":
     main()

@@ -64,9 +64,9 @@ class CUDAGraphDecodeRunner:
         # device; the buffer written now was last read by the copy of step n-1, which has
         # completed once the engine read step n-1's sampled tokens.
         self._hosts = [torch.zeros(total, dtype=torch.int64, pin_memory=True) for _ in range(2)]
+        self._hosts_np = [h.numpy() for h in self._hosts]
         self._turn = 0
-        self._host = self._hosts[0]
-        self._host_np = self._host.numpy()
+        self._host, self._host_np = self._hosts[0], self._hosts_np[0]
         self._dev = torch.zeros(total, dtype=torch.int64, device=device)
         o = self._offsets
         self.input_ids = self._dev[o[0]:o[1]]
@@ -149,8 +149,7 @@ class CUDAGraphDecodeRunner:
         b = len(token_ids)
         bucket = self.bucket_for(b)
         self._turn ^= 1
-        self._host = self._hosts[self._turn]
-        self._host_np = self._host.numpy()
+        self._host, self._host_np = self._hosts[self._turn], self._hosts_np[self._turn]
         o, h = self._offsets, self._host_np
         h[o[0]:o[0] + b] = token_ids
         h[o[1]:o[1] + b] = positions

@@ -113,7 +113,7 @@ class Sampler:
         """
         b = logits.shape[0]
         if b == 0:
-            return PendingSample(logits.new_empty((0,), dtype=torch.long), [], None, None)
+            return PendingSample(logits.new_empty((0,), dtype=torch.long), None)
         greedy = [p.greedy for p in params]
         chosen = logits.argmax(dim=-1)                                            # [B]
         if not all(greedy):
@@ -139,7 +139,7 @@ class Sampler:
             tok_lp = lp.gather(1, chosen[want][:, None]).squeeze(1)               # [W]
             top_vals, top_ids = lp.topk(kmax, dim=-1) if kmax > 0 else (None, None)
             lp_parts = (want, [params[i].logprobs for i in want], tok_lp, top_vals, top_ids)
-        return PendingSample(chosen, greedy, lp_parts, b)
+        return PendingSample(chosen, lp_parts)
 
 
 def _to_host(t: torch.Tensor | None) -> torch.Tensor | None:
@@ -158,11 +158,10 @@ class PendingSample:
         token_ids_device: ``[B]`` int64 on the logits' device (the next step's input ids).
     """
 
-    __slots__ = ("token_ids_device", "_host", "_lp", "_event", "_b")
+    __slots__ = ("token_ids_device", "_host", "_lp", "_event")
 
-    def __init__(self, chosen: torch.Tensor, greedy, lp_parts, b) -> None:
+    def __init__(self, chosen: torch.Tensor, lp_parts) -> None:
         self.token_ids_device = chosen
-        self._b = b or 0
         self._host = _to_host(chosen)
         self._lp = None
         if lp_parts is not None:
@@ -178,10 +177,8 @@ class PendingSample:
         the ids and logprob records."""
         if self._event is not None:
             self._event.synchronize()
-        if self._b == 0:
-            return SampleResult([], [])
         ids = self._host.tolist()
-        records: list[dict | None] = [None] * self._b
+        records: list[dict | None] = [None] * len(ids)
         if self._lp is not None:
             want, ks, tok_lp, top_vals, top_ids = self._lp
             tok = tok_lp.tolist()

@@ -108,9 +108,13 @@ class Sequence:
     def will_finish_by_length(self, max_model_len: int) -> bool:
         """True when a pending (sampled, not yet read) token already ends the request by
         ``max_tokens`` or ``max_model_len``: no step needs to be planned for it."""
-        return self.num_pending > 0 and (
-            len(self.output_token_ids) + self.num_pending >= self.sampling_params.max_tokens
-            or self.num_tokens >= max_model_len)
+        return self.num_pending > 0 and self._reaches_length(
+            len(self.output_token_ids) + self.num_pending, max_model_len)
+
+    def _reaches_length(self, num_outputs: int, max_model_len: int) -> bool:
+        """The length stop rule for a sequence with ``num_outputs`` output tokens."""
+        return (num_outputs >= self.sampling_params.max_tokens
+                or self.num_prompt_tokens + num_outputs >= max_model_len)
 
     @property
     def all_token_ids(self) -> list[int]:
@@ -164,8 +168,7 @@ class Sequence:
         if (not sp.ignore_eos and last in self.eos_token_ids) or last in sp.stop_token_ids:
             self.stop_reason = last
             return SequenceStatus.FINISHED_STOPPED
-        if self.num_output_tokens >= sp.max_tokens or \
-                self.num_prompt_tokens + self.num_output_tokens >= max_model_len:
+        if self._reaches_length(self.num_output_tokens, max_model_len):
             return SequenceStatus.FINISHED_LENGTH
         return None
 

@@ -625,6 +625,19 @@ class Service:
             ch.tracker = self.metrics.tracker(len(ch.prompt_ids))
 
 
+async def _stream_events(gen: Any, choices) -> AsyncIterator[tuple[Any, list]]:
+    """The events of ``gen`` worth a chunk (new text or a finish reason), each with the
+    logprob records its choice produced since its previous chunk (events without text, e.g.
+    a token held back by the incremental detokenizer, carry theirs forward)."""
+    pending: dict[int, list] = {ch.index: [] for ch in choices}
+    async for ev in gen.events():
+        pending[ev.index].extend(ev.logprobs)
+        if not ev.text and ev.finish_reason is None:
+            continue
+        records, pending[ev.index] = pending[ev.index], []
+        yield ev, records
+
+
 def _usage(prompt_tokens: int, completion_tokens: int) -> dict:
     return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
             "total_tokens": prompt_tokens + completion_tokens}
@@ -772,21 +785,16 @@ def create_app(engine: Any, *, tokenizer: Any = None, served_model_name: str = "
 
             async def stream() -> AsyncIterator[str]:
                 offsets = {ch.index: len(echo_texts[ch.index // n]) for ch in choices}
-                pending_lp: dict[int, list] = {ch.index: [] for ch in choices}
                 extra = {"usage": None} if include_usage else {}
                 if body.echo:
                     for ch in choices:
                         yield _sse({"id": rid, "object": "text_completion", "created": created, "model": model,
                                     "choices": [{"index": ch.index, "text": echo_texts[ch.index // n],
                                                  "logprobs": None, "finish_reason": None}], **extra})
-                async for ev in gen.events():
-                    pending_lp[ev.index].extend(ev.logprobs)
-                    if not ev.text and ev.finish_reason is None:
-                        continue
+                async for ev, records in _stream_events(gen, choices):
                     lp = None
                     if want_lp:
-                        lp = _completion_logprobs(service.tokenizer, pending_lp[ev.index], offsets[ev.index])
-                        pending_lp[ev.index] = []
+                        lp = _completion_logprobs(service.tokenizer, records, offsets[ev.index])
                     offsets[ev.index] += len(ev.text)
                     yield _sse({"id": rid, "object": "text_completion", "created": created, "model": model,
                                 "choices": [{"index": ev.index, "text": ev.text, "logprobs": lp,
@@ -847,20 +855,13 @@ def create_app(engine: Any, *, tokenizer: Any = None, served_model_name: str = "
 
             async def stream() -> AsyncIterator[str]:
                 extra = {"usage": None} if include_usage else {}
-                pending_lp: dict[int, list] = {ch.index: [] for ch in choices}
                 head = {"id": rid, "object": "chat.completion.chunk", "created": created, "model": model}
                 for ch in choices:
                     yield _sse({**head, "choices": [{"index": ch.index,
                                                      "delta": {"role": "assistant", "content": ""},
                                                      "logprobs": None, "finish_reason": None}], **extra})
-                async for ev in gen.events():
-                    pending_lp[ev.index].extend(ev.logprobs)
-                    if not ev.text and ev.finish_reason is None:
-                        continue
-                    lp = None
-                    if lp_k is not None:
-                        lp = _chat_logprobs(service.tokenizer, pending_lp[ev.index])
-                        pending_lp[ev.index] = []
+                async for ev, records in _stream_events(gen, choices):
+                    lp = _chat_logprobs(service.tokenizer, records) if lp_k is not None else None
                     delta = {"content": ev.text} if ev.text else {}
                     yield _sse({**head, "choices": [{"index": ev.index, "delta": delta, "logprobs": lp,
                                                      "finish_reason": ev.finish_reason}], **extra})

@@ -1,7 +1,10 @@
-"""Launch helpers shared by the Triton kernels: the device's SM count and the zeroed arrival
-counters of the in-kernel ("last program reduces") split merges."""
+"""Launch helpers shared by the Triton kernels: the device's SM count, the zeroed arrival
+counters of the in-kernel ("last program reduces") split merges, and programmatic dependent
+launch (PDL)."""
 
 from __future__ import annotations
+
+import os
 
 import torch
 
@@ -60,8 +63,6 @@ def _triton_has_pdl() -> bool:
 def pdl_available(device: torch.device) -> bool:
     """Whether kernels on ``device`` can be launched with PDL: a CUDA device of compute
     capability >= 9.0, a Triton that has ``launch_pdl``, and ``LLMSERVE_PDL`` not ``0``."""
-    import os
-
     if device.type != "cuda" or os.environ.get("LLMSERVE_PDL", "1") == "0":
         return False
     if os.environ.get("TRITON_INTERPRET", "0") == "1":
