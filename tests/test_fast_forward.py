@@ -131,10 +131,16 @@ def test_add_rmsnorm_and_silu_match_reference():
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
-def test_cuda_graph_decode_matches_eager():
+@pytest.mark.parametrize("short_context", [0, 32])
+def test_cuda_graph_decode_matches_eager(monkeypatch, short_context):
+    """Graph replays give the eager tokens; with a 32-token short-context graph the first
+    decode steps (longest context 29..32) replay it, later ones the full-length graph (prompts
+    3..28 tokens + 20 generated)."""
     from llmserve.config import CacheConfig, EngineConfig, SchedulerConfig
     from llmserve.engine import LLMEngine
     from llmserve.sampling_params import SamplingParams
+
+    monkeypatch.setenv("LLMSERVE_GRAPH_SHORT_CONTEXT", str(short_context))
 
     def run(graph: bool):
         cfg = EngineConfig(model="tiny", device="cuda", dtype="float32", attention_backend="triton",
@@ -143,9 +149,11 @@ def test_cuda_graph_decode_matches_eager():
         eng = LLMEngine(cfg)
         prompts = [[10 + i] * (3 + 5 * i) for i in range(6)]
         outs = eng.generate(prompts, SamplingParams(max_tokens=20, ignore_eos=True))
-        return [o.output_token_ids for o in outs], eng.runner.num_graph_steps
+        g = eng.runner.cuda_graphs
+        return [o.output_token_ids for o in outs], eng.runner.num_graph_steps, g.num_short_replays if g else 0
 
-    eager, n0 = run(False)
-    graphed, n1 = run(True)
+    eager, n0, _ = run(False)
+    graphed, n1, n_short = run(True)
     assert n0 == 0 and n1 > 0
+    assert (0 < n_short < n1) if short_context else n_short == 0
     assert graphed == eager

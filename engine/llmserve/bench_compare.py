@@ -111,22 +111,24 @@ def decode_llmserve(preset: str, steps: int, prompt_len: int = 32) -> dict:
     # where a step's wall time went, us per step ("sample" includes the wait for the device)
     n_steps = max(1, eng.num_steps - steps0)
     split_us = {k: (eng.step_seconds[k] - before[k]) / n_steps * 1e6 for k in before}
-    # the graph replay alone (GPU time of one decode step), CUDA events
+    # the graph replay alone (GPU time of one decode step: the graph the last step used), CUDA events
     g = eng.runner.cuda_graphs
     graph_ms = None
     if g is not None:
+        graph = g.graph_for(1, prompt_len + steps)
         times = []
         for _ in range(50):
             s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
             s.record()
-            g.graphs[1].replay()
+            graph.replay()
             e.record()
             e.synchronize()
             times.append(s.elapsed_time(e))
         graph_ms = float(np.median(times))
     out = {"step_ms_median": float(np.median(gaps)), "step_ms_p90": float(np.percentile(gaps, 90)),
            "graph_replay_ms": graph_ms, "weight_bytes": weight_bytes, "step_split_us": split_us,
-           "graph_steps": eng.runner.num_graph_steps, "eager_steps": eng.runner.num_eager_steps}
+           "graph_steps": eng.runner.num_graph_steps, "eager_steps": eng.runner.num_eager_steps,
+           "short_context_replays": g.num_short_replays if g is not None else 0}
     del eng
     gc.collect()
     torch.cuda.empty_cache()

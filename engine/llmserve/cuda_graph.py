@@ -9,16 +9,45 @@ Static inputs live in one device buffer filled by a single host-to-device copy f
 staging buffer: token ids, positions, slot mapping, context lengths and the block table, each a
 view into it. A batch of ``b`` sequences runs in the smallest bucket ``>= b``; the padding rows
 write their K/V to the scratch block (slot ``-1``) and read a 1-token context, and their logits
-are discarded. The attention metadata's ``max_context_len`` is fixed at capture time to the
-engine's ``max_model_len``, so the kernel grid never changes between replays.
+are discarded. The attention metadata's ``max_context_len`` is fixed at capture time, so the
+kernel grid never changes between replays: to the engine's ``max_model_len``, and for small
+batches also to a short context (:data:`SHORT_CONTEXT`, 512 tokens) in a second graph that steps
+whose longest context fits replay instead. The decode attention kernel sizes its split count
+from ``max_context_len``; a grid sized for 2,048 tokens at batch 1 has 32 splits, more than the
+kernel merges itself, so the graph also holds a reduction kernel a layer that short contexts do
+not need (``LLMSERVE_GRAPH_SHORT_CONTEXT=0`` captures only the full-length graphs).
 """
 
 from __future__ import annotations
+
+import os
 
 import numpy as np
 import torch
 
 from .attention.metadata import AttentionMetadata
+
+
+SHORT_CONTEXT = 512     # tokens: 8 tiles of the decode kernel, merged in the kernel (no reduction)
+SHORT_MAX_BATCH = 16    # short-context graphs for batch buckets up to this size
+
+
+def short_context_default() -> int:
+    """The short-context graph length: ``LLMSERVE_GRAPH_SHORT_CONTEXT`` (tokens; ``0`` disables
+    the short-context graphs) or :data:`SHORT_CONTEXT`.
+
+    Raises:
+        ValueError: a value that is not a non-negative integer."""
+    env = os.environ.get("LLMSERVE_GRAPH_SHORT_CONTEXT")
+    if env is None:
+        return SHORT_CONTEXT
+    try:
+        val = int(env)
+    except ValueError:
+        val = -1
+    if val < 0:
+        raise ValueError(f"LLMSERVE_GRAPH_SHORT_CONTEXT must be a non-negative integer, got {env!r}")
+    return val
 
 
 def default_buckets(max_batch: int) -> list[int]:
@@ -41,10 +70,13 @@ class CUDAGraphDecodeRunner:
         max_batch: largest bucket (the scheduler's ``max_num_seqs``).
         max_model_len: longest sequence; fixes the block-table width and the attention grid.
         device: a CUDA device.
+        short_context: context length of the second, short-context graph captured for batch
+            buckets up to :data:`SHORT_MAX_BATCH` (default :func:`short_context_default`;
+            ``0`` or ``>= max_model_len``: none).
     """
 
     def __init__(self, forward, compute_logits, kv_caches, block_size: int, max_batch: int,
-                 max_model_len: int, device: torch.device) -> None:
+                 max_model_len: int, device: torch.device, short_context: int | None = None) -> None:
         self.forward = forward
         self.compute_logits = compute_logits
         self.kv_caches = kv_caches
@@ -78,22 +110,34 @@ class CUDAGraphDecodeRunner:
         self.ctx_lens = torch.zeros(b, dtype=torch.int32, device=device)
         self.block_tables = torch.zeros(b, nb, dtype=torch.int32, device=device)
         self.query_start_loc = torch.arange(b + 1, dtype=torch.int32, device=device)
+        short = short_context_default() if short_context is None else short_context
+        self.short_context = short if 0 < short < max_model_len else 0
+        # graphs[b]: full-length context; short_graphs[b]: contexts <= short_context
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
-        self.outputs: dict[int, torch.Tensor] = {}
+        self.short_graphs: dict[int, torch.cuda.CUDAGraph] = {}
+        self.outputs: dict[tuple[int, bool], torch.Tensor] = {}
         self.pool = None
+        self.num_short_replays = 0
 
-    def _meta(self, b: int) -> AttentionMetadata:
+    def _meta(self, b: int, short: bool) -> AttentionMetadata:
         return AttentionMetadata(
             slot_mapping=self.slots[:b], query_start_loc=self.query_start_loc[:b + 1],
             context_lens=self.ctx_lens[:b], block_tables=self.block_tables[:b],
-            max_query_len=1, max_context_len=self.max_model_len, block_size=self.block_size,
-            is_decode_only=True)
+            max_query_len=1, max_context_len=self.short_context if short else self.max_model_len,
+            block_size=self.block_size, is_decode_only=True)
 
-    def _run(self, b: int) -> torch.Tensor:
+    def _run(self, b: int, short: bool) -> torch.Tensor:
         self.ctx_lens[:b].copy_(self.ctx_lens64[:b])
         self.block_tables[:b].copy_(self.table64[:b])
-        hidden = self.forward(self.input_ids[:b], self.positions[:b], self.kv_caches, self._meta(b))
+        hidden = self.forward(self.input_ids[:b], self.positions[:b], self.kv_caches, self._meta(b, short))
         return self.compute_logits(hidden)                                    # [b, V]
+
+    def graph_for(self, b: int, max_context_len: int) -> torch.cuda.CUDAGraph:
+        """The graph a step of ``b`` rows whose longest context is ``max_context_len`` replays."""
+        bucket = self.bucket_for(b)
+        if bucket in self.short_graphs and max_context_len <= self.short_context:
+            return self.short_graphs[bucket]
+        return self.graphs[bucket]
 
     @torch.inference_mode()
     def capture(self) -> None:
@@ -106,15 +150,17 @@ class CUDAGraphDecodeRunner:
         stream.wait_stream(torch.cuda.current_stream(self.device))
         with torch.cuda.stream(stream):
             for b in reversed(self.buckets):
-                for _ in range(2):                                            # warm-up / autotune
-                    self._run(b)
-                torch.cuda.synchronize(self.device)
-                g = torch.cuda.CUDAGraph()
-                with torch.cuda.graph(g, pool=self.pool, stream=stream):
-                    self.outputs[b] = self._run(b)
-                if self.pool is None:
-                    self.pool = g.pool()
-                self.graphs[b] = g
+                variants = [False] + ([True] if self.short_context and b <= SHORT_MAX_BATCH else [])
+                for short in variants:
+                    for _ in range(2):                                        # warm-up / autotune
+                        self._run(b, short)
+                    torch.cuda.synchronize(self.device)
+                    g = torch.cuda.CUDAGraph()
+                    with torch.cuda.graph(g, pool=self.pool, stream=stream):
+                        self.outputs[(b, short)] = self._run(b, short)
+                    if self.pool is None:
+                        self.pool = g.pool()
+                    (self.short_graphs if short else self.graphs)[b] = g
         torch.cuda.current_stream(self.device).wait_stream(stream)
         torch.cuda.synchronize(self.device)
 
@@ -164,5 +210,7 @@ class CUDAGraphDecodeRunner:
         if fill is not None:
             fill(self.input_ids)
         # ids/pos/slots/ctx for rows < bucket live before o[4]; the table rows after it
-        self.graphs[bucket].replay()
-        return self.outputs[bucket][:b]
+        short = bucket in self.short_graphs and int(context_lens.max()) <= self.short_context
+        (self.short_graphs if short else self.graphs)[bucket].replay()
+        self.num_short_replays += short
+        return self.outputs[(bucket, short)][:b]

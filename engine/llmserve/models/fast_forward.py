@@ -19,9 +19,6 @@ What changes against the readable path (``models/qwen2.py``):
 * On Hopper these kernels are launched with programmatic dependent launch (PDL,
   ``triton_kernels/_launch.py``): each starts while the previous one drains and reads its
   first weight tile before waiting for it. ``LLMSERVE_PDL=0`` turns it off.
-* Optionally (``LLMSERVE_L2_PREFETCH``, see :func:`prefetch_plan`) the latency-bound kernels of a
-  one-token layer (QKV, attention, O, and down for the next layer's QKV) prefetch the first
-  megabytes of the next weights into L2 while HBM would otherwise sit idle.
 
 Layers whose projections were swapped for quantized modules keep calling those modules (the
 packing applies to plain ``nn.Linear`` only). Parity with the readable path is tested in
@@ -38,7 +35,7 @@ from torch import nn
 
 from ..attention import AttentionMetadata
 from ..attention.triton_backend import TritonPagedAttention
-from ..triton_kernels._launch import l2_prefetch_available, pdl_available
+from ..triton_kernels._launch import pdl_available
 from ..triton_kernels.fused import add_rmsnorm, rope_qkv_write_kv, silu_and_mul
 from ..triton_kernels.gemv import GEMV_MAX_M, gemv, gemv_qkv_rope
 from ..triton_kernels.paged_attention import paged_attention_decode
@@ -57,43 +54,6 @@ def _pack(linears: list[nn.Linear], with_bias: bool) -> tuple[torch.Tensor, torc
             m.bias.data = b[start:start + rows]
         start += rows
     return w, b
-
-
-PREFETCH_SLOTS = ("qkv", "attn", "o", "down")
-
-
-def prefetch_plan(spec: str | None = None) -> dict[str, int]:
-    """Bytes each one-token-path kernel prefetches into L2, from ``spec`` (default: the
-    ``LLMSERVE_L2_PREFETCH`` environment variable), e.g. ``"qkv=8,attn=16,o=8,down=6"`` in MB:
-    ``qkv``, ``attn`` and ``o`` take consecutive windows of the layer's packed gate-up weight (in
-    that order, from its start); ``down`` takes the start of the next layer's QKV weight. Sizes
-    are rounded down to 4 KiB and clipped to the weight. Empty or ``"0"``: no prefetch.
-
-    Raises:
-        ValueError: an unknown kernel name or a size that is not a non-negative number."""
-    spec = os.environ.get("LLMSERVE_L2_PREFETCH", "") if spec is None else spec
-    plan = dict.fromkeys(PREFETCH_SLOTS, 0)
-    if spec.strip() in ("", "0"):
-        return plan
-    for item in spec.split(","):
-        name, _, mb = item.partition("=")
-        name = name.strip()
-        try:
-            val = float(mb)
-        except ValueError:
-            val = -1.0
-        if name not in plan or not val >= 0:
-            raise ValueError(f"LLMSERVE_L2_PREFETCH items are <kernel>=<MB> with kernel in {PREFETCH_SLOTS} "
-                             f"and MB >= 0, got {item!r} in {spec!r}")
-        plan[name] = int(val * 2**20) // 4096 * 4096
-    return plan
-
-
-def _byte_window(t: torch.Tensor, start: int, nbytes: int) -> torch.Tensor | None:
-    """Bytes ``[start, start + nbytes)`` of contiguous ``t`` (clipped) as a uint8 view, or None."""
-    flat = t.reshape(-1).view(torch.uint8)
-    end = min(start + nbytes, flat.numel())
-    return flat[start:end] if end > start else None
 
 
 class FastQwen2Forward:
@@ -141,25 +101,7 @@ class FastQwen2Forward:
             raise ValueError(f"gemv_max_tokens must be in [1, {GEMV_MAX_M}], got {gemv_max_tokens}")
         self.gemv_max_tokens = gemv_max_tokens
         self.pdl = self.use_gemv and pdl_available(model.lm_head.weight.device)
-        self.prefetch = self._prefetch_windows(prefetch_plan())
         self._plain_head = type(model.lm_head) is nn.Linear and model.lm_head.bias is None
-
-    def _prefetch_windows(self, plan: dict[str, int]) -> list[dict[str, torch.Tensor | None]]:
-        """Per layer, the byte window each kernel of the one-token path prefetches (``plan``
-        from :func:`prefetch_plan`); all ``None`` where the path or the instruction is absent."""
-        out: list[dict[str, torch.Tensor | None]] = [dict.fromkeys(PREFETCH_SLOTS) for _ in self.layers]
-        if not (self.use_gemv and any(plan.values())
-                and l2_prefetch_available(self.model.lm_head.weight.device)):
-            return out
-        for i, entry in enumerate(self.layers):
-            gate_up = entry["gate_up"][0]
-            start = 0
-            for name in ("qkv", "attn", "o"):
-                out[i][name] = _byte_window(gate_up, start, plan[name])
-                start += plan[name]
-            if i + 1 < len(self.layers):
-                out[i]["down"] = _byte_window(self.layers[i + 1]["qkv"][0], 0, plan["down"])
-        return out
 
     def __call__(self, input_ids: torch.Tensor, positions: torch.Tensor,
                  kv_caches: list[tuple[torch.Tensor, torch.Tensor]], meta: AttentionMetadata) -> torch.Tensor:
@@ -218,27 +160,25 @@ class FastQwen2Forward:
         cos, sin = model.rope_cos_sin(input_ids.device)                     # [L, D/2] fp32
         r = model.model.embed_tokens(input_ids)                             # [N, H]
         n = r.shape[0]
-        for entry, pf, (k_cache, v_cache) in zip(self.layers, self.prefetch, kv_caches):
+        for entry, (k_cache, v_cache) in zip(self.layers, kv_caches):
             layer = entry["layer"]
             w_qkv, b_qkv = entry["qkv"]
             q = gemv_qkv_rope(r, w_qkv, bias=b_qkv, norm_weight=layer.input_layernorm.weight,
                               eps=self.eps, positions=positions, slot_mapping=meta.slot_mapping,
                               cos=cos, sin=sin, k_cache=k_cache, v_cache=v_cache,
                               num_heads=self.num_heads, num_kv_heads=self.num_kv_heads,
-                              pdl=pdl, prefetch=pf["qkv"])                  # [N, Hq, D]
+                              pdl=pdl)                                      # [N, Hq, D]
             if direct_decode:
-                o = paged_attention_decode(q, k_cache, v_cache, meta, self.scale, pdl=pdl,
-                                           prefetch=pf["attn"])
+                o = paged_attention_decode(q, k_cache, v_cache, meta, self.scale, pdl=pdl)
             else:
                 o = backend.forward(q, k_cache, v_cache, meta, self.scale)  # [N, Hq, D]
             o_proj = layer.self_attn.o_proj
             gemv(o.reshape(n, self.num_heads * self.head_dim), o_proj.weight, bias=o_proj.bias,
-                 residual=r, out=r, pdl=pdl, prefetch=pf["o"])              # r += o @ Wo.T
+                 residual=r, out=r, pdl=pdl)                                # r += o @ Wo.T
             act = gemv(r, entry["gate_up"][0], prologue="rmsnorm", glu=True,
                        norm_weight=layer.post_attention_layernorm.weight, eps=self.eps,
                        pdl=pdl)                                             # [N, I]
             down = layer.mlp.down_proj
-            gemv(act, down.weight, bias=down.bias, residual=r, out=r, pdl=pdl,
-                 prefetch=pf["down"])                                       # r += act @ Wd.T
+            gemv(act, down.weight, bias=down.bias, residual=r, out=r, pdl=pdl)  # r += act @ Wd.T
         h, _ = add_rmsnorm(r, model.model.norm.weight, self.eps)            # [N, H]
         return h

@@ -48,8 +48,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ._launch import (gdc_launch_dependents, gdc_wait, l2_prefetch, l2_prefetch_args, num_sms,
-                      pdl_launch_kwargs)
+from ._launch import gdc_launch_dependents, gdc_wait, num_sms, pdl_launch_kwargs
 
 __all__ = ["GemvConfig", "choose_gemv_config", "gemv", "gemv_qkv_rope", "gemv_reference", "GEMV_MAX_M"]
 
@@ -219,7 +218,7 @@ def _gemv_kernel(x_ptr, w_ptr, y_ptr, scale_ptr, bias_ptr, res_ptr, g_ptr,
                  HQ: tl.constexpr, HKV: tl.constexpr, HALF: tl.constexpr,
                  BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                  EVEN_K: tl.constexpr, STAGES: tl.constexpr, PERSISTENT: tl.constexpr,
-                 USE_PDL: tl.constexpr, pf_ptr, pf_bytes, PF_NT: tl.constexpr, PF_LAST: tl.constexpr):
+                 USE_PDL: tl.constexpr):
     """A program computes ``BLOCK_N`` outputs (a row block) for all ``M <= BLOCK_M`` rows of x:
     row block ``pid``, or with ``PERSISTENT`` (a grid smaller than the block count) blocks
     ``pid, pid + grid, ...``, which avoids a last partial wave; the first tile of its next
@@ -246,8 +245,6 @@ def _gemv_kernel(x_ptr, w_ptr, y_ptr, scale_ptr, bias_ptr, res_ptr, g_ptr,
                      EVEN_K)
     else:
         wb = w
-    if PF_NT > 0:  # a later kernel's weights into L2 (fire and forget)
-        l2_prefetch(pf_ptr, pf_bytes, pid, tl.num_programs(0), PF_NT, PF_LAST)
     if USE_PDL:  # everything below may read what the previous kernel wrote
         gdc_wait()
         gdc_launch_dependents()
@@ -437,11 +434,10 @@ def _check_gemv_inputs(x, weight, scale, bias, residual, prologue, norm_weight, 
 
 
 def _launch(x, weight, out, cfg: GemvConfig, n: int, *, scale=None, bias=None, residual=None,
-            norm_weight=None, prologue="none", eps=1e-6, glu=False, pdl=False, rope=None,
-            prefetch=None) -> None:
+            norm_weight=None, prologue="none", eps=1e-6, glu=False, pdl=False, rope=None) -> None:
     """Launch :func:`_gemv_kernel` over ``n`` outputs (validated arguments). ``rope``: ``(k_cache,
     v_cache, cos, sin, positions, slot_mapping, num_heads, num_kv_heads)`` for the QKV+RoPE
-    epilogue (then ``n`` counts rotation pairs); ``prefetch``: see :func:`gemv`."""
+    epilogue (then ``n`` counts rotation pairs)."""
     m, k = x.shape
     dummy = weight
     if rope is not None:
@@ -463,7 +459,7 @@ def _launch(x, weight, out, cfg: GemvConfig, n: int, *, scale=None, bias=None, r
         PROLOGUE=PROLOGUES[prologue], GLU=glu, ROPE=rope is not None, HQ=hq, HKV=hkv, HALF=half,
         BLOCK_M=triton.next_power_of_2(m), BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
         EVEN_K=k % cfg.block_k == 0, STAGES=cfg.stages, PERSISTENT=blocks < triton.cdiv(n, cfg.block_n),
-        USE_PDL=pdl, num_warps=cfg.num_warps, **l2_prefetch_args(prefetch, x.device, cfg.num_warps),
+        USE_PDL=pdl, num_warps=cfg.num_warps,
         **pdl_launch_kwargs(pdl))
 
 
@@ -472,7 +468,7 @@ def gemv_qkv_rope(x: torch.Tensor, weight: torch.Tensor, *, bias: torch.Tensor |
                   slot_mapping: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
                   k_cache: torch.Tensor, v_cache: torch.Tensor, num_heads: int, num_kv_heads: int,
                   scale: torch.Tensor | None = None, config: GemvConfig | None = None,
-                  pdl: bool = False, prefetch: torch.Tensor | None = None) -> torch.Tensor:
+                  pdl: bool = False) -> torch.Tensor:
     """RMSNorm -> packed QKV projection -> RoPE on Q and K -> K/V written to the paged cache, in
     one kernel; returns Q. The same function as ``gemv(x, weight, bias=bias,
     prologue="rmsnorm", ...)`` followed by :func:`~llmserve.triton_kernels.fused.rope_qkv_write_kv`
@@ -491,7 +487,6 @@ def gemv_qkv_rope(x: torch.Tensor, weight: torch.Tensor, *, bias: torch.Tensor |
         k_cache, v_cache: contiguous ``[num_blocks + 1, block_size, Hkv, D]``.
         num_heads, num_kv_heads: ``Hq``, ``Hkv``.
         pdl: programmatic dependent launch (see :func:`gemv`).
-        prefetch: bytes to bring into L2 for a later kernel (see :func:`gemv`).
 
     Returns:
         ``q`` ``[M, Hq, D]`` in ``x.dtype``.
@@ -525,8 +520,7 @@ def gemv_qkv_rope(x: torch.Tensor, weight: torch.Tensor, *, bias: torch.Tensor |
     cfg = config or choose_gemv_config(m, n_pairs, k, weight.dtype, x.device, "rmsnorm+rope")
     _launch(x, weight, q.view(m, num_heads * d), cfg, n_pairs, scale=scale, bias=bias,
             norm_weight=norm_weight, prologue="rmsnorm", eps=eps, pdl=pdl,
-            rope=(k_cache, v_cache, cos, sin, positions, slot_mapping, num_heads, num_kv_heads),
-            prefetch=prefetch)
+            rope=(k_cache, v_cache, cos, sin, positions, slot_mapping, num_heads, num_kv_heads))
     return q
 
 
@@ -534,8 +528,7 @@ def gemv(x: torch.Tensor, weight: torch.Tensor, *, scale: torch.Tensor | None = 
          bias: torch.Tensor | None = None, residual: torch.Tensor | None = None,
          prologue: str = "none", norm_weight: torch.Tensor | None = None, eps: float = 1e-6,
          glu: bool = False, out: torch.Tensor | None = None,
-         config: GemvConfig | None = None, pdl: bool = False,
-         prefetch: torch.Tensor | None = None) -> torch.Tensor:
+         config: GemvConfig | None = None, pdl: bool = False) -> torch.Tensor:
     """``y = residual + (prologue(x) @ (weight * scale[:, None]).T + bias)`` for ``M <= 4`` rows
     (with ``glu``: ``y = silu(p[:, :N]) * p[:, N:]`` of that projection ``p``).
 
@@ -559,9 +552,6 @@ def gemv(x: torch.Tensor, weight: torch.Tensor, *, scale: torch.Tensor | None = 
         pdl: launch with programmatic dependent launch (Hopper+; see ``_launch.py``): the
             first weight tile is read before waiting for the previous kernel. Only for weights
             that no kernel just before this one writes (the engine's decode path).
-        prefetch: optional contiguous tensor (16-byte aligned, a multiple of 16 bytes) whose
-            bytes are prefetched into L2 while this kernel runs, e.g. the first megabytes of a
-            later kernel's weights (Hopper+; ignored on CPU and older GPUs).
 
     Returns:
         ``[M, N]`` in ``out``'s dtype (default ``x.dtype``); fp32 accumulation.
@@ -584,7 +574,7 @@ def gemv(x: torch.Tensor, weight: torch.Tensor, *, scale: torch.Tensor | None = 
         return out
     cfg = config or choose_gemv_config(m, n, k, weight.dtype, x.device, prologue + ("+glu" if glu else ""))
     _launch(x, weight, out, cfg, n, scale=scale, bias=bias, residual=residual, norm_weight=norm_weight,
-            prologue=prologue, eps=eps, glu=glu, pdl=pdl, prefetch=prefetch)
+            prologue=prologue, eps=eps, glu=glu, pdl=pdl)
     return out
 
 

@@ -49,8 +49,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ._launch import (gdc_launch_dependents, gdc_wait, l2_prefetch, l2_prefetch_args, num_sms,
-                      pdl_launch_kwargs, zeroed_counters)
+from ._launch import gdc_launch_dependents, gdc_wait, num_sms, pdl_launch_kwargs, zeroed_counters
 
 __all__ = [
     "SUPPORTED_HEAD_DIMS",
@@ -198,20 +197,15 @@ def _decode_kernel(q_ptr, k_cache_ptr, v_cache_ptr, out_ptr, m_ptr, l_ptr, acc_p
                    PAGE: tl.constexpr, BLOCK_N: tl.constexpr, FP32_MATH: tl.constexpr,
                    SKIP_NON_DECODE: tl.constexpr, DIRECT_OUT: tl.constexpr,
                    MIN_TILES: tl.constexpr,
-                   USE_PDL: tl.constexpr, pf_ptr, pf_bytes, PF_NT: tl.constexpr, PF_LAST: tl.constexpr):
+                   USE_PDL: tl.constexpr):
     """Grid ``(B, Hkv, num_splits)``. The split of the context is decided here, per sequence:
     its ``ceil(ctx / BLOCK_N)`` tiles are spread over the ``num_splits`` programs
     (:func:`_active_splits`), so a short sequence in a grid sized for ``max_model_len`` (CUDA
     graphs) uses few programs; the others run no tiles and store nothing (no early return:
-    the tile loop stays outside any branch). With ``PF_NT > 0`` each program first issues its
-    share of an L2 prefetch of a later kernel's weights (:func:`~._launch.l2_prefetch`)."""
+    the tile loop stays outside any branch)."""
     b = tl.program_id(0)
     kvh = tl.program_id(1)
     split = tl.program_id(2)
-    if PF_NT > 0:
-        part = (b * tl.num_programs(1) + kvh) * tl.num_programs(2) + split
-        nparts = tl.num_programs(0) * tl.num_programs(1) * tl.num_programs(2)
-        l2_prefetch(pf_ptr, pf_bytes, part, nparts, PF_NT, PF_LAST)
     # The step's metadata is written before the forward pass (PDL contract: not by the kernel
     # just before this one), so it is read before the wait; q and this step's K/V are not.
     q_row = tl.load(qsl_ptr + b)
@@ -599,7 +593,7 @@ def paged_attention_decode(query: torch.Tensor, k_cache: torch.Tensor, v_cache: 
                            skip_non_decode: bool = False, num_splits: int | None = None,
                            block_n: int | None = None, num_warps: int | None = None,
                            num_stages: int | None = None, fused_reduce: bool | None = None,
-                           pdl: bool = False, prefetch: torch.Tensor | None = None) -> torch.Tensor:
+                           pdl: bool = False) -> torch.Tensor:
     """Split-K decode attention: one query token per sequence (row ``query_start_loc[i]``).
 
     The grid has ``num_splits`` programs per (sequence, KV head), sized for
@@ -622,9 +616,6 @@ def paged_attention_decode(query: torch.Tensor, k_cache: torch.Tensor, v_cache: 
             (``query_start_loc``, ``context_lens``) is read before waiting for the previous
             kernel, so it must not be written by the kernel just before this one (the engine
             writes it before the forward pass); q and the K/V cache are read after the wait.
-        prefetch: optional contiguous tensor whose bytes (a later kernel's weights) are
-            prefetched into L2 while the kernel runs (Hopper+; see
-            :func:`~llmserve.triton_kernels.gemv.gemv`).
 
     Returns:
         ``out`` (allocated when not given; rows not written are zero when allocated here).
@@ -687,7 +678,7 @@ def paged_attention_decode(query: torch.Tensor, k_cache: torch.Tensor, v_cache: 
         G=g, G_PAD=g_pad, HEAD_DIM=d, PAGE=bs, BLOCK_N=bn, FP32_MATH=fp32_math,
         SKIP_NON_DECODE=skip_non_decode, DIRECT_OUT=direct,
         MIN_TILES=min_tiles, USE_PDL=pdl, num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
-        **l2_prefetch_args(prefetch, query.device, cfg["num_warps"]), **pdl_launch_kwargs(pdl))
+        **pdl_launch_kwargs(pdl))
     if not direct and not fused:
         _decode_reduce_kernel[(b, hq)](
             out, m_buf, l_buf, acc_buf, meta.query_start_loc, meta.context_lens, num_splits, inline_max, hq,

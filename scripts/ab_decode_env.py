@@ -1,0 +1,64 @@
+"""A/B of environment settings on batch-1 decode, one process, one GPU: the ``bench-compare``
+decode measurement (median ms between tokens and one replay of the graph the steps used,
+timed with CUDA events) for each setting; settings are interleaved over several rounds so
+machine drift shows up as spread, not as a difference. Each setting is read when the engine
+is built (a new engine per measurement).
+
+Usage: python3 scripts/ab_decode_env.py OUT.json [--presets qwen2.5-1.5b ...] [--rounds 2]
+          --settings "" "LLMSERVE_GRAPH_SHORT_CONTEXT=0" "LLMSERVE_L2_PREFETCH=attn=16,o=8 LLMSERVE_L2_PREFETCH_HINT=normal"
+A setting is space-separated NAME=VALUE assignments ("" = the defaults). Settings that fail
+(compile errors, anything raised) are kept as rows with the error.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import time
+
+import torch
+
+from llmserve.bench_compare import decode_llmserve
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("out")
+    ap.add_argument("--presets", nargs="+", default=["qwen2.5-1.5b"])
+    ap.add_argument("--settings", nargs="+", required=True)
+    ap.add_argument("--rounds", type=int, default=2)
+    ap.add_argument("--steps", type=int, default=256)
+    args = ap.parse_args()
+    parsed = [dict(kv.split("=", 1) for kv in s.split()) for s in args.settings]
+    names = sorted({k for p in parsed for k in p})
+    base = {k: os.environ.get(k) for k in names}
+    rows = []
+    for rnd in range(args.rounds):
+        for preset in args.presets:
+            for label, env in zip(args.settings, parsed):
+                for k in names:                       # the defaults, then this setting
+                    if base[k] is None:
+                        os.environ.pop(k, None)
+                    else:
+                        os.environ[k] = base[k]
+                os.environ.update(env)
+                row = dict(round=rnd, preset=preset, setting=label or "defaults")
+                t0 = time.time()
+                try:
+                    r = decode_llmserve(preset, args.steps)
+                    row.update(step_ms=r["step_ms_median"], replay_ms=r["graph_replay_ms"],
+                               short_context_replays=r.get("short_context_replays"),
+                               weight_bytes=r["weight_bytes"], error=None)
+                except Exception as e:  # noqa: BLE001 - a failed setting is a row too
+                    row.update(step_ms=None, replay_ms=None, error=f"{type(e).__name__}: {e}"[:400])
+                    torch.cuda.empty_cache()
+                row["wall_s"] = time.time() - t0
+                rows.append(row)
+                print(json.dumps(row), flush=True)
+                with open(args.out, "w") as f:
+                    json.dump({"gpu": torch.cuda.get_device_name(), "torch": torch.__version__,
+                               "settings": args.settings, "rows": rows}, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()
