@@ -149,22 +149,6 @@ def test_decode_grid_sized_for_a_longer_context(num_splits, fused):
         assert_close(out, ref, torch.float32)
 
 
-@pytest.mark.parametrize("num_splits,unroll", [(None, True), (8, True), (8, False), (3, True), (40, True), (1, True)])
-def test_decode_preload_and_merge_unroll(monkeypatch, num_splits, unroll):
-    """The first tile's older K/V rows loaded before the (PDL) wait and the newest row after it
-    give the reference result: contexts of 1 (only the newest row), block and tile boundaries,
-    several tiles a split; the in-kernel merge unrolled with masks and as a loop."""
-    import llmserve.triton_kernels.paged_attention as pa
-    monkeypatch.setattr(pa, "DECODE_MERGE_UNROLL", unroll)
-    q, kc, vc, meta = make_batch([(1, 1), (16, 1), (17, 1), (32, 1), (33, 1), (200, 1), (129, 1)], 16, 6, 2,
-                                 64, torch.float32)
-    ref = paged_attention_torch(q, kc, vc, meta, 0.125)
-    meta.max_context_len = 512                                    # a graph sized for a longer context
-    for _ in range(2):                                            # counters re-armed
-        out = paged_attention_decode(q, kc, vc, meta, 0.125, num_splits=num_splits, preload=True)
-        assert_close(out, ref, torch.float32)
-
-
 def test_choose_num_splits_fills_the_gpu():
     assert choose_num_splits(64, 2, 2048, 64, 132) == 3  # one wave of ~3 programs per SM
     assert choose_num_splits(256, 2, 2048, 64, 132) == 3  # 3.9 waves rather than 1.3
@@ -339,115 +323,6 @@ def test_int8_linear_input_errors():
     with pytest.raises(ValueError, match="vec"):
         int8_linear(torch.randn(5, 16, device=DEVICE), w_q, scale,
                     config=Int8LinearConfig(1, 16, 16, kind="vec"))
-
-
-SMALL_CFGS = [  # kind "small" over N = 40, K = 136 (neither a multiple of the tiles)
-    # split-K 3 with an uneven last split (2, 2 and 1 partial K steps), register prefetch, the
-    # last split to finish reduces in the kernel
-    pytest.param(Int8LinearConfig(16, 16, 32, split_k=3, num_warps=1, num_stages=1, fused_reduce=True,
-                                  kind="small"), id="bn16-bk32-split3-fused"),
-    # 32 rows a program (N = 40: the second block wraps), split-K 2 (2 steps, 1 partial step)
-    # with the reduction kernel, the loop left to Triton's pipeliner (num_stages 2)
-    pytest.param(Int8LinearConfig(16, 32, 64, split_k=2, num_warps=2, num_stages=2, kind="small"),
-                 id="bn32-bk64-split2-reduce-stages2"),
-    # no split: one program walks all nine K steps of 16
-    pytest.param(Int8LinearConfig(16, 16, 16, split_k=1, num_warps=1, num_stages=1, kind="small"),
-                 id="bn16-bk16-nosplit"),
-]
-
-
-@pytest.mark.parametrize("cfg", SMALL_CFGS)
-@pytest.mark.parametrize("m", [2, 3, 7, 16])
-@pytest.mark.parametrize("dtype,bias", [(torch.float32, True), (torch.float16, False)])
-def test_int8_small_matches_reference(cfg, m, dtype, bias):
-    """The swap-AB small-M kind against the dequantized matmul: rows padded to 16 (M = 2, 3, 7)
-    or exactly 16, K and N not multiples of the tiles, split-K fused / reduction kernel / none,
-    with and without bias; run twice so the fused split's counters must have been re-armed."""
-    g = torch.Generator().manual_seed(100 + m)
-    n, k = 40, 136
-    w_q, scale = quantize_int8_per_channel(torch.randn(n, k, generator=g) * 0.05)
-    x = torch.randn(m, k, generator=g).to(dtype).to(DEVICE)
-    b = torch.randn(n, generator=g).to(DEVICE) if bias else None
-    w_q, scale = w_q.to(DEVICE), scale.to(DEVICE)
-    ref = int8_linear_reference(x, w_q, scale, b)
-    for _ in range(2):
-        assert_close(int8_linear(x, w_q, scale, b, config=cfg), ref, dtype)
-
-
-def test_int8_small_wider_tile_and_3d_input():
-    """M = 33 (a 64-row activation tile, the most the kind accepts is 64) from a 3-D input, and
-    a K shorter than one tile (K = 20 < BLOCK_K = 32, every load masked)."""
-    g = torch.Generator().manual_seed(5)
-    cfg = Int8LinearConfig(16, 16, 32, split_k=2, num_warps=2, num_stages=1, fused_reduce=True, kind="small")
-    for lead, n, k in (((3, 11), 24, 72), ((2,), 17, 20)):
-        w_q, scale = quantize_int8_per_channel(torch.randn(n, k, generator=g))
-        w_q, scale = w_q.to(DEVICE), scale.to(DEVICE)
-        x = torch.randn(*lead, k, generator=g).to(DEVICE)
-        y = int8_linear(x, w_q, scale, config=cfg)
-        assert y.shape == (*lead, n)
-        assert_close(y, int8_linear_reference(x, w_q, scale), torch.float32)
-
-
-def test_int8_small_is_the_cpu_default_for_2_to_16_rows():
-    from llmserve.triton_kernels.int8_linear import choose_int8_config
-    cpu = torch.device("cpu")
-    assert choose_int8_config(1, 40, 136, cpu).kind == "vec"
-    for m in (2, 7, 16):
-        cfg = choose_int8_config(m, 40, 136, cpu)
-        assert cfg.kind == "small" and cfg.split_k == 2 and cfg.fused_reduce
-    assert choose_int8_config(17, 40, 136, cpu).kind == "mma"
-
-
-def test_int8_small_config_env(monkeypatch):
-    """LLMSERVE_INT8_SMALL_CONFIG: per-shape entries win over the catch-all one, split_k 0 is
-    resolved to a split, M = 1 and M > 16 are not affected, malformed values raise."""
-    import importlib
-    il = importlib.import_module("llmserve.triton_kernels.int8_linear")  # the module, not the function
-    dev = torch.device("cpu")
-    monkeypatch.setenv("LLMSERVE_INT8_SMALL_CONFIG", "136x40:32,64,2,2,2; 16,32,0,1,1")
-    c = il.choose_int8_config(3, 40, 136, dev)
-    assert (c.kind, c.block_n, c.block_k, c.split_k, c.num_warps, c.num_stages) == ("small", 32, 64, 2, 2, 2)
-    c = il.choose_int8_config(16, 40, 200, dev)             # other shape: the catch-all, auto split
-    assert (c.kind, c.block_n, c.block_k, c.num_warps, c.num_stages) == ("small", 16, 32, 1, 1)
-    assert c.split_k == il._fit_split(16, 40, 200, 16, 16, 32, il.SMALL_AUTO_PROGRAMS_PER_SM * 4) > 1
-    assert il.choose_int8_config(1, 40, 136, dev).kind == "vec"
-    assert il.choose_int8_config(17, 40, 136, dev).kind == "mma"
-    g = torch.Generator().manual_seed(3)                     # and it computes the right thing
-    w_q, scale = quantize_int8_per_channel(torch.randn(40, 136, generator=g))
-    x = torch.randn(5, 136, generator=g)
-    assert_close(int8_linear(x.to(DEVICE), w_q.to(DEVICE), scale.to(DEVICE)),
-                 int8_linear_reference(x, w_q, scale).to(DEVICE), torch.float32)
-    monkeypatch.setenv("LLMSERVE_INT8_SMALL_CONFIG", "136x40:32,64,2,2,2")   # no catch-all
-    assert il.choose_int8_config(3, 40, 200, dev).kind == "small"           # CPU's own default
-    for bad in ("16,32,1,1", "16,32,1,1,1,1", "24,32,1,1,1", "16,8,1,1,1", "16,32,-1,1,1",
-                "16,32,1,3,1", "16,32,1,1,0", "a,b,c,d,e", "136:16,32,1,1,1", "1x2x3:16,32,1,1,1"):
-        monkeypatch.setenv("LLMSERVE_INT8_SMALL_CONFIG", bad)
-        with pytest.raises(ValueError, match="LLMSERVE_INT8_SMALL_CONFIG"):
-            il.choose_int8_config(4, 40, 136, dev)
-    monkeypatch.setenv("LLMSERVE_INT8_SMALL_CONFIG", "")
-    assert il.choose_int8_config(4, 40, 136, dev) == il.small_config(4, 40, 136, dev, 16, 32, 2)
-
-
-@pytest.mark.parametrize("bad,match", [
-    (dict(block_n=24), "block_n a power of two"),
-    (dict(block_n=8), "block_n a power of two"),
-    (dict(block_k=8), "block_k a power of two"),
-    (dict(split_k=0), "split_k >= 1"),
-    (dict(num_warps=3), "num_warps"),
-    (dict(num_stages=0), "num_stages"),
-])
-def test_int8_small_bad_configs(bad, match):
-    w_q, scale = quantize_int8_per_channel(torch.randn(32, 64))
-    w_q, scale = w_q.to(DEVICE), scale.to(DEVICE)
-    fields = dict(block_m=16, block_n=16, block_k=32, split_k=1, num_warps=1, num_stages=1, kind="small")
-    with pytest.raises(ValueError, match=match):
-        int8_linear(torch.randn(4, 64, device=DEVICE), w_q, scale, config=Int8LinearConfig(**{**fields, **bad}))
-    with pytest.raises(ValueError, match="M <= 64"):
-        int8_linear(torch.randn(65, 64, device=DEVICE), w_q, scale, config=Int8LinearConfig(**fields))
-    from llmserve.triton_kernels.int8_linear import small_config
-    if "split_k" not in bad:  # small_config takes 0 as "auto"
-        with pytest.raises(ValueError, match=match):
-            small_config(4, 32, 64, torch.device("cpu"), **{**dict(block_n=16, block_k=32), **bad})
 
 
 # ---------------------------------------------------------------------------------------------
@@ -655,28 +530,6 @@ def test_gpu_bf16_int8_linear(k, n, m):
     ref = int8_linear_reference(x.float(), w_q, scale)
     rel = ((y.float() - ref).norm() / ref.norm()).item()
     assert rel < 1e-2, rel
-
-
-@gpu
-@needs_cuda
-@pytest.mark.parametrize("k,n", [(1536, 8960), (8960, 1536), (1536, 2048)])
-@pytest.mark.parametrize("m", [2, 5, 16])
-def test_gpu_bf16_int8_small(k, n, m):
-    """Kind "small" in bf16 at the Qwen2.5-1.5B shapes: register prefetch and pipeliner loops,
-    no split / fused split / reduction kernel, tensor-core tiles of 16-64 weight rows, bias."""
-    from llmserve.triton_kernels.int8_linear import small_config
-    dev = torch.device("cuda")
-    w_q, scale = quantize_int8_per_channel(torch.randn(n, k, device=dev) * 0.02)
-    x = torch.randn(m, k, device=dev, dtype=torch.bfloat16)
-    bias = torch.randn(n, device=dev, dtype=torch.bfloat16)
-    ref = int8_linear_reference(x.float(), w_q, scale, bias.float())
-    for bn, bk, split, warps, stages, fused in ((16, 256, 1, 1, 1, True), (32, 256, 0, 2, 1, True),
-                                                (64, 128, 0, 4, 1, False), (32, 128, 0, 2, 3, True)):
-        cfg = small_config(m, n, k, dev, bn, bk, split, warps, stages, fused)
-        for _ in range(2):
-            y = int8_linear(x, w_q, scale, bias, config=cfg)
-            rel = ((y.float() - ref).norm() / ref.norm()).item()
-            assert rel < 1e-2, (cfg, rel)
 
 
 @gpu

@@ -56,10 +56,6 @@ GEMV_MAX_M = 4  # most rows of x (every program serves all of them); larger M us
 
 PROLOGUES = {"none": 0, "rmsnorm": 1}
 
-# Register double-buffering of the weight tiles in the K loop (configurations with stages=1);
-# LLMSERVE_GEMV_REG_PREFETCH=0 turns it off (A/B runs).
-REG_PREFETCH = os.environ.get("LLMSERVE_GEMV_REG_PREFETCH", "1") != "0"
-
 
 @triton.jit
 def _load_w(w_base, k0, K, rk, EVEN_K: tl.constexpr):
@@ -129,7 +125,7 @@ def _gemv_block(blk, w, wb, rm, rm_ld, rk, x_ptr, w_ptr, y_ptr, scale_ptr, bias_
                 PROLOGUE: tl.constexpr, GLU: tl.constexpr, ROPE: tl.constexpr,
                 HQ: tl.constexpr, HKV: tl.constexpr, HALF: tl.constexpr,
                 BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                EVEN_K: tl.constexpr, STAGES: tl.constexpr, REG_PF: tl.constexpr):
+                EVEN_K: tl.constexpr, STAGES: tl.constexpr):
     """Row block ``blk``: accumulate over K (``w``/``wb``: its first weight tiles, already
     loaded), then the epilogue and the stores."""
     TWO_ROWS: tl.constexpr = GLU or ROPE
@@ -147,31 +143,14 @@ def _gemv_block(blk, w, wb, rm, rm_ld, rk, x_ptr, w_ptr, y_ptr, scale_ptr, bias_
         sq = tl.zeros([BLOCK_M, BLOCK_N, BLOCK_K], dtype=tl.float32)
     else:
         sq = tl.zeros([1, 1, 1], dtype=tl.float32)
-    if REG_PF:
-        # Register double-buffering: tile k0 is requested before tile k0 - BLOCK_K is consumed,
-        # so each program keeps two weight tiles in flight instead of one.
-        for k0 in tl.range(BLOCK_K, K, BLOCK_K, num_stages=1):
-            w_nxt = _load_w(w_base, k0, K, rk, EVEN_K)
-            if TWO_ROWS:
-                wb_nxt = _load_w(wb_base, k0, K, rk, EVEN_K)
-            else:
-                wb_nxt = w_nxt
-            acc, acc_b, sq = _gemv_step(acc, acc_b, sq, w, wb, x_base, g_ptr, k0 - BLOCK_K, K, rk,
-                                        PROLOGUE, TWO_ROWS, EVEN_K)
-            w = w_nxt
-            wb = wb_nxt
-        k_last = (tl.cdiv(K, BLOCK_K) - 1) * BLOCK_K
-        acc, acc_b, sq = _gemv_step(acc, acc_b, sq, w, wb, x_base, g_ptr, k_last, K, rk, PROLOGUE,
+    acc, acc_b, sq = _gemv_step(acc, acc_b, sq, w, wb, x_base, g_ptr, 0, K, rk, PROLOGUE, TWO_ROWS,
+                                EVEN_K)
+    for k0 in tl.range(BLOCK_K, K, BLOCK_K, num_stages=STAGES):
+        w = _load_w(w_base, k0, K, rk, EVEN_K)
+        if TWO_ROWS:
+            wb = _load_w(wb_base, k0, K, rk, EVEN_K)
+        acc, acc_b, sq = _gemv_step(acc, acc_b, sq, w, wb, x_base, g_ptr, k0, K, rk, PROLOGUE,
                                     TWO_ROWS, EVEN_K)
-    else:
-        acc, acc_b, sq = _gemv_step(acc, acc_b, sq, w, wb, x_base, g_ptr, 0, K, rk, PROLOGUE, TWO_ROWS,
-                                    EVEN_K)
-        for k0 in tl.range(BLOCK_K, K, BLOCK_K, num_stages=STAGES):
-            w = _load_w(w_base, k0, K, rk, EVEN_K)
-            if TWO_ROWS:
-                wb = _load_w(wb_base, k0, K, rk, EVEN_K)
-            acc, acc_b, sq = _gemv_step(acc, acc_b, sq, w, wb, x_base, g_ptr, k0, K, rk, PROLOGUE,
-                                        TWO_ROWS, EVEN_K)
     out = tl.sum(acc, axis=2)                                                            # [BM, BN]
     if TWO_ROWS:
         out_b = tl.sum(acc_b, axis=2)
@@ -239,7 +218,7 @@ def _gemv_kernel(x_ptr, w_ptr, y_ptr, scale_ptr, bias_ptr, res_ptr, g_ptr,
                  HQ: tl.constexpr, HKV: tl.constexpr, HALF: tl.constexpr,
                  BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                  EVEN_K: tl.constexpr, STAGES: tl.constexpr, PERSISTENT: tl.constexpr,
-                 USE_PDL: tl.constexpr, REG_PF: tl.constexpr):
+                 USE_PDL: tl.constexpr):
     """A program computes ``BLOCK_N`` outputs (a row block) for all ``M <= BLOCK_M`` rows of x:
     row block ``pid``, or with ``PERSISTENT`` (a grid smaller than the block count) blocks
     ``pid, pid + grid, ...``, which avoids a last partial wave; the first tile of its next
@@ -286,11 +265,11 @@ def _gemv_kernel(x_ptr, w_ptr, y_ptr, scale_ptr, bias_ptr, res_ptr, g_ptr,
                 wb = w
             _gemv_block(blk, w_cur, wb_cur, rm, rm_ld, rk, x_ptr, w_ptr, y_ptr, scale_ptr, bias_ptr, res_ptr, g_ptr, kc_ptr, vc_ptr, cos_ptr, sin_ptr, pos_ptr, slot_ptr, num_slots, M, N, K, stride_xm, stride_wn, stride_ym, stride_rm, eps,
                         W_INT8, HAS_BIAS, HAS_RES, PROLOGUE, GLU, ROPE, HQ, HKV, HALF, BLOCK_M, BLOCK_N,
-                        BLOCK_K, EVEN_K, STAGES, REG_PF)
+                        BLOCK_K, EVEN_K, STAGES)
     else:
         _gemv_block(pid, w, wb, rm, rm_ld, rk, x_ptr, w_ptr, y_ptr, scale_ptr, bias_ptr, res_ptr, g_ptr, kc_ptr, vc_ptr, cos_ptr, sin_ptr, pos_ptr, slot_ptr, num_slots, M, N, K, stride_xm, stride_wn, stride_ym, stride_rm, eps,
                     W_INT8, HAS_BIAS, HAS_RES, PROLOGUE, GLU, ROPE, HQ, HKV, HALF, BLOCK_M, BLOCK_N,
-                    BLOCK_K, EVEN_K, STAGES, REG_PF)
+                    BLOCK_K, EVEN_K, STAGES)
 
 
 @dataclass(frozen=True, slots=True)
@@ -480,7 +459,7 @@ def _launch(x, weight, out, cfg: GemvConfig, n: int, *, scale=None, bias=None, r
         PROLOGUE=PROLOGUES[prologue], GLU=glu, ROPE=rope is not None, HQ=hq, HKV=hkv, HALF=half,
         BLOCK_M=triton.next_power_of_2(m), BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
         EVEN_K=k % cfg.block_k == 0, STAGES=cfg.stages, PERSISTENT=blocks < triton.cdiv(n, cfg.block_n),
-        USE_PDL=pdl, REG_PF=cfg.stages == 1 and REG_PREFETCH, num_warps=cfg.num_warps,
+        USE_PDL=pdl, num_warps=cfg.num_warps,
         **pdl_launch_kwargs(pdl))
 
 

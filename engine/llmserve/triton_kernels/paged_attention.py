@@ -76,13 +76,6 @@ FUSED_REDUCE_MAX_SPLITS = int(os.environ.get("LLMSERVE_DECODE_FUSED_MAX", "8"))
 #: With more splits than that, sequences with at most this many non-empty splits are still
 #: merged in the decode kernel (the reduction kernel skips them).
 FUSED_REDUCE_INLINE = 8
-FUSED_REDUCE_INLINE_C = tl.constexpr(FUSED_REDUCE_INLINE)
-#: Decode latency options for small batches (PDL launches), each A/B-able by environment:
-#: K/V of the first tile loaded before waiting for the previous kernel (LLMSERVE_DECODE_PRELOAD),
-#: the in-kernel merge unrolled for batches up to MERGE_UNROLL_MAX_BATCH (LLMSERVE_DECODE_MERGE_UNROLL).
-DECODE_PRELOAD = os.environ.get("LLMSERVE_DECODE_PRELOAD", "1") != "0"
-DECODE_MERGE_UNROLL = os.environ.get("LLMSERVE_DECODE_MERGE_UNROLL", "1") != "0"
-MERGE_UNROLL_MAX_BATCH = 16
 # Experiment knobs (A/B runs on the GPU; defaults = the tuned choices above):
 # LLMSERVE_DECODE_SPLITS=legacy uses the first heuristic (about 4 programs per SM);
 # LLMSERVE_DECODE_STAGES=N overrides the decode kernel's pipeline depth.
@@ -204,19 +197,12 @@ def _decode_kernel(q_ptr, k_cache_ptr, v_cache_ptr, out_ptr, m_ptr, l_ptr, acc_p
                    PAGE: tl.constexpr, BLOCK_N: tl.constexpr, FP32_MATH: tl.constexpr,
                    SKIP_NON_DECODE: tl.constexpr, DIRECT_OUT: tl.constexpr,
                    MIN_TILES: tl.constexpr,
-                   USE_PDL: tl.constexpr, PRELOAD: tl.constexpr, MERGE_UNROLL: tl.constexpr):
+                   USE_PDL: tl.constexpr):
     """Grid ``(B, Hkv, num_splits)``. The split of the context is decided here, per sequence:
     its ``ceil(ctx / BLOCK_N)`` tiles are spread over the ``num_splits`` programs
     (:func:`_active_splits`), so a short sequence in a grid sized for ``max_model_len`` (CUDA
     graphs) uses few programs; the others run no tiles and store nothing (no early return:
-    the tile loop stays outside any branch).
-
-    ``PRELOAD`` (with PDL, decode-only batches): the first tile's block-table entries and its
-    K/V rows of positions ``< ctx - 1`` (written by earlier steps) are loaded before
-    ``gdc_wait``, while the QKV kernel drains; after the wait only q and the newest position's
-    K/V row (this step's, just written) are read. ``MERGE_UNROLL``: the in-kernel merge of at
-    most ``FUSED_REDUCE_INLINE`` splits is unrolled with masks, so its partial loads are
-    independent (small batches: costs registers)."""
+    the tile loop stays outside any branch)."""
     b = tl.program_id(0)
     kvh = tl.program_id(1)
     split = tl.program_id(2)
@@ -224,6 +210,12 @@ def _decode_kernel(q_ptr, k_cache_ptr, v_cache_ptr, out_ptr, m_ptr, l_ptr, acc_p
     # just before this one), so it is read before the wait; q and this step's K/V are not.
     q_row = tl.load(qsl_ptr + b)
     ctx = tl.load(ctx_ptr + b)
+    if USE_PDL:
+        gdc_wait()
+        gdc_launch_dependents()
+    if SKIP_NON_DECODE:
+        if tl.load(qsl_ptr + b + 1) - q_row != 1:  # served by the prefill kernel
+            return
     tiles_per_split, active = _active_splits(ctx, num_splits, BLOCK_N, MIN_TILES)
     live = split < active  # splits past the sequence's context run no tiles and store nothing
     start = split * tiles_per_split * BLOCK_N
@@ -232,21 +224,6 @@ def _decode_kernel(q_ptr, k_cache_ptr, v_cache_ptr, out_ptr, m_ptr, l_ptr, acc_p
     offs_g = tl.arange(0, G_PAD)
     offs_d = tl.arange(0, HEAD_DIM)
     offs_n = tl.arange(0, BLOCK_N)
-    bt_row_ptr = bt_ptr + b.to(tl.int64) * stride_btb
-    if PRELOAD:
-        t_first = start + offs_n
-        in_first = t_first < end
-        ptrs_first = _kv_tile_offsets(bt_row_ptr, t_first, kvh, stride_kb, stride_kt, stride_kh, PAGE,
-                                      True, in_first)[:, None] + offs_d[None, :]        # [BLOCK_N, D]
-        older = (t_first < tl.minimum(end, ctx - 1))[:, None]
-        k_pre = tl.load(k_cache_ptr + ptrs_first, mask=older, other=0.0)
-        v_pre = tl.load(v_cache_ptr + ptrs_first, mask=older, other=0.0)
-    if USE_PDL:
-        gdc_wait()
-        gdc_launch_dependents()
-    if SKIP_NON_DECODE:
-        if tl.load(qsl_ptr + b + 1) - q_row != 1:  # served by the prefill kernel
-            return
     heads = kvh * G + offs_g                                                  # [G_PAD]
     gmask = offs_g < G
     q = tl.load(q_ptr + q_row.to(tl.int64) * stride_qn + heads[:, None] * stride_qh + offs_d[None, :],
@@ -256,22 +233,15 @@ def _decode_kernel(q_ptr, k_cache_ptr, v_cache_ptr, out_ptr, m_ptr, l_ptr, acc_p
     else:
         q = q.to(k_cache_ptr.dtype.element_ty)
 
+    bt_row_ptr = bt_ptr + b.to(tl.int64) * stride_btb
     m_i = tl.full([G_PAD], float("-inf"), tl.float32)
     l_i = tl.zeros([G_PAD], tl.float32)
     acc = tl.zeros([G_PAD, HEAD_DIM], tl.float32)
 
-    lo = start
-    if PRELOAD:  # the first tile: preloaded rows + this step's row (position ctx - 1)
-        newest = (in_first & (t_first == ctx - 1))[:, None]
-        k = tl.where(newest, tl.load(k_cache_ptr + ptrs_first, mask=newest, other=0.0), k_pre)
-        v = tl.where(newest, tl.load(v_cache_ptr + ptrs_first, mask=newest, other=0.0), v_pre)
-        s = tl.where(in_first[None, :], _qk(q, k, FP32_MATH) * qk_scale, float("-inf"))
-        m_i, l_i, acc = _online_softmax_step(s, v, m_i, l_i, acc, FP32_MATH, True)
-        lo = tl.minimum(start + BLOCK_N, end)
-    n_full = tl.maximum(end - lo, 0) // BLOCK_N
-    full_end = lo + n_full * BLOCK_N
+    n_full = tl.maximum(end - start, 0) // BLOCK_N
+    full_end = start + n_full * BLOCK_N
     # Full tiles: no masks.
-    for n0 in range(lo, full_end, BLOCK_N):
+    for n0 in range(start, full_end, BLOCK_N):
         t = n0 + offs_n
         k, v = _load_kv_tile(k_cache_ptr, v_cache_ptr, bt_row_ptr, t, kvh, offs_d, stride_kb, stride_kt,
                              stride_kh, PAGE, False, t)                       # [BLOCK_N, D] each
@@ -312,33 +282,21 @@ def _decode_kernel(q_ptr, k_cache_ptr, v_cache_ptr, out_ptr, m_ptr, l_ptr, acc_p
                 m_t = tl.full([G_PAD], float("-inf"), tl.float32)
                 l_t = tl.zeros([G_PAD], tl.float32)
                 o_t = tl.zeros([G_PAD, HEAD_DIM], tl.float32)
-                if MERGE_UNROLL:  # active <= FUSED_REDUCE_INLINE here: masked, unrolled
-                    for sp in tl.static_range(FUSED_REDUCE_INLINE_C):
-                        m_t, l_t, o_t = _merge_split(m_t, l_t, o_t, m_ptr, l_ptr, acc_ptr, base, sp,
-                                                     gmask & ((offs_g * 0 + sp) < active), offs_d,
-                                                     HEAD_DIM)
-                else:
-                    for sp in range(0, active):
-                        m_t, l_t, o_t = _merge_split(m_t, l_t, o_t, m_ptr, l_ptr, acc_ptr, base, sp, gmask,
-                                                     offs_d, HEAD_DIM)
+                for sp in range(0, active):
+                    m_s = tl.load(m_ptr + base + sp, mask=gmask, other=float("-inf"), cache_modifier=".cg")
+                    l_s = tl.load(l_ptr + base + sp, mask=gmask, other=0.0, cache_modifier=".cg")
+                    o_s = tl.load(acc_ptr + (base + sp)[:, None] * HEAD_DIM + offs_d[None, :],
+                                  mask=gmask[:, None], other=0.0, cache_modifier=".cg")
+                    m_n = tl.maximum(m_t, m_s)
+                    m_n_safe = tl.where(m_n == float("-inf"), 0.0, m_n)
+                    w_t = tl.exp2(m_t - m_n_safe)
+                    w_s = tl.exp2(m_s - m_n_safe)
+                    l_t = l_t * w_t + l_s * w_s
+                    o_t = o_t * w_t[:, None] + o_s * w_s[:, None]
+                    m_t = m_n
                 out = o_t / tl.where(l_t > 0, l_t, 1.0)[:, None]
                 tl.store(o_ptrs, out.to(out_ptr.dtype.element_ty), mask=gmask[:, None])
                 tl.atomic_xchg(cnt, 0)
-
-
-@triton.jit
-def _merge_split(m_t, l_t, o_t, m_ptr, l_ptr, acc_ptr, base, sp, gmask, offs_d, HEAD_DIM: tl.constexpr):
-    """Fold split ``sp``'s partial ``(m, l, acc)`` (rows ``gmask``; re-read from L2 with
-    ``.cg``) into the running merge ``(m_t, l_t, o_t)``; masked rows change nothing."""
-    m_s = tl.load(m_ptr + base + sp, mask=gmask, other=float("-inf"), cache_modifier=".cg")
-    l_s = tl.load(l_ptr + base + sp, mask=gmask, other=0.0, cache_modifier=".cg")
-    o_s = tl.load(acc_ptr + (base + sp)[:, None] * HEAD_DIM + offs_d[None, :],
-                  mask=gmask[:, None], other=0.0, cache_modifier=".cg")
-    m_n = tl.maximum(m_t, m_s)
-    m_n_safe = tl.where(m_n == float("-inf"), 0.0, m_n)
-    w_t = tl.exp2(m_t - m_n_safe)
-    w_s = tl.exp2(m_s - m_n_safe)
-    return m_n, l_t * w_t + l_s * w_s, o_t * w_t[:, None] + o_s * w_s[:, None]
 
 
 @triton.jit
@@ -635,7 +593,7 @@ def paged_attention_decode(query: torch.Tensor, k_cache: torch.Tensor, v_cache: 
                            skip_non_decode: bool = False, num_splits: int | None = None,
                            block_n: int | None = None, num_warps: int | None = None,
                            num_stages: int | None = None, fused_reduce: bool | None = None,
-                           pdl: bool = False, preload: bool | None = None) -> torch.Tensor:
+                           pdl: bool = False) -> torch.Tensor:
     """Split-K decode attention: one query token per sequence (row ``query_start_loc[i]``).
 
     The grid has ``num_splits`` programs per (sequence, KV head), sized for
@@ -658,10 +616,6 @@ def paged_attention_decode(query: torch.Tensor, k_cache: torch.Tensor, v_cache: 
             (``query_start_loc``, ``context_lens``) is read before waiting for the previous
             kernel, so it must not be written by the kernel just before this one (the engine
             writes it before the forward pass); q and the K/V cache are read after the wait.
-        preload: read the first tile's K/V rows older than the newest position before that
-            wait (default: with ``pdl``, unless ``LLMSERVE_DECODE_PRELOAD=0``); only for
-            decode-only batches whose newest K/V row (position ``context_len - 1``) is the
-            only one the previous kernel wrote.
 
     Returns:
         ``out`` (allocated when not given; rows not written are zero when allocated here).
@@ -671,8 +625,6 @@ def paged_attention_decode(query: torch.Tensor, k_cache: torch.Tensor, v_cache: 
     """
     n, hq, hkv, d, bs, b = _check_attention_inputs(query, k_cache, v_cache, meta)
     on_cpu = _on_cpu(query)
-    if preload is None:
-        preload = pdl and DECODE_PRELOAD
     if out is None:
         out = torch.zeros_like(query) if (n != b or skip_non_decode) else torch.empty_like(query)
     if b == 0 or n == 0:
@@ -725,9 +677,8 @@ def paged_attention_decode(query: torch.Tensor, k_cache: torch.Tensor, v_cache: 
         out.stride(0), out.stride(1), meta.block_tables.stride(0),
         G=g, G_PAD=g_pad, HEAD_DIM=d, PAGE=bs, BLOCK_N=bn, FP32_MATH=fp32_math,
         SKIP_NON_DECODE=skip_non_decode, DIRECT_OUT=direct,
-        MIN_TILES=min_tiles, USE_PDL=pdl, PRELOAD=preload and not skip_non_decode,
-        MERGE_UNROLL=DECODE_MERGE_UNROLL and b <= MERGE_UNROLL_MAX_BATCH and inline_max <= FUSED_REDUCE_INLINE,
-        num_warps=cfg["num_warps"], num_stages=cfg["num_stages"], **pdl_launch_kwargs(pdl))
+        MIN_TILES=min_tiles, USE_PDL=pdl, num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
+        **pdl_launch_kwargs(pdl))
     if not direct and not fused:
         _decode_reduce_kernel[(b, hq)](
             out, m_buf, l_buf, acc_buf, meta.query_start_loc, meta.context_lens, num_splits, inline_max, hq,
