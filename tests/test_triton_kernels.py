@@ -423,18 +423,6 @@ def test_gemv_qkv_rope_matches_unfused(m, hq, hkv, d, int8, dtype, cfg):
                       scale=scale)
 
 
-@pytest.mark.parametrize("pre", [2, 3, 4])
-def test_gemv_tiles_requested_before_the_wait(monkeypatch, pre):
-    """2-4 weight tiles loaded ahead of the first product (the PDL pre-wait loads): K of 7
-    uneven tiles, of 3 tiles (4 clamped to 3), one tile; plain, SwiGLU and QKV+RoPE kernels."""
-    import llmserve.triton_kernels.gemv as gemv_mod
-    monkeypatch.setattr(gemv_mod, "PRE_TILES", pre)
-    test_gemv_matches_reference(2, 21, 100, "rmsnorm", True, torch.float32, GemvConfig(2, 16, 1, 1))
-    test_gemv_matches_reference(1, 9, 16, "none", False, torch.float32, GemvConfig(4, 16, 1, 1))
-    test_gemv_swiglu_epilogue(1, 19, 100, "rmsnorm", False, torch.float32, GemvConfig(2, 32, 1, 1))
-    test_gemv_qkv_rope_matches_unfused(3, 7, 1, 16, True, torch.float32, GemvConfig(2, 16, 1, 1))
-
-
 def test_gemv_float32_output():
     """A plain projection may write fp32 (the LM head's logits) from fp16 activations."""
     x, w, _, _ = _gemv_case(2, 50, 64, "none", False, torch.float16)

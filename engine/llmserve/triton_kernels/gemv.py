@@ -56,11 +56,6 @@ GEMV_MAX_M = 4  # most rows of x (every program serves all of them); larger M us
 
 PROLOGUES = {"none": 0, "rmsnorm": 1}
 
-#: Weight tiles a program requests before waiting for the previous kernel (PDL launches only):
-#: weights never depend on it, so they can stream while it drains. LLMSERVE_GEMV_PRE_TILES
-#: (1-4) overrides.
-PRE_TILES = min(4, max(1, int(os.environ.get("LLMSERVE_GEMV_PRE_TILES", "1"))))
-
 
 @triton.jit
 def _load_w(w_base, k0, K, rk, EVEN_K: tl.constexpr):
@@ -130,12 +125,9 @@ def _gemv_block(blk, w, wb, rm, rm_ld, rk, x_ptr, w_ptr, y_ptr, scale_ptr, bias_
                 PROLOGUE: tl.constexpr, GLU: tl.constexpr, ROPE: tl.constexpr,
                 HQ: tl.constexpr, HKV: tl.constexpr, HALF: tl.constexpr,
                 BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                EVEN_K: tl.constexpr, STAGES: tl.constexpr, PRE: tl.constexpr = 1,
-                WAIT: tl.constexpr = False):
+                EVEN_K: tl.constexpr, STAGES: tl.constexpr):
     """Row block ``blk``: accumulate over K (``w``/``wb``: its first weight tiles, already
-    loaded), then the epilogue and the stores. With ``WAIT`` (PDL), weight tiles 2..``PRE``
-    (``PRE <= ceil(K / BLOCK_K)``) are requested before ``gdc_wait`` too, so more of the
-    weight streams while the previous kernel drains."""
+    loaded), then the epilogue and the stores."""
     TWO_ROWS: tl.constexpr = GLU or ROPE
     rn, rn_ld, row_a, row_b, head, j = _gemv_rows(blk, N, BLOCK_N, ROPE, HALF)
     w_base = w_ptr + row_a[None, :, None].to(tl.int64) * stride_wn + rk[None, None, :]   # [1, BN, BK]
@@ -151,39 +143,9 @@ def _gemv_block(blk, w, wb, rm, rm_ld, rk, x_ptr, w_ptr, y_ptr, scale_ptr, bias_
         sq = tl.zeros([BLOCK_M, BLOCK_N, BLOCK_K], dtype=tl.float32)
     else:
         sq = tl.zeros([1, 1, 1], dtype=tl.float32)
-    if PRE >= 2:
-        w1 = _load_w(w_base, BLOCK_K, K, rk, EVEN_K)
-        if TWO_ROWS:
-            wb1 = _load_w(wb_base, BLOCK_K, K, rk, EVEN_K)
-        else:
-            wb1 = w1
-    if PRE >= 3:
-        w2 = _load_w(w_base, 2 * BLOCK_K, K, rk, EVEN_K)
-        if TWO_ROWS:
-            wb2 = _load_w(wb_base, 2 * BLOCK_K, K, rk, EVEN_K)
-        else:
-            wb2 = w2
-    if PRE >= 4:
-        w3 = _load_w(w_base, 3 * BLOCK_K, K, rk, EVEN_K)
-        if TWO_ROWS:
-            wb3 = _load_w(wb_base, 3 * BLOCK_K, K, rk, EVEN_K)
-        else:
-            wb3 = w3
-    if WAIT:  # everything below may read what the previous kernel wrote
-        gdc_wait()
-        gdc_launch_dependents()
     acc, acc_b, sq = _gemv_step(acc, acc_b, sq, w, wb, x_base, g_ptr, 0, K, rk, PROLOGUE, TWO_ROWS,
                                 EVEN_K)
-    if PRE >= 2:
-        acc, acc_b, sq = _gemv_step(acc, acc_b, sq, w1, wb1, x_base, g_ptr, BLOCK_K, K, rk, PROLOGUE,
-                                    TWO_ROWS, EVEN_K)
-    if PRE >= 3:
-        acc, acc_b, sq = _gemv_step(acc, acc_b, sq, w2, wb2, x_base, g_ptr, 2 * BLOCK_K, K, rk, PROLOGUE,
-                                    TWO_ROWS, EVEN_K)
-    if PRE >= 4:
-        acc, acc_b, sq = _gemv_step(acc, acc_b, sq, w3, wb3, x_base, g_ptr, 3 * BLOCK_K, K, rk, PROLOGUE,
-                                    TWO_ROWS, EVEN_K)
-    for k0 in tl.range(PRE * BLOCK_K, K, BLOCK_K, num_stages=STAGES):
+    for k0 in tl.range(BLOCK_K, K, BLOCK_K, num_stages=STAGES):
         w = _load_w(w_base, k0, K, rk, EVEN_K)
         if TWO_ROWS:
             wb = _load_w(wb_base, k0, K, rk, EVEN_K)
@@ -256,7 +218,7 @@ def _gemv_kernel(x_ptr, w_ptr, y_ptr, scale_ptr, bias_ptr, res_ptr, g_ptr,
                  HQ: tl.constexpr, HKV: tl.constexpr, HALF: tl.constexpr,
                  BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                  EVEN_K: tl.constexpr, STAGES: tl.constexpr, PERSISTENT: tl.constexpr,
-                 USE_PDL: tl.constexpr, PRE_TILES: tl.constexpr):
+                 USE_PDL: tl.constexpr):
     """A program computes ``BLOCK_N`` outputs (a row block) for all ``M <= BLOCK_M`` rows of x:
     row block ``pid``, or with ``PERSISTENT`` (a grid smaller than the block count) blocks
     ``pid, pid + grid, ...``, which avoids a last partial wave; the first tile of its next
@@ -283,7 +245,7 @@ def _gemv_kernel(x_ptr, w_ptr, y_ptr, scale_ptr, bias_ptr, res_ptr, g_ptr,
                      EVEN_K)
     else:
         wb = w
-    if PERSISTENT and USE_PDL:  # everything below may read what the previous kernel wrote
+    if USE_PDL:  # everything below may read what the previous kernel wrote
         gdc_wait()
         gdc_launch_dependents()
     if PERSISTENT:
@@ -304,10 +266,10 @@ def _gemv_kernel(x_ptr, w_ptr, y_ptr, scale_ptr, bias_ptr, res_ptr, g_ptr,
             _gemv_block(blk, w_cur, wb_cur, rm, rm_ld, rk, x_ptr, w_ptr, y_ptr, scale_ptr, bias_ptr, res_ptr, g_ptr, kc_ptr, vc_ptr, cos_ptr, sin_ptr, pos_ptr, slot_ptr, num_slots, M, N, K, stride_xm, stride_wn, stride_ym, stride_rm, eps,
                         W_INT8, HAS_BIAS, HAS_RES, PROLOGUE, GLU, ROPE, HQ, HKV, HALF, BLOCK_M, BLOCK_N,
                         BLOCK_K, EVEN_K, STAGES)
-    else:  # the wait (PDL) happens in the block, after its first PRE weight tiles are requested
+    else:
         _gemv_block(pid, w, wb, rm, rm_ld, rk, x_ptr, w_ptr, y_ptr, scale_ptr, bias_ptr, res_ptr, g_ptr, kc_ptr, vc_ptr, cos_ptr, sin_ptr, pos_ptr, slot_ptr, num_slots, M, N, K, stride_xm, stride_wn, stride_ym, stride_rm, eps,
                     W_INT8, HAS_BIAS, HAS_RES, PROLOGUE, GLU, ROPE, HQ, HKV, HALF, BLOCK_M, BLOCK_N,
-                    BLOCK_K, EVEN_K, STAGES, PRE_TILES, USE_PDL)
+                    BLOCK_K, EVEN_K, STAGES)
 
 
 @dataclass(frozen=True, slots=True)
@@ -497,8 +459,8 @@ def _launch(x, weight, out, cfg: GemvConfig, n: int, *, scale=None, bias=None, r
         PROLOGUE=PROLOGUES[prologue], GLU=glu, ROPE=rope is not None, HQ=hq, HKV=hkv, HALF=half,
         BLOCK_M=triton.next_power_of_2(m), BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
         EVEN_K=k % cfg.block_k == 0, STAGES=cfg.stages, PERSISTENT=blocks < triton.cdiv(n, cfg.block_n),
-        USE_PDL=pdl, PRE_TILES=1 if blocks < triton.cdiv(n, cfg.block_n) else min(PRE_TILES, triton.cdiv(k, cfg.block_k)),
-        num_warps=cfg.num_warps, **pdl_launch_kwargs(pdl))
+        USE_PDL=pdl, num_warps=cfg.num_warps,
+        **pdl_launch_kwargs(pdl))
 
 
 def gemv_qkv_rope(x: torch.Tensor, weight: torch.Tensor, *, bias: torch.Tensor | None,
