@@ -41,6 +41,7 @@ include: "workflow/rules/benchmark.smk"
 include: "workflow/rules/aggregate.smk"
 include: "workflow/rules/checksums.smk"
 include: "workflow/rules/checkpoint4.smk"
+include: "workflow/rules/h200.smk"
 
 
 rule checkpoint3:

@@ -1,0 +1,37 @@
+# Issue #10's comparison on one GPU (`llmserve bench-compare`): batch-1 decode against the
+# weight-bandwidth floor for the Qwen2.5-0.5B/1.5B/7B shapes, the offline 256-request workload
+# against HF transformers (generate_batch and static generate), and open-loop TTFT/TPOT at
+# several arrival rates. GPU only; not part of the default target:
+#
+#   snakemake --cores 4 --resources gpu=1 results/h200
+#
+# The committed result (an H200) is results/h200/compare.{json,md}; a rerun overwrites it.
+
+H200_ARGS = ("--hf-requests 32 --hf-decode-steps 32 --hf-static-batch 32 --rates 4 16 64"
+             " --openloop-requests 100")
+
+
+rule h200_compare:
+    output:
+        json="results/h200/compare.json",
+        md="results/h200/compare.md",
+    params:
+        llmserve=config["llmserve"],
+        args=H200_ARGS,
+    log:
+        "results/h200/logs/compare.log",
+    resources:
+        gpu=1,
+    conda:
+        ENV
+    shell:
+        "{params.llmserve} bench-compare {params.args} --out results/h200 > {log} 2>&1"
+
+
+for _alias in ("results/h200", "results/h200/"):
+
+    rule:
+        name:
+            _alias
+        input:
+            rules.h200_compare.output,
