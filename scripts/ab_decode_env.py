@@ -5,9 +5,16 @@ machine drift shows up as spread, not as a difference. Each setting is read when
 is built (a new engine per measurement).
 
 Usage: python3 scripts/ab_decode_env.py OUT.json [--presets qwen2.5-1.5b ...] [--rounds 2]
-          --settings "" "LLMSERVE_GRAPH_SHORT_CONTEXT=0" "LLMSERVE_L2_PREFETCH=attn=16,o=8 LLMSERVE_L2_PREFETCH_HINT=normal"
+          --settings "" "LLMSERVE_GRAPH_SHORT_CONTEXT=0" "LLMSERVE_PDL=0"
 A setting is space-separated NAME=VALUE assignments ("" = the defaults). Settings that fail
 (compile errors, anything raised) are kept as rows with the error.
+
+Only variables read when an engine is built or a kernel is launched can be compared this way:
+``LLMSERVE_GRAPH_SHORT_CONTEXT``, ``LLMSERVE_PDL``, ``LLMSERVE_ASYNC_SCHEDULING``,
+``LLMSERVE_DECODE_GEMV``, ``LLMSERVE_DECODE_GEMV_MAX``, ``LLMSERVE_GEMV_CONFIG``. Those read
+once at import (``LLMSERVE_DECODE_SPLITS``, ``LLMSERVE_DECODE_STAGES``,
+``LLMSERVE_DECODE_MIN_TILES``, ``LLMSERVE_DECODE_FUSED_MAX``, ``LLMSERVE_GEMV_TABLE``) need one
+process per setting.
 """
 from __future__ import annotations
 

@@ -33,7 +33,7 @@ class InstantGraphs:
         self.logits = torch.zeros(max_batch, 8)
         self.host = np.zeros(4 * max_batch + max_batch * max_blocks, dtype=np.int64)
 
-    def run(self, ids, pos, slots, ctx, table):
+    def run(self, ids, pos, slots, ctx, table, fill=None):
         b, mb, h = len(ids), self.max_batch, self.host
         h[:b], h[mb:mb + b], h[2 * mb:2 * mb + b], h[3 * mb:3 * mb + b] = ids, pos, slots, ctx
         t = h[4 * mb:].reshape(mb, self.max_blocks)

@@ -1,6 +1,6 @@
 """Kernel-level profile of one graph-replayed decode step (GPU): where the step's time goes.
 
-Usage: python3 scripts/profile_decode.py --preset qwen2.5-1.5b --batch 1 --context 512
+Usage: python3 scripts/profile_decode.py --preset qwen2.5-1.5b --batch 1 --context 128
 Prints the CUDA kernels of a replayed decode step, grouped by name, with total time per step.
 """
 from __future__ import annotations
@@ -19,7 +19,7 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--preset", default="qwen2.5-1.5b")
     ap.add_argument("--batch", type=int, default=1)
-    ap.add_argument("--context", type=int, default=512)
+    ap.add_argument("--context", type=int, default=128)
     ap.add_argument("--replays", type=int, default=20)
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
@@ -30,7 +30,7 @@ def main() -> None:
     for _ in range(4):
         eng.step()
     g = eng.runner.cuda_graphs
-    graph = g.graph_for(args.batch, args.context + 8)   # the graph these steps replay
+    graph = g.last_graph                                # the graph these steps replayed
     for _ in range(5):
         graph.replay()
     torch.cuda.synchronize()

@@ -131,11 +131,12 @@ def test_add_rmsnorm_and_silu_match_reference():
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
-@pytest.mark.parametrize("short_context", [0, 32])
-def test_cuda_graph_decode_matches_eager(monkeypatch, short_context):
-    """Graph replays give the eager tokens; with a 32-token short-context graph the first
-    decode steps (longest context 29..32) replay it, later ones the full-length graph (prompts
-    3..28 tokens + 20 generated)."""
+@pytest.mark.parametrize("short_context,prompt_step,max_tokens", [(0, 5, 20), (32, 5, 20), (128, 19, 40)])
+def test_cuda_graph_decode_matches_eager(monkeypatch, short_context, prompt_step, max_tokens):
+    """Graph replays give the eager tokens. With a short-context graph the first decode steps
+    replay it (longest context <= short_context), later ones the full-length graph: 32 tokens
+    is one decode split of this model (head_dim 32: 64-token tiles); 128 tokens is two, merged
+    in the decode kernel (prompts 3..98 tokens + 40 generated)."""
     from llmserve.config import CacheConfig, EngineConfig, SchedulerConfig
     from llmserve.engine import LLMEngine
     from llmserve.sampling_params import SamplingParams
@@ -147,8 +148,8 @@ def test_cuda_graph_decode_matches_eager(monkeypatch, short_context):
                            use_cuda_graph=graph, cache=CacheConfig(num_blocks=512),
                            scheduler=SchedulerConfig(max_num_seqs=8, max_model_len=512))
         eng = LLMEngine(cfg)
-        prompts = [[10 + i] * (3 + 5 * i) for i in range(6)]
-        outs = eng.generate(prompts, SamplingParams(max_tokens=20, ignore_eos=True))
+        prompts = [[10 + i] * (3 + prompt_step * i) for i in range(6)]
+        outs = eng.generate(prompts, SamplingParams(max_tokens=max_tokens, ignore_eos=True))
         g = eng.runner.cuda_graphs
         return [o.output_token_ids for o in outs], eng.runner.num_graph_steps, g.num_short_replays if g else 0
 

@@ -111,11 +111,11 @@ def decode_llmserve(preset: str, steps: int, prompt_len: int = 32) -> dict:
     # where a step's wall time went, us per step ("sample" includes the wait for the device)
     n_steps = max(1, eng.num_steps - steps0)
     split_us = {k: (eng.step_seconds[k] - before[k]) / n_steps * 1e6 for k in before}
-    # the graph replay alone (GPU time of one decode step: the graph the last step used), CUDA events
+    # the graph replay alone (GPU time of one decode step: the graph the last step replayed), CUDA events
     g = eng.runner.cuda_graphs
     graph_ms = None
-    if g is not None:
-        graph = g.graph_for(1, prompt_len + steps)
+    if g is not None and g.last_graph is not None:
+        graph = g.last_graph
         times = []
         for _ in range(50):
             s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)

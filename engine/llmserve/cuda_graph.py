@@ -13,9 +13,12 @@ are discarded. The attention metadata's ``max_context_len`` is fixed at capture 
 kernel grid never changes between replays: to the engine's ``max_model_len``, and for small
 batches also to a short context (:data:`SHORT_CONTEXT`, 512 tokens) in a second graph that steps
 whose longest context fits replay instead. The decode attention kernel sizes its split count
-from ``max_context_len``; a grid sized for 2,048 tokens at batch 1 has 32 splits, more than the
-kernel merges itself, so the graph also holds a reduction kernel a layer that short contexts do
-not need (``LLMSERVE_GRAPH_SHORT_CONTEXT=0`` captures only the full-length graphs).
+from ``max_context_len``; at batch 1 a grid sized for 2,048 tokens has 32 splits (64-token
+tiles, head_dim <= 128), more than the kernel merges itself, so that graph also holds a
+reduction kernel a layer, which a 512-token graph (at most 8 splits, merged in the decode
+kernel) does not. ``LLMSERVE_GRAPH_SHORT_CONTEXT=0`` captures only the full-length graphs.
+Correctness never depends on the choice: every sequence's tiles come from its own context
+length; ``max_context_len`` only sets the split count and the partial buffers.
 """
 
 from __future__ import annotations
@@ -28,7 +31,7 @@ import torch
 from .attention.metadata import AttentionMetadata
 
 
-SHORT_CONTEXT = 512     # tokens: 8 tiles of the decode kernel, merged in the kernel (no reduction)
+SHORT_CONTEXT = 512     # tokens: 8 tiles of 64 (head_dim <= 128), merged in the decode kernel
 SHORT_MAX_BATCH = 16    # short-context graphs for batch buckets up to this size
 
 
@@ -38,8 +41,8 @@ def short_context_default() -> int:
 
     Raises:
         ValueError: a value that is not a non-negative integer."""
-    env = os.environ.get("LLMSERVE_GRAPH_SHORT_CONTEXT")
-    if env is None:
+    env = os.environ.get("LLMSERVE_GRAPH_SHORT_CONTEXT", "").strip()
+    if not env:
         return SHORT_CONTEXT
     try:
         val = int(env)
@@ -68,7 +71,8 @@ class CUDAGraphDecodeRunner:
         kv_caches: per-layer ``(k, v)`` cache tensors.
         block_size: tokens per block.
         max_batch: largest bucket (the scheduler's ``max_num_seqs``).
-        max_model_len: longest sequence; fixes the block-table width and the attention grid.
+        max_model_len: longest sequence; fixes the block-table width and the attention grid of
+            the full-length graphs.
         device: a CUDA device.
         short_context: context length of the second, short-context graph captured for batch
             buckets up to :data:`SHORT_MAX_BATCH` (default :func:`short_context_default`;
@@ -118,6 +122,7 @@ class CUDAGraphDecodeRunner:
         self.outputs: dict[tuple[int, bool], torch.Tensor] = {}
         self.pool = None
         self.num_short_replays = 0
+        self.last_graph: torch.cuda.CUDAGraph | None = None
 
     def _meta(self, b: int, short: bool) -> AttentionMetadata:
         return AttentionMetadata(
@@ -132,16 +137,10 @@ class CUDAGraphDecodeRunner:
         hidden = self.forward(self.input_ids[:b], self.positions[:b], self.kv_caches, self._meta(b, short))
         return self.compute_logits(hidden)                                    # [b, V]
 
-    def graph_for(self, b: int, max_context_len: int) -> torch.cuda.CUDAGraph:
-        """The graph a step of ``b`` rows whose longest context is ``max_context_len`` replays."""
-        bucket = self.bucket_for(b)
-        if bucket in self.short_graphs and max_context_len <= self.short_context:
-            return self.short_graphs[bucket]
-        return self.graphs[bucket]
-
     @torch.inference_mode()
     def capture(self) -> None:
-        """Capture every bucket, largest first (smaller graphs reuse its memory pool)."""
+        """Capture every bucket, largest first (smaller graphs reuse its memory pool): its
+        full-length graph, and for buckets up to :data:`SHORT_MAX_BATCH` its short-context one."""
         # Padding values: slot -1 (scratch), context 1, block 0 -> harmless reads.
         self._fill_padding(0)
         self._dev.copy_(self._host)
@@ -180,7 +179,9 @@ class CUDAGraphDecodeRunner:
 
     def run(self, token_ids: np.ndarray, positions: np.ndarray, slots: np.ndarray,
             context_lens: np.ndarray, block_tables: np.ndarray, fill=None) -> torch.Tensor:
-        """Replay the bucket graph for ``b = len(token_ids)`` decode rows.
+        """Replay the bucket's graph for ``b = len(token_ids)`` decode rows: the short-context
+        graph when every context fits in it, else the full-length one (``last_graph`` records
+        which).
 
         Args:
             token_ids, positions, slots, context_lens: ``[b]`` int64 arrays.
@@ -211,6 +212,7 @@ class CUDAGraphDecodeRunner:
             fill(self.input_ids)
         # ids/pos/slots/ctx for rows < bucket live before o[4]; the table rows after it
         short = bucket in self.short_graphs and int(context_lens.max()) <= self.short_context
-        (self.short_graphs if short else self.graphs)[bucket].replay()
+        self.last_graph = (self.short_graphs if short else self.graphs)[bucket]
+        self.last_graph.replay()
         self.num_short_replays += short
         return self.outputs[(bucket, short)][:b]

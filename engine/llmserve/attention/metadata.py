@@ -28,7 +28,9 @@ class AttentionMetadata:
         context_lens: ``[B]`` int32, tokens in the cache per sequence after this step's write.
         block_tables: ``[B, max_blocks]`` int32, physical block ids (unused entries are 0).
         max_query_len: max over sequences of the query length (Python int, no sync needed).
-        max_context_len: max over sequences of ``context_lens`` (Python int).
+        max_context_len: max over sequences of ``context_lens`` (Python int), or an upper bound
+            on it (CUDA graphs pass the length they were captured for; kernels size their grids
+            from it, each sequence still reads only its own context).
         block_size: tokens per block.
         is_decode_only: every sequence has exactly one query token (decode kernels apply).
     """
