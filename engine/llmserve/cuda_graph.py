@@ -101,8 +101,7 @@ class CUDAGraphDecodeRunner:
         # completed once the engine read step n-1's sampled tokens.
         self._hosts = [torch.zeros(total, dtype=torch.int64, pin_memory=True) for _ in range(2)]
         self._hosts_np = [h.numpy() for h in self._hosts]
-        self._turn = 0
-        self._host, self._host_np = self._hosts[0], self._hosts_np[0]
+        self._turn = 0                                     # the staging buffer in use
         self._dev = torch.zeros(total, dtype=torch.int64, device=device)
         o = self._offsets
         self.input_ids = self._dev[o[0]:o[1]]
@@ -116,9 +115,8 @@ class CUDAGraphDecodeRunner:
         self.query_start_loc = torch.arange(b + 1, dtype=torch.int32, device=device)
         short = short_context_default() if short_context is None else short_context
         self.short_context = short if 0 < short < max_model_len else 0
-        # graphs[b]: full-length context; short_graphs[b]: contexts <= short_context
-        self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
-        self.short_graphs: dict[int, torch.cuda.CUDAGraph] = {}
+        # keyed (bucket, short): short=False sized for max_model_len, True for short_context
+        self.graphs: dict[tuple[int, bool], torch.cuda.CUDAGraph] = {}
         self.outputs: dict[tuple[int, bool], torch.Tensor] = {}
         self.pool = None
         self.num_short_replays = 0
@@ -143,7 +141,7 @@ class CUDAGraphDecodeRunner:
         full-length graph, and for buckets up to :data:`SHORT_MAX_BATCH` its short-context one."""
         # Padding values: slot -1 (scratch), context 1, block 0 -> harmless reads.
         self._fill_padding(0)
-        self._dev.copy_(self._host)
+        self._dev.copy_(self._hosts[self._turn])
         torch.cuda.synchronize(self.device)
         stream = torch.cuda.Stream(self.device)
         stream.wait_stream(torch.cuda.current_stream(self.device))
@@ -159,12 +157,12 @@ class CUDAGraphDecodeRunner:
                         self.outputs[(b, short)] = self._run(b, short)
                     if self.pool is None:
                         self.pool = g.pool()
-                    (self.short_graphs if short else self.graphs)[b] = g
+                    self.graphs[(b, short)] = g
         torch.cuda.current_stream(self.device).wait_stream(stream)
         torch.cuda.synchronize(self.device)
 
     def _fill_padding(self, start: int) -> None:
-        o, h = self._offsets, self._host_np
+        o, h = self._offsets, self._hosts_np[self._turn]
         h[o[0] + start:o[1]] = 0
         h[o[1] + start:o[2]] = 0
         h[o[2] + start:o[3]] = -1
@@ -196,8 +194,7 @@ class CUDAGraphDecodeRunner:
         b = len(token_ids)
         bucket = self.bucket_for(b)
         self._turn ^= 1
-        self._host, self._host_np = self._hosts[self._turn], self._hosts_np[self._turn]
-        o, h = self._offsets, self._host_np
+        o, h = self._offsets, self._hosts_np[self._turn]
         h[o[0]:o[0] + b] = token_ids
         h[o[1]:o[1] + b] = positions
         h[o[2]:o[2] + b] = slots
@@ -207,12 +204,12 @@ class CUDAGraphDecodeRunner:
         table[:b, :block_tables.shape[1]] = block_tables
         self._fill_padding(b)
         n = int(o[4] + bucket * self.max_blocks)
-        self._dev[:n].copy_(self._host[:n], non_blocking=True)               # one H2D copy
+        self._dev[:n].copy_(self._hosts[self._turn][:n], non_blocking=True)               # one H2D copy
         if fill is not None:
             fill(self.input_ids)
         # ids/pos/slots/ctx for rows < bucket live before o[4]; the table rows after it
-        short = bucket in self.short_graphs and int(context_lens.max()) <= self.short_context
-        self.last_graph = (self.short_graphs if short else self.graphs)[bucket]
+        short = (bucket, True) in self.graphs and int(context_lens.max()) <= self.short_context
+        self.last_graph = self.graphs[(bucket, short)]
         self.last_graph.replay()
         self.num_short_replays += short
         return self.outputs[(bucket, short)][:b]
