@@ -58,6 +58,21 @@ PROLOGUES = {"none": 0, "rmsnorm": 1}
 
 
 @triton.jit
+def int8_to_f32(w, MAGIC: tl.constexpr):
+    """Exact int8 -> fp32 of a weight tile. ``MAGIC``: without a conversion instruction: the
+    sign-extended value added to the bit pattern of ``1.5 * 2**23`` (where one unit of the
+    mantissa is 1.0) is the float ``1.5 * 2**23 + w``; subtracting ``1.5 * 2**23`` leaves ``w``
+    exactly (|w| < 2**22). Integer adds and an fp32 add issue at 64-128 a clock per SM on
+    Hopper, ``I2F`` (the plain cast) at 16, which is about the rate at which HBM delivers int8
+    weights to a matrix-vector product. The bit trick is the one of FasterTransformer's fast
+    int8 -> float converters ("magic number" conversion), written here for fp32."""
+    if MAGIC:
+        return (w.to(tl.int32) + 0x4B400000).to(tl.float32, bitcast=True) - 12582912.0
+    else:
+        return w.to(tl.float32)
+
+
+@triton.jit
 def _load_w(w_base, k0, K, rk, EVEN_K: tl.constexpr):
     """One ``[1, BLOCK_N, BLOCK_K]`` weight tile (streamed once: evict first)."""
     if EVEN_K:
@@ -97,7 +112,7 @@ def _gemv_rows(blk, N, BLOCK_N: tl.constexpr, ROPE: tl.constexpr, HALF: tl.const
 
 @triton.jit
 def _gemv_step(acc, acc_b, sq, w, wb, x_base, g_ptr, k0, K, rk, PROLOGUE: tl.constexpr,
-               TWO_ROWS: tl.constexpr, EVEN_K: tl.constexpr):
+               TWO_ROWS: tl.constexpr, EVEN_K: tl.constexpr, W_INT8: tl.constexpr, MAGIC: tl.constexpr):
     """Accumulate one K tile: ``acc += prologue(x) * w`` (and ``acc_b`` for the second weight row
     of a GLU / RoPE pair; ``sq += x^2`` for the RMSNorm prologue)."""
     if EVEN_K:
@@ -111,9 +126,14 @@ def _gemv_step(acc, acc_b, sq, w, wb, x_base, g_ptr, k0, K, rk, PROLOGUE: tl.con
         else:
             g = tl.load(g_ptr + k0 + rk, mask=(k0 + rk) < K, other=0.0).to(tl.float32)
         x = x * g[None, None, :]
-    acc += x * w.to(tl.float32)
-    if TWO_ROWS:
-        acc_b += x * wb.to(tl.float32)
+    if W_INT8:
+        acc += x * int8_to_f32(w, MAGIC)
+        if TWO_ROWS:
+            acc_b += x * int8_to_f32(wb, MAGIC)
+    else:
+        acc += x * w.to(tl.float32)
+        if TWO_ROWS:
+            acc_b += x * wb.to(tl.float32)
     return acc, acc_b, sq
 
 
@@ -125,7 +145,7 @@ def _gemv_block(blk, w, wb, rm, rm_ld, rk, x_ptr, w_ptr, y_ptr, scale_ptr, bias_
                 PROLOGUE: tl.constexpr, GLU: tl.constexpr, ROPE: tl.constexpr,
                 HQ: tl.constexpr, HKV: tl.constexpr, HALF: tl.constexpr,
                 BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                EVEN_K: tl.constexpr, STAGES: tl.constexpr):
+                EVEN_K: tl.constexpr, STAGES: tl.constexpr, MAGIC: tl.constexpr):
     """Row block ``blk``: accumulate over K (``w``/``wb``: its first weight tiles, already
     loaded), then the epilogue and the stores."""
     TWO_ROWS: tl.constexpr = GLU or ROPE
@@ -144,13 +164,13 @@ def _gemv_block(blk, w, wb, rm, rm_ld, rk, x_ptr, w_ptr, y_ptr, scale_ptr, bias_
     else:
         sq = tl.zeros([1, 1, 1], dtype=tl.float32)
     acc, acc_b, sq = _gemv_step(acc, acc_b, sq, w, wb, x_base, g_ptr, 0, K, rk, PROLOGUE, TWO_ROWS,
-                                EVEN_K)
+                                EVEN_K, W_INT8, MAGIC)
     for k0 in tl.range(BLOCK_K, K, BLOCK_K, num_stages=STAGES):
         w = _load_w(w_base, k0, K, rk, EVEN_K)
         if TWO_ROWS:
             wb = _load_w(wb_base, k0, K, rk, EVEN_K)
         acc, acc_b, sq = _gemv_step(acc, acc_b, sq, w, wb, x_base, g_ptr, k0, K, rk, PROLOGUE,
-                                    TWO_ROWS, EVEN_K)
+                                    TWO_ROWS, EVEN_K, W_INT8, MAGIC)
     out = tl.sum(acc, axis=2)                                                            # [BM, BN]
     if TWO_ROWS:
         out_b = tl.sum(acc_b, axis=2)
@@ -218,7 +238,7 @@ def _gemv_kernel(x_ptr, w_ptr, y_ptr, scale_ptr, bias_ptr, res_ptr, g_ptr,
                  HQ: tl.constexpr, HKV: tl.constexpr, HALF: tl.constexpr,
                  BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                  EVEN_K: tl.constexpr, STAGES: tl.constexpr, PERSISTENT: tl.constexpr,
-                 USE_PDL: tl.constexpr):
+                 USE_PDL: tl.constexpr, MAGIC: tl.constexpr):
     """A program computes ``BLOCK_N`` outputs (a row block) for all ``M <= BLOCK_M`` rows of x:
     row block ``pid``, or with ``PERSISTENT`` (a grid smaller than the block count) blocks
     ``pid, pid + grid, ...``, which avoids a last partial wave; the first tile of its next
@@ -265,11 +285,11 @@ def _gemv_kernel(x_ptr, w_ptr, y_ptr, scale_ptr, bias_ptr, res_ptr, g_ptr,
                 wb = w
             _gemv_block(blk, w_cur, wb_cur, rm, rm_ld, rk, x_ptr, w_ptr, y_ptr, scale_ptr, bias_ptr, res_ptr, g_ptr, kc_ptr, vc_ptr, cos_ptr, sin_ptr, pos_ptr, slot_ptr, num_slots, M, N, K, stride_xm, stride_wn, stride_ym, stride_rm, eps,
                         W_INT8, HAS_BIAS, HAS_RES, PROLOGUE, GLU, ROPE, HQ, HKV, HALF, BLOCK_M, BLOCK_N,
-                        BLOCK_K, EVEN_K, STAGES)
+                        BLOCK_K, EVEN_K, STAGES, MAGIC)
     else:
         _gemv_block(pid, w, wb, rm, rm_ld, rk, x_ptr, w_ptr, y_ptr, scale_ptr, bias_ptr, res_ptr, g_ptr, kc_ptr, vc_ptr, cos_ptr, sin_ptr, pos_ptr, slot_ptr, num_slots, M, N, K, stride_xm, stride_wn, stride_ym, stride_rm, eps,
                     W_INT8, HAS_BIAS, HAS_RES, PROLOGUE, GLU, ROPE, HQ, HKV, HALF, BLOCK_M, BLOCK_N,
-                    BLOCK_K, EVEN_K, STAGES)
+                    BLOCK_K, EVEN_K, STAGES, MAGIC)
 
 
 @dataclass(frozen=True, slots=True)
@@ -375,6 +395,15 @@ def choose_gemv_config(m: int, n: int, k: int, w_dtype: torch.dtype, device: tor
     return GemvConfig(block_n=bn, block_k=min(bk, triton.next_power_of_2(k)), num_warps=4, stages=1)
 
 
+def int8_magic() -> bool:
+    """Whether int8 weights are converted with :func:`int8_to_f32`'s bit trick (default) or the
+    plain cast: ``LLMSERVE_INT8_CVT=magic|cast`` (read at every launch, for A/B runs)."""
+    v = os.environ.get("LLMSERVE_INT8_CVT", "magic")
+    if v not in ("magic", "cast"):
+        raise ValueError(f"LLMSERVE_INT8_CVT must be 'magic' or 'cast', got {v!r}")
+    return v == "magic"
+
+
 _GPU_NAMES: dict[int, str] = {}
 
 
@@ -459,7 +488,7 @@ def _launch(x, weight, out, cfg: GemvConfig, n: int, *, scale=None, bias=None, r
         PROLOGUE=PROLOGUES[prologue], GLU=glu, ROPE=rope is not None, HQ=hq, HKV=hkv, HALF=half,
         BLOCK_M=triton.next_power_of_2(m), BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
         EVEN_K=k % cfg.block_k == 0, STAGES=cfg.stages, PERSISTENT=blocks < triton.cdiv(n, cfg.block_n),
-        USE_PDL=pdl, num_warps=cfg.num_warps,
+        USE_PDL=pdl, MAGIC=weight.dtype == torch.int8 and int8_magic(), num_warps=cfg.num_warps,
         **pdl_launch_kwargs(pdl))
 
 
