@@ -40,28 +40,10 @@ import triton
 import triton.language as tl
 
 from ._launch import num_sms, zeroed_counters
-from .gemv import GEMV_MAX_M, GemvConfig, choose_gemv_config, gemv, int8_magic, int8_to_f32
+from .gemv import GEMV_MAX_M, GemvConfig, choose_gemv_config, gemv
 
 __all__ = ["Int8LinearConfig", "choose_int8_config", "int8_linear", "int8_linear_reference",
            "quantize_int8_per_channel"]
-
-
-@triton.jit
-def _int8_to_dot(w, DT: tl.constexpr, MAGIC: tl.constexpr):
-    """Exact int8 -> ``DT`` (the MMA operand dtype) of a weight tile. ``MAGIC``: integer and
-    fp32 adds only (:func:`~llmserve.triton_kernels.gemv.int8_to_f32`), then for bf16 the upper
-    half of the fp32 bit pattern (exact: an 8-bit integer needs 8 significant bits, bf16 has 8),
-    for fp16 the same trick with the fp16 constant ``1.5 * 2**10``."""
-    if MAGIC:
-        if DT == tl.float16:
-            return (w.to(tl.int16) + 0x6600).to(tl.float16, bitcast=True) - 1536.0
-        elif DT == tl.bfloat16:
-            f = int8_to_f32(w, True).to(tl.int32, bitcast=True)
-            return (f >> 16).to(tl.int16).to(tl.bfloat16, bitcast=True)
-        else:
-            return int8_to_f32(w, True)
-    else:
-        return w.to(DT)
 
 
 @triton.jit
@@ -107,7 +89,7 @@ def _int8_linear_kernel(x_ptr, w_ptr, s_ptr, bias_ptr, y_ptr, ws_ptr, cnt_ptr, M
                         HAS_BIAS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                         BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr, SWAP_AB: tl.constexpr,
                         EVEN_K: tl.constexpr, SPLIT: tl.constexpr, FUSED_REDUCE: tl.constexpr,
-                        FP32_MATH: tl.constexpr, MAGIC: tl.constexpr):
+                        FP32_MATH: tl.constexpr):
     """Tensor-core tile kernel (``kind="mma"``)."""
     pid = tl.program_id(0)
     pid_k = tl.program_id(1)
@@ -144,13 +126,13 @@ def _int8_linear_kernel(x_ptr, w_ptr, s_ptr, bias_ptr, y_ptr, ws_ptr, cnt_ptr, M
             w = tl.load(w_ptrs, mask=kmask[None, :], other=0)
         if FP32_MATH:
             xf = x.to(tl.float32)
-            wf = _int8_to_dot(w, tl.float32, MAGIC)
+            wf = w.to(tl.float32)
             if SWAP_AB:
                 acc = tl.dot(wf, tl.trans(xf), acc, input_precision="ieee")   # [BN, BM]
             else:
                 acc = tl.dot(xf, tl.trans(wf), acc, input_precision="ieee")   # [BM, BN]
         else:
-            wf = _int8_to_dot(w, x.dtype, MAGIC)
+            wf = w.to(x.dtype)
             if SWAP_AB:
                 acc = tl.dot(wf, tl.trans(x), acc)
             else:
@@ -362,7 +344,7 @@ def int8_linear(x: torch.Tensor, w_int8: torch.Tensor, scale: torch.Tensor,
     _int8_linear_kernel[(tiles, split)](
         *args, HAS_BIAS=has_bias, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
         GROUP_M=cfg.group_m, SWAP_AB=cfg.swap_ab, EVEN_K=even_k, SPLIT=split > 1,
-        FUSED_REDUCE=fused, FP32_MATH=on_cpu or x.dtype == torch.float32, MAGIC=int8_magic(),
+        FUSED_REDUCE=fused, FP32_MATH=on_cpu or x.dtype == torch.float32,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages)
     if split > 1 and not fused:
         block = 1024 if not on_cpu else 256
