@@ -2,6 +2,11 @@
 
 Usage: python3 scripts/profile_decode.py --preset qwen2.5-1.5b --batch 1 --context 128
 Prints the CUDA kernels of a replayed decode step, grouped by name, with total time per step.
+
+``--timeline`` also prints where the step's *wall* time goes when kernels overlap (programmatic
+dependent launch lets a kernel start before its predecessor ends, so summed kernel durations
+overcount): for the kernels of one replay in stream order, each kernel's marginal time is its
+end minus the previous kernel's end (the critical path it adds), grouped by name.
 """
 from __future__ import annotations
 
@@ -22,6 +27,7 @@ def main() -> None:
     ap.add_argument("--context", type=int, default=128)
     ap.add_argument("--replays", type=int, default=20)
     ap.add_argument("--out", default=None)
+    ap.add_argument("--timeline", action="store_true", help="marginal (end-to-end) time per kernel")
     args = ap.parse_args()
     eng = llmserve_engine(args.preset, max_num_seqs=max(8, args.batch), max_model_len=2048, num_blocks=4096)
     prompts = [list(range(100 + i, 100 + i + args.context)) for i in range(args.batch)]
@@ -50,9 +56,58 @@ def main() -> None:
     print(f"preset {args.preset} batch {args.batch} context {args.context}: kernel time per step {total / 1e3:.3f} ms")
     for us, n, name in table[:30]:
         print(f"{us:9.1f} us  x{n:4d}  {us / max(n, 1):7.2f} us/each  {name[:110]}")
+    result = {"total_us": total, "kernels": [{"us": a, "count": b, "name": c} for a, b, c in table]}
+    if args.timeline:
+        result["timeline"] = timeline(prof, args.replays)
     if args.out:
         with open(args.out, "w") as f:
-            json.dump({"total_us": total, "kernels": [{"us": a, "count": b, "name": c} for a, b, c in table]}, f, indent=1)
+            json.dump(result, f, indent=1)
+
+
+def timeline(prof, replays: int) -> dict:
+    """Marginal time per kernel name: ``end[i] - end[i - 1]`` over the kernels of the middle
+    replays in start order (µs), plus each kernel's own duration and its start relative to
+    the previous kernel's end (negative: it started early, overlapping its predecessor)."""
+    ev = sorted(((e.time_range.start, e.time_range.end, e.name) for e in prof.events()
+                 if e.device_type.name == "CUDA"), key=lambda t: t[0])
+    per = len(ev) // replays
+    lo, hi = per * (replays // 4), per * (replays // 4 + replays // 2)   # middle half of replays
+    nrep = (hi - lo) / per
+    rows: dict[str, list[float]] = {}
+    for i in range(lo, hi):
+        s0, e0, name = ev[i]
+        prev_end = max(e for _, e, _ in ev[max(0, i - 4):i]) if i else s0
+        r = rows.setdefault(name, [0, 0.0, 0.0, 0.0])
+        r[0] += 1
+        r[1] += e0 - max(prev_end, 0)          # marginal: end-to-end
+        r[2] += e0 - s0                        # own duration
+        r[3] += s0 - prev_end                  # start relative to the predecessor's end
+    step = (ev[hi - 1][1] - ev[lo - 1][1]) / nrep if lo else float("nan")
+    # per position in a layer: the kernels around each attention ("decode") kernel
+    pos: dict[str, list[float]] = {}
+    for i in range(lo, hi):
+        if "decode" not in ev[i][2] or i + 3 >= len(ev):
+            continue
+        for off, label in ((-1, "qkv(+norm,rope,kv write)"), (0, "attention"), (1, "o(+residual)"),
+                           (2, "gate-up(+norm,silu)"), (3, "down(+residual)")):
+            j = i + off
+            prev_end = max(e for _, e, _ in ev[max(0, j - 4):j])
+            r = pos.setdefault(label, [0, 0.0, 0.0])
+            r[0] += 1
+            r[1] += ev[j][1] - prev_end
+            r[2] += ev[j][1] - ev[j][0]
+    layer = {k: dict(marginal_us=v[1] / v[0], own_us=v[2] / v[0], count=v[0]) for k, v in pos.items()}
+    for k, v in layer.items():
+        print(f"  layer position {k:28s} marginal {v['marginal_us']:6.2f} us  own {v['own_us']:6.2f} us")
+    out = []
+    for name, (n, marg, dur, start) in sorted(rows.items(), key=lambda kv: -kv[1][1]):
+        out.append(dict(name=name, count_per_step=n / nrep, marginal_us_per_step=marg / nrep,
+                        marginal_us_each=marg / n, duration_us_each=dur / n, start_vs_prev_end_us=start / n))
+        print(f"{marg / nrep:9.1f} us/step  x{n / nrep:5.1f}  marginal {marg / n:6.2f} us  own {dur / n:6.2f} us  "
+              f"start-vs-prev-end {start / n:+6.2f} us  {name[:80]}")
+    print(f"step (end to end, middle replays): {step:.1f} us")
+    raw = [[n, round(a - ev[lo][0], 3), round(b - ev[lo][0], 3)] for a, b, n in ev[lo:lo + per]]
+    return {"step_us": step, "kernels": out, "layer_positions": layer, "one_step": raw}
 
 
 if __name__ == "__main__":

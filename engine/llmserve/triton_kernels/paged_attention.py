@@ -300,6 +300,49 @@ def _decode_kernel(q_ptr, k_cache_ptr, v_cache_ptr, out_ptr, m_ptr, l_ptr, acc_p
 
 
 @triton.jit
+def decode_attend_one(q_ptr, k_cache_ptr, v_cache_ptr, out_ptr, bt_ptr, ctx_ptr, b, kvh, qk_scale,
+                      stride_qn, stride_on, stride_btb, stride_kb, stride_kt, stride_kh,
+                      G: tl.constexpr, G_PAD: tl.constexpr, HEAD_DIM: tl.constexpr, PAGE: tl.constexpr,
+                      BLOCK_N: tl.constexpr, STAGES: tl.constexpr, FP32_MATH: tl.constexpr):
+    """Decode attention of sequence ``b`` (query row ``b``), KV head ``kvh``, over its whole
+    context in one program (no splits, no partials): the ``G`` query heads of the group, online
+    softmax over ``BLOCK_N``-position tiles (``STAGES`` tiles in flight), output written to
+    ``out[b, heads]``. For callers that run it after other programs of the same kernel wrote q
+    and the newest K/V row (the fused QKV + attention path of ``gemv.py``): q and K/V are read
+    from L2 (``.cg``), never from a possibly stale L1 line. Heads are ``[Hq, D]`` rows with unit
+    stride along D (``stride_qn``/``stride_on``: elements per token row)."""
+    b = tl.cast(b, tl.int64)  # a plain int in the interpreter's loops
+    ctx = tl.load(ctx_ptr + b)
+    offs_g = tl.arange(0, G_PAD)
+    offs_d = tl.arange(0, HEAD_DIM)
+    offs_n = tl.arange(0, BLOCK_N)
+    heads = kvh * G + offs_g                                                  # [G_PAD]
+    gmask = offs_g < G
+    q = tl.load(q_ptr + b * stride_qn + heads[:, None] * HEAD_DIM + offs_d[None, :],
+                mask=gmask[:, None], other=0.0, cache_modifier=".cg")           # [G_PAD, D]
+    if FP32_MATH:
+        q = q.to(tl.float32)
+    else:
+        q = q.to(k_cache_ptr.dtype.element_ty)
+    bt_row_ptr = bt_ptr + b * stride_btb
+    m_i = tl.full([G_PAD], float("-inf"), tl.float32)
+    l_i = tl.zeros([G_PAD], tl.float32)
+    acc = tl.zeros([G_PAD, HEAD_DIM], tl.float32)
+    for n0 in tl.range(0, ctx, BLOCK_N, num_stages=STAGES):
+        t = n0 + offs_n
+        tmask = t < ctx
+        off = _kv_tile_offsets(bt_row_ptr, t, kvh, stride_kb, stride_kt, stride_kh, PAGE, True, tmask)
+        ptrs = off[:, None] + offs_d[None, :]
+        k = tl.load(k_cache_ptr + ptrs, mask=tmask[:, None], other=0.0, cache_modifier=".cg")
+        v = tl.load(v_cache_ptr + ptrs, mask=tmask[:, None], other=0.0, cache_modifier=".cg")
+        s = tl.where(tmask[None, :], _qk(q, k, FP32_MATH) * qk_scale, float("-inf"))
+        m_i, l_i, acc = _online_softmax_step(s, v, m_i, l_i, acc, FP32_MATH, False)
+    out = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
+    tl.store(out_ptr + b * stride_on + heads[:, None] * HEAD_DIM + offs_d[None, :],
+             out.to(out_ptr.dtype.element_ty), mask=gmask[:, None])
+
+
+@triton.jit
 def _active_splits(ctx, num_splits, BLOCK_N: tl.constexpr, MIN_TILES: tl.constexpr):
     """``(tiles_per_split, active)``: a context of ``ctx`` positions is ``ceil(ctx / BLOCK_N)``
     tiles, spread evenly over at most ``num_splits`` splits of at least ``MIN_TILES`` tiles (a
