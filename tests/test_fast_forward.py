@@ -123,6 +123,7 @@ def test_gemv_path_fused_decode_attention(monkeypatch, seqs):
     copies = [[(k.clone(), v.clone()) for k, v in caches] for _ in range(3)]
     ref = model(ids, pos, caches, meta)
     model.attention_backend = "triton"
+    monkeypatch.setenv("LLMSERVE_FUSED_DECODE_ATTN", "1")
     fused = FastQwen2Forward(model, use_gemv=True, gemv_max_tokens=4)
     assert fused.fused_attention_max_context == 512
     monkeypatch.setenv("LLMSERVE_FUSED_DECODE_ATTN", "0")

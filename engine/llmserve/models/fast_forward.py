@@ -107,7 +107,11 @@ class FastQwen2Forward:
         self.pdl = self.use_gemv and pdl_available(model.lm_head.weight.device)
         # contexts up to this many positions take the QKV + attention kernel (0: never)
         self.fused_attention_max_context = int(os.environ.get("LLMSERVE_FUSED_DECODE_ATTN_MAX", "512")) \
-            if os.environ.get("LLMSERVE_FUSED_DECODE_ATTN", "1") != "0" else 0
+            if os.environ.get("LLMSERVE_FUSED_DECODE_ATTN", "0") != "0" else 0
+        # decode-attention tile for short contexts (<= 512) at small batch: "block_n,warps,stages"
+        env = os.environ.get("LLMSERVE_SHORT_DECODE", "")
+        self.short_decode = dict(zip(("block_n", "num_warps", "num_stages"), map(int, env.split(",")))) \
+            if env else {}
         self._plain_head = type(model.lm_head) is nn.Linear and model.lm_head.bias is None
 
     def __call__(self, input_ids: torch.Tensor, positions: torch.Tensor,
@@ -185,7 +189,8 @@ class FastQwen2Forward:
                                   num_heads=self.num_heads, num_kv_heads=self.num_kv_heads,
                                   pdl=pdl)                                  # [N, Hq, D]
                 if direct_decode:
-                    o = paged_attention_decode(q, k_cache, v_cache, meta, self.scale, pdl=pdl)
+                    short = self.short_decode if meta.max_context_len <= 512 else {}
+                    o = paged_attention_decode(q, k_cache, v_cache, meta, self.scale, pdl=pdl, **short)
                 else:
                     o = backend.forward(q, k_cache, v_cache, meta, self.scale)  # [N, Hq, D]
             o_proj = layer.self_attn.o_proj

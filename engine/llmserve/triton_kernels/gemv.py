@@ -491,7 +491,7 @@ def _launch(x, weight, out, cfg: GemvConfig, n: int, *, scale=None, bias=None, r
         att_out, bt, ctx, qk_scale = attn
         g_pad = max(16, triton.next_power_of_2(hq // hkv))
         page = rope[0].shape[1]
-        att_bn, att_stages = (16, 1) if x.device.type == "cpu" else (64, ATT_STAGES)
+        att_bn, att_stages = (16, 1) if x.device.type == "cpu" else (_attn_tile()[0], ATT_STAGES)
         cnt = zeroed_counters("gemv_qkv_attention", x.device, hkv)
         attn_args = dict(att_ptr=att_out, cnt_ptr=cnt, bt_ptr=bt, ctx_ptr=ctx, qk_scale=qk_scale,
                          stride_btb=bt.stride(0))
@@ -572,11 +572,12 @@ def gemv_qkv_rope(x: torch.Tensor, weight: torch.Tensor, *, bias: torch.Tensor |
         return q
     n_pairs = rows // 2
     cfg = config or choose_gemv_config(m, n_pairs, k, weight.dtype, x.device, "rmsnorm+rope")
-    if _attn is not None and (d // 2) % cfg.block_n:  # the attention tail needs blocks inside one head
+    if _attn is not None:  # the attention tail needs row blocks inside one head, and warps for its tile
         bn = cfg.block_n
         while (d // 2) % bn:
             bn //= 2
-        cfg = GemvConfig(bn, cfg.block_k, cfg.num_warps, cfg.stages, cfg.programs_per_sm)
+        warps = max(cfg.num_warps, _attn_tile()[1]) if x.device.type == "cuda" else cfg.num_warps
+        cfg = GemvConfig(bn, cfg.block_k, warps, cfg.stages, cfg.programs_per_sm)
     _launch(x, weight, q.view(m, num_heads * d), cfg, n_pairs, scale=scale, bias=bias,
             norm_weight=norm_weight, prologue="rmsnorm", eps=eps, pdl=pdl,
             rope=(k_cache, v_cache, cos, sin, positions, slot_mapping, num_heads, num_kv_heads), attn=_attn)
@@ -584,6 +585,13 @@ def gemv_qkv_rope(x: torch.Tensor, weight: torch.Tensor, *, bias: torch.Tensor |
 
 
 ATT_STAGES = 2  # K/V tiles in flight in the attention tail of gemv_qkv_rope_attention
+
+
+def _attn_tile() -> tuple[int, int]:
+    """``(positions a K/V tile, minimum warps)`` of the attention tail on the GPU:
+    ``LLMSERVE_FUSED_DECODE_ATTN_TILE="block_n,warps"`` (default 256,8)."""
+    v = os.environ.get("LLMSERVE_FUSED_DECODE_ATTN_TILE", "256,8").split(",")
+    return int(v[0]), int(v[1])
 _LOG2E = 1.4426950408889634
 
 

@@ -93,6 +93,18 @@ _DECODE_STAGES = int(os.environ.get("LLMSERVE_DECODE_STAGES", "3") or 0)
 # explicit ``num_splits`` argument uses 1.
 _DECODE_MIN_TILES = max(1, int(os.environ.get("LLMSERVE_DECODE_MIN_TILES", "1") or 1))
 _LOG2E = 1.4426950408889634
+#: Few (sequence, KV head) pairs and a short context: one wide tile a program. At batch 1 the
+#: decode kernel's time is a chain of dependent round trips (block table -> K/V -> scores ->
+#: store, plus the split merge); a 256-position tile loads the whole context of most short
+#: sequences at once and needs no merge. H200, batch-1 decode in short-context CUDA graphs
+#: (contexts 33-288), ms/step against the default tile (64 positions, 4 warps, 3 stages):
+#: Qwen2.5-1.5B 1.196 -> 1.150-1.155 with 256 positions / 8 warps (4 warps: 1.189);
+#: Qwen2.5-0.5B (head_dim 64) 0.647 -> 0.598-0.603 with 256 / 4 warps (8 warps: 0.608-0.613)
+#: (results/h200/notes/s5/ab_short_decode.json). Used when
+#: ``batch * num_kv_heads <= WIDE_MAX_PAIRS`` and ``max_context_len <= WIDE_MAX_CONTEXT``;
+#: ``LLMSERVE_DECODE_WIDE=0`` turns it off (read at every launch, for A/B runs).
+WIDE_MAX_PAIRS = 8
+WIDE_MAX_CONTEXT = 512
 
 
 # ----------------------------------------------------------------------------------------------
@@ -625,9 +637,14 @@ def choose_num_splits(batch: int, num_kv_heads: int, max_context_len: int, block
     return min(s for s, e in eff.items() if e >= 0.95 * top)
 
 
-def _decode_config(d: int, on_cpu: bool) -> dict:
+def _decode_config(d: int, on_cpu: bool, pairs: int = 1 << 30, max_ctx: int = 1 << 30) -> dict:
+    """Tile of the decode kernel: ``pairs`` = sequences x KV heads, ``max_ctx`` = the context
+    bound (see :data:`WIDE_MAX_PAIRS`)."""
     if on_cpu:
         return dict(BLOCK_N=16, num_warps=1, num_stages=1)
+    if (pairs <= WIDE_MAX_PAIRS and max_ctx <= WIDE_MAX_CONTEXT and d <= 128
+            and os.environ.get("LLMSERVE_DECODE_WIDE", "1") != "0"):
+        return dict(BLOCK_N=256, num_warps=8 if d >= 128 else 4, num_stages=1, wide=True)
     return dict(BLOCK_N=64 if d <= 128 else 32, num_warps=4, num_stages=2)
 
 
@@ -672,8 +689,9 @@ def paged_attention_decode(query: torch.Tensor, k_cache: torch.Tensor, v_cache: 
         out = torch.zeros_like(query) if (n != b or skip_non_decode) else torch.empty_like(query)
     if b == 0 or n == 0:
         return out
-    cfg = _decode_config(d, on_cpu)
-    if _DECODE_STAGES and not on_cpu:
+    max_ctx = max(int(meta.max_context_len), 1)
+    cfg = _decode_config(d, on_cpu, b * hkv, max_ctx)
+    if _DECODE_STAGES and not on_cpu and not cfg.pop("wide", False):
         cfg["num_stages"] = _DECODE_STAGES
     if block_n is not None:
         cfg["BLOCK_N"] = block_n
@@ -682,7 +700,6 @@ def paged_attention_decode(query: torch.Tensor, k_cache: torch.Tensor, v_cache: 
     if num_stages is not None:
         cfg["num_stages"] = num_stages
     bn = cfg["BLOCK_N"]
-    max_ctx = max(int(meta.max_context_len), 1)
     tiles = triton.cdiv(max_ctx, bn)
     num_splits_override = num_splits is not None
     if num_splits is None and _SPLIT_POLICY == "legacy":
