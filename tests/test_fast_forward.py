@@ -112,35 +112,6 @@ def test_gemv_path_matches_readable_path(seqs):
     torch.testing.assert_close(off, ref, atol=2e-5, rtol=2e-5)
 
 
-@pytest.mark.parametrize("seqs", [[(1, 1)], [(9, 1), (4, 1), (17, 1)], [(8, 1), (5, 1), (1, 1), (12, 1)]])
-def test_gemv_path_fused_decode_attention(monkeypatch, seqs):
-    """With the Triton attention backend, decode-only steps of <= 4 tokens run the attention
-    inside the QKV kernel: same hidden states and cache writes as the readable path and as the
-    separate decode kernel (LLMSERVE_FUSED_DECODE_ATTN=0); a context bound above the limit
-    takes the separate kernel."""
-    model = small_model(6, 2, d=32)                       # the Triton decode kernel needs D >= 32
-    ids, pos, caches, meta = batch(model, seqs)
-    copies = [[(k.clone(), v.clone()) for k, v in caches] for _ in range(3)]
-    ref = model(ids, pos, caches, meta)
-    model.attention_backend = "triton"
-    monkeypatch.setenv("LLMSERVE_FUSED_DECODE_ATTN", "1")
-    fused = FastQwen2Forward(model, use_gemv=True, gemv_max_tokens=4)
-    assert fused.fused_attention_max_context == 512
-    monkeypatch.setenv("LLMSERVE_FUSED_DECODE_ATTN", "0")
-    split = FastQwen2Forward(model, use_gemv=True, gemv_max_tokens=4)
-    assert split.fused_attention_max_context == 0
-    out = fused(ids, pos, copies[0], meta)
-    out_split = split(ids, pos, copies[1], meta)
-    torch.testing.assert_close(out, ref, atol=5e-5, rtol=5e-5)
-    torch.testing.assert_close(out, out_split, atol=2e-5, rtol=2e-5)
-    for (k1, v1), (k2, v2) in zip(caches, copies[0]):
-        torch.testing.assert_close(k2[:-1], k1[:-1], atol=1e-5, rtol=1e-5)
-        torch.testing.assert_close(v2[:-1], v1[:-1], atol=1e-5, rtol=1e-5)
-    fused.fused_attention_max_context = max(c for c, _ in seqs) - 1  # bound exceeded: split kernel
-    out_long = fused(ids, pos, copies[2], meta)
-    torch.testing.assert_close(out_long, out_split, atol=2e-5, rtol=2e-5)
-
-
 def test_add_rmsnorm_and_silu_match_reference():
     torch.manual_seed(1)
     x = torch.randn(7, 33, device=DEVICE)

@@ -35,13 +35,7 @@ from llmserve.triton_kernels import (  # noqa: E402
     write_kv_triton,
 )
 from llmserve.triton_kernels.fused import rope_qkv_write_kv  # noqa: E402
-from llmserve.triton_kernels.gemv import (  # noqa: E402
-    GemvConfig,
-    gemv,
-    gemv_qkv_rope,
-    gemv_qkv_rope_attention,
-    gemv_reference,
-)
+from llmserve.triton_kernels.gemv import GemvConfig, gemv, gemv_qkv_rope, gemv_reference  # noqa: E402
 from llmserve.triton_kernels.int8_linear import Int8LinearConfig  # noqa: E402
 from llmserve.triton_kernels.paged_attention import choose_num_splits  # noqa: E402
 
@@ -122,6 +116,32 @@ def test_decode_split_counts(num_splits, fused):
         paged_attention_decode(q, kc, vc, meta, 0.125, num_splits=num_splits, fused_reduce=True)
     out = paged_attention_decode(q, kc, vc, meta, 0.125, num_splits=num_splits, fused_reduce=fused)
     assert_close(out, ref, torch.float32)
+
+
+@pytest.mark.parametrize("preload", ["1", "0"])
+def test_decode_one_tile_per_split_preload(monkeypatch, preload):
+    """One tile a split (splits = tiles): the K/V rows but the newest are read before the PDL
+    wait and the newest after it (the path the wide short-context tile takes on the GPU);
+    same result as the reference, with the newest row at a block boundary, a 1-token
+    context and an empty trailing split."""
+    monkeypatch.setenv("LLMSERVE_DECODE_PRELOAD", preload)
+    q, kc, vc, meta = make_batch([(1, 1), (16, 1), (17, 1), (33, 1)], 16, 6, 2, 64, torch.float32)
+    ref = paged_attention_torch(q, kc, vc, meta, 0.125)
+    out = paged_attention_decode(q, kc, vc, meta, 0.125, num_splits=3, block_n=16)
+    assert_close(out, ref, torch.float32)
+
+
+def test_decode_wide_tile_config(monkeypatch):
+    """The GPU tile choice: few (sequence, KV head) pairs and short contexts take one wide tile
+    (8 warps at head_dim 128, 4 below); otherwise, or with LLMSERVE_DECODE_WIDE=0, the default."""
+    from llmserve.triton_kernels.paged_attention import _decode_config
+    assert _decode_config(128, False, 2, 300) == dict(BLOCK_N=256, num_warps=8, num_stages=1, wide=True)
+    assert _decode_config(64, False, 8, 512)["num_warps"] == 4
+    assert "wide" not in _decode_config(128, False, 16, 300)
+    assert "wide" not in _decode_config(128, False, 2, 2048)
+    assert _decode_config(128, True, 2, 300)["BLOCK_N"] == 16               # interpreter: small tiles
+    monkeypatch.setenv("LLMSERVE_DECODE_WIDE", "0")
+    assert "wide" not in _decode_config(128, False, 2, 300)
 
 
 @pytest.mark.parametrize("fused", [False, True])
@@ -427,44 +447,6 @@ def test_gemv_qkv_rope_matches_unfused(m, hq, hkv, d, int8, dtype, cfg):
         gemv_qkv_rope(x, w, bias=bias, norm_weight=gw, eps=1e-6, positions=pos, slot_mapping=slots,
                       cos=cos, sin=sin, k_cache=kc, v_cache=vc, num_heads=hq + 1, num_kv_heads=hkv,
                       scale=scale)
-
-
-@pytest.mark.parametrize("contexts, hq, hkv, d, bs, int8, dtype, cfg", [
-    ([1], 2, 2, 64, 16, False, torch.float32, None),                                  # 1-token context
-    ([16, 17, 33], 12, 2, 32, 16, False, torch.float32, None),                        # block boundaries, GQA 6
-    ([5, 40], 7, 1, 64, 8, True, torch.float32, GemvConfig(2, 16, 1, 1)),              # GQA 7, int8 weights
-    ([31, 1, 64, 9], 4, 2, 128, 16, False, torch.float16, GemvConfig(4, 32, 1, 1, 1)),  # persistent, M = 4
-])
-def test_gemv_qkv_rope_attention_matches_unfused(contexts, hq, hkv, d, bs, int8, dtype, cfg):
-    """QKV projection + RoPE + K/V write + decode attention in one kernel (the program that
-    completes a KV-head group runs its attention) against gemv_qkv_rope followed by the
-    PyTorch paged attention reference, on a decode-only batch; the cache must match too."""
-    m, h = len(contexts), 40
-    x, w, scale, gw = _gemv_case(m, (hq + 2 * hkv) * d, h, "rmsnorm", int8, dtype, seed=len(contexts))
-    bias = torch.randn((hq + 2 * hkv) * d, device=DEVICE).to(dtype)
-    half = d // 2
-    ang = torch.arange(128.0)[:, None] / (10000.0 ** (torch.arange(half) / half))[None, :]
-    cos, sin = ang.cos().contiguous().to(DEVICE), ang.sin().contiguous().to(DEVICE)
-    _, kc, vc, meta = make_batch([(c, 1) for c in contexts], bs, hq, hkv, d, dtype, seed=3)
-    kc_ref, vc_ref = kc.clone(), vc.clone()
-    pos = (meta.context_lens.long() - 1)
-    kw = dict(bias=bias, norm_weight=gw, eps=1e-6, positions=pos, slot_mapping=meta.slot_mapping, cos=cos,
-              sin=sin, num_heads=hq, num_kv_heads=hkv, scale=scale, config=cfg)
-    q_ref = gemv_qkv_rope(x, w, k_cache=kc_ref, v_cache=vc_ref, **kw)
-    o_ref = paged_attention_torch(q_ref, kc_ref, vc_ref, meta, d ** -0.5)
-    o = gemv_qkv_rope_attention(x, w, k_cache=kc, v_cache=vc, block_tables=meta.block_tables,
-                                context_lens=meta.context_lens, softmax_scale=d ** -0.5, **kw)
-    assert o.shape == (m, hq, d)
-    assert_close(kc, kc_ref, dtype)
-    assert_close(vc, vc_ref, dtype)
-    assert_close(o, o_ref, dtype)
-    # run twice: the group counters must have been re-armed
-    o2 = gemv_qkv_rope_attention(x, w, k_cache=kc, v_cache=vc, block_tables=meta.block_tables,
-                                 context_lens=meta.context_lens, softmax_scale=d ** -0.5, **kw)
-    assert_close(o2, o_ref, dtype)
-    with pytest.raises(ValueError, match="block_tables"):
-        gemv_qkv_rope_attention(x, w, k_cache=kc, v_cache=vc, block_tables=meta.block_tables.long(),
-                                context_lens=meta.context_lens, softmax_scale=d ** -0.5, **kw)
 
 
 def test_gemv_float32_output():

@@ -16,10 +16,6 @@ What changes against the readable path (``models/qwen2.py``):
   layer. The residual stream is updated in place; the LM head is a matrix-vector kernel that
   writes fp32 logits (:meth:`FastQwen2Forward.compute_logits`). ``LLMSERVE_DECODE_GEMV=0``
   turns this path off (A/B runs).
-* In decode-only steps whose contexts are at most ``fused_attention_max_context`` positions
-  (512: the engine's short-context CUDA graphs), the decode attention runs inside the QKV
-  kernel (:func:`~llmserve.triton_kernels.gemv.gemv_qkv_rope_attention`): four kernels a
-  layer. ``LLMSERVE_FUSED_DECODE_ATTN=0`` turns it off (A/B runs).
 * On Hopper these kernels are launched with programmatic dependent launch (PDL,
   ``triton_kernels/_launch.py``): each starts while the previous one drains and reads its
   first weight tile before waiting for it. ``LLMSERVE_PDL=0`` turns it off.
@@ -41,7 +37,7 @@ from ..attention import AttentionMetadata
 from ..attention.triton_backend import TritonPagedAttention
 from ..triton_kernels._launch import pdl_available
 from ..triton_kernels.fused import add_rmsnorm, rope_qkv_write_kv, silu_and_mul
-from ..triton_kernels.gemv import GEMV_MAX_M, gemv, gemv_qkv_rope, gemv_qkv_rope_attention
+from ..triton_kernels.gemv import GEMV_MAX_M, gemv, gemv_qkv_rope
 from ..triton_kernels.paged_attention import paged_attention_decode
 
 
@@ -105,13 +101,6 @@ class FastQwen2Forward:
             raise ValueError(f"gemv_max_tokens must be in [1, {GEMV_MAX_M}], got {gemv_max_tokens}")
         self.gemv_max_tokens = gemv_max_tokens
         self.pdl = self.use_gemv and pdl_available(model.lm_head.weight.device)
-        # contexts up to this many positions take the QKV + attention kernel (0: never)
-        self.fused_attention_max_context = int(os.environ.get("LLMSERVE_FUSED_DECODE_ATTN_MAX", "512")) \
-            if os.environ.get("LLMSERVE_FUSED_DECODE_ATTN", "0") != "0" else 0
-        # decode-attention tile for short contexts (<= 512) at small batch: "block_n,warps,stages"
-        env = os.environ.get("LLMSERVE_SHORT_DECODE", "")
-        self.short_decode = dict(zip(("block_n", "num_warps", "num_stages"), map(int, env.split(",")))) \
-            if env else {}
         self._plain_head = type(model.lm_head) is nn.Linear and model.lm_head.bias is None
 
     def __call__(self, input_ids: torch.Tensor, positions: torch.Tensor,
@@ -167,7 +156,6 @@ class FastQwen2Forward:
         model = self.model
         backend = model.attention_backend
         direct_decode = isinstance(backend, TritonPagedAttention) and meta.is_decode_only
-        fused_attention = direct_decode and 0 < meta.max_context_len <= self.fused_attention_max_context
         pdl = self.pdl
         cos, sin = model.rope_cos_sin(input_ids.device)                     # [L, D/2] fp32
         r = model.model.embed_tokens(input_ids)                             # [N, H]
@@ -175,24 +163,15 @@ class FastQwen2Forward:
         for entry, (k_cache, v_cache) in zip(self.layers, kv_caches):
             layer = entry["layer"]
             w_qkv, b_qkv = entry["qkv"]
-            if fused_attention:
-                o = gemv_qkv_rope_attention(
-                    r, w_qkv, bias=b_qkv, norm_weight=layer.input_layernorm.weight, eps=self.eps,
-                    positions=positions, slot_mapping=meta.slot_mapping, cos=cos, sin=sin, k_cache=k_cache,
-                    v_cache=v_cache, num_heads=self.num_heads, num_kv_heads=self.num_kv_heads,
-                    block_tables=meta.block_tables, context_lens=meta.context_lens, softmax_scale=self.scale,
-                    pdl=pdl)                                                # [N, Hq, D]
+            q = gemv_qkv_rope(r, w_qkv, bias=b_qkv, norm_weight=layer.input_layernorm.weight,
+                              eps=self.eps, positions=positions, slot_mapping=meta.slot_mapping,
+                              cos=cos, sin=sin, k_cache=k_cache, v_cache=v_cache,
+                              num_heads=self.num_heads, num_kv_heads=self.num_kv_heads,
+                              pdl=pdl)                                      # [N, Hq, D]
+            if direct_decode:
+                o = paged_attention_decode(q, k_cache, v_cache, meta, self.scale, pdl=pdl)
             else:
-                q = gemv_qkv_rope(r, w_qkv, bias=b_qkv, norm_weight=layer.input_layernorm.weight,
-                                  eps=self.eps, positions=positions, slot_mapping=meta.slot_mapping,
-                                  cos=cos, sin=sin, k_cache=k_cache, v_cache=v_cache,
-                                  num_heads=self.num_heads, num_kv_heads=self.num_kv_heads,
-                                  pdl=pdl)                                  # [N, Hq, D]
-                if direct_decode:
-                    short = self.short_decode if meta.max_context_len <= 512 else {}
-                    o = paged_attention_decode(q, k_cache, v_cache, meta, self.scale, pdl=pdl, **short)
-                else:
-                    o = backend.forward(q, k_cache, v_cache, meta, self.scale)  # [N, Hq, D]
+                o = backend.forward(q, k_cache, v_cache, meta, self.scale)  # [N, Hq, D]
             o_proj = layer.self_attn.o_proj
             gemv(o.reshape(n, self.num_heads * self.head_dim), o_proj.weight, bias=o_proj.bias,
                  residual=r, out=r, pdl=pdl)                                # r += o @ Wo.T

@@ -48,11 +48,9 @@ import torch
 import triton
 import triton.language as tl
 
-from ._launch import gdc_launch_dependents, gdc_wait, num_sms, pdl_launch_kwargs, zeroed_counters
-from .paged_attention import decode_attend_one
+from ._launch import gdc_launch_dependents, gdc_wait, num_sms, pdl_launch_kwargs
 
-__all__ = ["GemvConfig", "choose_gemv_config", "gemv", "gemv_qkv_rope", "gemv_qkv_rope_attention",
-           "gemv_reference", "GEMV_MAX_M"]
+__all__ = ["GemvConfig", "choose_gemv_config", "gemv", "gemv_qkv_rope", "gemv_reference", "GEMV_MAX_M"]
 
 GEMV_MAX_M = 4  # most rows of x (every program serves all of them); larger M use a GEMM
 
@@ -120,31 +118,6 @@ def _gemv_step(acc, acc_b, sq, w, wb, x_base, g_ptr, k0, K, rk, PROLOGUE: tl.con
 
 
 @triton.jit
-def _qkv_attention_tail(blk, M, y_ptr, kc_ptr, vc_ptr, att_ptr, cnt_ptr, bt_ptr, ctx_ptr, qk_scale,
-                        stride_ym, stride_btb, HQ: tl.constexpr, HKV: tl.constexpr, HALF: tl.constexpr,
-                        BLOCK_N: tl.constexpr, G_PAD: tl.constexpr, PAGE: tl.constexpr,
-                        ATT_BLOCK_N: tl.constexpr, ATT_STAGES: tl.constexpr, FP32_MATH: tl.constexpr):
-    """After row block ``blk`` of the QKV projection stored its q / k / v rows: count the block
-    for its KV-head group (the ``G`` query heads, the K head and the V head that one decode
-    attention reads); the block that completes a group runs that group's decode attention for
-    every sequence (:func:`~llmserve.triton_kernels.paged_attention.decode_attend_one`) and
-    re-arms the counter. The "last arriver does the dependent work" pattern of the split-K
-    merges here: the stores are released by the barrier + acq_rel atomic, and the attention
-    reads q and K/V from L2."""
-    G: tl.constexpr = HQ // HKV
-    head = (blk * BLOCK_N) // HALF                  # a row block lies in one head (HALF % BLOCK_N == 0)
-    grp = tl.where(head < HQ, head // G, tl.where(head < HQ + HKV, head - HQ, head - HQ - HKV))
-    tl.debug_barrier()
-    count = tl.atomic_add(cnt_ptr + grp, 1)
-    if count == (G + 2) * (HALF // BLOCK_N) - 1:
-        for b in range(0, M):
-            decode_attend_one(y_ptr, kc_ptr, vc_ptr, att_ptr, bt_ptr, ctx_ptr, b, grp, qk_scale,
-                              stride_ym, HQ * 2 * HALF, stride_btb, PAGE * HKV * 2 * HALF, HKV * 2 * HALF,
-                              2 * HALF, G, G_PAD, 2 * HALF, PAGE, ATT_BLOCK_N, ATT_STAGES, FP32_MATH)
-        tl.atomic_xchg(cnt_ptr + grp, 0)
-
-
-@triton.jit
 def _gemv_block(blk, w, wb, rm, rm_ld, rk, x_ptr, w_ptr, y_ptr, scale_ptr, bias_ptr, res_ptr, g_ptr,
                 kc_ptr, vc_ptr, cos_ptr, sin_ptr, pos_ptr, slot_ptr, num_slots,
                 M, N, K, stride_xm, stride_wn, stride_ym, stride_rm, eps,
@@ -152,10 +125,7 @@ def _gemv_block(blk, w, wb, rm, rm_ld, rk, x_ptr, w_ptr, y_ptr, scale_ptr, bias_
                 PROLOGUE: tl.constexpr, GLU: tl.constexpr, ROPE: tl.constexpr,
                 HQ: tl.constexpr, HKV: tl.constexpr, HALF: tl.constexpr,
                 BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                EVEN_K: tl.constexpr, STAGES: tl.constexpr,
-                att_ptr, cnt_ptr, bt_ptr, ctx_ptr, qk_scale, stride_btb, ATTN: tl.constexpr,
-                G_PAD: tl.constexpr, PAGE: tl.constexpr, ATT_BLOCK_N: tl.constexpr,
-                ATT_STAGES: tl.constexpr, FP32_MATH: tl.constexpr):
+                EVEN_K: tl.constexpr, STAGES: tl.constexpr):
     """Row block ``blk``: accumulate over K (``w``/``wb``: its first weight tiles, already
     loaded), then the epilogue and the stores."""
     TWO_ROWS: tl.constexpr = GLU or ROPE
@@ -222,10 +192,6 @@ def _gemv_block(blk, w, wb, rm, rm_ld, rk, x_ptr, w_ptr, y_ptr, scale_ptr, bias_
         tl.store(kc_ptr + c_off + HALF, rb.to(kc_ptr.dtype.element_ty), mask=mask & is_k)
         tl.store(vc_ptr + c_off, ra.to(vc_ptr.dtype.element_ty), mask=mask & is_v)
         tl.store(vc_ptr + c_off + HALF, rb.to(vc_ptr.dtype.element_ty), mask=mask & is_v)
-        if ATTN:
-            _qkv_attention_tail(blk, M, y_ptr, kc_ptr, vc_ptr, att_ptr, cnt_ptr, bt_ptr, ctx_ptr, qk_scale,
-                                stride_ym, stride_btb, HQ, HKV, HALF, BLOCK_N, G_PAD, PAGE, ATT_BLOCK_N,
-                                ATT_STAGES, FP32_MATH)
     else:
         if GLU:
             # SwiGLU as the unfused path rounds it: gate and up projections, then silu(gate),
@@ -252,10 +218,7 @@ def _gemv_kernel(x_ptr, w_ptr, y_ptr, scale_ptr, bias_ptr, res_ptr, g_ptr,
                  HQ: tl.constexpr, HKV: tl.constexpr, HALF: tl.constexpr,
                  BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                  EVEN_K: tl.constexpr, STAGES: tl.constexpr, PERSISTENT: tl.constexpr,
-                 USE_PDL: tl.constexpr,
-                 att_ptr, cnt_ptr, bt_ptr, ctx_ptr, qk_scale, stride_btb, ATTN: tl.constexpr,
-                 G_PAD: tl.constexpr, PAGE: tl.constexpr, ATT_BLOCK_N: tl.constexpr,
-                 ATT_STAGES: tl.constexpr, FP32_MATH: tl.constexpr):
+                 USE_PDL: tl.constexpr):
     """A program computes ``BLOCK_N`` outputs (a row block) for all ``M <= BLOCK_M`` rows of x:
     row block ``pid``, or with ``PERSISTENT`` (a grid smaller than the block count) blocks
     ``pid, pid + grid, ...``, which avoids a last partial wave; the first tile of its next
@@ -302,13 +265,11 @@ def _gemv_kernel(x_ptr, w_ptr, y_ptr, scale_ptr, bias_ptr, res_ptr, g_ptr,
                 wb = w
             _gemv_block(blk, w_cur, wb_cur, rm, rm_ld, rk, x_ptr, w_ptr, y_ptr, scale_ptr, bias_ptr, res_ptr, g_ptr, kc_ptr, vc_ptr, cos_ptr, sin_ptr, pos_ptr, slot_ptr, num_slots, M, N, K, stride_xm, stride_wn, stride_ym, stride_rm, eps,
                         W_INT8, HAS_BIAS, HAS_RES, PROLOGUE, GLU, ROPE, HQ, HKV, HALF, BLOCK_M, BLOCK_N,
-                        BLOCK_K, EVEN_K, STAGES, att_ptr, cnt_ptr, bt_ptr, ctx_ptr, qk_scale,
-                        stride_btb, ATTN, G_PAD, PAGE, ATT_BLOCK_N, ATT_STAGES, FP32_MATH)
+                        BLOCK_K, EVEN_K, STAGES)
     else:
         _gemv_block(pid, w, wb, rm, rm_ld, rk, x_ptr, w_ptr, y_ptr, scale_ptr, bias_ptr, res_ptr, g_ptr, kc_ptr, vc_ptr, cos_ptr, sin_ptr, pos_ptr, slot_ptr, num_slots, M, N, K, stride_xm, stride_wn, stride_ym, stride_rm, eps,
                     W_INT8, HAS_BIAS, HAS_RES, PROLOGUE, GLU, ROPE, HQ, HKV, HALF, BLOCK_M, BLOCK_N,
-                    BLOCK_K, EVEN_K, STAGES, att_ptr, cnt_ptr, bt_ptr, ctx_ptr, qk_scale,
-                    stride_btb, ATTN, G_PAD, PAGE, ATT_BLOCK_N, ATT_STAGES, FP32_MATH)
+                    BLOCK_K, EVEN_K, STAGES)
 
 
 @dataclass(frozen=True, slots=True)
@@ -473,11 +434,10 @@ def _check_gemv_inputs(x, weight, scale, bias, residual, prologue, norm_weight, 
 
 
 def _launch(x, weight, out, cfg: GemvConfig, n: int, *, scale=None, bias=None, residual=None,
-            norm_weight=None, prologue="none", eps=1e-6, glu=False, pdl=False, rope=None, attn=None) -> None:
+            norm_weight=None, prologue="none", eps=1e-6, glu=False, pdl=False, rope=None) -> None:
     """Launch :func:`_gemv_kernel` over ``n`` outputs (validated arguments). ``rope``: ``(k_cache,
     v_cache, cos, sin, positions, slot_mapping, num_heads, num_kv_heads)`` for the QKV+RoPE
-    epilogue (then ``n`` counts rotation pairs). ``attn``: ``(out, block_tables, context_lens,
-    qk_scale)`` for the decode-attention tail (with ``rope``)."""
+    epilogue (then ``n`` counts rotation pairs)."""
     m, k = x.shape
     dummy = weight
     if rope is not None:
@@ -487,17 +447,6 @@ def _launch(x, weight, out, cfg: GemvConfig, n: int, *, scale=None, bias=None, r
     else:
         hq = hkv = half = 1
         rope_args = (dummy, dummy, dummy, dummy, dummy, dummy, 0)
-    if attn is not None:
-        att_out, bt, ctx, qk_scale = attn
-        g_pad = max(16, triton.next_power_of_2(hq // hkv))
-        page = rope[0].shape[1]
-        att_bn, att_stages = (16, 1) if x.device.type == "cpu" else (_attn_tile()[0], ATT_STAGES)
-        cnt = zeroed_counters("gemv_qkv_attention", x.device, hkv)
-        attn_args = dict(att_ptr=att_out, cnt_ptr=cnt, bt_ptr=bt, ctx_ptr=ctx, qk_scale=qk_scale,
-                         stride_btb=bt.stride(0))
-    else:
-        g_pad, page, att_bn, att_stages = 16, 1, 16, 1
-        attn_args = dict(att_ptr=dummy, cnt_ptr=dummy, bt_ptr=dummy, ctx_ptr=dummy, qk_scale=1.0, stride_btb=0)
     blocks = triton.cdiv(n, cfg.block_n)
     if cfg.programs_per_sm:
         blocks = min(blocks, cfg.programs_per_sm * num_sms(x.device, cpu_default=2))
@@ -506,14 +455,11 @@ def _launch(x, weight, out, cfg: GemvConfig, n: int, *, scale=None, bias=None, r
         residual if residual is not None else out, norm_weight if norm_weight is not None else dummy,
         *rope_args, m, n, k, x.stride(0), weight.stride(0), out.stride(0),
         residual.stride(0) if residual is not None else out.stride(0), eps,
-        **attn_args,
         W_INT8=weight.dtype == torch.int8, HAS_BIAS=bias is not None, HAS_RES=residual is not None,
         PROLOGUE=PROLOGUES[prologue], GLU=glu, ROPE=rope is not None, HQ=hq, HKV=hkv, HALF=half,
         BLOCK_M=triton.next_power_of_2(m), BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
         EVEN_K=k % cfg.block_k == 0, STAGES=cfg.stages, PERSISTENT=blocks < triton.cdiv(n, cfg.block_n),
-        USE_PDL=pdl, ATTN=attn is not None,
-        G_PAD=g_pad, PAGE=page, ATT_BLOCK_N=att_bn, ATT_STAGES=att_stages,
-        FP32_MATH=x.device.type == "cpu" or x.dtype == torch.float32, num_warps=cfg.num_warps,
+        USE_PDL=pdl, num_warps=cfg.num_warps,
         **pdl_launch_kwargs(pdl))
 
 
@@ -522,7 +468,7 @@ def gemv_qkv_rope(x: torch.Tensor, weight: torch.Tensor, *, bias: torch.Tensor |
                   slot_mapping: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
                   k_cache: torch.Tensor, v_cache: torch.Tensor, num_heads: int, num_kv_heads: int,
                   scale: torch.Tensor | None = None, config: GemvConfig | None = None,
-                  pdl: bool = False, _attn=None) -> torch.Tensor:
+                  pdl: bool = False) -> torch.Tensor:
     """RMSNorm -> packed QKV projection -> RoPE on Q and K -> K/V written to the paged cache, in
     one kernel; returns Q. The same function as ``gemv(x, weight, bias=bias,
     prologue="rmsnorm", ...)`` followed by :func:`~llmserve.triton_kernels.fused.rope_qkv_write_kv`
@@ -572,75 +518,10 @@ def gemv_qkv_rope(x: torch.Tensor, weight: torch.Tensor, *, bias: torch.Tensor |
         return q
     n_pairs = rows // 2
     cfg = config or choose_gemv_config(m, n_pairs, k, weight.dtype, x.device, "rmsnorm+rope")
-    if _attn is not None:  # the attention tail needs row blocks inside one head, and warps for its tile
-        bn = cfg.block_n
-        while (d // 2) % bn:
-            bn //= 2
-        warps = max(cfg.num_warps, _attn_tile()[1]) if x.device.type == "cuda" else cfg.num_warps
-        cfg = GemvConfig(bn, cfg.block_k, warps, cfg.stages, cfg.programs_per_sm)
     _launch(x, weight, q.view(m, num_heads * d), cfg, n_pairs, scale=scale, bias=bias,
             norm_weight=norm_weight, prologue="rmsnorm", eps=eps, pdl=pdl,
-            rope=(k_cache, v_cache, cos, sin, positions, slot_mapping, num_heads, num_kv_heads), attn=_attn)
+            rope=(k_cache, v_cache, cos, sin, positions, slot_mapping, num_heads, num_kv_heads))
     return q
-
-
-ATT_STAGES = 2  # K/V tiles in flight in the attention tail of gemv_qkv_rope_attention
-
-
-def _attn_tile() -> tuple[int, int]:
-    """``(positions a K/V tile, minimum warps)`` of the attention tail on the GPU:
-    ``LLMSERVE_FUSED_DECODE_ATTN_TILE="block_n,warps"`` (default 256,8)."""
-    v = os.environ.get("LLMSERVE_FUSED_DECODE_ATTN_TILE", "256,8").split(",")
-    return int(v[0]), int(v[1])
-_LOG2E = 1.4426950408889634
-
-
-def gemv_qkv_rope_attention(x: torch.Tensor, weight: torch.Tensor, *, bias: torch.Tensor | None,
-                            norm_weight: torch.Tensor, eps: float, positions: torch.Tensor,
-                            slot_mapping: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
-                            k_cache: torch.Tensor, v_cache: torch.Tensor, num_heads: int,
-                            num_kv_heads: int, block_tables: torch.Tensor, context_lens: torch.Tensor,
-                            softmax_scale: float, scale: torch.Tensor | None = None,
-                            config: GemvConfig | None = None, pdl: bool = False) -> torch.Tensor:
-    """:func:`gemv_qkv_rope` followed by decode attention, in one kernel, for a decode-only
-    batch (row ``b`` of ``x`` is the one new token of sequence ``b``): returns the attention
-    output ``[M, Hq, D]`` instead of q.
-
-    Why: at batch 1 the decode attention kernel is a chain of dependent memory round trips
-    (wait for the QKV kernel, load q and the block table, load K/V, merge splits, store) that
-    adds ~6.8 us a layer to the step on the H200 for a few hundred KB of K/V. Here the program
-    that completes a KV-head group's q / k / v rows (an arrival counter per group) runs that
-    group's attention over the whole context right away (one program, no splits): no launch
-    boundary, no partials. Meant for short contexts (the engine uses it in CUDA graphs captured
-    for at most 512 positions); a long context is one program's sequential loop.
-
-    Args:
-        x, weight, bias, norm_weight, eps, positions, slot_mapping, cos, sin, k_cache, v_cache,
-            num_heads, num_kv_heads, scale, config, pdl: as :func:`gemv_qkv_rope`.
-        block_tables: ``[M, W]`` int32 block table (row ``b``: sequence ``b``'s cache blocks).
-        context_lens: ``[M]`` int32 context lengths including this step's token.
-        softmax_scale: attention scale (``1 / sqrt(D)`` for Qwen2).
-
-    Returns:
-        ``[M, Hq, D]`` attention output in ``x.dtype`` (q itself is an internal buffer).
-
-    Raises:
-        ValueError: as :func:`gemv_qkv_rope`, plus block-table / context-length shapes.
-    """
-    m = x.shape[0] if x.dim() == 2 else -1
-    for name, t, nd in (("block_tables", block_tables, 2), ("context_lens", context_lens, 1)):
-        if not isinstance(t, torch.Tensor) or t.dim() != nd or t.shape[0] != m or t.dtype != torch.int32 \
-                or t.device != x.device or t.stride(-1) != 1:
-            raise ValueError(f"{name} must be an int32 {nd}-D tensor with {m} rows on {x.device} (a "
-                             f"contiguous last dim), got {getattr(t, 'dtype', type(t))} "
-                             f"{tuple(getattr(t, 'shape', ()))}")
-    out = torch.empty((max(m, 0), num_heads, k_cache.shape[-1] if k_cache.dim() == 4 else 1),
-                      dtype=x.dtype, device=x.device)
-    gemv_qkv_rope(x, weight, bias=bias, norm_weight=norm_weight, eps=eps, positions=positions,
-                  slot_mapping=slot_mapping, cos=cos, sin=sin, k_cache=k_cache, v_cache=v_cache,
-                  num_heads=num_heads, num_kv_heads=num_kv_heads, scale=scale, config=config, pdl=pdl,
-                  _attn=(out, block_tables, context_lens, float(softmax_scale) * _LOG2E))
-    return out
 
 
 def gemv(x: torch.Tensor, weight: torch.Tensor, *, scale: torch.Tensor | None = None,
