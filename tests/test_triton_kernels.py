@@ -118,19 +118,6 @@ def test_decode_split_counts(num_splits, fused):
     assert_close(out, ref, torch.float32)
 
 
-@pytest.mark.parametrize("preload", ["1", "0"])
-def test_decode_one_tile_per_split_preload(monkeypatch, preload):
-    """One tile a split (splits = tiles): the K/V rows but the newest are read before the PDL
-    wait and the newest after it (the path the wide short-context tile takes on the GPU);
-    same result as the reference, with the newest row at a block boundary, a 1-token
-    context and an empty trailing split."""
-    monkeypatch.setenv("LLMSERVE_DECODE_PRELOAD", preload)
-    q, kc, vc, meta = make_batch([(1, 1), (16, 1), (17, 1), (33, 1)], 16, 6, 2, 64, torch.float32)
-    ref = paged_attention_torch(q, kc, vc, meta, 0.125)
-    out = paged_attention_decode(q, kc, vc, meta, 0.125, num_splits=3, block_n=16)
-    assert_close(out, ref, torch.float32)
-
-
 def test_decode_wide_tile_config(monkeypatch):
     """The GPU tile choice: few (sequence, KV head) pairs and short contexts take one wide tile
     (8 warps at head_dim 128, 4 below); otherwise, or with LLMSERVE_DECODE_WIDE=0, the default."""

@@ -99,8 +99,10 @@ _LOG2E = 1.4426950408889634
 #: sequences at once and needs no merge. H200, batch-1 decode in short-context CUDA graphs
 #: (contexts 33-288), ms/step against the default tile (64 positions, 4 warps, 3 stages):
 #: Qwen2.5-1.5B 1.196 -> 1.150-1.155 with 256 positions / 8 warps (4 warps: 1.189);
-#: Qwen2.5-0.5B (head_dim 64) 0.647 -> 0.598-0.603 with 256 / 4 warps (8 warps: 0.608-0.613)
-#: (results/h200/notes/s5/ab_short_decode.json). Used when
+#: Qwen2.5-0.5B (head_dim 64) 0.647 -> 0.598-0.603 with 256 / 4 warps (8 warps: 0.608-0.613);
+#: Qwen2.5-7B 3.911 -> 3.871 (results/h200/notes/s5/ab_short_decode.json, ab_wide_fused.json).
+#: Reading the old K/V rows of the tile before the PDL wait (only the newest after it) measured
+#: slower: 1.5B 1.15 -> 1.30 ms/step (ab_preload.json; the code is in git history). Used when
 #: ``batch * num_kv_heads <= WIDE_MAX_PAIRS`` and ``max_context_len <= WIDE_MAX_CONTEXT``;
 #: ``LLMSERVE_DECODE_WIDE=0`` turns it off (read at every launch, for A/B runs).
 WIDE_MAX_PAIRS = 8
@@ -209,7 +211,7 @@ def _decode_kernel(q_ptr, k_cache_ptr, v_cache_ptr, out_ptr, m_ptr, l_ptr, acc_p
                    PAGE: tl.constexpr, BLOCK_N: tl.constexpr, FP32_MATH: tl.constexpr,
                    SKIP_NON_DECODE: tl.constexpr, DIRECT_OUT: tl.constexpr,
                    MIN_TILES: tl.constexpr,
-                   USE_PDL: tl.constexpr, PRELOAD: tl.constexpr):
+                   USE_PDL: tl.constexpr):
     """Grid ``(B, Hkv, num_splits)``. The split of the context is decided here, per sequence:
     its ``ceil(ctx / BLOCK_N)`` tiles are spread over the ``num_splits`` programs
     (:func:`_active_splits`), so a short sequence in a grid sized for ``max_model_len`` (CUDA
@@ -222,30 +224,20 @@ def _decode_kernel(q_ptr, k_cache_ptr, v_cache_ptr, out_ptr, m_ptr, l_ptr, acc_p
     # just before this one), so it is read before the wait; q and this step's K/V are not.
     q_row = tl.load(qsl_ptr + b)
     ctx = tl.load(ctx_ptr + b)
-    tiles_per_split, active = _active_splits(ctx, num_splits, BLOCK_N, MIN_TILES)
-    live = split < active  # splits past the sequence's context run no tiles and store nothing
-    start = split * tiles_per_split * BLOCK_N
-    end = tl.where(live, tl.minimum(start + tiles_per_split * BLOCK_N, ctx), start)
-    offs_g = tl.arange(0, G_PAD)
-    offs_d = tl.arange(0, HEAD_DIM)
-    offs_n = tl.arange(0, BLOCK_N)
-    bt_row_ptr = bt_ptr + b.to(tl.int64) * stride_btb
-    if PRELOAD:
-        # One tile a program (the caller guarantees it): its block-table entries and every K/V
-        # row but the newest (position ctx - 1, written by the QKV kernel this kernel waits for)
-        # are read before the wait, while that kernel still runs.
-        t_pre = start + offs_n
-        in_tile = t_pre < end
-        kv_off = _kv_tile_offsets(bt_row_ptr, t_pre, kvh, stride_kb, stride_kt, stride_kh, PAGE, True, in_tile)
-        old = in_tile & (t_pre < ctx - 1)
-        k_pre = tl.load(k_cache_ptr + kv_off[:, None] + offs_d[None, :], mask=old[:, None], other=0.0)
-        v_pre = tl.load(v_cache_ptr + kv_off[:, None] + offs_d[None, :], mask=old[:, None], other=0.0)
     if USE_PDL:
         gdc_wait()
         gdc_launch_dependents()
     if SKIP_NON_DECODE:
         if tl.load(qsl_ptr + b + 1) - q_row != 1:  # served by the prefill kernel
             return
+    tiles_per_split, active = _active_splits(ctx, num_splits, BLOCK_N, MIN_TILES)
+    live = split < active  # splits past the sequence's context run no tiles and store nothing
+    start = split * tiles_per_split * BLOCK_N
+    end = tl.where(live, tl.minimum(start + tiles_per_split * BLOCK_N, ctx), start)
+
+    offs_g = tl.arange(0, G_PAD)
+    offs_d = tl.arange(0, HEAD_DIM)
+    offs_n = tl.arange(0, BLOCK_N)
     heads = kvh * G + offs_g                                                  # [G_PAD]
     gmask = offs_g < G
     q = tl.load(q_ptr + q_row.to(tl.int64) * stride_qn + heads[:, None] * stride_qh + offs_d[None, :],
@@ -255,23 +247,13 @@ def _decode_kernel(q_ptr, k_cache_ptr, v_cache_ptr, out_ptr, m_ptr, l_ptr, acc_p
     else:
         q = q.to(k_cache_ptr.dtype.element_ty)
 
+    bt_row_ptr = bt_ptr + b.to(tl.int64) * stride_btb
     m_i = tl.full([G_PAD], float("-inf"), tl.float32)
     l_i = tl.zeros([G_PAD], tl.float32)
     acc = tl.zeros([G_PAD, HEAD_DIM], tl.float32)
 
-    if PRELOAD:
-        newest = in_tile & (t_pre == ctx - 1)
-        k_new = tl.load(k_cache_ptr + kv_off[:, None] + offs_d[None, :], mask=newest[:, None], other=0.0)
-        v_new = tl.load(v_cache_ptr + kv_off[:, None] + offs_d[None, :], mask=newest[:, None], other=0.0)
-        k = tl.where(newest[:, None], k_new, k_pre)
-        v = tl.where(newest[:, None], v_new, v_pre)
-        s = tl.where(in_tile[None, :], _qk(q, k, FP32_MATH) * qk_scale, float("-inf"))
-        m_i, l_i, acc = _online_softmax_step(s, v, m_i, l_i, acc, FP32_MATH, True)
-        full_end = start                                   # no loop below, no tail tile
-        tail_start = end
-    else:
-        full_end = start + (tl.maximum(end - start, 0) // BLOCK_N) * BLOCK_N
-        tail_start = full_end
+    n_full = tl.maximum(end - start, 0) // BLOCK_N
+    full_end = start + n_full * BLOCK_N
     # Full tiles: no masks.
     for n0 in range(start, full_end, BLOCK_N):
         t = n0 + offs_n
@@ -280,8 +262,8 @@ def _decode_kernel(q_ptr, k_cache_ptr, v_cache_ptr, out_ptr, m_ptr, l_ptr, acc_p
         s = _qk(q, k, FP32_MATH) * qk_scale                                   # [G_PAD, BLOCK_N]
         m_i, l_i, acc = _online_softmax_step(s, v, m_i, l_i, acc, FP32_MATH, False)
     # Tail tile (fewer than BLOCK_N positions left): masked.
-    if tail_start < end:
-        t = tail_start + offs_n
+    if full_end < end:
+        t = full_end + offs_n
         tmask = t < end
         k, v = _load_kv_tile(k_cache_ptr, v_cache_ptr, bt_row_ptr, t, kvh, offs_d, stride_kb, stride_kt,
                              stride_kh, PAGE, True, tmask)
@@ -668,8 +650,7 @@ def paged_attention_decode(query: torch.Tensor, k_cache: torch.Tensor, v_cache: 
         return out
     max_ctx = max(int(meta.max_context_len), 1)
     cfg = _decode_config(d, on_cpu, b * hkv, max_ctx)
-    wide = cfg.pop("wide", False)
-    if _DECODE_STAGES and not on_cpu and not wide:
+    if _DECODE_STAGES and not on_cpu and not cfg.pop("wide", False):
         cfg["num_stages"] = _DECODE_STAGES
     if block_n is not None:
         cfg["BLOCK_N"] = block_n
@@ -691,9 +672,6 @@ def paged_attention_decode(query: torch.Tensor, k_cache: torch.Tensor, v_cache: 
     g = hq // hkv
     g_pad = max(16, triton.next_power_of_2(g))
     direct = num_splits == 1
-    # one tile a program: K/V read before the PDL wait (LLMSERVE_DECODE_PRELOAD=0: after it)
-    preload = (num_splits == tiles and min_tiles == 1 and (wide or on_cpu) and (pdl or on_cpu)
-               and os.environ.get("LLMSERVE_DECODE_PRELOAD", "1") != "0")
     fused_reduce_default = fused_reduce is None and DECODE_FUSED_REDUCE
     if fused_reduce is None:  # the in-kernel merge runs in one program: not too many splits
         fused_reduce = DECODE_FUSED_REDUCE and num_splits <= FUSED_REDUCE_MAX_SPLITS
@@ -718,7 +696,7 @@ def paged_attention_decode(query: torch.Tensor, k_cache: torch.Tensor, v_cache: 
         out.stride(0), out.stride(1), meta.block_tables.stride(0),
         G=g, G_PAD=g_pad, HEAD_DIM=d, PAGE=bs, BLOCK_N=bn, FP32_MATH=fp32_math,
         SKIP_NON_DECODE=skip_non_decode, DIRECT_OUT=direct,
-        MIN_TILES=min_tiles, USE_PDL=pdl, PRELOAD=preload, num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
+        MIN_TILES=min_tiles, USE_PDL=pdl, num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
         **pdl_launch_kwargs(pdl))
     if not direct and not fused:
         _decode_reduce_kernel[(b, hq)](
