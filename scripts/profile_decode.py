@@ -65,11 +65,15 @@ def main() -> None:
 
 
 def timeline(prof, replays: int) -> dict:
-    """Marginal time per kernel name: ``end[i] - end[i - 1]`` over the kernels of the middle
-    replays in start order (µs), plus each kernel's own duration and its start relative to
+    """Marginal time per kernel name: a kernel's end minus the latest end among the four kernels
+    started before it, over the kernels of the middle replays in start order (µs), plus each kernel's own duration and its start relative to
     the previous kernel's end (negative: it started early, overlapping its predecessor)."""
     ev = sorted(((e.time_range.start, e.time_range.end, e.name) for e in prof.events()
                  if e.device_type.name == "CUDA"), key=lambda t: t[0])
+    if replays < 4 or len(ev) < replays:
+        raise SystemExit("--timeline needs --replays >= 4 and CUDA kernel events in every replay")
+    if len(ev) % replays:
+        print(f"warning: {len(ev)} events over {replays} replays: steps are not aligned")
     per = len(ev) // replays
     lo, hi = per * (replays // 4), per * (replays // 4 + replays // 2)   # middle half of replays
     nrep = (hi - lo) / per
@@ -79,14 +83,16 @@ def timeline(prof, replays: int) -> dict:
         prev_end = max(e for _, e, _ in ev[max(0, i - 4):i]) if i else s0
         r = rows.setdefault(name, [0, 0.0, 0.0, 0.0])
         r[0] += 1
-        r[1] += e0 - max(prev_end, 0)          # marginal: end-to-end
+        r[1] += e0 - prev_end                  # marginal: end-to-end
         r[2] += e0 - s0                        # own duration
         r[3] += s0 - prev_end                  # start relative to the predecessor's end
     step = (ev[hi - 1][1] - ev[lo - 1][1]) / nrep if lo else float("nan")
-    # per position in a layer: the kernels around each attention ("decode") kernel
+    # per position in a layer: the kernels around each attention kernel of the matrix-vector
+    # path (QKV gemv, _decode_kernel, then three gemvs); other kernel mixes are not labelled
     pos: dict[str, list[float]] = {}
     for i in range(lo, hi):
-        if "decode" not in ev[i][2] or i + 3 >= len(ev):
+        if ev[i][2] != "_decode_kernel" or i < 1 or i + 3 >= len(ev) \
+                or any(ev[i + o][2] != "_gemv_kernel" for o in (-1, 1, 2, 3)):
             continue
         for off, label in ((-1, "qkv(+norm,rope,kv write)"), (0, "attention"), (1, "o(+residual)"),
                            (2, "gate-up(+norm,silu)"), (3, "down(+residual)")):

@@ -25,10 +25,12 @@ def nvdisasm() -> str:
 
 
 def counts(cubin: Path) -> collections.Counter:
-    out = subprocess.run([nvdisasm(), "-c", str(cubin)], capture_output=True, text=True).stdout
+    proc = subprocess.run([nvdisasm(), "-c", str(cubin)], capture_output=True, text=True)
+    if proc.returncode != 0:
+        raise RuntimeError(f"nvdisasm failed on {cubin}: {proc.stderr.strip()[:300]}")
     ops = collections.Counter()
-    for line in out.splitlines():
-        m = re.search(r"/\*[0-9a-f]{4}\*/\s+(?:@!?U?P\w+\s+)?([A-Z][A-Z0-9_.]+)", line)
+    for line in proc.stdout.splitlines():
+        m = re.search(r"/\*[0-9a-f]{4,}\*/\s+(?:@!?U?P\w+\s+)?([A-Z][A-Z0-9_.]+)", line)
         if m:
             ops[m.group(1)] += 1
     return ops
@@ -47,17 +49,16 @@ def main() -> None:
         if a.kernel and name not in a.kernel:
             continue
         meta = cubin.with_suffix(".json")
-        consts = ""
+        md = {}
         if meta.exists():
             try:
                 md = json.loads(meta.read_text())
-                consts = {k: v for k, v in (md.get("constants") or {}).items()}
             except (OSError, ValueError):
-                pass
+                md = {}
         ops = counts(cubin)
         sel = {o: ops[o] for o in a.ops if ops.get(o)}
-        print(json.dumps(dict(kernel=name, total=sum(ops.values()), ops=sel, warps=md.get("num_warps") if meta.exists() else None,
-                              consts=str(consts)[:400], dir=os.path.basename(cubin.parent))))
+        print(json.dumps(dict(kernel=name, total=sum(ops.values()), ops=sel, warps=md.get("num_warps"),
+                              stages=md.get("num_stages"), dir=os.path.basename(cubin.parent))))
 
 
 if __name__ == "__main__":

@@ -118,13 +118,26 @@ def test_decode_split_counts(num_splits, fused):
     assert_close(out, ref, torch.float32)
 
 
+@pytest.mark.parametrize("hkv,d", [(2, 128), (1, 64)])
+def test_decode_wide_tile_matches_reference(hkv, d):
+    """The wide GPU tile (256 positions a program, one split per tile) run in the interpreter:
+    one-tile contexts, exactly one tile, one position past it, and the 512-position bound."""
+    q, kc, vc, meta = make_batch([(1, 1), (256, 1), (257, 1), (512, 1)], 16, 6 * hkv, hkv, d, torch.float32)
+    ref = paged_attention_torch(q, kc, vc, meta, d ** -0.5)
+    for _ in range(2):                                      # twice: the merge counters re-arm
+        out = paged_attention_decode(q, kc, vc, meta, d ** -0.5, block_n=256, num_warps=8, num_stages=1)
+        assert_close(out, ref, torch.float32)
+
+
 def test_decode_wide_tile_config(monkeypatch):
     """The GPU tile choice: few (sequence, KV head) pairs and short contexts take one wide tile
     (8 warps at head_dim 128, 4 below); otherwise, or with LLMSERVE_DECODE_WIDE=0, the default."""
     from llmserve.triton_kernels.paged_attention import _decode_config
     assert _decode_config(128, False, 2, 300) == dict(BLOCK_N=256, num_warps=8, num_stages=1, wide=True)
-    assert _decode_config(64, False, 8, 512)["num_warps"] == 4
-    assert "wide" not in _decode_config(128, False, 16, 300)
+    assert _decode_config(64, False, 4, 512)["num_warps"] == 4
+    assert "wide" not in _decode_config(128, False, 5, 300)                # more than 4 pairs
+    assert "wide" not in _decode_config(128, False, 2, 513)
+    assert "wide" not in _decode_config(256, False, 1, 300)                # head_dim 256
     assert "wide" not in _decode_config(128, False, 2, 2048)
     assert _decode_config(128, True, 2, 300)["BLOCK_N"] == 16               # interpreter: small tiles
     monkeypatch.setenv("LLMSERVE_DECODE_WIDE", "0")

@@ -31,7 +31,8 @@ import torch
 from .attention.metadata import AttentionMetadata
 
 
-SHORT_CONTEXT = 512     # tokens: 8 tiles of 64 (head_dim <= 128), merged in the decode kernel
+SHORT_CONTEXT = 512     # tokens: 8 tiles of 64 (head_dim <= 128), or 2 of 256 for <= 4 (sequence,
+                        # KV head) pairs, merged in the decode kernel
 SHORT_MAX_BATCH = 16    # short-context graphs for batch buckets up to this size
 
 

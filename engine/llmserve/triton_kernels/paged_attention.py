@@ -101,11 +101,13 @@ _LOG2E = 1.4426950408889634
 #: Qwen2.5-1.5B 1.196 -> 1.150-1.155 with 256 positions / 8 warps (4 warps: 1.189);
 #: Qwen2.5-0.5B (head_dim 64) 0.647 -> 0.598-0.603 with 256 / 4 warps (8 warps: 0.608-0.613);
 #: Qwen2.5-7B 3.911 -> 3.871 (results/h200/notes/s5/ab_short_decode.json, ab_wide_fused.json).
+#: At batch 4 (8 pairs) it was faster at context 200 (attention 6.59 vs 7.09 us a layer) but
+#: slower at 300 (8.98 vs 7.98: two tiles and a merge), hence at most 4 pairs (timeline_b4_*).
 #: Reading the old K/V rows of the tile before the PDL wait (only the newest after it) measured
 #: slower: 1.5B 1.15 -> 1.30 ms/step (ab_preload.json; the code is in git history). Used when
 #: ``batch * num_kv_heads <= WIDE_MAX_PAIRS`` and ``max_context_len <= WIDE_MAX_CONTEXT``;
 #: ``LLMSERVE_DECODE_WIDE=0`` turns it off (read at every launch, for A/B runs).
-WIDE_MAX_PAIRS = 8
+WIDE_MAX_PAIRS = 4
 WIDE_MAX_CONTEXT = 512
 
 
@@ -650,7 +652,8 @@ def paged_attention_decode(query: torch.Tensor, k_cache: torch.Tensor, v_cache: 
         return out
     max_ctx = max(int(meta.max_context_len), 1)
     cfg = _decode_config(d, on_cpu, b * hkv, max_ctx)
-    if _DECODE_STAGES and not on_cpu and not cfg.pop("wide", False):
+    wide = cfg.pop("wide", False)      # the wide tile keeps its own stage count (1)
+    if _DECODE_STAGES and not on_cpu and not wide:
         cfg["num_stages"] = _DECODE_STAGES
     if block_n is not None:
         cfg["BLOCK_N"] = block_n
