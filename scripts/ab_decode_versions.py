@@ -61,5 +61,6 @@ def main() -> None:
             print(json.dumps(row), flush=True)
             meta.max_context_len = ctx
 
+
 if __name__ == "__main__":
     main()

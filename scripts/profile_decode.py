@@ -6,7 +6,8 @@ Prints the CUDA kernels of a replayed decode step, grouped by name, with total t
 ``--timeline`` also prints where the step's *wall* time goes when kernels overlap (programmatic
 dependent launch lets a kernel start before its predecessor ends, so summed kernel durations
 overcount): for the kernels of one replay in stream order, each kernel's marginal time is its
-end minus the previous kernel's end (the critical path it adds), grouped by name.
+end minus the latest end before it (the critical path it adds), grouped by name and, on the
+matrix-vector decode path, by position in the layer.
 """
 from __future__ import annotations
 
@@ -66,8 +67,9 @@ def main() -> None:
 
 def timeline(prof, replays: int) -> dict:
     """Marginal time per kernel name: a kernel's end minus the latest end among the four kernels
-    started before it, over the kernels of the middle replays in start order (µs), plus each kernel's own duration and its start relative to
-    the previous kernel's end (negative: it started early, overlapping its predecessor)."""
+    started before it, over the kernels of the middle replays in start order (µs), plus each
+    kernel's own duration and its start relative to that end (negative: it started early,
+    overlapping its predecessor)."""
     ev = sorted(((e.time_range.start, e.time_range.end, e.name) for e in prof.events()
                  if e.device_type.name == "CUDA"), key=lambda t: t[0])
     if replays < 4 or len(ev) < replays:
@@ -77,15 +79,16 @@ def timeline(prof, replays: int) -> dict:
     per = len(ev) // replays
     lo, hi = per * (replays // 4), per * (replays // 4 + replays // 2)   # middle half of replays
     nrep = (hi - lo) / per
+    # the latest end among the (up to) four kernels started before kernel i
+    prev_end = [max((e for _, e, _ in ev[max(0, i - 4):i]), default=ev[i][0]) for i in range(len(ev))]
     rows: dict[str, list[float]] = {}
     for i in range(lo, hi):
         s0, e0, name = ev[i]
-        prev_end = max(e for _, e, _ in ev[max(0, i - 4):i]) if i else s0
         r = rows.setdefault(name, [0, 0.0, 0.0, 0.0])
         r[0] += 1
-        r[1] += e0 - prev_end                  # marginal: end-to-end
+        r[1] += e0 - prev_end[i]               # marginal: end-to-end
         r[2] += e0 - s0                        # own duration
-        r[3] += s0 - prev_end                  # start relative to the predecessor's end
+        r[3] += s0 - prev_end[i]               # start relative to the predecessor's end
     step = (ev[hi - 1][1] - ev[lo - 1][1]) / nrep if lo else float("nan")
     # per position in a layer: the kernels around each attention kernel of the matrix-vector
     # path (QKV gemv, _decode_kernel, then three gemvs); other kernel mixes are not labelled
@@ -97,10 +100,9 @@ def timeline(prof, replays: int) -> dict:
         for off, label in ((-1, "qkv(+norm,rope,kv write)"), (0, "attention"), (1, "o(+residual)"),
                            (2, "gate-up(+norm,silu)"), (3, "down(+residual)")):
             j = i + off
-            prev_end = max(e for _, e, _ in ev[max(0, j - 4):j])
             r = pos.setdefault(label, [0, 0.0, 0.0])
             r[0] += 1
-            r[1] += ev[j][1] - prev_end
+            r[1] += ev[j][1] - prev_end[j]
             r[2] += ev[j][1] - ev[j][0]
     layer = {k: dict(marginal_us=v[1] / v[0], own_us=v[2] / v[0], count=v[0]) for k, v in pos.items()}
     for k, v in layer.items():
