@@ -41,21 +41,37 @@ from ._launch import gdc_launch_dependents, gdc_wait, num_sms, pdl_launch_kwargs
 from .gemv import _gemv_loop, _gemv_tiles, choose_gemv_config
 from .paged_attention import _LOG2E, _decode_split
 
+try:  # profiling stamps only (never traced unless asked for)
+    from triton.language.extra.cuda import globaltimer
+except ImportError:  # pragma: no cover - old Triton
+    @triton.jit
+    def globaltimer():
+        return 0
+
 __all__ = ["DecodeLayerConfig", "DecodeLayerWeights", "decode_layer", "choose_decode_layer_config"]
 
 
 @triton.jit
 def _grid_barrier(bar_ptr, target):
     """Wait until ``target`` arrivals have been counted at ``bar_ptr`` (this program's one
-    included). The CTA barrier orders every warp's stores before the release-add; the acquire
-    after the poll makes every other program's stores before its own arrival visible here."""
+    included). The CTA barrier orders every warp's stores before the arrival (release); the
+    poll is itself an acquire whose value is used, so the SM's L1 is invalidated after it and
+    every other program's stores before its arrival are visible here. (An acquire whose result
+    is unused was dropped by Triton 3.6 / ptxas: no ``CCTL.IVALL`` in the SASS, stale L1 lines
+    of the residual stream, wrong results on the H200.)"""
     tl.debug_barrier()
-    tl.atomic_add(bar_ptr, 1, sem="release", scope="gpu")
-    cur = tl.load(bar_ptr, volatile=True)
+    cur = tl.atomic_add(bar_ptr, 1, sem="acq_rel", scope="gpu") + 1    # one arrival a program
     while cur < target:
-        cur = tl.load(bar_ptr, volatile=True)
-    tl.atomic_add(bar_ptr, 0, sem="acquire", scope="gpu")
+        cur = tl.atomic_add(bar_ptr, 0, sem="acquire", scope="gpu")
     tl.debug_barrier()
+
+
+@triton.jit
+def _stamp(ts_ptr, pid, k, STAMPS: tl.constexpr):
+    """Profiling: the global timer (ns) to ``ts_ptr[pid, k]`` (10 stamps a program)."""
+    if STAMPS:
+        tl.debug_barrier()
+        tl.store(ts_ptr + pid * 10 + k, globaltimer())
 
 
 @triton.jit
@@ -63,14 +79,15 @@ def _decode_layer_kernel(
         r_ptr, q_ptr, o_ptr, act_ptr,
         wqkv_ptr, bqkv_ptr, ln1_ptr, wo_ptr, bo_ptr, ln2_ptr, wgu_ptr, wd_ptr, bd_ptr,
         kc_ptr, vc_ptr, cos_ptr, sin_ptr, pos_ptr, slot_ptr, num_slots,
-        bt_ptr, ctx_ptr, m_ptr, l_ptr, acc_ptr, cnt_ptr, bar_ptr,
+        bt_ptr, ctx_ptr, m_ptr, l_ptr, acc_ptr, cnt_ptr, bar_ptr, ts_ptr,
         M, qk_scale, eps, num_splits, stride_btb, stride_kb, stride_kt, stride_kh,
         H: tl.constexpr, INTER: tl.constexpr, HQ: tl.constexpr, HKV: tl.constexpr, D: tl.constexpr,
         G_PAD: tl.constexpr, PAGE: tl.constexpr, ATT_BLOCK_N: tl.constexpr,
         QKV_BN: tl.constexpr, QKV_BK: tl.constexpr, O_BN: tl.constexpr, O_BK: tl.constexpr,
         GU_BN: tl.constexpr, GU_BK: tl.constexpr, DN_BN: tl.constexpr, DN_BK: tl.constexpr,
         HAS_BQKV: tl.constexpr, HAS_BO: tl.constexpr, HAS_BD: tl.constexpr,
-        BLOCK_M: tl.constexpr, FP32_MATH: tl.constexpr, USE_PDL: tl.constexpr):
+        BLOCK_M: tl.constexpr, FP32_MATH: tl.constexpr, USE_PDL: tl.constexpr,
+        STAMPS: tl.constexpr):
     """Grid ``(P,)``, all programs resident. Stages, each over all ``P`` programs:
 
     1. ``q, cache[slot] = RoPE(RMSNorm(r) @ Wqkv.T + b)`` (``QKV_BN`` rotation pairs a block);
@@ -81,7 +98,9 @@ def _decode_layer_kernel(
     5. ``r += act @ Wd.T (+ b)``.
 
     Barrier ``k`` (after stage ``k``) waits for ``k * P`` arrivals at ``bar_ptr[0]``; the last
-    program to leave re-arms ``bar_ptr[0..1]`` to zero."""
+    program to leave re-arms ``bar_ptr[0..1]`` to zero. With ``STAMPS`` each program writes the
+    global timer (ns) at 10 points to ``ts_ptr[pid, 0..9]``: start, then the end of each stage
+    and of each barrier wait (profiling only)."""
     pid = tl.program_id(0)
     nprog = tl.num_programs(0)
     QD: tl.constexpr = HQ * D
@@ -92,11 +111,14 @@ def _decode_layer_kernel(
     w, wb = _gemv_tiles(pid, tl.cdiv(NQKV, QKV_BN), wqkv_ptr, H, NQKV, H, QKV_BN, QKV_BK, True, HALF, True)
     if USE_PDL:
         gdc_wait()
+    _stamp(ts_ptr, pid, 0, STAMPS)
     _gemv_loop(pid, nprog, w, wb, r_ptr, wqkv_ptr, q_ptr, wqkv_ptr, bqkv_ptr, r_ptr, ln1_ptr,
                kc_ptr, vc_ptr, cos_ptr, sin_ptr, pos_ptr, slot_ptr, num_slots, M, NQKV, H, H, H, QD, QD, eps,
                False, HAS_BQKV, False, 1, False, True, HQ, HKV, HALF, BLOCK_M, QKV_BN, QKV_BK,
                H % QKV_BK == 0, 1)
+    _stamp(ts_ptr, pid, 1, STAMPS)
     _grid_barrier(bar_ptr, nprog)
+    _stamp(ts_ptr, pid, 2, STAMPS)
     if USE_PDL:  # every program of this grid is resident now: later kernels may take free slots
         gdc_launch_dependents()
 
@@ -108,26 +130,33 @@ def _decode_layer_kernel(
                       acc_ptr, cnt_ptr, bt_ptr, qk_scale, num_splits, num_splits, HQ, HKV,
                       QD, D, stride_kb, stride_kt, stride_kh, QD, D, stride_btb,
                       G, G_PAD, D, PAGE, ATT_BLOCK_N, FP32_MATH, False, 1)
+    _stamp(ts_ptr, pid, 3, STAMPS)
     w, wb = _gemv_tiles(pid, tl.cdiv(H, O_BN), wo_ptr, QD, H, QD, O_BN, O_BK, False, 1, False)
     _grid_barrier(bar_ptr, 2 * nprog)
+    _stamp(ts_ptr, pid, 4, STAMPS)
 
     _gemv_loop(pid, nprog, w, wb, o_ptr, wo_ptr, r_ptr, wo_ptr, bo_ptr, r_ptr, ln1_ptr,
                kc_ptr, vc_ptr, cos_ptr, sin_ptr, pos_ptr, slot_ptr, num_slots, M, H, QD, QD, QD, H, H, eps,
                False, HAS_BO, True, 0, False, False, HQ, HKV, HALF, BLOCK_M, O_BN, O_BK, QD % O_BK == 0, 1)
+    _stamp(ts_ptr, pid, 5, STAMPS)
     w, wb = _gemv_tiles(pid, tl.cdiv(INTER, GU_BN), wgu_ptr, H, INTER, H, GU_BN, GU_BK, False, 1, True)
     _grid_barrier(bar_ptr, 3 * nprog)
+    _stamp(ts_ptr, pid, 6, STAMPS)
 
     _gemv_loop(pid, nprog, w, wb, r_ptr, wgu_ptr, act_ptr, wgu_ptr, wgu_ptr, r_ptr, ln2_ptr,
                kc_ptr, vc_ptr, cos_ptr, sin_ptr, pos_ptr, slot_ptr, num_slots, M, INTER, H, H, H, INTER, INTER,
                eps, False, False, False, 1, True, False, HQ, HKV, HALF, BLOCK_M, GU_BN, GU_BK,
                H % GU_BK == 0, 1)
+    _stamp(ts_ptr, pid, 7, STAMPS)
     w, wb = _gemv_tiles(pid, tl.cdiv(H, DN_BN), wd_ptr, INTER, H, INTER, DN_BN, DN_BK, False, 1, False)
     _grid_barrier(bar_ptr, 4 * nprog)
+    _stamp(ts_ptr, pid, 8, STAMPS)
 
     _gemv_loop(pid, nprog, w, wb, act_ptr, wd_ptr, r_ptr, wd_ptr, bd_ptr, r_ptr, ln2_ptr,
                kc_ptr, vc_ptr, cos_ptr, sin_ptr, pos_ptr, slot_ptr, num_slots, M, H, INTER, INTER, INTER, H, H,
                eps, False, HAS_BD, True, 0, False, False, HQ, HKV, HALF, BLOCK_M, DN_BN, DN_BK,
                INTER % DN_BK == 0, 1)
+    _stamp(ts_ptr, pid, 9, STAMPS)
     # Re-arm: the last program out has seen every program pass the last barrier.
     if tl.atomic_add(bar_ptr + 1, 1, sem="acq_rel", scope="gpu") == nprog - 1:
         tl.atomic_xchg(bar_ptr, 0)
@@ -250,7 +279,8 @@ def decode_layer(r: torch.Tensor, w: DecodeLayerWeights, *, positions: torch.Ten
                  k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
                  context_lens: torch.Tensor, max_context_len: int, num_heads: int, num_kv_heads: int,
                  eps: float, scale: float, barrier: torch.Tensor, config: DecodeLayerConfig | None = None,
-                 num_splits: int | None = None, pdl: bool = False) -> torch.Tensor:
+                 num_splits: int | None = None, pdl: bool = False,
+                 stamps: torch.Tensor | None = None) -> torch.Tensor:
     """One Qwen2 decoder layer for ``M <= 4`` decode tokens (one per sequence) in one launch;
     updates the residual stream ``r`` in place (and returns it) and writes this step's K/V.
 
@@ -274,6 +304,9 @@ def decode_layer(r: torch.Tensor, w: DecodeLayerWeights, *, positions: torch.Ten
         num_splits: context splits of each (sequence, KV head) (default: as many whole tiles
             a split as keep one attention item a program, at most 64).
         pdl: programmatic dependent launch (Hopper+); see ``_launch.py``.
+        stamps: profiling only (CUDA): int64 ``[R, 10]``, ``R`` >= the grid (at most 32 programs
+            an SM), pre-filled by the caller (e.g. with -1): row ``p`` receives program ``p``'s
+            global-timer stamps (:func:`_decode_layer_kernel`).
 
     Returns:
         ``r``.
@@ -339,6 +372,7 @@ def decode_layer(r: torch.Tensor, w: DecodeLayerWeights, *, positions: torch.Ten
             w.b_down if w.b_down is not None else dummy,
             k_cache, v_cache, cos, sin, positions, slot_mapping, k_cache.shape[0] * page,
             block_tables, context_lens, m_buf, l_buf, acc_buf, cnt, barrier,
+            stamps if stamps is not None else barrier,
             m, float(scale) * _LOG2E, float(eps), num_splits, block_tables.stride(0),
             k_cache.stride(0), k_cache.stride(1), k_cache.stride(2))
     g = num_heads // num_kv_heads
@@ -348,10 +382,17 @@ def decode_layer(r: torch.Tensor, w: DecodeLayerWeights, *, positions: torch.Ten
                   GU_BN=cfg.gate_up[0], GU_BK=cfg.gate_up[1], DN_BN=cfg.down[0], DN_BK=cfg.down[1],
                   HAS_BQKV=w.b_qkv is not None, HAS_BO=w.b_o is not None, HAS_BD=w.b_down is not None,
                   BLOCK_M=triton.next_power_of_2(m), FP32_MATH=on_cpu or r.dtype == torch.float32,
-                  USE_PDL=pdl, num_warps=cfg.num_warps, num_stages=1, **pdl_launch_kwargs(pdl))
-    if not on_cpu:
+                  USE_PDL=pdl, STAMPS=stamps is not None, num_warps=cfg.num_warps, num_stages=1, **pdl_launch_kwargs(pdl))
+    if os.environ.get("LLMSERVE_DECODE_LAYER_PTXAS"):        # diagnostics: ptxas options
+        kwargs["ptx_options"] = os.environ["LLMSERVE_DECODE_LAYER_PTXAS"]
+    if os.environ.get("LLMSERVE_DECODE_LAYER_GRID"):          # diagnostics: a fixed grid
+        grid = int(os.environ["LLMSERVE_DECODE_LAYER_GRID"])
+    elif not on_cpu:
         key = (r.device.index, r.dtype, m, tuple(sorted((k, v) for k, v in kwargs.items())))
         grid = sms * min(cfg.programs_per_sm,
                          _resident_programs(_decode_layer_kernel, args, kwargs, r.device, cfg.num_warps, key))
+    if stamps is not None and (on_cpu or stamps.dtype != torch.int64 or stamps.dim() != 2
+                               or stamps.shape[1] != 10 or stamps.shape[0] < grid or not stamps.is_contiguous()):
+        raise ValueError(f"stamps must be a contiguous CUDA int64 [>= {grid}, 10] tensor")
     _decode_layer_kernel[(grid,)](*args, **kwargs)
     return r
