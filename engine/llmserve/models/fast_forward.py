@@ -105,12 +105,6 @@ class FastQwen2Forward:
         # One launch a layer for decode-only steps (triton_kernels/decode_layer.py).
         self.use_layer_kernel = self.use_gemv and os.environ.get("LLMSERVE_DECODE_LAYER", "0") == "1"
         self._barriers: torch.Tensor | None = None
-        # L2 warming during batch-1 decode attention (A/B; see paged_attention._warm_l2): the
-        # O weight (LLMSERVE_DECODE_WARM_O=1) and the first LLMSERVE_DECODE_WARM_MB megabytes of
-        # the gate-up weight (half gate rows, half up rows), read by extra attention programs.
-        self.warm_o = os.environ.get("LLMSERVE_DECODE_WARM_O", "0") == "1"
-        self.warm_mb = float(os.environ.get("LLMSERVE_DECODE_WARM_MB", "0") or 0)
-        self.warm_programs = int(os.environ.get("LLMSERVE_DECODE_WARM_PROGS", "128"))
         self._plain_head = type(model.lm_head) is nn.Linear and model.lm_head.bias is None
 
     def __call__(self, input_ids: torch.Tensor, positions: torch.Tensor,
@@ -181,8 +175,7 @@ class FastQwen2Forward:
                               num_heads=self.num_heads, num_kv_heads=self.num_kv_heads,
                               pdl=pdl)                                      # [N, Hq, D]
             if direct_decode:
-                o = paged_attention_decode(q, k_cache, v_cache, meta, self.scale, pdl=pdl,
-                                           warm=self._warm_list(entry), warm_programs=self.warm_programs)
+                o = paged_attention_decode(q, k_cache, v_cache, meta, self.scale, pdl=pdl)
             else:
                 o = backend.forward(q, k_cache, v_cache, meta, self.scale)  # [N, Hq, D]
             o_proj = layer.self_attn.o_proj
@@ -195,19 +188,6 @@ class FastQwen2Forward:
             gemv(act, down.weight, bias=down.bias, residual=r, out=r, pdl=pdl)  # r += act @ Wd.T
         h, _ = add_rmsnorm(r, model.model.norm.weight, self.eps)            # [N, H]
         return h
-
-    def _warm_list(self, entry: dict) -> list[tuple[torch.Tensor, int]] | None:
-        """The weights the decode attention kernel reads ahead into L2 for the O and gate-up
-        projections after it (``None``: off)."""
-        if not (self.warm_o or self.warm_mb > 0):
-            return None
-        if "warm" not in entry:
-            w_o = entry["layer"].self_attn.o_proj.weight
-            gu = entry["gate_up"][0]
-            inter, h = gu.shape[0] // 2, gu.shape[1]
-            n = min(int(self.warm_mb * 2**20 / 2 / gu.element_size()) // h * h, inter * h)
-            entry["warm"] = [(w_o, w_o.numel() if self.warm_o else 0), (gu, n), (gu[inter:], n)]
-        return entry["warm"]
 
     def _forward_layer_kernels(self, r: torch.Tensor, positions: torch.Tensor,
                                kv_caches: list[tuple[torch.Tensor, torch.Tensor]], meta: AttentionMetadata,

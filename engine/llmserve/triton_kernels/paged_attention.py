@@ -213,10 +213,8 @@ def _decode_kernel(q_ptr, k_cache_ptr, v_cache_ptr, out_ptr, m_ptr, l_ptr, acc_p
                    PAGE: tl.constexpr, BLOCK_N: tl.constexpr, FP32_MATH: tl.constexpr,
                    SKIP_NON_DECODE: tl.constexpr, DIRECT_OUT: tl.constexpr,
                    MIN_TILES: tl.constexpr,
-                   USE_PDL: tl.constexpr,
-                   wa_ptr=None, wa_n=0, wb_ptr=None, wb_n=0, wc_ptr=None, wc_n=0,
-                   WARM_PROGS: tl.constexpr = 0, WARM_BLOCK: tl.constexpr = 4096):
-    """Grid ``(B, Hkv, num_splits + WARM_PROGS)``. The split of the context is decided here, per sequence:
+                   USE_PDL: tl.constexpr):
+    """Grid ``(B, Hkv, num_splits)``. The split of the context is decided here, per sequence:
     its ``ceil(ctx / BLOCK_N)`` tiles are spread over the ``num_splits`` programs
     (:func:`_active_splits`), so a short sequence in a grid sized for ``max_model_len`` (CUDA
     graphs) uses few programs; the others run no tiles and store nothing (no early return:
@@ -224,15 +222,6 @@ def _decode_kernel(q_ptr, k_cache_ptr, v_cache_ptr, out_ptr, m_ptr, l_ptr, acc_p
     b = tl.program_id(0)
     kvh = tl.program_id(1)
     split = tl.program_id(2)
-    if WARM_PROGS > 0:
-        if split >= num_splits:  # an L2-warming program (see _warm_l2), no attention
-            if USE_PDL:
-                gdc_wait()
-                gdc_launch_dependents()
-            wid = (b * tl.num_programs(1) + kvh) * WARM_PROGS + split - num_splits
-            nw = tl.num_programs(0) * tl.num_programs(1) * WARM_PROGS
-            _warm_l2(wa_ptr, wa_n, wb_ptr, wb_n, wc_ptr, wc_n, wid, nw, WARM_BLOCK)
-            return
     # The step's metadata is written before the forward pass (PDL contract: not by the kernel
     # just before this one), so it is read before the wait; q and this step's K/V are not.
     q_row = tl.load(qsl_ptr + b)
@@ -247,26 +236,6 @@ def _decode_kernel(q_ptr, k_cache_ptr, v_cache_ptr, out_ptr, m_ptr, l_ptr, acc_p
                   cnt_ptr, bt_ptr, qk_scale, num_splits, inline_max, num_q_heads, tl.num_programs(1),
                   stride_qn, stride_qh, stride_kb, stride_kt, stride_kh, stride_on, stride_oh, stride_btb,
                   G, G_PAD, HEAD_DIM, PAGE, BLOCK_N, FP32_MATH, DIRECT_OUT, MIN_TILES)
-
-
-@triton.jit
-def _warm_l2(a_ptr, a_n, b_ptr, b_n, c_ptr, c_n, wid, nw, BLOCK: tl.constexpr):
-    """Read ``a[0:a_n]``, ``b[0:b_n]`` and ``c[0:c_n]`` (weights the next kernels stream) in
-    ``BLOCK``-element chunks spread over ``nw`` programs, so that they are in L2 when those
-    kernels run: the decode attention is a chain of dependent latencies during which HBM is
-    otherwise idle. The sum is stored nowhere unless it is NaN-free and equals an impossible
-    value, so the loads cannot be removed."""
-    acc = tl.zeros([BLOCK], tl.float32)
-    offs = tl.arange(0, BLOCK)
-    n = tl.maximum(tl.maximum(a_n, b_n), c_n)
-    for start in range(wid * BLOCK, n, nw * BLOCK):
-        o = start + offs
-        acc += tl.load(a_ptr + o, mask=o < a_n, other=0.0).to(tl.float32)
-        acc += tl.load(b_ptr + o, mask=o < b_n, other=0.0).to(tl.float32)
-        acc += tl.load(c_ptr + o, mask=o < c_n, other=0.0).to(tl.float32)
-    total = tl.sum(acc)
-    if total == 1.2345e-30:
-        tl.store(a_ptr, total.to(a_ptr.dtype.element_ty))
 
 
 @triton.jit
@@ -663,8 +632,7 @@ def paged_attention_decode(query: torch.Tensor, k_cache: torch.Tensor, v_cache: 
                            skip_non_decode: bool = False, num_splits: int | None = None,
                            block_n: int | None = None, num_warps: int | None = None,
                            num_stages: int | None = None, fused_reduce: bool | None = None,
-                           pdl: bool = False, warm: list[tuple[torch.Tensor, int]] | None = None,
-                           warm_programs: int = 0) -> torch.Tensor:
+                           pdl: bool = False) -> torch.Tensor:
     """Split-K decode attention: one query token per sequence (row ``query_start_loc[i]``).
 
     The grid has ``num_splits`` programs per (sequence, KV head), sized for
@@ -687,11 +655,6 @@ def paged_attention_decode(query: torch.Tensor, k_cache: torch.Tensor, v_cache: 
             (``query_start_loc``, ``context_lens``) is read before waiting for the previous
             kernel, so it must not be written by the kernel just before this one (the engine
             writes it before the forward pass); q and the K/V cache are read after the wait.
-        warm: up to three ``(tensor, n)``: the first ``n`` elements of each contiguous tensor
-            are read by ``warm_programs`` extra programs per (sequence, KV head) while the
-            attention runs, so that the kernels after this one find them in L2 (their
-            weights); the tensors must not be written by the kernel before this one.
-        warm_programs: extra programs per (sequence, KV head) for ``warm`` (0: none).
 
     Returns:
         ``out`` (allocated when not given; rows not written are zero when allocated here).
@@ -746,15 +709,7 @@ def paged_attention_decode(query: torch.Tensor, k_cache: torch.Tensor, v_cache: 
         l_buf = torch.empty_like(m_buf)
         acc_buf = torch.empty((b, hq, num_splits, d), dtype=torch.float32, device=query.device)
     fp32_math = on_cpu or query.dtype == torch.float32
-    wargs, wprogs = {}, 0
-    if warm and warm_programs > 0 and not on_cpu:
-        if len(warm) > 3 or any((not t.is_contiguous()) or n > t.numel() or n < 0 for t, n in warm):
-            raise ValueError("warm takes up to three (contiguous tensor, n <= numel) pairs")
-        pairs = list(warm) + [(warm[0][0], 0)] * (3 - len(warm))
-        wprogs = int(warm_programs)
-        wargs = dict(wa_ptr=pairs[0][0], wa_n=int(pairs[0][1]), wb_ptr=pairs[1][0], wb_n=int(pairs[1][1]),
-                     wc_ptr=pairs[2][0], wc_n=int(pairs[2][1]), WARM_PROGS=wprogs)
-    _decode_kernel[(b, hkv, num_splits + wprogs)](
+    _decode_kernel[(b, hkv, num_splits)](
         query, k_cache, v_cache, out, m_buf, l_buf, acc_buf, cnt,
         meta.block_tables, meta.context_lens, meta.query_start_loc,
         float(scale) * _LOG2E, num_splits, inline_max, hq,
@@ -763,7 +718,7 @@ def paged_attention_decode(query: torch.Tensor, k_cache: torch.Tensor, v_cache: 
         G=g, G_PAD=g_pad, HEAD_DIM=d, PAGE=bs, BLOCK_N=bn, FP32_MATH=fp32_math,
         SKIP_NON_DECODE=skip_non_decode, DIRECT_OUT=direct,
         MIN_TILES=min_tiles, USE_PDL=pdl, num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
-        **wargs, **pdl_launch_kwargs(pdl))
+        **pdl_launch_kwargs(pdl))
     if not direct and not fused:
         _decode_reduce_kernel[(b, hq)](
             out, m_buf, l_buf, acc_buf, meta.query_start_loc, meta.context_lens, num_splits, inline_max, hq,
