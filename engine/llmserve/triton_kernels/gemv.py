@@ -130,6 +130,28 @@ def _gemv_block(blk, w, wb, rm, rm_ld, rk, x_ptr, w_ptr, y_ptr, scale_ptr, bias_
     loaded), then the epilogue and the stores."""
     TWO_ROWS: tl.constexpr = GLU or ROPE
     rn, rn_ld, row_a, row_b, head, j = _gemv_rows(blk, N, BLOCK_N, ROPE, HALF)
+    # The epilogue's operands are requested before the K loop, so their latency (a dependent
+    # pair for RoPE: position -> cos/sin row) overlaps the weight stream instead of adding to
+    # the end of the program: scales and bias (weights), positions, slots and the cos/sin rows
+    # (step metadata and tables), the residual (written before the previous kernel started).
+    if W_INT8:
+        sc_a = tl.load(scale_ptr + row_a).to(tl.float32)[None, :]
+        if TWO_ROWS:
+            sc_b = tl.load(scale_ptr + row_b).to(tl.float32)[None, :]
+    if HAS_BIAS:
+        if ROPE:
+            bias_a = tl.load(bias_ptr + row_a).to(tl.float32)[None, :]
+            bias_b = tl.load(bias_ptr + row_b).to(tl.float32)[None, :]
+        else:
+            bias_n = tl.load(bias_ptr + rn_ld).to(tl.float32)[None, :]
+    if ROPE:
+        pos = tl.load(pos_ptr + rm_ld).to(tl.int64)                                      # [BM]
+        slot = tl.load(slot_ptr + rm_ld).to(tl.int64)
+        slot = tl.where(slot < 0, slot + num_slots, slot)      # padding -> scratch block
+        c = tl.load(cos_ptr + pos[:, None] * HALF + j[None, :])                          # [BM, BN]
+        s = tl.load(sin_ptr + pos[:, None] * HALF + j[None, :])
+    if HAS_RES:
+        res = tl.load(res_ptr + rm_ld[:, None].to(tl.int64) * stride_rm + rn_ld[None, :])
     w_base = w_ptr + row_a[None, :, None].to(tl.int64) * stride_wn + rk[None, None, :]   # [1, BN, BK]
     wb_base = w_ptr + row_b[None, :, None].to(tl.int64) * stride_wn + rk[None, None, :]
     x_base = x_ptr + rm_ld[:, None, None].to(tl.int64) * stride_xm + (rn * 0)[None, :, None] \
@@ -161,23 +183,18 @@ def _gemv_block(blk, w, wb, rm, rm_ld, rk, x_ptr, w_ptr, y_ptr, scale_ptr, bias_
         if TWO_ROWS:
             out_b = out_b * rstd
     if W_INT8:
-        out = out * tl.load(scale_ptr + row_a).to(tl.float32)[None, :]
+        out = out * sc_a
         if TWO_ROWS:
-            out_b = out_b * tl.load(scale_ptr + row_b).to(tl.float32)[None, :]
+            out_b = out_b * sc_b
     mask = (rm[:, None] < M) & (rn[None, :] < N)
     if ROPE:
         # The unfused path: qkv = round(proj + bias); RoPE in fp32 on the rounded values (rotate
         # half: [a, b] -> [a cos - b sin, b cos + a sin]); q to y, k and v to the cache slot.
         if HAS_BIAS:
-            out = out + tl.load(bias_ptr + row_a).to(tl.float32)[None, :]
-            out_b = out_b + tl.load(bias_ptr + row_b).to(tl.float32)[None, :]
+            out = out + bias_a
+            out_b = out_b + bias_b
         a = out.to(y_ptr.dtype.element_ty).to(tl.float32)
         b = out_b.to(y_ptr.dtype.element_ty).to(tl.float32)
-        pos = tl.load(pos_ptr + rm_ld).to(tl.int64)                                      # [BM]
-        slot = tl.load(slot_ptr + rm_ld).to(tl.int64)
-        slot = tl.where(slot < 0, slot + num_slots, slot)      # padding -> scratch block
-        c = tl.load(cos_ptr + pos[:, None] * HALF + j[None, :])                          # [BM, BN]
-        s = tl.load(sin_ptr + pos[:, None] * HALF + j[None, :])
         is_v = (head >= HQ + HKV)[None, :]
         ra = tl.where(is_v, a, a * c - b * s)
         rb = tl.where(is_v, b, b * c + a * s)
@@ -200,11 +217,10 @@ def _gemv_block(blk, w, wb, rm, rm_ld, rk, x_ptr, w_ptr, y_ptr, scale_ptr, bias_
             up = out_b.to(y_ptr.dtype.element_ty).to(tl.float32)
             out = (g / (1.0 + tl.exp(-g))).to(y_ptr.dtype.element_ty).to(tl.float32) * up
         if HAS_BIAS:
-            out = out + tl.load(bias_ptr + rn_ld).to(tl.float32)[None, :]
+            out = out + bias_n
         if HAS_RES:
-            r = tl.load(res_ptr + rm_ld[:, None].to(tl.int64) * stride_rm + rn_ld[None, :])
             # the unfused path rounds the projection to the model dtype before the residual add
-            out = r.to(tl.float32) + out.to(y_ptr.dtype.element_ty).to(tl.float32)
+            out = res.to(tl.float32) + out.to(y_ptr.dtype.element_ty).to(tl.float32)
         tl.store(y_ptr + rm[:, None].to(tl.int64) * stride_ym + rn[None, :],
                  out.to(y_ptr.dtype.element_ty), mask=mask)
 
