@@ -36,7 +36,6 @@ from torch import nn
 from ..attention import AttentionMetadata
 from ..attention.triton_backend import TritonPagedAttention
 from ..triton_kernels._launch import pdl_available
-from ..triton_kernels.decode_layer import DecodeLayerWeights, decode_layer
 from ..triton_kernels.fused import add_rmsnorm, rope_qkv_write_kv, silu_and_mul
 from ..triton_kernels.gemv import GEMV_MAX_M, gemv, gemv_qkv_rope
 from ..triton_kernels.paged_attention import paged_attention_decode
@@ -102,9 +101,6 @@ class FastQwen2Forward:
             raise ValueError(f"gemv_max_tokens must be in [1, {GEMV_MAX_M}], got {gemv_max_tokens}")
         self.gemv_max_tokens = gemv_max_tokens
         self.pdl = self.use_gemv and pdl_available(model.lm_head.weight.device)
-        # One launch a layer for decode-only steps (triton_kernels/decode_layer.py).
-        self.use_layer_kernel = self.use_gemv and os.environ.get("LLMSERVE_DECODE_LAYER", "0") == "1"
-        self._barriers: torch.Tensor | None = None
         self._plain_head = type(model.lm_head) is nn.Linear and model.lm_head.bias is None
 
     def __call__(self, input_ids: torch.Tensor, positions: torch.Tensor,
@@ -164,8 +160,6 @@ class FastQwen2Forward:
         cos, sin = model.rope_cos_sin(input_ids.device)                     # [L, D/2] fp32
         r = model.model.embed_tokens(input_ids)                             # [N, H]
         n = r.shape[0]
-        if self.use_layer_kernel and direct_decode:
-            return self._forward_layer_kernels(r, positions, kv_caches, meta, cos, sin)
         for entry, (k_cache, v_cache) in zip(self.layers, kv_caches):
             layer = entry["layer"]
             w_qkv, b_qkv = entry["qkv"]
@@ -186,31 +180,5 @@ class FastQwen2Forward:
                        pdl=pdl)                                             # [N, I]
             down = layer.mlp.down_proj
             gemv(act, down.weight, bias=down.bias, residual=r, out=r, pdl=pdl)  # r += act @ Wd.T
-        h, _ = add_rmsnorm(r, model.model.norm.weight, self.eps)            # [N, H]
-        return h
-
-    def _forward_layer_kernels(self, r: torch.Tensor, positions: torch.Tensor,
-                               kv_caches: list[tuple[torch.Tensor, torch.Tensor]], meta: AttentionMetadata,
-                               cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-        """Decode-only steps of ``N <= GEMV_MAX_M`` sequences with one kernel a layer
-        (:func:`~llmserve.triton_kernels.decode_layer.decode_layer`: the five kernels of
-        :meth:`_forward_gemv` as stages of one persistent launch). ``r`` is the embedded
-        ``[N, H]`` residual stream, updated in place."""
-        model = self.model
-        if self._barriers is None or self._barriers.device != r.device:
-            self._barriers = torch.zeros((len(self.layers), 2), dtype=torch.int32, device=r.device)
-        for i, (entry, (k_cache, v_cache)) in enumerate(zip(self.layers, kv_caches)):
-            layer = entry["layer"]
-            if "decode_layer" not in entry:
-                attn, mlp = layer.self_attn, layer.mlp
-                entry["decode_layer"] = DecodeLayerWeights(
-                    entry["qkv"][0], entry["qkv"][1], layer.input_layernorm.weight, attn.o_proj.weight,
-                    attn.o_proj.bias, layer.post_attention_layernorm.weight, entry["gate_up"][0],
-                    mlp.down_proj.weight, mlp.down_proj.bias)
-            decode_layer(r, entry["decode_layer"], positions=positions, slot_mapping=meta.slot_mapping, cos=cos,
-                         sin=sin, k_cache=k_cache, v_cache=v_cache, block_tables=meta.block_tables,
-                         context_lens=meta.context_lens, max_context_len=meta.max_context_len,
-                         num_heads=self.num_heads, num_kv_heads=self.num_kv_heads, eps=self.eps,
-                         scale=self.scale, barrier=self._barriers[i], pdl=self.pdl)
         h, _ = add_rmsnorm(r, model.model.norm.weight, self.eps)            # [N, H]
         return h
