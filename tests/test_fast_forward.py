@@ -158,3 +158,20 @@ def test_cuda_graph_decode_matches_eager(monkeypatch, short_context, prompt_step
     assert n0 == 0 and n1 > 0
     assert (0 < n_short < n1) if short_context else n_short == 0
     assert graphed == eager
+
+
+@pytest.mark.parametrize("env,expected", [("", True), ("0", False), ("1", True)])
+def test_gemv_path_early_epilogue_switch(monkeypatch, env, expected):
+    """``LLMSERVE_GEMV_EARLY_EPILOGUE`` (default: on for hidden sizes <= 2048) changes where the
+    epilogue's operands are loaded, not the result."""
+    monkeypatch.setenv("LLMSERVE_GEMV_EARLY_EPILOGUE", env)
+    model = small_model(6, 2)
+    ids, pos, caches, meta = batch(model, [(9, 1), (4, 1)])
+    caches2 = [(k.clone(), v.clone()) for k, v in caches]
+    ref = model(ids, pos, caches, meta)
+    fast = FastQwen2Forward(model, use_gemv=True, gemv_max_tokens=4)
+    assert fast.early_epilogue is expected
+    torch.testing.assert_close(fast(ids, pos, caches2, meta), ref, atol=5e-5, rtol=5e-5)
+    monkeypatch.setenv("LLMSERVE_GEMV_EARLY_EPILOGUE", "yes")
+    with pytest.raises(ValueError, match="LLMSERVE_GEMV_EARLY_EPILOGUE"):
+        FastQwen2Forward(model, use_gemv=True)

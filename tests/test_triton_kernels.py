@@ -377,18 +377,23 @@ def _gemv_case(m, n, k, prologue, int8, dtype, glu=False, seed=0):
     (2, 9, 33, "none", True, torch.float16, GemvConfig(1, 16, 1, 1)),
     (3, 37, 100, "rmsnorm", True, torch.float32, GemvConfig(4, 32, 1, 1, 1)),  # persistent: 2 programs
 ])
-def test_gemv_matches_reference(m, n, k, prologue, int8, dtype, cfg):
+@pytest.mark.parametrize("early", [False, True])
+def test_gemv_matches_reference(m, n, k, prologue, int8, dtype, cfg, early):
+    """``early``: the epilogue's operands (scales, bias, residual) requested before the K loop."""
     x, w, scale, gw = _gemv_case(m, n, k, prologue, int8, dtype)
     bias = torch.randn(n, device=DEVICE).to(dtype)
     res = torch.randn(m, n, device=DEVICE).to(dtype)
-    kw = dict(scale=scale, bias=bias, residual=res, prologue=prologue, norm_weight=gw, eps=1e-5)
-    ref = gemv_reference(x, w, **kw)
+    kw = dict(scale=scale, bias=bias, residual=res, prologue=prologue, norm_weight=gw, eps=1e-5,
+              early_epilogue=early)
+    ref_kw = {k: v for k, v in kw.items() if k != "early_epilogue"}
+    ref = gemv_reference(x, w, **ref_kw)
     assert_close(gemv(x, w, config=cfg, **kw), ref, dtype)
     out = res.clone()                                       # in place: out is the residual
     gemv(x, w, config=cfg, out=out, **{**kw, "residual": out})
     assert_close(out, ref, dtype)
     kw.update(bias=None, residual=None)
-    assert_close(gemv(x, w, config=cfg, **kw), gemv_reference(x, w, **kw), dtype)
+    ref_kw.update(bias=None, residual=None)
+    assert_close(gemv(x, w, config=cfg, **kw), gemv_reference(x, w, **ref_kw), dtype)
 
 
 @pytest.mark.parametrize("m,n,k,prologue,int8,dtype,cfg", [
@@ -419,7 +424,8 @@ def test_gemv_swiglu_epilogue(m, n, k, prologue, int8, dtype, cfg):
     (4, 2, 2, 64, False, torch.float16, GemvConfig(4, 32, 1, 1)),
     (2, 6, 2, 32, False, torch.float32, GemvConfig(2, 16, 1, 1, 1)),   # persistent: 2 programs
 ])
-def test_gemv_qkv_rope_matches_unfused(m, hq, hkv, d, int8, dtype, cfg):
+@pytest.mark.parametrize("early", [False, True])
+def test_gemv_qkv_rope_matches_unfused(m, hq, hkv, d, int8, dtype, cfg, early):
     """RMSNorm + packed QKV + bias + RoPE + K/V cache write in one kernel against the unfused
     pair ``gemv`` then ``rope_qkv_write_kv`` (padding slot -1 goes to the scratch block)."""
     h = 40
@@ -438,7 +444,7 @@ def test_gemv_qkv_rope_matches_unfused(m, hq, hkv, d, int8, dtype, cfg):
     q_ref = rope_qkv_write_kv(qkv, pos, slots, cos, sin, kc_ref, vc_ref, hq, hkv)
     q = gemv_qkv_rope(x, w, bias=bias, norm_weight=gw, eps=1e-6, positions=pos, slot_mapping=slots,
                       cos=cos, sin=sin, k_cache=kc, v_cache=vc, num_heads=hq, num_kv_heads=hkv,
-                      scale=scale, config=cfg)
+                      scale=scale, config=cfg, early_epilogue=early)
     assert q.shape == (m, hq, d)
     assert_close(q, q_ref, dtype)
     assert_close(kc, kc_ref, dtype)

@@ -102,6 +102,14 @@ class FastQwen2Forward:
         self.gemv_max_tokens = gemv_max_tokens
         self.pdl = self.use_gemv and pdl_available(model.lm_head.weight.device)
         self._plain_head = type(model.lm_head) is nn.Linear and model.lm_head.bias is None
+        # Epilogue operands requested before the gemv K loop (gemv's early_epilogue): measured
+        # faster on the H200 for hidden sizes 896 and 1536 (Qwen2.5-0.5B/1.5B: 1.5B 1.146 ->
+        # 1.079 ms/step), slower for 3584 (7B: 3.82 -> 4.11); results/h200/notes/s6/ab_epi*.json.
+        # LLMSERVE_GEMV_EARLY_EPILOGUE=0/1 overrides the size rule.
+        env = os.environ.get("LLMSERVE_GEMV_EARLY_EPILOGUE", "")
+        if env not in ("", "0", "1"):
+            raise ValueError(f"LLMSERVE_GEMV_EARLY_EPILOGUE must be 0 or 1, got {env!r}")
+        self.early_epilogue = env == "1" if env else cfg.hidden_size <= 2048
 
     def __call__(self, input_ids: torch.Tensor, positions: torch.Tensor,
                  kv_caches: list[tuple[torch.Tensor, torch.Tensor]], meta: AttentionMetadata) -> torch.Tensor:
@@ -156,7 +164,7 @@ class FastQwen2Forward:
         model = self.model
         backend = model.attention_backend
         direct_decode = isinstance(backend, TritonPagedAttention) and meta.is_decode_only
-        pdl = self.pdl
+        pdl, early = self.pdl, self.early_epilogue
         cos, sin = model.rope_cos_sin(input_ids.device)                     # [L, D/2] fp32
         r = model.model.embed_tokens(input_ids)                             # [N, H]
         n = r.shape[0]
@@ -167,18 +175,19 @@ class FastQwen2Forward:
                               eps=self.eps, positions=positions, slot_mapping=meta.slot_mapping,
                               cos=cos, sin=sin, k_cache=k_cache, v_cache=v_cache,
                               num_heads=self.num_heads, num_kv_heads=self.num_kv_heads,
-                              pdl=pdl)                                      # [N, Hq, D]
+                              pdl=pdl, early_epilogue=early)                # [N, Hq, D]
             if direct_decode:
                 o = paged_attention_decode(q, k_cache, v_cache, meta, self.scale, pdl=pdl)
             else:
                 o = backend.forward(q, k_cache, v_cache, meta, self.scale)  # [N, Hq, D]
             o_proj = layer.self_attn.o_proj
             gemv(o.reshape(n, self.num_heads * self.head_dim), o_proj.weight, bias=o_proj.bias,
-                 residual=r, out=r, pdl=pdl)                                # r += o @ Wo.T
+                 residual=r, out=r, pdl=pdl, early_epilogue=early)          # r += o @ Wo.T
             act = gemv(r, entry["gate_up"][0], prologue="rmsnorm", glu=True,
                        norm_weight=layer.post_attention_layernorm.weight, eps=self.eps,
                        pdl=pdl)                                             # [N, I]
             down = layer.mlp.down_proj
-            gemv(act, down.weight, bias=down.bias, residual=r, out=r, pdl=pdl)  # r += act @ Wd.T
+            gemv(act, down.weight, bias=down.bias, residual=r, out=r, pdl=pdl,
+                 early_epilogue=early)                                      # r += act @ Wd.T
         h, _ = add_rmsnorm(r, model.model.norm.weight, self.eps)            # [N, H]
         return h

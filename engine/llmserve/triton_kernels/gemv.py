@@ -118,22 +118,22 @@ def _gemv_step(acc, acc_b, sq, w, wb, x_base, g_ptr, k0, K, rk, PROLOGUE: tl.con
 
 
 @triton.jit
-def _gemv_block(blk, w, wb, rm, rm_ld, rk, x_ptr, w_ptr, y_ptr, scale_ptr, bias_ptr, res_ptr, g_ptr,
-                kc_ptr, vc_ptr, cos_ptr, sin_ptr, pos_ptr, slot_ptr, num_slots,
-                M, N, K, stride_xm, stride_wn, stride_ym, stride_rm, eps,
-                W_INT8: tl.constexpr, HAS_BIAS: tl.constexpr, HAS_RES: tl.constexpr,
-                PROLOGUE: tl.constexpr, GLU: tl.constexpr, ROPE: tl.constexpr,
-                HQ: tl.constexpr, HKV: tl.constexpr, HALF: tl.constexpr,
-                BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                EVEN_K: tl.constexpr, STAGES: tl.constexpr):
-    """Row block ``blk``: accumulate over K (``w``/``wb``: its first weight tiles, already
-    loaded), then the epilogue and the stores."""
-    TWO_ROWS: tl.constexpr = GLU or ROPE
-    rn, rn_ld, row_a, row_b, head, j = _gemv_rows(blk, N, BLOCK_N, ROPE, HALF)
-    # The epilogue's operands are requested before the K loop, so their latency (a dependent
-    # pair for RoPE: position -> cos/sin row) overlaps the weight stream instead of adding to
-    # the end of the program: scales and bias (weights), positions, slots and the cos/sin rows
-    # (step metadata and tables), the residual (written before the previous kernel started).
+def _epilogue_operands(rm_ld, rn_ld, row_a, row_b, scale_ptr, bias_ptr, res_ptr, pos_ptr, slot_ptr, stride_rm,
+                       W_INT8: tl.constexpr, HAS_BIAS: tl.constexpr, HAS_RES: tl.constexpr,
+                       ROPE: tl.constexpr, TWO_ROWS: tl.constexpr, BLOCK_M: tl.constexpr,
+                       BLOCK_N: tl.constexpr):
+    """Operands of a row block's epilogue that do not depend on its result: int8 scales of
+    rows a/b ``[1, BN]``, bias of rows a/b (of output ``n`` when not RoPE) ``[1, BN]``, the
+    rows' positions and cache slots ``[BM]`` (RoPE), the residual ``[BM, BN]`` fp32; zeros for
+    what the kernel does not use. (The cos/sin rows are not here: their address depends on a
+    load, and a warp issues in order, so loading them before the K loop would hold it back.)"""
+    sc_a = tl.zeros([1, BLOCK_N], tl.float32)
+    sc_b = tl.zeros([1, BLOCK_N], tl.float32)
+    bias_a = tl.zeros([1, BLOCK_N], tl.float32)
+    bias_b = tl.zeros([1, BLOCK_N], tl.float32)
+    pos = tl.zeros([BLOCK_M], tl.int64)
+    slot = tl.zeros([BLOCK_M], tl.int64)
+    res = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
     if W_INT8:
         sc_a = tl.load(scale_ptr + row_a).to(tl.float32)[None, :]
         if TWO_ROWS:
@@ -143,15 +143,32 @@ def _gemv_block(blk, w, wb, rm, rm_ld, rk, x_ptr, w_ptr, y_ptr, scale_ptr, bias_
             bias_a = tl.load(bias_ptr + row_a).to(tl.float32)[None, :]
             bias_b = tl.load(bias_ptr + row_b).to(tl.float32)[None, :]
         else:
-            bias_n = tl.load(bias_ptr + rn_ld).to(tl.float32)[None, :]
+            bias_a = tl.load(bias_ptr + rn_ld).to(tl.float32)[None, :]
     if ROPE:
-        pos = tl.load(pos_ptr + rm_ld).to(tl.int64)                                      # [BM]
+        pos = tl.load(pos_ptr + rm_ld).to(tl.int64)
         slot = tl.load(slot_ptr + rm_ld).to(tl.int64)
-        slot = tl.where(slot < 0, slot + num_slots, slot)      # padding -> scratch block
-        c = tl.load(cos_ptr + pos[:, None] * HALF + j[None, :])                          # [BM, BN]
-        s = tl.load(sin_ptr + pos[:, None] * HALF + j[None, :])
     if HAS_RES:
-        res = tl.load(res_ptr + rm_ld[:, None].to(tl.int64) * stride_rm + rn_ld[None, :])
+        res = tl.load(res_ptr + rm_ld[:, None].to(tl.int64) * stride_rm + rn_ld[None, :]).to(tl.float32)
+    return sc_a, sc_b, bias_a, bias_b, pos, slot, res
+
+
+@triton.jit
+def _gemv_block(blk, w, wb, rm, rm_ld, rk, x_ptr, w_ptr, y_ptr, scale_ptr, bias_ptr, res_ptr, g_ptr,
+                kc_ptr, vc_ptr, cos_ptr, sin_ptr, pos_ptr, slot_ptr, num_slots,
+                M, N, K, stride_xm, stride_wn, stride_ym, stride_rm, eps,
+                W_INT8: tl.constexpr, HAS_BIAS: tl.constexpr, HAS_RES: tl.constexpr,
+                PROLOGUE: tl.constexpr, GLU: tl.constexpr, ROPE: tl.constexpr,
+                HQ: tl.constexpr, HKV: tl.constexpr, HALF: tl.constexpr,
+                BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                EVEN_K: tl.constexpr, STAGES: tl.constexpr, EARLY_EPI: tl.constexpr):
+    """Row block ``blk``: accumulate over K (``w``/``wb``: its first weight tiles, already
+    loaded), then the epilogue and the stores."""
+    TWO_ROWS: tl.constexpr = GLU or ROPE
+    rn, rn_ld, row_a, row_b, head, j = _gemv_rows(blk, N, BLOCK_N, ROPE, HALF)
+    if EARLY_EPI:  # the epilogue's operands requested now: their latency overlaps the K loop
+        sc_a, sc_b, bias_a, bias_b, pos, slot, res = _epilogue_operands(
+            rm_ld, rn_ld, row_a, row_b, scale_ptr, bias_ptr, res_ptr, pos_ptr, slot_ptr, stride_rm,
+            W_INT8, HAS_BIAS, HAS_RES, ROPE, TWO_ROWS, BLOCK_M, BLOCK_N)
     w_base = w_ptr + row_a[None, :, None].to(tl.int64) * stride_wn + rk[None, None, :]   # [1, BN, BK]
     wb_base = w_ptr + row_b[None, :, None].to(tl.int64) * stride_wn + rk[None, None, :]
     x_base = x_ptr + rm_ld[:, None, None].to(tl.int64) * stride_xm + (rn * 0)[None, :, None] \
@@ -173,6 +190,10 @@ def _gemv_block(blk, w, wb, rm, rm_ld, rk, x_ptr, w_ptr, y_ptr, scale_ptr, bias_
             wb = _load_w(wb_base, k0, K, rk, EVEN_K)
         acc, acc_b, sq = _gemv_step(acc, acc_b, sq, w, wb, x_base, g_ptr, k0, K, rk, PROLOGUE,
                                     TWO_ROWS, EVEN_K)
+    if not EARLY_EPI:
+        sc_a, sc_b, bias_a, bias_b, pos, slot, res = _epilogue_operands(
+            rm_ld, rn_ld, row_a, row_b, scale_ptr, bias_ptr, res_ptr, pos_ptr, slot_ptr, stride_rm,
+            W_INT8, HAS_BIAS, HAS_RES, ROPE, TWO_ROWS, BLOCK_M, BLOCK_N)
     out = tl.sum(acc, axis=2)                                                            # [BM, BN]
     if TWO_ROWS:
         out_b = tl.sum(acc_b, axis=2)
@@ -195,6 +216,9 @@ def _gemv_block(blk, w, wb, rm, rm_ld, rk, x_ptr, w_ptr, y_ptr, scale_ptr, bias_
             out_b = out_b + bias_b
         a = out.to(y_ptr.dtype.element_ty).to(tl.float32)
         b = out_b.to(y_ptr.dtype.element_ty).to(tl.float32)
+        slot = tl.where(slot < 0, slot + num_slots, slot)      # padding -> scratch block
+        c = tl.load(cos_ptr + pos[:, None] * HALF + j[None, :])                          # [BM, BN]
+        s = tl.load(sin_ptr + pos[:, None] * HALF + j[None, :])
         is_v = (head >= HQ + HKV)[None, :]
         ra = tl.where(is_v, a, a * c - b * s)
         rb = tl.where(is_v, b, b * c + a * s)
@@ -217,7 +241,7 @@ def _gemv_block(blk, w, wb, rm, rm_ld, rk, x_ptr, w_ptr, y_ptr, scale_ptr, bias_
             up = out_b.to(y_ptr.dtype.element_ty).to(tl.float32)
             out = (g / (1.0 + tl.exp(-g))).to(y_ptr.dtype.element_ty).to(tl.float32) * up
         if HAS_BIAS:
-            out = out + bias_n
+            out = out + bias_a
         if HAS_RES:
             # the unfused path rounds the projection to the model dtype before the residual add
             out = res.to(tl.float32) + out.to(y_ptr.dtype.element_ty).to(tl.float32)
@@ -251,7 +275,7 @@ def _gemv_loop(pid, nprog, w, wb, x_ptr, w_ptr, y_ptr, scale_ptr, bias_ptr, res_
                PROLOGUE: tl.constexpr, GLU: tl.constexpr, ROPE: tl.constexpr,
                HQ: tl.constexpr, HKV: tl.constexpr, HALF: tl.constexpr,
                BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-               EVEN_K: tl.constexpr, STAGES: tl.constexpr):
+               EVEN_K: tl.constexpr, STAGES: tl.constexpr, EARLY_EPI: tl.constexpr):
     """Row blocks ``pid, pid + nprog, ...`` of one projection (a persistent grid of ``nprog``
     programs); ``w``/``wb`` are the first tiles of block ``pid`` (:func:`_gemv_tiles`), and the
     first tiles of each next block are loaded before the current block's K loop, so they are in
@@ -269,7 +293,7 @@ def _gemv_loop(pid, nprog, w, wb, x_ptr, w_ptr, y_ptr, scale_ptr, bias_ptr, res_
         _gemv_block(blk, w_cur, wb_cur, rm, rm_ld, rk, x_ptr, w_ptr, y_ptr, scale_ptr, bias_ptr, res_ptr, g_ptr,
                     kc_ptr, vc_ptr, cos_ptr, sin_ptr, pos_ptr, slot_ptr, num_slots, M, N, K, stride_xm,
                     stride_wn, stride_ym, stride_rm, eps, W_INT8, HAS_BIAS, HAS_RES, PROLOGUE, GLU, ROPE,
-                    HQ, HKV, HALF, BLOCK_M, BLOCK_N, BLOCK_K, EVEN_K, STAGES)
+                    HQ, HKV, HALF, BLOCK_M, BLOCK_N, BLOCK_K, EVEN_K, STAGES, EARLY_EPI)
 
 
 @triton.jit
@@ -281,7 +305,7 @@ def _gemv_kernel(x_ptr, w_ptr, y_ptr, scale_ptr, bias_ptr, res_ptr, g_ptr,
                  HQ: tl.constexpr, HKV: tl.constexpr, HALF: tl.constexpr,
                  BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                  EVEN_K: tl.constexpr, STAGES: tl.constexpr, PERSISTENT: tl.constexpr,
-                 USE_PDL: tl.constexpr):
+                 USE_PDL: tl.constexpr, EARLY_EPI: tl.constexpr = False):
     """A program computes ``BLOCK_N`` outputs (a row block) for all ``M <= BLOCK_M`` rows of x:
     row block ``pid``, or with ``PERSISTENT`` (a grid smaller than the block count) blocks
     ``pid, pid + grid, ...``, which avoids a last partial wave; the first tile of its next
@@ -315,11 +339,11 @@ def _gemv_kernel(x_ptr, w_ptr, y_ptr, scale_ptr, bias_ptr, res_ptr, g_ptr,
         _gemv_loop(pid, tl.num_programs(0), w, wb, x_ptr, w_ptr, y_ptr, scale_ptr, bias_ptr, res_ptr, g_ptr,
                    kc_ptr, vc_ptr, cos_ptr, sin_ptr, pos_ptr, slot_ptr, num_slots, M, N, K, stride_xm,
                    stride_wn, stride_ym, stride_rm, eps, W_INT8, HAS_BIAS, HAS_RES, PROLOGUE, GLU, ROPE,
-                   HQ, HKV, HALF, BLOCK_M, BLOCK_N, BLOCK_K, EVEN_K, STAGES)
+                   HQ, HKV, HALF, BLOCK_M, BLOCK_N, BLOCK_K, EVEN_K, STAGES, EARLY_EPI)
     else:
         _gemv_block(pid, w, wb, rm, rm_ld, rk, x_ptr, w_ptr, y_ptr, scale_ptr, bias_ptr, res_ptr, g_ptr, kc_ptr, vc_ptr, cos_ptr, sin_ptr, pos_ptr, slot_ptr, num_slots, M, N, K, stride_xm, stride_wn, stride_ym, stride_rm, eps,
                     W_INT8, HAS_BIAS, HAS_RES, PROLOGUE, GLU, ROPE, HQ, HKV, HALF, BLOCK_M, BLOCK_N,
-                    BLOCK_K, EVEN_K, STAGES)
+                    BLOCK_K, EVEN_K, STAGES, EARLY_EPI)
 
 
 @dataclass(frozen=True, slots=True)
@@ -484,7 +508,8 @@ def _check_gemv_inputs(x, weight, scale, bias, residual, prologue, norm_weight, 
 
 
 def _launch(x, weight, out, cfg: GemvConfig, n: int, *, scale=None, bias=None, residual=None,
-            norm_weight=None, prologue="none", eps=1e-6, glu=False, pdl=False, rope=None) -> None:
+            norm_weight=None, prologue="none", eps=1e-6, glu=False, pdl=False, rope=None,
+            early_epilogue=False) -> None:
     """Launch :func:`_gemv_kernel` over ``n`` outputs (validated arguments). ``rope``: ``(k_cache,
     v_cache, cos, sin, positions, slot_mapping, num_heads, num_kv_heads)`` for the QKV+RoPE
     epilogue (then ``n`` counts rotation pairs)."""
@@ -509,7 +534,7 @@ def _launch(x, weight, out, cfg: GemvConfig, n: int, *, scale=None, bias=None, r
         PROLOGUE=PROLOGUES[prologue], GLU=glu, ROPE=rope is not None, HQ=hq, HKV=hkv, HALF=half,
         BLOCK_M=triton.next_power_of_2(m), BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
         EVEN_K=k % cfg.block_k == 0, STAGES=cfg.stages, PERSISTENT=blocks < triton.cdiv(n, cfg.block_n),
-        USE_PDL=pdl, num_warps=cfg.num_warps,
+        USE_PDL=pdl, EARLY_EPI=bool(early_epilogue), num_warps=cfg.num_warps,
         **pdl_launch_kwargs(pdl))
 
 
@@ -518,7 +543,7 @@ def gemv_qkv_rope(x: torch.Tensor, weight: torch.Tensor, *, bias: torch.Tensor |
                   slot_mapping: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
                   k_cache: torch.Tensor, v_cache: torch.Tensor, num_heads: int, num_kv_heads: int,
                   scale: torch.Tensor | None = None, config: GemvConfig | None = None,
-                  pdl: bool = False) -> torch.Tensor:
+                  pdl: bool = False, early_epilogue: bool = False) -> torch.Tensor:
     """RMSNorm -> packed QKV projection -> RoPE on Q and K -> K/V written to the paged cache, in
     one kernel; returns Q. The same function as ``gemv(x, weight, bias=bias,
     prologue="rmsnorm", ...)`` followed by :func:`~llmserve.triton_kernels.fused.rope_qkv_write_kv`
@@ -537,6 +562,7 @@ def gemv_qkv_rope(x: torch.Tensor, weight: torch.Tensor, *, bias: torch.Tensor |
         k_cache, v_cache: contiguous ``[num_blocks + 1, block_size, Hkv, D]``.
         num_heads, num_kv_heads: ``Hq``, ``Hkv``.
         pdl: programmatic dependent launch (see :func:`gemv`).
+        early_epilogue: see :func:`gemv`.
 
     Returns:
         ``q`` ``[M, Hq, D]`` in ``x.dtype``.
@@ -570,7 +596,8 @@ def gemv_qkv_rope(x: torch.Tensor, weight: torch.Tensor, *, bias: torch.Tensor |
     cfg = config or choose_gemv_config(m, n_pairs, k, weight.dtype, x.device, "rmsnorm+rope")
     _launch(x, weight, q.view(m, num_heads * d), cfg, n_pairs, scale=scale, bias=bias,
             norm_weight=norm_weight, prologue="rmsnorm", eps=eps, pdl=pdl,
-            rope=(k_cache, v_cache, cos, sin, positions, slot_mapping, num_heads, num_kv_heads))
+            rope=(k_cache, v_cache, cos, sin, positions, slot_mapping, num_heads, num_kv_heads),
+            early_epilogue=early_epilogue)
     return q
 
 
@@ -578,7 +605,8 @@ def gemv(x: torch.Tensor, weight: torch.Tensor, *, scale: torch.Tensor | None = 
          bias: torch.Tensor | None = None, residual: torch.Tensor | None = None,
          prologue: str = "none", norm_weight: torch.Tensor | None = None, eps: float = 1e-6,
          glu: bool = False, out: torch.Tensor | None = None,
-         config: GemvConfig | None = None, pdl: bool = False) -> torch.Tensor:
+         config: GemvConfig | None = None, pdl: bool = False,
+         early_epilogue: bool = False) -> torch.Tensor:
     """``y = residual + (prologue(x) @ (weight * scale[:, None]).T + bias)`` for ``M <= 4`` rows
     (with ``glu``: ``y = silu(p[:, :N]) * p[:, N:]`` of that projection ``p``).
 
@@ -602,6 +630,12 @@ def gemv(x: torch.Tensor, weight: torch.Tensor, *, scale: torch.Tensor | None = 
         pdl: launch with programmatic dependent launch (Hopper+; see ``_launch.py``): the
             first weight tile is read before waiting for the previous kernel. Only for weights
             that no kernel just before this one writes (the engine's decode path).
+        early_epilogue: request the epilogue's operands (scales, bias, residual, RoPE
+            positions and slots) before the K loop instead of after it, so their latency
+            overlaps the weight stream. Same results. On the H200 it shortened batch-1 decode
+            of Qwen2.5-0.5B/1.5B shapes (1.5B 1.146 -> 1.079 ms/step) but lengthened 7B
+            (3.82 -> 4.11), so the engine turns it on by model size
+            (:class:`~llmserve.models.fast_forward.FastQwen2Forward`).
 
     Returns:
         ``[M, N]`` in ``out``'s dtype (default ``x.dtype``); fp32 accumulation.
@@ -624,7 +658,7 @@ def gemv(x: torch.Tensor, weight: torch.Tensor, *, scale: torch.Tensor | None = 
         return out
     cfg = config or choose_gemv_config(m, n, k, weight.dtype, x.device, prologue + ("+glu" if glu else ""))
     _launch(x, weight, out, cfg, n, scale=scale, bias=bias, residual=residual, norm_weight=norm_weight,
-            prologue=prologue, eps=eps, glu=glu, pdl=pdl)
+            prologue=prologue, eps=eps, glu=glu, pdl=pdl, early_epilogue=early_epilogue)
     return out
 
 
