@@ -23,9 +23,27 @@ import json
 import os
 import time
 
+import subprocess
+import sys
+from pathlib import Path
+
 import torch
 
 from llmserve.bench_compare import decode_llmserve
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "workflow" / "scripts"))
+from code_hash import code_hash  # noqa: E402
+
+
+def provenance() -> dict:
+    """Which code ran: the hash of the imported ``llmserve`` sources (the pipeline's code
+    hash; the device copy of the tree has no git history) and the git commit where there is one."""
+    try:
+        commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
+                                timeout=10, cwd=Path(__file__).resolve().parent).stdout.strip() or None
+    except (OSError, subprocess.SubprocessError):
+        commit = None
+    return {"code_hash": code_hash(), "git_commit": commit}
 
 
 def main() -> None:
@@ -40,6 +58,7 @@ def main() -> None:
     names = sorted({k for p in parsed for k in p})
     base = {k: os.environ.get(k) for k in names}
     rows = []
+    prov = provenance()
     for rnd in range(args.rounds):
         for preset in args.presets:
             for label, env in zip(args.settings, parsed):
@@ -64,7 +83,7 @@ def main() -> None:
                 print(json.dumps(row), flush=True)
                 with open(args.out, "w") as f:
                     json.dump({"gpu": torch.cuda.get_device_name(), "torch": torch.__version__,
-                               "settings": args.settings, "rows": rows}, f, indent=1)
+                               **prov, "settings": args.settings, "rows": rows}, f, indent=1)
 
 
 if __name__ == "__main__":

@@ -175,3 +175,29 @@ def test_gemv_path_early_epilogue_switch(monkeypatch, env, expected):
     monkeypatch.setenv("LLMSERVE_GEMV_EARLY_EPILOGUE", "yes")
     with pytest.raises(ValueError, match="LLMSERVE_GEMV_EARLY_EPILOGUE"):
         FastQwen2Forward(model, use_gemv=True)
+
+
+def test_gemv_early_epilogue_size_rule(monkeypatch):
+    """Without the variable, the switch follows the hidden size (on up to 2048, where it
+    measured faster on the H200; off above, where 7B measured slower), and it reaches the
+    kernel launches of the QKV, O and down projections."""
+    import llmserve.models.fast_forward as ff
+
+    monkeypatch.delenv("LLMSERVE_GEMV_EARLY_EPILOGUE", raising=False)
+    model = small_model(6, 2)
+    assert FastQwen2Forward(model, use_gemv=True).early_epilogue is True
+    import dataclasses
+
+    cfg = model.config
+    model.config = dataclasses.replace(cfg, hidden_size=3584)   # only the rule reads it here
+    fast = FastQwen2Forward(model, use_gemv=True)
+    model.config = cfg
+    assert fast.early_epilogue is False
+    seen = []
+    for name in ("gemv", "gemv_qkv_rope"):
+        real = getattr(ff, name)
+        monkeypatch.setattr(ff, name, lambda *a, _r=real, **k: seen.append(k.get("early_epilogue")) or _r(*a, **k))
+    ids, pos, caches, meta = batch(model, [(5, 1)])
+    fast(ids, pos, caches, meta)
+    assert seen.count(False) == 3 * model.config.num_hidden_layers    # QKV, O, down a layer
+    assert True not in seen

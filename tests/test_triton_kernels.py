@@ -391,6 +391,8 @@ def test_gemv_matches_reference(m, n, k, prologue, int8, dtype, cfg, early):
     out = res.clone()                                       # in place: out is the residual
     gemv(x, w, config=cfg, out=out, **{**kw, "residual": out})
     assert_close(out, ref, dtype)
+    late = gemv(x, w, config=cfg, **{**kw, "early_epilogue": not early})
+    assert torch.equal(gemv(x, w, config=cfg, **kw), late)  # same arithmetic, loads moved
     kw.update(bias=None, residual=None)
     ref_kw.update(bias=None, residual=None)
     assert_close(gemv(x, w, config=cfg, **kw), gemv_reference(x, w, **ref_kw), dtype)
@@ -402,12 +404,13 @@ def test_gemv_matches_reference(m, n, k, prologue, int8, dtype, cfg, early):
     (2, 33, 40, "none", False, torch.float16, GemvConfig(4, 16, 1, 2)),
     (1, 19, 100, "rmsnorm", False, torch.float32, GemvConfig(2, 32, 1, 1, 2)),  # persistent
 ])
-def test_gemv_swiglu_epilogue(m, n, k, prologue, int8, dtype, cfg):
+@pytest.mark.parametrize("early", [False, True])
+def test_gemv_swiglu_epilogue(m, n, k, prologue, int8, dtype, cfg, early):
     """``silu(gate) * up`` of a packed ``[gate; up]`` projection, gate row n and up row N + n
-    in one program (int8: each half with its own scales)."""
+    in one program (int8: each half with its own scales, loaded before or after the K loop)."""
     x, w, scale, gw = _gemv_case(m, n, k, prologue, int8, dtype, glu=True)
     kw = dict(scale=scale, prologue=prologue, norm_weight=gw, glu=True)
-    y = gemv(x, w, config=cfg, **kw)
+    y = gemv(x, w, config=cfg, early_epilogue=early, **kw)
     assert y.shape == (m, n)
     assert_close(y, gemv_reference(x, w, **kw), dtype)
     wf = (w.float() * scale[:, None]) if int8 else w.float()          # independent check

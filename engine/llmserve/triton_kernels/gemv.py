@@ -309,7 +309,7 @@ def _gemv_kernel(x_ptr, w_ptr, y_ptr, scale_ptr, bias_ptr, res_ptr, g_ptr,
     """A program computes ``BLOCK_N`` outputs (a row block) for all ``M <= BLOCK_M`` rows of x:
     row block ``pid``, or with ``PERSISTENT`` (a grid smaller than the block count) blocks
     ``pid, pid + grid, ...``, which avoids a last partial wave; the first tile of its next
-    block is then loaded before the current block's epilogue.
+    block is then loaded before the current block's K loop (:func:`_gemv_loop`).
 
     An output is one weight row, or (``GLU``) the pair gate row ``n`` / up row ``N + n``, or
     (``ROPE``) the pair of rows ``j`` and ``j + D/2`` of one head of the packed QKV weight, which
