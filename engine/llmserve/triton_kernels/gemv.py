@@ -250,53 +250,6 @@ def _gemv_block(blk, w, wb, rm, rm_ld, rk, x_ptr, w_ptr, y_ptr, scale_ptr, bias_
 
 
 @triton.jit
-def _gemv_tiles(blk, num_blocks, w_ptr, stride_wn, N, K, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                ROPE: tl.constexpr, HALF: tl.constexpr, TWO_ROWS: tl.constexpr):
-    """The first K tile ``[1, BLOCK_N, BLOCK_K]`` of row block ``blk`` (and of its second rows
-    for a GLU / RoPE pair), read as zeros when ``blk >= num_blocks``: weights only, so it may be
-    issued before waiting for the activations."""
-    rk = tl.arange(0, BLOCK_K)
-    _, _, row_a, row_b, _, _ = _gemv_rows(blk % num_blocks, N, BLOCK_N, ROPE, HALF)
-    w = _prefetch_w(w_ptr + row_a[None, :, None].to(tl.int64) * stride_wn + rk[None, None, :], K, rk, blk,
-                    num_blocks)
-    if TWO_ROWS:
-        wb = _prefetch_w(w_ptr + row_b[None, :, None].to(tl.int64) * stride_wn + rk[None, None, :], K, rk,
-                         blk, num_blocks)
-    else:
-        wb = w
-    return w, wb
-
-
-@triton.jit
-def _gemv_loop(pid, nprog, w, wb, x_ptr, w_ptr, y_ptr, scale_ptr, bias_ptr, res_ptr, g_ptr,
-               kc_ptr, vc_ptr, cos_ptr, sin_ptr, pos_ptr, slot_ptr, num_slots,
-               M, N, K, stride_xm, stride_wn, stride_ym, stride_rm, eps,
-               W_INT8: tl.constexpr, HAS_BIAS: tl.constexpr, HAS_RES: tl.constexpr,
-               PROLOGUE: tl.constexpr, GLU: tl.constexpr, ROPE: tl.constexpr,
-               HQ: tl.constexpr, HKV: tl.constexpr, HALF: tl.constexpr,
-               BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-               EVEN_K: tl.constexpr, STAGES: tl.constexpr, EARLY_EPI: tl.constexpr):
-    """Row blocks ``pid, pid + nprog, ...`` of one projection (a persistent grid of ``nprog``
-    programs); ``w``/``wb`` are the first tiles of block ``pid`` (:func:`_gemv_tiles`), and the
-    first tiles of each next block are loaded before the current block's K loop, so they are in
-    flight during it."""
-    TWO_ROWS: tl.constexpr = GLU or ROPE
-    rm = tl.arange(0, BLOCK_M)
-    rm_ld = rm % M
-    rk = tl.arange(0, BLOCK_K)
-    num_blocks = tl.cdiv(N, BLOCK_N)
-    for blk in range(pid, num_blocks, nprog):
-        w_cur = w
-        wb_cur = wb
-        w, wb = _gemv_tiles(blk + nprog, num_blocks, w_ptr, stride_wn, N, K, BLOCK_N, BLOCK_K, ROPE, HALF,
-                            TWO_ROWS)
-        _gemv_block(blk, w_cur, wb_cur, rm, rm_ld, rk, x_ptr, w_ptr, y_ptr, scale_ptr, bias_ptr, res_ptr, g_ptr,
-                    kc_ptr, vc_ptr, cos_ptr, sin_ptr, pos_ptr, slot_ptr, num_slots, M, N, K, stride_xm,
-                    stride_wn, stride_ym, stride_rm, eps, W_INT8, HAS_BIAS, HAS_RES, PROLOGUE, GLU, ROPE,
-                    HQ, HKV, HALF, BLOCK_M, BLOCK_N, BLOCK_K, EVEN_K, STAGES, EARLY_EPI)
-
-
-@triton.jit
 def _gemv_kernel(x_ptr, w_ptr, y_ptr, scale_ptr, bias_ptr, res_ptr, g_ptr,
                  kc_ptr, vc_ptr, cos_ptr, sin_ptr, pos_ptr, slot_ptr, num_slots,
                  M, N, K, stride_xm, stride_wn, stride_ym, stride_rm, eps,
@@ -309,7 +262,7 @@ def _gemv_kernel(x_ptr, w_ptr, y_ptr, scale_ptr, bias_ptr, res_ptr, g_ptr,
     """A program computes ``BLOCK_N`` outputs (a row block) for all ``M <= BLOCK_M`` rows of x:
     row block ``pid``, or with ``PERSISTENT`` (a grid smaller than the block count) blocks
     ``pid, pid + grid, ...``, which avoids a last partial wave; the first tile of its next
-    block is then loaded before the current block's K loop (:func:`_gemv_loop`).
+    block is then loaded before the current block's K loop.
 
     An output is one weight row, or (``GLU``) the pair gate row ``n`` / up row ``N + n``, or
     (``ROPE``) the pair of rows ``j`` and ``j + D/2`` of one head of the packed QKV weight, which
@@ -336,10 +289,23 @@ def _gemv_kernel(x_ptr, w_ptr, y_ptr, scale_ptr, bias_ptr, res_ptr, g_ptr,
         gdc_wait()
         gdc_launch_dependents()
     if PERSISTENT:
-        _gemv_loop(pid, tl.num_programs(0), w, wb, x_ptr, w_ptr, y_ptr, scale_ptr, bias_ptr, res_ptr, g_ptr,
-                   kc_ptr, vc_ptr, cos_ptr, sin_ptr, pos_ptr, slot_ptr, num_slots, M, N, K, stride_xm,
-                   stride_wn, stride_ym, stride_rm, eps, W_INT8, HAS_BIAS, HAS_RES, PROLOGUE, GLU, ROPE,
-                   HQ, HKV, HALF, BLOCK_M, BLOCK_N, BLOCK_K, EVEN_K, STAGES, EARLY_EPI)
+        nprog = tl.num_programs(0)
+        num_blocks = tl.cdiv(N, BLOCK_N)
+        for blk in range(pid, num_blocks, nprog):
+            w_cur = w
+            wb_cur = wb
+            nxt = blk + nprog          # the next block's first tile, in flight during this block
+            _, _, nrow_a, nrow_b, _, _ = _gemv_rows(nxt % num_blocks, N, BLOCK_N, ROPE, HALF)
+            w = _prefetch_w(w_ptr + nrow_a[None, :, None].to(tl.int64) * stride_wn + rk[None, None, :], K,
+                            rk, nxt, num_blocks)
+            if TWO_ROWS:
+                wb = _prefetch_w(w_ptr + nrow_b[None, :, None].to(tl.int64) * stride_wn + rk[None, None, :],
+                                 K, rk, nxt, num_blocks)
+            else:
+                wb = w
+            _gemv_block(blk, w_cur, wb_cur, rm, rm_ld, rk, x_ptr, w_ptr, y_ptr, scale_ptr, bias_ptr, res_ptr, g_ptr, kc_ptr, vc_ptr, cos_ptr, sin_ptr, pos_ptr, slot_ptr, num_slots, M, N, K, stride_xm, stride_wn, stride_ym, stride_rm, eps,
+                        W_INT8, HAS_BIAS, HAS_RES, PROLOGUE, GLU, ROPE, HQ, HKV, HALF, BLOCK_M, BLOCK_N,
+                        BLOCK_K, EVEN_K, STAGES, EARLY_EPI)
     else:
         _gemv_block(pid, w, wb, rm, rm_ld, rk, x_ptr, w_ptr, y_ptr, scale_ptr, bias_ptr, res_ptr, g_ptr, kc_ptr, vc_ptr, cos_ptr, sin_ptr, pos_ptr, slot_ptr, num_slots, M, N, K, stride_xm, stride_wn, stride_ym, stride_rm, eps,
                     W_INT8, HAS_BIAS, HAS_RES, PROLOGUE, GLU, ROPE, HQ, HKV, HALF, BLOCK_M, BLOCK_N,

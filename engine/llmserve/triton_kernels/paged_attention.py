@@ -232,24 +232,6 @@ def _decode_kernel(q_ptr, k_cache_ptr, v_cache_ptr, out_ptr, m_ptr, l_ptr, acc_p
     if SKIP_NON_DECODE:
         if tl.load(qsl_ptr + b + 1) - q_row != 1:  # served by the prefill kernel
             return
-    _decode_split(b, kvh, split, q_row, ctx, q_ptr, k_cache_ptr, v_cache_ptr, out_ptr, m_ptr, l_ptr, acc_ptr,
-                  cnt_ptr, bt_ptr, qk_scale, num_splits, inline_max, num_q_heads, tl.num_programs(1),
-                  stride_qn, stride_qh, stride_kb, stride_kt, stride_kh, stride_on, stride_oh, stride_btb,
-                  G, G_PAD, HEAD_DIM, PAGE, BLOCK_N, FP32_MATH, DIRECT_OUT, MIN_TILES)
-
-
-@triton.jit
-def _decode_split(b, kvh, split, q_row, ctx, q_ptr, k_cache_ptr, v_cache_ptr, out_ptr, m_ptr, l_ptr, acc_ptr,
-                  cnt_ptr, bt_ptr, qk_scale, num_splits, inline_max, num_q_heads, num_kv_heads,
-                  stride_qn, stride_qh, stride_kb, stride_kt, stride_kh, stride_on, stride_oh, stride_btb,
-                  G: tl.constexpr, G_PAD: tl.constexpr, HEAD_DIM: tl.constexpr, PAGE: tl.constexpr,
-                  BLOCK_N: tl.constexpr, FP32_MATH: tl.constexpr, DIRECT_OUT: tl.constexpr,
-                  MIN_TILES: tl.constexpr):
-    """Split ``split`` of (sequence ``b``, KV head ``kvh``): query row ``q_row``, ``ctx`` cached
-    positions. Its share of the context's tiles (:func:`_active_splits`) folded into an online
-    softmax; then the output (one active split, or ``DIRECT_OUT``), or fp32 partials
-    ``(m, l, acc)`` of which the last split to finish merges all (``active <= inline_max``; an
-    arrival counter per (sequence, KV head) in ``cnt_ptr``, left at zero)."""
     tiles_per_split, active = _active_splits(ctx, num_splits, BLOCK_N, MIN_TILES)
     live = split < active  # splits past the sequence's context run no tiles and store nothing
     start = split * tiles_per_split * BLOCK_N
@@ -309,7 +291,7 @@ def _decode_split(b, kvh, split, q_row, ctx, q_ptr, k_cache_ptr, v_cache_ptr, ou
             # Partial stores are released by the barrier + acq_rel atomic and re-read from L2
             # (.cg).
             tl.debug_barrier()
-            cnt = cnt_ptr + b * num_kv_heads + kvh
+            cnt = cnt_ptr + b * tl.num_programs(1) + kvh
             count = tl.atomic_add(cnt, 1)
             if count == active - 1:
                 base = (b.to(tl.int64) * num_q_heads + heads) * num_splits            # [G_PAD]
