@@ -21,29 +21,23 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import time
-
-import subprocess
 import sys
+import time
 from pathlib import Path
 
 import torch
-
 from llmserve.bench_compare import decode_llmserve
+from llmserve.benchmark.report import git_info
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "workflow" / "scripts"))
-from code_hash import code_hash  # noqa: E402
+from code_hash import code_hash
 
 
 def provenance() -> dict:
     """Which code ran: the hash of the imported ``llmserve`` sources (the pipeline's code
-    hash; the device copy of the tree has no git history) and the git commit where there is one."""
-    try:
-        commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
-                                timeout=10, cwd=Path(__file__).resolve().parent).stdout.strip() or None
-    except (OSError, subprocess.SubprocessError):
-        commit = None
-    return {"code_hash": code_hash(), "git_commit": commit}
+    hash; the device copy of the tree has no git history) and the checkout's git state where
+    there is one (``report.git_info``: revision, dirty, untracked)."""
+    return {"code_hash": code_hash(), "git": git_info()}
 
 
 def main() -> None:

@@ -11,13 +11,12 @@ from __future__ import annotations
 
 import argparse
 import json
-import statistics
 import time
 
 import torch
 import triton
 import triton.language as tl
-
+from cuda_timing import graph_time_us  # scripts/, next to this file
 from llmserve.triton_kernels.gemv import gemv
 
 
@@ -52,25 +51,15 @@ def main() -> None:
     out = torch.empty(1, device=dev)
     sms = torch.cuda.get_device_properties(dev).multi_processor_count
 
-    def timed(step) -> float:
-        for _ in range(2):
-            step()
-        torch.cuda.synchronize()
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph):
-            step()
-        ts = []
-        for _ in range(args.replays):
-            s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            s.record()
-            graph.replay()
-            e.record()
-            torch.cuda.synchronize()
-            ts.append(s.elapsed_time(e) * 1000 / copies)
-        return statistics.median(ts)
+    def timed(fn) -> float:
+        """Median us per copy of ``fn(w)`` over the 8 weight copies, in one CUDA graph."""
+        return graph_time_us([lambda w=w: fn(w) for w in ws], reps=copies, replays=args.replays)
+
+    def gate_up(w):
+        gemv(x, w, prologue="rmsnorm", glu=True, norm_weight=g)
 
     rows = []
-    base = timed(lambda: [gemv(x, w, prologue="rmsnorm", glu=True, norm_weight=g) for w in ws])
+    base = timed(gate_up)
     rows.append({"mb": 0, "policy": None, "gemv_us": base, "warm_us": 0.0})
     print(json.dumps(rows[-1]), flush=True)
     for pol in args.policy:
@@ -80,11 +69,11 @@ def main() -> None:
             n = int(mb * 2**20 / 2 / 2)           # bf16 elements of each of the two ranges
             n = min(n, i * h)
 
-            def warm(w):
+            def warm(w, n=n, pol=pol):
                 _warm[(2 * sms,)](w, w[i:], n, out, BLOCK=2048, POLICY=pol, num_warps=4)
 
-            both = timed(lambda: [(warm(w), gemv(x, w, prologue="rmsnorm", glu=True, norm_weight=g)) for w in ws])
-            alone = timed(lambda: [warm(w) for w in ws])
+            both = timed(lambda w: (warm(w), gate_up(w)))
+            alone = timed(warm)
             rows.append({"mb": mb, "policy": pol or "normal", "gemv_us": both - alone, "warm_us": alone,
                          "both_us": both})
             print(json.dumps(rows[-1]), flush=True)
