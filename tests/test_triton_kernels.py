@@ -521,13 +521,15 @@ def test_gemv_config_env_and_table(monkeypatch, tmp_path):
     table.write_text('{"configs": {"a": [1, 2], "b": [2, 48, 4, 1], "c": [2, 256, 4, 1], '
                      '"d": [1, 512, 2, 1, 8], "e": [1, 512, 2, 1, -1]}}')
     monkeypatch.setenv("LLMSERVE_GEMV_TABLE", str(table))
-    monkeypatch.setattr(gm, "_TABLE", None)
+    monkeypatch.setattr(gm, "_TABLES", {})
     assert gm._table() == {"c": GemvConfig(2, 256, 4, 1), "d": GemvConfig(1, 512, 2, 1, 8)}
     assert gm._table()["d"].as_list() == [1, 512, 2, 1, 8]
-    table.write_text("[1, 2, 3]")
-    monkeypatch.setattr(gm, "_TABLE", None)
+    table2 = tmp_path / "t2.json"                # another file is its own table (A/B in one process)
+    table2.write_text("[1, 2, 3]")
+    monkeypatch.setenv("LLMSERVE_GEMV_TABLE", str(table2))
     assert gm._table() == {}
-    monkeypatch.setattr(gm, "_TABLE", None)
+    monkeypatch.setenv("LLMSERVE_GEMV_TABLE", str(table))
+    assert gm._table()["c"] == GemvConfig(2, 256, 4, 1)
     monkeypatch.delenv("LLMSERVE_GEMV_TABLE")
     shipped = gm._table()                         # the package's own table parses completely
     import json

@@ -110,6 +110,12 @@ class FastQwen2Forward:
         if env not in ("", "0", "1"):
             raise ValueError(f"LLMSERVE_GEMV_EARLY_EPILOGUE must be 0 or 1, got {env!r}")
         self.early_epilogue = env == "1" if env else cfg.hidden_size <= 2048
+        # PDL kernels let the next kernel launch before waiting for their predecessor (a cascade:
+        # kernels several positions ahead read their weights early); LLMSERVE_PDL_TRIGGER_FIRST.
+        env = os.environ.get("LLMSERVE_PDL_TRIGGER_FIRST", "0")
+        if env not in ("0", "1"):
+            raise ValueError(f"LLMSERVE_PDL_TRIGGER_FIRST must be 0 or 1, got {env!r}")
+        self.pdl_trigger_first = self.pdl and env == "1"
 
     def __call__(self, input_ids: torch.Tensor, positions: torch.Tensor,
                  kv_caches: list[tuple[torch.Tensor, torch.Tensor]], meta: AttentionMetadata) -> torch.Tensor:
@@ -151,7 +157,7 @@ class FastQwen2Forward:
             return self.model.compute_logits(hidden)
         w = self.model.lm_head.weight                                       # [V, H]
         out = torch.empty((m, w.shape[0]), dtype=torch.float32, device=hidden.device)
-        return gemv(hidden, w, out=out, pdl=self.pdl)
+        return gemv(hidden, w, out=out, pdl=self.pdl, pdl_trigger_first=self.pdl_trigger_first)
 
     def _forward_gemv(self, input_ids: torch.Tensor, positions: torch.Tensor,
                       kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
@@ -165,6 +171,7 @@ class FastQwen2Forward:
         backend = model.attention_backend
         direct_decode = isinstance(backend, TritonPagedAttention) and meta.is_decode_only
         pdl, early = self.pdl, self.early_epilogue
+        first = self.pdl_trigger_first
         cos, sin = model.rope_cos_sin(input_ids.device)                     # [L, D/2] fp32
         r = model.model.embed_tokens(input_ids)                             # [N, H]
         n = r.shape[0]
@@ -175,19 +182,21 @@ class FastQwen2Forward:
                               eps=self.eps, positions=positions, slot_mapping=meta.slot_mapping,
                               cos=cos, sin=sin, k_cache=k_cache, v_cache=v_cache,
                               num_heads=self.num_heads, num_kv_heads=self.num_kv_heads,
-                              pdl=pdl, early_epilogue=early)                # [N, Hq, D]
+                              pdl=pdl, early_epilogue=early, pdl_trigger_first=first)  # [N, Hq, D]
             if direct_decode:
-                o = paged_attention_decode(q, k_cache, v_cache, meta, self.scale, pdl=pdl)
+                o = paged_attention_decode(q, k_cache, v_cache, meta, self.scale, pdl=pdl,
+                                           pdl_trigger_first=first)
             else:
                 o = backend.forward(q, k_cache, v_cache, meta, self.scale)  # [N, Hq, D]
             o_proj = layer.self_attn.o_proj
             gemv(o.reshape(n, self.num_heads * self.head_dim), o_proj.weight, bias=o_proj.bias,
-                 residual=r, out=r, pdl=pdl, early_epilogue=early)          # r += o @ Wo.T
+                 residual=r, out=r, pdl=pdl, early_epilogue=early,
+                 pdl_trigger_first=first)                                   # r += o @ Wo.T
             act = gemv(r, entry["gate_up"][0], prologue="rmsnorm", glu=True,
                        norm_weight=layer.post_attention_layernorm.weight, eps=self.eps,
-                       pdl=pdl)                                             # [N, I]
+                       pdl=pdl, pdl_trigger_first=first)                    # [N, I]
             down = layer.mlp.down_proj
             gemv(act, down.weight, bias=down.bias, residual=r, out=r, pdl=pdl,
-                 early_epilogue=early)                                      # r += act @ Wd.T
+                 early_epilogue=early, pdl_trigger_first=first)             # r += act @ Wd.T
         h, _ = add_rmsnorm(r, model.model.norm.weight, self.eps)            # [N, H]
         return h

@@ -7,6 +7,8 @@ from __future__ import annotations
 import os
 
 import torch
+import triton
+import triton.language as tl
 
 _NUM_SMS: dict[int, int] = {}
 _COUNTERS: dict[tuple[str, str, int | None], torch.Tensor] = {}
@@ -42,7 +44,8 @@ def zeroed_counters(owner: str, device: torch.device, n: int) -> torch.Tensor:
 # it must execute ``griddepcontrol.wait`` (Triton: ``gdc_wait``) before it reads anything the
 # predecessor wrote or writes anything the predecessor reads. Work before the wait that touches
 # only immutable data (weights) overlaps the predecessor's tail. Each of our PDL kernels calls
-# ``gdc_launch_dependents`` right after its own wait, so at most one kernel runs ahead.
+# ``gdc_launch_dependents`` right after its own wait, so at most one kernel runs ahead, unless
+# launched with ``trigger_first`` (see :func:`pdl_enter`).
 # CUDA Programming Guide, "Programmatic Dependent Launch and Synchronization"; Triton exposes it
 # as ``triton.language.extra.cuda.gdc_wait`` and the ``launch_pdl`` launch option.
 
@@ -82,8 +85,6 @@ def pdl_launch_kwargs(use_pdl: bool) -> dict:
 try:  # the device-side half of PDL; no-ops where this Triton lacks it (never traced then)
     from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 except ImportError:  # pragma: no cover - old Triton
-    import triton
-
     @triton.jit
     def gdc_wait():
         pass
@@ -91,3 +92,30 @@ except ImportError:  # pragma: no cover - old Triton
     @triton.jit
     def gdc_launch_dependents():
         pass
+
+
+@triton.jit
+def pdl_start(USE_PDL: tl.constexpr, TRIGGER_FIRST: tl.constexpr):
+    """First statement of a kernel launched with ``launch_pdl``: with ``TRIGGER_FIRST``, allow
+    the next kernel to launch right away (see :func:`pdl_wait`); nothing otherwise."""
+    if USE_PDL:
+        if TRIGGER_FIRST:
+            gdc_launch_dependents()
+
+
+@triton.jit
+def pdl_wait(USE_PDL: tl.constexpr, TRIGGER_FIRST: tl.constexpr):
+    """The wait of a kernel launched with ``launch_pdl`` (nothing without ``USE_PDL``): after it,
+    everything the previous kernels wrote is visible. Without ``TRIGGER_FIRST`` the next
+    kernel is allowed to launch here, after the wait, so at most one kernel runs ahead. With
+    it (:func:`pdl_start` triggered already) the kernels after this one can launch, and read
+    their weights, while several earlier ones still run: a cascade bounded by the SMs'
+    resources. Both orders are correct as long as no kernel reads what earlier kernels write
+    (or writes what they read) before its own wait: the wait returns only when the previous
+    grid has completed, and that grid completed only after its own wait returned, so every
+    earlier kernel has completed too (CUDA Programming Guide, "Programmatic Dependent Launch
+    and Synchronization")."""
+    if USE_PDL:
+        gdc_wait()
+        if not TRIGGER_FIRST:
+            gdc_launch_dependents()

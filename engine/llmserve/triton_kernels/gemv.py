@@ -48,7 +48,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ._launch import gdc_launch_dependents, gdc_wait, num_sms, pdl_launch_kwargs
+from ._launch import num_sms, pdl_launch_kwargs, pdl_start, pdl_wait
 
 __all__ = ["GemvConfig", "choose_gemv_config", "gemv", "gemv_qkv_rope", "gemv_reference", "GEMV_MAX_M"]
 
@@ -258,7 +258,8 @@ def _gemv_kernel(x_ptr, w_ptr, y_ptr, scale_ptr, bias_ptr, res_ptr, g_ptr,
                  HQ: tl.constexpr, HKV: tl.constexpr, HALF: tl.constexpr,
                  BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                  EVEN_K: tl.constexpr, STAGES: tl.constexpr, PERSISTENT: tl.constexpr,
-                 USE_PDL: tl.constexpr, EARLY_EPI: tl.constexpr = False):
+                 USE_PDL: tl.constexpr, EARLY_EPI: tl.constexpr = False,
+                 PDL_TRIGGER_FIRST: tl.constexpr = False):
     """A program computes ``BLOCK_N`` outputs (a row block) for all ``M <= BLOCK_M`` rows of x:
     row block ``pid``, or with ``PERSISTENT`` (a grid smaller than the block count) blocks
     ``pid, pid + grid, ...``, which avoids a last partial wave; the first tile of its next
@@ -270,10 +271,12 @@ def _gemv_kernel(x_ptr, w_ptr, y_ptr, scale_ptr, bias_ptr, res_ptr, g_ptr,
     zero stride along N (all N-rows of the tile read the same activations: L1 hits), so it
     arrives in the weight tile's register layout and no layout conversion is needed.
 
-    With ``USE_PDL`` the first weight tile is loaded before ``gdc_wait``: weights never depend
-    on the previous kernel, so their first bytes stream while that kernel drains.
+    With ``USE_PDL`` the first weight tile is loaded before the wait (:func:`pdl_wait`):
+    weights never depend on the previous kernel, so their first bytes stream while that kernel
+    drains (``PDL_TRIGGER_FIRST``: while the kernels before it drain too).
     """
     TWO_ROWS: tl.constexpr = GLU or ROPE
+    pdl_start(USE_PDL, PDL_TRIGGER_FIRST)
     pid = tl.program_id(0)
     rm = tl.arange(0, BLOCK_M)
     rm_ld = rm % M
@@ -285,9 +288,7 @@ def _gemv_kernel(x_ptr, w_ptr, y_ptr, scale_ptr, bias_ptr, res_ptr, g_ptr,
                      EVEN_K)
     else:
         wb = w
-    if USE_PDL:  # everything below may read what the previous kernel wrote
-        gdc_wait()
-        gdc_launch_dependents()
+    pdl_wait(USE_PDL, PDL_TRIGGER_FIRST)  # everything below may read what earlier kernels wrote
     if PERSISTENT:
         nprog = tl.num_programs(0)
         num_blocks = tl.cdiv(N, BLOCK_N)
@@ -343,7 +344,7 @@ class GemvConfig:
         return v + [self.programs_per_sm] if self.programs_per_sm else v
 
 
-_TABLE: dict[str, GemvConfig] | None = None
+_TABLES: dict[str, dict[str, GemvConfig]] = {}
 
 
 def _table() -> dict[str, GemvConfig]:
@@ -351,11 +352,11 @@ def _table() -> dict[str, GemvConfig]:
     ``LLMSERVE_GEMV_TABLE``; written by ``scripts/bench_gemv.py`` from a device sweep. Keys are
     ``"<gpu name>|<int8|float>|<prologue>|<M>|<K>|<N>"``, values ``[block_n, block_k,
     num_warps, stages]`` or with ``programs_per_sm`` fifth; malformed entries are ignored.
-    Read once per process."""
-    global _TABLE
-    if _TABLE is None:
-        path = os.environ.get("LLMSERVE_GEMV_TABLE") or os.path.join(os.path.dirname(__file__),
-                                                                     "gemv_configs.json")
+    Each file is read once per process (so ``LLMSERVE_GEMV_TABLE`` can change between engine
+    builds, for A/B runs)."""
+    path = os.environ.get("LLMSERVE_GEMV_TABLE") or os.path.join(os.path.dirname(__file__),
+                                                                 "gemv_configs.json")
+    if path not in _TABLES:
         try:
             with open(path) as f:
                 data = json.load(f)
@@ -369,8 +370,8 @@ def _table() -> dict[str, GemvConfig]:
                     table[key] = GemvConfig(*v)
                 except (TypeError, ValueError):
                     pass                            # malformed entries are skipped
-        _TABLE = table
-    return _TABLE
+        _TABLES[path] = table
+    return _TABLES[path]
 
 
 def table_key(gpu: str, int8: bool, prologue: str, m: int, k: int, n: int) -> str:
@@ -475,7 +476,7 @@ def _check_gemv_inputs(x, weight, scale, bias, residual, prologue, norm_weight, 
 
 def _launch(x, weight, out, cfg: GemvConfig, n: int, *, scale=None, bias=None, residual=None,
             norm_weight=None, prologue="none", eps=1e-6, glu=False, pdl=False, rope=None,
-            early_epilogue=False) -> None:
+            early_epilogue=False, pdl_trigger_first=False) -> None:
     """Launch :func:`_gemv_kernel` over ``n`` outputs (validated arguments). ``rope``: ``(k_cache,
     v_cache, cos, sin, positions, slot_mapping, num_heads, num_kv_heads)`` for the QKV+RoPE
     epilogue (then ``n`` counts rotation pairs)."""
@@ -500,7 +501,8 @@ def _launch(x, weight, out, cfg: GemvConfig, n: int, *, scale=None, bias=None, r
         PROLOGUE=PROLOGUES[prologue], GLU=glu, ROPE=rope is not None, HQ=hq, HKV=hkv, HALF=half,
         BLOCK_M=triton.next_power_of_2(m), BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
         EVEN_K=k % cfg.block_k == 0, STAGES=cfg.stages, PERSISTENT=blocks < triton.cdiv(n, cfg.block_n),
-        USE_PDL=pdl, EARLY_EPI=bool(early_epilogue), num_warps=cfg.num_warps,
+        USE_PDL=pdl, EARLY_EPI=bool(early_epilogue), PDL_TRIGGER_FIRST=bool(pdl and pdl_trigger_first),
+        num_warps=cfg.num_warps,
         **pdl_launch_kwargs(pdl))
 
 
@@ -509,7 +511,8 @@ def gemv_qkv_rope(x: torch.Tensor, weight: torch.Tensor, *, bias: torch.Tensor |
                   slot_mapping: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
                   k_cache: torch.Tensor, v_cache: torch.Tensor, num_heads: int, num_kv_heads: int,
                   scale: torch.Tensor | None = None, config: GemvConfig | None = None,
-                  pdl: bool = False, early_epilogue: bool = False) -> torch.Tensor:
+                  pdl: bool = False, early_epilogue: bool = False,
+                  pdl_trigger_first: bool = False) -> torch.Tensor:
     """RMSNorm -> packed QKV projection -> RoPE on Q and K -> K/V written to the paged cache, in
     one kernel; returns Q. The same function as ``gemv(x, weight, bias=bias,
     prologue="rmsnorm", ...)`` followed by :func:`~llmserve.triton_kernels.fused.rope_qkv_write_kv`
@@ -528,7 +531,7 @@ def gemv_qkv_rope(x: torch.Tensor, weight: torch.Tensor, *, bias: torch.Tensor |
         k_cache, v_cache: contiguous ``[num_blocks + 1, block_size, Hkv, D]``.
         num_heads, num_kv_heads: ``Hq``, ``Hkv``.
         pdl: programmatic dependent launch (see :func:`gemv`).
-        early_epilogue: see :func:`gemv`.
+        early_epilogue, pdl_trigger_first: see :func:`gemv`.
 
     Returns:
         ``q`` ``[M, Hq, D]`` in ``x.dtype``.
@@ -563,7 +566,7 @@ def gemv_qkv_rope(x: torch.Tensor, weight: torch.Tensor, *, bias: torch.Tensor |
     _launch(x, weight, q.view(m, num_heads * d), cfg, n_pairs, scale=scale, bias=bias,
             norm_weight=norm_weight, prologue="rmsnorm", eps=eps, pdl=pdl,
             rope=(k_cache, v_cache, cos, sin, positions, slot_mapping, num_heads, num_kv_heads),
-            early_epilogue=early_epilogue)
+            early_epilogue=early_epilogue, pdl_trigger_first=pdl_trigger_first)
     return q
 
 
@@ -572,7 +575,7 @@ def gemv(x: torch.Tensor, weight: torch.Tensor, *, scale: torch.Tensor | None = 
          prologue: str = "none", norm_weight: torch.Tensor | None = None, eps: float = 1e-6,
          glu: bool = False, out: torch.Tensor | None = None,
          config: GemvConfig | None = None, pdl: bool = False,
-         early_epilogue: bool = False) -> torch.Tensor:
+         early_epilogue: bool = False, pdl_trigger_first: bool = False) -> torch.Tensor:
     """``y = residual + (prologue(x) @ (weight * scale[:, None]).T + bias)`` for ``M <= 4`` rows
     (with ``glu``: ``y = silu(p[:, :N]) * p[:, N:]`` of that projection ``p``).
 
@@ -602,6 +605,10 @@ def gemv(x: torch.Tensor, weight: torch.Tensor, *, scale: torch.Tensor | None = 
             of Qwen2.5-0.5B/1.5B shapes (1.5B 1.146 -> 1.079 ms/step) but lengthened 7B
             (3.82 -> 4.11), so the engine turns it on by model size
             (:class:`~llmserve.models.fast_forward.FastQwen2Forward`).
+        pdl_trigger_first: with ``pdl``, let the next kernel launch before this one waits for
+            its predecessor (``_launch.pdl_wait``), so several kernels ahead can read their
+            weights early. Only when every kernel of the chain waits before touching what
+            earlier kernels write (the engine's decode path). Same results.
 
     Returns:
         ``[M, N]`` in ``out``'s dtype (default ``x.dtype``); fp32 accumulation.
@@ -624,7 +631,8 @@ def gemv(x: torch.Tensor, weight: torch.Tensor, *, scale: torch.Tensor | None = 
         return out
     cfg = config or choose_gemv_config(m, n, k, weight.dtype, x.device, prologue + ("+glu" if glu else ""))
     _launch(x, weight, out, cfg, n, scale=scale, bias=bias, residual=residual, norm_weight=norm_weight,
-            prologue=prologue, eps=eps, glu=glu, pdl=pdl, early_epilogue=early_epilogue)
+            prologue=prologue, eps=eps, glu=glu, pdl=pdl, early_epilogue=early_epilogue,
+            pdl_trigger_first=pdl_trigger_first)
     return out
 
 

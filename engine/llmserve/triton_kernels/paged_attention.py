@@ -49,7 +49,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ._launch import gdc_launch_dependents, gdc_wait, num_sms, pdl_launch_kwargs, zeroed_counters
+from ._launch import num_sms, pdl_launch_kwargs, pdl_start, pdl_wait, zeroed_counters
 
 __all__ = [
     "SUPPORTED_HEAD_DIMS",
@@ -213,22 +213,21 @@ def _decode_kernel(q_ptr, k_cache_ptr, v_cache_ptr, out_ptr, m_ptr, l_ptr, acc_p
                    PAGE: tl.constexpr, BLOCK_N: tl.constexpr, FP32_MATH: tl.constexpr,
                    SKIP_NON_DECODE: tl.constexpr, DIRECT_OUT: tl.constexpr,
                    MIN_TILES: tl.constexpr,
-                   USE_PDL: tl.constexpr):
+                   USE_PDL: tl.constexpr, PDL_TRIGGER_FIRST: tl.constexpr = False):
     """Grid ``(B, Hkv, num_splits)``. The split of the context is decided here, per sequence:
     its ``ceil(ctx / BLOCK_N)`` tiles are spread over the ``num_splits`` programs
     (:func:`_active_splits`), so a short sequence in a grid sized for ``max_model_len`` (CUDA
     graphs) uses few programs; the others run no tiles and store nothing (no early return:
     the tile loop stays outside any branch)."""
+    pdl_start(USE_PDL, PDL_TRIGGER_FIRST)
     b = tl.program_id(0)
     kvh = tl.program_id(1)
     split = tl.program_id(2)
-    # The step's metadata is written before the forward pass (PDL contract: not by the kernel
-    # just before this one), so it is read before the wait; q and this step's K/V are not.
+    # The step's metadata is written before the forward pass (PDL contract: not by the kernels
+    # of the forward pass), so it is read before the wait; q and this step's K/V are not.
     q_row = tl.load(qsl_ptr + b)
     ctx = tl.load(ctx_ptr + b)
-    if USE_PDL:
-        gdc_wait()
-        gdc_launch_dependents()
+    pdl_wait(USE_PDL, PDL_TRIGGER_FIRST)
     if SKIP_NON_DECODE:
         if tl.load(qsl_ptr + b + 1) - q_row != 1:  # served by the prefill kernel
             return
@@ -329,12 +328,12 @@ def _active_splits(ctx, num_splits, BLOCK_N: tl.constexpr, MIN_TILES: tl.constex
 def _decode_reduce_kernel(out_ptr, m_ptr, l_ptr, acc_ptr, qsl_ptr, ctx_ptr, num_splits, inline_max, num_q_heads,
                           stride_on, stride_oh,
                           HEAD_DIM: tl.constexpr, S_BLOCK: tl.constexpr, BLOCK_N: tl.constexpr,
-                          MIN_TILES: tl.constexpr, SKIP_NON_DECODE: tl.constexpr, USE_PDL: tl.constexpr):
+                          MIN_TILES: tl.constexpr, SKIP_NON_DECODE: tl.constexpr, USE_PDL: tl.constexpr,
+                          PDL_TRIGGER_FIRST: tl.constexpr = False):
+    pdl_start(USE_PDL, PDL_TRIGGER_FIRST)
     b = tl.program_id(0)
     h = tl.program_id(1)
-    if USE_PDL:
-        gdc_wait()
-        gdc_launch_dependents()
+    pdl_wait(USE_PDL, PDL_TRIGGER_FIRST)
     q_row = tl.load(qsl_ptr + b)
     if SKIP_NON_DECODE:
         if tl.load(qsl_ptr + b + 1) - q_row != 1:
@@ -614,7 +613,7 @@ def paged_attention_decode(query: torch.Tensor, k_cache: torch.Tensor, v_cache: 
                            skip_non_decode: bool = False, num_splits: int | None = None,
                            block_n: int | None = None, num_warps: int | None = None,
                            num_stages: int | None = None, fused_reduce: bool | None = None,
-                           pdl: bool = False) -> torch.Tensor:
+                           pdl: bool = False, pdl_trigger_first: bool = False) -> torch.Tensor:
     """Split-K decode attention: one query token per sequence (row ``query_start_loc[i]``).
 
     The grid has ``num_splits`` programs per (sequence, KV head), sized for
@@ -637,6 +636,8 @@ def paged_attention_decode(query: torch.Tensor, k_cache: torch.Tensor, v_cache: 
             (``query_start_loc``, ``context_lens``) is read before waiting for the previous
             kernel, so it must not be written by the kernel just before this one (the engine
             writes it before the forward pass); q and the K/V cache are read after the wait.
+        pdl_trigger_first: with ``pdl``, let the next kernel launch before this one waits
+            (see :func:`~llmserve.triton_kernels.gemv.gemv`).
 
     Returns:
         ``out`` (allocated when not given; rows not written are zero when allocated here).
@@ -699,14 +700,15 @@ def paged_attention_decode(query: torch.Tensor, k_cache: torch.Tensor, v_cache: 
         out.stride(0), out.stride(1), meta.block_tables.stride(0),
         G=g, G_PAD=g_pad, HEAD_DIM=d, PAGE=bs, BLOCK_N=bn, FP32_MATH=fp32_math,
         SKIP_NON_DECODE=skip_non_decode, DIRECT_OUT=direct,
-        MIN_TILES=min_tiles, USE_PDL=pdl, num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
-        **pdl_launch_kwargs(pdl))
+        MIN_TILES=min_tiles, USE_PDL=pdl, PDL_TRIGGER_FIRST=bool(pdl and pdl_trigger_first),
+        num_warps=cfg["num_warps"], num_stages=cfg["num_stages"], **pdl_launch_kwargs(pdl))
     if not direct and not fused:
         _decode_reduce_kernel[(b, hq)](
             out, m_buf, l_buf, acc_buf, meta.query_start_loc, meta.context_lens, num_splits, inline_max, hq,
             out.stride(0), out.stride(1),
             HEAD_DIM=d, S_BLOCK=min(16, triton.next_power_of_2(num_splits)), BLOCK_N=bn,
-            MIN_TILES=min_tiles, SKIP_NON_DECODE=skip_non_decode, USE_PDL=pdl, num_warps=1 if on_cpu else 4,
+            MIN_TILES=min_tiles, SKIP_NON_DECODE=skip_non_decode, USE_PDL=pdl,
+            PDL_TRIGGER_FIRST=bool(pdl and pdl_trigger_first), num_warps=1 if on_cpu else 4,
             **pdl_launch_kwargs(pdl))
     return out
 

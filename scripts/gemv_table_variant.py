@@ -1,0 +1,44 @@
+"""Write a variant of the tuned gemv table (``triton_kernels/gemv_configs.json``) with some
+entries replaced, for A/B runs: point ``LLMSERVE_GEMV_TABLE`` at the output (the table is
+read per file, so one process can compare several; see ``scripts/ab_decode_env.py``).
+
+Usage: python3 scripts/gemv_table_variant.py OUT.json [--gpu "NVIDIA H200"]
+           "float|rmsnorm+glu|1|1536|8960=2,2048,4,1" "float|rmsnorm+rope|1|1536|1024=1,2048,4,1"
+Each override is ``<int8|float>|<prologue>|<M>|<K>|<N>=block_n,block_k,num_warps,stages[,programs_per_sm]``
+(the key of :func:`llmserve.triton_kernels.gemv.table_key` without the GPU name); a value is
+checked with :class:`~llmserve.triton_kernels.gemv.GemvConfig` before it is written.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+
+from llmserve.triton_kernels import gemv as gm
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("out")
+    ap.add_argument("overrides", nargs="*")
+    ap.add_argument("--gpu", default="NVIDIA H200")
+    args = ap.parse_args()
+    src = os.path.join(os.path.dirname(gm.__file__), "gemv_configs.json")
+    with open(src) as f:
+        data = json.load(f)
+    for item in args.overrides:
+        key, _, value = item.partition("=")
+        if not value or key.count("|") != 4:
+            raise SystemExit(f"override must be 'kind|prologue|M|K|N=bn,bk,warps,stages', got {item!r}")
+        vals = [int(v) for v in value.split(",")]
+        gm.GemvConfig(*vals)                       # raises on a malformed configuration
+        data["configs"][f"{args.gpu}|{key}"] = vals
+    data["variant_of"] = src
+    data["overrides"] = args.overrides
+    with open(args.out, "w") as f:
+        json.dump(data, f, indent=1, sort_keys=True)
+    print(f"wrote {args.out}: {len(args.overrides)} overrides")
+
+
+if __name__ == "__main__":
+    main()
