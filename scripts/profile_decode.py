@@ -3,6 +3,10 @@
 Usage: python3 scripts/profile_decode.py --preset qwen2.5-1.5b --batch 1 --context 128
 Prints the CUDA kernels of a replayed decode step, grouped by name, with total time per step.
 
+``--engine-steps N`` profiles N real engine steps instead (one request decoding, asynchronous
+scheduling as configured) and prints what the device runs *between* two graphs' LM heads:
+the sampler, the copies in and out, the graph's own first kernels, and the idle gaps.
+
 ``--timeline`` also prints where the step's *wall* time goes when kernels overlap (programmatic
 dependent launch lets a kernel start before its predecessor ends, so summed kernel durations
 overcount): for the kernels of one replay in stream order, each kernel's marginal time is its
@@ -29,8 +33,15 @@ def main() -> None:
     ap.add_argument("--replays", type=int, default=20)
     ap.add_argument("--out", default=None)
     ap.add_argument("--timeline", action="store_true", help="marginal (end-to-end) time per kernel")
+    ap.add_argument("--engine-steps", type=int, default=0, help="profile this many engine steps instead")
     args = ap.parse_args()
     eng = llmserve_engine(args.preset, max_num_seqs=max(8, args.batch), max_model_len=2048, num_blocks=4096)
+    if args.engine_steps:
+        result = engine_steps(eng, args.batch, args.context, args.engine_steps)
+        if args.out:
+            with open(args.out, "w") as f:
+                json.dump(result, f, indent=1)
+        return
     prompts = [list(range(100 + i, 100 + i + args.context)) for i in range(args.batch)]
     for p in prompts:
         eng.add_request(p, SamplingParams(max_tokens=8, ignore_eos=True))
@@ -63,6 +74,41 @@ def main() -> None:
     if args.out:
         with open(args.out, "w") as f:
             json.dump(result, f, indent=1)
+
+
+def engine_steps(eng, batch: int, context: int, n: int) -> dict:
+    """Device activity between consecutive LM heads (the longest matrix-vector kernel of each
+    step) over ``n`` engine steps of ``batch`` requests at about ``context`` tokens: every
+    kernel and copy in that window with its start relative to the LM head's end and its
+    duration (µs), for the middle window, and the window's mean length over all of them."""
+    for i in range(batch):
+        eng.add_request(list(range(100 + i, 100 + i + context)), SamplingParams(max_tokens=n + 40, ignore_eos=True))
+    for _ in range(20):
+        eng.step()
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(n):
+            eng.step()
+        torch.cuda.synchronize()
+    ev = sorted(((e.time_range.start, e.time_range.end, e.name) for e in prof.events()
+                 if e.device_type.name == "CUDA"), key=lambda t: t[0])
+    heads = [i for i, (s0, e0, name) in enumerate(ev) if name == "_gemv_kernel" and e0 - s0 > 40]
+    windows = []
+    for a, b in zip(heads, heads[1:]):
+        first = next((j for j in range(a + 1, b) if ev[j][2] == "_gemv_kernel"), b)  # next step's QKV
+        t0 = ev[a][1]
+        windows.append(dict(period_us=ev[b][1] - t0, to_first_layer_us=ev[first][0] - t0,
+                            events=[[name[:90], round(s0 - t0, 2), round(e0 - s0, 2)]
+                                    for s0, e0, name in ev[a + 1:first + 1]]))
+    if not windows:
+        raise SystemExit("no two LM heads found in the profiled steps")
+    mid = windows[len(windows) // 2]
+    print(f"{len(windows)} step windows: LM head end -> next step's first layer kernel "
+          f"{sum(w['to_first_layer_us'] for w in windows) / len(windows):.1f} us mean, "
+          f"LM head to LM head {sum(w['period_us'] for w in windows) / len(windows):.1f} us mean")
+    for name, start, dur in mid["events"]:
+        print(f"  +{start:8.2f} us  {dur:7.2f} us  {name}")
+    return {"windows": windows}
 
 
 def timeline(prof, replays: int) -> dict:

@@ -160,6 +160,33 @@ def test_cuda_graph_decode_matches_eager(monkeypatch, short_context, prompt_step
     assert graphed == eager
 
 
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_pdl_trigger_first_same_tokens(monkeypatch):
+    """``LLMSERVE_PDL_TRIGGER_FIRST=1`` (kernels let their successors launch before they wait)
+    changes only when kernels start, not what they compute: the same greedy tokens through
+    graph replays of the matrix-vector path, for contexts of one and several decode splits."""
+    from llmserve.config import CacheConfig, EngineConfig, SchedulerConfig
+    from llmserve.engine import LLMEngine
+    from llmserve.sampling_params import SamplingParams
+
+    def run(first: str):
+        monkeypatch.setenv("LLMSERVE_PDL_TRIGGER_FIRST", first)
+        cfg = EngineConfig(model="tiny", device="cuda", dtype="bfloat16", attention_backend="triton",
+                           use_cuda_graph=True, cache=CacheConfig(num_blocks=512),
+                           scheduler=SchedulerConfig(max_num_seqs=8, max_model_len=512))
+        eng = LLMEngine(cfg)
+        fast = eng.runner.forward
+        assert fast.pdl_trigger_first == (first == "1" and fast.pdl)
+        return [eng.generate([[10 + i] * (3 + 60 * i)], SamplingParams(max_tokens=60, ignore_eos=True))[0]
+                .output_token_ids for i in range(4)]
+
+    assert run("1") == run("0")
+    monkeypatch.setenv("LLMSERVE_PDL_TRIGGER_FIRST", "yes")
+    with pytest.raises(ValueError, match="LLMSERVE_PDL_TRIGGER_FIRST"):
+        FastQwen2Forward(small_model(6, 2), use_gemv=True)
+
+
 @pytest.mark.parametrize("env,expected", [("", True), ("0", False), ("1", True)])
 def test_gemv_path_early_epilogue_switch(monkeypatch, env, expected):
     """``LLMSERVE_GEMV_EARLY_EPILOGUE`` (default: on for hidden sizes <= 2048) changes where the

@@ -92,7 +92,10 @@ class CUDAGraphDecodeRunner:
         self.max_batch = self.buckets[-1]
         self.max_blocks = (max_model_len + block_size - 1) // block_size
         b, nb = self.max_batch, self.max_blocks
-        # Layout of the packed int64 input buffer: ids | positions | slots | ctx_lens | table
+        # Layout of the packed input buffer, in int64 words: ids | positions | slots (int64) |
+        # ctx_lens | table (int32, the attention kernels' dtype; each region is sized in int64
+        # words and half used), so one H2D copy fills every input and no conversion kernel
+        # runs inside the graph.
         self._sizes = [b, b, b, b, b * nb]
         self._offsets = np.cumsum([0] + self._sizes)
         total = int(self._offsets[-1])
@@ -102,17 +105,15 @@ class CUDAGraphDecodeRunner:
         # completed once the engine read step n-1's sampled tokens.
         self._hosts = [torch.zeros(total, dtype=torch.int64, pin_memory=True) for _ in range(2)]
         self._hosts_np = [h.numpy() for h in self._hosts]
+        o = self._offsets
+        self._hosts_i32 = [h[o[3]:].view(torch.int32).numpy() for h in self._hosts]  # ctx | table
         self._turn = 0                                     # the staging buffer in use
         self._dev = torch.zeros(total, dtype=torch.int64, device=device)
-        o = self._offsets
         self.input_ids = self._dev[o[0]:o[1]]
         self.positions = self._dev[o[1]:o[2]]
         self.slots = self._dev[o[2]:o[3]]
-        self.ctx_lens64 = self._dev[o[3]:o[4]]
-        self.table64 = self._dev[o[4]:o[5]].view(b, nb)
-        # The kernels take int32 metadata; these are refreshed inside the graph.
-        self.ctx_lens = torch.zeros(b, dtype=torch.int32, device=device)
-        self.block_tables = torch.zeros(b, nb, dtype=torch.int32, device=device)
+        self.ctx_lens = self._dev[o[3]:o[4]].view(torch.int32)[:b]                 # [b] int32
+        self.block_tables = self._dev[o[4]:o[5]].view(torch.int32)[:b * nb].view(b, nb)
         self.query_start_loc = torch.arange(b + 1, dtype=torch.int32, device=device)
         short = short_context_default() if short_context is None else short_context
         self.short_context = short if 0 < short < max_model_len else 0
@@ -131,8 +132,6 @@ class CUDAGraphDecodeRunner:
             block_size=self.block_size, is_decode_only=True)
 
     def _run(self, b: int, short: bool) -> torch.Tensor:
-        self.ctx_lens[:b].copy_(self.ctx_lens64[:b])
-        self.block_tables[:b].copy_(self.table64[:b])
         hidden = self.forward(self.input_ids[:b], self.positions[:b], self.kv_caches, self._meta(b, short))
         return self.compute_logits(hidden)                                    # [b, V]
 
@@ -167,8 +166,16 @@ class CUDAGraphDecodeRunner:
         h[o[0] + start:o[1]] = 0
         h[o[1] + start:o[2]] = 0
         h[o[2] + start:o[3]] = -1
-        h[o[3] + start:o[4]] = 1
-        h[o[4] + start * self.max_blocks:o[5]] = 0
+        ctx, table = self._host_ctx_table()
+        ctx[start:] = 1
+        table[start:] = 0
+
+    def _host_ctx_table(self) -> tuple[np.ndarray, np.ndarray]:
+        """The int32 context lengths ``[max_batch]`` and block table ``[max_batch, max_blocks]``
+        in the staging buffer in use."""
+        b, nb = self.max_batch, self.max_blocks
+        h32 = self._hosts_i32[self._turn]
+        return h32[:b], h32[2 * b:2 * b + b * nb].reshape(b, nb)
 
     def bucket_for(self, b: int) -> int | None:
         for s in self.buckets:
@@ -199,16 +206,15 @@ class CUDAGraphDecodeRunner:
         h[o[0]:o[0] + b] = token_ids
         h[o[1]:o[1] + b] = positions
         h[o[2]:o[2] + b] = slots
-        h[o[3]:o[3] + b] = context_lens
-        table = h[o[4]:o[5]].reshape(self.max_batch, self.max_blocks)
+        ctx, table = self._host_ctx_table()
+        ctx[:b] = context_lens
         table[:b] = 0
         table[:b, :block_tables.shape[1]] = block_tables
         self._fill_padding(b)
-        n = int(o[4] + bucket * self.max_blocks)
+        n = int(o[4] + (bucket * self.max_blocks + 1) // 2)  # the table's int32 rows < bucket
         self._dev[:n].copy_(self._hosts[self._turn][:n], non_blocking=True)               # one H2D copy
         if fill is not None:
             fill(self.input_ids)
-        # ids/pos/slots/ctx for rows < bucket live before o[4]; the table rows after it
         short = (bucket, True) in self.graphs and int(context_lens.max()) <= self.short_context
         self.last_graph = self.graphs[(bucket, short)]
         self.last_graph.replay()
