@@ -12,7 +12,8 @@ A setting is space-separated NAME=VALUE assignments ("" = the defaults). Setting
 Only variables read when an engine is built or a kernel is launched can be compared this way:
 ``LLMSERVE_GRAPH_SHORT_CONTEXT``, ``LLMSERVE_PDL``, ``LLMSERVE_ASYNC_SCHEDULING``,
 ``LLMSERVE_DECODE_GEMV``, ``LLMSERVE_DECODE_GEMV_MAX``, ``LLMSERVE_GEMV_CONFIG``,
-``LLMSERVE_GEMV_TABLE``, ``LLMSERVE_GEMV_EARLY_EPILOGUE``, ``LLMSERVE_PDL_TRIGGER_FIRST``. Those read
+``LLMSERVE_GEMV_TABLE``, ``LLMSERVE_GEMV_EARLY_EPILOGUE``, ``LLMSERVE_PDL_TRIGGER_FIRST``,
+``LLMSERVE_GRAPH_ARGMAX``. Those read
 once at import (``LLMSERVE_DECODE_SPLITS``, ``LLMSERVE_DECODE_STAGES``,
 ``LLMSERVE_DECODE_MIN_TILES``, ``LLMSERVE_DECODE_FUSED_MAX``) need one
 process per setting.

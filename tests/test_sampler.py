@@ -72,3 +72,18 @@ def test_logprobs_records():
 def test_invalid_sampling_params_name_the_field(field, value):
     with pytest.raises(ValueError, match=field):
         SamplingParams(**{field: value})
+
+
+def test_precomputed_argmax_is_used_and_never_written():
+    """``sample_async(argmax=...)`` (the decode graph's greedy tokens) is taken for greedy rows;
+    a sampled row does not write into that buffer; a wrong shape is rejected."""
+    s = Sampler("cpu")
+    logits = torch.randn(3, 50)
+    given = torch.tensor([7, 8, 9])            # deliberately not the argmax: proves it is used
+    params = [SamplingParams(temperature=0.0), SamplingParams(temperature=1.0, seed=1),
+              SamplingParams(temperature=0.0)]
+    got = s.sample_async(logits, params, ["a", "b", "c"], argmax=given).result().token_ids
+    assert got[0] == 7 and got[2] == 9
+    assert given.tolist() == [7, 8, 9]
+    with pytest.raises(ValueError, match="argmax must be"):
+        s.sample_async(logits, params, ["a", "b", "c"], argmax=torch.tensor([1, 2]))

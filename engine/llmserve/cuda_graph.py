@@ -78,12 +78,16 @@ class CUDAGraphDecodeRunner:
         short_context: context length of the second, short-context graph captured for batch
             buckets up to :data:`SHORT_MAX_BATCH` (default :func:`short_context_default`;
             ``0`` or ``>= max_model_len``: none).
+        greedy: optional ``logits [N, V] -> [N]`` int64 argmax, captured after the logits so
+            the step's greedy tokens come out of the graph (:attr:`last_argmax`).
     """
 
     def __init__(self, forward, compute_logits, kv_caches, block_size: int, max_batch: int,
-                 max_model_len: int, device: torch.device, short_context: int | None = None) -> None:
+                 max_model_len: int, device: torch.device, short_context: int | None = None,
+                 greedy=None) -> None:
         self.forward = forward
         self.compute_logits = compute_logits
+        self.greedy = greedy
         self.kv_caches = kv_caches
         self.block_size = block_size
         self.max_model_len = max_model_len
@@ -119,10 +123,11 @@ class CUDAGraphDecodeRunner:
         self.short_context = short if 0 < short < max_model_len else 0
         # keyed (bucket, short): short=False sized for max_model_len, True for short_context
         self.graphs: dict[tuple[int, bool], torch.cuda.CUDAGraph] = {}
-        self.outputs: dict[tuple[int, bool], torch.Tensor] = {}
+        self.outputs: dict[tuple[int, bool], tuple[torch.Tensor, torch.Tensor | None]] = {}
         self.pool = None
         self.num_short_replays = 0
         self.last_graph: torch.cuda.CUDAGraph | None = None
+        self.last_argmax: torch.Tensor | None = None
 
     def _meta(self, b: int, short: bool) -> AttentionMetadata:
         return AttentionMetadata(
@@ -131,9 +136,10 @@ class CUDAGraphDecodeRunner:
             max_query_len=1, max_context_len=self.short_context if short else self.max_model_len,
             block_size=self.block_size, is_decode_only=True)
 
-    def _run(self, b: int, short: bool) -> torch.Tensor:
+    def _run(self, b: int, short: bool) -> tuple[torch.Tensor, torch.Tensor | None]:
         hidden = self.forward(self.input_ids[:b], self.positions[:b], self.kv_caches, self._meta(b, short))
-        return self.compute_logits(hidden)                                    # [b, V]
+        logits = self.compute_logits(hidden)                                  # [b, V]
+        return logits, (self.greedy(logits) if self.greedy is not None else None)  # [b] int64
 
     @torch.inference_mode()
     def capture(self) -> None:
@@ -197,7 +203,8 @@ class CUDAGraphDecodeRunner:
 
         Returns:
             logits ``[b, V]`` float32 (a view of the graph's static output: consume before the
-            next replay).
+            next replay); with ``greedy``, :attr:`last_argmax` is their argmax ``[b]`` int64
+            (static too), else ``None``.
         """
         b = len(token_ids)
         bucket = self.bucket_for(b)
@@ -219,4 +226,6 @@ class CUDAGraphDecodeRunner:
         self.last_graph = self.graphs[(bucket, short)]
         self.last_graph.replay()
         self.num_short_replays += short
-        return self.outputs[(bucket, short)][:b]
+        logits, ids = self.outputs[(bucket, short)]
+        self.last_argmax = ids[:b] if ids is not None else None
+        return logits[:b]

@@ -215,9 +215,15 @@ class LLMEngine(_EngineBase):
         fast = FastQwen2Forward(self.model)
         graphs = None
         if config.attention_backend == "triton" and config.use_cuda_graph:
+            # Greedy tokens computed inside the graph (one Triton argmax launch after the LM
+            # head); LLMSERVE_GRAPH_ARGMAX=0 leaves the argmax to the sampler (torch.argmax).
+            env = os.environ.get("LLMSERVE_GRAPH_ARGMAX", "1")
+            if env not in ("0", "1"):
+                raise ValueError(f"LLMSERVE_GRAPH_ARGMAX must be 0 or 1, got {env!r}")
             graphs = CUDAGraphDecodeRunner(fast, fast.compute_logits, self.kv_cache.kv_caches,
                                            self.block_size, config.scheduler.max_num_seqs,
-                                           self.max_model_len, self.device)
+                                           self.max_model_len, self.device,
+                                           greedy=fast.greedy if env == "1" else None)
             graphs.capture()
         return fast, graphs
 
@@ -313,7 +319,8 @@ class LLMEngine(_EngineBase):
             if sample_idx:
                 seqs = [out.scheduled[i].seq for i in sample_idx]
                 sample = self.sampler.sample_async(logits, [s.sampling_params for s in seqs],
-                                                   [s.request_id for s in seqs])
+                                                   [s.request_id for s in seqs],
+                                                   argmax=self.runner.last_argmax)
                 for seq in seqs:
                     seq.num_pending += 1
                 launched = _InFlightStep(seqs, sample)

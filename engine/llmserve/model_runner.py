@@ -60,6 +60,9 @@ class ModelRunner:
         self.cuda_graphs = cuda_graphs
         self.num_graph_steps = 0
         self.num_eager_steps = 0
+        # The last execute's greedy tokens when a decode graph computed them ([S] int64, rows
+        # of its logits), else None.
+        self.last_argmax: torch.Tensor | None = None
 
     def _to_device(self, array: np.ndarray, dtype: torch.dtype) -> torch.Tensor:
         t = torch.from_numpy(array).to(dtype)
@@ -190,10 +193,13 @@ class ModelRunner:
 
         Returns:
             ``(logits [S, vocab] float32, sample_seq_indices)``: logits for the sequences that
-            caught up this step, and their indices in ``scheduled``.
+            caught up this step, and their indices in ``scheduled``. :attr:`last_argmax` is
+            their argmax when a decode graph computed it.
         """
+        self.last_argmax = None
         replay = self._try_graph(scheduled, pending)
         if replay is not None:
+            self.last_argmax = self.cuda_graphs.last_argmax
             return replay
         self.num_eager_steps += 1
         inp = self.prepare(scheduled, pending)

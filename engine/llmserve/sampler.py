@@ -101,7 +101,7 @@ class Sampler:
 
     @torch.inference_mode()
     def sample_async(self, logits: torch.Tensor, params: list[SamplingParams],
-                     request_ids: list[str]) -> "PendingSample":
+                     request_ids: list[str], argmax: torch.Tensor | None = None) -> "PendingSample":
         """Queue the sampling of one step on the logits' device without waiting for it.
 
         The chosen ids stay on the device (``PendingSample.token_ids_device``, which the next
@@ -109,14 +109,19 @@ class Sampler:
         event, so the host can launch the next step before it reads them
         (:meth:`PendingSample.result`). No host synchronisation happens here.
 
-        Args/shapes as :meth:`sample`.
+        Args/shapes as :meth:`sample`; ``argmax``: ``logits.argmax(-1)`` ``[B]`` int64 when the
+        caller has it already (the decode graph computes it), used for the greedy rows.
         """
         b = logits.shape[0]
         if b == 0:
             return PendingSample(logits.new_empty((0,), dtype=torch.long), None)
         greedy = [p.greedy for p in params]
-        chosen = logits.argmax(dim=-1)                                            # [B]
+        if argmax is not None and argmax.shape != (b,):
+            raise ValueError(f"argmax must be [{b}], got {tuple(argmax.shape)}")
+        chosen = argmax if argmax is not None else logits.argmax(dim=-1)         # [B]
         if not all(greedy):
+            if argmax is not None:
+                chosen = chosen.clone()          # never write into the caller's (graph's) buffer
             rows = [i for i, g in enumerate(greedy) if not g]
             sub = logits[rows]                                                    # [S, V]
             temps = torch.tensor([params[i].temperature for i in rows], device=logits.device)

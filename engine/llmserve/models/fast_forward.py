@@ -36,6 +36,7 @@ from torch import nn
 from ..attention import AttentionMetadata
 from ..attention.triton_backend import TritonPagedAttention
 from ..triton_kernels._launch import pdl_available
+from ..triton_kernels.argmax import argmax_rows
 from ..triton_kernels.fused import add_rmsnorm, rope_qkv_write_kv, silu_and_mul
 from ..triton_kernels.gemv import GEMV_MAX_M, gemv, gemv_qkv_rope
 from ..triton_kernels.paged_attention import paged_attention_decode
@@ -158,6 +159,12 @@ class FastQwen2Forward:
         w = self.model.lm_head.weight                                       # [V, H]
         out = torch.empty((m, w.shape[0]), dtype=torch.float32, device=hidden.device)
         return gemv(hidden, w, out=out, pdl=self.pdl, pdl_trigger_first=self.pdl_trigger_first)
+
+    def greedy(self, logits: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+        """``logits [M, V]`` float32 ``-> [M]`` int64, ``torch.argmax(logits, -1)`` in one Triton
+        launch (:func:`~llmserve.triton_kernels.argmax.argmax_rows`; programmatic dependent
+        launch after the LM head on the matrix-vector path). Used inside the decode graphs."""
+        return argmax_rows(logits, out, pdl=self.pdl, pdl_trigger_first=self.pdl_trigger_first)
 
     def _forward_gemv(self, input_ids: torch.Tensor, positions: torch.Tensor,
                       kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
