@@ -45,7 +45,7 @@ def zeroed_counters(owner: str, device: torch.device, n: int) -> torch.Tensor:
 # predecessor wrote or writes anything the predecessor reads. Work before the wait that touches
 # only immutable data (weights) overlaps the predecessor's tail. Each of our PDL kernels calls
 # ``gdc_launch_dependents`` right after its own wait, so at most one kernel runs ahead, unless
-# launched with ``trigger_first`` (see :func:`pdl_enter`).
+# compiled with ``TRIGGER_FIRST`` (see :func:`pdl_wait`).
 # CUDA Programming Guide, "Programmatic Dependent Launch and Synchronization"; Triton exposes it
 # as ``triton.language.extra.cuda.gdc_wait`` and the ``launch_pdl`` launch option.
 
