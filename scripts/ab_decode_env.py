@@ -21,6 +21,7 @@ process per setting.
 from __future__ import annotations
 
 import argparse
+import hashlib
 import json
 import os
 import sys
@@ -40,6 +41,20 @@ def provenance() -> dict:
     hash; the device copy of the tree has no git history) and the checkout's git state where
     there is one (``report.git_info``: revision, dirty, untracked)."""
     return {"code_hash": code_hash(), "git": git_info()}
+
+
+def table_info(path: str | None) -> dict | None:
+    """What a ``LLMSERVE_GEMV_TABLE`` file held: its sha256 and, for variants written by
+    ``scripts/gemv_table_variant.py``, the entries it replaced (so a row can be reproduced
+    without the file)."""
+    if not path:
+        return None
+    try:
+        raw = Path(path).read_bytes()
+        overrides = json.loads(raw).get("overrides")
+    except (OSError, ValueError, AttributeError) as e:
+        return {"path": path, "error": f"{type(e).__name__}: {e}"[:200]}
+    return {"path": path, "sha256": hashlib.sha256(raw).hexdigest(), "overrides": overrides}
 
 
 def main() -> None:
@@ -64,7 +79,8 @@ def main() -> None:
                     else:
                         os.environ[k] = base[k]
                 os.environ.update(env)
-                row = dict(round=rnd, preset=preset, setting=label or "defaults")
+                row = dict(round=rnd, preset=preset, setting=label or "defaults",
+                           gemv_table=table_info(os.environ.get("LLMSERVE_GEMV_TABLE")))
                 t0 = time.time()
                 try:
                     r = decode_llmserve(preset, args.steps)

@@ -25,20 +25,27 @@ from llmserve.sampling_params import SamplingParams
 
 
 class InstantGraphs:
-    """Stand-in for ``CUDAGraphDecodeRunner``: fills a host staging buffer like ``run`` does and
-    returns fixed logits (a tiny vocabulary, so the argmax costs nothing)."""
+    """Stand-in for ``CUDAGraphDecodeRunner``: fills a host staging buffer like ``run`` does
+    (ids, positions, slots as int64; context lengths and the block table as int32 views of the
+    same words) and returns fixed logits (a tiny vocabulary, so the argmax costs nothing) and
+    its argmax as ``last_argmax``, as the graph does."""
 
     def __init__(self, max_batch: int, max_blocks: int) -> None:
         self.max_batch, self.max_blocks = max_batch, max_blocks
         self.logits = torch.zeros(max_batch, 8)
+        self.argmax = torch.zeros(max_batch, dtype=torch.int64)
+        self.last_argmax = None
         self.host = np.zeros(4 * max_batch + max_batch * max_blocks, dtype=np.int64)
+        self.host32 = self.host[3 * max_batch:].view(np.int32)
 
     def run(self, ids, pos, slots, ctx, table, fill=None):
         b, mb, h = len(ids), self.max_batch, self.host
-        h[:b], h[mb:mb + b], h[2 * mb:2 * mb + b], h[3 * mb:3 * mb + b] = ids, pos, slots, ctx
-        t = h[4 * mb:].reshape(mb, self.max_blocks)
+        h[:b], h[mb:mb + b], h[2 * mb:2 * mb + b] = ids, pos, slots
+        self.host32[:b] = ctx
+        t = self.host32[2 * mb:2 * mb + mb * self.max_blocks].reshape(mb, self.max_blocks)
         t[:b] = 0
         t[:b, :table.shape[1]] = table
+        self.last_argmax = self.argmax[:b]
         return self.logits[:b]
 
 

@@ -92,7 +92,10 @@ def engine_steps(eng, batch: int, context: int, n: int) -> dict:
         torch.cuda.synchronize()
     ev = sorted(((e.time_range.start, e.time_range.end, e.name) for e in prof.events()
                  if e.device_type.name == "CUDA"), key=lambda t: t[0])
-    heads = [i for i, (s0, e0, name) in enumerate(ev) if name == "_gemv_kernel" and e0 - s0 > 40]
+    # LM heads: the longest matrix-vector kernels (a 7B gate-up also takes tens of us, so the
+    # cut is relative to the longest one, not absolute)
+    longest = max((e0 - s0 for s0, e0, name in ev if name == "_gemv_kernel"), default=0.0)
+    heads = [i for i, (s0, e0, name) in enumerate(ev) if name == "_gemv_kernel" and e0 - s0 > 0.6 * longest]
     windows = []
     for a, b in zip(heads, heads[1:]):
         first = next((j for j in range(a + 1, b) if ev[j][2] == "_gemv_kernel"), b)  # next step's QKV

@@ -47,8 +47,10 @@ def test_argmax_out_and_errors():
                 torch.ones(2, 3, dtype=torch.int64, device=DEVICE)):
         with pytest.raises(ValueError, match="2-D float"):
             argmax_rows(bad)
-    with pytest.raises(ValueError, match="out must be int64"):
+    with pytest.raises(ValueError, match="out must be a contiguous int64"):
         argmax_rows(x, torch.empty(2, dtype=torch.int32, device=DEVICE))
+    with pytest.raises(ValueError, match="out must be a contiguous int64"):
+        argmax_rows(x, torch.empty(4, dtype=torch.int64, device=DEVICE)[::2])
     with pytest.raises(ValueError, match="power of two"):
         argmax_rows(x, block=24)
     assert argmax_rows(torch.randn(0, 5).to(DEVICE)).shape == (0,)

@@ -182,9 +182,26 @@ def test_pdl_trigger_first_same_tokens(monkeypatch):
                 .output_token_ids for i in range(4)]
 
     assert run("1") == run("0")
+
+
+def test_engine_switches_reject_bad_values(monkeypatch):
+    """``LLMSERVE_PDL_TRIGGER_FIRST`` and ``LLMSERVE_GRAPH_ARGMAX`` take 0, 1 or nothing; any
+    other value is an error when the forward / engine is built (on any device)."""
+    from llmserve.config import EngineConfig
+    from llmserve.engine import LLMEngine
+
+    for ok in ("", "0", "1"):
+        monkeypatch.setenv("LLMSERVE_PDL_TRIGGER_FIRST", ok)
+        assert FastQwen2Forward(small_model(6, 2), use_gemv=True).pdl_trigger_first is False  # no PDL on CPU
     monkeypatch.setenv("LLMSERVE_PDL_TRIGGER_FIRST", "yes")
     with pytest.raises(ValueError, match="LLMSERVE_PDL_TRIGGER_FIRST"):
         FastQwen2Forward(small_model(6, 2), use_gemv=True)
+    monkeypatch.delenv("LLMSERVE_PDL_TRIGGER_FIRST")
+    monkeypatch.setenv("LLMSERVE_GRAPH_ARGMAX", "on")
+    with pytest.raises(ValueError, match="LLMSERVE_GRAPH_ARGMAX"):
+        LLMEngine(EngineConfig())
+    monkeypatch.setenv("LLMSERVE_GRAPH_ARGMAX", "0")
+    LLMEngine(EngineConfig())
 
 
 @pytest.mark.parametrize("env,expected", [("", True), ("0", False), ("1", True)])

@@ -85,5 +85,6 @@ def test_precomputed_argmax_is_used_and_never_written():
     got = s.sample_async(logits, params, ["a", "b", "c"], argmax=given).result().token_ids
     assert got[0] == 7 and got[2] == 9
     assert given.tolist() == [7, 8, 9]
-    with pytest.raises(ValueError, match="argmax must be"):
-        s.sample_async(logits, params, ["a", "b", "c"], argmax=torch.tensor([1, 2]))
+    for bad in (torch.tensor([1, 2]), torch.tensor([1, 2, 3], dtype=torch.int32)):
+        with pytest.raises(ValueError, match="argmax must be int64"):
+            s.sample_async(logits, params, ["a", "b", "c"], argmax=bad)

@@ -525,11 +525,17 @@ def test_gemv_config_env_and_table(monkeypatch, tmp_path):
     assert gm._table() == {"c": GemvConfig(2, 256, 4, 1), "d": GemvConfig(1, 512, 2, 1, 8)}
     assert gm._table()["d"].as_list() == [1, 512, 2, 1, 8]
     table2 = tmp_path / "t2.json"                # another file is its own table (A/B in one process)
-    table2.write_text("[1, 2, 3]")
+    table2.write_text('{"configs": {"c": [4, 128, 2, 1]}}')
     monkeypatch.setenv("LLMSERVE_GEMV_TABLE", str(table2))
-    assert gm._table() == {}
+    assert gm._table() == {"c": GemvConfig(4, 128, 2, 1)}
     monkeypatch.setenv("LLMSERVE_GEMV_TABLE", str(table))
     assert gm._table()["c"] == GemvConfig(2, 256, 4, 1)
+    for bad, text in (("t3.json", "[1, 2, 3]"), ("t4.json", "{not json"), ("missing.json", None)):
+        if text is not None:                     # a named table that is not one is an error
+            (tmp_path / bad).write_text(text)
+        monkeypatch.setenv("LLMSERVE_GEMV_TABLE", str(tmp_path / bad))
+        with pytest.raises(ValueError, match="LLMSERVE_GEMV_TABLE"):
+            gm._table()
     monkeypatch.delenv("LLMSERVE_GEMV_TABLE")
     shipped = gm._table()                         # the package's own table parses completely
     import json

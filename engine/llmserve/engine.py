@@ -207,6 +207,12 @@ class LLMEngine(_EngineBase):
         """On CUDA: the fused forward (Triton norm/rope/silu kernels, packed QKV and gate-up
         GEMMs) and, with the Triton attention backend and ``use_cuda_graph``, decode graphs.
         On CPU: the readable path only."""
+        # Greedy tokens computed inside the decode graphs (one Triton argmax launch after the
+        # LM head); LLMSERVE_GRAPH_ARGMAX=0 leaves the argmax to the sampler (torch.argmax).
+        env = os.environ.get("LLMSERVE_GRAPH_ARGMAX", "")
+        if env not in ("", "0", "1"):
+            raise ValueError(f"LLMSERVE_GRAPH_ARGMAX must be 0 or 1, got {env!r}")
+        graph_argmax = env != "0"
         if self.device.type != "cuda":
             return None, None
         from .cuda_graph import CUDAGraphDecodeRunner
@@ -215,15 +221,10 @@ class LLMEngine(_EngineBase):
         fast = FastQwen2Forward(self.model)
         graphs = None
         if config.attention_backend == "triton" and config.use_cuda_graph:
-            # Greedy tokens computed inside the graph (one Triton argmax launch after the LM
-            # head); LLMSERVE_GRAPH_ARGMAX=0 leaves the argmax to the sampler (torch.argmax).
-            env = os.environ.get("LLMSERVE_GRAPH_ARGMAX", "1")
-            if env not in ("0", "1"):
-                raise ValueError(f"LLMSERVE_GRAPH_ARGMAX must be 0 or 1, got {env!r}")
             graphs = CUDAGraphDecodeRunner(fast, fast.compute_logits, self.kv_cache.kv_caches,
                                            self.block_size, config.scheduler.max_num_seqs,
                                            self.max_model_len, self.device,
-                                           greedy=fast.greedy if env == "1" else None)
+                                           greedy=fast.greedy if graph_argmax else None)
             graphs.capture()
         return fast, graphs
 

@@ -116,8 +116,10 @@ class Sampler:
         if b == 0:
             return PendingSample(logits.new_empty((0,), dtype=torch.long), None)
         greedy = [p.greedy for p in params]
-        if argmax is not None and argmax.shape != (b,):
-            raise ValueError(f"argmax must be [{b}], got {tuple(argmax.shape)}")
+        if argmax is not None and (argmax.shape != (b,) or argmax.dtype != torch.int64
+                                   or argmax.device != logits.device):
+            raise ValueError(f"argmax must be int64 [{b}] on {logits.device}, got {argmax.dtype} "
+                             f"{tuple(argmax.shape)} on {argmax.device}")
         chosen = argmax if argmax is not None else logits.argmax(dim=-1)         # [B]
         if not all(greedy):
             if argmax is not None:

@@ -113,8 +113,8 @@ class FastQwen2Forward:
         self.early_epilogue = env == "1" if env else cfg.hidden_size <= 2048
         # PDL kernels let the next kernel launch before waiting for their predecessor (a cascade:
         # kernels several positions ahead read their weights early); LLMSERVE_PDL_TRIGGER_FIRST.
-        env = os.environ.get("LLMSERVE_PDL_TRIGGER_FIRST", "0")
-        if env not in ("0", "1"):
+        env = os.environ.get("LLMSERVE_PDL_TRIGGER_FIRST", "")
+        if env not in ("", "0", "1"):
             raise ValueError(f"LLMSERVE_PDL_TRIGGER_FIRST must be 0 or 1, got {env!r}")
         self.pdl_trigger_first = self.pdl and env == "1"
 

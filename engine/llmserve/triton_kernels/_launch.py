@@ -110,11 +110,13 @@ def pdl_wait(USE_PDL: tl.constexpr, TRIGGER_FIRST: tl.constexpr):
     kernel is allowed to launch here, after the wait, so at most one kernel runs ahead. With
     it (:func:`pdl_start` triggered already) the kernels after this one can launch, and read
     their weights, while several earlier ones still run: a cascade bounded by the SMs'
-    resources. Both orders are correct as long as no kernel reads what earlier kernels write
-    (or writes what they read) before its own wait: the wait returns only when the previous
-    grid has completed, and that grid completed only after its own wait returned, so every
-    earlier kernel has completed too (CUDA Programming Guide, "Programmatic Dependent Launch
-    and Synchronization")."""
+    resources. Both orders are correct as long as (a) every kernel launched with
+    ``launch_pdl`` executes this wait, and (b) no kernel reads what earlier kernels write (or
+    writes what they read) before its own wait: the wait returns only when the previous grid
+    has completed, and that grid completed only after its own wait returned, so every earlier
+    kernel has completed too (CUDA Programming Guide, "Programmatic Dependent Launch and
+    Synchronization"). A kernel launched without PDL waits for its predecessor as usual and
+    ends the chain."""
     if USE_PDL:
         gdc_wait()
         if not TRIGGER_FIRST:

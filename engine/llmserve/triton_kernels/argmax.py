@@ -105,8 +105,8 @@ def argmax_rows(x: torch.Tensor, out: torch.Tensor | None = None, *, pdl: bool =
         ``torch.argmax``; 0 for an all ``-inf`` row, like torch.
 
     Raises:
-        ValueError: not 2-D, empty last dim, non-contiguous last dim, an integer dtype, a bad
-            ``out``, a non-power-of-two ``block``.
+        ValueError: not 2-D, empty last dim, non-contiguous last dim, an integer dtype, an
+            ``out`` of the wrong shape, dtype, device or stride, a non-power-of-two ``block``.
     """
     if x.dim() != 2 or x.shape[1] == 0 or x.stride(1) != 1 or not x.dtype.is_floating_point:
         raise ValueError(f"x must be a 2-D float tensor with a non-empty contiguous last dim, got "
@@ -118,8 +118,9 @@ def argmax_rows(x: torch.Tensor, out: torch.Tensor | None = None, *, pdl: bool =
         raise ValueError(f"block must be a power of two >= 16, got {block}")
     if out is None:
         out = torch.empty(b, dtype=torch.int64, device=x.device)
-    elif out.shape != (b,) or out.dtype != torch.int64 or out.device != x.device:
-        raise ValueError(f"out must be int64 [{b}] on {x.device}, got {out.dtype} {tuple(out.shape)} on {out.device}")
+    elif out.shape != (b,) or out.dtype != torch.int64 or out.device != x.device or (b > 1 and out.stride(0) != 1):
+        raise ValueError(f"out must be a contiguous int64 [{b}] on {x.device}, got {out.dtype} "
+                         f"{tuple(out.shape)} strides {out.stride()} on {out.device}")
     if b == 0:
         return out
     if max_programs is None:

@@ -345,24 +345,36 @@ class GemvConfig:
 
 
 _TABLES: dict[str, dict[str, GemvConfig]] = {}
+_DEFAULT_TABLE = os.path.join(os.path.dirname(__file__), "gemv_configs.json")
 
 
 def _table() -> dict[str, GemvConfig]:
     """Tuned configurations: ``gemv_configs.json`` next to this file, or the file named by
-    ``LLMSERVE_GEMV_TABLE``; written by ``scripts/bench_gemv.py`` from a device sweep. Keys are
+    ``LLMSERVE_GEMV_TABLE``; written by ``scripts/bench_gemv.py`` from a device sweep (or
+    ``scripts/gemv_table_variant.py`` for A/B runs). Keys are
     ``"<gpu name>|<int8|float>|<prologue>|<M>|<K>|<N>"``, values ``[block_n, block_k,
     num_warps, stages]`` or with ``programs_per_sm`` fifth; malformed entries are ignored.
     Each file is read once per process (so ``LLMSERVE_GEMV_TABLE`` can change between engine
-    builds, for A/B runs)."""
-    path = os.environ.get("LLMSERVE_GEMV_TABLE") or os.path.join(os.path.dirname(__file__),
-                                                                 "gemv_configs.json")
+    builds, for A/B runs).
+
+    Raises:
+        ValueError: ``LLMSERVE_GEMV_TABLE`` names a file that cannot be read or is not a
+            ``{"configs": {...}}`` table (an A/B run must not silently measure the rules
+            instead). A missing or broken packaged table falls back to the rules.
+    """
+    env = os.environ.get("LLMSERVE_GEMV_TABLE")
+    path = env or _DEFAULT_TABLE
     if path not in _TABLES:
         try:
             with open(path) as f:
                 data = json.load(f)
-        except (OSError, ValueError):
+        except (OSError, ValueError) as e:
+            if env:
+                raise ValueError(f"LLMSERVE_GEMV_TABLE={env!r} cannot be read as JSON: {e}") from None
             data = {}
         configs = data.get("configs") if isinstance(data, dict) else None
+        if env and not isinstance(configs, dict):
+            raise ValueError(f"LLMSERVE_GEMV_TABLE={env!r} is not a gemv table (no \"configs\" object)")
         table = {}
         for key, v in (configs.items() if isinstance(configs, dict) else ()):
             if isinstance(v, list) and len(v) in (4, 5):

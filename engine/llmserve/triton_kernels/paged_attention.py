@@ -634,7 +634,7 @@ def paged_attention_decode(query: torch.Tensor, k_cache: torch.Tensor, v_cache: 
             ``num_splits <= FUSED_REDUCE_MAX_SPLITS``).
         pdl: launch with programmatic dependent launch (Hopper+): the step's metadata
             (``query_start_loc``, ``context_lens``) is read before waiting for the previous
-            kernel, so it must not be written by the kernel just before this one (the engine
+            kernel, so no kernel of the PDL chain before this one may write it (the engine
             writes it before the forward pass); q and the K/V cache are read after the wait.
         pdl_trigger_first: with ``pdl``, let the next kernel launch before this one waits
             (see :func:`~llmserve.triton_kernels.gemv.gemv`).
