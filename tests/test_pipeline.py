@@ -118,7 +118,10 @@ def test_code_hash_follows_content_not_mtime(tmp_path):
     (pkg / "notes.txt").write_text("changed, but not a source file\n")
     assert code_hash.code_hash(pkg) == h0
     (pkg / "sub" / "b.py").write_text("y = 2  # a comment\n")
-    assert code_hash.code_hash(pkg) != h0
+    h1 = code_hash.code_hash(pkg)
+    assert h1 != h0
+    (pkg / "table.json").write_text('{"configs": {}}')   # packaged data (a tuned launch table) counts
+    assert code_hash.code_hash(pkg) != h1
 
 
 def test_checksums_write_and_verify_with_sha256sum(tmp_path):

@@ -2,7 +2,8 @@
 
 Snakemake's own ``code`` rerun trigger sees a rule's shell command, not the Python package the
 command imports, so the Snakefile passes :func:`code_hash` of the ``llmserve`` sources to every
-benchmark job as a parameter: any edit of an engine ``.py`` file (a comment included) changes
+benchmark job as a parameter: any edit of an engine ``.py`` or ``.json`` file (a comment
+included) changes
 the parameter, and Snakemake's ``params`` trigger reruns every benchmark cell. Touching a file
 without changing it reruns nothing (the hash is of contents, not modification times).
 
@@ -37,8 +38,9 @@ from pathlib import Path
 __all__ = ["package_root", "source_files", "code_hash", "write_provenance", "check_unchanged",
            "SourcesChanged", "parse_cell_id"]
 
-#: Hashed: every Python source of the package (Triton kernels are .py files too).
-SOURCE_SUFFIXES = (".py",)
+#: Hashed: every Python source of the package (Triton kernels are .py files too) and its JSON
+#: data (the tuned launch table ``triton_kernels/gemv_configs.json`` changes what the GPU runs).
+SOURCE_SUFFIXES = (".py", ".json")
 
 
 def package_root() -> Path:
@@ -61,7 +63,8 @@ def package_root() -> Path:
 
 
 def source_files(root: Path | None = None) -> list[Path]:
-    """Sorted ``.py`` files under ``root`` (default :func:`package_root`), caches excluded."""
+    """Sorted source files (:data:`SOURCE_SUFFIXES`) under ``root`` (default
+    :func:`package_root`), caches excluded."""
     root = Path(root) if root is not None else package_root()
     files = [p for p in root.rglob("*") if p.is_file() and p.suffix in SOURCE_SUFFIXES
              and "__pycache__" not in p.parts]
