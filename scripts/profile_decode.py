@@ -76,6 +76,12 @@ def main() -> None:
             json.dump(result, f, indent=1)
 
 
+def cuda_events(prof) -> list[tuple[float, float, str]]:
+    """``(start_us, end_us, name)`` of the profile's CUDA kernels and copies, in start order."""
+    return sorted(((e.time_range.start, e.time_range.end, e.name) for e in prof.events()
+                   if e.device_type.name == "CUDA"), key=lambda t: t[0])
+
+
 def engine_steps(eng, batch: int, context: int, n: int) -> dict:
     """Device activity between consecutive LM heads (the longest matrix-vector kernel of each
     step) over ``n`` engine steps of ``batch`` requests at about ``context`` tokens: every
@@ -90,8 +96,7 @@ def engine_steps(eng, batch: int, context: int, n: int) -> dict:
         for _ in range(n):
             eng.step()
         torch.cuda.synchronize()
-    ev = sorted(((e.time_range.start, e.time_range.end, e.name) for e in prof.events()
-                 if e.device_type.name == "CUDA"), key=lambda t: t[0])
+    ev = cuda_events(prof)
     # LM heads: the longest matrix-vector kernels (a 7B gate-up also takes tens of us, so the
     # cut is relative to the longest one, not absolute)
     longest = max((e0 - s0 for s0, e0, name in ev if name == "_gemv_kernel"), default=0.0)
@@ -119,8 +124,7 @@ def timeline(prof, replays: int) -> dict:
     started before it, over the kernels of the middle replays in start order (µs), plus each
     kernel's own duration and its start relative to that end (negative: it started early,
     overlapping its predecessor)."""
-    ev = sorted(((e.time_range.start, e.time_range.end, e.name) for e in prof.events()
-                 if e.device_type.name == "CUDA"), key=lambda t: t[0])
+    ev = cuda_events(prof)
     if replays < 4 or len(ev) < replays:
         raise SystemExit("--timeline needs --replays >= 4 and CUDA kernel events in every replay")
     if len(ev) % replays:

@@ -6,6 +6,7 @@ received, so a CLI flag or a JSON body can be reported back to the user verbatim
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -26,6 +27,19 @@ DTYPES = {
     "bfloat16": torch.bfloat16,
     "bf16": torch.bfloat16,
 }
+
+
+def env_switch(name: str) -> bool | None:
+    """An on/off environment switch of the engine's A/B knobs: ``"1"`` -> True, ``"0"`` ->
+    False, unset or empty -> None (the caller's default).
+
+    Raises:
+        ValueError: any other value, naming the variable.
+    """
+    value = os.environ.get(name, "")
+    if value not in ("", "0", "1"):
+        raise ValueError(f"{name} must be 0 or 1, got {value!r}")
+    return None if value == "" else value == "1"
 
 
 def resolve_dtype(dtype: str | torch.dtype) -> torch.dtype:

@@ -22,7 +22,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from .config import EngineConfig
+from .config import EngineConfig, env_switch
 from .sampler import PendingSample, Sampler
 from .sampling_params import SamplingParams
 from .sequence import RequestMetrics, Sequence, SequenceStatus
@@ -209,10 +209,7 @@ class LLMEngine(_EngineBase):
         On CPU: the readable path only."""
         # Greedy tokens computed inside the decode graphs (one Triton argmax launch after the
         # LM head); LLMSERVE_GRAPH_ARGMAX=0 leaves the argmax to the sampler (torch.argmax).
-        env = os.environ.get("LLMSERVE_GRAPH_ARGMAX", "")
-        if env not in ("", "0", "1"):
-            raise ValueError(f"LLMSERVE_GRAPH_ARGMAX must be 0 or 1, got {env!r}")
-        graph_argmax = env != "0"
+        graph_argmax = env_switch("LLMSERVE_GRAPH_ARGMAX") is not False
         if self.device.type != "cuda":
             return None, None
         from .cuda_graph import CUDAGraphDecodeRunner

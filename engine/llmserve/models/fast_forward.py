@@ -34,6 +34,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from ..attention import AttentionMetadata
+from ..config import env_switch
 from ..attention.triton_backend import TritonPagedAttention
 from ..triton_kernels._launch import pdl_available
 from ..triton_kernels.argmax import argmax_rows
@@ -107,16 +108,12 @@ class FastQwen2Forward:
         # faster on the H200 for hidden sizes 896 and 1536 (Qwen2.5-0.5B/1.5B: 1.5B 1.146 ->
         # 1.079 ms/step), slower for 3584 (7B: 3.82 -> 4.11); results/h200/notes/s6/ab_epi*.json.
         # LLMSERVE_GEMV_EARLY_EPILOGUE=0/1 overrides the size rule.
-        env = os.environ.get("LLMSERVE_GEMV_EARLY_EPILOGUE", "")
-        if env not in ("", "0", "1"):
-            raise ValueError(f"LLMSERVE_GEMV_EARLY_EPILOGUE must be 0 or 1, got {env!r}")
-        self.early_epilogue = env == "1" if env else cfg.hidden_size <= 2048
+        early = env_switch("LLMSERVE_GEMV_EARLY_EPILOGUE")
+        self.early_epilogue = cfg.hidden_size <= 2048 if early is None else early
         # PDL kernels let the next kernel launch before waiting for their predecessor (a cascade:
         # kernels several positions ahead read their weights early); LLMSERVE_PDL_TRIGGER_FIRST.
-        env = os.environ.get("LLMSERVE_PDL_TRIGGER_FIRST", "")
-        if env not in ("", "0", "1"):
-            raise ValueError(f"LLMSERVE_PDL_TRIGGER_FIRST must be 0 or 1, got {env!r}")
-        self.pdl_trigger_first = self.pdl and env == "1"
+        first = env_switch("LLMSERVE_PDL_TRIGGER_FIRST")       # validated on every device
+        self.pdl_trigger_first = self.pdl and first is True
 
     def __call__(self, input_ids: torch.Tensor, positions: torch.Tensor,
                  kv_caches: list[tuple[torch.Tensor, torch.Tensor]], meta: AttentionMetadata) -> torch.Tensor:

@@ -76,10 +76,12 @@ def pdl_available(device: torch.device) -> bool:
     return _PDL_OK[idx]
 
 
-def pdl_launch_kwargs(use_pdl: bool) -> dict:
-    """Extra launch options of a kernel launched with PDL (empty otherwise, so the interpreter
-    and older Tritons never see the option)."""
-    return {"launch_pdl": True} if use_pdl else {}
+def pdl_launch_kwargs(use_pdl: bool, trigger_first: bool = False) -> dict:
+    """The PDL part of a launch of a kernel with ``USE_PDL`` / ``PDL_TRIGGER_FIRST``
+    constexprs (:func:`pdl_start`, :func:`pdl_wait`): those two, plus the ``launch_pdl`` option
+    when PDL is on (absent otherwise, so the interpreter and older Tritons never see it)."""
+    kw = {"USE_PDL": bool(use_pdl), "PDL_TRIGGER_FIRST": bool(use_pdl and trigger_first)}
+    return {**kw, "launch_pdl": True} if use_pdl else kw
 
 
 try:  # the device-side half of PDL; no-ops where this Triton lacks it (never traced then)

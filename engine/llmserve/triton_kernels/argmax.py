@@ -136,6 +136,6 @@ def argmax_rows(x: torch.Tensor, out: torch.Tensor | None = None, *, pdl: bool =
     cnt = zeroed_counters("argmax", x.device, b)
     _argmax_kernel[(b, s)](x, out, part_v, part_i, part_n, cnt, v, x.stride(0), chunk,
                            S=s, S_PAD=triton.next_power_of_2(s), BLOCK=block, ITERS=iters,
-                           USE_PDL=pdl, PDL_TRIGGER_FIRST=bool(pdl and pdl_trigger_first),
-                           num_warps=4 if x.device.type == "cuda" else 1, **pdl_launch_kwargs(pdl))
+                           num_warps=4 if x.device.type == "cuda" else 1,
+                           **pdl_launch_kwargs(pdl, pdl_trigger_first))
     return out

@@ -513,9 +513,8 @@ def _launch(x, weight, out, cfg: GemvConfig, n: int, *, scale=None, bias=None, r
         PROLOGUE=PROLOGUES[prologue], GLU=glu, ROPE=rope is not None, HQ=hq, HKV=hkv, HALF=half,
         BLOCK_M=triton.next_power_of_2(m), BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
         EVEN_K=k % cfg.block_k == 0, STAGES=cfg.stages, PERSISTENT=blocks < triton.cdiv(n, cfg.block_n),
-        USE_PDL=pdl, EARLY_EPI=bool(early_epilogue), PDL_TRIGGER_FIRST=bool(pdl and pdl_trigger_first),
-        num_warps=cfg.num_warps,
-        **pdl_launch_kwargs(pdl))
+        EARLY_EPI=bool(early_epilogue), num_warps=cfg.num_warps,
+        **pdl_launch_kwargs(pdl, pdl_trigger_first))
 
 
 def gemv_qkv_rope(x: torch.Tensor, weight: torch.Tensor, *, bias: torch.Tensor | None,

@@ -700,16 +700,15 @@ def paged_attention_decode(query: torch.Tensor, k_cache: torch.Tensor, v_cache: 
         out.stride(0), out.stride(1), meta.block_tables.stride(0),
         G=g, G_PAD=g_pad, HEAD_DIM=d, PAGE=bs, BLOCK_N=bn, FP32_MATH=fp32_math,
         SKIP_NON_DECODE=skip_non_decode, DIRECT_OUT=direct,
-        MIN_TILES=min_tiles, USE_PDL=pdl, PDL_TRIGGER_FIRST=bool(pdl and pdl_trigger_first),
-        num_warps=cfg["num_warps"], num_stages=cfg["num_stages"], **pdl_launch_kwargs(pdl))
+        MIN_TILES=min_tiles, num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
+        **pdl_launch_kwargs(pdl, pdl_trigger_first))
     if not direct and not fused:
         _decode_reduce_kernel[(b, hq)](
             out, m_buf, l_buf, acc_buf, meta.query_start_loc, meta.context_lens, num_splits, inline_max, hq,
             out.stride(0), out.stride(1),
             HEAD_DIM=d, S_BLOCK=min(16, triton.next_power_of_2(num_splits)), BLOCK_N=bn,
-            MIN_TILES=min_tiles, SKIP_NON_DECODE=skip_non_decode, USE_PDL=pdl,
-            PDL_TRIGGER_FIRST=bool(pdl and pdl_trigger_first), num_warps=1 if on_cpu else 4,
-            **pdl_launch_kwargs(pdl))
+            MIN_TILES=min_tiles, SKIP_NON_DECODE=skip_non_decode, num_warps=1 if on_cpu else 4,
+            **pdl_launch_kwargs(pdl, pdl_trigger_first))
     return out
 
 
