@@ -39,7 +39,6 @@ from ..attention.triton_backend import TritonPagedAttention
 from ..triton_kernels._launch import pdl_available
 from ..triton_kernels.argmax import argmax_rows
 from ..triton_kernels.fused import add_rmsnorm, rope_qkv_write_kv, silu_and_mul
-from ..triton_kernels.fused_mlp import fused_mlp
 from ..triton_kernels.gemv import GEMV_MAX_M, gemv, gemv_qkv_rope
 from ..triton_kernels.paged_attention import paged_attention_decode
 
@@ -73,15 +72,10 @@ class FastQwen2Forward:
         gemv_max_tokens: largest step (tokens) that takes it, at most ``GEMV_MAX_M``. Default 1
             (``LLMSERVE_DECODE_GEMV_MAX`` overrides): on the H200 the kernel beats cuBLAS at
             M = 1 but not yet at M = 2..4 on the MLP shapes (``results/kernels/``).
-        fused_mlp: on the matrix-vector path, run each MLP (norm, gate-up, SwiGLU, down) as one
-            kernel whose down projection adds into an fp32 accumulator with atomics
-            (``triton_kernels/fused_mlp.py``); the down weights are then stored transposed
-            (``down_proj.weight`` becomes a view of an ``[I, H]`` tensor: same values, same
-            names). Default: ``LLMSERVE_FUSED_MLP`` (0/1), else off.
     """
 
     def __init__(self, model: nn.Module, use_gemv: bool | None = None,
-                 gemv_max_tokens: int | None = None, fused_mlp: bool | None = None) -> None:
+                 gemv_max_tokens: int | None = None) -> None:
         self.model = model
         cfg = model.config
         self.num_heads = cfg.num_attention_heads
@@ -120,16 +114,6 @@ class FastQwen2Forward:
         # kernels several positions ahead read their weights early); LLMSERVE_PDL_TRIGGER_FIRST.
         first = env_switch("LLMSERVE_PDL_TRIGGER_FIRST")       # validated on every device
         self.pdl_trigger_first = self.pdl and first is True
-        env_fused = env_switch("LLMSERVE_FUSED_MLP")           # validated on every device
-        want = (env_fused is True) if fused_mlp is None else bool(fused_mlp)
-        self.fused_mlp = self.use_gemv and want
-        self._mlp_acc: torch.Tensor | None = None
-        if self.fused_mlp:
-            for entry in self.layers:
-                down = entry["layer"].mlp.down_proj
-                wdt = down.weight.data.t().contiguous()                     # [I, H]
-                down.weight.data = wdt.t()                                  # [H, I] view, same values
-                entry["down_t"] = wdt
 
     def __call__(self, input_ids: torch.Tensor, positions: torch.Tensor,
                  kv_caches: list[tuple[torch.Tensor, torch.Tensor]], meta: AttentionMetadata) -> torch.Tensor:
@@ -195,8 +179,6 @@ class FastQwen2Forward:
         cos, sin = model.rope_cos_sin(input_ids.device)                     # [L, D/2] fp32
         r = model.model.embed_tokens(input_ids)                             # [N, H]
         n = r.shape[0]
-        if self.fused_mlp:
-            return self._forward_fused_mlp(r, positions, kv_caches, meta, direct_decode, cos, sin)
         for entry, (k_cache, v_cache) in zip(self.layers, kv_caches):
             layer = entry["layer"]
             w_qkv, b_qkv = entry["qkv"]
@@ -221,45 +203,4 @@ class FastQwen2Forward:
             gemv(act, down.weight, bias=down.bias, residual=r, out=r, pdl=pdl,
                  early_epilogue=early, pdl_trigger_first=first)             # r += act @ Wd.T
         h, _ = add_rmsnorm(r, model.model.norm.weight, self.eps)            # [N, H]
-        return h
-
-    def _forward_fused_mlp(self, r, positions, kv_caches, meta, direct_decode, cos, sin) -> torch.Tensor:
-        """:meth:`_forward_gemv` with each MLP as one :func:`fused_mlp` launch. The MLP adds its
-        down projection into ``acc`` ``[N, H]`` fp32 (atomics, no residual write); the next
-        layer's QKV projection reads ``r + acc`` (rounded) and stores it to the other residual
-        buffer, which its O projection then updates in place while zeroing ``acc`` for the
-        next MLP. The final norm adds the last MLP's ``acc``."""
-        model = self.model
-        backend = model.attention_backend
-        pdl, early, first = self.pdl, self.early_epilogue, self.pdl_trigger_first
-        n, hidden = r.shape
-        if self._mlp_acc is None or self._mlp_acc.device != r.device:
-            self._mlp_acc = torch.zeros((GEMV_MAX_M, hidden), dtype=torch.float32, device=r.device)
-        acc = self._mlp_acc[:n]                                             # [N, H] fp32
-        spare = torch.empty_like(r)                                         # the other residual buffer
-        for li, (entry, (k_cache, v_cache)) in enumerate(zip(self.layers, kv_caches)):
-            layer = entry["layer"]
-            w_qkv, b_qkv = entry["qkv"]
-            pending = li > 0                               # acc holds the previous MLP's output
-            r_in = r
-            if pending:
-                r, spare = spare, r                        # QKV writes r_in + acc to r
-            q = gemv_qkv_rope(r_in, w_qkv, bias=b_qkv, norm_weight=layer.input_layernorm.weight,
-                              eps=self.eps, positions=positions, slot_mapping=meta.slot_mapping,
-                              cos=cos, sin=sin, k_cache=k_cache, v_cache=v_cache,
-                              num_heads=self.num_heads, num_kv_heads=self.num_kv_heads,
-                              pdl=pdl, early_epilogue=early, pdl_trigger_first=first,
-                              x_add=acc if pending else None, x_out=r if pending else None)
-            if direct_decode:
-                o = paged_attention_decode(q, k_cache, v_cache, meta, self.scale, pdl=pdl,
-                                           pdl_trigger_first=first)
-            else:
-                o = backend.forward(q, k_cache, v_cache, meta, self.scale)  # [N, Hq, D]
-            o_proj = layer.self_attn.o_proj
-            gemv(o.reshape(n, self.num_heads * self.head_dim), o_proj.weight, bias=o_proj.bias,
-                 residual=r, out=r, pdl=pdl, early_epilogue=early, pdl_trigger_first=first,
-                 zero=acc)                                                  # r += o @ Wo.T; acc = 0
-            fused_mlp(r, entry["gate_up"][0], entry["down_t"], layer.post_attention_layernorm.weight,
-                      self.eps, acc, pdl=pdl, pdl_trigger_first=first)     # acc += mlp(r)
-        h, _ = add_rmsnorm(r, model.model.norm.weight, self.eps, residual=acc)  # norm(r + acc)
         return h

@@ -97,22 +97,13 @@ def _gemv_rows(blk, N, BLOCK_N: tl.constexpr, ROPE: tl.constexpr, HALF: tl.const
 
 @triton.jit
 def _gemv_step(acc, acc_b, sq, w, wb, x_base, g_ptr, k0, K, rk, PROLOGUE: tl.constexpr,
-               TWO_ROWS: tl.constexpr, EVEN_K: tl.constexpr, X_ADD: tl.constexpr, xa_base, xo_base,
-               xo_mask):
+               TWO_ROWS: tl.constexpr, EVEN_K: tl.constexpr):
     """Accumulate one K tile: ``acc += prologue(x) * w`` (and ``acc_b`` for the second weight row
-    of a GLU / RoPE pair; ``sq += x^2`` for the RMSNorm prologue). With ``X_ADD`` the input is
-    ``x + xa`` rounded to x's dtype (``xa``: fp32 partial sums a previous kernel accumulated
-    with atomics), also stored through ``xo_base`` where ``xo_mask`` holds."""
+    of a GLU / RoPE pair; ``sq += x^2`` for the RMSNorm prologue)."""
     if EVEN_K:
         x = tl.load(x_base + k0).to(tl.float32)
     else:
         x = tl.load(x_base + k0, mask=((k0 + rk) < K)[None, None, :], other=0.0).to(tl.float32)
-    if X_ADD:
-        kmask = ((k0 + rk) < K)[None, None, :]
-        xa = tl.load(xa_base + k0, mask=kmask, other=0.0)
-        x = (x + xa).to(x_base.dtype.element_ty)
-        tl.store(xo_base + k0, x, mask=xo_mask & kmask)
-        x = x.to(tl.float32)
     if PROLOGUE == 1:        # RMSNorm: x * g now, rsqrt(mean(x^2) + eps) in the epilogue
         sq += x * x
         if EVEN_K:
@@ -163,17 +154,15 @@ def _epilogue_operands(rm_ld, rn_ld, row_a, row_b, scale_ptr, bias_ptr, res_ptr,
 
 @triton.jit
 def _gemv_block(blk, w, wb, rm, rm_ld, rk, x_ptr, w_ptr, y_ptr, scale_ptr, bias_ptr, res_ptr, g_ptr,
-                kc_ptr, vc_ptr, cos_ptr, sin_ptr, pos_ptr, slot_ptr, num_slots, xa_ptr, xo_ptr,
+                kc_ptr, vc_ptr, cos_ptr, sin_ptr, pos_ptr, slot_ptr, num_slots,
                 M, N, K, stride_xm, stride_wn, stride_ym, stride_rm, eps,
                 W_INT8: tl.constexpr, HAS_BIAS: tl.constexpr, HAS_RES: tl.constexpr,
                 PROLOGUE: tl.constexpr, GLU: tl.constexpr, ROPE: tl.constexpr,
                 HQ: tl.constexpr, HKV: tl.constexpr, HALF: tl.constexpr,
                 BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                EVEN_K: tl.constexpr, STAGES: tl.constexpr, EARLY_EPI: tl.constexpr,
-                X_ADD: tl.constexpr):
+                EVEN_K: tl.constexpr, STAGES: tl.constexpr, EARLY_EPI: tl.constexpr):
     """Row block ``blk``: accumulate over K (``w``/``wb``: its first weight tiles, already
-    loaded), then the epilogue and the stores. ``X_ADD``: the input is ``x + xa`` (rounded),
-    which row block 0 also stores to ``xo`` (``[M, K]``, x's strides)."""
+    loaded), then the epilogue and the stores."""
     TWO_ROWS: tl.constexpr = GLU or ROPE
     rn, rn_ld, row_a, row_b, head, j = _gemv_rows(blk, N, BLOCK_N, ROPE, HALF)
     if EARLY_EPI:  # the epilogue's operands requested now: their latency overlaps the K loop
@@ -184,12 +173,6 @@ def _gemv_block(blk, w, wb, rm, rm_ld, rk, x_ptr, w_ptr, y_ptr, scale_ptr, bias_
     wb_base = w_ptr + row_b[None, :, None].to(tl.int64) * stride_wn + rk[None, None, :]
     x_base = x_ptr + rm_ld[:, None, None].to(tl.int64) * stride_xm + (rn * 0)[None, :, None] \
         + rk[None, None, :]                                                              # [BM, BN, BK]
-    # X_ADD: the fp32 addend ([M, K] contiguous) and the store of the sum by row block 0 (one
-    # of its BLOCK_N identical copies)
-    xa_base = xa_ptr + rm_ld[:, None, None].to(tl.int64) * K + (rn * 0)[None, :, None] + rk[None, None, :]
-    xo_base = xo_ptr + rm_ld[:, None, None].to(tl.int64) * stride_xm + (rn * 0)[None, :, None] \
-        + rk[None, None, :]
-    xo_mask = (rm < M)[:, None, None] & (rn == 0)[None, :, None]         # row block 0, column 0
     acc = tl.zeros([BLOCK_M, BLOCK_N, BLOCK_K], dtype=tl.float32)
     if TWO_ROWS:
         acc_b = tl.zeros([BLOCK_M, BLOCK_N, BLOCK_K], dtype=tl.float32)
@@ -200,13 +183,13 @@ def _gemv_block(blk, w, wb, rm, rm_ld, rk, x_ptr, w_ptr, y_ptr, scale_ptr, bias_
     else:
         sq = tl.zeros([1, 1, 1], dtype=tl.float32)
     acc, acc_b, sq = _gemv_step(acc, acc_b, sq, w, wb, x_base, g_ptr, 0, K, rk, PROLOGUE, TWO_ROWS,
-                                EVEN_K, X_ADD, xa_base, xo_base, xo_mask)
+                                EVEN_K)
     for k0 in tl.range(BLOCK_K, K, BLOCK_K, num_stages=STAGES):
         w = _load_w(w_base, k0, K, rk, EVEN_K)
         if TWO_ROWS:
             wb = _load_w(wb_base, k0, K, rk, EVEN_K)
         acc, acc_b, sq = _gemv_step(acc, acc_b, sq, w, wb, x_base, g_ptr, k0, K, rk, PROLOGUE,
-                                    TWO_ROWS, EVEN_K, X_ADD, xa_base, xo_base, xo_mask)
+                                    TWO_ROWS, EVEN_K)
     if not EARLY_EPI:
         sc_a, sc_b, bias_a, bias_b, pos, slot, res = _epilogue_operands(
             rm_ld, rn_ld, row_a, row_b, scale_ptr, bias_ptr, res_ptr, pos_ptr, slot_ptr, stride_rm,
@@ -268,16 +251,15 @@ def _gemv_block(blk, w, wb, rm, rm_ld, rk, x_ptr, w_ptr, y_ptr, scale_ptr, bias_
 
 @triton.jit
 def _gemv_kernel(x_ptr, w_ptr, y_ptr, scale_ptr, bias_ptr, res_ptr, g_ptr,
-                 kc_ptr, vc_ptr, cos_ptr, sin_ptr, pos_ptr, slot_ptr, num_slots, xa_ptr, xo_ptr, zero_ptr,
-                 zero_n, M, N, K, stride_xm, stride_wn, stride_ym, stride_rm, eps,
+                 kc_ptr, vc_ptr, cos_ptr, sin_ptr, pos_ptr, slot_ptr, num_slots,
+                 M, N, K, stride_xm, stride_wn, stride_ym, stride_rm, eps,
                  W_INT8: tl.constexpr, HAS_BIAS: tl.constexpr, HAS_RES: tl.constexpr,
                  PROLOGUE: tl.constexpr, GLU: tl.constexpr, ROPE: tl.constexpr,
                  HQ: tl.constexpr, HKV: tl.constexpr, HALF: tl.constexpr,
                  BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                  EVEN_K: tl.constexpr, STAGES: tl.constexpr, PERSISTENT: tl.constexpr,
                  USE_PDL: tl.constexpr, EARLY_EPI: tl.constexpr = False,
-                 PDL_TRIGGER_FIRST: tl.constexpr = False, X_ADD: tl.constexpr = False,
-                 ZERO: tl.constexpr = False):
+                 PDL_TRIGGER_FIRST: tl.constexpr = False):
     """A program computes ``BLOCK_N`` outputs (a row block) for all ``M <= BLOCK_M`` rows of x:
     row block ``pid``, or with ``PERSISTENT`` (a grid smaller than the block count) blocks
     ``pid, pid + grid, ...``, which avoids a last partial wave; the first tile of its next
@@ -292,11 +274,6 @@ def _gemv_kernel(x_ptr, w_ptr, y_ptr, scale_ptr, bias_ptr, res_ptr, g_ptr,
     With ``USE_PDL`` the first weight tile is loaded before the wait (:func:`pdl_wait`):
     weights never depend on the previous kernel, so their first bytes stream while that kernel
     drains (``PDL_TRIGGER_FIRST``: while the kernels before it drain too).
-
-    ``X_ADD`` (fused-MLP decode path, :mod:`.fused_mlp`): the input rows are ``x + xa``, rounded
-    to x's dtype, where ``xa`` holds the previous MLP's fp32 down-projection sums; row block 0
-    stores that sum to ``xo``, the residual stream the next kernels continue from. ``ZERO``:
-    program 0 zeroes ``zero_ptr[:zero_n]`` (fp32) after the wait, re-arming such a buffer.
     """
     TWO_ROWS: tl.constexpr = GLU or ROPE
     pdl_start(USE_PDL, PDL_TRIGGER_FIRST)
@@ -312,10 +289,6 @@ def _gemv_kernel(x_ptr, w_ptr, y_ptr, scale_ptr, bias_ptr, res_ptr, g_ptr,
     else:
         wb = w
     pdl_wait(USE_PDL, PDL_TRIGGER_FIRST)  # everything below may read what earlier kernels wrote
-    if ZERO:
-        if pid == 0:
-            for z0 in range(0, zero_n, BLOCK_K):
-                tl.store(zero_ptr + z0 + rk, tl.zeros([BLOCK_K], tl.float32), mask=(z0 + rk) < zero_n)
     if PERSISTENT:
         nprog = tl.num_programs(0)
         num_blocks = tl.cdiv(N, BLOCK_N)
@@ -331,13 +304,13 @@ def _gemv_kernel(x_ptr, w_ptr, y_ptr, scale_ptr, bias_ptr, res_ptr, g_ptr,
                                  K, rk, nxt, num_blocks)
             else:
                 wb = w
-            _gemv_block(blk, w_cur, wb_cur, rm, rm_ld, rk, x_ptr, w_ptr, y_ptr, scale_ptr, bias_ptr, res_ptr, g_ptr, kc_ptr, vc_ptr, cos_ptr, sin_ptr, pos_ptr, slot_ptr, num_slots, xa_ptr, xo_ptr, M, N, K, stride_xm, stride_wn, stride_ym, stride_rm, eps,
+            _gemv_block(blk, w_cur, wb_cur, rm, rm_ld, rk, x_ptr, w_ptr, y_ptr, scale_ptr, bias_ptr, res_ptr, g_ptr, kc_ptr, vc_ptr, cos_ptr, sin_ptr, pos_ptr, slot_ptr, num_slots, M, N, K, stride_xm, stride_wn, stride_ym, stride_rm, eps,
                         W_INT8, HAS_BIAS, HAS_RES, PROLOGUE, GLU, ROPE, HQ, HKV, HALF, BLOCK_M, BLOCK_N,
-                        BLOCK_K, EVEN_K, STAGES, EARLY_EPI, X_ADD)
+                        BLOCK_K, EVEN_K, STAGES, EARLY_EPI)
     else:
-        _gemv_block(pid, w, wb, rm, rm_ld, rk, x_ptr, w_ptr, y_ptr, scale_ptr, bias_ptr, res_ptr, g_ptr, kc_ptr, vc_ptr, cos_ptr, sin_ptr, pos_ptr, slot_ptr, num_slots, xa_ptr, xo_ptr, M, N, K, stride_xm, stride_wn, stride_ym, stride_rm, eps,
+        _gemv_block(pid, w, wb, rm, rm_ld, rk, x_ptr, w_ptr, y_ptr, scale_ptr, bias_ptr, res_ptr, g_ptr, kc_ptr, vc_ptr, cos_ptr, sin_ptr, pos_ptr, slot_ptr, num_slots, M, N, K, stride_xm, stride_wn, stride_ym, stride_rm, eps,
                     W_INT8, HAS_BIAS, HAS_RES, PROLOGUE, GLU, ROPE, HQ, HKV, HALF, BLOCK_M, BLOCK_N,
-                    BLOCK_K, EVEN_K, STAGES, EARLY_EPI, X_ADD)
+                    BLOCK_K, EVEN_K, STAGES, EARLY_EPI)
 
 
 @dataclass(frozen=True, slots=True)
@@ -515,11 +488,10 @@ def _check_gemv_inputs(x, weight, scale, bias, residual, prologue, norm_weight, 
 
 def _launch(x, weight, out, cfg: GemvConfig, n: int, *, scale=None, bias=None, residual=None,
             norm_weight=None, prologue="none", eps=1e-6, glu=False, pdl=False, rope=None,
-            early_epilogue=False, pdl_trigger_first=False, x_add=None, x_out=None, zero=None) -> None:
+            early_epilogue=False, pdl_trigger_first=False) -> None:
     """Launch :func:`_gemv_kernel` over ``n`` outputs (validated arguments). ``rope``: ``(k_cache,
     v_cache, cos, sin, positions, slot_mapping, num_heads, num_kv_heads)`` for the QKV+RoPE
-    epilogue (then ``n`` counts rotation pairs); ``x_add``/``x_out``/``zero``: see
-    :func:`_check_fused_operands`."""
+    epilogue (then ``n`` counts rotation pairs)."""
     m, k = x.shape
     dummy = weight
     if rope is not None:
@@ -535,42 +507,14 @@ def _launch(x, weight, out, cfg: GemvConfig, n: int, *, scale=None, bias=None, r
     _gemv_kernel[(blocks,)](
         x, weight, out, scale if scale is not None else dummy, bias if bias is not None else dummy,
         residual if residual is not None else out, norm_weight if norm_weight is not None else dummy,
-        *rope_args, x_add if x_add is not None else dummy, x_out if x_out is not None else dummy,
-        zero if zero is not None else dummy, zero.numel() if zero is not None else 0,
-        m, n, k, x.stride(0), weight.stride(0), out.stride(0),
+        *rope_args, m, n, k, x.stride(0), weight.stride(0), out.stride(0),
         residual.stride(0) if residual is not None else out.stride(0), eps,
         W_INT8=weight.dtype == torch.int8, HAS_BIAS=bias is not None, HAS_RES=residual is not None,
         PROLOGUE=PROLOGUES[prologue], GLU=glu, ROPE=rope is not None, HQ=hq, HKV=hkv, HALF=half,
         BLOCK_M=triton.next_power_of_2(m), BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
         EVEN_K=k % cfg.block_k == 0, STAGES=cfg.stages, PERSISTENT=blocks < triton.cdiv(n, cfg.block_n),
-        EARLY_EPI=bool(early_epilogue), X_ADD=x_add is not None, ZERO=zero is not None,
-        num_warps=cfg.num_warps, **pdl_launch_kwargs(pdl, pdl_trigger_first))
-
-
-def _check_fused_operands(x: torch.Tensor, x_add, x_out, zero) -> None:
-    """Validate the fused-MLP decode operands of :func:`gemv` / :func:`gemv_qkv_rope`:
-    ``x_add`` fp32 ``[M, K]`` contiguous (added to ``x`` and rounded before the prologue),
-    ``x_out`` shaped like ``x`` with its strides and dtype (receives that sum; must not overlap
-    ``x``), ``zero`` a contiguous fp32 buffer the kernel zeroes.
-
-    Raises:
-        ValueError: a mismatch, or ``x_add`` without ``x_out`` (the sum must be kept)."""
-    if (x_add is None) != (x_out is None):
-        raise ValueError("x_add and x_out go together (the rounded sum x + x_add is stored to x_out)")
-    if x_add is not None:
-        if x_add.dtype != torch.float32 or x_add.shape != x.shape or not x_add.is_contiguous():
-            raise ValueError(f"x_add must be contiguous float32 {tuple(x.shape)}, got {x_add.dtype} "
-                             f"{tuple(x_add.shape)}")
-        if x_out.dtype != x.dtype or x_out.shape != x.shape or x_out.stride() != x.stride():
-            raise ValueError(f"x_out must be {x.dtype} {tuple(x.shape)} with x's strides {x.stride()}")
-        if x.numel() and x_out.untyped_storage().data_ptr() == x.untyped_storage().data_ptr():
-            raise ValueError("x_out must not share memory with x (programs read all of x while "
-                             "row block 0 writes x_out)")
-    if zero is not None and (zero.dtype != torch.float32 or not zero.is_contiguous()):
-        raise ValueError(f"zero must be a contiguous float32 buffer, got {zero.dtype}")
-    for name, t in (("x_add", x_add), ("x_out", x_out), ("zero", zero)):
-        if t is not None and t.device != x.device:
-            raise ValueError(f"{name} is on {t.device} but x is on {x.device}")
+        EARLY_EPI=bool(early_epilogue), num_warps=cfg.num_warps,
+        **pdl_launch_kwargs(pdl, pdl_trigger_first))
 
 
 def gemv_qkv_rope(x: torch.Tensor, weight: torch.Tensor, *, bias: torch.Tensor | None,
@@ -579,8 +523,7 @@ def gemv_qkv_rope(x: torch.Tensor, weight: torch.Tensor, *, bias: torch.Tensor |
                   k_cache: torch.Tensor, v_cache: torch.Tensor, num_heads: int, num_kv_heads: int,
                   scale: torch.Tensor | None = None, config: GemvConfig | None = None,
                   pdl: bool = False, early_epilogue: bool = False,
-                  pdl_trigger_first: bool = False, x_add: torch.Tensor | None = None,
-                  x_out: torch.Tensor | None = None) -> torch.Tensor:
+                  pdl_trigger_first: bool = False) -> torch.Tensor:
     """RMSNorm -> packed QKV projection -> RoPE on Q and K -> K/V written to the paged cache, in
     one kernel; returns Q. The same function as ``gemv(x, weight, bias=bias,
     prologue="rmsnorm", ...)`` followed by :func:`~llmserve.triton_kernels.fused.rope_qkv_write_kv`
@@ -600,8 +543,6 @@ def gemv_qkv_rope(x: torch.Tensor, weight: torch.Tensor, *, bias: torch.Tensor |
         num_heads, num_kv_heads: ``Hq``, ``Hkv``.
         pdl: programmatic dependent launch (see :func:`gemv`).
         early_epilogue, pdl_trigger_first: see :func:`gemv`.
-        x_add, x_out: see :func:`gemv` (the fused-MLP decode path's pending down-projection
-            sums and the residual stream they complete).
 
     Returns:
         ``q`` ``[M, Hq, D]`` in ``x.dtype``.
@@ -628,7 +569,6 @@ def gemv_qkv_rope(x: torch.Tensor, weight: torch.Tensor, *, bias: torch.Tensor |
                     ("positions", positions), ("slot_mapping", slot_mapping)):
         if t.device != x.device:
             raise ValueError(f"{name} is on {t.device} but x is on {x.device}")
-    _check_fused_operands(x, x_add, x_out, None)
     q = torch.empty((m, num_heads, d), dtype=x.dtype, device=x.device)
     if m == 0:
         return q
@@ -637,7 +577,7 @@ def gemv_qkv_rope(x: torch.Tensor, weight: torch.Tensor, *, bias: torch.Tensor |
     _launch(x, weight, q.view(m, num_heads * d), cfg, n_pairs, scale=scale, bias=bias,
             norm_weight=norm_weight, prologue="rmsnorm", eps=eps, pdl=pdl,
             rope=(k_cache, v_cache, cos, sin, positions, slot_mapping, num_heads, num_kv_heads),
-            early_epilogue=early_epilogue, pdl_trigger_first=pdl_trigger_first, x_add=x_add, x_out=x_out)
+            early_epilogue=early_epilogue, pdl_trigger_first=pdl_trigger_first)
     return q
 
 
@@ -646,9 +586,7 @@ def gemv(x: torch.Tensor, weight: torch.Tensor, *, scale: torch.Tensor | None = 
          prologue: str = "none", norm_weight: torch.Tensor | None = None, eps: float = 1e-6,
          glu: bool = False, out: torch.Tensor | None = None,
          config: GemvConfig | None = None, pdl: bool = False,
-         early_epilogue: bool = False, pdl_trigger_first: bool = False,
-         x_add: torch.Tensor | None = None, x_out: torch.Tensor | None = None,
-         zero: torch.Tensor | None = None) -> torch.Tensor:
+         early_epilogue: bool = False, pdl_trigger_first: bool = False) -> torch.Tensor:
     """``y = residual + (prologue(x) @ (weight * scale[:, None]).T + bias)`` for ``M <= 4`` rows
     (with ``glu``: ``y = silu(p[:, :N]) * p[:, N:]`` of that projection ``p``).
 
@@ -682,15 +620,6 @@ def gemv(x: torch.Tensor, weight: torch.Tensor, *, scale: torch.Tensor | None = 
             its predecessor (``_launch.pdl_wait``), so several kernels ahead can read their
             weights early. Only when every kernel of the chain waits before touching what
             earlier kernels write (the engine's decode path). Same results.
-        x_add: optional fp32 ``[M, K]`` (contiguous) added to ``x`` before the prologue, the sum
-            rounded to ``x.dtype`` (as a dtype add would): the fused-MLP decode path keeps the
-            down projection's atomically accumulated fp32 sums here until the next kernel reads
-            them (:mod:`.fused_mlp`). Requires ``x_out``.
-        x_out: ``[M, K]`` like ``x`` (its dtype and strides, not its memory): receives that sum
-            (written once, by row block 0).
-        zero: optional contiguous fp32 buffer that program 0 zeroes after the PDL wait (the
-            fused-MLP path re-arms its accumulator in the O projection, which runs after the
-            QKV projection read it and before the next MLP adds to it).
 
     Returns:
         ``[M, N]`` in ``out``'s dtype (default ``x.dtype``); fp32 accumulation.
@@ -709,13 +638,12 @@ def gemv(x: torch.Tensor, weight: torch.Tensor, *, scale: torch.Tensor | None = 
     elif out.numel() and x.numel() and out.untyped_storage().data_ptr() == x.untyped_storage().data_ptr():
         raise ValueError("out must not share memory with x (programs read all of x while others "
                          "write out); only out is residual is allowed")
-    _check_fused_operands(x, x_add, x_out, zero)
     if m == 0:
         return out
     cfg = config or choose_gemv_config(m, n, k, weight.dtype, x.device, prologue + ("+glu" if glu else ""))
     _launch(x, weight, out, cfg, n, scale=scale, bias=bias, residual=residual, norm_weight=norm_weight,
             prologue=prologue, eps=eps, glu=glu, pdl=pdl, early_epilogue=early_epilogue,
-            pdl_trigger_first=pdl_trigger_first, x_add=x_add, x_out=x_out, zero=zero)
+            pdl_trigger_first=pdl_trigger_first)
     return out
 
 
