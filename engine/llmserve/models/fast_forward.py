@@ -31,7 +31,6 @@ import os
 
 import torch
 import torch.nn.functional as F
-import triton
 from torch import nn
 
 from ..attention import AttentionMetadata
@@ -40,7 +39,7 @@ from ..attention.triton_backend import TritonPagedAttention
 from ..triton_kernels._launch import pdl_available
 from ..triton_kernels.argmax import argmax_rows
 from ..triton_kernels.fused import add_rmsnorm, rope_qkv_write_kv, silu_and_mul
-from ..triton_kernels.gemv import FLAG_STRIDE, GEMV_MAX_M, choose_gemv_config, gemv, gemv_qkv_rope
+from ..triton_kernels.gemv import GEMV_MAX_M, gemv, gemv_qkv_rope
 from ..triton_kernels.paged_attention import paged_attention_decode
 
 
@@ -115,13 +114,6 @@ class FastQwen2Forward:
         # kernels several positions ahead read their weights early); LLMSERVE_PDL_TRIGGER_FIRST.
         first = env_switch("LLMSERVE_PDL_TRIGGER_FIRST")       # validated on every device
         self.pdl_trigger_first = self.pdl and first is True
-        # Down projection reads the gate-up output tile by tile as its rows are counted stored,
-        # instead of waiting for the whole gate-up grid (gemv's signal / await_flags):
-        # LLMSERVE_GEMV_TILE_FLAGS=0/1 (default off). Without PDL the down projection starts
-        # after gate-up as usual and finds every counter complete (the CPU tests' case).
-        flags = env_switch("LLMSERVE_GEMV_TILE_FLAGS")         # validated on every device
-        self.tile_flags = self.use_gemv and flags is True and not self.pdl_trigger_first
-        self._flags: torch.Tensor | None = None
 
     def __call__(self, input_ids: torch.Tensor, positions: torch.Tensor,
                  kv_caches: list[tuple[torch.Tensor, torch.Tensor]], meta: AttentionMetadata) -> torch.Tensor:
@@ -187,16 +179,6 @@ class FastQwen2Forward:
         cos, sin = model.rope_cos_sin(input_ids.device)                     # [L, D/2] fp32
         r = model.model.embed_tokens(input_ids)                             # [N, H]
         n = r.shape[0]
-        flags = down_cfg = spare = None
-        if self.tile_flags and n:
-            # counters of the gate-up -> down hand-over; the down projection writes the other
-            # residual buffer (gate-up programs may still read r while it finishes)
-            inter = self.layers[0]["gate_up"][0].shape[0] // 2
-            down_cfg = choose_gemv_config(n, r.shape[1], inter, r.dtype, r.device, "none")
-            if self._flags is None or self._flags.device != r.device:
-                self._flags = torch.zeros(256 * FLAG_STRIDE, dtype=torch.int32, device=r.device)
-            flags = self._flags[:triton.cdiv(inter, down_cfg.block_k) * FLAG_STRIDE]
-            spare = torch.empty_like(r)
         for entry, (k_cache, v_cache) in zip(self.layers, kv_caches):
             layer = entry["layer"]
             w_qkv, b_qkv = entry["qkv"]
@@ -212,18 +194,13 @@ class FastQwen2Forward:
                 o = backend.forward(q, k_cache, v_cache, meta, self.scale)  # [N, Hq, D]
             o_proj = layer.self_attn.o_proj
             gemv(o.reshape(n, self.num_heads * self.head_dim), o_proj.weight, bias=o_proj.bias,
-                 residual=r, out=r, pdl=pdl, early_epilogue=early, pdl_trigger_first=first,
-                 zero=flags)                                                # r += o @ Wo.T
+                 residual=r, out=r, pdl=pdl, early_epilogue=early,
+                 pdl_trigger_first=first)                                   # r += o @ Wo.T
             act = gemv(r, entry["gate_up"][0], prologue="rmsnorm", glu=True,
                        norm_weight=layer.post_attention_layernorm.weight, eps=self.eps,
-                       pdl=pdl, pdl_trigger_first=first,
-                       signal=(flags, down_cfg.block_k) if flags is not None else None)  # [N, I]
+                       pdl=pdl, pdl_trigger_first=first)                    # [N, I]
             down = layer.mlp.down_proj
-            out = r if flags is None else spare
-            gemv(act, down.weight, bias=down.bias, residual=r, out=out, pdl=pdl,
-                 early_epilogue=early, pdl_trigger_first=first, config=down_cfg,
-                 await_flags=flags)                                         # r' = r + act @ Wd.T
-            if flags is not None:
-                r, spare = out, r
+            gemv(act, down.weight, bias=down.bias, residual=r, out=r, pdl=pdl,
+                 early_epilogue=early, pdl_trigger_first=first)             # r += act @ Wd.T
         h, _ = add_rmsnorm(r, model.model.norm.weight, self.eps)            # [N, H]
         return h

@@ -48,10 +48,9 @@ import torch
 import triton
 import triton.language as tl
 
-from ._launch import gdc_launch_dependents, num_sms, pdl_launch_kwargs, pdl_start, pdl_wait
+from ._launch import num_sms, pdl_launch_kwargs, pdl_start, pdl_wait
 
-__all__ = ["FLAG_STRIDE", "GemvConfig", "choose_gemv_config", "gemv", "gemv_qkv_rope", "gemv_reference",
-           "GEMV_MAX_M"]
+__all__ = ["GemvConfig", "choose_gemv_config", "gemv", "gemv_qkv_rope", "gemv_reference", "GEMV_MAX_M"]
 
 GEMV_MAX_M = 4  # most rows of x (every program serves all of them); larger M use a GEMM
 
@@ -118,40 +117,6 @@ def _gemv_step(acc, acc_b, sq, w, wb, x_base, g_ptr, k0, K, rk, PROLOGUE: tl.con
     return acc, acc_b, sq
 
 
-FLAG_STRIDE = 32  # int32 words between two tile counters (one 128-byte line each)
-_FLAG_STRIDE = tl.constexpr(FLAG_STRIDE)
-
-
-@triton.jit
-def _tile_snapshot(flag_ptr, K, BLOCK_K: tl.constexpr, NT_PAD: tl.constexpr):
-    """One acquire poll of every K tile's counter at once (one round trip): ``[NT_PAD]``
-    counts, padding lanes ``2^30`` (never waited on)."""
-    t = tl.arange(0, NT_PAD)
-    live = t < tl.cdiv(K, BLOCK_K)
-    snap = tl.atomic_add(flag_ptr + t * _FLAG_STRIDE, tl.zeros([NT_PAD], tl.int32), mask=live,
-                         sem="acquire", scope="gpu")
-    return tl.where(live, snap, 1 << 30)
-
-
-@triton.jit
-def _await_tile_snap(flag_ptr, snap, j, need, NT_PAD: tl.constexpr):
-    """Tile ``j``: done if the snapshot already showed ``need`` rows, else poll until it does."""
-    seen = tl.sum(tl.where(tl.arange(0, NT_PAD) == j, snap, 0), axis=0)
-    if seen < need:
-        _await_tile(flag_ptr + j * _FLAG_STRIDE, need)
-
-
-@triton.jit
-def _await_tile(flag_ptr, need):
-    """Spin until the counter at ``flag_ptr`` reaches ``need`` (rows of the input tile written
-    by the producer kernel). The poll is an acquire at GPU scope whose value is used (an unused
-    acquire was dropped by Triton 3.6 / ptxas, leaving stale L1 lines: results/kernels/NOTES.md,
-    session 6), so the producer's stores before its release are visible to the loads after it."""
-    cur = tl.atomic_add(flag_ptr, 0, sem="acquire", scope="gpu")
-    while cur < need:
-        cur = tl.atomic_add(flag_ptr, 0, sem="acquire", scope="gpu")
-
-
 @triton.jit
 def _epilogue_operands(rm_ld, rn_ld, row_a, row_b, scale_ptr, bias_ptr, res_ptr, pos_ptr, slot_ptr, stride_rm,
                        W_INT8: tl.constexpr, HAS_BIAS: tl.constexpr, HAS_RES: tl.constexpr,
@@ -189,18 +154,15 @@ def _epilogue_operands(rm_ld, rn_ld, row_a, row_b, scale_ptr, bias_ptr, res_ptr,
 
 @triton.jit
 def _gemv_block(blk, w, wb, rm, rm_ld, rk, x_ptr, w_ptr, y_ptr, scale_ptr, bias_ptr, res_ptr, g_ptr,
-                kc_ptr, vc_ptr, cos_ptr, sin_ptr, pos_ptr, slot_ptr, num_slots, flag_ptr, flag_tile,
+                kc_ptr, vc_ptr, cos_ptr, sin_ptr, pos_ptr, slot_ptr, num_slots,
                 M, N, K, stride_xm, stride_wn, stride_ym, stride_rm, eps,
                 W_INT8: tl.constexpr, HAS_BIAS: tl.constexpr, HAS_RES: tl.constexpr,
                 PROLOGUE: tl.constexpr, GLU: tl.constexpr, ROPE: tl.constexpr,
                 HQ: tl.constexpr, HKV: tl.constexpr, HALF: tl.constexpr,
                 BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                EVEN_K: tl.constexpr, STAGES: tl.constexpr, EARLY_EPI: tl.constexpr,
-                FLAG_IN: tl.constexpr, FLAG_OUT: tl.constexpr, NT_PAD: tl.constexpr):
+                EVEN_K: tl.constexpr, STAGES: tl.constexpr, EARLY_EPI: tl.constexpr):
     """Row block ``blk``: accumulate over K (``w``/``wb``: its first weight tiles, already
-    loaded), then the epilogue and the stores. ``FLAG_IN``: each K tile of x is read once its
-    counter shows all its rows written; ``FLAG_OUT``: the block's rows are counted in the
-    counter of the consumer's tile (``flag_tile`` rows) after they are stored."""
+    loaded), then the epilogue and the stores."""
     TWO_ROWS: tl.constexpr = GLU or ROPE
     rn, rn_ld, row_a, row_b, head, j = _gemv_rows(blk, N, BLOCK_N, ROPE, HALF)
     if EARLY_EPI:  # the epilogue's operands requested now: their latency overlaps the K loop
@@ -220,17 +182,12 @@ def _gemv_block(blk, w, wb, rm, rm_ld, rk, x_ptr, w_ptr, y_ptr, scale_ptr, bias_
         sq = tl.zeros([BLOCK_M, BLOCK_N, BLOCK_K], dtype=tl.float32)
     else:
         sq = tl.zeros([1, 1, 1], dtype=tl.float32)
-    if FLAG_IN:
-        snap = _tile_snapshot(flag_ptr, K, BLOCK_K, NT_PAD)
-        _await_tile_snap(flag_ptr, snap, 0, tl.minimum(K, BLOCK_K), NT_PAD)
     acc, acc_b, sq = _gemv_step(acc, acc_b, sq, w, wb, x_base, g_ptr, 0, K, rk, PROLOGUE, TWO_ROWS,
                                 EVEN_K)
     for k0 in tl.range(BLOCK_K, K, BLOCK_K, num_stages=STAGES):
         w = _load_w(w_base, k0, K, rk, EVEN_K)
         if TWO_ROWS:
             wb = _load_w(wb_base, k0, K, rk, EVEN_K)
-        if FLAG_IN:  # the weight tile is in flight while this waits (if it must)
-            _await_tile_snap(flag_ptr, snap, k0 // BLOCK_K, tl.minimum(K - k0, BLOCK_K), NT_PAD)
         acc, acc_b, sq = _gemv_step(acc, acc_b, sq, w, wb, x_base, g_ptr, k0, K, rk, PROLOGUE,
                                     TWO_ROWS, EVEN_K)
     if not EARLY_EPI:
@@ -290,26 +247,19 @@ def _gemv_block(blk, w, wb, rm, rm_ld, rk, x_ptr, w_ptr, y_ptr, scale_ptr, bias_
             out = res.to(tl.float32) + out.to(y_ptr.dtype.element_ty).to(tl.float32)
         tl.store(y_ptr + rm[:, None].to(tl.int64) * stride_ym + rn[None, :],
                  out.to(y_ptr.dtype.element_ty), mask=mask)
-    if FLAG_OUT:
-        # every warp's stores before the one release (the pattern of the in-kernel split merge)
-        tl.debug_barrier()
-        first = blk * BLOCK_N
-        tl.atomic_add(flag_ptr + (first // flag_tile) * _FLAG_STRIDE, tl.minimum(N - first, BLOCK_N),
-                      sem="release", scope="gpu")
 
 
 @triton.jit
 def _gemv_kernel(x_ptr, w_ptr, y_ptr, scale_ptr, bias_ptr, res_ptr, g_ptr,
-                 kc_ptr, vc_ptr, cos_ptr, sin_ptr, pos_ptr, slot_ptr, num_slots, flag_ptr, flag_tile,
-                 zero_ptr, zero_n, M, N, K, stride_xm, stride_wn, stride_ym, stride_rm, eps,
+                 kc_ptr, vc_ptr, cos_ptr, sin_ptr, pos_ptr, slot_ptr, num_slots,
+                 M, N, K, stride_xm, stride_wn, stride_ym, stride_rm, eps,
                  W_INT8: tl.constexpr, HAS_BIAS: tl.constexpr, HAS_RES: tl.constexpr,
                  PROLOGUE: tl.constexpr, GLU: tl.constexpr, ROPE: tl.constexpr,
                  HQ: tl.constexpr, HKV: tl.constexpr, HALF: tl.constexpr,
                  BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                  EVEN_K: tl.constexpr, STAGES: tl.constexpr, PERSISTENT: tl.constexpr,
                  USE_PDL: tl.constexpr, EARLY_EPI: tl.constexpr = False,
-                 PDL_TRIGGER_FIRST: tl.constexpr = False, FLAG_IN: tl.constexpr = False,
-                 FLAG_OUT: tl.constexpr = False, ZERO: tl.constexpr = False, NT_PAD: tl.constexpr = 1):
+                 PDL_TRIGGER_FIRST: tl.constexpr = False):
     """A program computes ``BLOCK_N`` outputs (a row block) for all ``M <= BLOCK_M`` rows of x:
     row block ``pid``, or with ``PERSISTENT`` (a grid smaller than the block count) blocks
     ``pid, pid + grid, ...``, which avoids a last partial wave; the first tile of its next
@@ -324,11 +274,6 @@ def _gemv_kernel(x_ptr, w_ptr, y_ptr, scale_ptr, bias_ptr, res_ptr, g_ptr,
     With ``USE_PDL`` the first weight tile is loaded before the wait (:func:`pdl_wait`):
     weights never depend on the previous kernel, so their first bytes stream while that kernel
     drains (``PDL_TRIGGER_FIRST``: while the kernels before it drain too).
-
-    Tile counters (:func:`gemv`'s ``signal``/``await_flags``): with ``FLAG_IN`` the kernel does
-    not wait for its whole predecessor grid; each K tile of x is read once the predecessor
-    (launched with ``FLAG_OUT``) has counted all of that tile's rows as stored. ``ZERO``: program
-    0 zeroes ``zero_ptr[:zero_n]`` after its wait (re-arming counters for a later pair).
     """
     TWO_ROWS: tl.constexpr = GLU or ROPE
     pdl_start(USE_PDL, PDL_TRIGGER_FIRST)
@@ -343,21 +288,7 @@ def _gemv_kernel(x_ptr, w_ptr, y_ptr, scale_ptr, bias_ptr, res_ptr, g_ptr,
                      EVEN_K)
     else:
         wb = w
-    if FLAG_IN:
-        # No grid-wide wait: x arrives tile by tile (_await_tile). Safe with PDL because this grid
-        # is launched only after every program of the producer has started (each triggers after
-        # its own wait, or first), so the producers this grid's programs spin on are resident
-        # and never wait for it. Everything else this kernel reads was written before the
-        # producer's own wait returned.
-        if USE_PDL and not PDL_TRIGGER_FIRST:
-            gdc_launch_dependents()
-    else:
-        pdl_wait(USE_PDL, PDL_TRIGGER_FIRST)  # everything below may read what earlier kernels wrote
-    if ZERO:
-        if pid == 0:
-            for z0 in range(0, zero_n, BLOCK_K):
-                tl.store(zero_ptr + z0 + rk, tl.zeros([BLOCK_K], zero_ptr.dtype.element_ty),
-                         mask=(z0 + rk) < zero_n)
+    pdl_wait(USE_PDL, PDL_TRIGGER_FIRST)  # everything below may read what earlier kernels wrote
     if PERSISTENT:
         nprog = tl.num_programs(0)
         num_blocks = tl.cdiv(N, BLOCK_N)
@@ -373,13 +304,13 @@ def _gemv_kernel(x_ptr, w_ptr, y_ptr, scale_ptr, bias_ptr, res_ptr, g_ptr,
                                  K, rk, nxt, num_blocks)
             else:
                 wb = w
-            _gemv_block(blk, w_cur, wb_cur, rm, rm_ld, rk, x_ptr, w_ptr, y_ptr, scale_ptr, bias_ptr, res_ptr, g_ptr, kc_ptr, vc_ptr, cos_ptr, sin_ptr, pos_ptr, slot_ptr, num_slots, flag_ptr, flag_tile, M, N, K, stride_xm, stride_wn, stride_ym, stride_rm, eps,
+            _gemv_block(blk, w_cur, wb_cur, rm, rm_ld, rk, x_ptr, w_ptr, y_ptr, scale_ptr, bias_ptr, res_ptr, g_ptr, kc_ptr, vc_ptr, cos_ptr, sin_ptr, pos_ptr, slot_ptr, num_slots, M, N, K, stride_xm, stride_wn, stride_ym, stride_rm, eps,
                         W_INT8, HAS_BIAS, HAS_RES, PROLOGUE, GLU, ROPE, HQ, HKV, HALF, BLOCK_M, BLOCK_N,
-                        BLOCK_K, EVEN_K, STAGES, EARLY_EPI, FLAG_IN, FLAG_OUT, NT_PAD)
+                        BLOCK_K, EVEN_K, STAGES, EARLY_EPI)
     else:
-        _gemv_block(pid, w, wb, rm, rm_ld, rk, x_ptr, w_ptr, y_ptr, scale_ptr, bias_ptr, res_ptr, g_ptr, kc_ptr, vc_ptr, cos_ptr, sin_ptr, pos_ptr, slot_ptr, num_slots, flag_ptr, flag_tile, M, N, K, stride_xm, stride_wn, stride_ym, stride_rm, eps,
+        _gemv_block(pid, w, wb, rm, rm_ld, rk, x_ptr, w_ptr, y_ptr, scale_ptr, bias_ptr, res_ptr, g_ptr, kc_ptr, vc_ptr, cos_ptr, sin_ptr, pos_ptr, slot_ptr, num_slots, M, N, K, stride_xm, stride_wn, stride_ym, stride_rm, eps,
                     W_INT8, HAS_BIAS, HAS_RES, PROLOGUE, GLU, ROPE, HQ, HKV, HALF, BLOCK_M, BLOCK_N,
-                    BLOCK_K, EVEN_K, STAGES, EARLY_EPI, FLAG_IN, FLAG_OUT, NT_PAD)
+                    BLOCK_K, EVEN_K, STAGES, EARLY_EPI)
 
 
 @dataclass(frozen=True, slots=True)
@@ -557,12 +488,10 @@ def _check_gemv_inputs(x, weight, scale, bias, residual, prologue, norm_weight, 
 
 def _launch(x, weight, out, cfg: GemvConfig, n: int, *, scale=None, bias=None, residual=None,
             norm_weight=None, prologue="none", eps=1e-6, glu=False, pdl=False, rope=None,
-            early_epilogue=False, pdl_trigger_first=False, signal=None, await_flags=None,
-            zero=None) -> None:
+            early_epilogue=False, pdl_trigger_first=False) -> None:
     """Launch :func:`_gemv_kernel` over ``n`` outputs (validated arguments). ``rope``: ``(k_cache,
     v_cache, cos, sin, positions, slot_mapping, num_heads, num_kv_heads)`` for the QKV+RoPE
-    epilogue (then ``n`` counts rotation pairs); ``signal``/``await_flags``/``zero``: see
-    :func:`gemv`."""
+    epilogue (then ``n`` counts rotation pairs)."""
     m, k = x.shape
     dummy = weight
     if rope is not None:
@@ -578,38 +507,14 @@ def _launch(x, weight, out, cfg: GemvConfig, n: int, *, scale=None, bias=None, r
     _gemv_kernel[(blocks,)](
         x, weight, out, scale if scale is not None else dummy, bias if bias is not None else dummy,
         residual if residual is not None else out, norm_weight if norm_weight is not None else dummy,
-        *rope_args, signal[0] if signal is not None else (await_flags if await_flags is not None else dummy),
-        signal[1] if signal is not None else 1, zero if zero is not None else dummy,
-        zero.numel() if zero is not None else 0, m, n, k, x.stride(0), weight.stride(0), out.stride(0),
+        *rope_args, m, n, k, x.stride(0), weight.stride(0), out.stride(0),
         residual.stride(0) if residual is not None else out.stride(0), eps,
         W_INT8=weight.dtype == torch.int8, HAS_BIAS=bias is not None, HAS_RES=residual is not None,
         PROLOGUE=PROLOGUES[prologue], GLU=glu, ROPE=rope is not None, HQ=hq, HKV=hkv, HALF=half,
         BLOCK_M=triton.next_power_of_2(m), BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
         EVEN_K=k % cfg.block_k == 0, STAGES=cfg.stages, PERSISTENT=blocks < triton.cdiv(n, cfg.block_n),
-        EARLY_EPI=bool(early_epilogue), FLAG_IN=await_flags is not None, FLAG_OUT=signal is not None,
-        ZERO=zero is not None, NT_PAD=triton.next_power_of_2(triton.cdiv(k, cfg.block_k)) if await_flags is not None else 1,
-        num_warps=cfg.num_warps, **pdl_launch_kwargs(pdl, pdl_trigger_first))
-
-
-def _check_flags(x: torch.Tensor, n: int, k: int, cfg: GemvConfig, signal, await_flags, zero) -> None:
-    """Validate :func:`gemv`'s tile-counter operands (``ValueError`` with the reason)."""
-    for name, t in (("signal", signal[0] if signal is not None else None), ("await_flags", await_flags)):
-        if t is None:
-            continue
-        if t.dtype != torch.int32 or not t.is_contiguous() or t.device != x.device:
-            raise ValueError(f"{name} counters must be a contiguous int32 tensor on {x.device}")
-    if signal is not None:
-        flags, tile = signal
-        if not isinstance(tile, int) or tile < cfg.block_n or tile % cfg.block_n:
-            raise ValueError(f"signal tile ({tile!r} rows) must be a multiple of block_n={cfg.block_n}")
-        if flags.numel() < triton.cdiv(n, tile) * FLAG_STRIDE:
-            raise ValueError(f"signal needs {triton.cdiv(n, tile) * FLAG_STRIDE} counters for {n} rows "
-                             f"in tiles of {tile}, got {flags.numel()}")
-    if await_flags is not None and await_flags.numel() < triton.cdiv(k, cfg.block_k) * FLAG_STRIDE:
-        raise ValueError(f"await_flags needs {triton.cdiv(k, cfg.block_k) * FLAG_STRIDE} counters for "
-                         f"K={k} in tiles of {cfg.block_k}, got {await_flags.numel()}")
-    if zero is not None and (not zero.is_contiguous() or zero.element_size() != 4 or zero.device != x.device):
-        raise ValueError(f"zero must be a contiguous 4-byte (int32/float32) tensor on {x.device}")
+        EARLY_EPI=bool(early_epilogue), num_warps=cfg.num_warps,
+        **pdl_launch_kwargs(pdl, pdl_trigger_first))
 
 
 def gemv_qkv_rope(x: torch.Tensor, weight: torch.Tensor, *, bias: torch.Tensor | None,
@@ -681,9 +586,7 @@ def gemv(x: torch.Tensor, weight: torch.Tensor, *, scale: torch.Tensor | None = 
          prologue: str = "none", norm_weight: torch.Tensor | None = None, eps: float = 1e-6,
          glu: bool = False, out: torch.Tensor | None = None,
          config: GemvConfig | None = None, pdl: bool = False,
-         early_epilogue: bool = False, pdl_trigger_first: bool = False,
-         signal: tuple[torch.Tensor, int] | None = None, await_flags: torch.Tensor | None = None,
-         zero: torch.Tensor | None = None) -> torch.Tensor:
+         early_epilogue: bool = False, pdl_trigger_first: bool = False) -> torch.Tensor:
     """``y = residual + (prologue(x) @ (weight * scale[:, None]).T + bias)`` for ``M <= 4`` rows
     (with ``glu``: ``y = silu(p[:, :N]) * p[:, N:]`` of that projection ``p``).
 
@@ -717,19 +620,6 @@ def gemv(x: torch.Tensor, weight: torch.Tensor, *, scale: torch.Tensor | None = 
             its predecessor (``_launch.pdl_wait``), so several kernels ahead can read their
             weights early. Only when every kernel of the chain waits before touching what
             earlier kernels write (the engine's decode path). Same results.
-        signal: ``(counters, tile)``: after a row block's outputs are stored, add its row count
-            to ``counters[(first_row // tile) * FLAG_STRIDE]`` (release), so a consumer launched
-            with ``await_flags`` can read each ``tile``-row slice of ``out`` as soon as it is
-            complete. ``tile`` is the consumer's ``block_k``.
-        await_flags: the producer's counters, all zero before the producer ran: instead of
-            waiting for the whole previous grid (PDL), each K tile of ``x`` is read once its
-            counter equals its row count. Only directly after the producer in a PDL chain (the
-            engine's decode path: down projection after gate-up), with everything else this
-            kernel reads written before the producer's own wait, and ``out`` not read by the
-            producer (the consumer may finish while producer programs still run).
-        zero: a contiguous int32/float32 buffer that program 0 zeroes after its wait (the
-            engine re-arms the counters in the O projection, which runs after the previous
-            consumer and before the next producer).
 
     Returns:
         ``[M, N]`` in ``out``'s dtype (default ``x.dtype``); fp32 accumulation.
@@ -748,18 +638,12 @@ def gemv(x: torch.Tensor, weight: torch.Tensor, *, scale: torch.Tensor | None = 
     elif out.numel() and x.numel() and out.untyped_storage().data_ptr() == x.untyped_storage().data_ptr():
         raise ValueError("out must not share memory with x (programs read all of x while others "
                          "write out); only out is residual is allowed")
-    if signal is not None and await_flags is not None:
-        raise ValueError("a gemv is either a producer (signal) or a consumer (await_flags), not both")
-    if await_flags is not None and pdl_trigger_first:
-        raise ValueError("await_flags cannot be combined with pdl_trigger_first (the consumer could then "
-                         "start before the producer's own inputs are written)")
-    cfg = config or choose_gemv_config(m, n, k, weight.dtype, x.device, prologue + ("+glu" if glu else ""))
-    _check_flags(x, n, k, cfg, signal, await_flags, zero)
     if m == 0:
         return out
+    cfg = config or choose_gemv_config(m, n, k, weight.dtype, x.device, prologue + ("+glu" if glu else ""))
     _launch(x, weight, out, cfg, n, scale=scale, bias=bias, residual=residual, norm_weight=norm_weight,
             prologue=prologue, eps=eps, glu=glu, pdl=pdl, early_epilogue=early_epilogue,
-            pdl_trigger_first=pdl_trigger_first, signal=signal, await_flags=await_flags, zero=zero)
+            pdl_trigger_first=pdl_trigger_first)
     return out
 
 
