@@ -133,6 +133,8 @@ def test_fake_run_writes_valid_report_and_csv(tmp_path):
     assert all(r["output_len"] == r["max_tokens"] and r["status"] == "ok" for r in data["requests"])
     assert agg["ttft_ms_p50"] > 0 and agg["tpot_ms_p50"] > 0 and agg["output_throughput"] > 0
     assert data["warmup"]["num_requests"] == 1
+    assert data["warmup"]["kernel_warmup"] is None                 # the fake engine has none
+    assert "triton_compiles_measured" in data["warmup"]
     assert data["seed"] == 3 and data["profile"]["name"] == "unit"
     assert data["engine_config"]["scheduler"]["max_num_seqs"] == 8
     assert len(data["token_digest"]) == 64 and len(data["workload"]["digest"]) == 64
@@ -299,3 +301,26 @@ def test_cli_smoke_tiny_model(tmp_path):
     assert data["kv_cache"]["available"] and data["kv_cache"]["memory_reduction_vs_contiguous"] > 0
     rows = list(csv.DictReader((tmp_path / "smoke.csv").open()))
     assert rows[0]["status"] == "ok" and rows[0]["token_digest"] == data["token_digest"]
+
+
+def test_kernel_warmup_runs_before_the_warmup_requests(tmp_path):
+    """An engine with ``warmup()`` is warmed up before the warm-up requests and its result
+    lands in the report; ``--no-kernel-warmup`` skips it."""
+    calls = []
+
+    class WarmEngine(FakeEngine):
+        def warmup(self):
+            calls.append(self.num_steps)
+            return {"seconds": 0.01, "requests": 3, "triton_compiles": 2}
+
+    kw = dict(engine_factory=lambda c, naive: WarmEngine(c, naive))
+    rep, _, _ = run_benchmark(_opts(tmp_path), **kw)
+    assert rep["status"] == "ok" and calls == [0]
+    assert rep["warmup"]["kernel_warmup"] == {"seconds": 0.01, "requests": 3, "triton_compiles": 2}
+    rep, _, _ = run_benchmark(_opts(tmp_path, kernel_warmup=False), **kw)
+    assert rep["status"] == "ok" and calls == [0] and rep["warmup"]["kernel_warmup"] is None
+    import argparse
+    p = argparse.ArgumentParser()
+    runner_mod.add_benchmark_subparser(p.add_subparsers())
+    assert runner_mod.options_from_args(p.parse_args(["benchmark", "--no-kernel-warmup"])).kernel_warmup is False
+    assert runner_mod.options_from_args(p.parse_args(["benchmark"])).kernel_warmup is True

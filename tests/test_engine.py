@@ -209,3 +209,40 @@ def test_step_seconds_account_for_the_steps():
     assert set(st) == {"schedule", "execute", "sample", "postprocess"}
     assert all(v >= 0 for v in st.values()) and st["execute"] > 0
     assert sum(st.values()) <= wall
+
+
+def test_warmup_runs_every_step_kind_and_leaves_no_trace():
+    """``warmup()`` is a no-op on CPU; forced, it runs batched prefills (one longer than the
+    prefill chunk), staggered arrivals (decode steps mixed with prefill chunks) and a sampled
+    request, then resets the counters: later outputs equal a fresh engine's, also for a
+    seeded sampled request; a busy engine refuses to warm up."""
+    cfg = EngineConfig(scheduler=SchedulerConfig(max_num_seqs=4, max_model_len=256, prefill_chunk_size=32,
+                                                 max_num_batched_tokens=64))
+    eng = LLMEngine(cfg)
+    skipped = eng.warmup()
+    assert "skipped" in skipped and skipped["requests"] == 0 and eng.num_steps == 0
+    mixed = []
+    original = eng.runner.execute
+
+    def spy(scheduled, pending=None):
+        news = [item.num_new_tokens for item in scheduled]
+        mixed.append(max(news) > 1 and min(news) == 1)  # a decode row next to a prefill chunk
+        return original(scheduled, pending)
+
+    eng.runner.execute = spy
+    info = eng.warmup(force=True)
+    eng.runner.execute = original
+    assert info["requests"] >= 10 and info["seconds"] > 0 and info["triton_compiles"] in (0, None)
+    assert any(mixed), "no decode step was mixed with a prefill chunk"
+    assert eng.num_steps == 0 and eng.max_blocks_in_use == 0 and not eng.has_unfinished_requests()
+    assert eng.block_manager.num_free_blocks == eng.block_manager.num_total_blocks
+    assert sum(eng.step_seconds.values()) == 0.0 and eng.scheduler.num_preemptions == 0
+    prompts = [[5, 6, 7, 8], list(range(40, 80))]
+    sps = [SamplingParams(max_tokens=8, ignore_eos=True),
+           SamplingParams(max_tokens=8, temperature=0.9, seed=3, ignore_eos=True)]
+    fresh = LLMEngine(cfg).generate(prompts, sps)
+    after = eng.generate(prompts, sps)
+    assert [o.output_token_ids for o in after] == [o.output_token_ids for o in fresh]
+    eng.add_request([1, 2, 3], SamplingParams(max_tokens=2))
+    with pytest.raises(RuntimeError, match="idle"):
+        eng.warmup(force=True)

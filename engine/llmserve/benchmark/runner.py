@@ -38,6 +38,15 @@ from .report import (SCHEMA_VERSION, append_csv_row, csv_row, git_info, hardware
                      package_versions, token_digest, utc_now, write_json)
 from .workload import DEFAULT_PROFILE, BenchmarkRequest, Workload, build_workload, load_profile
 
+
+def _triton_cache_entries() -> int | None:
+    """Kernels in Triton's on-disk cache (see ``triton_kernels._launch.triton_cache_entries``)."""
+    try:
+        from ..triton_kernels._launch import triton_cache_entries
+    except ImportError:  # pragma: no cover - no Triton: nothing can compile
+        return None
+    return triton_cache_entries()
+
 __all__ = ["BenchmarkOptions", "BenchmarkTimeout", "add_benchmark_subparser", "run_benchmark_cli",
            "run_benchmark", "make_engine_config", "options_from_args", "main", "CONFIGS"]
 
@@ -76,6 +85,7 @@ class BenchmarkOptions:
     burstiness: float | None = None
     seed: int | None = None
     warmup_requests: int | None = None
+    kernel_warmup: bool = True
     output: str | None = None
     csv: str | None = None
     profile_components: bool = False
@@ -190,6 +200,9 @@ def add_benchmark_args(p: argparse.ArgumentParser) -> None:
     w.add_argument("--seed", type=_nonneg_int, default=None, help="workload and engine seed (default: the profile's)")
     w.add_argument("--warmup-requests", type=_nonneg_int, default=None,
                    help="requests run before measuring, excluded from statistics (default: the profile's)")
+    w.add_argument("--no-kernel-warmup", dest="kernel_warmup", action="store_false",
+                   help="skip the engine's kernel warm-up (synthetic requests that compile every GPU "
+                        "kernel variant before the warm-up requests; CUDA only)")
 
     o = p.add_argument_group("output")
     o.add_argument("--output", default=None, metavar="X.json",
@@ -583,13 +596,18 @@ def run_benchmark(opts: BenchmarkOptions, engine_factory: Callable[[Any, bool], 
 
         t_start = time.perf_counter()
         deadline = t_start + opts.timeout if opts.timeout else None
+        kernel_warmup = None
+        if opts.kernel_warmup and hasattr(engine, "warmup"):
+            kernel_warmup = engine.warmup()
         if n_warm:
             warm = build_workload(profile, seed=seed, num_requests=n_warm, arrival_rate=math.inf,
                                   tokenizer=tok, vocab_size=vocab, stream=1,
                                   sharegpt_path=opts.dataset_path)
             _drive(engine, warm, _RunState(), prefix="warmup", temperature=temperature, seed=seed + 1,
                    deadline=deadline)
-        report["warmup"] = {"num_requests": n_warm, "wall_time_s": time.perf_counter() - t_start}
+        compiles0 = _triton_cache_entries()
+        report["warmup"] = {"num_requests": n_warm, "wall_time_s": time.perf_counter() - t_start,
+                            "kernel_warmup": kernel_warmup, "triton_compiles_measured": None}
         if isinstance(getattr(engine, "max_blocks_in_use", None), int):
             engine.max_blocks_in_use = 0  # measure the KV high-water of the measured phase only
         if hasattr(engine, "reset_speculative_stats"):
@@ -614,6 +632,10 @@ def run_benchmark(opts: BenchmarkOptions, engine_factory: Callable[[Any, bool], 
                 progress.close()
             report["gpu"] = monitor.stop()
             monitor = None
+        compiles1 = _triton_cache_entries()
+        if compiles0 is not None and compiles1 is not None:
+            # kernels compiled inside the measured phase (each one a stall in some request)
+            report["warmup"]["triton_compiles_measured"] = compiles1 - compiles0
 
         if opts.profile_components:
             k = max(1, min(len(workload), opts.max_batch_size))

@@ -46,6 +46,9 @@ def add_serve_subparser(subparsers: Any) -> argparse.ArgumentParser:
                    help="the model name clients send (default: the --model value)")
     p.add_argument("--shutdown-timeout", type=float, default=10.0,
                    help="seconds to drain in-flight requests on shutdown before aborting them")
+    p.add_argument("--no-kernel-warmup", dest="kernel_warmup", action="store_false",
+                   help="serve without first compiling the GPU kernels on synthetic requests (CUDA only; "
+                        "otherwise the first real requests pay for Triton compilations in their TTFT)")
     p.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"])
     p.set_defaults(func=run_serve_cli)
     return p
@@ -76,6 +79,11 @@ def build_app(args: argparse.Namespace):
     if args.shutdown_timeout < 0:
         raise ValueError(f"--shutdown-timeout must be >= 0 seconds, got {args.shutdown_timeout}")
     engine = LLMEngine(build_engine_config(args))
+    if getattr(args, "kernel_warmup", True):
+        info = engine.warmup()
+        if "skipped" not in info:
+            log.info("kernel warm-up: %d synthetic requests, %.1f s, %s Triton compilations",
+                     info["requests"], info["seconds"], info["triton_compiles"])
     max_waiting = args.max_waiting or None
     async_engine = AsyncLLMEngine(engine, max_waiting=max_waiting)
     name = args.served_model_name or args.model

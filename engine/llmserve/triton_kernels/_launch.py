@@ -25,6 +25,22 @@ def num_sms(device: torch.device, cpu_default: int) -> int:
     return _NUM_SMS[idx]
 
 
+def triton_cache_entries() -> int | None:
+    """Number of compiled kernels in Triton's on-disk cache (one directory each): the
+    difference across a phase counts the kernels compiled during it (loads from the cache add
+    nothing). ``None`` when the directory cannot be read."""
+    try:
+        from triton import knobs
+
+        path = knobs.cache.dir
+    except Exception:  # noqa: BLE001 - older Triton: the documented default
+        path = os.environ.get("TRITON_CACHE_DIR") or os.path.join(os.path.expanduser("~"), ".triton", "cache")
+    try:
+        return sum(1 for e in os.scandir(path) if e.is_dir())
+    except OSError:
+        return None
+
+
 def zeroed_counters(owner: str, device: torch.device, n: int) -> torch.Tensor:
     """At least ``n`` zeroed int32 arrival counters, one buffer per (``owner``, device); every
     kernel that uses them leaves them zero again. Calls on concurrent streams of one device
