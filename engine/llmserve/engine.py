@@ -205,7 +205,7 @@ class _EngineBase:
         self._reset_counters()
         c1 = triton_cache_entries()
         return {"seconds": time.perf_counter() - t0, "requests": count,
-                "triton_compiles": None if c0 is None or c1 is None else c1 - c0}
+                "triton_compiles": None if c0 is None or c1 is None else len(c1 - c0)}
 
     def _reset_counters(self) -> None:
         """Zero the step / KV / preemption counters (after :meth:`warmup`)."""

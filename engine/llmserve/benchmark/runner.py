@@ -39,13 +39,17 @@ from .report import (SCHEMA_VERSION, append_csv_row, csv_row, git_info, hardware
 from .workload import DEFAULT_PROFILE, BenchmarkRequest, Workload, build_workload, load_profile
 
 
-def _triton_cache_entries() -> int | None:
-    """Kernels in Triton's on-disk cache (see ``triton_kernels._launch.triton_cache_entries``)."""
+def _triton_compiled_since(before: set[str] | None) -> tuple[set[str] | None, list[str] | None]:
+    """``(entries now, names of the kernels compiled since before)`` of Triton's on-disk cache
+    (``triton_kernels._launch``); ``None`` parts when it cannot be read."""
     try:
-        from ..triton_kernels._launch import triton_cache_entries
+        from ..triton_kernels._launch import triton_cache_entries, triton_kernel_names
     except ImportError:  # pragma: no cover - no Triton: nothing can compile
-        return None
-    return triton_cache_entries()
+        return None, None
+    now = triton_cache_entries()
+    if now is None or before is None:
+        return now, None
+    return now, triton_kernel_names(now - before)
 
 __all__ = ["BenchmarkOptions", "BenchmarkTimeout", "add_benchmark_subparser", "run_benchmark_cli",
            "run_benchmark", "make_engine_config", "options_from_args", "main", "CONFIGS"]
@@ -605,9 +609,10 @@ def run_benchmark(opts: BenchmarkOptions, engine_factory: Callable[[Any, bool], 
                                   sharegpt_path=opts.dataset_path)
             _drive(engine, warm, _RunState(), prefix="warmup", temperature=temperature, seed=seed + 1,
                    deadline=deadline)
-        compiles0 = _triton_cache_entries()
+        cache0, _ = _triton_compiled_since(None)
         report["warmup"] = {"num_requests": n_warm, "wall_time_s": time.perf_counter() - t_start,
-                            "kernel_warmup": kernel_warmup, "triton_compiles_measured": None}
+                            "kernel_warmup": kernel_warmup, "triton_compiles_measured": None,
+                            "triton_kernels_compiled_measured": None}
         if isinstance(getattr(engine, "max_blocks_in_use", None), int):
             engine.max_blocks_in_use = 0  # measure the KV high-water of the measured phase only
         if hasattr(engine, "reset_speculative_stats"):
@@ -632,10 +637,11 @@ def run_benchmark(opts: BenchmarkOptions, engine_factory: Callable[[Any, bool], 
                 progress.close()
             report["gpu"] = monitor.stop()
             monitor = None
-        compiles1 = _triton_cache_entries()
-        if compiles0 is not None and compiles1 is not None:
-            # kernels compiled inside the measured phase (each one a stall in some request)
-            report["warmup"]["triton_compiles_measured"] = compiles1 - compiles0
+        _, compiled = _triton_compiled_since(cache0)
+        if compiled is not None:
+            # kernels compiled inside the measured phase (each one a stall of every running request)
+            report["warmup"]["triton_compiles_measured"] = len(compiled)
+            report["warmup"]["triton_kernels_compiled_measured"] = compiled
 
         if opts.profile_components:
             k = max(1, min(len(workload), opts.max_batch_size))

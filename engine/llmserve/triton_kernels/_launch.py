@@ -25,20 +25,44 @@ def num_sms(device: torch.device, cpu_default: int) -> int:
     return _NUM_SMS[idx]
 
 
-def triton_cache_entries() -> int | None:
-    """Number of compiled kernels in Triton's on-disk cache (one directory each): the
-    difference across a phase counts the kernels compiled during it (loads from the cache add
-    nothing). ``None`` when the directory cannot be read."""
+def _triton_cache_dir() -> str:
     try:
         from triton import knobs
 
-        path = knobs.cache.dir
+        return knobs.cache.dir
     except Exception:  # noqa: BLE001 - older Triton: the documented default
-        path = os.environ.get("TRITON_CACHE_DIR") or os.path.join(os.path.expanduser("~"), ".triton", "cache")
+        return os.environ.get("TRITON_CACHE_DIR") or os.path.join(os.path.expanduser("~"), ".triton", "cache")
+
+
+def triton_cache_entries() -> set[str] | None:
+    """The entries (one directory per compiled kernel variant) of Triton's on-disk cache: the
+    entries added across a phase are the kernels compiled during it (loads from the cache add
+    nothing). ``None`` when the directory cannot be read."""
     try:
-        return sum(1 for e in os.scandir(path) if e.is_dir())
+        return {e.name for e in os.scandir(_triton_cache_dir()) if e.is_dir()}
     except OSError:
         return None
+
+
+def triton_kernel_names(entries) -> list[str]:
+    """Kernel names of cache ``entries`` (from each entry's metadata JSON; ``"?"`` if
+    unreadable), sorted."""
+    import json
+
+    names = []
+    for entry in entries:
+        name = "?"
+        try:
+            folder = os.path.join(_triton_cache_dir(), entry)
+            for f in os.listdir(folder):
+                if f.endswith(".json") and not f.startswith("__grp__"):
+                    with open(os.path.join(folder, f)) as fh:
+                        name = json.load(fh).get("name", "?")
+                    break
+        except (OSError, ValueError):
+            pass
+        names.append(name)
+    return sorted(names)
 
 
 def zeroed_counters(owner: str, device: torch.device, n: int) -> torch.Tensor:
