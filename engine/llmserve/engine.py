@@ -151,9 +151,10 @@ class _EngineBase:
         requests' TTFT (H200, 1.5B open-loop at 16 req/s: p95 TTFT 717-822 ms on a cold Triton
         cache, results/h200/notes/s7/openloop_ab). This runs synthetic requests through the
         scheduler: a batch of prompts of 1-2 tokens, odd lengths, multiples of 16 and a prompt
-        longer than the prefill chunk, decoding together; then arrivals one step apart, so
-        decode steps mix with prefill chunks; then a sampled request with top-k/top-p and
-        logprobs. Greedy except the last (no engine random stream is consumed); the step and
+        longer than the prefill chunk, decoding together; then short prompts arriving one step
+        apart next to a decoding request of 24, 300 and 600 tokens of context, so decode rows
+        mix with prefill chunks at growing batch sizes and the contexts that switch the decode
+        attention's tile and split merge; then a sampled request with top-k/top-p and logprobs. Greedy except the last (no engine random stream is consumed); the step and
         KV counters are reset afterwards. CUDA only (a no-op elsewhere unless ``force``: the
         CPU tests run the same requests through the readable path).
 
@@ -188,12 +189,22 @@ class _EngineBase:
             count += 1
         while self.has_unfinished_requests():
             self.step()
-        for i, n in enumerate(lengths):              # staggered: decode steps mixed with prefills
-            self.add_request(prompt(n, i + 50), greedy, request_id=f"warmup-b{i}")
+        # Staggered arrivals next to a decoding request of a short, a medium and a long context:
+        # decode rows mixed with prefill chunks at batch 2, 3, ... (the attention kernels pick
+        # their tile, split count and merge by batch size and context, each a kernel variant).
+        small = [n for n in lengths if n <= 100]
+        for j, base in enumerate(n for n in (24, 300, 600) if n + len(small) + 4 <= limit):
+            bg = self.add_request(prompt(base, 200 + j), SamplingParams(max_tokens=len(small) + 4, ignore_eos=True),
+                                  request_id=f"warmup-bg{j}")
             count += 1
-            self.step()
-        while self.has_unfinished_requests():
-            self.step()
+            while bg.num_computed_tokens < base and self.has_unfinished_requests():
+                self.step()
+            for i, n in enumerate(small):
+                self.add_request(prompt(n, 50 + 10 * j + i), greedy, request_id=f"warmup-b{j}-{i}")
+                count += 1
+                self.step()
+            while self.has_unfinished_requests():
+                self.step()
         sampled = SamplingParams(max_tokens=3, temperature=0.8, top_p=0.9, top_k=20, seed=0, logprobs=2,
                                  ignore_eos=True)
         self.add_request(prompt(min(5, limit), 99), sampled, request_id="warmup-c0")
