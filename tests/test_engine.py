@@ -246,3 +246,22 @@ def test_warmup_runs_every_step_kind_and_leaves_no_trace():
     eng.add_request([1, 2, 3], SamplingParams(max_tokens=2))
     with pytest.raises(RuntimeError, match="idle"):
         eng.warmup(force=True)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_warmup_on_cuda_with_graphs_leaves_no_trace():
+    """On CUDA (Triton attention, decode graphs, asynchronous scheduling) the warm-up runs
+    without ``force``, resets the graph counters too, and later greedy outputs equal a fresh
+    engine's."""
+    cfg = EngineConfig(model="tiny", device="cuda", dtype="bfloat16", attention_backend="triton",
+                       use_cuda_graph=True, cache=CacheConfig(num_blocks=512),
+                       scheduler=SchedulerConfig(max_num_seqs=8, max_model_len=1024, prefill_chunk_size=64))
+    eng = LLMEngine(cfg)
+    info = eng.warmup()
+    assert "skipped" not in info and info["requests"] > 20
+    assert eng.num_steps == 0 and eng.runner.num_graph_steps == 0 and eng.runner.num_eager_steps == 0
+    prompts = [[10 + i] * (3 + 40 * i) for i in range(4)]
+    sp = SamplingParams(max_tokens=24, ignore_eos=True)
+    after = [o.output_token_ids for o in eng.generate(prompts, sp)]
+    assert after == [o.output_token_ids for o in LLMEngine(cfg).generate(prompts, sp)]
