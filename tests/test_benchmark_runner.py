@@ -324,3 +324,36 @@ def test_kernel_warmup_runs_before_the_warmup_requests(tmp_path):
     runner_mod.add_benchmark_subparser(p.add_subparsers())
     assert runner_mod.options_from_args(p.parse_args(["benchmark", "--no-kernel-warmup"])).kernel_warmup is False
     assert runner_mod.options_from_args(p.parse_args(["benchmark"])).kernel_warmup is True
+
+
+def test_triton_compiles_in_the_measured_phase_are_counted_and_named(tmp_path, monkeypatch):
+    """The report counts and names the kernels added to Triton's cache during the measured
+    phase only (a compile in the warm-up is not counted); a cache directory that does not
+    exist yet reads as empty."""
+    from llmserve.triton_kernels._launch import triton_cache_entries, triton_kernel_names
+
+    cache = tmp_path / "triton-cache"
+    monkeypatch.setenv("TRITON_CACHE_DIR", str(cache))
+    assert triton_cache_entries() == set()
+
+    def fake_compile(key: str, name: str) -> None:
+        (cache / key).mkdir(parents=True, exist_ok=True)
+        (cache / key / f"{name}.json").write_text(json.dumps({"name": name}))
+
+    class CompilingEngine(FakeEngine):
+        def step(self):
+            ids = {s.request_id for s in self.running + self.waiting}
+            if any(r.startswith("warmup") for r in ids):
+                fake_compile("w0", "_prefill_kernel")
+            if any(r.startswith("bench") for r in ids):
+                fake_compile("b0", "_decode_kernel")
+                fake_compile("b1", "_gemv_kernel")
+            return super().step()
+
+    rep, _, _ = run_benchmark(_opts(tmp_path), engine_factory=lambda c, naive: CompilingEngine(c, naive))
+    assert rep["status"] == "ok", rep["error"]
+    assert rep["warmup"]["triton_compiles_measured"] == 2
+    assert rep["warmup"]["triton_kernels_compiled_measured"] == ["_decode_kernel", "_gemv_kernel"]
+    assert triton_cache_entries() == {"w0", "b0", "b1"}
+    (cache / "odd").mkdir()
+    assert triton_kernel_names({"odd", "w0"}) == ["?", "_prefill_kernel"]

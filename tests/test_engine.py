@@ -213,30 +213,35 @@ def test_step_seconds_account_for_the_steps():
 
 def test_warmup_runs_every_step_kind_and_leaves_no_trace():
     """``warmup()`` is a no-op on CPU; forced, it runs batched prefills (one longer than the
-    prefill chunk), staggered arrivals (decode steps mixed with prefill chunks) and a sampled
-    request, then resets the counters: later outputs equal a fresh engine's, also for a
-    seeded sampled request; a busy engine refuses to warm up."""
+    prefill chunk), short arrivals next to a decoding background request (decode rows mixed
+    with prefill chunks) and a sampled request, then resets the counters: later outputs equal
+    a fresh engine's, also for a seeded sampled request; a busy engine refuses to warm up."""
     cfg = EngineConfig(scheduler=SchedulerConfig(max_num_seqs=4, max_model_len=256, prefill_chunk_size=32,
                                                  max_num_batched_tokens=64))
     eng = LLMEngine(cfg)
     skipped = eng.warmup()
     assert "skipped" in skipped and skipped["requests"] == 0 and eng.num_steps == 0
-    mixed = []
+    steps = []
     original = eng.runner.execute
 
     def spy(scheduled, pending=None):
         news = [item.num_new_tokens for item in scheduled]
-        mixed.append(max(news) > 1 and min(news) == 1)  # a decode row next to a prefill chunk
+        ids = {item.seq.request_id for item in scheduled}
+        steps.append((max(news) > 1 and min(news) == 1, any(r.startswith("warmup-bg") for r in ids),
+                      {len(item.seq.prompt_token_ids) for item in scheduled}))
         return original(scheduled, pending)
 
     eng.runner.execute = spy
     info = eng.warmup(force=True)
     eng.runner.execute = original
     assert info["requests"] >= 10 and info["seconds"] > 0 and info["triton_compiles"] in (0, None)
-    assert any(mixed), "no decode step was mixed with a prefill chunk"
+    # a decode row next to a prefill chunk while the background request decodes
+    assert any(mixed and bg for mixed, bg, _ in steps), "no mixed step next to the background request"
+    assert 41 in set().union(*(n for _, _, n in steps))          # the prompt one past the 32-token chunk
     assert eng.num_steps == 0 and eng.max_blocks_in_use == 0 and not eng.has_unfinished_requests()
     assert eng.block_manager.num_free_blocks == eng.block_manager.num_total_blocks
     assert sum(eng.step_seconds.values()) == 0.0 and eng.scheduler.num_preemptions == 0
+    assert not eng.sampler._generators                           # the seeded request's generator is gone
     prompts = [[5, 6, 7, 8], list(range(40, 80))]
     sps = [SamplingParams(max_tokens=8, ignore_eos=True),
            SamplingParams(max_tokens=8, temperature=0.9, seed=3, ignore_eos=True)]
@@ -246,6 +251,42 @@ def test_warmup_runs_every_step_kind_and_leaves_no_trace():
     eng.add_request([1, 2, 3], SamplingParams(max_tokens=2))
     with pytest.raises(RuntimeError, match="idle"):
         eng.warmup(force=True)
+
+
+@pytest.mark.parametrize("sched,cache", [
+    (SchedulerConfig(max_num_seqs=4, max_model_len=512, max_num_batched_tokens=64), None),  # no chunking
+    (SchedulerConfig(max_num_seqs=1, max_model_len=256, prefill_chunk_size=32), None),      # one sequence
+    (SchedulerConfig(max_num_seqs=4, max_model_len=256), CacheConfig(num_blocks=6)),         # tiny KV cache
+    (SchedulerConfig(max_num_seqs=4, max_model_len=4), None),                                # tiny context
+])
+def test_warmup_skips_what_the_engine_cannot_take(sched, cache):
+    """Synthetic requests longer than the step budget (no chunked prefill), the context or the
+    KV cache are skipped, not raised; the engine is left idle and usable."""
+    cfg = EngineConfig(scheduler=sched, cache=cache or CacheConfig())
+    eng = LLMEngine(cfg)
+    info = eng.warmup(force=True)
+    assert info["requests"] >= 1 and not eng.has_unfinished_requests()
+    assert eng.block_manager.num_free_blocks == eng.block_manager.num_total_blocks
+    out = eng.generate([[5, 6]], SamplingParams(max_tokens=2, ignore_eos=True))
+    assert len(out[0].output_token_ids) == 2
+
+
+def test_warmup_failure_leaves_nothing_queued(monkeypatch):
+    """A step that raises during the warm-up aborts the warm-up's requests before the error
+    propagates."""
+    eng = LLMEngine(EngineConfig(scheduler=SchedulerConfig(max_num_seqs=4, max_model_len=256)))
+    calls = []
+
+    def boom(*a, **k):
+        calls.append(1)
+        raise RuntimeError("simulated device error")
+
+    monkeypatch.setattr(eng.runner, "execute", boom)
+    with pytest.raises(RuntimeError, match="simulated"):
+        eng.warmup(force=True)
+    assert calls and not eng.has_unfinished_requests()
+    assert eng.block_manager.num_free_blocks == eng.block_manager.num_total_blocks
+    assert NaiveEngine(EngineConfig()).warmup(force=True)["requests"] == 0
 
 
 @pytest.mark.gpu

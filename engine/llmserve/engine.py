@@ -151,12 +151,15 @@ class _EngineBase:
         requests' TTFT (H200, 1.5B open-loop at 16 req/s: p95 TTFT 717-822 ms on a cold Triton
         cache, results/h200/notes/s7/openloop_ab). This runs synthetic requests through the
         scheduler: a batch of prompts of 1-2 tokens, odd lengths, multiples of 16 and a prompt
-        longer than the prefill chunk, decoding together; then short prompts arriving one step
-        apart next to a decoding request of 24, 300 and 600 tokens of context, so decode rows
-        mix with prefill chunks at growing batch sizes and the contexts that switch the decode
-        attention's tile and split merge; then a sampled request with top-k/top-p and logprobs. Greedy except the last (no engine random stream is consumed); the step and
-        KV counters are reset afterwards. CUDA only (a no-op elsewhere unless ``force``: the
-        CPU tests run the same requests through the readable path).
+        longer than the prefill chunk (without chunking: as long as one step's token budget),
+        decoding together; then short prompts arriving one step apart next to a decoding request
+        of 24, 300 and 600 tokens of context, so decode rows mix with prefill chunks at growing
+        batch sizes and at the contexts that switch the decode attention's tile and split merge;
+        then a seeded sampled request with top-k/top-p and logprobs (no engine random stream is
+        consumed). Requests the engine cannot take (context, step budget, KV blocks) are
+        skipped. The step, KV and graph counters are reset afterwards. CUDA only (a no-op
+        elsewhere unless ``force``: the CPU tests run the same requests through the readable
+        path).
 
         Returns:
             ``{"seconds", "triton_compiles", "requests"}`` (``triton_compiles``: new entries in
@@ -164,7 +167,8 @@ class _EngineBase:
             when nothing ran).
 
         Raises:
-            RuntimeError: requests are queued or running (warm up an idle engine).
+            RuntimeError: requests are queued or running (warm up an idle engine). Anything a
+                step raises propagates after the warm-up's requests are aborted.
         """
         if self.device.type != "cuda" and not force:
             return {"skipped": f"device {self.device.type} (no kernels to compile)", "seconds": 0.0,
@@ -175,42 +179,58 @@ class _EngineBase:
 
         t0, c0 = time.perf_counter(), triton_cache_entries()
         vocab = int(self.model_config.vocab_size)
-        limit = self.max_model_len - 4
-        chunk = self.config.scheduler.prefill_chunk_size or self.config.scheduler.max_num_batched_tokens
-        lengths = sorted({n for n in (1, 2, 7, 16, 17, 31, 64, 100, chunk + 9) if 1 <= n <= limit})
+        sched = self.config.scheduler
+        # longest prompt: one past the prefill chunk (two chunks), or without chunking the
+        # most one step takes; requests this engine cannot take (context, step budget, KV
+        # blocks) are skipped below
+        longest = sched.prefill_chunk_size + 9 if sched.prefill_chunk_size else sched.max_num_batched_tokens
+        lengths = sorted({1, 2, 7, 16, 17, 31, 64, 100, longest})
+        added: list[str] = []
 
         def prompt(n: int, salt: int) -> list[int]:
             return [(97 * i + 13 * salt + 11) % vocab for i in range(n)]
 
-        greedy = SamplingParams(max_tokens=3, ignore_eos=True)
-        count = 0
-        for i, n in enumerate(lengths):              # batched prefills (chunked), then batch decode
-            self.add_request(prompt(n, i), greedy, request_id=f"warmup-a{i}")
-            count += 1
-        while self.has_unfinished_requests():
-            self.step()
-        # Staggered arrivals next to a decoding request of a short, a medium and a long context:
-        # decode rows mixed with prefill chunks at batch 2, 3, ... (the attention kernels pick
-        # their tile, split count and merge by batch size and context, each a kernel variant).
-        small = [n for n in lengths if n <= 100]
-        for j, base in enumerate(n for n in (24, 300, 600) if n + len(small) + 4 <= limit):
-            bg = self.add_request(prompt(base, 200 + j), SamplingParams(max_tokens=len(small) + 4, ignore_eos=True),
-                                  request_id=f"warmup-bg{j}")
-            count += 1
-            while bg.num_computed_tokens < base and self.has_unfinished_requests():
-                self.step()
-            for i, n in enumerate(small):
-                self.add_request(prompt(n, 50 + 10 * j + i), greedy, request_id=f"warmup-b{j}-{i}")
-                count += 1
-                self.step()
+        def add(n: int, salt: int, sp: SamplingParams, rid: str) -> Sequence | None:
+            try:
+                seq = self.add_request(prompt(n, salt), sp, request_id=rid)
+            except ValueError:            # rejected at once (nothing queued): skip it
+                return None
+            added.append(rid)
+            return seq
+
+        def drain() -> None:
             while self.has_unfinished_requests():
                 self.step()
-        sampled = SamplingParams(max_tokens=3, temperature=0.8, top_p=0.9, top_k=20, seed=0, logprobs=2,
-                                 ignore_eos=True)
-        self.add_request(prompt(min(5, limit), 99), sampled, request_id="warmup-c0")
-        count += 1
-        while self.has_unfinished_requests():
-            self.step()
+
+        greedy = SamplingParams(max_tokens=3, ignore_eos=True)
+        try:
+            for i, n in enumerate(lengths):          # batched prefills (chunked), then batch decode
+                add(n, i, greedy, f"warmup-a{i}")
+            drain()
+            # Staggered arrivals next to a decoding request of a short, a medium and a long
+            # context: decode rows mixed with prefill chunks at batch 2, 3, ... (the attention
+            # kernels pick their tile, split count and merge by batch size and context, each a
+            # kernel variant).
+            small = [n for n in lengths if n <= 100]
+            for j, base in enumerate((24, 300, 600)):
+                bg = add(base, 200 + j, SamplingParams(max_tokens=len(small) + 4, ignore_eos=True),
+                         f"warmup-bg{j}")
+                if bg is None:
+                    continue
+                while bg.num_computed_tokens < base and self.has_unfinished_requests():
+                    self.step()
+                for i, n in enumerate(small):
+                    add(n, 50 + 10 * j + i, greedy, f"warmup-b{j}-{i}")
+                    self.step()
+                drain()
+            add(5, 99, SamplingParams(max_tokens=3, temperature=0.8, top_p=0.9, top_k=20, seed=0,
+                                      logprobs=2, ignore_eos=True), "warmup-c0")
+            drain()
+        except BaseException:
+            for rid in added:                        # leave nothing queued behind
+                self.abort_request(rid)
+            raise
+        count = len(added)
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
         self._reset_counters()
@@ -494,6 +514,11 @@ class NaiveEngine(_EngineBase):
     whole prompt + output so far. A lock makes concurrent callers of ``step()``/``generate``
     wait, so it can never turn into a batched baseline.
     """
+
+    def warmup(self, force: bool = False) -> dict:
+        """Nothing to warm up: the reference path runs no Triton kernels and no graphs."""
+        return {"skipped": "the naive engine runs only the reference path", "seconds": 0.0,
+                "triton_compiles": 0, "requests": 0}
 
     def __init__(self, config: EngineConfig, **kw) -> None:
         super().__init__(config, **kw)

@@ -80,10 +80,14 @@ def build_app(args: argparse.Namespace):
         raise ValueError(f"--shutdown-timeout must be >= 0 seconds, got {args.shutdown_timeout}")
     engine = LLMEngine(build_engine_config(args))
     if getattr(args, "kernel_warmup", True):
-        info = engine.warmup()
-        if "skipped" not in info:
-            log.info("kernel warm-up: %d synthetic requests, %.1f s, %s Triton compilations",
-                     info["requests"], info["seconds"], info["triton_compiles"])
+        try:
+            info = engine.warmup()
+        except Exception as e:  # noqa: BLE001 - serve anyway; the first requests then compile
+            log.warning("kernel warm-up failed (%s: %s); serving without it", type(e).__name__, e)
+        else:
+            if "skipped" not in info:
+                log.info("kernel warm-up: %d synthetic requests, %.1f s, %s Triton compilations",
+                         info["requests"], info["seconds"], info["triton_compiles"])
     max_waiting = args.max_waiting or None
     async_engine = AsyncLLMEngine(engine, max_waiting=max_waiting)
     name = args.served_model_name or args.model

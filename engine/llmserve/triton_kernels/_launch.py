@@ -35,11 +35,14 @@ def _triton_cache_dir() -> str:
 
 
 def triton_cache_entries() -> set[str] | None:
-    """The entries (one directory per compiled kernel variant) of Triton's on-disk cache: the
-    entries added across a phase are the kernels compiled during it (loads from the cache add
-    nothing). ``None`` when the directory cannot be read."""
+    """The entries of Triton's on-disk cache (a directory per compiled kernel variant, plus
+    one for Triton's own launcher module): the entries added across a phase are what was
+    compiled during it (loads from the cache add nothing). Empty when the directory does not
+    exist yet (a cold cache); ``None`` when it cannot be read."""
     try:
         return {e.name for e in os.scandir(_triton_cache_dir()) if e.is_dir()}
+    except FileNotFoundError:
+        return set()
     except OSError:
         return None
 
