@@ -142,6 +142,89 @@ class _EngineBase:
             self.step()
         return [RequestOutput.from_seq(s, []) for s in seqs]
 
+
+@dataclass(slots=True)
+class _InFlightStep:
+    """A launched step whose sampled tokens the host has not read yet."""
+
+    seqs: list[Sequence]
+    sample: "PendingSample"
+
+    def device_source(self) -> tuple[torch.Tensor, dict[str, int]]:
+        """``(token_ids_device [S], {request_id: row})``: where the next step finds the
+        input ids of these sequences."""
+        return self.sample.token_ids_device, {s.request_id: i for i, s in enumerate(self.seqs)}
+
+
+class LLMEngine(_EngineBase):
+    """Paged KV cache + iteration-level scheduling (continuous or static batching).
+
+    Continuous batching follows Orca (Yu et al., OSDI 2022); the paged KV cache follows
+    vLLM/PagedAttention (Kwon et al., SOSP 2023); chunked prefill follows Sarathi-Serve
+    (Agrawal et al., OSDI 2024).
+
+    Args:
+        config: engine configuration (model, device, dtype, cache, scheduler, backends).
+
+    Raises:
+        ValueError/FileNotFoundError: from model loading or config validation.
+    """
+
+    def __init__(self, config: EngineConfig, **kw) -> None:
+        super().__init__(config, **kw)
+        from .kv_cache import BlockManager, KVCache
+        from .model_runner import ModelRunner
+        from .scheduler import Scheduler
+
+        self.kv_cache = KVCache.from_config(self.model_config, config.cache, self.model.dtype
+                                            if hasattr(self.model, "dtype") else config.torch_dtype,
+                                            self.device)
+        self.block_size = config.cache.block_size
+        self.block_manager = BlockManager(self.kv_cache.num_blocks, self.block_size)
+        sched_cfg = dataclasses.replace(config.scheduler, max_model_len=self.max_model_len)
+        self.scheduler = Scheduler(sched_cfg, self.block_manager)
+        forward, graphs = self._build_fast_path(config)
+        self.runner = ModelRunner(self.model, self.kv_cache.kv_caches, self.block_size, self.device,
+                                  forward=forward, cuda_graphs=graphs)
+        self._seqs: dict[str, Sequence] = {}
+        self._callbacks: dict[str, TokenCallback] = {}
+        self.num_steps = 0
+        self.max_blocks_in_use = 0
+        # Wall seconds of each phase of step(), summed over steps. On a GPU, "execute" is host
+        # work (input preparation, kernel or graph launches; the device runs asynchronously),
+        # "sample" includes waiting for the device (the token ids come back to the host there),
+        # and "schedule" + "postprocess" are host work the device waits for at batch sizes
+        # where a step's kernels finish first.
+        self.step_seconds = {"schedule": 0.0, "execute": 0.0, "sample": 0.0, "postprocess": 0.0}
+        # Asynchronous scheduling: launch step n+1 before reading step n's tokens (default on
+        # CUDA, where the device runs while the host plans; EngineConfig.async_scheduling).
+        # LLMSERVE_ASYNC_SCHEDULING=0/1 overrides the default for A/B runs.
+        auto = os.environ.get("LLMSERVE_ASYNC_SCHEDULING", "1" if self.device.type == "cuda" else "0") != "0"
+        self.async_scheduling = auto if config.async_scheduling is None else bool(config.async_scheduling)
+        self._inflight: _InFlightStep | None = None
+
+    def _build_fast_path(self, config: EngineConfig):
+        """On CUDA: the fused forward (Triton norm/rope/silu kernels, packed QKV and gate-up
+        GEMMs) and, with the Triton attention backend and ``use_cuda_graph``, decode graphs.
+        On CPU: the readable path only."""
+        # Greedy tokens computed inside the decode graphs (one Triton argmax launch after the
+        # LM head); LLMSERVE_GRAPH_ARGMAX=0 leaves the argmax to the sampler (torch.argmax).
+        graph_argmax = env_switch("LLMSERVE_GRAPH_ARGMAX") is not False
+        if self.device.type != "cuda":
+            return None, None
+        from .cuda_graph import CUDAGraphDecodeRunner
+        from .models.fast_forward import FastQwen2Forward
+
+        fast = FastQwen2Forward(self.model)
+        graphs = None
+        if config.attention_backend == "triton" and config.use_cuda_graph:
+            graphs = CUDAGraphDecodeRunner(fast, fast.compute_logits, self.kv_cache.kv_caches,
+                                           self.block_size, config.scheduler.max_num_seqs,
+                                           self.max_model_len, self.device,
+                                           greedy=fast.greedy if graph_argmax else None)
+            graphs.capture()
+        return fast, graphs
+
     def warmup(self, force: bool = False) -> dict:
         """Compile and load the GPU kernels of every kind of step before serving.
 
@@ -239,101 +322,14 @@ class _EngineBase:
                 "triton_compiles": None if c0 is None or c1 is None else len(c1 - c0)}
 
     def _reset_counters(self) -> None:
-        """Zero the step / KV / preemption counters (after :meth:`warmup`)."""
-        for name in ("num_steps", "max_blocks_in_use"):
-            if isinstance(getattr(self, name, None), int):
-                setattr(self, name, 0)
-        if isinstance(getattr(self, "step_seconds", None), dict):
-            self.step_seconds = dict.fromkeys(self.step_seconds, 0.0)
-        for obj, names in ((getattr(self, "runner", None), ("num_graph_steps", "num_eager_steps")),
-                           (getattr(getattr(self, "runner", None), "cuda_graphs", None), ("num_short_replays",)),
-                           (getattr(self, "scheduler", None), ("num_preemptions", "num_recomputed_tokens"))):
-            for name in names:
-                if obj is not None and isinstance(getattr(obj, name, None), int):
-                    setattr(obj, name, 0)
-
-
-@dataclass(slots=True)
-class _InFlightStep:
-    """A launched step whose sampled tokens the host has not read yet."""
-
-    seqs: list[Sequence]
-    sample: "PendingSample"
-
-    def device_source(self) -> tuple[torch.Tensor, dict[str, int]]:
-        """``(token_ids_device [S], {request_id: row})``: where the next step finds the
-        input ids of these sequences."""
-        return self.sample.token_ids_device, {s.request_id: i for i, s in enumerate(self.seqs)}
-
-
-class LLMEngine(_EngineBase):
-    """Paged KV cache + iteration-level scheduling (continuous or static batching).
-
-    Continuous batching follows Orca (Yu et al., OSDI 2022); the paged KV cache follows
-    vLLM/PagedAttention (Kwon et al., SOSP 2023); chunked prefill follows Sarathi-Serve
-    (Agrawal et al., OSDI 2024).
-
-    Args:
-        config: engine configuration (model, device, dtype, cache, scheduler, backends).
-
-    Raises:
-        ValueError/FileNotFoundError: from model loading or config validation.
-    """
-
-    def __init__(self, config: EngineConfig, **kw) -> None:
-        super().__init__(config, **kw)
-        from .kv_cache import BlockManager, KVCache
-        from .model_runner import ModelRunner
-        from .scheduler import Scheduler
-
-        self.kv_cache = KVCache.from_config(self.model_config, config.cache, self.model.dtype
-                                            if hasattr(self.model, "dtype") else config.torch_dtype,
-                                            self.device)
-        self.block_size = config.cache.block_size
-        self.block_manager = BlockManager(self.kv_cache.num_blocks, self.block_size)
-        sched_cfg = dataclasses.replace(config.scheduler, max_model_len=self.max_model_len)
-        self.scheduler = Scheduler(sched_cfg, self.block_manager)
-        forward, graphs = self._build_fast_path(config)
-        self.runner = ModelRunner(self.model, self.kv_cache.kv_caches, self.block_size, self.device,
-                                  forward=forward, cuda_graphs=graphs)
-        self._seqs: dict[str, Sequence] = {}
-        self._callbacks: dict[str, TokenCallback] = {}
+        """Zero the step, KV, preemption and graph counters (after :meth:`warmup`)."""
         self.num_steps = 0
         self.max_blocks_in_use = 0
-        # Wall seconds of each phase of step(), summed over steps. On a GPU, "execute" is host
-        # work (input preparation, kernel or graph launches; the device runs asynchronously),
-        # "sample" includes waiting for the device (the token ids come back to the host there),
-        # and "schedule" + "postprocess" are host work the device waits for at batch sizes
-        # where a step's kernels finish first.
-        self.step_seconds = {"schedule": 0.0, "execute": 0.0, "sample": 0.0, "postprocess": 0.0}
-        # Asynchronous scheduling: launch step n+1 before reading step n's tokens (default on
-        # CUDA, where the device runs while the host plans; EngineConfig.async_scheduling).
-        # LLMSERVE_ASYNC_SCHEDULING=0/1 overrides the default for A/B runs.
-        auto = os.environ.get("LLMSERVE_ASYNC_SCHEDULING", "1" if self.device.type == "cuda" else "0") != "0"
-        self.async_scheduling = auto if config.async_scheduling is None else bool(config.async_scheduling)
-        self._inflight: _InFlightStep | None = None
-
-    def _build_fast_path(self, config: EngineConfig):
-        """On CUDA: the fused forward (Triton norm/rope/silu kernels, packed QKV and gate-up
-        GEMMs) and, with the Triton attention backend and ``use_cuda_graph``, decode graphs.
-        On CPU: the readable path only."""
-        # Greedy tokens computed inside the decode graphs (one Triton argmax launch after the
-        # LM head); LLMSERVE_GRAPH_ARGMAX=0 leaves the argmax to the sampler (torch.argmax).
-        graph_argmax = env_switch("LLMSERVE_GRAPH_ARGMAX") is not False
-        if self.device.type != "cuda":
-            return None, None
-        from .cuda_graph import CUDAGraphDecodeRunner
-        from .models.fast_forward import FastQwen2Forward
-
-        fast = FastQwen2Forward(self.model)
-        graphs = None
-        if config.attention_backend == "triton" and config.use_cuda_graph:
-            graphs = CUDAGraphDecodeRunner(fast, fast.compute_logits, self.kv_cache.kv_caches,
-                                           self.block_size, config.scheduler.max_num_seqs,
-                                           self.max_model_len, self.device,
-                                           greedy=fast.greedy if graph_argmax else None)
-            graphs.capture()
-        return fast, graphs
+        self.step_seconds = dict.fromkeys(self.step_seconds, 0.0)
+        self.runner.num_graph_steps = self.runner.num_eager_steps = 0
+        if self.runner.cuda_graphs is not None:
+            self.runner.cuda_graphs.num_short_replays = 0
+        self.scheduler.num_preemptions = self.scheduler.num_recomputed_tokens = 0
 
     def check_request(self, prompt: str | list[int], sampling_params: SamplingParams | None = None) -> list[int]:
         """Validate a request without queueing it; return its prompt ids.

@@ -434,6 +434,12 @@ class SpeculativeEngine(LLMEngine):
         """Zero the counters (the benchmark calls this after warm-up)."""
         self.spec_stats = SpeculativeStats()
 
+    def _reset_counters(self) -> None:
+        """:meth:`LLMEngine._reset_counters` plus the draft runner's and the speculative ones."""
+        super()._reset_counters()
+        self.draft_runner.num_graph_steps = self.draft_runner.num_eager_steps = 0
+        self.reset_speculative_stats()
+
     def speculative_stats(self) -> dict[str, Any]:
         """Counters and ratios of :class:`SpeculativeStats` plus the configuration."""
         d = self.spec_stats.as_dict()

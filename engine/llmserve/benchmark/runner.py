@@ -39,18 +39,6 @@ from .report import (SCHEMA_VERSION, append_csv_row, csv_row, git_info, hardware
 from .workload import DEFAULT_PROFILE, BenchmarkRequest, Workload, build_workload, load_profile
 
 
-def _triton_compiled_since(before: set[str] | None) -> tuple[set[str] | None, list[str] | None]:
-    """``(entries now, names of the kernels compiled since before)`` of Triton's on-disk cache
-    (``triton_kernels._launch``); ``None`` parts when it cannot be read."""
-    try:
-        from ..triton_kernels._launch import triton_cache_entries, triton_kernel_names
-    except ImportError:  # pragma: no cover - no Triton: nothing can compile
-        return None, None
-    now = triton_cache_entries()
-    if now is None or before is None:
-        return now, None
-    return now, triton_kernel_names(now - before)
-
 __all__ = ["BenchmarkOptions", "BenchmarkTimeout", "add_benchmark_subparser", "run_benchmark_cli",
            "run_benchmark", "make_engine_config", "options_from_args", "main", "CONFIGS"]
 
@@ -609,7 +597,9 @@ def run_benchmark(opts: BenchmarkOptions, engine_factory: Callable[[Any, bool], 
                                   sharegpt_path=opts.dataset_path)
             _drive(engine, warm, _RunState(), prefix="warmup", temperature=temperature, seed=seed + 1,
                    deadline=deadline)
-        cache0, _ = _triton_compiled_since(None)
+        from ..triton_kernels._launch import triton_cache_entries, triton_kernel_names
+
+        cache0 = triton_cache_entries()
         report["warmup"] = {"num_requests": n_warm, "wall_time_s": time.perf_counter() - t_start,
                             "kernel_warmup": kernel_warmup, "triton_compiles_measured": None,
                             "triton_kernels_compiled_measured": None}
@@ -637,9 +627,10 @@ def run_benchmark(opts: BenchmarkOptions, engine_factory: Callable[[Any, bool], 
                 progress.close()
             report["gpu"] = monitor.stop()
             monitor = None
-        _, compiled = _triton_compiled_since(cache0)
-        if compiled is not None:
+        cache1 = triton_cache_entries()
+        if cache0 is not None and cache1 is not None:
             # kernels compiled inside the measured phase (each one a stall of every running request)
+            compiled = triton_kernel_names(cache1 - cache0)
             report["warmup"]["triton_compiles_measured"] = len(compiled)
             report["warmup"]["triton_kernels_compiled_measured"] = compiled
 

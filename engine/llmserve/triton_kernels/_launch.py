@@ -4,6 +4,7 @@ launch (PDL)."""
 
 from __future__ import annotations
 
+import json
 import os
 
 import torch
@@ -50,8 +51,6 @@ def triton_cache_entries() -> set[str] | None:
 def triton_kernel_names(entries) -> list[str]:
     """Kernel names of cache ``entries`` (from each entry's metadata JSON; ``"?"`` if
     unreadable), sorted."""
-    import json
-
     names = []
     for entry in entries:
         name = "?"
