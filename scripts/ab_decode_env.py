@@ -7,7 +7,9 @@ is built (a new engine per measurement).
 Usage: python3 scripts/ab_decode_env.py OUT.json [--presets qwen2.5-1.5b ...] [--rounds 2]
           --settings "" "LLMSERVE_GRAPH_SHORT_CONTEXT=0" "LLMSERVE_PDL=0"
 A setting is space-separated NAME=VALUE assignments ("" = the defaults). Settings that fail
-(compile errors, anything raised) are kept as rows with the error.
+(compile errors, anything raised) are kept as rows with the error. ``AB_LINEAR=triton-int8``
+is not an environment variable: it builds that setting's engine with that linear backend
+(``--linear-backend``).
 
 Only variables read when an engine is built or a kernel is launched can be compared this way:
 ``LLMSERVE_GRAPH_SHORT_CONTEXT``, ``LLMSERVE_PDL``, ``LLMSERVE_ASYNC_SCHEDULING``,
@@ -66,7 +68,7 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=256)
     args = ap.parse_args()
     parsed = [dict(kv.split("=", 1) for kv in s.split()) for s in args.settings]
-    names = sorted({k for p in parsed for k in p})
+    names = sorted({k for p in parsed for k in p} - {"AB_LINEAR"})
     base = {k: os.environ.get(k) for k in names}
     rows = []
     prov = provenance()
@@ -78,12 +80,14 @@ def main() -> None:
                         os.environ.pop(k, None)
                     else:
                         os.environ[k] = base[k]
+                env = dict(env)
+                linear = env.pop("AB_LINEAR", "torch")
                 os.environ.update(env)
-                row = dict(round=rnd, preset=preset, setting=label or "defaults",
+                row = dict(linear_backend=linear, round=rnd, preset=preset, setting=label or "defaults",
                            gemv_table=table_info(os.environ.get("LLMSERVE_GEMV_TABLE")))
                 t0 = time.time()
                 try:
-                    r = decode_llmserve(preset, args.steps)
+                    r = decode_llmserve(preset, args.steps, linear_backend=linear)
                     row.update(step_ms=r["step_ms_median"], replay_ms=r["graph_replay_ms"],
                                short_context_replays=r.get("short_context_replays"),
                                weight_bytes=r["weight_bytes"], error=None)

@@ -5,6 +5,8 @@ the decode kernels run (launch order, counters, tiling) must give the tokens of 
 Usage: python3 scripts/token_parity_env.py OUT.json [--presets qwen2.5-1.5b ...] [--tokens 96]
           --settings "" "LLMSERVE_GEMV_TILE_FLAGS=1"
 Each row: preset, setting, tokens, and whether they equal the first setting's tokens.
+``AB_LINEAR=triton-int8`` in a setting builds that engine with that linear backend (not an
+environment variable).
 """
 from __future__ import annotations
 
@@ -32,12 +34,14 @@ def main() -> None:
         first = None
         for setting in args.settings:
             env = dict(kv.split("=", 1) for kv in setting.split())
+            linear = env.pop("AB_LINEAR", "torch")
             saved = {k: os.environ.get(k) for k in env}
             os.environ.update(env)
             row = {"preset": preset, "setting": setting, "tokens": None, "same_as_first": None, "error": None}
             try:
                 torch.manual_seed(0)
-                eng = llmserve_engine(preset, max_num_seqs=8, max_model_len=2048, num_blocks=2048)
+                eng = llmserve_engine(preset, max_num_seqs=8, max_model_len=2048, num_blocks=2048,
+                                      linear_backend=linear)
                 prompt = [(7 * i + 3) % 5000 + 100 for i in range(args.prompt_len)]
                 out = eng.generate([prompt], SamplingParams(max_tokens=args.tokens, ignore_eos=True))[0]
                 row["tokens"] = out.output_token_ids

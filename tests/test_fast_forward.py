@@ -245,3 +245,48 @@ def test_gemv_early_epilogue_size_rule(monkeypatch):
     fast(ids, pos, caches, meta)
     assert seen.count(False) == 3 * model.config.num_hidden_layers    # QKV, O, down a layer
     assert True not in seen
+
+
+@pytest.mark.parametrize("seqs", [[(1, 1)], [(9, 1), (4, 1), (17, 1)], [(9, 9), (5, 1), (8, 3)]])
+def test_int8_projections_are_fused(seqs):
+    """Triton INT8 projections are packed like float ones (int8 rows + per-row scales) and take
+    the fused kernels: the matrix-vector path for steps of <= 4 tokens (int8 rows, scale in the
+    epilogue), the packed INT8 GEMM otherwise. Same hidden states, cache writes and logits as
+    the readable path calling the quantized modules one by one; state_dict unchanged."""
+    from llmserve.quantization import TritonInt8Linear, quantize_model
+
+    model = quantize_model(small_model(6, 2), "triton-int8")
+    ids, pos, caches, meta = batch(model, seqs)
+    caches2 = [(k.clone(), v.clone()) for k, v in caches]
+    ref = model(ids, pos, caches, meta)
+    sd_before = {k: v.clone() for k, v in model.state_dict().items()}
+    fast = FastQwen2Forward(model, use_gemv=True, gemv_max_tokens=4)
+    assert fast.use_gemv
+    assert all(e["qkv"][2] is not None and e["gate_up"][2] is not None for e in fast.layers)
+    q_proj = model.model.layers[0].self_attn.q_proj
+    assert type(q_proj) is TritonInt8Linear
+    assert q_proj.weight.data_ptr() == fast.layers[0]["qkv"][0].data_ptr()  # a view, no copy
+    out = fast(ids, pos, caches2, meta)
+    torch.testing.assert_close(out, ref, atol=5e-5, rtol=5e-5)
+    for (k1, v1), (k2, v2) in zip(caches, caches2):
+        torch.testing.assert_close(k2[:-1], k1[:-1], atol=1e-5, rtol=1e-5)
+        torch.testing.assert_close(v2[:-1], v1[:-1], atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(fast.compute_logits(out), model.compute_logits(ref), atol=2e-4, rtol=2e-4)
+    sd_after = model.state_dict()
+    assert sd_after.keys() == sd_before.keys()
+    for k in sd_before:
+        torch.testing.assert_close(sd_after[k], sd_before[k])
+
+
+def test_reference_int8_layers_turn_the_gemv_path_off():
+    """The reference ``int8`` scheme (dequantize + F.linear) is not fused: those modules keep
+    being called, and the result still matches the readable path."""
+    from llmserve.quantization import quantize_model
+
+    model = quantize_model(small_model(6, 2), "int8")
+    ids, pos, caches, meta = batch(model, [(9, 1)])
+    caches2 = [(k.clone(), v.clone()) for k, v in caches]
+    ref = model(ids, pos, caches, meta)
+    fast = FastQwen2Forward(model, use_gemv=True, gemv_max_tokens=4)
+    assert not fast.use_gemv and "qkv" not in fast.layers[0]
+    torch.testing.assert_close(fast(ids, pos, caches2, meta), ref, atol=2e-5, rtol=2e-5)

@@ -175,6 +175,21 @@ def test_decode_grid_sized_for_a_longer_context(num_splits, fused):
         assert_close(out, ref, torch.float32)
 
 
+@pytest.mark.parametrize("num_splits,block_n", [(1, 16), (3, 16), (40, 16), (None, 256)])
+def test_decode_early_pages_matches_reference(num_splits, block_n):
+    """The first tile's block-table entries read before the PDL wait (a peeled, masked first
+    tile): one-position, block-boundary, one-tile and multi-tile contexts, empty splits of a
+    grid sized for a longer context, the wide tile; the merge counters re-armed (twice)."""
+    q, kc, vc, meta = make_batch([(1, 1), (16, 1), (17, 1), (33, 1), (200, 1), (257, 1)], 16, 6, 2, 64,
+                                 torch.float32)
+    ref = paged_attention_torch(q, kc, vc, meta, 0.125)
+    meta.max_context_len = 1024
+    for _ in range(2):
+        out = paged_attention_decode(q, kc, vc, meta, 0.125, num_splits=num_splits, block_n=block_n,
+                                     early_pages_override=True)
+        assert_close(out, ref, torch.float32)
+
+
 def test_choose_num_splits_fills_the_gpu():
     assert choose_num_splits(64, 2, 2048, 64, 132) == 3  # one wave of ~3 programs per SM
     assert choose_num_splits(256, 2, 2048, 64, 132) == 3  # 3.9 waves rather than 1.3

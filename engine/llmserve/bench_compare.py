@@ -3,7 +3,9 @@
 Measures, with random weights of published Qwen2.5 shapes (speed does not depend on values):
 
 a. batch-1 decode ms/step for each model against the floor (unique weight bytes / measured
-   copy bandwidth), for llmserve (CUDA graphs + fused kernels) and HF ``generate``;
+   copy bandwidth), for llmserve (CUDA graphs + fused kernels; bf16 weights, and with
+   ``--decode-linear-backends`` also the Triton INT8 weight-only projections, whose floor
+   counts their int8 bytes) and HF ``generate``;
 b. the offline workload (N requests, input and output lengths uniform in [lo, hi], EOS
    ignored): output tok/s of llmserve continuous batching, HF ``generate_batch`` (its
    continuous batching) and HF static ``generate``; the HF runs may use a subset of the
@@ -71,34 +73,37 @@ def measure_ceilings(device: torch.device) -> dict:
 
 
 def unique_param_bytes(model: torch.nn.Module) -> int:
-    seen, total = set(), 0
-    for p in model.parameters():
-        if p.data_ptr() in seen:
-            continue
-        seen.add(p.data_ptr())
-        total += p.numel() * p.element_size()
-    return total
+    """Bytes of the weights a decode step reads: parameters and persistent buffers (the int8
+    weights and scales of quantized layers), each storage counted once (tied embeddings)."""
+    from .quantization import model_nbytes
+
+    return model_nbytes(model)
 
 
 # ---------------------------------------------------------------------------------------------
 # a. batch-1 decode
 def llmserve_engine(preset: str, max_num_seqs: int, max_model_len: int, num_blocks: int | None = None,
-                    chunk: int | None = None, budget: int = 8192, graphs: bool = True):
+                    chunk: int | None = None, budget: int = 8192, graphs: bool = True,
+                    linear_backend: str = "torch"):
     from .config import CacheConfig, EngineConfig, SchedulerConfig
     from .engine import LLMEngine
 
     cfg = EngineConfig(model=f"random:{preset}", device="cuda", dtype="bfloat16",
-                       attention_backend="triton", use_cuda_graph=graphs,
+                       attention_backend="triton", use_cuda_graph=graphs, linear_backend=linear_backend,
                        cache=CacheConfig(block_size=16, num_blocks=num_blocks, gpu_memory_utilization=0.6),
                        scheduler=SchedulerConfig(max_num_seqs=max_num_seqs, max_model_len=max_model_len,
                                                  max_num_batched_tokens=budget, prefill_chunk_size=chunk))
     return LLMEngine(cfg)
 
 
-def decode_llmserve(preset: str, steps: int, prompt_len: int = 32) -> dict:
+def decode_llmserve(preset: str, steps: int, prompt_len: int = 32, linear_backend: str = "torch") -> dict:
+    """Batch-1 greedy decode of ``steps`` tokens after a ``prompt_len``-token prompt: median and
+    p90 ms between tokens, one replay of the last decode graph (CUDA events), the weight bytes
+    of the model as built (``linear_backend`` as ``--linear-backend``)."""
     from .sampling_params import SamplingParams
 
-    eng = llmserve_engine(preset, max_num_seqs=8, max_model_len=2048, num_blocks=2048)
+    eng = llmserve_engine(preset, max_num_seqs=8, max_model_len=2048, num_blocks=2048,
+                          linear_backend=linear_backend)
     weight_bytes = unique_param_bytes(eng.model)
     sp = SamplingParams(max_tokens=steps, ignore_eos=True)
     eng.generate([list(range(100, 100 + prompt_len))], SamplingParams(max_tokens=16, ignore_eos=True))  # warm-up
@@ -337,12 +342,16 @@ def run(args: argparse.Namespace) -> dict:
     if "decode" in args.parts:
         rows = []
         for preset in args.presets:
-            r = _row(f"llmserve decode {preset}", decode_llmserve, preset, args.decode_steps)
-            if r["status"] == "ok":
-                r["floor_ms"] = r["weight_bytes"] / bw * 1e3
-                r["ratio_to_floor"] = r["step_ms_median"] / r["floor_ms"]
-            r["preset"] = preset
-            rows.append(r)
+            for lb in args.decode_linear_backends:
+                suffix = "" if lb == "torch" else f" {lb}"
+                r = _row(f"llmserve decode {preset}{suffix}", decode_llmserve, preset, args.decode_steps,
+                         linear_backend=lb)
+                if r["status"] == "ok":
+                    r["floor_ms"] = r["weight_bytes"] / bw * 1e3
+                    r["ratio_to_floor"] = r["step_ms_median"] / r["floor_ms"]
+                r["preset"] = preset
+                r["linear_backend"] = lb
+                rows.append(r)
             if not args.skip_hf:
                 h = _row(f"hf generate decode {preset}", decode_hf, preset, args.hf_decode_steps)
                 h["preset"] = preset
@@ -406,7 +415,9 @@ def to_markdown(rep: dict) -> str:
                   "| model | engine | ms/step (median) | graph replay ms | floor ms | x floor | status |",
                   "| --- | --- | ---: | ---: | ---: | ---: | --- |"]
         for r in rep["parts"]["decode"]:
-            eng = "HF generate" if r["name"].startswith("hf") else "llmserve"
+            lb = r.get("linear_backend", "torch")
+            eng = ("HF generate" if r["name"].startswith("hf")
+                   else "llmserve" if lb == "torch" else f"llmserve, {lb} projections")
             ms = r.get("step_ms_median", r.get("step_ms"))
             lines.append(f"| {r.get('preset')} | {eng} | {_f(ms)} | {_f(r.get('graph_replay_ms'))} | "
                          f"{_f(r.get('floor_ms'))} | {_f(r.get('ratio_to_floor'))} | "
@@ -444,6 +455,10 @@ def add_bench_compare_subparser(sub) -> None:
                    choices=["decode", "offline", "openloop"])
     p.add_argument("--presets", nargs="+", default=["qwen2.5-0.5b", "qwen2.5-1.5b", "qwen2.5-7b"])
     p.add_argument("--decode-steps", type=int, default=256)
+    p.add_argument("--decode-linear-backends", nargs="+", default=["torch", "triton-int8"],
+                   choices=["torch", "triton-int8"],
+                   help="batch-1 decode rows per linear backend (triton-int8: int8 weight-only "
+                        "projections, embeddings and LM head bf16)")
     p.add_argument("--hf-decode-steps", type=int, default=64)
     p.add_argument("--offline-model", default="qwen2.5-1.5b")
     p.add_argument("--offline-requests", type=int, default=256)

@@ -20,8 +20,13 @@ What changes against the readable path (``models/qwen2.py``):
   ``triton_kernels/_launch.py``): each starts while the previous one drains and reads its
   first weight tile before waiting for it. ``LLMSERVE_PDL=0`` turns it off.
 
-Layers whose projections were swapped for quantized modules keep calling those modules (the
-packing applies to plain ``nn.Linear`` only). Parity with the readable path is tested in
+Projections quantized with the Triton INT8 scheme (``--linear-backend triton-int8``,
+:class:`~llmserve.quantization.TritonInt8Linear`) are packed and fused the same way: the int8
+rows and their per-row scales go to the same kernels (the matrix-vector kernel reads int8
+rows and applies the scale in its epilogue; larger steps call
+:func:`~llmserve.triton_kernels.int8_linear.int8_linear` on the packed weight). Other
+quantized modules (the reference ``int8`` scheme, ``int4``) keep being called as modules and
+turn the matrix-vector path off. Parity with the readable path is tested in
 ``tests/test_fast_forward.py``.
 """
 
@@ -40,22 +45,60 @@ from ..triton_kernels._launch import pdl_available
 from ..triton_kernels.argmax import argmax_rows
 from ..triton_kernels.fused import add_rmsnorm, rope_qkv_write_kv, silu_and_mul
 from ..triton_kernels.gemv import GEMV_MAX_M, gemv, gemv_qkv_rope
+from ..triton_kernels.int8_linear import int8_linear
+from ..quantization import TritonInt8Linear
 from ..triton_kernels.paged_attention import paged_attention_decode
 
 
-def _pack(linears: list[nn.Linear], with_bias: bool) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """Concatenate weights (and biases) along the output dim and re-point each module's
-    parameters at views of the packed tensor."""
+def _pack(linears: list[nn.Module], with_bias: bool
+          ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
+    """Concatenate weights (and biases, and the per-row scales of INT8 layers) along the output
+    dim and re-point each module's tensors at views of the packed ones; returns ``(weight
+    [sum(out), in], bias or None, scale [sum(out)] or None)``. All modules are plain
+    ``nn.Linear`` or all :class:`~llmserve.quantization.TritonInt8Linear` (see :func:`_kind`)."""
+    int8 = _kind(linears[0]) == "int8"
     w = torch.cat([m.weight.data for m in linears], dim=0)                  # [sum(out), in]
     b = torch.cat([m.bias.data for m in linears], dim=0) if with_bias else None
+    s = torch.cat([m.weight_scale for m in linears], dim=0) if int8 else None
     start = 0
     for m in linears:
         rows = m.weight.shape[0]
-        m.weight.data = w[start:start + rows]
-        if with_bias:
-            m.bias.data = b[start:start + rows]
+        if int8:                                    # buffers: assigning a tensor re-points them
+            m.weight = w[start:start + rows]
+            m.weight_scale = s[start:start + rows]
+            if with_bias:
+                m.bias = b[start:start + rows]
+        else:
+            m.weight.data = w[start:start + rows]
+            if with_bias:
+                m.bias.data = b[start:start + rows]
         start += rows
-    return w, b
+    return w, b, s
+
+
+def _kind(m: nn.Module) -> str | None:
+    """``"float"`` for a plain ``nn.Linear``, ``"int8"`` for a Triton INT8 layer (same function
+    through :func:`~llmserve.triton_kernels.int8_linear.int8_linear` or the matrix-vector
+    kernel: int8 rows, per-row scale applied in the epilogue), ``None`` for anything else
+    (the reference quantized layers, INT4), which the fused path calls as modules."""
+    if type(m) is nn.Linear:
+        return "float"
+    if type(m) is TritonInt8Linear:
+        return "int8"
+    return None
+
+
+def _proj(m: nn.Module) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
+    """``(weight, bias, scale)`` of a plain or Triton INT8 projection (scale ``None`` if float)."""
+    return m.weight, m.bias, (m.weight_scale if _kind(m) == "int8" else None)
+
+
+def _linear(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None, s: torch.Tensor | None
+            ) -> torch.Tensor:
+    """``F.linear`` of a float weight, or the Triton INT8 linear when ``s`` (scales) is given."""
+    if s is None:
+        return F.linear(x, w, b)
+    return int8_linear(x, w, s, b)
 
 
 class FastQwen2Forward:
@@ -87,16 +130,18 @@ class FastQwen2Forward:
         for layer in model.model.layers:
             attn, mlp = layer.self_attn, layer.mlp
             entry = {"layer": layer}
-            if all(type(m) is nn.Linear for m in (attn.q_proj, attn.k_proj, attn.v_proj)):
-                entry["qkv"] = _pack([attn.q_proj, attn.k_proj, attn.v_proj], with_bias=True)
-            if all(type(m) is nn.Linear for m in (mlp.gate_proj, mlp.up_proj)):
-                entry["gate_up"] = _pack([mlp.gate_proj, mlp.up_proj], with_bias=False)
+            qkv = [attn.q_proj, attn.k_proj, attn.v_proj]
+            if _kind(qkv[0]) is not None and all(_kind(m) == _kind(qkv[0]) for m in qkv):
+                entry["qkv"] = _pack(qkv, with_bias=True)
+            gate_up = [mlp.gate_proj, mlp.up_proj]
+            if _kind(gate_up[0]) is not None and _kind(gate_up[1]) == _kind(gate_up[0]):
+                entry["gate_up"] = _pack(gate_up, with_bias=False)
             self.layers.append(entry)
         if use_gemv is None:
             use_gemv = os.environ.get("LLMSERVE_DECODE_GEMV", "1") != "0"
-        plain = all("qkv" in e and "gate_up" in e and type(e["layer"].self_attn.o_proj) is nn.Linear
-                    and type(e["layer"].mlp.down_proj) is nn.Linear for e in self.layers)
-        self.use_gemv = bool(use_gemv) and plain
+        fusable = all("qkv" in e and "gate_up" in e and _kind(e["layer"].self_attn.o_proj) is not None
+                      and _kind(e["layer"].mlp.down_proj) is not None for e in self.layers)
+        self.use_gemv = bool(use_gemv) and fusable
         if gemv_max_tokens is None:
             gemv_max_tokens = int(os.environ.get("LLMSERVE_DECODE_GEMV_MAX", "1"))
         if not 1 <= gemv_max_tokens <= GEMV_MAX_M:  # noqa: SIM300
@@ -130,7 +175,7 @@ class FastQwen2Forward:
             attn, mlp = layer.self_attn, layer.mlp
             h, residual = add_rmsnorm(x, layer.input_layernorm.weight, self.eps, residual)  # [N, H]
             if "qkv" in entry:
-                qkv = F.linear(h, *entry["qkv"])                            # [N, (Hq+2Hkv)*D]
+                qkv = _linear(h, *entry["qkv"])                             # [N, (Hq+2Hkv)*D]
             else:
                 qkv = torch.cat([attn.q_proj(h), attn.k_proj(h), attn.v_proj(h)], dim=-1)
             q = rope_qkv_write_kv(qkv, positions, meta.slot_mapping, cos, sin, k_cache, v_cache,
@@ -139,7 +184,7 @@ class FastQwen2Forward:
             x = attn.o_proj(o.reshape(n, self.num_heads * self.head_dim))  # [N, H]
             h, residual = add_rmsnorm(x, layer.post_attention_layernorm.weight, self.eps, residual)
             if "gate_up" in entry:
-                gu = F.linear(h, entry["gate_up"][0])                       # [N, 2I]
+                gu = _linear(h, *entry["gate_up"])                          # [N, 2I]
             else:
                 gu = torch.cat([mlp.gate_proj(h), mlp.up_proj(h)], dim=-1)
             x = mlp.down_proj(silu_and_mul(gu))                             # [N, H]
@@ -181,8 +226,8 @@ class FastQwen2Forward:
         n = r.shape[0]
         for entry, (k_cache, v_cache) in zip(self.layers, kv_caches):
             layer = entry["layer"]
-            w_qkv, b_qkv = entry["qkv"]
-            q = gemv_qkv_rope(r, w_qkv, bias=b_qkv, norm_weight=layer.input_layernorm.weight,
+            w_qkv, b_qkv, s_qkv = entry["qkv"]
+            q = gemv_qkv_rope(r, w_qkv, bias=b_qkv, scale=s_qkv, norm_weight=layer.input_layernorm.weight,
                               eps=self.eps, positions=positions, slot_mapping=meta.slot_mapping,
                               cos=cos, sin=sin, k_cache=k_cache, v_cache=v_cache,
                               num_heads=self.num_heads, num_kv_heads=self.num_kv_heads,
@@ -192,15 +237,16 @@ class FastQwen2Forward:
                                            pdl_trigger_first=first)
             else:
                 o = backend.forward(q, k_cache, v_cache, meta, self.scale)  # [N, Hq, D]
-            o_proj = layer.self_attn.o_proj
-            gemv(o.reshape(n, self.num_heads * self.head_dim), o_proj.weight, bias=o_proj.bias,
+            w_o, b_o, s_o = _proj(layer.self_attn.o_proj)
+            gemv(o.reshape(n, self.num_heads * self.head_dim), w_o, scale=s_o, bias=b_o,
                  residual=r, out=r, pdl=pdl, early_epilogue=early,
                  pdl_trigger_first=first)                                   # r += o @ Wo.T
-            act = gemv(r, entry["gate_up"][0], prologue="rmsnorm", glu=True,
+            w_gu, _, s_gu = entry["gate_up"]
+            act = gemv(r, w_gu, scale=s_gu, prologue="rmsnorm", glu=True,
                        norm_weight=layer.post_attention_layernorm.weight, eps=self.eps,
                        pdl=pdl, pdl_trigger_first=first)                    # [N, I]
-            down = layer.mlp.down_proj
-            gemv(act, down.weight, bias=down.bias, residual=r, out=r, pdl=pdl,
+            w_d, b_d, s_d = _proj(layer.mlp.down_proj)
+            gemv(act, w_d, scale=s_d, bias=b_d, residual=r, out=r, pdl=pdl,
                  early_epilogue=early, pdl_trigger_first=first)             # r += act @ Wd.T
         h, _ = add_rmsnorm(r, model.model.norm.weight, self.eps)            # [N, H]
         return h

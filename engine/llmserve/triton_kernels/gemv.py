@@ -48,6 +48,7 @@ import torch
 import triton
 import triton.language as tl
 
+from ..config import env_switch
 from ._launch import num_sms, pdl_launch_kwargs, pdl_start, pdl_wait
 
 __all__ = ["GemvConfig", "choose_gemv_config", "gemv", "gemv_qkv_rope", "gemv_reference", "GEMV_MAX_M"]
@@ -96,8 +97,22 @@ def _gemv_rows(blk, N, BLOCK_N: tl.constexpr, ROPE: tl.constexpr, HALF: tl.const
 
 
 @triton.jit
+def _w_to_f32(w, MAGIC: tl.constexpr):
+    """A weight tile in fp32 (exact for int8 and 16-bit floats). ``MAGIC`` (int8 only): without
+    a conversion instruction: the sign-extended value added to the bit pattern of
+    ``1.5 * 2**23`` (where one unit of the mantissa is 1.0) is the float ``1.5 * 2**23 + w``,
+    and subtracting ``1.5 * 2**23`` leaves ``w`` exactly: integer and fp32 adds issue at 64-128
+    a clock per SM on Hopper, ``I2F`` (the plain cast) at 16. The "magic number" int8 -> float
+    conversion of FasterTransformer's converters, written here for fp32."""
+    if MAGIC:
+        return (w.to(tl.int32) + 0x4B400000).to(tl.float32, bitcast=True) - 12582912.0
+    else:
+        return w.to(tl.float32)
+
+
+@triton.jit
 def _gemv_step(acc, acc_b, sq, w, wb, x_base, g_ptr, k0, K, rk, PROLOGUE: tl.constexpr,
-               TWO_ROWS: tl.constexpr, EVEN_K: tl.constexpr):
+               TWO_ROWS: tl.constexpr, EVEN_K: tl.constexpr, MAGIC: tl.constexpr = False):
     """Accumulate one K tile: ``acc += prologue(x) * w`` (and ``acc_b`` for the second weight row
     of a GLU / RoPE pair; ``sq += x^2`` for the RMSNorm prologue)."""
     if EVEN_K:
@@ -111,9 +126,9 @@ def _gemv_step(acc, acc_b, sq, w, wb, x_base, g_ptr, k0, K, rk, PROLOGUE: tl.con
         else:
             g = tl.load(g_ptr + k0 + rk, mask=(k0 + rk) < K, other=0.0).to(tl.float32)
         x = x * g[None, None, :]
-    acc += x * w.to(tl.float32)
+    acc += x * _w_to_f32(w, MAGIC)
     if TWO_ROWS:
-        acc_b += x * wb.to(tl.float32)
+        acc_b += x * _w_to_f32(wb, MAGIC)
     return acc, acc_b, sq
 
 
@@ -160,7 +175,8 @@ def _gemv_block(blk, w, wb, rm, rm_ld, rk, x_ptr, w_ptr, y_ptr, scale_ptr, bias_
                 PROLOGUE: tl.constexpr, GLU: tl.constexpr, ROPE: tl.constexpr,
                 HQ: tl.constexpr, HKV: tl.constexpr, HALF: tl.constexpr,
                 BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                EVEN_K: tl.constexpr, STAGES: tl.constexpr, EARLY_EPI: tl.constexpr):
+                EVEN_K: tl.constexpr, STAGES: tl.constexpr, EARLY_EPI: tl.constexpr,
+                MAGIC: tl.constexpr = False):
     """Row block ``blk``: accumulate over K (``w``/``wb``: its first weight tiles, already
     loaded), then the epilogue and the stores."""
     TWO_ROWS: tl.constexpr = GLU or ROPE
@@ -183,13 +199,13 @@ def _gemv_block(blk, w, wb, rm, rm_ld, rk, x_ptr, w_ptr, y_ptr, scale_ptr, bias_
     else:
         sq = tl.zeros([1, 1, 1], dtype=tl.float32)
     acc, acc_b, sq = _gemv_step(acc, acc_b, sq, w, wb, x_base, g_ptr, 0, K, rk, PROLOGUE, TWO_ROWS,
-                                EVEN_K)
+                                EVEN_K, MAGIC)
     for k0 in tl.range(BLOCK_K, K, BLOCK_K, num_stages=STAGES):
         w = _load_w(w_base, k0, K, rk, EVEN_K)
         if TWO_ROWS:
             wb = _load_w(wb_base, k0, K, rk, EVEN_K)
         acc, acc_b, sq = _gemv_step(acc, acc_b, sq, w, wb, x_base, g_ptr, k0, K, rk, PROLOGUE,
-                                    TWO_ROWS, EVEN_K)
+                                    TWO_ROWS, EVEN_K, MAGIC)
     if not EARLY_EPI:
         sc_a, sc_b, bias_a, bias_b, pos, slot, res = _epilogue_operands(
             rm_ld, rn_ld, row_a, row_b, scale_ptr, bias_ptr, res_ptr, pos_ptr, slot_ptr, stride_rm,
@@ -259,7 +275,7 @@ def _gemv_kernel(x_ptr, w_ptr, y_ptr, scale_ptr, bias_ptr, res_ptr, g_ptr,
                  BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                  EVEN_K: tl.constexpr, STAGES: tl.constexpr, PERSISTENT: tl.constexpr,
                  USE_PDL: tl.constexpr, EARLY_EPI: tl.constexpr = False,
-                 PDL_TRIGGER_FIRST: tl.constexpr = False):
+                 PDL_TRIGGER_FIRST: tl.constexpr = False, INT8_MAGIC: tl.constexpr = False):
     """A program computes ``BLOCK_N`` outputs (a row block) for all ``M <= BLOCK_M`` rows of x:
     row block ``pid``, or with ``PERSISTENT`` (a grid smaller than the block count) blocks
     ``pid, pid + grid, ...``, which avoids a last partial wave; the first tile of its next
@@ -306,11 +322,11 @@ def _gemv_kernel(x_ptr, w_ptr, y_ptr, scale_ptr, bias_ptr, res_ptr, g_ptr,
                 wb = w
             _gemv_block(blk, w_cur, wb_cur, rm, rm_ld, rk, x_ptr, w_ptr, y_ptr, scale_ptr, bias_ptr, res_ptr, g_ptr, kc_ptr, vc_ptr, cos_ptr, sin_ptr, pos_ptr, slot_ptr, num_slots, M, N, K, stride_xm, stride_wn, stride_ym, stride_rm, eps,
                         W_INT8, HAS_BIAS, HAS_RES, PROLOGUE, GLU, ROPE, HQ, HKV, HALF, BLOCK_M, BLOCK_N,
-                        BLOCK_K, EVEN_K, STAGES, EARLY_EPI)
+                        BLOCK_K, EVEN_K, STAGES, EARLY_EPI, INT8_MAGIC)
     else:
         _gemv_block(pid, w, wb, rm, rm_ld, rk, x_ptr, w_ptr, y_ptr, scale_ptr, bias_ptr, res_ptr, g_ptr, kc_ptr, vc_ptr, cos_ptr, sin_ptr, pos_ptr, slot_ptr, num_slots, M, N, K, stride_xm, stride_wn, stride_ym, stride_rm, eps,
                     W_INT8, HAS_BIAS, HAS_RES, PROLOGUE, GLU, ROPE, HQ, HKV, HALF, BLOCK_M, BLOCK_N,
-                    BLOCK_K, EVEN_K, STAGES, EARLY_EPI)
+                    BLOCK_K, EVEN_K, STAGES, EARLY_EPI, INT8_MAGIC)
 
 
 @dataclass(frozen=True, slots=True)
@@ -415,17 +431,31 @@ def choose_gemv_config(m: int, n: int, k: int, w_dtype: torch.dtype, device: tor
     if device.type != "cuda":
         return GemvConfig(block_n=8, block_k=32, num_warps=1, stages=1)
     gpu, int8 = _gpu_name(device), w_dtype == torch.int8
-    hit = _table().get(table_key(gpu, int8, prologue, m, k, n))
+    hit = _tuned(gpu, int8, prologue, m, k, n)
     if hit:
         return hit
-    if prologue.endswith("+rope"):  # untuned: the plain projection's tile, halved (2 rows an output)
-        hit = _table().get(table_key(gpu, int8, prologue[:-len("+rope")], m, k, 2 * n))
+    if int8 and env_switch("LLMSERVE_GEMV_INT8_FROM_FLOAT") is True:
+        # untuned int8 shape: the tuned float tile with twice the columns (the same bytes a
+        # program and step); LLMSERVE_GEMV_INT8_FROM_FLOAT=0 takes the rule below instead
+        hit = _tuned(gpu, False, prologue, m, k, n)
         if hit:
-            return GemvConfig(max(1, hit.block_n // 2), hit.block_k, hit.num_warps, hit.stages,
-                              hit.programs_per_sm)
+            return GemvConfig(hit.block_n, min(2 * hit.block_k, triton.next_power_of_2(k)),
+                              hit.num_warps, hit.stages, hit.programs_per_sm)
     bn = 1 if n <= 4096 else 2
     bk = max(64, (1024 if bn == 1 else 512) // triton.next_power_of_2(m))
     return GemvConfig(block_n=bn, block_k=min(bk, triton.next_power_of_2(k)), num_warps=4, stages=1)
+
+
+def _tuned(gpu: str, int8: bool, prologue: str, m: int, k: int, n: int) -> GemvConfig | None:
+    """The table's configuration for this shape; for an untuned ``"+rope"`` prologue, the plain
+    projection's tile with half the rows (each output is two weight rows); ``None`` if neither."""
+    hit = _table().get(table_key(gpu, int8, prologue, m, k, n))
+    if hit is None and prologue.endswith("+rope"):
+        plain = _table().get(table_key(gpu, int8, prologue[:-len("+rope")], m, k, 2 * n))
+        if plain:
+            hit = GemvConfig(max(1, plain.block_n // 2), plain.block_k, plain.num_warps, plain.stages,
+                             plain.programs_per_sm)
+    return hit
 
 
 _GPU_NAMES: dict[int, str] = {}
@@ -514,6 +544,8 @@ def _launch(x, weight, out, cfg: GemvConfig, n: int, *, scale=None, bias=None, r
         BLOCK_M=triton.next_power_of_2(m), BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
         EVEN_K=k % cfg.block_k == 0, STAGES=cfg.stages, PERSISTENT=blocks < triton.cdiv(n, cfg.block_n),
         EARLY_EPI=bool(early_epilogue), num_warps=cfg.num_warps,
+        # int8 -> fp32 without I2F (_w_to_f32); LLMSERVE_GEMV_INT8_MAGIC=1, an A/B knob
+        INT8_MAGIC=weight.dtype == torch.int8 and env_switch("LLMSERVE_GEMV_INT8_MAGIC") is True,
         **pdl_launch_kwargs(pdl, pdl_trigger_first))
 
 
