@@ -87,12 +87,15 @@ def weights(k: int, n: int, int8: bool, copies: int):
 
 def cases(only=None):
     """(label, model, proj, K, N, int8, M, prologue, residual, bias, glu) of every swept case
-    (``only``: model names and/or "int8" to keep)."""
+    (``only``: model names, "int8" (the plain INT8 shapes of the kernel issue) and/or
+    "<model>-int8" (the engine's fused decode projections with Triton INT8 weights) to keep)."""
     out = []
     for model, projs in MODELS.items():
         for proj, (k, n) in projs.items():
             for m in M_BF16.get(model, (1,)):
                 out.append((f"{model} {proj}", model, proj, k, n, False, m, *LAYER[proj]))
+        for proj, (k, n) in projs.items():
+            out.append((f"{model} {proj} int8", f"{model}-int8", proj, k, n, True, 1, *LAYER[proj]))
     for model, (k, n) in LM_HEAD.items():
         out.append((f"{model} lm_head", model, "lm_head", k, n, False, 1, "none", False, False, False))
     for lab, k, n in INT8_SHAPES:
@@ -289,7 +292,8 @@ def main() -> int:
     p.add_argument("--workers", type=int, default=14)
     p.add_argument("--no-sweep", action="store_true")
     p.add_argument("--table", type=Path, help="merge the tuned configurations into this JSON table")
-    p.add_argument("--only", nargs="+", help="models to run (0.5b 1.5b 7b int8); default all")
+    p.add_argument("--only", nargs="+", help="models to run (0.5b 1.5b 7b int8 0.5b-int8 1.5b-int8 "
+                                             "7b-int8); default all")
     a = p.parse_args()
     a.out.mkdir(parents=True, exist_ok=True)
     gpu = torch.cuda.get_device_name(0)
@@ -312,7 +316,9 @@ def main() -> int:
                                       r["M"], r["K"], r["N"]):
                             r["best_config"] for r in res["cases"] if r.get("best_us") is not None})
             sources = [x for x in old.get("sources", [old["source"]] if "source" in old else [])]
-            a.table.write_text(json.dumps(dict(sources=sources + [env], configs=configs), indent=1,
+            if env not in sources:                     # once per run, not once per saved case
+                sources.append(env)
+            a.table.write_text(json.dumps(dict(sources=sources, configs=configs), indent=1,
                                           sort_keys=True) + "\n")
 
     for c in cases(a.only):

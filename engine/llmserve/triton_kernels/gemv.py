@@ -97,22 +97,8 @@ def _gemv_rows(blk, N, BLOCK_N: tl.constexpr, ROPE: tl.constexpr, HALF: tl.const
 
 
 @triton.jit
-def _w_to_f32(w, MAGIC: tl.constexpr):
-    """A weight tile in fp32 (exact for int8 and 16-bit floats). ``MAGIC`` (int8 only): without
-    a conversion instruction: the sign-extended value added to the bit pattern of
-    ``1.5 * 2**23`` (where one unit of the mantissa is 1.0) is the float ``1.5 * 2**23 + w``,
-    and subtracting ``1.5 * 2**23`` leaves ``w`` exactly: integer and fp32 adds issue at 64-128
-    a clock per SM on Hopper, ``I2F`` (the plain cast) at 16. The "magic number" int8 -> float
-    conversion of FasterTransformer's converters, written here for fp32."""
-    if MAGIC:
-        return (w.to(tl.int32) + 0x4B400000).to(tl.float32, bitcast=True) - 12582912.0
-    else:
-        return w.to(tl.float32)
-
-
-@triton.jit
 def _gemv_step(acc, acc_b, sq, w, wb, x_base, g_ptr, k0, K, rk, PROLOGUE: tl.constexpr,
-               TWO_ROWS: tl.constexpr, EVEN_K: tl.constexpr, MAGIC: tl.constexpr = False):
+               TWO_ROWS: tl.constexpr, EVEN_K: tl.constexpr):
     """Accumulate one K tile: ``acc += prologue(x) * w`` (and ``acc_b`` for the second weight row
     of a GLU / RoPE pair; ``sq += x^2`` for the RMSNorm prologue)."""
     if EVEN_K:
@@ -126,9 +112,9 @@ def _gemv_step(acc, acc_b, sq, w, wb, x_base, g_ptr, k0, K, rk, PROLOGUE: tl.con
         else:
             g = tl.load(g_ptr + k0 + rk, mask=(k0 + rk) < K, other=0.0).to(tl.float32)
         x = x * g[None, None, :]
-    acc += x * _w_to_f32(w, MAGIC)
+    acc += x * w.to(tl.float32)
     if TWO_ROWS:
-        acc_b += x * _w_to_f32(wb, MAGIC)
+        acc_b += x * wb.to(tl.float32)
     return acc, acc_b, sq
 
 
@@ -175,8 +161,7 @@ def _gemv_block(blk, w, wb, rm, rm_ld, rk, x_ptr, w_ptr, y_ptr, scale_ptr, bias_
                 PROLOGUE: tl.constexpr, GLU: tl.constexpr, ROPE: tl.constexpr,
                 HQ: tl.constexpr, HKV: tl.constexpr, HALF: tl.constexpr,
                 BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                EVEN_K: tl.constexpr, STAGES: tl.constexpr, EARLY_EPI: tl.constexpr,
-                MAGIC: tl.constexpr = False):
+                EVEN_K: tl.constexpr, STAGES: tl.constexpr, EARLY_EPI: tl.constexpr):
     """Row block ``blk``: accumulate over K (``w``/``wb``: its first weight tiles, already
     loaded), then the epilogue and the stores."""
     TWO_ROWS: tl.constexpr = GLU or ROPE
@@ -199,13 +184,13 @@ def _gemv_block(blk, w, wb, rm, rm_ld, rk, x_ptr, w_ptr, y_ptr, scale_ptr, bias_
     else:
         sq = tl.zeros([1, 1, 1], dtype=tl.float32)
     acc, acc_b, sq = _gemv_step(acc, acc_b, sq, w, wb, x_base, g_ptr, 0, K, rk, PROLOGUE, TWO_ROWS,
-                                EVEN_K, MAGIC)
+                                EVEN_K)
     for k0 in tl.range(BLOCK_K, K, BLOCK_K, num_stages=STAGES):
         w = _load_w(w_base, k0, K, rk, EVEN_K)
         if TWO_ROWS:
             wb = _load_w(wb_base, k0, K, rk, EVEN_K)
         acc, acc_b, sq = _gemv_step(acc, acc_b, sq, w, wb, x_base, g_ptr, k0, K, rk, PROLOGUE,
-                                    TWO_ROWS, EVEN_K, MAGIC)
+                                    TWO_ROWS, EVEN_K)
     if not EARLY_EPI:
         sc_a, sc_b, bias_a, bias_b, pos, slot, res = _epilogue_operands(
             rm_ld, rn_ld, row_a, row_b, scale_ptr, bias_ptr, res_ptr, pos_ptr, slot_ptr, stride_rm,
@@ -275,7 +260,7 @@ def _gemv_kernel(x_ptr, w_ptr, y_ptr, scale_ptr, bias_ptr, res_ptr, g_ptr,
                  BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                  EVEN_K: tl.constexpr, STAGES: tl.constexpr, PERSISTENT: tl.constexpr,
                  USE_PDL: tl.constexpr, EARLY_EPI: tl.constexpr = False,
-                 PDL_TRIGGER_FIRST: tl.constexpr = False, INT8_MAGIC: tl.constexpr = False):
+                 PDL_TRIGGER_FIRST: tl.constexpr = False):
     """A program computes ``BLOCK_N`` outputs (a row block) for all ``M <= BLOCK_M`` rows of x:
     row block ``pid``, or with ``PERSISTENT`` (a grid smaller than the block count) blocks
     ``pid, pid + grid, ...``, which avoids a last partial wave; the first tile of its next
@@ -322,11 +307,11 @@ def _gemv_kernel(x_ptr, w_ptr, y_ptr, scale_ptr, bias_ptr, res_ptr, g_ptr,
                 wb = w
             _gemv_block(blk, w_cur, wb_cur, rm, rm_ld, rk, x_ptr, w_ptr, y_ptr, scale_ptr, bias_ptr, res_ptr, g_ptr, kc_ptr, vc_ptr, cos_ptr, sin_ptr, pos_ptr, slot_ptr, num_slots, M, N, K, stride_xm, stride_wn, stride_ym, stride_rm, eps,
                         W_INT8, HAS_BIAS, HAS_RES, PROLOGUE, GLU, ROPE, HQ, HKV, HALF, BLOCK_M, BLOCK_N,
-                        BLOCK_K, EVEN_K, STAGES, EARLY_EPI, INT8_MAGIC)
+                        BLOCK_K, EVEN_K, STAGES, EARLY_EPI)
     else:
         _gemv_block(pid, w, wb, rm, rm_ld, rk, x_ptr, w_ptr, y_ptr, scale_ptr, bias_ptr, res_ptr, g_ptr, kc_ptr, vc_ptr, cos_ptr, sin_ptr, pos_ptr, slot_ptr, num_slots, M, N, K, stride_xm, stride_wn, stride_ym, stride_rm, eps,
                     W_INT8, HAS_BIAS, HAS_RES, PROLOGUE, GLU, ROPE, HQ, HKV, HALF, BLOCK_M, BLOCK_N,
-                    BLOCK_K, EVEN_K, STAGES, EARLY_EPI, INT8_MAGIC)
+                    BLOCK_K, EVEN_K, STAGES, EARLY_EPI)
 
 
 @dataclass(frozen=True, slots=True)
@@ -544,8 +529,6 @@ def _launch(x, weight, out, cfg: GemvConfig, n: int, *, scale=None, bias=None, r
         BLOCK_M=triton.next_power_of_2(m), BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
         EVEN_K=k % cfg.block_k == 0, STAGES=cfg.stages, PERSISTENT=blocks < triton.cdiv(n, cfg.block_n),
         EARLY_EPI=bool(early_epilogue), num_warps=cfg.num_warps,
-        # int8 -> fp32 without I2F (_w_to_f32); LLMSERVE_GEMV_INT8_MAGIC=1, an A/B knob
-        INT8_MAGIC=weight.dtype == torch.int8 and env_switch("LLMSERVE_GEMV_INT8_MAGIC") is True,
         **pdl_launch_kwargs(pdl, pdl_trigger_first))
 
 
