@@ -97,8 +97,8 @@ def _gemv_rows(blk, N, BLOCK_N: tl.constexpr, ROPE: tl.constexpr, HALF: tl.const
 
 
 @triton.jit
-def _gemv_step(acc, acc_b, sq, w, wb, x_base, g_ptr, k0, K, rk, PROLOGUE: tl.constexpr,
-               TWO_ROWS: tl.constexpr, EVEN_K: tl.constexpr):
+def _gemv_step(acc, acc_b, sq, w, wb, x_base, g_base, k0, K, rk, PROLOGUE: tl.constexpr,
+               TWO_ROWS: tl.constexpr, EVEN_K: tl.constexpr, g_ptr, G_1D: tl.constexpr):
     """Accumulate one K tile: ``acc += prologue(x) * w`` (and ``acc_b`` for the second weight row
     of a GLU / RoPE pair; ``sq += x^2`` for the RMSNorm prologue)."""
     if EVEN_K:
@@ -107,11 +107,21 @@ def _gemv_step(acc, acc_b, sq, w, wb, x_base, g_ptr, k0, K, rk, PROLOGUE: tl.con
         x = tl.load(x_base + k0, mask=((k0 + rk) < K)[None, None, :], other=0.0).to(tl.float32)
     if PROLOGUE == 1:        # RMSNorm: x * g now, rsqrt(mean(x^2) + eps) in the epilogue
         sq += x * x
-        if EVEN_K:
-            g = tl.load(g_ptr + k0 + rk).to(tl.float32)
+        # g addressed like x, as a [1, BLOCK_N, BLOCK_K] tile with a zero stride along N: it
+        # arrives in the layout of x and w (a 1-D load needs a shared-memory layout conversion,
+        # with two barriers, every K step)
+        if G_1D:  # TEMPORARY A/B: the previous 1-D load
+            if EVEN_K:
+                g1 = tl.load(g_ptr + k0 + rk).to(tl.float32)
+            else:
+                g1 = tl.load(g_ptr + k0 + rk, mask=(k0 + rk) < K, other=0.0).to(tl.float32)
+            x = x * g1[None, None, :]
         else:
-            g = tl.load(g_ptr + k0 + rk, mask=(k0 + rk) < K, other=0.0).to(tl.float32)
-        x = x * g[None, None, :]
+            if EVEN_K:
+                g = tl.load(g_base + k0).to(tl.float32)
+            else:
+                g = tl.load(g_base + k0, mask=((k0 + rk) < K)[None, None, :], other=0.0).to(tl.float32)
+            x = x * g
     acc += x * w.to(tl.float32)
     if TWO_ROWS:
         acc_b += x * wb.to(tl.float32)
@@ -161,7 +171,8 @@ def _gemv_block(blk, w, wb, rm, rm_ld, rk, x_ptr, w_ptr, y_ptr, scale_ptr, bias_
                 PROLOGUE: tl.constexpr, GLU: tl.constexpr, ROPE: tl.constexpr,
                 HQ: tl.constexpr, HKV: tl.constexpr, HALF: tl.constexpr,
                 BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                EVEN_K: tl.constexpr, STAGES: tl.constexpr, EARLY_EPI: tl.constexpr):
+                EVEN_K: tl.constexpr, STAGES: tl.constexpr, EARLY_EPI: tl.constexpr,
+                G_1D: tl.constexpr = False):
     """Row block ``blk``: accumulate over K (``w``/``wb``: its first weight tiles, already
     loaded), then the epilogue and the stores."""
     TWO_ROWS: tl.constexpr = GLU or ROPE
@@ -183,14 +194,15 @@ def _gemv_block(blk, w, wb, rm, rm_ld, rk, x_ptr, w_ptr, y_ptr, scale_ptr, bias_
         sq = tl.zeros([BLOCK_M, BLOCK_N, BLOCK_K], dtype=tl.float32)
     else:
         sq = tl.zeros([1, 1, 1], dtype=tl.float32)
-    acc, acc_b, sq = _gemv_step(acc, acc_b, sq, w, wb, x_base, g_ptr, 0, K, rk, PROLOGUE, TWO_ROWS,
-                                EVEN_K)
+    g_base = g_ptr + (rn * 0)[None, :, None] + rk[None, None, :]                          # [1, BN, BK]
+    acc, acc_b, sq = _gemv_step(acc, acc_b, sq, w, wb, x_base, g_base, 0, K, rk, PROLOGUE, TWO_ROWS,
+                                EVEN_K, g_ptr, G_1D)
     for k0 in tl.range(BLOCK_K, K, BLOCK_K, num_stages=STAGES):
         w = _load_w(w_base, k0, K, rk, EVEN_K)
         if TWO_ROWS:
             wb = _load_w(wb_base, k0, K, rk, EVEN_K)
-        acc, acc_b, sq = _gemv_step(acc, acc_b, sq, w, wb, x_base, g_ptr, k0, K, rk, PROLOGUE,
-                                    TWO_ROWS, EVEN_K)
+        acc, acc_b, sq = _gemv_step(acc, acc_b, sq, w, wb, x_base, g_base, k0, K, rk, PROLOGUE,
+                                    TWO_ROWS, EVEN_K, g_ptr, G_1D)
     if not EARLY_EPI:
         sc_a, sc_b, bias_a, bias_b, pos, slot, res = _epilogue_operands(
             rm_ld, rn_ld, row_a, row_b, scale_ptr, bias_ptr, res_ptr, pos_ptr, slot_ptr, stride_rm,
@@ -260,7 +272,7 @@ def _gemv_kernel(x_ptr, w_ptr, y_ptr, scale_ptr, bias_ptr, res_ptr, g_ptr,
                  BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                  EVEN_K: tl.constexpr, STAGES: tl.constexpr, PERSISTENT: tl.constexpr,
                  USE_PDL: tl.constexpr, EARLY_EPI: tl.constexpr = False,
-                 PDL_TRIGGER_FIRST: tl.constexpr = False):
+                 PDL_TRIGGER_FIRST: tl.constexpr = False, G_1D: tl.constexpr = False):
     """A program computes ``BLOCK_N`` outputs (a row block) for all ``M <= BLOCK_M`` rows of x:
     row block ``pid``, or with ``PERSISTENT`` (a grid smaller than the block count) blocks
     ``pid, pid + grid, ...``, which avoids a last partial wave; the first tile of its next
@@ -307,11 +319,11 @@ def _gemv_kernel(x_ptr, w_ptr, y_ptr, scale_ptr, bias_ptr, res_ptr, g_ptr,
                 wb = w
             _gemv_block(blk, w_cur, wb_cur, rm, rm_ld, rk, x_ptr, w_ptr, y_ptr, scale_ptr, bias_ptr, res_ptr, g_ptr, kc_ptr, vc_ptr, cos_ptr, sin_ptr, pos_ptr, slot_ptr, num_slots, M, N, K, stride_xm, stride_wn, stride_ym, stride_rm, eps,
                         W_INT8, HAS_BIAS, HAS_RES, PROLOGUE, GLU, ROPE, HQ, HKV, HALF, BLOCK_M, BLOCK_N,
-                        BLOCK_K, EVEN_K, STAGES, EARLY_EPI)
+                        BLOCK_K, EVEN_K, STAGES, EARLY_EPI, G_1D)
     else:
         _gemv_block(pid, w, wb, rm, rm_ld, rk, x_ptr, w_ptr, y_ptr, scale_ptr, bias_ptr, res_ptr, g_ptr, kc_ptr, vc_ptr, cos_ptr, sin_ptr, pos_ptr, slot_ptr, num_slots, M, N, K, stride_xm, stride_wn, stride_ym, stride_rm, eps,
                     W_INT8, HAS_BIAS, HAS_RES, PROLOGUE, GLU, ROPE, HQ, HKV, HALF, BLOCK_M, BLOCK_N,
-                    BLOCK_K, EVEN_K, STAGES, EARLY_EPI)
+                    BLOCK_K, EVEN_K, STAGES, EARLY_EPI, G_1D)
 
 
 @dataclass(frozen=True, slots=True)
@@ -529,6 +541,7 @@ def _launch(x, weight, out, cfg: GemvConfig, n: int, *, scale=None, bias=None, r
         BLOCK_M=triton.next_power_of_2(m), BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
         EVEN_K=k % cfg.block_k == 0, STAGES=cfg.stages, PERSISTENT=blocks < triton.cdiv(n, cfg.block_n),
         EARLY_EPI=bool(early_epilogue), num_warps=cfg.num_warps,
+        G_1D=env_switch("LLMSERVE_GEMV_G_1D") is True,
         **pdl_launch_kwargs(pdl, pdl_trigger_first))
 
 
