@@ -48,7 +48,6 @@ import torch
 import triton
 import triton.language as tl
 
-from ..config import env_switch
 from ._launch import num_sms, pdl_launch_kwargs, pdl_start, pdl_wait
 
 __all__ = ["GemvConfig", "choose_gemv_config", "gemv", "gemv_qkv_rope", "gemv_reference", "GEMV_MAX_M"]
@@ -97,8 +96,8 @@ def _gemv_rows(blk, N, BLOCK_N: tl.constexpr, ROPE: tl.constexpr, HALF: tl.const
 
 
 @triton.jit
-def _gemv_step(acc, acc_b, sq, w, wb, x_base, g_base, k0, K, rk, PROLOGUE: tl.constexpr,
-               TWO_ROWS: tl.constexpr, EVEN_K: tl.constexpr, g_ptr, G_1D: tl.constexpr):
+def _gemv_step(acc, acc_b, sq, w, wb, x_base, g_ptr, k0, K, rk, PROLOGUE: tl.constexpr,
+               TWO_ROWS: tl.constexpr, EVEN_K: tl.constexpr):
     """Accumulate one K tile: ``acc += prologue(x) * w`` (and ``acc_b`` for the second weight row
     of a GLU / RoPE pair; ``sq += x^2`` for the RMSNorm prologue)."""
     if EVEN_K:
@@ -107,21 +106,11 @@ def _gemv_step(acc, acc_b, sq, w, wb, x_base, g_base, k0, K, rk, PROLOGUE: tl.co
         x = tl.load(x_base + k0, mask=((k0 + rk) < K)[None, None, :], other=0.0).to(tl.float32)
     if PROLOGUE == 1:        # RMSNorm: x * g now, rsqrt(mean(x^2) + eps) in the epilogue
         sq += x * x
-        # g addressed like x, as a [1, BLOCK_N, BLOCK_K] tile with a zero stride along N: it
-        # arrives in the layout of x and w (a 1-D load needs a shared-memory layout conversion,
-        # with two barriers, every K step)
-        if G_1D:  # TEMPORARY A/B: the previous 1-D load
-            if EVEN_K:
-                g1 = tl.load(g_ptr + k0 + rk).to(tl.float32)
-            else:
-                g1 = tl.load(g_ptr + k0 + rk, mask=(k0 + rk) < K, other=0.0).to(tl.float32)
-            x = x * g1[None, None, :]
+        if EVEN_K:
+            g = tl.load(g_ptr + k0 + rk).to(tl.float32)
         else:
-            if EVEN_K:
-                g = tl.load(g_base + k0).to(tl.float32)
-            else:
-                g = tl.load(g_base + k0, mask=((k0 + rk) < K)[None, None, :], other=0.0).to(tl.float32)
-            x = x * g
+            g = tl.load(g_ptr + k0 + rk, mask=(k0 + rk) < K, other=0.0).to(tl.float32)
+        x = x * g[None, None, :]
     acc += x * w.to(tl.float32)
     if TWO_ROWS:
         acc_b += x * wb.to(tl.float32)
@@ -171,8 +160,7 @@ def _gemv_block(blk, w, wb, rm, rm_ld, rk, x_ptr, w_ptr, y_ptr, scale_ptr, bias_
                 PROLOGUE: tl.constexpr, GLU: tl.constexpr, ROPE: tl.constexpr,
                 HQ: tl.constexpr, HKV: tl.constexpr, HALF: tl.constexpr,
                 BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                EVEN_K: tl.constexpr, STAGES: tl.constexpr, EARLY_EPI: tl.constexpr,
-                G_1D: tl.constexpr = False):
+                EVEN_K: tl.constexpr, STAGES: tl.constexpr, EARLY_EPI: tl.constexpr):
     """Row block ``blk``: accumulate over K (``w``/``wb``: its first weight tiles, already
     loaded), then the epilogue and the stores."""
     TWO_ROWS: tl.constexpr = GLU or ROPE
@@ -194,15 +182,14 @@ def _gemv_block(blk, w, wb, rm, rm_ld, rk, x_ptr, w_ptr, y_ptr, scale_ptr, bias_
         sq = tl.zeros([BLOCK_M, BLOCK_N, BLOCK_K], dtype=tl.float32)
     else:
         sq = tl.zeros([1, 1, 1], dtype=tl.float32)
-    g_base = g_ptr + (rn * 0)[None, :, None] + rk[None, None, :]                          # [1, BN, BK]
-    acc, acc_b, sq = _gemv_step(acc, acc_b, sq, w, wb, x_base, g_base, 0, K, rk, PROLOGUE, TWO_ROWS,
-                                EVEN_K, g_ptr, G_1D)
+    acc, acc_b, sq = _gemv_step(acc, acc_b, sq, w, wb, x_base, g_ptr, 0, K, rk, PROLOGUE, TWO_ROWS,
+                                EVEN_K)
     for k0 in tl.range(BLOCK_K, K, BLOCK_K, num_stages=STAGES):
         w = _load_w(w_base, k0, K, rk, EVEN_K)
         if TWO_ROWS:
             wb = _load_w(wb_base, k0, K, rk, EVEN_K)
-        acc, acc_b, sq = _gemv_step(acc, acc_b, sq, w, wb, x_base, g_base, k0, K, rk, PROLOGUE,
-                                    TWO_ROWS, EVEN_K, g_ptr, G_1D)
+        acc, acc_b, sq = _gemv_step(acc, acc_b, sq, w, wb, x_base, g_ptr, k0, K, rk, PROLOGUE,
+                                    TWO_ROWS, EVEN_K)
     if not EARLY_EPI:
         sc_a, sc_b, bias_a, bias_b, pos, slot, res = _epilogue_operands(
             rm_ld, rn_ld, row_a, row_b, scale_ptr, bias_ptr, res_ptr, pos_ptr, slot_ptr, stride_rm,
@@ -272,7 +259,7 @@ def _gemv_kernel(x_ptr, w_ptr, y_ptr, scale_ptr, bias_ptr, res_ptr, g_ptr,
                  BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                  EVEN_K: tl.constexpr, STAGES: tl.constexpr, PERSISTENT: tl.constexpr,
                  USE_PDL: tl.constexpr, EARLY_EPI: tl.constexpr = False,
-                 PDL_TRIGGER_FIRST: tl.constexpr = False, G_1D: tl.constexpr = False):
+                 PDL_TRIGGER_FIRST: tl.constexpr = False):
     """A program computes ``BLOCK_N`` outputs (a row block) for all ``M <= BLOCK_M`` rows of x:
     row block ``pid``, or with ``PERSISTENT`` (a grid smaller than the block count) blocks
     ``pid, pid + grid, ...``, which avoids a last partial wave; the first tile of its next
@@ -319,11 +306,11 @@ def _gemv_kernel(x_ptr, w_ptr, y_ptr, scale_ptr, bias_ptr, res_ptr, g_ptr,
                 wb = w
             _gemv_block(blk, w_cur, wb_cur, rm, rm_ld, rk, x_ptr, w_ptr, y_ptr, scale_ptr, bias_ptr, res_ptr, g_ptr, kc_ptr, vc_ptr, cos_ptr, sin_ptr, pos_ptr, slot_ptr, num_slots, M, N, K, stride_xm, stride_wn, stride_ym, stride_rm, eps,
                         W_INT8, HAS_BIAS, HAS_RES, PROLOGUE, GLU, ROPE, HQ, HKV, HALF, BLOCK_M, BLOCK_N,
-                        BLOCK_K, EVEN_K, STAGES, EARLY_EPI, G_1D)
+                        BLOCK_K, EVEN_K, STAGES, EARLY_EPI)
     else:
         _gemv_block(pid, w, wb, rm, rm_ld, rk, x_ptr, w_ptr, y_ptr, scale_ptr, bias_ptr, res_ptr, g_ptr, kc_ptr, vc_ptr, cos_ptr, sin_ptr, pos_ptr, slot_ptr, num_slots, M, N, K, stride_xm, stride_wn, stride_ym, stride_rm, eps,
                     W_INT8, HAS_BIAS, HAS_RES, PROLOGUE, GLU, ROPE, HQ, HKV, HALF, BLOCK_M, BLOCK_N,
-                    BLOCK_K, EVEN_K, STAGES, EARLY_EPI, G_1D)
+                    BLOCK_K, EVEN_K, STAGES, EARLY_EPI)
 
 
 @dataclass(frozen=True, slots=True)
@@ -431,13 +418,6 @@ def choose_gemv_config(m: int, n: int, k: int, w_dtype: torch.dtype, device: tor
     hit = _tuned(gpu, int8, prologue, m, k, n)
     if hit:
         return hit
-    if int8 and env_switch("LLMSERVE_GEMV_INT8_FROM_FLOAT") is True:
-        # untuned int8 shape: the tuned float tile with twice the columns (the same bytes a
-        # program and step); LLMSERVE_GEMV_INT8_FROM_FLOAT=0 takes the rule below instead
-        hit = _tuned(gpu, False, prologue, m, k, n)
-        if hit:
-            return GemvConfig(hit.block_n, min(2 * hit.block_k, triton.next_power_of_2(k)),
-                              hit.num_warps, hit.stages, hit.programs_per_sm)
     bn = 1 if n <= 4096 else 2
     bk = max(64, (1024 if bn == 1 else 512) // triton.next_power_of_2(m))
     return GemvConfig(block_n=bn, block_k=min(bk, triton.next_power_of_2(k)), num_warps=4, stages=1)
@@ -541,7 +521,6 @@ def _launch(x, weight, out, cfg: GemvConfig, n: int, *, scale=None, bias=None, r
         BLOCK_M=triton.next_power_of_2(m), BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
         EVEN_K=k % cfg.block_k == 0, STAGES=cfg.stages, PERSISTENT=blocks < triton.cdiv(n, cfg.block_n),
         EARLY_EPI=bool(early_epilogue), num_warps=cfg.num_warps,
-        G_1D=env_switch("LLMSERVE_GEMV_G_1D") is True,
         **pdl_launch_kwargs(pdl, pdl_trigger_first))
 
 
