@@ -122,11 +122,12 @@ def test_decode_split_counts(num_splits, fused):
 def test_decode_wide_tile_matches_reference(hkv, d):
     """The wide GPU tile (256 positions a program, one split per tile) run in the interpreter:
     one-tile contexts, exactly one tile, one position past it, and the 512-position bound."""
-    q, kc, vc, meta = make_batch([(1, 1), (256, 1), (257, 1), (512, 1)], 16, 6 * hkv, hkv, d, torch.float32)
+    dtype = torch.bfloat16 if DEVICE.type == "cuda" else torch.float32   # the GPU tile is for 16-bit
+    q, kc, vc, meta = make_batch([(1, 1), (256, 1), (257, 1), (512, 1)], 16, 6 * hkv, hkv, d, dtype)
     ref = paged_attention_torch(q, kc, vc, meta, d ** -0.5)
     for _ in range(2):                                      # twice: the merge counters re-arm
         out = paged_attention_decode(q, kc, vc, meta, d ** -0.5, block_n=256, num_warps=8, num_stages=1)
-        assert_close(out, ref, torch.float32)
+        assert_close(out, ref, dtype)
 
 
 def test_decode_wide_tile_config(monkeypatch):
@@ -139,6 +140,7 @@ def test_decode_wide_tile_config(monkeypatch):
     assert "wide" not in _decode_config(128, False, 2, 513)
     assert "wide" not in _decode_config(256, False, 1, 300)                # head_dim 256
     assert "wide" not in _decode_config(128, False, 2, 2048)
+    assert "wide" not in _decode_config(128, False, 2, 300, elt=4)         # fp32 cache: too much smem
     assert _decode_config(128, True, 2, 300)["BLOCK_N"] == 16               # interpreter: small tiles
     monkeypatch.setenv("LLMSERVE_DECODE_WIDE", "0")
     assert "wide" not in _decode_config(128, False, 2, 300)

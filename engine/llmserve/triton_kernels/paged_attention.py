@@ -632,12 +632,15 @@ def choose_num_splits(batch: int, num_kv_heads: int, max_context_len: int, block
     return min(s for s, e in eff.items() if e >= 0.95 * top)
 
 
-def _decode_config(d: int, on_cpu: bool, pairs: int = 1 << 30, max_ctx: int = 1 << 30) -> dict:
+def _decode_config(d: int, on_cpu: bool, pairs: int = 1 << 30, max_ctx: int = 1 << 30,
+                   elt: int = 2) -> dict:
     """Tile of the decode kernel: ``pairs`` = sequences x KV heads, ``max_ctx`` = the context
-    bound (see :data:`WIDE_MAX_PAIRS`)."""
+    bound (see :data:`WIDE_MAX_PAIRS`), ``elt`` = bytes per cache element (the wide tile is for
+    16-bit caches: with fp32 K/V at head_dim 128 it needs 264 KB of shared memory, more than
+    an H200 SM has)."""
     if on_cpu:
         return dict(BLOCK_N=16, num_warps=1, num_stages=1)
-    if (pairs <= WIDE_MAX_PAIRS and max_ctx <= WIDE_MAX_CONTEXT and d <= 128
+    if (pairs <= WIDE_MAX_PAIRS and max_ctx <= WIDE_MAX_CONTEXT and d <= 128 and elt <= 2
             and os.environ.get("LLMSERVE_DECODE_WIDE", "1") != "0"):
         return dict(BLOCK_N=256, num_warps=8 if d >= 128 else 4, num_stages=1, wide=True)
     return dict(BLOCK_N=64 if d <= 128 else 32, num_warps=4, num_stages=2)
@@ -690,7 +693,7 @@ def paged_attention_decode(query: torch.Tensor, k_cache: torch.Tensor, v_cache: 
     if b == 0 or n == 0:
         return out
     max_ctx = max(int(meta.max_context_len), 1)
-    cfg = _decode_config(d, on_cpu, b * hkv, max_ctx)
+    cfg = _decode_config(d, on_cpu, b * hkv, max_ctx, k_cache.element_size())
     wide = cfg.pop("wide", False)      # the wide tile keeps its own stage count (1)
     if _DECODE_STAGES and not on_cpu and not wide:
         cfg["num_stages"] = _DECODE_STAGES
