@@ -733,12 +733,16 @@ def paged_attention_decode(query: torch.Tensor, k_cache: torch.Tensor, v_cache: 
         l_buf = torch.empty_like(m_buf)
         acc_buf = torch.empty((b, hq, num_splits, d), dtype=torch.float32, device=query.device)
     fp32_math = on_cpu or query.dtype == torch.float32
-    # Before the PDL wait: the block-table entries of the first tile and (16-bit caches on a
-    # GPU) an L2 prefetch of its K/V rows. H200, batch-1 decode (results/h200/notes/s9):
-    # 1.5B 1.066 -> 1.050 ms/step, 0.5B 0.504 -> 0.492, 7B 3.74 -> 3.66. A/B knobs, read at
-    # every launch: LLMSERVE_DECODE_EARLY_PAGES=0, LLMSERVE_DECODE_PREFETCH_KV=0.
+    # With the wide tile (few sequences, short contexts): the block-table entries of the first
+    # tile read before the PDL wait, and (16-bit caches on a GPU) an L2 prefetch of its K/V
+    # rows. H200, batch-1 decode (results/h200/notes/s9): 1.5B 1.066 -> 1.050 ms/step, 0.5B
+    # 0.504 -> 0.492, 7B 3.74 -> 3.66. Not measured with the default tile (larger batches),
+    # whose empty splits would also run the peeled tile's (masked) arithmetic: kept off there.
+    # A/B knobs, read at every launch: LLMSERVE_DECODE_EARLY_PAGES=0/1 (1: every tile),
+    # LLMSERVE_DECODE_PREFETCH_KV=0.
+    early_env = env_switch("LLMSERVE_DECODE_EARLY_PAGES")
     early_pages = (early_pages_override if early_pages_override is not None
-                   else env_switch("LLMSERVE_DECODE_EARLY_PAGES") is not False)
+                   else early_env if early_env is not None else wide)
     prefetch = (env_switch("LLMSERVE_DECODE_PREFETCH_KV") is not False and k_cache.element_size() == 2
                 and d % 64 == 0)
     _decode_kernel[(b, hkv, num_splits)](
