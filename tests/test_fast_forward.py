@@ -290,3 +290,36 @@ def test_reference_int8_layers_turn_the_gemv_path_off():
     fast = FastQwen2Forward(model, use_gemv=True, gemv_max_tokens=4)
     assert not fast.use_gemv and "qkv" not in fast.layers[0]
     torch.testing.assert_close(fast(ids, pos, caches2, meta), ref, atol=2e-5, rtol=2e-5)
+
+
+def test_quantizing_after_building_the_fused_forward_raises():
+    """The fused forward packs q/k/v and gate/up once; quantizing the model afterwards would
+    leave those packed copies stale, so the next call refuses instead of mixing old and new
+    weights."""
+    from llmserve.quantization import quantize_model
+
+    model = small_model(6, 2)
+    fast = FastQwen2Forward(model, use_gemv=True, gemv_max_tokens=4)
+    quantize_model(model, "triton-int8")
+    ids, pos, caches, meta = batch(model, [(9, 1)])
+    with pytest.raises(RuntimeError, match="quantized after"):
+        fast(ids, pos, caches, meta)
+
+
+@pytest.mark.parametrize("include", [r"model\.layers\.0\.self_attn\.q_proj",
+                                     r"model\.layers\.\d+\.(self_attn\.o_proj|mlp\.down_proj)",
+                                     r"model\.layers\.0\..*_proj"])
+def test_partly_quantized_models_match_the_readable_path(include):
+    """Some projections Triton INT8, the rest float: groups of mixed kinds (q int8, k/v float)
+    are not packed and keep calling their modules, uniform groups are fused; the one-token
+    (matrix-vector) path is taken only when every group could be packed."""
+    from llmserve.quantization import quantize_model
+
+    model = quantize_model(small_model(6, 2), "triton-int8", include=include)
+    for seqs in ([(9, 1)], [(9, 9), (5, 1)]):
+        ids, pos, caches, meta = batch(model, seqs)
+        caches2 = [(k.clone(), v.clone()) for k, v in caches]
+        ref = model(ids, pos, caches, meta)
+        fast = FastQwen2Forward(model, use_gemv=True, gemv_max_tokens=4)
+        torch.testing.assert_close(fast(ids, pos, caches2, meta), ref, atol=5e-5, rtol=5e-5)
+    assert fast.use_gemv == ("q_proj" not in include)

@@ -192,6 +192,21 @@ def test_decode_early_pages_matches_reference(num_splits, block_n):
         assert_close(out, ref, torch.float32)
 
 
+def test_early_pages_default_follows_the_wide_tile(monkeypatch):
+    """Early block-table reads are on by default only with the wide (batch-1) tile; the
+    environment switch forces them on or off for every tile; an explicit override wins."""
+    from llmserve.triton_kernels.paged_attention import _use_early_pages
+    monkeypatch.delenv("LLMSERVE_DECODE_EARLY_PAGES", raising=False)
+    assert _use_early_pages(True) and not _use_early_pages(False)
+    monkeypatch.setenv("LLMSERVE_DECODE_EARLY_PAGES", "1")
+    assert _use_early_pages(False)
+    monkeypatch.setenv("LLMSERVE_DECODE_EARLY_PAGES", "0")
+    assert not _use_early_pages(True) and _use_early_pages(True, override=True)
+    monkeypatch.setenv("LLMSERVE_DECODE_EARLY_PAGES", "yes")
+    with pytest.raises(ValueError, match="LLMSERVE_DECODE_EARLY_PAGES"):
+        _use_early_pages(True)
+
+
 def test_choose_num_splits_fills_the_gpu():
     assert choose_num_splits(64, 2, 2048, 64, 132) == 3  # one wave of ~3 programs per SM
     assert choose_num_splits(256, 2, 2048, 64, 132) == 3  # 3.9 waves rather than 1.3

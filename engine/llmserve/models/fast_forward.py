@@ -88,6 +88,12 @@ def _kind(m: nn.Module) -> str | None:
     return None
 
 
+def _same_kind(mods: list[nn.Module]) -> bool:
+    """Whether ``mods`` can be packed together: all plain or all Triton INT8 (:func:`_kind`)."""
+    kind = _kind(mods[0])
+    return kind is not None and all(_kind(m) == kind for m in mods)
+
+
 def _proj(m: nn.Module) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
     """``(weight, bias, scale)`` of a plain or Triton INT8 projection (scale ``None`` if float)."""
     return m.weight, m.bias, (m.weight_scale if _kind(m) == "int8" else None)
@@ -107,10 +113,17 @@ class FastQwen2Forward:
     Call it like ``model.forward``: ``(input_ids [N], positions [N], kv_caches, meta) ->
     hidden [N, H]``. Needs Triton (a GPU, or ``TRITON_INTERPRET=1`` with CPU tensors).
 
+    Build it after the model's final placement and quantization: the packed tensors are
+    made once, so a later ``model.to(...)``, ``.half()`` or ``load_state_dict(assign=True)``
+    (which replace the modules' tensors) leaves them stale (an in-place ``load_state_dict``
+    writes through the views and is fine); quantizing the model afterwards is detected and
+    raises ``RuntimeError`` at the next call.
+
     Args:
         model: the model (weights already on their device and dtype).
         use_gemv: take the matrix-vector path for steps of ``N <= gemv_max_tokens`` tokens
-            when every projection is a plain ``nn.Linear`` (default: on unless the environment
+            when every projection is a plain ``nn.Linear`` or a
+            :class:`~llmserve.quantization.TritonInt8Linear` (default: on unless the environment
             sets ``LLMSERVE_DECODE_GEMV=0``).
         gemv_max_tokens: largest step (tokens) that takes it, at most ``GEMV_MAX_M``. Default 1
             (``LLMSERVE_DECODE_GEMV_MAX`` overrides): on the H200 the kernel beats cuBLAS at
@@ -120,6 +133,7 @@ class FastQwen2Forward:
     def __init__(self, model: nn.Module, use_gemv: bool | None = None,
                  gemv_max_tokens: int | None = None) -> None:
         self.model = model
+        self._quantization = getattr(model, "quantization_config", None)  # see __call__
         cfg = model.config
         self.num_heads = cfg.num_attention_heads
         self.num_kv_heads = cfg.num_key_value_heads
@@ -131,10 +145,10 @@ class FastQwen2Forward:
             attn, mlp = layer.self_attn, layer.mlp
             entry = {"layer": layer}
             qkv = [attn.q_proj, attn.k_proj, attn.v_proj]
-            if _kind(qkv[0]) is not None and all(_kind(m) == _kind(qkv[0]) for m in qkv):
+            if _same_kind(qkv):
                 entry["qkv"] = _pack(qkv, with_bias=True)
             gate_up = [mlp.gate_proj, mlp.up_proj]
-            if _kind(gate_up[0]) is not None and _kind(gate_up[1]) == _kind(gate_up[0]):
+            if _same_kind(gate_up):
                 entry["gate_up"] = _pack(gate_up, with_bias=False)
             self.layers.append(entry)
         if use_gemv is None:
@@ -162,6 +176,9 @@ class FastQwen2Forward:
 
     def __call__(self, input_ids: torch.Tensor, positions: torch.Tensor,
                  kv_caches: list[tuple[torch.Tensor, torch.Tensor]], meta: AttentionMetadata) -> torch.Tensor:
+        if getattr(self.model, "quantization_config", None) is not self._quantization:
+            raise RuntimeError("the model was quantized after FastQwen2Forward was built: its packed "
+                               "q/k/v and gate/up weights are the old ones; build it again")
         if self.use_gemv and input_ids.shape[0] <= self.gemv_max_tokens:
             return self._forward_gemv(input_ids, positions, kv_caches, meta)
         model = self.model

@@ -170,6 +170,19 @@ def _load_kv_tile(k_cache_ptr, v_cache_ptr, bt_row_ptr, t, kvh, offs_d, stride_k
 
 
 @triton.jit
+def _masked_tile_step(q, k_cache_ptr, v_cache_ptr, off, tmask, offs_d, qk_scale, m_i, l_i, acc,
+                      FP32_MATH: tl.constexpr, MAYBE_EMPTY: tl.constexpr):
+    """Fold one masked key tile into the softmax state: positions with element offsets ``off``
+    ``[BLOCK_N]`` (see :func:`_kv_tile_offsets`), only where ``tmask``; ``MAYBE_EMPTY``: the
+    whole tile may be masked (an empty split's peeled first tile)."""
+    ptrs = off[:, None] + offs_d[None, :]
+    k = tl.load(k_cache_ptr + ptrs, mask=tmask[:, None], other=0.0)
+    v = tl.load(v_cache_ptr + ptrs, mask=tmask[:, None], other=0.0)
+    s = tl.where(tmask[None, :], _qk(q, k, FP32_MATH) * qk_scale, float("-inf"))
+    return _online_softmax_step(s, v, m_i, l_i, acc, FP32_MATH, MAYBE_EMPTY)
+
+
+@triton.jit
 def _prefetch_l2(ptrs, mask):
     """``prefetch.global.L2`` of each address whose ``mask`` (int32) is non-zero (PTX ISA,
     "prefetch"): brings the line into L2 without holding registers for the data."""
@@ -280,11 +293,8 @@ def _decode_kernel(q_ptr, k_cache_ptr, v_cache_ptr, out_ptr, m_ptr, l_ptr, acc_p
     acc = tl.zeros([G_PAD, HEAD_DIM], tl.float32)
 
     if EARLY_PAGES:  # the first tile (masked) through the offsets read before the wait
-        ptrs0 = off0[:, None] + offs_d[None, :]
-        k = tl.load(k_cache_ptr + ptrs0, mask=tmask0[:, None], other=0.0)
-        v = tl.load(v_cache_ptr + ptrs0, mask=tmask0[:, None], other=0.0)
-        s = tl.where(tmask0[None, :], _qk(q, k, FP32_MATH) * qk_scale, float("-inf"))
-        m_i, l_i, acc = _online_softmax_step(s, v, m_i, l_i, acc, FP32_MATH, True)
+        m_i, l_i, acc = _masked_tile_step(q, k_cache_ptr, v_cache_ptr, off0, tmask0, offs_d, qk_scale,
+                                          m_i, l_i, acc, FP32_MATH, True)
         rest = start + BLOCK_N
     else:
         rest = start
@@ -301,10 +311,9 @@ def _decode_kernel(q_ptr, k_cache_ptr, v_cache_ptr, out_ptr, m_ptr, l_ptr, acc_p
     if full_end < end:
         t = full_end + offs_n
         tmask = t < end
-        k, v = _load_kv_tile(k_cache_ptr, v_cache_ptr, bt_row_ptr, t, kvh, offs_d, stride_kb, stride_kt,
-                             stride_kh, PAGE, True, tmask)
-        s = tl.where(tmask[None, :], _qk(q, k, FP32_MATH) * qk_scale, float("-inf"))
-        m_i, l_i, acc = _online_softmax_step(s, v, m_i, l_i, acc, FP32_MATH, False)
+        off = _kv_tile_offsets(bt_row_ptr, t, kvh, stride_kb, stride_kt, stride_kh, PAGE, True, tmask)
+        m_i, l_i, acc = _masked_tile_step(q, k_cache_ptr, v_cache_ptr, off, tmask, offs_d, qk_scale,
+                                          m_i, l_i, acc, FP32_MATH, False)
 
     o_ptrs = out_ptr + q_row.to(tl.int64) * stride_on + heads[:, None] * stride_oh + offs_d[None, :]
     if DIRECT_OUT:
@@ -646,6 +655,16 @@ def _decode_config(d: int, on_cpu: bool, pairs: int = 1 << 30, max_ctx: int = 1 
     return dict(BLOCK_N=64 if d <= 128 else 32, num_warps=4, num_stages=2)
 
 
+def _use_early_pages(wide: bool, override: bool | None = None) -> bool:
+    """Whether the decode kernel reads its first tile's block-table entries before the PDL
+    wait: ``override`` if given, else ``LLMSERVE_DECODE_EARLY_PAGES`` if set, else only with
+    the wide tile (``wide``: the heuristic chose it; the regime the H200 A/B measured)."""
+    if override is not None:
+        return bool(override)
+    env = env_switch("LLMSERVE_DECODE_EARLY_PAGES")
+    return bool(wide) if env is None else env
+
+
 def paged_attention_decode(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                            meta, scale: float, out: torch.Tensor | None = None, *,
                            skip_non_decode: bool = False, num_splits: int | None = None,
@@ -678,7 +697,7 @@ def paged_attention_decode(query: torch.Tensor, k_cache: torch.Tensor, v_cache: 
         pdl_trigger_first: with ``pdl``, let the next kernel launch before this one waits
             (see :func:`~llmserve.triton_kernels.gemv.gemv`).
         early_pages_override: read the first tile's block-table entries before the PDL wait
-            (tests; default ``LLMSERVE_DECODE_EARLY_PAGES``). Same results.
+            (tests; default :func:`_use_early_pages`). Same results.
 
     Returns:
         ``out`` (allocated when not given; rows not written are zero when allocated here).
@@ -740,11 +759,9 @@ def paged_attention_decode(query: torch.Tensor, k_cache: torch.Tensor, v_cache: 
     # whose empty splits would also run the peeled tile's (masked) arithmetic: kept off there.
     # A/B knobs, read at every launch: LLMSERVE_DECODE_EARLY_PAGES=0/1 (1: every tile),
     # LLMSERVE_DECODE_PREFETCH_KV=0.
-    early_env = env_switch("LLMSERVE_DECODE_EARLY_PAGES")
-    early_pages = (early_pages_override if early_pages_override is not None
-                   else early_env if early_env is not None else wide)
+    early_pages = _use_early_pages(wide, early_pages_override)
     prefetch = (env_switch("LLMSERVE_DECODE_PREFETCH_KV") is not False and k_cache.element_size() == 2
-                and d % 64 == 0)
+                and d % 64 == 0 and torch.version.hip is None)       # inline PTX: NVIDIA only
     _decode_kernel[(b, hkv, num_splits)](
         query, k_cache, v_cache, out, m_buf, l_buf, acc_buf, cnt,
         meta.block_tables, meta.context_lens, meta.query_start_loc,
