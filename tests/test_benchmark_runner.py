@@ -330,7 +330,7 @@ def test_triton_compiles_in_the_measured_phase_are_counted_and_named(tmp_path, m
     """The report counts and names the kernels added to Triton's cache during the measured
     phase only (a compile in the warm-up is not counted); a cache directory that does not
     exist yet reads as empty."""
-    from llmserve.triton_kernels._launch import triton_cache_entries, triton_kernel_names
+    from llmserve.triton_cache import triton_cache_entries, triton_kernel_names
 
     cache = tmp_path / "triton-cache"
     monkeypatch.setenv("TRITON_CACHE_DIR", str(cache))

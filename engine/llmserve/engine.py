@@ -258,7 +258,7 @@ class LLMEngine(_EngineBase):
                     "triton_compiles": 0, "requests": 0}
         if self.has_unfinished_requests():
             raise RuntimeError("warmup() needs an idle engine (requests are queued or running)")
-        from .triton_kernels._launch import triton_cache_entries
+        from .triton_cache import triton_cache_entries
 
         t0, c0 = time.perf_counter(), triton_cache_entries()
         vocab = int(self.model_config.vocab_size)

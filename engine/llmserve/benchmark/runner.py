@@ -38,7 +38,6 @@ from .report import (SCHEMA_VERSION, append_csv_row, csv_row, git_info, hardware
                      package_versions, token_digest, utc_now, write_json)
 from .workload import DEFAULT_PROFILE, BenchmarkRequest, Workload, build_workload, load_profile
 
-
 __all__ = ["BenchmarkOptions", "BenchmarkTimeout", "add_benchmark_subparser", "run_benchmark_cli",
            "run_benchmark", "make_engine_config", "options_from_args", "main", "CONFIGS"]
 
@@ -597,7 +596,7 @@ def run_benchmark(opts: BenchmarkOptions, engine_factory: Callable[[Any, bool], 
                                   sharegpt_path=opts.dataset_path)
             _drive(engine, warm, _RunState(), prefix="warmup", temperature=temperature, seed=seed + 1,
                    deadline=deadline)
-        from ..triton_kernels._launch import triton_cache_entries, triton_kernel_names
+        from ..triton_cache import triton_cache_entries, triton_kernel_names
 
         cache0 = triton_cache_entries()
         report["warmup"] = {"num_requests": n_warm, "wall_time_s": time.perf_counter() - t_start,

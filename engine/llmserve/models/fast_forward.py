@@ -39,14 +39,14 @@ import torch.nn.functional as F
 from torch import nn
 
 from ..attention import AttentionMetadata
-from ..config import env_switch
 from ..attention.triton_backend import TritonPagedAttention
+from ..config import env_switch
+from ..quantization import TritonInt8Linear
 from ..triton_kernels._launch import pdl_available
 from ..triton_kernels.argmax import argmax_rows
 from ..triton_kernels.fused import add_rmsnorm, rope_qkv_write_kv, silu_and_mul
 from ..triton_kernels.gemv import GEMV_MAX_M, gemv, gemv_qkv_rope
 from ..triton_kernels.int8_linear import int8_linear
-from ..quantization import TritonInt8Linear
 from ..triton_kernels.paged_attention import paged_attention_decode
 
 
@@ -56,24 +56,20 @@ def _pack(linears: list[nn.Module], with_bias: bool
     dim and re-point each module's tensors at views of the packed ones; returns ``(weight
     [sum(out), in], bias or None, scale [sum(out)] or None)``. All modules are plain
     ``nn.Linear`` or all :class:`~llmserve.quantization.TritonInt8Linear` (see :func:`_kind`)."""
-    int8 = _kind(linears[0]) == "int8"
-    w = torch.cat([m.weight.data for m in linears], dim=0)                  # [sum(out), in]
-    b = torch.cat([m.bias.data for m in linears], dim=0) if with_bias else None
-    s = torch.cat([m.weight_scale for m in linears], dim=0) if int8 else None
+    names = ["weight"] + (["bias"] if with_bias else []) + \
+        (["weight_scale"] if _kind(linears[0]) == "int8" else [])
+    packed = {n: torch.cat([getattr(m, n).data for m in linears], dim=0) for n in names}
     start = 0
     for m in linears:
         rows = m.weight.shape[0]
-        if int8:                                    # buffers: assigning a tensor re-points them
-            m.weight = w[start:start + rows]
-            m.weight_scale = s[start:start + rows]
-            if with_bias:
-                m.bias = b[start:start + rows]
-        else:
-            m.weight.data = w[start:start + rows]
-            if with_bias:
-                m.bias.data = b[start:start + rows]
+        for n in names:
+            view = packed[n][start:start + rows]
+            if n in m._parameters:       # keep the Parameter object, swap its storage
+                m._parameters[n].data = view
+            else:                        # a buffer (Triton INT8 layers): re-point it
+                setattr(m, n, view)
         start += rows
-    return w, b, s
+    return packed["weight"], packed.get("bias"), packed.get("weight_scale")
 
 
 def _kind(m: nn.Module) -> str | None:

@@ -4,7 +4,6 @@ launch (PDL)."""
 
 from __future__ import annotations
 
-import json
 import os
 
 import torch
@@ -24,47 +23,6 @@ def num_sms(device: torch.device, cpu_default: int) -> int:
     if idx not in _NUM_SMS:
         _NUM_SMS[idx] = torch.cuda.get_device_properties(idx).multi_processor_count
     return _NUM_SMS[idx]
-
-
-def _triton_cache_dir() -> str:
-    try:
-        from triton import knobs
-
-        return knobs.cache.dir
-    except Exception:  # noqa: BLE001 - older Triton: the documented default
-        return os.environ.get("TRITON_CACHE_DIR") or os.path.join(os.path.expanduser("~"), ".triton", "cache")
-
-
-def triton_cache_entries() -> set[str] | None:
-    """The entries of Triton's on-disk cache (a directory per compiled kernel variant, plus
-    one for Triton's own launcher module): the entries added across a phase are what was
-    compiled during it (loads from the cache add nothing). Empty when the directory does not
-    exist yet (a cold cache); ``None`` when it cannot be read."""
-    try:
-        return {e.name for e in os.scandir(_triton_cache_dir()) if e.is_dir()}
-    except FileNotFoundError:
-        return set()
-    except OSError:
-        return None
-
-
-def triton_kernel_names(entries) -> list[str]:
-    """Kernel names of cache ``entries`` (from each entry's metadata JSON; ``"?"`` if
-    unreadable), sorted."""
-    names = []
-    for entry in entries:
-        name = "?"
-        try:
-            folder = os.path.join(_triton_cache_dir(), entry)
-            for f in os.listdir(folder):
-                if f.endswith(".json") and not f.startswith("__grp__"):
-                    with open(os.path.join(folder, f)) as fh:
-                        name = json.load(fh).get("name", "?")
-                    break
-        except (OSError, ValueError):
-            pass
-        names.append(name)
-    return sorted(names)
 
 
 def zeroed_counters(owner: str, device: torch.device, n: int) -> torch.Tensor:
