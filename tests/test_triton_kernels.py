@@ -36,7 +36,11 @@ from llmserve.triton_kernels import (  # noqa: E402
 )
 from llmserve.triton_kernels.fused import rope_qkv_write_kv  # noqa: E402
 from llmserve.triton_kernels.gemv import GemvConfig, gemv, gemv_qkv_rope, gemv_reference  # noqa: E402
-from llmserve.triton_kernels.int8_linear import Int8LinearConfig  # noqa: E402
+from llmserve.triton_kernels.int8_linear import (  # noqa: E402
+    Int8LinearConfig,
+    pack_int8_planes,
+    unpack_int8_planes,
+)
 from llmserve.triton_kernels.paged_attention import choose_num_splits  # noqa: E402
 
 DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
@@ -311,7 +315,10 @@ def test_attention_input_errors():
 
 @pytest.mark.parametrize("m", [1, 7, 64, 300])
 @pytest.mark.parametrize("dtype,bias", [(torch.float32, True), (torch.float16, False)])
-def test_int8_linear_matches_dequant_matmul(m, dtype, bias):
+@pytest.mark.parametrize("planes", [False, True])
+def test_int8_linear_matches_dequant_matmul(m, dtype, bias, planes):
+    """Row-major int8 and the same weights as byte planes (25 words a row: not a multiple of
+    any tile) give the dequantize-then-matmul result at every M (every kernel kind)."""
     g = torch.Generator().manual_seed(m)
     n, k = 48, 100  # K not a multiple of the 32-wide tile, N not of 32
     w = torch.randn(n, k, generator=g) * 0.05
@@ -319,8 +326,37 @@ def test_int8_linear_matches_dequant_matmul(m, dtype, bias):
     x = torch.randn(m, k, generator=g).to(dtype).to(DEVICE)
     b = torch.randn(n, generator=g).to(DEVICE) if bias else None
     w_q, scale = w_q.to(DEVICE), scale.to(DEVICE)
+    ref = int8_linear_reference(x, w_q, scale, b)
+    if planes:
+        w_q = pack_int8_planes(w_q)
+        assert_close(int8_linear_reference(x, w_q, scale, b), ref, dtype)
     y = int8_linear(x, w_q, scale, b)
-    assert_close(y, int8_linear_reference(x, w_q, scale, b), dtype)
+    assert_close(y, ref, dtype)
+
+
+def test_int8_planes_layout_and_errors():
+    """Byte j of word i of a row is column j * K/4 + i (little-endian bytes); unpack inverts."""
+    q = torch.randint(-127, 128, (3, 20), dtype=torch.int8)
+    p = pack_int8_planes(q)
+    assert p.dtype == torch.int32 and p.shape == (3, 5) and p.is_contiguous()
+    for i in range(5):
+        for j in range(4):
+            byte = ((p[:, i] >> (8 * j)) & 0xFF).to(torch.int16)
+            assert torch.equal(torch.where(byte > 127, byte - 256, byte), q[:, j * 5 + i].to(torch.int16))
+    assert torch.equal(unpack_int8_planes(p), q)
+    with pytest.raises(ValueError, match="divisible by 4"):
+        pack_int8_planes(q[:, :18])
+    with pytest.raises(ValueError, match="int8"):
+        pack_int8_planes(q.float())
+    with pytest.raises(ValueError, match="int32"):
+        unpack_int8_planes(q)
+    x = torch.randn(2, 20, device=DEVICE)
+    with pytest.raises(ValueError, match="K=20"):
+        int8_linear(torch.randn(2, 5, device=DEVICE), p.to(DEVICE), torch.ones(3, device=DEVICE))
+    with pytest.raises(ValueError, match="scale"):
+        gemv(x, p.to(DEVICE))
+    with pytest.raises(ValueError, match="needs 20"):
+        gemv(x[:, :16], p.to(DEVICE), scale=torch.ones(3, device=DEVICE))
 
 
 @pytest.mark.parametrize("cfg", [
@@ -331,16 +367,21 @@ def test_int8_linear_matches_dequant_matmul(m, dtype, bias):
     Int8LinearConfig(1, 1, 1, kind="dequant"),
     Int8LinearConfig(1, 2, 64, num_warps=1, num_stages=1, kind="vec"),
 ])
-def test_int8_linear_configs(cfg):
+@pytest.mark.parametrize("planes", [False, True])
+def test_int8_linear_configs(cfg, planes):
     """Every kernel kind: split-K with an uneven last split, swap-AB without split, non-swapped
     split-K with grouped ordering, fused split-K reduction, multi-row gemv (fused and reduce
     kernel), dequantize + matmul, the matrix-vector kind (M = 3); a 3-D input (M = 18) with a
-    bf16 scale."""
+    bf16 scale. ``planes``: the weight as byte planes (34 words a row; the tensor-core kinds
+    step 16 words, four products a step)."""
     g = torch.Generator().manual_seed(1)
     n, k = 40, 136
     w_q, scale = quantize_int8_per_channel(torch.randn(n, k, generator=g))
     scale = scale.to(torch.bfloat16).to(DEVICE)
     w_q = w_q.to(DEVICE)
+    ref_w = w_q
+    if planes:
+        w_q = pack_int8_planes(w_q)
     x = torch.randn(2, 9, k, generator=g).to(DEVICE)
     if cfg.kind == "vec":   # the matrix-vector kernel serves M <= 4
         x = x[:1, :3]
@@ -348,7 +389,7 @@ def test_int8_linear_configs(cfg):
     if cfg.fused_reduce:  # twice: the per-tile arrival counters must have been re-armed
         y = int8_linear(x, w_q, scale, config=cfg)
     assert y.shape == (*x.shape[:-1], n)
-    assert_close(y, int8_linear_reference(x, w_q, scale), torch.float32)
+    assert_close(y, int8_linear_reference(x, ref_w, scale), torch.float32)
 
 
 def test_quantize_int8_per_channel():
@@ -393,9 +434,11 @@ def _gemv_case(m, n, k, prologue, int8, dtype, glu=False, seed=0):
     x = torch.randn(m, k, generator=g).to(dtype).to(DEVICE)
     w = torch.randn(2 * n if glu else n, k, generator=g) * 0.1
     scale = None
-    if int8:
+    if int8:                      # True: row-major int8; "planes": int8 byte planes
         w, scale = quantize_int8_per_channel(w)
         scale = scale.to(DEVICE)
+        if int8 == "planes":
+            w = pack_int8_planes(w)
     w = w.to(DEVICE) if int8 else w.to(dtype).to(DEVICE)
     gw = (torch.randn(k, generator=g).to(dtype).to(DEVICE) if prologue == "rmsnorm" else None)
     return x, w, scale, gw
@@ -408,6 +451,9 @@ def _gemv_case(m, n, k, prologue, int8, dtype, glu=False, seed=0):
     (4, 40, 72, "rmsnorm", True, torch.float32, GemvConfig(2, 32, 1, 3)),
     (2, 9, 33, "none", True, torch.float16, GemvConfig(1, 16, 1, 1)),
     (3, 37, 100, "rmsnorm", True, torch.float32, GemvConfig(4, 32, 1, 1, 1)),  # persistent: 2 programs
+    (1, 37, 100, "rmsnorm", "planes", torch.float32, None),        # 25 words a row
+    (4, 40, 72, "rmsnorm", "planes", torch.float32, GemvConfig(2, 8, 1, 1)),  # 18 words, 8 a step
+    (3, 37, 100, "none", "planes", torch.float16, GemvConfig(4, 16, 1, 1, 1)),  # persistent
 ])
 @pytest.mark.parametrize("early", [False, True])
 def test_gemv_matches_reference(m, n, k, prologue, int8, dtype, cfg, early):
@@ -435,6 +481,8 @@ def test_gemv_matches_reference(m, n, k, prologue, int8, dtype, cfg, early):
     (4, 24, 64, "rmsnorm", True, torch.float32, GemvConfig(2, 32, 1, 1)),
     (2, 33, 40, "none", False, torch.float16, GemvConfig(4, 16, 1, 2)),
     (1, 19, 100, "rmsnorm", False, torch.float32, GemvConfig(2, 32, 1, 1, 2)),  # persistent
+    (4, 24, 64, "rmsnorm", "planes", torch.float32, GemvConfig(2, 8, 1, 1)),
+    (1, 19, 100, "rmsnorm", "planes", torch.float16, None),
 ])
 @pytest.mark.parametrize("early", [False, True])
 def test_gemv_swiglu_epilogue(m, n, k, prologue, int8, dtype, cfg, early):
@@ -445,7 +493,8 @@ def test_gemv_swiglu_epilogue(m, n, k, prologue, int8, dtype, cfg, early):
     y = gemv(x, w, config=cfg, early_epilogue=early, **kw)
     assert y.shape == (m, n)
     assert_close(y, gemv_reference(x, w, **kw), dtype)
-    wf = (w.float() * scale[:, None]) if int8 else w.float()          # independent check
+    wq = unpack_int8_planes(w) if int8 == "planes" else w
+    wf = (wq.float() * scale[:, None]) if int8 else w.float()         # independent check
     xf = x.float()
     if prologue == "rmsnorm":
         xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + 1e-6) * gw.float()
@@ -458,6 +507,8 @@ def test_gemv_swiglu_epilogue(m, n, k, prologue, int8, dtype, cfg, early):
     (3, 7, 1, 16, True, torch.float32, GemvConfig(2, 16, 1, 1)),   # GQA 7, K not a tile multiple
     (4, 2, 2, 64, False, torch.float16, GemvConfig(4, 32, 1, 1)),
     (2, 6, 2, 32, False, torch.float32, GemvConfig(2, 16, 1, 1, 1)),   # persistent: 2 programs
+    (3, 7, 1, 16, "planes", torch.float32, GemvConfig(2, 4, 1, 1)),   # 10 words a row, 4 a step
+    (1, 12, 2, 32, "planes", torch.float16, None),
 ])
 @pytest.mark.parametrize("early", [False, True])
 def test_gemv_qkv_rope_matches_unfused(m, hq, hkv, d, int8, dtype, cfg, early):

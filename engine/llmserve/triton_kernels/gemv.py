@@ -13,7 +13,11 @@ launch of a few microseconds. This kernel
   software pipelining (``STAGES`` > 1 streams the tiles through shared memory with ``cp.async``;
   it measured slower on the H200 on 21 of 23 shapes, so the tuned configurations use 1);
 * reads int8 weights with per-output-channel scales (the weight-only INT8 path, scale applied
-  once in the epilogue) or bf16/fp16/fp32 weights;
+  once in the epilogue), either row-major int8 or packed four a 32-bit word in *byte planes*
+  (``int8_linear.pack_int8_planes``: byte ``j`` of word ``i`` is column ``j * K/4 + i``, so each
+  plane pairs with a contiguous slice of x and the fp32 accumulator holds a quarter of the
+  tile's weights; H200, M = 1: Qwen2.5-1.5B gate/up 7.22 -> 6.40 us, down 7.71 -> 7.27), or
+  bf16/fp16/fp32 weights;
 * fuses, on the input side, RMSNorm (``x * g`` is accumulated together with ``sum(x^2)``; the
   row's ``rsqrt(mean(x^2) + eps)`` is a per-row scalar, so it is applied once in the epilogue,
   exactly: ``sum_k (x_k r g_k) w_nk = r * sum_k (x_k g_k) w_nk``); on the output side bias, a
@@ -50,7 +54,8 @@ import triton.language as tl
 
 from ._launch import num_sms, pdl_launch_kwargs, pdl_start, pdl_wait
 
-__all__ = ["GemvConfig", "choose_gemv_config", "gemv", "gemv_qkv_rope", "gemv_reference", "GEMV_MAX_M"]
+__all__ = ["GemvConfig", "choose_gemv_config", "gemv", "gemv_qkv_rope", "gemv_reference", "GEMV_MAX_M",
+           "weight_kind"]
 
 GEMV_MAX_M = 4  # most rows of x (every program serves all of them); larger M use a GEMM
 
@@ -96,10 +101,15 @@ def _gemv_rows(blk, N, BLOCK_N: tl.constexpr, ROPE: tl.constexpr, HALF: tl.const
 
 
 @triton.jit
-def _gemv_step(acc, acc_b, sq, w, wb, x_base, g_ptr, k0, K, rk, PROLOGUE: tl.constexpr,
-               TWO_ROWS: tl.constexpr, EVEN_K: tl.constexpr):
-    """Accumulate one K tile: ``acc += prologue(x) * w`` (and ``acc_b`` for the second weight row
-    of a GLU / RoPE pair; ``sq += x^2`` for the RMSNorm prologue)."""
+def _plane(w, j: tl.constexpr):
+    """Byte ``j`` (0 = lowest) of int32 words ``w`` as signed values in fp32: the weights of
+    byte plane ``j`` (see :func:`pack_int8_planes`)."""
+    return ((w << (24 - 8 * j)) >> 24).to(tl.float32)
+
+
+@triton.jit
+def _x_tile(x_base, g_ptr, sq, k0, K, rk, PROLOGUE: tl.constexpr, EVEN_K: tl.constexpr):
+    """x at columns ``k0 + rk`` in fp32, with the RMSNorm gain applied (``sq += x^2`` first)."""
     if EVEN_K:
         x = tl.load(x_base + k0).to(tl.float32)
     else:
@@ -111,9 +121,26 @@ def _gemv_step(acc, acc_b, sq, w, wb, x_base, g_ptr, k0, K, rk, PROLOGUE: tl.con
         else:
             g = tl.load(g_ptr + k0 + rk, mask=(k0 + rk) < K, other=0.0).to(tl.float32)
         x = x * g[None, None, :]
-    acc += x * w.to(tl.float32)
-    if TWO_ROWS:
-        acc_b += x * wb.to(tl.float32)
+    return x, sq
+
+
+@triton.jit
+def _gemv_step(acc, acc_b, sq, w, wb, x_base, g_ptr, k0, K, rk, PROLOGUE: tl.constexpr,
+               TWO_ROWS: tl.constexpr, EVEN_K: tl.constexpr, PLANES: tl.constexpr):
+    """Accumulate one K tile: ``acc += prologue(x) * w`` (and ``acc_b`` for the second weight row
+    of a GLU / RoPE pair; ``sq += x^2`` for the RMSNorm prologue). With ``PLANES`` the tile is
+    int32 words (``K`` counts words) and byte plane ``j`` pairs with x's columns ``j * K + k``."""
+    if PLANES:
+        for j in tl.static_range(4):
+            x, sq = _x_tile(x_base + j * K, g_ptr + j * K, sq, k0, K, rk, PROLOGUE, EVEN_K)
+            acc += x * _plane(w, j)
+            if TWO_ROWS:
+                acc_b += x * _plane(wb, j)
+    else:
+        x, sq = _x_tile(x_base, g_ptr, sq, k0, K, rk, PROLOGUE, EVEN_K)
+        acc += x * w.to(tl.float32)
+        if TWO_ROWS:
+            acc_b += x * wb.to(tl.float32)
     return acc, acc_b, sq
 
 
@@ -160,7 +187,8 @@ def _gemv_block(blk, w, wb, rm, rm_ld, rk, x_ptr, w_ptr, y_ptr, scale_ptr, bias_
                 PROLOGUE: tl.constexpr, GLU: tl.constexpr, ROPE: tl.constexpr,
                 HQ: tl.constexpr, HKV: tl.constexpr, HALF: tl.constexpr,
                 BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                EVEN_K: tl.constexpr, STAGES: tl.constexpr, EARLY_EPI: tl.constexpr):
+                EVEN_K: tl.constexpr, STAGES: tl.constexpr, EARLY_EPI: tl.constexpr,
+                PLANES: tl.constexpr):
     """Row block ``blk``: accumulate over K (``w``/``wb``: its first weight tiles, already
     loaded), then the epilogue and the stores."""
     TWO_ROWS: tl.constexpr = GLU or ROPE
@@ -183,13 +211,13 @@ def _gemv_block(blk, w, wb, rm, rm_ld, rk, x_ptr, w_ptr, y_ptr, scale_ptr, bias_
     else:
         sq = tl.zeros([1, 1, 1], dtype=tl.float32)
     acc, acc_b, sq = _gemv_step(acc, acc_b, sq, w, wb, x_base, g_ptr, 0, K, rk, PROLOGUE, TWO_ROWS,
-                                EVEN_K)
+                                EVEN_K, PLANES)
     for k0 in tl.range(BLOCK_K, K, BLOCK_K, num_stages=STAGES):
         w = _load_w(w_base, k0, K, rk, EVEN_K)
         if TWO_ROWS:
             wb = _load_w(wb_base, k0, K, rk, EVEN_K)
         acc, acc_b, sq = _gemv_step(acc, acc_b, sq, w, wb, x_base, g_ptr, k0, K, rk, PROLOGUE,
-                                    TWO_ROWS, EVEN_K)
+                                    TWO_ROWS, EVEN_K, PLANES)
     if not EARLY_EPI:
         sc_a, sc_b, bias_a, bias_b, pos, slot, res = _epilogue_operands(
             rm_ld, rn_ld, row_a, row_b, scale_ptr, bias_ptr, res_ptr, pos_ptr, slot_ptr, stride_rm,
@@ -198,7 +226,10 @@ def _gemv_block(blk, w, wb, rm, rm_ld, rk, x_ptr, w_ptr, y_ptr, scale_ptr, bias_
     if TWO_ROWS:
         out_b = tl.sum(acc_b, axis=2)
     if PROLOGUE == 1:
-        ms = tl.sum(sq, axis=2) / K                            # [BM, BN], every column equal
+        n_cols = K
+        if PLANES:
+            n_cols = 4 * K                                     # K counts words
+        ms = tl.sum(sq, axis=2) / n_cols                       # [BM, BN], every column equal
         rstd = tl.math.rsqrt(ms + eps)
         out = out * rstd
         if TWO_ROWS:
@@ -259,7 +290,7 @@ def _gemv_kernel(x_ptr, w_ptr, y_ptr, scale_ptr, bias_ptr, res_ptr, g_ptr,
                  BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                  EVEN_K: tl.constexpr, STAGES: tl.constexpr, PERSISTENT: tl.constexpr,
                  USE_PDL: tl.constexpr, EARLY_EPI: tl.constexpr = False,
-                 PDL_TRIGGER_FIRST: tl.constexpr = False):
+                 PDL_TRIGGER_FIRST: tl.constexpr = False, PLANES: tl.constexpr = False):
     """A program computes ``BLOCK_N`` outputs (a row block) for all ``M <= BLOCK_M`` rows of x:
     row block ``pid``, or with ``PERSISTENT`` (a grid smaller than the block count) blocks
     ``pid, pid + grid, ...``, which avoids a last partial wave; the first tile of its next
@@ -306,11 +337,11 @@ def _gemv_kernel(x_ptr, w_ptr, y_ptr, scale_ptr, bias_ptr, res_ptr, g_ptr,
                 wb = w
             _gemv_block(blk, w_cur, wb_cur, rm, rm_ld, rk, x_ptr, w_ptr, y_ptr, scale_ptr, bias_ptr, res_ptr, g_ptr, kc_ptr, vc_ptr, cos_ptr, sin_ptr, pos_ptr, slot_ptr, num_slots, M, N, K, stride_xm, stride_wn, stride_ym, stride_rm, eps,
                         W_INT8, HAS_BIAS, HAS_RES, PROLOGUE, GLU, ROPE, HQ, HKV, HALF, BLOCK_M, BLOCK_N,
-                        BLOCK_K, EVEN_K, STAGES, EARLY_EPI)
+                        BLOCK_K, EVEN_K, STAGES, EARLY_EPI, PLANES)
     else:
         _gemv_block(pid, w, wb, rm, rm_ld, rk, x_ptr, w_ptr, y_ptr, scale_ptr, bias_ptr, res_ptr, g_ptr, kc_ptr, vc_ptr, cos_ptr, sin_ptr, pos_ptr, slot_ptr, num_slots, M, N, K, stride_xm, stride_wn, stride_ym, stride_rm, eps,
                     W_INT8, HAS_BIAS, HAS_RES, PROLOGUE, GLU, ROPE, HQ, HKV, HALF, BLOCK_M, BLOCK_N,
-                    BLOCK_K, EVEN_K, STAGES, EARLY_EPI)
+                    BLOCK_K, EVEN_K, STAGES, EARLY_EPI, PLANES)
 
 
 @dataclass(frozen=True, slots=True)
@@ -386,9 +417,17 @@ def _table() -> dict[str, GemvConfig]:
     return _TABLES[path]
 
 
-def table_key(gpu: str, int8: bool, prologue: str, m: int, k: int, n: int) -> str:
-    """Key of one tuned configuration (see :func:`_table`)."""
-    return f"{gpu}|{'int8' if int8 else 'float'}|{prologue}|{m}|{k}|{n}"
+def weight_kind(w_dtype: torch.dtype) -> str:
+    """Table name of a weight format: ``"float"``, ``"int8"`` or ``"int8p"`` (int8 byte planes,
+    int32 words; their ``block_k`` counts words)."""
+    return {torch.int8: "int8", torch.int32: "int8p"}.get(w_dtype, "float")
+
+
+def table_key(gpu: str, int8: bool | str, prologue: str, m: int, k: int, n: int) -> str:
+    """Key of one tuned configuration (see :func:`_table`); ``int8``: a :func:`weight_kind`
+    name, or a bool (``True``: ``"int8"``, ``False``: ``"float"``). ``k`` counts columns."""
+    kind = int8 if isinstance(int8, str) else ("int8" if int8 else "float")
+    return f"{gpu}|{kind}|{prologue}|{m}|{k}|{n}"
 
 
 def choose_gemv_config(m: int, n: int, k: int, w_dtype: torch.dtype, device: torch.device,
@@ -414,16 +453,19 @@ def choose_gemv_config(m: int, n: int, k: int, w_dtype: torch.dtype, device: tor
                              f"(powers of two; stages >= 1), got {env!r}: {e}") from None
     if device.type != "cuda":
         return GemvConfig(block_n=8, block_k=32, num_warps=1, stages=1)
-    gpu, int8 = _gpu_name(device), w_dtype == torch.int8
-    hit = _tuned(gpu, int8, prologue, m, k, n)
+    gpu, kind = _gpu_name(device), weight_kind(w_dtype)
+    hit = _tuned(gpu, kind, prologue, m, k, n)
     if hit:
         return hit
     bn = 1 if n <= 4096 else 2
     bk = max(64, (1024 if bn == 1 else 512) // triton.next_power_of_2(m))
+    if kind == "int8p":             # words: the same 2 KB a row and step as the float rule
+        bk //= 2
+        k //= 4
     return GemvConfig(block_n=bn, block_k=min(bk, triton.next_power_of_2(k)), num_warps=4, stages=1)
 
 
-def _tuned(gpu: str, int8: bool, prologue: str, m: int, k: int, n: int) -> GemvConfig | None:
+def _tuned(gpu: str, int8: bool | str, prologue: str, m: int, k: int, n: int) -> GemvConfig | None:
     """The table's configuration for this shape; for an untuned ``"+rope"`` prologue, the plain
     projection's tile with half the rows (each output is two weight rows); ``None`` if neither."""
     hit = _table().get(table_key(gpu, int8, prologue, m, k, n))
@@ -455,15 +497,19 @@ def _check_gemv_inputs(x, weight, scale, bias, residual, prologue, norm_weight, 
     if weight.dim() != 2 or weight.stride(-1) != 1:
         raise ValueError(f"weight must be [N, K] row-major, got {tuple(weight.shape)} stride {weight.stride()}")
     rows, k = weight.shape
+    planes = weight.dtype == torch.int32
+    if planes:                      # int8 byte planes: [N, K/4] words (pack_int8_planes)
+        k *= 4
     m = x.shape[0]
     if x.shape[1] != k:
-        raise ValueError(f"x has {x.shape[1]} columns; weight [{rows}, K={k}] needs {k}")
+        raise ValueError(f"x has {x.shape[1]} columns; weight [{rows}, {weight.shape[1]}]"
+                         f"{' (int8 byte planes, 4 columns a word)' if planes else ''} needs {k}")
     if glu and (rows % 2 or bias is not None or residual is not None):
         raise ValueError("glu needs a packed [2N, K] weight (an even row count), no bias and no residual")
     n = rows // 2 if glu else rows
     if m > GEMV_MAX_M:
         raise ValueError(f"gemv serves M <= {GEMV_MAX_M} rows, got M={m}; use a GEMM")
-    w_int8 = weight.dtype == torch.int8
+    w_int8 = weight.dtype in (torch.int8, torch.int32)
     if w_int8 and (scale is None or scale.shape != (rows,)):
         raise ValueError(f"an int8 weight needs scale [{rows}] (one per weight row)")
     if not w_int8 and scale is not None:
@@ -475,7 +521,8 @@ def _check_gemv_inputs(x, weight, scale, bias, residual, prologue, norm_weight, 
     if not isinstance(eps, (int, float)):
         raise ValueError(f"eps must be a number, got {eps!r}")
     if not w_int8 and weight.dtype != x.dtype:
-        raise ValueError(f"weight dtype {weight.dtype} must be int8 or x's dtype {x.dtype}")
+        raise ValueError(f"weight dtype {weight.dtype} must be int8, int32 (int8 byte planes) or x's "
+                         f"dtype {x.dtype}")
     if bias is not None and bias.shape != (n,):
         raise ValueError(f"bias must be [N={n}], got {tuple(bias.shape)}")
     if prologue == "rmsnorm" and (norm_weight is None or norm_weight.shape != (k,)):
@@ -500,6 +547,9 @@ def _launch(x, weight, out, cfg: GemvConfig, n: int, *, scale=None, bias=None, r
     v_cache, cos, sin, positions, slot_mapping, num_heads, num_kv_heads)`` for the QKV+RoPE
     epilogue (then ``n`` counts rotation pairs)."""
     m, k = x.shape
+    planes = weight.dtype == torch.int32
+    if planes:                      # the kernel's K loop runs over words (4 columns each)
+        k = weight.shape[1]
     dummy = weight
     if rope is not None:
         kc, vc, cos, sin, pos, slots, hq, hkv = rope
@@ -516,7 +566,7 @@ def _launch(x, weight, out, cfg: GemvConfig, n: int, *, scale=None, bias=None, r
         residual if residual is not None else out, norm_weight if norm_weight is not None else dummy,
         *rope_args, m, n, k, x.stride(0), weight.stride(0), out.stride(0),
         residual.stride(0) if residual is not None else out.stride(0), eps,
-        W_INT8=weight.dtype == torch.int8, HAS_BIAS=bias is not None, HAS_RES=residual is not None,
+        W_INT8=weight.dtype in (torch.int8, torch.int32), PLANES=planes, HAS_BIAS=bias is not None, HAS_RES=residual is not None,
         PROLOGUE=PROLOGUES[prologue], GLU=glu, ROPE=rope is not None, HQ=hq, HKV=hkv, HALF=half,
         BLOCK_M=triton.next_power_of_2(m), BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
         EVEN_K=k % cfg.block_k == 0, STAGES=cfg.stages, PERSISTENT=blocks < triton.cdiv(n, cfg.block_n),
@@ -601,7 +651,8 @@ def gemv(x: torch.Tensor, weight: torch.Tensor, *, scale: torch.Tensor | None = 
         x: ``[M, K]`` activations, ``M <= GEMV_MAX_M``, last dim contiguous; fp16/bf16/fp32.
         weight: ``[N, K]`` (``[2N, K]`` = ``[gate; up]`` with ``glu``) row-major
             (``nn.Linear.weight`` orientation), int8 (then ``scale`` is required) or the float
-            dtype of ``x``.
+            dtype of ``x``; or int8 byte planes, int32 ``[N, K / 4]`` (with ``scale``; see
+            :func:`~llmserve.triton_kernels.int8_linear.pack_int8_planes`).
         scale: per-output-channel scales of an int8 weight (one per weight row).
         bias: optional ``[N]`` (not with ``glu``).
         residual: optional ``[M, N]`` added after the projection (rounded to ``x.dtype``
@@ -664,6 +715,9 @@ def gemv_reference(x: torch.Tensor, weight: torch.Tensor, *, scale: torch.Tensor
     xf = x.float()
     if prologue == "rmsnorm":
         xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps) * norm_weight.float()
+    if weight.dtype == torch.int32:          # int8 byte planes
+        from .int8_linear import unpack_int8_planes
+        weight = unpack_int8_planes(weight)
     w = weight.float()
     if scale is not None:
         w = w * scale.float()[:, None]

@@ -43,7 +43,7 @@ from ._launch import num_sms, zeroed_counters
 from .gemv import GEMV_MAX_M, GemvConfig, choose_gemv_config, gemv
 
 __all__ = ["Int8LinearConfig", "choose_int8_config", "int8_linear", "int8_linear_reference",
-           "quantize_int8_per_channel"]
+           "pack_int8_planes", "quantize_int8_per_channel", "unpack_int8_planes"]
 
 
 @triton.jit
@@ -83,14 +83,36 @@ def _int8_epilogue(acc, rm, rn, rn_ld, tile_id, pid_k, M, N, s_ptr, bias_ptr, y_
         tl.store(y_ptrs, y.to(y_ptr.dtype.element_ty), mask=mask)
 
 
+@triton.jit
+def _mma_step(acc, x, w, SWAP_AB: tl.constexpr, FP32_MATH: tl.constexpr):
+    """``acc += x @ w.T`` (``[BM, BN]``; ``[BN, BM]`` with ``SWAP_AB``) for an integer weight
+    tile ``w [BN, BK]``, converted to x's dtype (exact for int8 values) or fp32."""
+    if FP32_MATH:
+        xf = x.to(tl.float32)
+        wf = w.to(tl.float32)
+        if SWAP_AB:
+            acc = tl.dot(wf, tl.trans(xf), acc, input_precision="ieee")   # [BN, BM]
+        else:
+            acc = tl.dot(xf, tl.trans(wf), acc, input_precision="ieee")   # [BM, BN]
+    else:
+        wf = w.to(x.dtype)
+        if SWAP_AB:
+            acc = tl.dot(wf, tl.trans(x), acc)
+        else:
+            acc = tl.dot(x, tl.trans(wf), acc)
+    return acc
+
+
 @triton.jit(do_not_specialize=["M", "k_per_split"])  # M varies per step: no recompiles
 def _int8_linear_kernel(x_ptr, w_ptr, s_ptr, bias_ptr, y_ptr, ws_ptr, cnt_ptr, M, N, K, k_per_split,
                         stride_xm, stride_xk, stride_wn, stride_wk, stride_ym, stride_yn,
                         HAS_BIAS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                         BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr, SWAP_AB: tl.constexpr,
                         EVEN_K: tl.constexpr, SPLIT: tl.constexpr, FUSED_REDUCE: tl.constexpr,
-                        FP32_MATH: tl.constexpr):
-    """Tensor-core tile kernel (``kind="mma"``)."""
+                        FP32_MATH: tl.constexpr, PLANES: tl.constexpr = False):
+    """Tensor-core tile kernel (``kind="mma"``). With ``PLANES`` the weight is int8 byte planes
+    (int32 words; ``K``, ``k_per_split`` and ``BLOCK_K`` count words) and each K step makes
+    four products, one a plane."""
     pid = tl.program_id(0)
     pid_k = tl.program_id(1)
     num_pid_m = tl.cdiv(M, BLOCK_M)
@@ -118,25 +140,23 @@ def _int8_linear_kernel(x_ptr, w_ptr, s_ptr, bias_ptr, y_ptr, ws_ptr, cnt_ptr, M
         acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
     for k0 in range(k_lo, k_hi, BLOCK_K):
         if EVEN_K:
-            x = tl.load(x_ptrs)
             w = tl.load(w_ptrs)
         else:
             kmask = (k0 - k_lo + offs_k) < k_hi
-            x = tl.load(x_ptrs, mask=kmask[None, :], other=0.0)
             w = tl.load(w_ptrs, mask=kmask[None, :], other=0)
-        if FP32_MATH:
-            xf = x.to(tl.float32)
-            wf = w.to(tl.float32)
-            if SWAP_AB:
-                acc = tl.dot(wf, tl.trans(xf), acc, input_precision="ieee")   # [BN, BM]
-            else:
-                acc = tl.dot(xf, tl.trans(wf), acc, input_precision="ieee")   # [BM, BN]
+        if PLANES:  # byte plane j pairs with x's columns j * K + k (K counts words)
+            for j in tl.static_range(4):
+                if EVEN_K:
+                    x = tl.load(x_ptrs + j * K * stride_xk)
+                else:
+                    x = tl.load(x_ptrs + j * K * stride_xk, mask=kmask[None, :], other=0.0)
+                acc = _mma_step(acc, x, (w << (24 - 8 * j)) >> 24, SWAP_AB, FP32_MATH)
         else:
-            wf = w.to(x.dtype)
-            if SWAP_AB:
-                acc = tl.dot(wf, tl.trans(x), acc)
+            if EVEN_K:
+                x = tl.load(x_ptrs)
             else:
-                acc = tl.dot(x, tl.trans(wf), acc)
+                x = tl.load(x_ptrs, mask=kmask[None, :], other=0.0)
+            acc = _mma_step(acc, x, w, SWAP_AB, FP32_MATH)
         x_ptrs += BLOCK_K * stride_xk
         w_ptrs += BLOCK_K * stride_wk
     if SWAP_AB:
@@ -147,16 +167,22 @@ def _int8_linear_kernel(x_ptr, w_ptr, s_ptr, bias_ptr, y_ptr, ws_ptr, cnt_ptr, M
 
 @triton.jit
 def _dequant_kernel(w_ptr, s_ptr, out_ptr, N, K, stride_wn, stride_on,
-                    BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
-    """``out[n, k] = w[n, k] * scale[n]`` in the output dtype (``kind="dequant"``)."""
+                    BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PLANES: tl.constexpr = False):
+    """``out[n, k] = w[n, k] * scale[n]`` in the output dtype (``kind="dequant"``); with
+    ``PLANES`` ``w`` is int8 byte planes, ``K`` and the grid's K blocks count words."""
     rn = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     rk = tl.program_id(1) * BLOCK_K + tl.arange(0, BLOCK_K)
     mask = (rn[:, None] < N) & (rk[None, :] < K)
     w = tl.load(w_ptr + rn[:, None].to(tl.int64) * stride_wn + rk[None, :], mask=mask, other=0)
     sc = tl.load(s_ptr + rn, mask=rn < N, other=0.0).to(tl.float32)
-    out = w.to(tl.float32) * sc[:, None]
-    tl.store(out_ptr + rn[:, None].to(tl.int64) * stride_on + rk[None, :],
-             out.to(out_ptr.dtype.element_ty), mask=mask)
+    out_ptrs = out_ptr + rn[:, None].to(tl.int64) * stride_on + rk[None, :]
+    if PLANES:
+        for j in tl.static_range(4):
+            out = ((w << (24 - 8 * j)) >> 24).to(tl.float32) * sc[:, None]
+            tl.store(out_ptrs + j * K, out.to(out_ptr.dtype.element_ty), mask=mask)
+    else:
+        out = w.to(tl.float32) * sc[:, None]
+        tl.store(out_ptrs, out.to(out_ptr.dtype.element_ty), mask=mask)
 
 
 @triton.jit(do_not_specialize=["M"])
@@ -212,7 +238,7 @@ def _fit_split(m: int, n: int, k: int, bm: int, bn: int, bk: int, target: int,
     return triton.cdiv(k, k_per)
 
 
-def choose_int8_config(m: int, n: int, k: int, device: torch.device) -> Int8LinearConfig:
+def choose_int8_config(m: int, n: int, k: int, device: torch.device, planes: bool = False) -> Int8LinearConfig:
     """Shape-keyed configuration (no autotuning: deterministic and CUDA-graph safe).
 
     Picked from the H200 sweep in ``results/kernels/`` (Qwen2.5-1.5B shapes, bf16; speed-ups
@@ -228,9 +254,17 @@ def choose_int8_config(m: int, n: int, k: int, device: torch.device) -> Int8Line
     * ``m > 64``: dequantize to ``x.dtype`` then cuBLAS (M=2048: 1.12-1.19x the bf16 time; the
       fused tile kernels measured 1.7-2.1x, at M=256 too).
     * CPU (Triton interpreter): the same kinds with small tiles, so tests cover every path.
+
+    ``planes``: the weight is int8 byte planes (:func:`pack_int8_planes`; ``k`` still counts
+    columns). The matrix-vector kernel then also serves ``m = 2`` for ``k <= 4096`` and
+    ``m <= 4`` for weights up to 4 M elements, where it measured faster than the tensor-core
+    kind on the H200 (``results/kernels/int8_planes_run1``: qkv M = 2 4.3 vs 6.5 us, M = 4
+    5.5 vs 6.4; gate/up M = 2 9.4 vs 10.8).
     """
-    if m == 1:  # block_n / block_k / num_warps / num_stages of the gemv.py launch
-        g = choose_gemv_config(1, n, k, torch.int8, device)
+    vec = m == 1 or (planes and device.type == "cuda" and m <= GEMV_MAX_M
+                     and ((m == 2 and k <= 4096) or n * k <= 4 * 1024 * 1024))
+    if vec:  # block_n / block_k / num_warps / num_stages of the gemv.py launch
+        g = choose_gemv_config(m, n, k, torch.int32 if planes else torch.int8, device)
         return Int8LinearConfig(1, g.block_n, g.block_k, num_warps=g.num_warps, num_stages=g.stages,
                                 kind="vec", programs_per_sm=g.programs_per_sm)
     if device.type != "cuda":
@@ -251,13 +285,19 @@ def choose_int8_config(m: int, n: int, k: int, device: torch.device) -> Int8Line
     return Int8LinearConfig(1, 1, 1, kind="dequant")
 
 
-def _check_int8_inputs(x, w_int8, scale, bias):
+def _check_int8_inputs(x, w_int8, scale, bias) -> tuple[int, int]:
+    """Validate :func:`int8_linear`'s arguments (``ValueError``); returns ``(N, K)`` (``K`` in
+    columns, also for byte planes)."""
     if not isinstance(x, torch.Tensor) or x.dtype not in (torch.float16, torch.bfloat16, torch.float32):
         raise ValueError(f"x must be a float16/bfloat16/float32 tensor, got {getattr(x, 'dtype', type(x))}")
-    if not isinstance(w_int8, torch.Tensor) or w_int8.dtype != torch.int8 or w_int8.dim() != 2:
-        raise ValueError("w_int8 must be a 2-D int8 tensor [N, K] (out_features x in_features), got "
+    if not isinstance(w_int8, torch.Tensor) or w_int8.dtype not in (torch.int8, torch.int32) \
+            or w_int8.dim() != 2:
+        raise ValueError("w_int8 must be a 2-D int8 tensor [N, K] (out_features x in_features) or its "
+                         "byte planes, int32 [N, K / 4] (pack_int8_planes), got "
                          f"{getattr(w_int8, 'dtype', type(w_int8))} {tuple(getattr(w_int8, 'shape', ()))}")
     n, k = w_int8.shape
+    if w_int8.dtype == torch.int32:
+        k *= 4
     if x.dim() < 1 or x.shape[-1] != k:
         raise ValueError(f"x's last dim ({x.shape[-1] if x.dim() else None}) must equal w_int8's "
                          f"in_features K={k}")
@@ -276,6 +316,7 @@ def _check_int8_inputs(x, w_int8, scale, bias):
             raise ValueError(f"{name} is on {t.device} but x is on {x.device}")
     if not scale.is_contiguous() or (bias is not None and not bias.is_contiguous()):
         raise ValueError("scale and bias must be contiguous")
+    return n, k
 
 
 def int8_linear(x: torch.Tensor, w_int8: torch.Tensor, scale: torch.Tensor,
@@ -285,7 +326,8 @@ def int8_linear(x: torch.Tensor, w_int8: torch.Tensor, scale: torch.Tensor,
 
     Args:
         x: ``[..., K]`` float16/bfloat16/float32 activations.
-        w_int8: ``[N, K]`` int8, row-major (``nn.Linear.weight`` orientation).
+        w_int8: ``[N, K]`` int8, row-major (``nn.Linear.weight`` orientation), or the same
+            weights as byte planes, int32 ``[N, K / 4]`` (:func:`pack_int8_planes`).
         scale: ``[N]`` float per-output-channel scales (any float dtype; used in fp32).
         bias: optional ``[N]`` float bias.
         config: tile configuration override (default :func:`choose_int8_config`).
@@ -297,8 +339,8 @@ def int8_linear(x: torch.Tensor, w_int8: torch.Tensor, scale: torch.Tensor,
         ValueError: wrong dtypes, shapes, strides or devices; CPU tensors without
             ``TRITON_INTERPRET=1``.
     """
-    _check_int8_inputs(x, w_int8, scale, bias)
-    n, k = w_int8.shape
+    n, k = _check_int8_inputs(x, w_int8, scale, bias)
+    planes = w_int8.dtype == torch.int32
     lead = x.shape[:-1]
     x2 = x.reshape(-1, k)                                                     # [M, K]
     if x2.stride(-1) != 1:
@@ -311,7 +353,7 @@ def int8_linear(x: torch.Tensor, w_int8: torch.Tensor, scale: torch.Tensor,
     if on_cpu and os.environ.get("TRITON_INTERPRET", "0") != "1":
         raise ValueError("int8_linear needs CUDA tensors, or (CPU tensors) the Triton interpreter: "
                          "set TRITON_INTERPRET=1 before importing llmserve.triton_kernels")
-    cfg = config or choose_int8_config(m, n, k, x.device)
+    cfg = config or choose_int8_config(m, n, k, x.device, planes=planes)
     if cfg.kind not in ("mma", "vec", "dequant"):
         raise ValueError(f"Int8LinearConfig.kind must be 'mma', 'vec' or 'dequant', got {cfg.kind!r}")
     if cfg.kind == "vec":
@@ -326,25 +368,29 @@ def int8_linear(x: torch.Tensor, w_int8: torch.Tensor, scale: torch.Tensor,
         # same trade vLLM's AWQ path makes for >= 256 tokens). Costs 3 bytes per weight more.
         w_deq = torch.empty((n, k), dtype=x.dtype, device=x.device)                # [N, K]
         bn, bk = (32, 32) if on_cpu else (32, 256)
-        _dequant_kernel[(triton.cdiv(n, bn), triton.cdiv(k, bk))](
-            w_int8, scale, w_deq, n, k, w_int8.stride(0), w_deq.stride(0),
-            BLOCK_N=bn, BLOCK_K=bk, num_warps=1 if on_cpu else 4)
+        kk = w_int8.shape[1]                                   # columns, or words of byte planes
+        _dequant_kernel[(triton.cdiv(n, bn), triton.cdiv(kk, bk))](
+            w_int8, scale, w_deq, n, kk, w_int8.stride(0), w_deq.stride(0),
+            BLOCK_N=bn, BLOCK_K=bk, PLANES=planes, num_warps=1 if on_cpu else 4)
         y = torch.nn.functional.linear(x2, w_deq, bias)                            # [M, N]
         return y.reshape(*lead, n)
-    k_per = triton.cdiv(triton.cdiv(k, cfg.split_k), cfg.block_k) * cfg.block_k
-    split = triton.cdiv(k, k_per)
-    even_k = k % cfg.block_k == 0
+    # Byte planes: the K loop runs over words, four columns each, a quarter of the tile's
+    # columns a step (same bytes), at least 16 (the smallest tensor-core K).
+    kk, bk = (w_int8.shape[1], max(16, cfg.block_k // 4)) if planes else (k, cfg.block_k)
+    k_per = triton.cdiv(triton.cdiv(kk, cfg.split_k), bk) * bk
+    split = triton.cdiv(kk, k_per)
+    even_k = kk % bk == 0
     has_bias = bias is not None
     ws = (torch.empty((split, m, n), dtype=torch.float32, device=x.device) if split > 1 else y)
     tiles = triton.cdiv(m, cfg.block_m) * triton.cdiv(n, cfg.block_n)
     fused = split > 1 and cfg.fused_reduce
     cnt = _tile_counters(x.device, tiles) if fused else ws
-    args = (x2, w_int8, scale, bias if has_bias else scale, y, ws, cnt, m, n, k, k_per,
+    args = (x2, w_int8, scale, bias if has_bias else scale, y, ws, cnt, m, n, kk, k_per,
             x2.stride(0), x2.stride(1), w_int8.stride(0), w_int8.stride(1), y.stride(0), y.stride(1))
     _int8_linear_kernel[(tiles, split)](
-        *args, HAS_BIAS=has_bias, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
+        *args, HAS_BIAS=has_bias, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=bk,
         GROUP_M=cfg.group_m, SWAP_AB=cfg.swap_ab, EVEN_K=even_k, SPLIT=split > 1,
-        FUSED_REDUCE=fused, FP32_MATH=on_cpu or x.dtype == torch.float32,
+        FUSED_REDUCE=fused, FP32_MATH=on_cpu or x.dtype == torch.float32, PLANES=planes,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages)
     if split > 1 and not fused:
         block = 1024 if not on_cpu else 256
@@ -357,7 +403,9 @@ def int8_linear(x: torch.Tensor, w_int8: torch.Tensor, scale: torch.Tensor,
 def int8_linear_reference(x: torch.Tensor, w_int8: torch.Tensor, scale: torch.Tensor,
                           bias: torch.Tensor | None = None) -> torch.Tensor:
     """PyTorch reference of :func:`int8_linear`: dequantize in fp32, matmul, cast to
-    ``x.dtype``. Shapes as :func:`int8_linear`."""
+    ``x.dtype``. Shapes as :func:`int8_linear` (byte planes are unpacked first)."""
+    if w_int8.dtype == torch.int32:
+        w_int8 = unpack_int8_planes(w_int8)
     w = w_int8.to(torch.float32) * scale.to(torch.float32)[:, None]          # [N, K]
     y = x.to(torch.float32) @ w.T                                             # [..., N]
     if bias is not None:
@@ -388,3 +436,44 @@ def quantize_int8_per_channel(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tens
     scale = torch.where(amax > 0, amax / 127.0, torch.ones_like(amax))
     w_int8 = torch.round(wf / scale[:, None]).clamp_(-127, 127).to(torch.int8).contiguous()
     return w_int8, scale
+
+
+def pack_int8_planes(w_int8: torch.Tensor) -> torch.Tensor:
+    """Pack an int8 weight four values a 32-bit word in *byte planes*: byte ``j`` (0 = least
+    significant) of word ``i`` of a row is column ``j * K/4 + i``.
+
+    Why: a kernel that loads a tile of words gets four tiles of weights, each pairing with a
+    *contiguous* slice of ``x`` (columns ``j * K/4 + k0 ...``), and accumulates all four into
+    one fp32 accumulator of the word tile's size, a quarter of the registers and adds of a
+    row-major int8 tile of the same bytes. (Quantized-GEMV kernels such as Marlin's and
+    TensorRT-LLM's interleave weights for the same reason, with their own layouts.)
+
+    Args:
+        w_int8: ``[N, K]`` int8 (``K`` a multiple of 4).
+
+    Returns:
+        ``[N, K / 4]`` int32, contiguous (the same bytes, reordered).
+
+    Raises:
+        ValueError: not a 2-D int8 tensor, or ``K % 4 != 0``.
+    """
+    if not isinstance(w_int8, torch.Tensor) or w_int8.dtype != torch.int8 or w_int8.dim() != 2:
+        raise ValueError(f"w_int8 must be a 2-D int8 tensor [N, K], got "
+                         f"{getattr(w_int8, 'dtype', type(w_int8))} {tuple(getattr(w_int8, 'shape', ()))}")
+    n, k = w_int8.shape
+    if k % 4:
+        raise ValueError(f"byte planes need K divisible by 4, got K={k}")
+    return w_int8.reshape(n, 4, k // 4).transpose(1, 2).contiguous().view(torch.int32).reshape(n, k // 4)
+
+
+def unpack_int8_planes(planes: torch.Tensor) -> torch.Tensor:
+    """Inverse of :func:`pack_int8_planes`: int32 ``[N, K / 4]`` -> int8 ``[N, K]``.
+
+    Raises:
+        ValueError: not a 2-D int32 tensor.
+    """
+    if not isinstance(planes, torch.Tensor) or planes.dtype != torch.int32 or planes.dim() != 2:
+        raise ValueError(f"planes must be a 2-D int32 tensor [N, K / 4], got "
+                         f"{getattr(planes, 'dtype', type(planes))} {tuple(getattr(planes, 'shape', ()))}")
+    n, kw = planes.shape
+    return planes.contiguous().view(torch.int8).reshape(n, kw, 4).transpose(1, 2).reshape(n, 4 * kw)
