@@ -37,7 +37,7 @@ from cuda_timing import graph_time_us  # scripts/, next to this file
 from llmserve.triton_kernels._launch import pdl_available
 from llmserve.triton_kernels.fused import add_rmsnorm, silu_and_mul
 from llmserve.triton_kernels.gemv import GemvConfig, choose_gemv_config, gemv, gemv_reference, table_key
-from llmserve.triton_kernels.int8_linear import int8_linear, quantize_int8_per_channel
+from llmserve.triton_kernels.int8_linear import int8_linear, pack_int8_planes, quantize_int8_per_channel
 
 REF_BW = 4.24e12
 ROTATE = 200e6
@@ -62,6 +62,10 @@ M_INT8 = (1,)
 PAIRS = [(bn, bk) for bn in (1, 2, 4, 8) for bk in (128, 256, 512, 1024, 2048, 4096)
          if 256 <= bn * bk <= 8192]
 WARPS = (2, 4, 8)
+# int8 byte planes (weight kind "int8p"): block_k counts 32-bit words (4 columns)
+PAIRS_P = [(bn, bk) for bn in (1, 2, 4, 8) for bk in (64, 128, 256, 512) if 64 <= bn * bk <= 2048]
+WARPS_P = (1, 2, 4)
+M_INT8P = (1, 2, 4)
 STAGES2 = (2,)
 PERSISTENT = (4, 8, 16, 32)  # programs per SM tried for the three best configurations
 
@@ -77,10 +81,14 @@ def time_graph(fns, reps: int) -> float:
     return graph_time_us(fns, reps, replays=12)
 
 
-def weights(k: int, n: int, int8: bool, copies: int):
+def weights(k: int, n: int, int8: bool | str, copies: int):
+    """``copies`` weights ``[n, k]``: bf16, int8 (``int8=True``) or int8 byte planes
+    (``int8="planes"``: int32 ``[n, k / 4]``) with per-row scales."""
     if int8:
         w = torch.randint(-127, 128, (copies, n, k), dtype=torch.int8, device=DEV)
         sc = torch.rand(copies, n, device=DEV) * 1e-3 + 1e-4
+        if int8 == "planes":
+            w = torch.stack([pack_int8_planes(w[i]) for i in range(copies)])
         return w, sc
     return torch.empty((copies, n, k), dtype=torch.bfloat16, device=DEV).normal_(0, 0.02), None
 
@@ -96,11 +104,15 @@ def cases(only=None):
                 out.append((f"{model} {proj}", model, proj, k, n, False, m, *LAYER[proj]))
         for proj, (k, n) in projs.items():
             out.append((f"{model} {proj} int8", f"{model}-int8", proj, k, n, True, 1, *LAYER[proj]))
+        for proj, (k, n) in projs.items():
+            out.append((f"{model} {proj} int8p", f"{model}-int8p", proj, k, n, "planes", 1, *LAYER[proj]))
     for model, (k, n) in LM_HEAD.items():
         out.append((f"{model} lm_head", model, "lm_head", k, n, False, 1, "none", False, False, False))
     for lab, k, n in INT8_SHAPES:
         for m in M_INT8:
             out.append((lab, "int8", "plain", k, n, True, m, "none", False, False, False))
+        for m in M_INT8P:
+            out.append((lab + " planes", "int8p", "plain", k, n, "planes", m, "none", False, False, False))
     return [c for c in out if not only or c[1] in only]
 
 
@@ -155,7 +167,9 @@ class Case:
         return [lambda i=i: F.linear(self.x, w[i], self.bias) for i in range(self.copies)], None
 
 
-def all_configs():
+def all_configs(planes: bool = False):
+    if planes:
+        return [GemvConfig(bn, bk, w, 1) for bn, bk in PAIRS_P for w in WARPS_P]
     return [GemvConfig(bn, bk, w, s) for bn, bk in PAIRS for w in WARPS for s in (1,) + STAGES2]
 
 
@@ -169,7 +183,7 @@ def _precompile(args):
         if key in seen:          # same kernel binaries as an earlier case
             continue
         seen.add(key)
-        for cfg in all_configs():
+        for cfg in all_configs(c[5] == "planes"):
             i += 1
             if i % nw != wid:
                 continue
@@ -208,7 +222,7 @@ def run_case(c, sweep: bool) -> dict:
     bfns, _keep = case.baseline()
     base = time_graph(bfns, max(len(bfns), 24))
     row = dict(case=case.lab, model=case.model, proj=case.proj, K=k, N=n, M=m, glu=case.glu,
-               weight="int8" if case.int8 else "bf16", prologue=case.pro, residual=case.res,
+               weight="int8p" if case.int8 == "planes" else "int8" if case.int8 else "bf16", prologue=case.pro, residual=case.res,
                bias=case.has_bias, baseline_us=base,
                baseline="cuBLAS bf16 F.linear" if case.int8 else
                ("add_rmsnorm + cuBLAS + silu_and_mul" if case.glu else
@@ -227,7 +241,8 @@ def run_case(c, sweep: bool) -> dict:
         row["pdl_speedup_vs_cublas"] = base / row["default_pdl_us"]
     tried = [d]
     if sweep:
-        p1 = [t_cfg(GemvConfig(bn, bk, nw, 1)) for bn, bk in PAIRS for nw in WARPS]
+        p1 = ([t_cfg(cfg) for cfg in all_configs(True)] if case.int8 == "planes" else
+              [t_cfg(GemvConfig(bn, bk, nw, 1)) for bn, bk in PAIRS for nw in WARPS])
         tried += p1
         for r in sorted((r for r in p1 if r["us"] is not None), key=lambda r: r["us"])[:3]:
             bn, bk, nw, _ = r["cfg"][:4]
@@ -293,7 +308,8 @@ def main() -> int:
     p.add_argument("--no-sweep", action="store_true")
     p.add_argument("--table", type=Path, help="merge the tuned configurations into this JSON table")
     p.add_argument("--only", nargs="+", help="models to run (0.5b 1.5b 7b int8 0.5b-int8 1.5b-int8 "
-                                             "7b-int8); default all")
+                                             "7b-int8, int8p and <model>-int8p for byte planes); "
+                                             "default all")
     a = p.parse_args()
     a.out.mkdir(parents=True, exist_ok=True)
     gpu = torch.cuda.get_device_name(0)
@@ -312,7 +328,7 @@ def main() -> int:
         if a.table:
             old = json.loads(a.table.read_text()) if a.table.exists() else {}
             configs = dict(old.get("configs", {}))
-            configs.update({table_key(gpu, r["weight"] == "int8", r["prologue"] + ("+glu" if r["glu"] else ""),
+            configs.update({table_key(gpu, {"bf16": "float"}.get(r["weight"], r["weight"]), r["prologue"] + ("+glu" if r["glu"] else ""),
                                       r["M"], r["K"], r["N"]):
                             r["best_config"] for r in res["cases"] if r.get("best_us") is not None})
             sources = [x for x in old.get("sources", [old["source"]] if "source" in old else [])]

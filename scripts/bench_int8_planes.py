@@ -36,6 +36,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from cuda_timing import graph_time_us  # noqa: E402
 
 from llmserve.triton_kernels.int8_linear import choose_int8_config, int8_linear  # noqa: E402
+from llmserve.triton_kernels.int8_linear import pack_int8_planes as _pack_lib  # noqa: E402
 
 SHAPES = [("gate/up", 1536, 8960), ("down", 8960, 1536), ("qkv", 1536, 2048)]
 ROTATE = 200e6
@@ -130,14 +131,63 @@ def rel_err(a, b):
     return ((a.float() - b.float()).norm() / b.float().norm().clamp_min(1e-30)).item()
 
 
+def library(out: Path, ms: list[int]) -> None:
+    """``int8_linear`` (the library's default configuration for each M) on row-major int8 and
+    on byte planes against bf16 cuBLAS, every result checked against fp32 first; writes
+    ``library.json`` / ``library.md``."""
+    dev = torch.device("cuda")
+    rows = []
+    for lab, k, n in SHAPES:
+        copies = max(1, math.ceil(ROTATE / (n * k)))
+        q = torch.randint(-127, 128, (copies, n, k), dtype=torch.int8, device=dev)
+        s = torch.rand(copies, n, device=dev) * 1e-3 + 1e-4
+        qp = torch.stack([_pack_lib(q[i]) for i in range(copies)])
+        wb = torch.empty((max(1, math.ceil(ROTATE / (2 * n * k))), n, k), dtype=torch.bfloat16,
+                         device=dev).normal_(0, .02)
+        for m in ms:
+            x = torch.randn(m, k, device=dev, dtype=torch.bfloat16)
+            ref = x.double() @ (q[0].double() * s[0].double()[:, None]).T
+            reps = max(copies, 24)
+            row = dict(shape=lab, K=k, N=n, M=m)
+            row["cublas_bf16_us"] = graph_time_us([lambda i=i: F.linear(x, wb[i]) for i in range(wb.shape[0])],
+                                                  max(wb.shape[0], 24), replays=12)
+            for name, w in (("rowmajor", q), ("planes", qp)):
+                cfg = choose_int8_config(m, n, k, dev, planes=name == "planes")
+                row[f"{name}_config"] = (f"{cfg.kind} {cfg.block_m}x{cfg.block_n}x{cfg.block_k} "
+                                         f"split {cfg.split_k} w{cfg.num_warps}")
+                row[f"{name}_err"] = rel_err(int8_linear(x, w[0], s[0]), ref)
+                row[f"{name}_us"] = (graph_time_us([lambda i=i: int8_linear(x, w[i], s[i]) for i in range(copies)],
+                                                   reps, replays=12) if row[f"{name}_err"] < 1e-2 else None)
+            rows.append(row)
+            print(f"{lab} M={m}: cuBLAS {row['cublas_bf16_us']:.2f}, row-major {row['rowmajor_us']:.2f} "
+                  f"({row['rowmajor_config']}), planes {row['planes_us']:.2f} ({row['planes_config']})", flush=True)
+    (out / "library.json").write_text(json.dumps(dict(
+        gpu=torch.cuda.get_device_name(0), torch=torch.__version__, triton=triton.__version__,
+        date=_dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"), command=" ".join(sys.argv),
+        rows=rows), indent=1))
+    lines = ["| shape | M | cuBLAS bf16 us | row-major int8 us | speed-up | byte planes us | speed-up | planes config |",
+             "|---|---|---|---|---|---|---|---|"]
+    for r in rows:
+        c, a, b = r["cublas_bf16_us"], r["rowmajor_us"], r["planes_us"]
+        lines.append(f"| {r['shape']} | {r['M']} | {c:.2f} | {a:.2f} | {c / a:.2f}x | {b:.2f} | {c / b:.2f}x "
+                     f"| {r['planes_config']} |")
+    (out / "library.md").write_text("\n".join(lines) + "\n")
+    print("\n".join(lines))
+
+
 def main() -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", type=Path, required=True)
     ap.add_argument("--ms", type=int, nargs="+", default=[1, 2, 4])
     ap.add_argument("--workers", type=int, default=14, help="parallel compile processes")
     ap.add_argument("--quick", action="store_true", help="a few configurations (CPU smoke test)")
+    ap.add_argument("--library", action="store_true",
+                    help="time int8_linear's defaults on row-major int8 and byte planes instead of the sweep")
     args = ap.parse_args()
     args.out.mkdir(parents=True, exist_ok=True)
+    if args.library:
+        library(args.out, args.ms)
+        return 0
     dev = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     t0 = time.time()
     if args.quick:

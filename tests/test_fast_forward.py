@@ -248,13 +248,17 @@ def test_gemv_early_epilogue_size_rule(monkeypatch):
 
 
 @pytest.mark.parametrize("seqs", [[(1, 1)], [(9, 1), (4, 1), (17, 1)], [(9, 9), (5, 1), (8, 3)]])
-def test_int8_projections_are_fused(seqs):
+@pytest.mark.parametrize("planes", [True, False])
+def test_int8_projections_are_fused(seqs, planes, monkeypatch):
     """Triton INT8 projections are packed like float ones (int8 rows + per-row scales) and take
     the fused kernels: the matrix-vector path for steps of <= 4 tokens (int8 rows, scale in the
     epilogue), the packed INT8 GEMM otherwise. Same hidden states, cache writes and logits as
-    the readable path calling the quantized modules one by one; state_dict unchanged."""
+    the readable path calling the quantized modules one by one; state_dict unchanged (also
+    with the weights repacked as byte planes, the default: state_dict unpacks them, and an
+    in-place load_state_dict of the row-major checkpoint packs them again)."""
     from llmserve.quantization import TritonInt8Linear, quantize_model
 
+    monkeypatch.setenv("LLMSERVE_INT8_PLANES", "1" if planes else "0")
     model = quantize_model(small_model(6, 2), "triton-int8")
     ids, pos, caches, meta = batch(model, seqs)
     caches2 = [(k.clone(), v.clone()) for k, v in caches]
@@ -266,6 +270,10 @@ def test_int8_projections_are_fused(seqs):
     q_proj = model.model.layers[0].self_attn.q_proj
     assert type(q_proj) is TritonInt8Linear
     assert q_proj.weight.data_ptr() == fast.layers[0]["qkv"][0].data_ptr()  # a view, no copy
+    assert fast.int8_planes == planes
+    layer0 = model.model.layers[0]
+    for m in (q_proj, layer0.self_attn.o_proj, layer0.mlp.gate_proj, layer0.mlp.down_proj):
+        assert m.planes == planes and m.weight.dtype == (torch.int32 if planes else torch.int8)
     out = fast(ids, pos, caches2, meta)
     torch.testing.assert_close(out, ref, atol=5e-5, rtol=5e-5)
     for (k1, v1), (k2, v2) in zip(caches, caches2):
@@ -276,6 +284,16 @@ def test_int8_projections_are_fused(seqs):
     assert sd_after.keys() == sd_before.keys()
     for k in sd_before:
         torch.testing.assert_close(sd_after[k], sd_before[k])
+    # an in-place load of (changed) row-major weights reaches the packed tensors the fused
+    # path reads: the down projection of layer 0 zeroed changes the output like in the model
+    sd_zero = dict(sd_before)
+    sd_zero["model.layers.0.mlp.down_proj.weight"] = torch.zeros_like(sd_before["model.layers.0.mlp.down_proj.weight"])
+    model.load_state_dict(sd_zero)
+    assert layer0.mlp.down_proj.weight.dtype == (torch.int32 if planes else torch.int8)
+    assert not layer0.mlp.down_proj.weight.any()
+    caches3 = [(k.clone(), v.clone()) for k, v in caches2]
+    torch.testing.assert_close(fast(ids, pos, caches3, meta), model(ids, pos, caches2, meta),
+                               atol=5e-5, rtol=5e-5)
 
 
 def test_reference_int8_layers_turn_the_gemv_path_off():

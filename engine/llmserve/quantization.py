@@ -307,6 +307,41 @@ class TritonInt8Linear(Int8Linear):
 
     scheme = "triton-int8"
 
+    # The fused serving forward (models/fast_forward.py) may re-point ``weight`` at int8 *byte
+    # planes* (int32 ``[out_features, in_features / 4]``, the layout its matrix-vector kernel
+    # streams fastest; triton_kernels/int8_linear.pack_int8_planes). The checkpoint format stays
+    # row-major int8: ``state_dict`` unpacks, ``load_state_dict`` packs in place.
+
+    @property
+    def planes(self) -> bool:
+        """Whether ``weight`` holds byte planes (int32) instead of row-major int8."""
+        return self.weight.dtype == torch.int32
+
+    def dequantize_weight(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+        """``[out_features, in_features]`` in ``dtype`` (byte planes unpacked first)."""
+        w = self.weight
+        if self.planes:
+            from .triton_kernels.int8_linear import unpack_int8_planes
+            w = unpack_int8_planes(w)
+        return dequantize_int8(w, self.weight_scale, dtype)
+
+    def _save_to_state_dict(self, destination, prefix, keep_vars):
+        super()._save_to_state_dict(destination, prefix, keep_vars)
+        if self.planes:
+            from .triton_kernels.int8_linear import unpack_int8_planes
+            destination[prefix + "weight"] = unpack_int8_planes(self.weight.detach())
+
+    def _load_from_state_dict(self, state_dict, prefix, local_metadata, strict, missing_keys,
+                              unexpected_keys, error_msgs):
+        key = prefix + "weight"
+        w = state_dict.get(key)
+        if self.planes and isinstance(w, torch.Tensor) and w.dtype == torch.int8 \
+                and w.shape == (self.out_features, self.in_features):
+            from .triton_kernels.int8_linear import pack_int8_planes
+            state_dict[key] = pack_int8_planes(w.contiguous())   # copied in place below
+        super()._load_from_state_dict(state_dict, prefix, local_metadata, strict, missing_keys,
+                                      unexpected_keys, error_msgs)
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if not x.is_cuda and os.environ.get("TRITON_INTERPRET") != "1":
             raise RuntimeError(

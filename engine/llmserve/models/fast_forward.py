@@ -24,7 +24,11 @@ Projections quantized with the Triton INT8 scheme (``--linear-backend triton-int
 :class:`~llmserve.quantization.TritonInt8Linear`) are packed and fused the same way: the int8
 rows and their per-row scales go to the same kernels (the matrix-vector kernel reads int8
 rows and applies the scale in its epilogue; larger steps call
-:func:`~llmserve.triton_kernels.int8_linear.int8_linear` on the packed weight). Other
+:func:`~llmserve.triton_kernels.int8_linear.int8_linear` on the packed weight). Their int8
+rows are repacked once as *byte planes* (four a 32-bit word,
+:func:`~llmserve.triton_kernels.int8_linear.pack_int8_planes`), which the matrix-vector kernel
+streams faster; ``state_dict`` still gives row-major int8 (``LLMSERVE_INT8_PLANES=0`` keeps
+row-major storage, for A/B runs). Other
 quantized modules (the reference ``int8`` scheme, ``int4``) keep being called as modules and
 turn the matrix-vector path off. Parity with the readable path is tested in
 ``tests/test_fast_forward.py``.
@@ -46,7 +50,7 @@ from ..triton_kernels._launch import pdl_available
 from ..triton_kernels.argmax import argmax_rows
 from ..triton_kernels.fused import add_rmsnorm, rope_qkv_write_kv, silu_and_mul
 from ..triton_kernels.gemv import GEMV_MAX_M, gemv, gemv_qkv_rope
-from ..triton_kernels.int8_linear import int8_linear
+from ..triton_kernels.int8_linear import int8_linear, pack_int8_planes
 from ..triton_kernels.paged_attention import paged_attention_decode
 
 
@@ -70,6 +74,23 @@ def _pack(linears: list[nn.Module], with_bias: bool
                 setattr(m, n, view)
         start += rows
     return packed["weight"], packed.get("bias"), packed.get("weight_scale")
+
+
+def _to_planes(linears: list[nn.Module], packed: torch.Tensor | None = None) -> torch.Tensor:
+    """Repack the int8 rows of Triton INT8 modules (``packed``: their concatenation from
+    :func:`_pack`, else the one module's weight) as byte planes and re-point each module's
+    ``weight`` at its rows of them; returns the planes ``[sum(out), in / 4]`` int32 (weights
+    that already are planes are returned as they are)."""
+    src = packed if packed is not None else linears[0].weight
+    if src.dtype == torch.int32:         # already planes (a second FastQwen2Forward on the model)
+        return src
+    planes = pack_int8_planes(src)
+    start = 0
+    for m in linears:
+        rows = m.weight.shape[0]
+        m.weight = planes[start:start + rows]
+        start += rows
+    return planes
 
 
 def _kind(m: nn.Module) -> str | None:
@@ -136,16 +157,26 @@ class FastQwen2Forward:
         self.head_dim = cfg.head_dim
         self.eps = cfg.rms_norm_eps
         self.scale = cfg.head_dim ** -0.5
+        # Triton INT8 weights as byte planes (LLMSERVE_INT8_PLANES=0: row-major int8); every
+        # kernel that reads them accepts both, and the modules' state_dict stays row-major.
+        planes = env_switch("LLMSERVE_INT8_PLANES") is not False and cfg.hidden_size % 4 == 0 \
+            and cfg.intermediate_size % 4 == 0 and cfg.num_attention_heads * cfg.head_dim % 4 == 0
+        self.int8_planes = False
         self.layers = []
         for layer in model.model.layers:
             attn, mlp = layer.self_attn, layer.mlp
             entry = {"layer": layer}
-            qkv = [attn.q_proj, attn.k_proj, attn.v_proj]
-            if _same_kind(qkv):
-                entry["qkv"] = _pack(qkv, with_bias=True)
-            gate_up = [mlp.gate_proj, mlp.up_proj]
-            if _same_kind(gate_up):
-                entry["gate_up"] = _pack(gate_up, with_bias=False)
+            for name, mods, bias in (("qkv", [attn.q_proj, attn.k_proj, attn.v_proj], True),
+                                     ("gate_up", [mlp.gate_proj, mlp.up_proj], False)):
+                if _same_kind(mods):
+                    entry[name] = _pack(mods, with_bias=bias)
+                    if planes and _kind(mods[0]) == "int8":
+                        entry[name] = (_to_planes(mods, entry[name][0]),) + entry[name][1:]
+                        self.int8_planes = True
+            for m in (attn.o_proj, mlp.down_proj):
+                if planes and _kind(m) == "int8":
+                    _to_planes([m])
+                    self.int8_planes = True
             self.layers.append(entry)
         if use_gemv is None:
             use_gemv = os.environ.get("LLMSERVE_DECODE_GEMV", "1") != "0"
