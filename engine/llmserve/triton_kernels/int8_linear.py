@@ -110,12 +110,9 @@ def _int8_linear_kernel(x_ptr, w_ptr, s_ptr, bias_ptr, y_ptr, ws_ptr, cnt_ptr, M
                         BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr, SWAP_AB: tl.constexpr,
                         EVEN_K: tl.constexpr, SPLIT: tl.constexpr, FUSED_REDUCE: tl.constexpr,
                         FP32_MATH: tl.constexpr, PLANES: tl.constexpr = False):
-    """Tensor-core tile kernel (``kind="mma"``). With ``PLANES`` ``w`` is the bytes of int8 byte
-    planes (an int8 view of the int32 words): a row-major int8 matrix whose columns are
-    permuted (byte ``4i + j`` of a row is column ``j * K/4 + i``), so the weight tiles are read
-    and converted exactly as row-major ones and the x tile is gathered in the same permuted
-    order (x is small and L2-resident). Measured: four per-plane products a step instead
-    were 15-25% slower than row-major int8 (H200, M = 2..16)."""
+    """Tensor-core tile kernel (``kind="mma"``). With ``PLANES`` the weight is int8 byte planes
+    (int32 words; ``K``, ``k_per_split`` and ``BLOCK_K`` count words) and each K step makes
+    four products, one a plane."""
     pid = tl.program_id(0)
     pid_k = tl.program_id(1)
     num_pid_m = tl.cdiv(M, BLOCK_M)
@@ -147,20 +144,19 @@ def _int8_linear_kernel(x_ptr, w_ptr, s_ptr, bias_ptr, y_ptr, ws_ptr, cnt_ptr, M
         else:
             kmask = (k0 - k_lo + offs_k) < k_hi
             w = tl.load(w_ptrs, mask=kmask[None, :], other=0)
-        if PLANES:  # w: the planes' bytes; byte 4i + j of a row is column j * K/4 + i
-            kb = k0 + tl.arange(0, BLOCK_K)
-            xc = x_ptr + rm_ld[:, None].to(tl.int64) * stride_xm \
-                + ((kb % 4) * (K // 4) + kb // 4)[None, :] * stride_xk
-            if EVEN_K:
-                x = tl.load(xc)
-            else:
-                x = tl.load(xc, mask=kmask[None, :], other=0.0)
+        if PLANES:  # byte plane j pairs with x's columns j * K + k (K counts words)
+            for j in tl.static_range(4):
+                if EVEN_K:
+                    x = tl.load(x_ptrs + j * K * stride_xk)
+                else:
+                    x = tl.load(x_ptrs + j * K * stride_xk, mask=kmask[None, :], other=0.0)
+                acc = _mma_step(acc, x, (w << (24 - 8 * j)) >> 24, SWAP_AB, FP32_MATH)
         else:
             if EVEN_K:
                 x = tl.load(x_ptrs)
             else:
                 x = tl.load(x_ptrs, mask=kmask[None, :], other=0.0)
-        acc = _mma_step(acc, x, w, SWAP_AB, FP32_MATH)
+            acc = _mma_step(acc, x, w, SWAP_AB, FP32_MATH)
         x_ptrs += BLOCK_K * stride_xk
         w_ptrs += BLOCK_K * stride_wk
     if SWAP_AB:
@@ -378,19 +374,21 @@ def int8_linear(x: torch.Tensor, w_int8: torch.Tensor, scale: torch.Tensor,
             BLOCK_N=bn, BLOCK_K=bk, PLANES=planes, num_warps=1 if on_cpu else 4)
         y = torch.nn.functional.linear(x2, w_deq, bias)                            # [M, N]
         return y.reshape(*lead, n)
-    w_bytes = w_int8.view(torch.int8) if planes else w_int8    # [N, K] int8 (planes: permuted)
-    k_per = triton.cdiv(triton.cdiv(k, cfg.split_k), cfg.block_k) * cfg.block_k
-    split = triton.cdiv(k, k_per)
-    even_k = k % cfg.block_k == 0
+    # Byte planes: the K loop runs over words, four columns each, a quarter of the tile's
+    # columns a step (same bytes), at least 16 (the smallest tensor-core K).
+    kk, bk = (w_int8.shape[1], max(16, cfg.block_k // 4)) if planes else (k, cfg.block_k)
+    k_per = triton.cdiv(triton.cdiv(kk, cfg.split_k), bk) * bk
+    split = triton.cdiv(kk, k_per)
+    even_k = kk % bk == 0
     has_bias = bias is not None
     ws = (torch.empty((split, m, n), dtype=torch.float32, device=x.device) if split > 1 else y)
     tiles = triton.cdiv(m, cfg.block_m) * triton.cdiv(n, cfg.block_n)
     fused = split > 1 and cfg.fused_reduce
     cnt = _tile_counters(x.device, tiles) if fused else ws
-    args = (x2, w_bytes, scale, bias if has_bias else scale, y, ws, cnt, m, n, k, k_per,
-            x2.stride(0), x2.stride(1), w_bytes.stride(0), w_bytes.stride(1), y.stride(0), y.stride(1))
+    args = (x2, w_int8, scale, bias if has_bias else scale, y, ws, cnt, m, n, kk, k_per,
+            x2.stride(0), x2.stride(1), w_int8.stride(0), w_int8.stride(1), y.stride(0), y.stride(1))
     _int8_linear_kernel[(tiles, split)](
-        *args, HAS_BIAS=has_bias, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
+        *args, HAS_BIAS=has_bias, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=bk,
         GROUP_M=cfg.group_m, SWAP_AB=cfg.swap_ab, EVEN_K=even_k, SPLIT=split > 1,
         FUSED_REDUCE=fused, FP32_MATH=on_cpu or x.dtype == torch.float32, PLANES=planes,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages)
