@@ -254,7 +254,7 @@ def test_int8_projections_are_fused(seqs, planes, monkeypatch):
     the fused kernels: the matrix-vector path for steps of <= 4 tokens (int8 rows, scale in the
     epilogue), the packed INT8 GEMM otherwise. Same hidden states, cache writes and logits as
     the readable path calling the quantized modules one by one; state_dict unchanged (also
-    with the weights repacked as byte planes, the default: state_dict unpacks them, and an
+    with the weights repacked as byte planes, LLMSERVE_INT8_PLANES=1: state_dict unpacks them, and an
     in-place load_state_dict of the row-major checkpoint packs them again)."""
     from llmserve.quantization import TritonInt8Linear, quantize_model
 

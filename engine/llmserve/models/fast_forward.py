@@ -25,10 +25,10 @@ Projections quantized with the Triton INT8 scheme (``--linear-backend triton-int
 rows and their per-row scales go to the same kernels (the matrix-vector kernel reads int8
 rows and applies the scale in its epilogue; larger steps call
 :func:`~llmserve.triton_kernels.int8_linear.int8_linear` on the packed weight). Their int8
-rows are repacked once as *byte planes* (four a 32-bit word,
+rows can be repacked once as *byte planes* (four a 32-bit word,
 :func:`~llmserve.triton_kernels.int8_linear.pack_int8_planes`), which the matrix-vector kernel
-streams faster; ``state_dict`` still gives row-major int8 (``LLMSERVE_INT8_PLANES=0`` keeps
-row-major storage, for A/B runs). Other
+streams faster, when ``LLMSERVE_INT8_PLANES=1`` (off by default: faster batch-1 decode for
+1.5B/7B shapes, slower steps of 2..64 tokens); ``state_dict`` still gives row-major int8. Other
 quantized modules (the reference ``int8`` scheme, ``int4``) keep being called as modules and
 turn the matrix-vector path off. Parity with the readable path is tested in
 ``tests/test_fast_forward.py``.
@@ -157,9 +157,12 @@ class FastQwen2Forward:
         self.head_dim = cfg.head_dim
         self.eps = cfg.rms_norm_eps
         self.scale = cfg.head_dim ** -0.5
-        # Triton INT8 weights as byte planes (LLMSERVE_INT8_PLANES=0: row-major int8); every
-        # kernel that reads them accepts both, and the modules' state_dict stays row-major.
-        planes = env_switch("LLMSERVE_INT8_PLANES") is not False and cfg.hidden_size % 4 == 0 \
+        # Triton INT8 weights as byte planes, opt in (LLMSERVE_INT8_PLANES=1); every kernel that
+        # reads them accepts both layouts, and the modules' state_dict stays row-major. H200,
+        # batch-1 decode (results/kernels/int8_planes_run3/ab_planes.json): 1.5B 1.000 -> 0.931
+        # ms/step, 7B 3.05 -> 2.71, but 0.5B 0.474 -> 0.512, and steps of 2..64 tokens run the
+        # tensor-core kind 15-25% slower on planes than on row-major int8, so not by default.
+        planes = env_switch("LLMSERVE_INT8_PLANES") is True and cfg.hidden_size % 4 == 0 \
             and cfg.intermediate_size % 4 == 0 and cfg.num_attention_heads * cfg.head_dim % 4 == 0
         self.int8_planes = False
         self.layers = []
