@@ -109,14 +109,15 @@ def _int8_linear_kernel(x_ptr, w_ptr, s_ptr, bias_ptr, y_ptr, ws_ptr, cnt_ptr, M
                         HAS_BIAS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                         BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr, SWAP_AB: tl.constexpr,
                         EVEN_K: tl.constexpr, SPLIT: tl.constexpr, FUSED_REDUCE: tl.constexpr,
-                        FP32_MATH: tl.constexpr, PLANES: tl.constexpr = 0):
+                        FP32_MATH: tl.constexpr, PLANES: tl.constexpr = False):
     """Tensor-core tile kernel (``kind="mma"``). With ``PLANES`` the weight is int8 byte planes
     (int32 words; ``K``, ``k_per_split`` and ``BLOCK_K`` count words) and each K step makes
     four products, one a plane. On the H200 this is 15-25% slower than row-major int8 at
     M = 2..16 (``results/kernels/int8_planes_run2/lib``); reading the planes' bytes as a
     permuted row-major matrix with x gathered in that order was 2-5x slower still
-    (``int8_planes_run3/lib``), so byte planes pay off only where the matrix-vector kind
-    serves the call."""
+    (``int8_planes_run3/lib``), and one product a step over the four planes reordered
+    plane-major in registers 1.3x slower (``int8_planes_run4/lib_cat``), so byte planes pay
+    off only where the matrix-vector kind serves the call."""
     pid = tl.program_id(0)
     pid_k = tl.program_id(1)
     num_pid_m = tl.cdiv(M, BLOCK_M)
@@ -142,36 +143,13 @@ def _int8_linear_kernel(x_ptr, w_ptr, s_ptr, bias_ptr, y_ptr, ws_ptr, cnt_ptr, M
         acc = tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32)
     else:
         acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
-    if PLANES == 2:
-        # One product a step over the four planes side by side: the step's words are loaded as
-        # bytes [BN, 4 * BK] (byte 4i + j = plane j, word i), reordered plane-major in
-        # registers, and x's four plane slices [BM, 4, BK] are loaded contiguous and flattened
-        # in the same order. (w_ptr is the planes' int8 view; stride_wn counts bytes.)
-        ib = tl.arange(0, 4 * BLOCK_K)
-        wb_ptrs = w_ptr + rn_ld[:, None].to(tl.int64) * stride_wn + (4 * k_lo + ib)[None, :]
-        xj = tl.arange(0, 4)
-        xi = tl.arange(0, BLOCK_K)
-        x3_ptrs = x_ptr + rm_ld[:, None, None].to(tl.int64) * stride_xm \
-            + (xj[None, :, None] * K + k_lo + xi[None, None, :]) * stride_xk            # [BM, 4, BK]
-        for k0 in range(k_lo, k_hi, BLOCK_K):
-            if EVEN_K:
-                wbytes = tl.load(wb_ptrs)
-                x3 = tl.load(x3_ptrs)
-            else:
-                wbytes = tl.load(wb_ptrs, mask=((k0 + ib // 4) < k_hi)[None, :], other=0)
-                x3 = tl.load(x3_ptrs, mask=((k0 + xi) < k_hi)[None, None, :], other=0.0)
-            wp = tl.reshape(tl.permute(tl.reshape(wbytes, [BLOCK_N, BLOCK_K, 4]), (0, 2, 1)),
-                            [BLOCK_N, 4 * BLOCK_K])
-            acc = _mma_step(acc, tl.reshape(x3, [BLOCK_M, 4 * BLOCK_K]), wp, SWAP_AB, FP32_MATH)
-            wb_ptrs += 4 * BLOCK_K
-            x3_ptrs += BLOCK_K * stride_xk
-    for k0 in range(k_lo, k_hi if PLANES != 2 else k_lo, BLOCK_K):
+    for k0 in range(k_lo, k_hi, BLOCK_K):
         if EVEN_K:
             w = tl.load(w_ptrs)
         else:
             kmask = (k0 - k_lo + offs_k) < k_hi
             w = tl.load(w_ptrs, mask=kmask[None, :], other=0)
-        if PLANES == 1:  # byte plane j pairs with x's columns j * K + k (K counts words)
+        if PLANES:  # byte plane j pairs with x's columns j * K + k (K counts words)
             for j in tl.static_range(4):
                 if EVEN_K:
                     x = tl.load(x_ptrs + j * K * stride_xk)
@@ -404,10 +382,6 @@ def int8_linear(x: torch.Tensor, w_int8: torch.Tensor, scale: torch.Tensor,
     # Byte planes: the K loop runs over words, four columns each, a quarter of the tile's
     # columns a step (same bytes), at least 16 (the smallest tensor-core K).
     kk, bk = (w_int8.shape[1], max(16, cfg.block_k // 4)) if planes else (k, cfg.block_k)
-    # PLANES=1: four products a step, one a plane; 2: one product over the planes side by side
-    # (temporary A/B knob LLMSERVE_INT8_PLANES_MMA=split|cat)
-    planes_mode = 0 if not planes else (1 if os.environ.get("LLMSERVE_INT8_PLANES_MMA", "cat") == "split" else 2)
-    w_arg = w_int8.view(torch.int8) if planes_mode == 2 else w_int8
     k_per = triton.cdiv(triton.cdiv(kk, cfg.split_k), bk) * bk
     split = triton.cdiv(kk, k_per)
     even_k = kk % bk == 0
@@ -416,12 +390,12 @@ def int8_linear(x: torch.Tensor, w_int8: torch.Tensor, scale: torch.Tensor,
     tiles = triton.cdiv(m, cfg.block_m) * triton.cdiv(n, cfg.block_n)
     fused = split > 1 and cfg.fused_reduce
     cnt = _tile_counters(x.device, tiles) if fused else ws
-    args = (x2, w_arg, scale, bias if has_bias else scale, y, ws, cnt, m, n, kk, k_per,
-            x2.stride(0), x2.stride(1), w_arg.stride(0), w_arg.stride(1), y.stride(0), y.stride(1))
+    args = (x2, w_int8, scale, bias if has_bias else scale, y, ws, cnt, m, n, kk, k_per,
+            x2.stride(0), x2.stride(1), w_int8.stride(0), w_int8.stride(1), y.stride(0), y.stride(1))
     _int8_linear_kernel[(tiles, split)](
         *args, HAS_BIAS=has_bias, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=bk,
         GROUP_M=cfg.group_m, SWAP_AB=cfg.swap_ab, EVEN_K=even_k, SPLIT=split > 1,
-        FUSED_REDUCE=fused, FP32_MATH=on_cpu or x.dtype == torch.float32, PLANES=planes_mode,
+        FUSED_REDUCE=fused, FP32_MATH=on_cpu or x.dtype == torch.float32, PLANES=planes,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages)
     if split > 1 and not fused:
         block = 1024 if not on_cpu else 256
