@@ -284,16 +284,31 @@ def test_int8_projections_are_fused(seqs, planes, monkeypatch):
     assert sd_after.keys() == sd_before.keys()
     for k in sd_before:
         torch.testing.assert_close(sd_after[k], sd_before[k])
-    # an in-place load of (changed) row-major weights reaches the packed tensors the fused
-    # path reads: the down projection of layer 0 zeroed changes the output like in the model
-    sd_zero = dict(sd_before)
-    sd_zero["model.layers.0.mlp.down_proj.weight"] = torch.zeros_like(sd_before["model.layers.0.mlp.down_proj.weight"])
-    model.load_state_dict(sd_zero)
+    # an in-place load of changed row-major weights reaches the packed tensors the fused path
+    # reads, in the right layout: layer 0's down projection with negated, column-reversed rows
+    # gives what a model that never packed anything gives with the same checkpoint
+    key = "model.layers.0.mlp.down_proj.weight"
+    sd_new = dict(sd_before)
+    sd_new[key] = (-sd_before[key]).flip(1).contiguous()
+    model.load_state_dict(sd_new)
     assert layer0.mlp.down_proj.weight.dtype == (torch.int32 if planes else torch.int8)
-    assert not layer0.mlp.down_proj.weight.any()
+    assert torch.equal(model.state_dict()[key], sd_new[key])
+    plain = quantize_model(small_model(6, 2), "triton-int8")
+    plain.load_state_dict(sd_new)
     caches3 = [(k.clone(), v.clone()) for k, v in caches2]
-    torch.testing.assert_close(fast(ids, pos, caches3, meta), model(ids, pos, caches2, meta),
+    torch.testing.assert_close(fast(ids, pos, caches3, meta), plain(ids, pos, caches2, meta),
                                atol=5e-5, rtol=5e-5)
+    if planes:   # a checkpoint of the wrong shape or dtype is refused with the module's shape
+        bad = dict(sd_before)
+        bad[key] = sd_before[key][:, :8].contiguous()
+        with pytest.raises(RuntimeError, match=r"expected int8 \[\d+, \d+\] \(held as int32 byte planes"):
+            model.load_state_dict(bad)
+        bad[key] = torch.zeros(layer0.mlp.down_proj.weight.shape, dtype=torch.int8)  # [out, in/4] int8
+        with pytest.raises(RuntimeError, match="size/dtype mismatch"):
+            model.load_state_dict(bad)
+        # a second fused forward on the same model keeps (and reports) the planes
+        monkeypatch.setenv("LLMSERVE_INT8_PLANES", "0")
+        assert FastQwen2Forward(model, use_gemv=True, gemv_max_tokens=4).int8_planes
 
 
 def test_reference_int8_layers_turn_the_gemv_path_off():

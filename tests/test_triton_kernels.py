@@ -334,6 +334,56 @@ def test_int8_linear_matches_dequant_matmul(m, dtype, bias, planes):
     assert_close(y, ref, dtype)
 
 
+def test_int8_planes_whole_steps():
+    """Byte planes whose word count is a multiple of every step (32 words: the tensor-core kind's
+    unmasked loop with and without split-K, the matrix-vector kernel's unmasked loop), with
+    -128 and 127 in the weights (sign extension of every byte position)."""
+    g = torch.Generator().manual_seed(5)
+    n, k = 24, 128
+    q = torch.randint(-128, 128, (n, k), generator=g, dtype=torch.int8)
+    q[0, :4] = torch.tensor([-128, 127, -1, 0], dtype=torch.int8)
+    q[1, ::32] = -128                                   # the same word's four bytes
+    scale = (torch.rand(n, generator=g) * 1e-2 + 1e-3).to(DEVICE)
+    q = q.to(DEVICE)
+    p = pack_int8_planes(q)
+    x = torch.randn(5, k, generator=g).to(DEVICE)
+    ref = int8_linear_reference(x, q, scale)
+    for cfg in (Int8LinearConfig(16, 32, 64, num_warps=1, num_stages=1),
+                Int8LinearConfig(16, 16, 64, split_k=2, num_warps=1, num_stages=1, fused_reduce=True),
+                Int8LinearConfig(1, 1, 1, kind="dequant")):
+        assert_close(int8_linear(x, p, scale, config=cfg), ref, torch.float32)
+    for m in (1, 4):
+        assert_close(gemv(x[:m], p, scale=scale, config=GemvConfig(2, 16, 1, 1)), ref[:m], torch.float32)
+
+
+def test_int8_planes_config_rules(monkeypatch):
+    """The GPU rules for byte planes, checked without a GPU (device name and SM count faked):
+    the matrix-vector kind for M = 2 when K <= 4096 and for M <= 4 up to 4 Mi weights, the
+    tensor-core kind otherwise; the gemv rule's words tile keeps 2 KB a row and step."""
+    import importlib
+
+    gemv_mod = importlib.import_module("llmserve.triton_kernels.gemv")   # the modules, not the
+    il = importlib.import_module("llmserve.triton_kernels.int8_linear")  # functions re-exported
+
+    monkeypatch.delenv("LLMSERVE_GEMV_CONFIG", raising=False)
+    monkeypatch.setattr(gemv_mod, "_gpu_name", lambda device: "no such GPU")
+    monkeypatch.setattr(il, "_num_sms", lambda device: 132)
+    cuda = torch.device("cuda")
+    kinds = {(m, n, k, planes): il.choose_int8_config(m, n, k, cuda, planes=planes).kind
+             for m, n, k in ((1, 8960, 1536), (2, 8960, 1536), (3, 8960, 1536), (4, 2048, 1536),
+                             (2, 1536, 8960), (8, 2048, 1536)) for planes in (False, True)}
+    assert kinds[(1, 8960, 1536, False)] == kinds[(1, 8960, 1536, True)] == "vec"
+    assert kinds[(2, 8960, 1536, True)] == "vec" and kinds[(2, 8960, 1536, False)] == "mma"
+    assert kinds[(3, 8960, 1536, True)] == "mma"                 # 13.8 Mi weights
+    assert kinds[(4, 2048, 1536, True)] == "vec" and kinds[(4, 2048, 1536, False)] == "mma"
+    assert kinds[(2, 1536, 8960, True)] == "mma"                 # K > 4096 and 13.8 Mi weights
+    assert kinds[(8, 2048, 1536, True)] == "mma"                 # above GEMV_MAX_M
+    f = gemv_mod.choose_gemv_config(1, 8960, 1536, torch.bfloat16, cuda)
+    w = gemv_mod.choose_gemv_config(1, 8960, 1536, torch.int32, cuda)
+    assert (w.block_n, w.block_k * 4 * 1) == (f.block_n, f.block_k * 2)   # same bytes a row and step
+    assert gemv_mod.choose_gemv_config(1, 40, 96, torch.int32, cuda).block_k == 32  # <= pow2(96 / 4)
+
+
 def test_int8_planes_layout_and_errors():
     """Byte j of word i of a row is column j * K/4 + i (little-endian bytes); unpack inverts."""
     q = torch.randint(-127, 128, (3, 20), dtype=torch.int8)
@@ -647,12 +697,13 @@ def test_gpu_bf16_attention_qwen15b_layout(seqs):
 @gpu
 @needs_cuda
 @pytest.mark.parametrize("k,n", [(1536, 8960), (8960, 1536), (1536, 2048)])
-@pytest.mark.parametrize("m", [1, 16, 300])
-def test_gpu_bf16_int8_linear(k, n, m):
+@pytest.mark.parametrize("m", [1, 2, 16, 300])
+@pytest.mark.parametrize("planes", [False, True])
+def test_gpu_bf16_int8_linear(k, n, m, planes):
     dev = torch.device("cuda")
     w_q, scale = quantize_int8_per_channel(torch.randn(n, k, device=dev) * 0.02)
     x = torch.randn(m, k, device=dev, dtype=torch.bfloat16)
-    y = int8_linear(x, w_q, scale)
+    y = int8_linear(x, pack_int8_planes(w_q) if planes else w_q, scale)
     ref = int8_linear_reference(x.float(), w_q, scale)
     rel = ((y.float() - ref).norm() / ref.norm()).item()
     assert rel < 1e-2, rel
@@ -665,7 +716,8 @@ def test_gpu_bf16_int8_linear(k, n, m):
 def test_gpu_bf16_gemv(k, n, m):
     dev = torch.device("cuda")
     for prologue, int8, glu in (("none", False, False), ("rmsnorm", False, False),
-                                ("rmsnorm", False, True), ("none", True, False)):
+                                ("rmsnorm", False, True), ("none", True, False),
+                                ("none", "planes", False), ("rmsnorm", "planes", True)):
         if glu and n > 17920:
             continue
         x = torch.randn(m, k, device=dev, dtype=torch.bfloat16)
@@ -673,6 +725,8 @@ def test_gpu_bf16_gemv(k, n, m):
         scale = None
         if int8:
             w, scale = quantize_int8_per_channel(w)
+            if int8 == "planes":
+                w = pack_int8_planes(w)
         else:
             w = w.to(torch.bfloat16)
         gw = torch.rand(k, device=dev, dtype=torch.bfloat16) + 0.5 if prologue == "rmsnorm" else None

@@ -288,7 +288,10 @@ class Int8Linear(nn.Module):
 
 
 class TritonInt8Linear(Int8Linear):
-    """INT8 linear backed by the fused Triton kernel (same storage as :class:`Int8Linear`).
+    """INT8 linear backed by the fused Triton kernel (same storage as :class:`Int8Linear`;
+    the fused serving forward may re-point ``weight`` at int8 byte planes, int32
+    ``[out_features, in_features / 4]`` (see :attr:`planes`), while ``state_dict`` and
+    ``load_state_dict`` keep the row-major int8 checkpoint format).
 
     ``forward`` flattens ``x [..., K]`` to ``[M, K]`` and calls
     ``llmserve.triton_kernels.int8_linear.int8_linear(x, weight, weight_scale, bias)``, which
@@ -326,6 +329,9 @@ class TritonInt8Linear(Int8Linear):
         return dequantize_int8(w, self.weight_scale, dtype)
 
     def _save_to_state_dict(self, destination, prefix, keep_vars):
+        """As ``nn.Module``'s, except that a byte-plane ``weight`` is saved unpacked: a new
+        row-major int8 tensor (also with ``keep_vars=True``, so writing into it does not reach
+        the module; and each call unpacks every such weight, one tensor per layer)."""
         super()._save_to_state_dict(destination, prefix, keep_vars)
         if self.planes:
             from .triton_kernels.int8_linear import unpack_int8_planes
@@ -333,12 +339,21 @@ class TritonInt8Linear(Int8Linear):
 
     def _load_from_state_dict(self, state_dict, prefix, local_metadata, strict, missing_keys,
                               unexpected_keys, error_msgs):
+        """As ``nn.Module``'s; a module holding byte planes takes the checkpoint's row-major
+        int8 ``[out, in]`` weight (packed, then copied in place, so views of it stay valid) or
+        planes ``[out, in / 4]`` int32; anything else is reported as a mismatch."""
         key = prefix + "weight"
         w = state_dict.get(key)
-        if self.planes and isinstance(w, torch.Tensor) and w.dtype == torch.int8 \
-                and w.shape == (self.out_features, self.in_features):
-            from .triton_kernels.int8_linear import pack_int8_planes
-            state_dict[key] = pack_int8_planes(w.contiguous())   # copied in place below
+        if self.planes and isinstance(w, torch.Tensor):
+            out, inp = self.out_features, self.in_features
+            if w.dtype == torch.int8 and w.shape == (out, inp):
+                from .triton_kernels.int8_linear import pack_int8_planes
+                state_dict[key] = pack_int8_planes(w.contiguous())
+            elif not (w.dtype == torch.int32 and w.shape == (out, inp // 4)):
+                error_msgs.append(f"size/dtype mismatch for {key}: expected int8 [{out}, {inp}] (held "
+                                  f"as int32 byte planes [{out}, {inp // 4}]), got {w.dtype} "
+                                  f"{tuple(w.shape)}")
+                state_dict[key] = self.weight        # reported above; left as it is
         super()._load_from_state_dict(state_dict, prefix, local_metadata, strict, missing_keys,
                                       unexpected_keys, error_msgs)
 

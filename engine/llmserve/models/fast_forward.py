@@ -36,6 +36,7 @@ turn the matrix-vector path off. Parity with the readable path is tested in
 
 from __future__ import annotations
 
+import logging
 import os
 
 import torch
@@ -51,6 +52,8 @@ from ..triton_kernels.argmax import argmax_rows
 from ..triton_kernels.fused import add_rmsnorm, rope_qkv_write_kv, silu_and_mul
 from ..triton_kernels.gemv import GEMV_MAX_M, gemv, gemv_qkv_rope
 from ..triton_kernels.int8_linear import int8_linear, pack_int8_planes
+
+_log = logging.getLogger(__name__)
 from ..triton_kernels.paged_attention import paged_attention_decode
 
 
@@ -162,9 +165,13 @@ class FastQwen2Forward:
         # batch-1 decode (results/kernels/int8_planes_run3/ab_planes.json): 1.5B 1.000 -> 0.931
         # ms/step, 7B 3.05 -> 2.71, but 0.5B 0.474 -> 0.512, and steps of 2..64 tokens run the
         # tensor-core kind 15-25% slower on planes than on row-major int8, so not by default.
-        planes = env_switch("LLMSERVE_INT8_PLANES") is True and cfg.hidden_size % 4 == 0 \
-            and cfg.intermediate_size % 4 == 0 and cfg.num_attention_heads * cfg.head_dim % 4 == 0
-        self.int8_planes = False
+        planes = env_switch("LLMSERVE_INT8_PLANES") is True
+        if planes and not (cfg.hidden_size % 4 == 0 and cfg.intermediate_size % 4 == 0
+                           and cfg.num_attention_heads * cfg.head_dim % 4 == 0):
+            _log.warning("LLMSERVE_INT8_PLANES=1 ignored: byte planes need every projection's "
+                         "input size divisible by 4 (hidden %d, intermediate %d, heads x head_dim %d)",
+                         cfg.hidden_size, cfg.intermediate_size, cfg.num_attention_heads * cfg.head_dim)
+            planes = False
         self.layers = []
         for layer in model.model.layers:
             attn, mlp = layer.self_attn, layer.mlp
@@ -175,12 +182,14 @@ class FastQwen2Forward:
                     entry[name] = _pack(mods, with_bias=bias)
                     if planes and _kind(mods[0]) == "int8":
                         entry[name] = (_to_planes(mods, entry[name][0]),) + entry[name][1:]
-                        self.int8_planes = True
             for m in (attn.o_proj, mlp.down_proj):
                 if planes and _kind(m) == "int8":
                     _to_planes([m])
-                    self.int8_planes = True
             self.layers.append(entry)
+        # Whether the INT8 weights are byte planes: also when an earlier FastQwen2Forward of this
+        # model repacked them (planes are not undone; every kernel reads both layouts).
+        self.int8_planes = any(getattr(m, "planes", False) for m in model.modules()
+                               if type(m) is TritonInt8Linear)
         if use_gemv is None:
             use_gemv = os.environ.get("LLMSERVE_DECODE_GEMV", "1") != "0"
         fusable = all("qkv" in e and "gate_up" in e and _kind(e["layer"].self_attn.o_proj) is not None

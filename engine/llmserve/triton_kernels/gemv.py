@@ -347,7 +347,7 @@ def _gemv_kernel(x_ptr, w_ptr, y_ptr, scale_ptr, bias_ptr, res_ptr, g_ptr,
 @dataclass(frozen=True, slots=True)
 class GemvConfig:
     """Launch configuration of :func:`gemv`: ``block_n`` output columns a row block,
-    ``block_k`` weight columns a step, ``stages`` tiles in flight (1: no pipelining),
+    ``block_k`` weight columns a step (32-bit words, four columns each, for int8 byte planes), ``stages`` tiles in flight (1: no pipelining),
     ``programs_per_sm`` (0: one program a row block; ``p``: at most ``p`` programs per SM, each
     looping over row blocks, which avoids a last partial wave)."""
 
@@ -383,7 +383,8 @@ def _table() -> dict[str, GemvConfig]:
     """Tuned configurations: ``gemv_configs.json`` next to this file, or the file named by
     ``LLMSERVE_GEMV_TABLE``; written by ``scripts/bench_gemv.py`` from a device sweep (or
     ``scripts/gemv_table_variant.py`` for A/B runs). Keys are
-    ``"<gpu name>|<int8|float>|<prologue>|<M>|<K>|<N>"``, values ``[block_n, block_k,
+    ``"<gpu name>|<float|int8|int8p>|<prologue>|<M>|<K>|<N>"`` (:func:`weight_kind`; ``K`` in
+    columns), values ``[block_n, block_k,
     num_warps, stages]`` or with ``programs_per_sm`` fifth; malformed entries are ignored.
     Each file is read once per process (so ``LLMSERVE_GEMV_TABLE`` can change between engine
     builds, for A/B runs).
@@ -438,8 +439,9 @@ def choose_gemv_config(m: int, n: int, k: int, w_dtype: torch.dtype, device: tor
     (exact GPU name, weight kind, prologue, M, K, N), then a rule from the H200 sweeps in
     ``results/kernels/gemv_*.md``: no software pipelining (``stages=1`` beat 2-4 on every
     shape: with one or two rows a program, many programs per SM keep enough loads in flight
-    without it), 512-1024 weight elements a program and step, one or two rows a program.
-    CPU (Triton interpreter): small tiles.
+    without it), 512-1024 weight elements a program and step, one or two rows a program; for
+    int8 byte planes (``w_dtype`` int32) the same 2 KB a row and step in words. ``k`` counts
+    columns for every weight kind. CPU (Triton interpreter): small tiles.
     """
     env = os.environ.get("LLMSERVE_GEMV_CONFIG")
     if env:
@@ -590,7 +592,8 @@ def gemv_qkv_rope(x: torch.Tensor, weight: torch.Tensor, *, bias: torch.Tensor |
 
     Args:
         x: ``[M, H]`` residual-stream rows, ``M <= GEMV_MAX_M``.
-        weight: packed ``[(Hq + 2*Hkv) * D, H]`` q/k/v weight (float, or int8 with ``scale``).
+        weight: packed ``[(Hq + 2*Hkv) * D, H]`` q/k/v weight (float, or int8 with ``scale``,
+            row-major or as byte planes ``[(Hq + 2*Hkv) * D, H / 4]`` int32).
         bias: ``[(Hq + 2*Hkv) * D]`` or ``None``.
         norm_weight, eps: the input RMSNorm.
         positions: ``[M]`` int64 positions; slot_mapping: ``[M]`` int64 cache slots (``-1``:

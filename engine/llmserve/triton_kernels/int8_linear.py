@@ -2,7 +2,8 @@
 
 Weight format: ``w_int8`` is ``[N, K]`` int8, row-major — the same orientation as
 ``nn.Linear.weight`` (out_features x in_features), so a state-dict transform quantizes each
-weight in place without transposing. ``scale`` is ``[N]`` (fp32, fp16 or bf16): symmetric
+weight in place without transposing — or the same values as *byte planes*, int32
+``[N, K / 4]`` (:func:`pack_int8_planes`), which every kernel kind here also reads. ``scale`` is ``[N]`` (fp32, fp16 or bf16): symmetric
 per-output-channel scales, ``w ~= w_int8 * scale[:, None]`` with ``w_int8`` in ``[-127, 127]``.
 
 The fused kernels read int8 tiles, convert them in registers (every int8 value is exact in
@@ -221,6 +222,8 @@ class Int8LinearConfig:
     num_stages: int = 3
     fused_reduce: bool = False  # split-K: last split reduces (no second launch) vs reduce kernel
     kind: str = "mma"  # "mma" (tensor cores), "vec" (gemv.py, M <= 4), "dequant"
+    # block_k: weight columns a step; with byte planes, "vec" passes it to gemv as words and
+    # "mma" steps max(16, block_k // 4) words (the same bytes)
     programs_per_sm: int = 0  # "vec": GemvConfig.programs_per_sm
 
 
@@ -457,7 +460,8 @@ def pack_int8_planes(w_int8: torch.Tensor) -> torch.Tensor:
         w_int8: ``[N, K]`` int8 (``K`` a multiple of 4).
 
     Returns:
-        ``[N, K / 4]`` int32, contiguous (the same bytes, reordered).
+        ``[N, K / 4]`` int32, contiguous (the same bytes, reordered; byte ``j`` is bits
+        ``8j .. 8j + 7``, i.e. little-endian, as on x86, ARM and NVIDIA GPUs).
 
     Raises:
         ValueError: not a 2-D int8 tensor, or ``K % 4 != 0``.
