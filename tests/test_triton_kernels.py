@@ -378,6 +378,11 @@ def test_int8_planes_config_rules(monkeypatch):
     assert kinds[(4, 2048, 1536, True)] == "vec" and kinds[(4, 2048, 1536, False)] == "mma"
     assert kinds[(2, 1536, 8960, True)] == "mma"                 # K > 4096 and 13.8 Mi weights
     assert kinds[(8, 2048, 1536, True)] == "mma"                 # above GEMV_MAX_M
+    # M = 64: dequantize + cuBLAS for k <= 4096, the tensor-core tiles for larger k; M = 32 tiles
+    assert il.choose_int8_config(64, 8960, 1536, cuda).kind == "dequant"
+    assert il.choose_int8_config(64, 1536, 8960, cuda).kind == "mma"
+    assert il.choose_int8_config(32, 8960, 1536, cuda).kind == "mma"
+    assert il.choose_int8_config(65, 1536, 8960, cuda).kind == "dequant"
     f = gemv_mod.choose_gemv_config(1, 8960, 1536, torch.bfloat16, cuda)
     w = gemv_mod.choose_gemv_config(1, 8960, 1536, torch.int32, cuda)
     assert (w.block_n, w.block_k * 4 * 1) == (f.block_n, f.block_k * 2)   # same bytes a row and step

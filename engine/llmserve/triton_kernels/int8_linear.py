@@ -259,8 +259,9 @@ def choose_int8_config(m: int, n: int, k: int, device: torch.device, planes: boo
       ``k <= 4096``: 32x256 weight tiles, split-K only to reach one program per SM (gate/up
       M=4/16 9.2-9.3 us, 1.1x); ``k > 4096``: 64x128 tiles, split-K to two programs per SM with
       the in-kernel (fused) reduction (down M=1/4/16 9.8-10.6 us, 1.15-1.26x).
-    * ``m > 64``: dequantize to ``x.dtype`` then cuBLAS (M=2048: 1.12-1.19x the bf16 time; the
-      fused tile kernels measured 1.7-2.1x, at M=256 too).
+    * ``m > 64``, and ``m = 64`` with ``k <= 4096``: dequantize to ``x.dtype`` then cuBLAS
+      (M=2048: 1.12-1.19x the bf16 time; the fused tile kernels measured 1.7-2.1x, at M=256
+      too; at M=64, Qwen2.5-1.5B gate/up 18.4 vs 21.3 us and qkv 8.9 vs 11.1 for the tiles).
     * CPU (Triton interpreter): the same kinds with small tiles, so tests cover every path.
 
     ``planes``: the weight is int8 byte planes (:func:`pack_int8_planes`; ``k`` still counts
@@ -282,7 +283,10 @@ def choose_int8_config(m: int, n: int, k: int, device: torch.device, planes: boo
                                     num_stages=1, fused_reduce=True)
         return Int8LinearConfig(1, 1, 1, kind="dequant")
     sms = _num_sms(device)
-    if m <= 64:
+    # k <= 4096 at M = 64: dequantize + cuBLAS measured faster than the 64-row tensor-core tile
+    # (gate/up 18.4 vs 21.3 us, qkv 8.9 vs 11.1; at M = 32 the tiles win, 12.5 vs 18.1 and 7.7
+    # vs 8.8; results/kernels/int8_mid_m_run1); k > 4096 (down) keeps the tiles (18.9 vs 20.9).
+    if m < 64 or (m == 64 and k > 4096):
         bm = max(16, triton.next_power_of_2(m))
         if k <= 4096:
             split = _fit_split(m, n, k, bm, 32, 256, sms)
