@@ -35,8 +35,8 @@ import triton.language as tl
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from cuda_timing import graph_time_us  # noqa: E402
 
+from llmserve.quantization import pack_int8_planes  # noqa: E402
 from llmserve.triton_kernels.int8_linear import choose_int8_config, int8_linear  # noqa: E402
-from llmserve.triton_kernels.int8_linear import pack_int8_planes as _pack_lib  # noqa: E402
 
 SHAPES = [("gate/up", 1536, 8960), ("down", 8960, 1536), ("qkv", 1536, 2048)]
 ROTATE = 200e6
@@ -82,14 +82,10 @@ def _planes_kernel(x_ptr, w_ptr, s_ptr, y_ptr, M, N, K4, stride_xm, stride_wn, s
 
 
 def pack_planes(q: torch.Tensor, magic: bool) -> torch.Tensor:
-    """``[N, K]`` int8 -> ``[N, K/4]`` int32 byte planes (with a +128 byte offset if ``magic``)."""
-    n, k = q.shape
-    if k % 4:
-        raise ValueError(f"K must be a multiple of 4, got {k}")
-    b = q.view(n, 4, k // 4).permute(0, 2, 1).contiguous()                 # [N, K4, 4]
-    if magic:
-        b = (b.to(torch.int16) + 128).to(torch.uint8)
-    return b.view(torch.int32).view(n, k // 4)
+    """``[N, K]`` int8 -> ``[N, K/4]`` int32 byte planes (the library's layout); ``magic``: each
+    byte stored with a +128 offset (``q ^ 0x80``), which the magic-number conversion needs."""
+    p = pack_int8_planes(q)
+    return p ^ -0x7F7F7F80 if magic else p          # 0x80808080 as int32: flip each byte's top bit
 
 
 def planes(x: torch.Tensor, wp: torch.Tensor, s: torch.Tensor, cfg, magic: bool) -> torch.Tensor:
@@ -131,6 +127,38 @@ def rel_err(a, b):
     return ((a.float() - b.float()).norm() / b.float().norm().clamp_min(1e-30)).item()
 
 
+def shape_weights(k: int, n: int, dev: torch.device):
+    """``(copies, q [copies, N, K] int8, s [copies, N] fp32, wb [c, N, K] bf16)``: enough
+    copies of each to rotate over > 200 MB (every timed call reads HBM)."""
+    copies = max(1, math.ceil(ROTATE / (n * k)))
+    q = torch.randint(-127, 128, (copies, n, k), dtype=torch.int8, device=dev)
+    s = torch.rand(copies, n, device=dev) * 1e-3 + 1e-4
+    wb = torch.empty((max(1, math.ceil(ROTATE / (2 * n * k))), n, k), dtype=torch.bfloat16,
+                     device=dev).normal_(0, .02)
+    return copies, q, s, wb
+
+
+def cublas_us(x: torch.Tensor, wb: torch.Tensor) -> float:
+    """bf16 cuBLAS ``F.linear`` per call, rotating over ``wb``."""
+    return graph_time_us([lambda i=i: F.linear(x, wb[i]) for i in range(wb.shape[0])],
+                         max(wb.shape[0], 24), replays=12)
+
+
+def int8_us(x, w, s, ref, config=None) -> tuple[float, float | None]:
+    """``(relative error against ref, us per call)`` of ``int8_linear`` rotating over the
+    copies ``w``/``s``; ``us`` is None (not timed) when the error is >= 1e-2."""
+    err = rel_err(int8_linear(x, w[0], s[0], config=config), ref)
+    us = (graph_time_us([lambda i=i: int8_linear(x, w[i], s[i], config=config) for i in range(w.shape[0])],
+                        max(w.shape[0], 24), replays=12) if err < 1e-2 else None)
+    return err, us
+
+
+def run_header() -> dict:
+    """GPU, versions, date and command line of a result file."""
+    return dict(gpu=torch.cuda.get_device_name(0), torch=torch.__version__, triton=triton.__version__,
+                date=_dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"), command=" ".join(sys.argv))
+
+
 def library(out: Path, ms: list[int]) -> None:
     """``int8_linear`` (the library's default configuration for each M) on row-major int8 and
     on byte planes against bf16 cuBLAS, every result checked against fp32 first; writes
@@ -138,33 +166,21 @@ def library(out: Path, ms: list[int]) -> None:
     dev = torch.device("cuda")
     rows = []
     for lab, k, n in SHAPES:
-        copies = max(1, math.ceil(ROTATE / (n * k)))
-        q = torch.randint(-127, 128, (copies, n, k), dtype=torch.int8, device=dev)
-        s = torch.rand(copies, n, device=dev) * 1e-3 + 1e-4
-        qp = torch.stack([_pack_lib(q[i]) for i in range(copies)])
-        wb = torch.empty((max(1, math.ceil(ROTATE / (2 * n * k))), n, k), dtype=torch.bfloat16,
-                         device=dev).normal_(0, .02)
+        copies, q, s, wb = shape_weights(k, n, dev)
+        qp = torch.stack([pack_int8_planes(q[i]) for i in range(copies)])
         for m in ms:
             x = torch.randn(m, k, device=dev, dtype=torch.bfloat16)
             ref = x.double() @ (q[0].double() * s[0].double()[:, None]).T
-            reps = max(copies, 24)
-            row = dict(shape=lab, K=k, N=n, M=m)
-            row["cublas_bf16_us"] = graph_time_us([lambda i=i: F.linear(x, wb[i]) for i in range(wb.shape[0])],
-                                                  max(wb.shape[0], 24), replays=12)
+            row = dict(shape=lab, K=k, N=n, M=m, cublas_bf16_us=cublas_us(x, wb))
             for name, w in (("rowmajor", q), ("planes", qp)):
                 cfg = choose_int8_config(m, n, k, dev, planes=name == "planes")
                 row[f"{name}_config"] = (f"{cfg.kind} {cfg.block_m}x{cfg.block_n}x{cfg.block_k} "
                                          f"split {cfg.split_k} w{cfg.num_warps}")
-                row[f"{name}_err"] = rel_err(int8_linear(x, w[0], s[0]), ref)
-                row[f"{name}_us"] = (graph_time_us([lambda i=i: int8_linear(x, w[i], s[i]) for i in range(copies)],
-                                                   reps, replays=12) if row[f"{name}_err"] < 1e-2 else None)
+                row[f"{name}_err"], row[f"{name}_us"] = int8_us(x, w, s, ref)
             rows.append(row)
             print(f"{lab} M={m}: cuBLAS {row['cublas_bf16_us']:.2f}, row-major {row['rowmajor_us']:.2f} "
                   f"({row['rowmajor_config']}), planes {row['planes_us']:.2f} ({row['planes_config']})", flush=True)
-    (out / "library.json").write_text(json.dumps(dict(
-        gpu=torch.cuda.get_device_name(0), torch=torch.__version__, triton=triton.__version__,
-        date=_dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"), command=" ".join(sys.argv),
-        rows=rows), indent=1))
+    (out / "library.json").write_text(json.dumps(dict(**run_header(), rows=rows), indent=1))
     lines = ["| shape | M | cuBLAS bf16 us | row-major int8 us | speed-up | byte planes us | speed-up | planes config |",
              "|---|---|---|---|---|---|---|---|"]
     for r in rows:
@@ -215,13 +231,10 @@ def main() -> int:
             timed = dev.type == "cuda"
             row = dict(shape=lab, K=k, N=n, M=m, copies=copies)
             if timed:
-                row["cublas_bf16_us"] = graph_time_us([lambda i=i: F.linear(x, wb[i]) for i in range(wb.shape[0])],
-                                                      max(wb.shape[0], 24), replays=12)
+                row["cublas_bf16_us"] = cublas_us(x, wb)
                 cfg = choose_int8_config(m, n, k, dev)
                 row["shipped_config"] = f"{cfg.kind} {cfg.block_m}x{cfg.block_n}x{cfg.block_k}"
-                row["shipped_err"] = rel_err(int8_linear(x, q[0], s[0]), ref)
-                row["shipped_us"] = graph_time_us([lambda i=i: int8_linear(x, q[i], s[i]) for i in range(copies)],
-                                                  reps, replays=12)
+                row["shipped_err"], row["shipped_us"] = int8_us(x, q, s, ref)
             for mg in (False, True):
                 name = "magic" if mg else "i2f"
                 res = []
@@ -250,10 +263,7 @@ def main() -> int:
                       + (f", {len(bad)} failed: {bad[0]['error']}" if bad else ""), flush=True)
             rows.append(row)
             if timed:
-                (args.out / "planes.json").write_text(json.dumps(dict(
-                    gpu=torch.cuda.get_device_name(0), torch=torch.__version__, triton=triton.__version__,
-                    date=_dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
-                    command=" ".join(sys.argv), rows=rows), indent=1))
+                (args.out / "planes.json").write_text(json.dumps(dict(**run_header(), rows=rows), indent=1))
     if dev.type == "cuda":
         lines = ["| shape | M | cuBLAS bf16 us | shipped us (config) | planes i2f us (cfg) | planes magic us (cfg) "
                  "| best speed-up vs cuBLAS | int8 GB/s |", "|---|---|---|---|---|---|---|---|"]

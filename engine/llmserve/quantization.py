@@ -128,6 +128,54 @@ def dequantize_int8(q: torch.Tensor, scale: torch.Tensor,
 
 
 # ----------------------------------------------------------------------------------------------
+# INT8 byte planes (a kernel layout of row-major int8 weights)
+# ----------------------------------------------------------------------------------------------
+
+def pack_int8_planes(w_int8: torch.Tensor) -> torch.Tensor:
+    """Pack an int8 weight four values a 32-bit word in *byte planes*: byte ``j`` (0 = least
+    significant) of word ``i`` of a row is column ``j * K/4 + i``.
+
+    The storage of the Triton kernels' fastest INT8 matrix-vector path
+    (``triton_kernels/gemv.py``, ``int8_linear.py``; :class:`TritonInt8Linear` holds it when the
+    fused forward repacks it). Why: a kernel that loads a tile of words gets four tiles of weights, each pairing with a
+    *contiguous* slice of ``x`` (columns ``j * K/4 + k0 ...``), and accumulates all four into
+    one fp32 accumulator of the word tile's size, a quarter of the registers and adds of a
+    row-major int8 tile of the same bytes. (Quantized-GEMV kernels such as Marlin's and
+    TensorRT-LLM's interleave weights for the same reason, with their own layouts.)
+
+    Args:
+        w_int8: ``[N, K]`` int8 (``K`` a multiple of 4).
+
+    Returns:
+        ``[N, K / 4]`` int32, contiguous (the same bytes, reordered; byte ``j`` is bits
+        ``8j .. 8j + 7``, i.e. little-endian, as on x86, ARM and NVIDIA GPUs).
+
+    Raises:
+        ValueError: not a 2-D int8 tensor, or ``K % 4 != 0``.
+    """
+    if not isinstance(w_int8, torch.Tensor) or w_int8.dtype != torch.int8 or w_int8.dim() != 2:
+        raise ValueError(f"w_int8 must be a 2-D int8 tensor [N, K], got "
+                         f"{getattr(w_int8, 'dtype', type(w_int8))} {tuple(getattr(w_int8, 'shape', ()))}")
+    n, k = w_int8.shape
+    if k % 4:
+        raise ValueError(f"byte planes need K divisible by 4, got K={k}")
+    return w_int8.reshape(n, 4, k // 4).transpose(1, 2).contiguous().view(torch.int32).reshape(n, k // 4)
+
+
+def unpack_int8_planes(planes: torch.Tensor) -> torch.Tensor:
+    """Inverse of :func:`pack_int8_planes`: int32 ``[N, K / 4]`` -> int8 ``[N, K]``.
+
+    Raises:
+        ValueError: not a 2-D int32 tensor.
+    """
+    if not isinstance(planes, torch.Tensor) or planes.dtype != torch.int32 or planes.dim() != 2:
+        raise ValueError(f"planes must be a 2-D int32 tensor [N, K / 4], got "
+                         f"{getattr(planes, 'dtype', type(planes))} {tuple(getattr(planes, 'shape', ()))}")
+    n, kw = planes.shape
+    return planes.contiguous().view(torch.int8).reshape(n, kw, 4).transpose(1, 2).reshape(n, 4 * kw)
+
+
+# ----------------------------------------------------------------------------------------------
 # INT4: packing and group-wise quantization
 # ----------------------------------------------------------------------------------------------
 
@@ -310,11 +358,6 @@ class TritonInt8Linear(Int8Linear):
 
     scheme = "triton-int8"
 
-    # The fused serving forward (models/fast_forward.py) may re-point ``weight`` at int8 *byte
-    # planes* (int32 ``[out_features, in_features / 4]``, the layout its matrix-vector kernel
-    # streams fastest; triton_kernels/int8_linear.pack_int8_planes). The checkpoint format stays
-    # row-major int8: ``state_dict`` unpacks, ``load_state_dict`` packs in place.
-
     @property
     def planes(self) -> bool:
         """Whether ``weight`` holds byte planes (int32) instead of row-major int8."""
@@ -324,7 +367,6 @@ class TritonInt8Linear(Int8Linear):
         """``[out_features, in_features]`` in ``dtype`` (byte planes unpacked first)."""
         w = self.weight
         if self.planes:
-            from .triton_kernels.int8_linear import unpack_int8_planes
             w = unpack_int8_planes(w)
         return dequantize_int8(w, self.weight_scale, dtype)
 
@@ -334,7 +376,6 @@ class TritonInt8Linear(Int8Linear):
         the module; and each call unpacks every such weight, one tensor per layer)."""
         super()._save_to_state_dict(destination, prefix, keep_vars)
         if self.planes:
-            from .triton_kernels.int8_linear import unpack_int8_planes
             destination[prefix + "weight"] = unpack_int8_planes(self.weight.detach())
 
     def _load_from_state_dict(self, state_dict, prefix, local_metadata, strict, missing_keys,
@@ -347,7 +388,6 @@ class TritonInt8Linear(Int8Linear):
         if self.planes and isinstance(w, torch.Tensor):
             out, inp = self.out_features, self.in_features
             if w.dtype == torch.int8 and w.shape == (out, inp):
-                from .triton_kernels.int8_linear import pack_int8_planes
                 state_dict[key] = pack_int8_planes(w.contiguous())
             elif not (w.dtype == torch.int32 and w.shape == (out, inp // 4)):
                 error_msgs.append(f"size/dtype mismatch for {key}: expected int8 [{out}, {inp}] (held "

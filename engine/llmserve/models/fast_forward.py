@@ -26,7 +26,7 @@ rows and their per-row scales go to the same kernels (the matrix-vector kernel r
 rows and applies the scale in its epilogue; larger steps call
 :func:`~llmserve.triton_kernels.int8_linear.int8_linear` on the packed weight). Their int8
 rows can be repacked once as *byte planes* (four a 32-bit word,
-:func:`~llmserve.triton_kernels.int8_linear.pack_int8_planes`), which the matrix-vector kernel
+:func:`~llmserve.quantization.pack_int8_planes`), which the matrix-vector kernel
 streams faster, when ``LLMSERVE_INT8_PLANES=1`` (off by default: faster batch-1 decode for
 1.5B/7B shapes, slower steps of 2..64 tokens); ``state_dict`` still gives row-major int8. Other
 quantized modules (the reference ``int8`` scheme, ``int4``) keep being called as modules and
@@ -46,15 +46,15 @@ from torch import nn
 from ..attention import AttentionMetadata
 from ..attention.triton_backend import TritonPagedAttention
 from ..config import env_switch
-from ..quantization import TritonInt8Linear
+from ..quantization import TritonInt8Linear, pack_int8_planes
 from ..triton_kernels._launch import pdl_available
 from ..triton_kernels.argmax import argmax_rows
 from ..triton_kernels.fused import add_rmsnorm, rope_qkv_write_kv, silu_and_mul
 from ..triton_kernels.gemv import GEMV_MAX_M, gemv, gemv_qkv_rope
-from ..triton_kernels.int8_linear import int8_linear, pack_int8_planes
+from ..triton_kernels.int8_linear import int8_linear
+from ..triton_kernels.paged_attention import paged_attention_decode
 
 _log = logging.getLogger(__name__)
-from ..triton_kernels.paged_attention import paged_attention_decode
 
 
 def _pack(linears: list[nn.Module], with_bias: bool

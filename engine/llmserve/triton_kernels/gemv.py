@@ -14,7 +14,7 @@ launch of a few microseconds. This kernel
   it measured slower on the H200 on 21 of 23 shapes, so the tuned configurations use 1);
 * reads int8 weights with per-output-channel scales (the weight-only INT8 path, scale applied
   once in the epilogue), either row-major int8 or packed four a 32-bit word in *byte planes*
-  (``int8_linear.pack_int8_planes``: byte ``j`` of word ``i`` is column ``j * K/4 + i``, so each
+  (``quantization.pack_int8_planes``: byte ``j`` of word ``i`` is column ``j * K/4 + i``, so each
   plane pairs with a contiguous slice of x and the fp32 accumulator holds a quarter of the
   tile's weights; H200, M = 1: Qwen2.5-1.5B gate/up 7.22 -> 6.40 us, down 7.71 -> 7.27), or
   bf16/fp16/fp32 weights;
@@ -52,6 +52,7 @@ import torch
 import triton
 import triton.language as tl
 
+from ..quantization import unpack_int8_planes
 from ._launch import num_sms, pdl_launch_kwargs, pdl_start, pdl_wait
 
 __all__ = ["GemvConfig", "choose_gemv_config", "gemv", "gemv_qkv_rope", "gemv_reference", "GEMV_MAX_M",
@@ -101,10 +102,10 @@ def _gemv_rows(blk, N, BLOCK_N: tl.constexpr, ROPE: tl.constexpr, HALF: tl.const
 
 
 @triton.jit
-def _plane(w, j: tl.constexpr):
-    """Byte ``j`` (0 = lowest) of int32 words ``w`` as signed values in fp32: the weights of
-    byte plane ``j`` (see :func:`pack_int8_planes`)."""
-    return ((w << (24 - 8 * j)) >> 24).to(tl.float32)
+def _plane_bytes(w, j: tl.constexpr):
+    """Byte ``j`` (0 = lowest) of int32 words ``w``, sign-extended to int32: the weights of
+    byte plane ``j`` (:func:`~llmserve.quantization.pack_int8_planes`)."""
+    return (w << (24 - 8 * j)) >> 24
 
 
 @triton.jit
@@ -133,9 +134,9 @@ def _gemv_step(acc, acc_b, sq, w, wb, x_base, g_ptr, k0, K, rk, PROLOGUE: tl.con
     if PLANES:
         for j in tl.static_range(4):
             x, sq = _x_tile(x_base + j * K, g_ptr + j * K, sq, k0, K, rk, PROLOGUE, EVEN_K)
-            acc += x * _plane(w, j)
+            acc += x * _plane_bytes(w, j).to(tl.float32)
             if TWO_ROWS:
-                acc_b += x * _plane(wb, j)
+                acc_b += x * _plane_bytes(wb, j).to(tl.float32)
     else:
         x, sq = _x_tile(x_base, g_ptr, sq, k0, K, rk, PROLOGUE, EVEN_K)
         acc += x * w.to(tl.float32)
@@ -347,8 +348,8 @@ def _gemv_kernel(x_ptr, w_ptr, y_ptr, scale_ptr, bias_ptr, res_ptr, g_ptr,
 @dataclass(frozen=True, slots=True)
 class GemvConfig:
     """Launch configuration of :func:`gemv`: ``block_n`` output columns a row block,
-    ``block_k`` weight columns a step (32-bit words, four columns each, for int8 byte planes), ``stages`` tiles in flight (1: no pipelining),
-    ``programs_per_sm`` (0: one program a row block; ``p``: at most ``p`` programs per SM, each
+    ``block_k`` weight columns a step (32-bit words, four columns each, for int8 byte planes),
+    ``stages`` tiles in flight (1: no pipelining), ``programs_per_sm`` (0: one program a row block; ``p``: at most ``p`` programs per SM, each
     looping over row blocks, which avoids a last partial wave)."""
 
     block_n: int
@@ -384,8 +385,7 @@ def _table() -> dict[str, GemvConfig]:
     ``LLMSERVE_GEMV_TABLE``; written by ``scripts/bench_gemv.py`` from a device sweep (or
     ``scripts/gemv_table_variant.py`` for A/B runs). Keys are
     ``"<gpu name>|<float|int8|int8p>|<prologue>|<M>|<K>|<N>"`` (:func:`weight_kind`; ``K`` in
-    columns), values ``[block_n, block_k,
-    num_warps, stages]`` or with ``programs_per_sm`` fifth; malformed entries are ignored.
+    columns), values ``[block_n, block_k, num_warps, stages]`` or with ``programs_per_sm`` fifth; malformed entries are ignored.
     Each file is read once per process (so ``LLMSERVE_GEMV_TABLE`` can change between engine
     builds, for A/B runs).
 
@@ -568,7 +568,8 @@ def _launch(x, weight, out, cfg: GemvConfig, n: int, *, scale=None, bias=None, r
         residual if residual is not None else out, norm_weight if norm_weight is not None else dummy,
         *rope_args, m, n, k, x.stride(0), weight.stride(0), out.stride(0),
         residual.stride(0) if residual is not None else out.stride(0), eps,
-        W_INT8=weight.dtype in (torch.int8, torch.int32), PLANES=planes, HAS_BIAS=bias is not None, HAS_RES=residual is not None,
+        W_INT8=weight.dtype in (torch.int8, torch.int32), PLANES=planes, HAS_BIAS=bias is not None,
+        HAS_RES=residual is not None,
         PROLOGUE=PROLOGUES[prologue], GLU=glu, ROPE=rope is not None, HQ=hq, HKV=hkv, HALF=half,
         BLOCK_M=triton.next_power_of_2(m), BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
         EVEN_K=k % cfg.block_k == 0, STAGES=cfg.stages, PERSISTENT=blocks < triton.cdiv(n, cfg.block_n),
@@ -655,7 +656,7 @@ def gemv(x: torch.Tensor, weight: torch.Tensor, *, scale: torch.Tensor | None = 
         weight: ``[N, K]`` (``[2N, K]`` = ``[gate; up]`` with ``glu``) row-major
             (``nn.Linear.weight`` orientation), int8 (then ``scale`` is required) or the float
             dtype of ``x``; or int8 byte planes, int32 ``[N, K / 4]`` (with ``scale``; see
-            :func:`~llmserve.triton_kernels.int8_linear.pack_int8_planes`).
+            :func:`~llmserve.quantization.pack_int8_planes`).
         scale: per-output-channel scales of an int8 weight (one per weight row).
         bias: optional ``[N]`` (not with ``glu``).
         residual: optional ``[M, N]`` added after the projection (rounded to ``x.dtype``
@@ -719,7 +720,6 @@ def gemv_reference(x: torch.Tensor, weight: torch.Tensor, *, scale: torch.Tensor
     if prologue == "rmsnorm":
         xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps) * norm_weight.float()
     if weight.dtype == torch.int32:          # int8 byte planes
-        from .int8_linear import unpack_int8_planes
         weight = unpack_int8_planes(weight)
     w = weight.float()
     if scale is not None:

@@ -3,8 +3,8 @@
 Weight format: ``w_int8`` is ``[N, K]`` int8, row-major — the same orientation as
 ``nn.Linear.weight`` (out_features x in_features), so a state-dict transform quantizes each
 weight in place without transposing — or the same values as *byte planes*, int32
-``[N, K / 4]`` (:func:`pack_int8_planes`), which every kernel kind here also reads. ``scale`` is ``[N]`` (fp32, fp16 or bf16): symmetric
-per-output-channel scales, ``w ~= w_int8 * scale[:, None]`` with ``w_int8`` in ``[-127, 127]``.
+``[N, K / 4]`` (:func:`~llmserve.quantization.pack_int8_planes`), which every kernel kind here
+also reads. ``scale`` is ``[N]`` (fp32, fp16 or bf16): symmetric per-output-channel scales, ``w ~= w_int8 * scale[:, None]`` with ``w_int8`` in ``[-127, 127]``.
 
 The fused kernels read int8 tiles, convert them in registers (every int8 value is exact in
 bf16/fp16), accumulate in fp32 and apply the per-channel scale (and bias) once in the epilogue —
@@ -40,8 +40,12 @@ import torch
 import triton
 import triton.language as tl
 
+from ..quantization import (  # the layout (pure torch), re-exported
+    pack_int8_planes,
+    unpack_int8_planes,
+)
 from ._launch import num_sms, zeroed_counters
-from .gemv import GEMV_MAX_M, GemvConfig, choose_gemv_config, gemv
+from .gemv import GEMV_MAX_M, GemvConfig, _plane_bytes, choose_gemv_config, gemv
 
 __all__ = ["Int8LinearConfig", "choose_int8_config", "int8_linear", "int8_linear_reference",
            "pack_int8_planes", "quantize_int8_per_channel", "unpack_int8_planes"]
@@ -156,7 +160,7 @@ def _int8_linear_kernel(x_ptr, w_ptr, s_ptr, bias_ptr, y_ptr, ws_ptr, cnt_ptr, M
                     x = tl.load(x_ptrs + j * K * stride_xk)
                 else:
                     x = tl.load(x_ptrs + j * K * stride_xk, mask=kmask[None, :], other=0.0)
-                acc = _mma_step(acc, x, (w << (24 - 8 * j)) >> 24, SWAP_AB, FP32_MATH)
+                acc = _mma_step(acc, x, _plane_bytes(w, j), SWAP_AB, FP32_MATH)
         else:
             if EVEN_K:
                 x = tl.load(x_ptrs)
@@ -184,7 +188,7 @@ def _dequant_kernel(w_ptr, s_ptr, out_ptr, N, K, stride_wn, stride_on,
     out_ptrs = out_ptr + rn[:, None].to(tl.int64) * stride_on + rk[None, :]
     if PLANES:
         for j in tl.static_range(4):
-            out = ((w << (24 - 8 * j)) >> 24).to(tl.float32) * sc[:, None]
+            out = _plane_bytes(w, j).to(tl.float32) * sc[:, None]
             tl.store(out_ptrs + j * K, out.to(out_ptr.dtype.element_ty), mask=mask)
     else:
         out = w.to(tl.float32) * sc[:, None]
@@ -449,44 +453,3 @@ def quantize_int8_per_channel(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tens
     w_int8 = torch.round(wf / scale[:, None]).clamp_(-127, 127).to(torch.int8).contiguous()
     return w_int8, scale
 
-
-def pack_int8_planes(w_int8: torch.Tensor) -> torch.Tensor:
-    """Pack an int8 weight four values a 32-bit word in *byte planes*: byte ``j`` (0 = least
-    significant) of word ``i`` of a row is column ``j * K/4 + i``.
-
-    Why: a kernel that loads a tile of words gets four tiles of weights, each pairing with a
-    *contiguous* slice of ``x`` (columns ``j * K/4 + k0 ...``), and accumulates all four into
-    one fp32 accumulator of the word tile's size, a quarter of the registers and adds of a
-    row-major int8 tile of the same bytes. (Quantized-GEMV kernels such as Marlin's and
-    TensorRT-LLM's interleave weights for the same reason, with their own layouts.)
-
-    Args:
-        w_int8: ``[N, K]`` int8 (``K`` a multiple of 4).
-
-    Returns:
-        ``[N, K / 4]`` int32, contiguous (the same bytes, reordered; byte ``j`` is bits
-        ``8j .. 8j + 7``, i.e. little-endian, as on x86, ARM and NVIDIA GPUs).
-
-    Raises:
-        ValueError: not a 2-D int8 tensor, or ``K % 4 != 0``.
-    """
-    if not isinstance(w_int8, torch.Tensor) or w_int8.dtype != torch.int8 or w_int8.dim() != 2:
-        raise ValueError(f"w_int8 must be a 2-D int8 tensor [N, K], got "
-                         f"{getattr(w_int8, 'dtype', type(w_int8))} {tuple(getattr(w_int8, 'shape', ()))}")
-    n, k = w_int8.shape
-    if k % 4:
-        raise ValueError(f"byte planes need K divisible by 4, got K={k}")
-    return w_int8.reshape(n, 4, k // 4).transpose(1, 2).contiguous().view(torch.int32).reshape(n, k // 4)
-
-
-def unpack_int8_planes(planes: torch.Tensor) -> torch.Tensor:
-    """Inverse of :func:`pack_int8_planes`: int32 ``[N, K / 4]`` -> int8 ``[N, K]``.
-
-    Raises:
-        ValueError: not a 2-D int32 tensor.
-    """
-    if not isinstance(planes, torch.Tensor) or planes.dtype != torch.int32 or planes.dim() != 2:
-        raise ValueError(f"planes must be a 2-D int32 tensor [N, K / 4], got "
-                         f"{getattr(planes, 'dtype', type(planes))} {tuple(getattr(planes, 'shape', ()))}")
-    n, kw = planes.shape
-    return planes.contiguous().view(torch.int8).reshape(n, kw, 4).transpose(1, 2).reshape(n, 4 * kw)
