@@ -16,7 +16,7 @@ pytest.importorskip("triton")
 
 from llmserve.attention.metadata import AttentionMetadata  # noqa: E402
 from llmserve.config import ModelConfig  # noqa: E402
-from llmserve.models.fast_forward import FastQwen2Forward, parse_l2_prefetch  # noqa: E402
+from llmserve.models.fast_forward import FastQwen2Forward  # noqa: E402
 from llmserve.models.qwen2 import Qwen2ForCausalLM  # noqa: E402
 from llmserve.triton_kernels.fused import add_rmsnorm, silu_and_mul  # noqa: E402
 
@@ -182,45 +182,6 @@ def test_pdl_trigger_first_same_tokens(monkeypatch):
                 .output_token_ids for i in range(4)]
 
     assert run("1") == run("0")
-
-
-@pytest.mark.gpu
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
-def test_l2_prefetch_same_tokens(monkeypatch):
-    """An L2 prefetch plan (``LLMSERVE_L2_PREFETCH``: gate-up from the O projection before its
-    wait, down from gate-up after its work, the next QKV from down) changes only what is in
-    L2, not what the kernels compute: the same greedy tokens through graph replays."""
-    from llmserve.config import CacheConfig, EngineConfig, SchedulerConfig
-    from llmserve.engine import LLMEngine
-    from llmserve.sampling_params import SamplingParams
-
-    def run(plan: str):
-        monkeypatch.setenv("LLMSERVE_L2_PREFETCH", plan)
-        cfg = EngineConfig(model="tiny", device="cuda", dtype="bfloat16", attention_backend="triton",
-                           use_cuda_graph=True, cache=CacheConfig(num_blocks=512),
-                           scheduler=SchedulerConfig(max_num_seqs=8, max_model_len=512))
-        eng = LLMEngine(cfg)
-        assert set(eng.runner.forward.l2_prefetch) == set(parse_l2_prefetch(plan))
-        return [eng.generate([[10 + i] * (3 + 60 * i)], SamplingParams(max_tokens=40, ignore_eos=True))[0]
-                .output_token_ids for i in range(3)]
-
-    assert run("gu:64,down:1@end,qkv:64@end") == run("")
-
-
-def test_parse_l2_prefetch(monkeypatch):
-    """The plan's grammar: sizes in MB (fractions allowed), ``@pre`` by default, every bad
-    item named in the error; the forward reads the plan when it is built."""
-    assert parse_l2_prefetch("") == {}
-    assert parse_l2_prefetch(" gu:16 , down:0.5@end,qkv:2@pre") == {
-        "gu": (16 << 20, False), "down": (1 << 19, True), "qkv": (2 << 20, False)}
-    for bad in ("o:1", "gu", "gu:", "gu:-1", "gu:x", "gu:nan", "gu:inf", "gu:1@mid", "gu:1,gu:2"):
-        with pytest.raises(ValueError, match="L2 prefetch item"):
-            parse_l2_prefetch(bad)
-    monkeypatch.setenv("LLMSERVE_L2_PREFETCH", "gu:8")
-    assert FastQwen2Forward(small_model(6, 2), use_gemv=True).l2_prefetch == {"gu": (8 << 20, False)}
-    monkeypatch.setenv("LLMSERVE_L2_PREFETCH", "gu:8@later")
-    with pytest.raises(ValueError, match="gu:8@later"):
-        FastQwen2Forward(small_model(6, 2), use_gemv=True)
 
 
 def test_engine_switches_reject_bad_values(monkeypatch):

@@ -35,7 +35,7 @@ from llmserve.triton_kernels import (  # noqa: E402
     write_kv_triton,
 )
 from llmserve.triton_kernels.fused import rope_qkv_write_kv  # noqa: E402
-from llmserve.triton_kernels.gemv import GemvConfig, L2Prefetch, gemv, gemv_qkv_rope, gemv_reference  # noqa: E402
+from llmserve.triton_kernels.gemv import GemvConfig, gemv, gemv_qkv_rope, gemv_reference  # noqa: E402
 from llmserve.triton_kernels.int8_linear import (  # noqa: E402
     Int8LinearConfig,
     pack_int8_planes,
@@ -644,30 +644,6 @@ def test_gemv_input_errors():
             GemvConfig(**bad)
 
 
-def test_l2_prefetch_kernel_args():
-    """Lines of an L2 prefetch: 128-byte lines of the weight's dtype from its start (with
-    ``halves``: the same count from each half's start), at most the weight (region), none for
-    0 bytes (then no prefetch code is compiled in: ``PF`` 0); bad descriptors are errors. On
-    the CPU :func:`gemv` ignores the prefetch (inline PTX) and gives the same result."""
-    w = torch.zeros(64, 96, dtype=torch.bfloat16)                 # 12 KiB: 96 lines of 64 elements
-    assert L2Prefetch(w, 4096).kernel_args()[1:] == (32, 0, 1, False, 64)
-    assert L2Prefetch(w, 4000, at_end=True).kernel_args()[1:] == (32, 0, 2, False, 64)   # partial line
-    assert L2Prefetch(w, 1 << 30).kernel_args()[1:] == (96, 0, 1, False, 64)
-    assert L2Prefetch(w, 4096, halves=True).kernel_args()[1:] == (16, 32 * 96, 1, True, 64)
-    assert L2Prefetch(w, 1 << 30, halves=True).kernel_args()[1:] == (48, 32 * 96, 1, True, 64)
-    assert L2Prefetch(w, 0).kernel_args()[3] == 0
-    assert L2Prefetch(torch.zeros(8, 32, dtype=torch.int8), 1 << 20).kernel_args()[1:] == (2, 0, 1, False, 128)
-    with pytest.raises(ValueError, match="contiguous"):
-        L2Prefetch(w.t(), 4096).kernel_args()
-    with pytest.raises(ValueError, match="even row count"):
-        L2Prefetch(w[:63], 4096, halves=True).kernel_args()
-    with pytest.raises(ValueError, match=">= 0"):
-        L2Prefetch(w, -1).kernel_args()
-    x = torch.randn(1, 96, device=DEVICE)
-    wt = torch.randn(64, 96, device=DEVICE)
-    torch.testing.assert_close(gemv(x, wt, l2_prefetch=L2Prefetch(wt, 4096)), gemv(x, wt), rtol=0, atol=0)
-
-
 def test_gemv_config_env_and_table(monkeypatch, tmp_path):
     from llmserve.triton_kernels import gemv as gm
     monkeypatch.setenv("LLMSERVE_GEMV_CONFIG", "2,64,2,1")
@@ -736,26 +712,6 @@ def test_gpu_bf16_int8_linear(k, n, m, planes):
     ref = int8_linear_reference(x.float(), w_q, scale)
     rel = ((y.float() - ref).norm() / ref.norm()).item()
     assert rel < 1e-2, rel
-
-
-@gpu
-@needs_cuda
-@pytest.mark.parametrize("at_end", [False, True])
-def test_gpu_gemv_l2_prefetch_same_result(at_end):
-    """An L2 prefetch of another weight (whole, halves, a few lines, int8) issued by a gemv
-    launch, with and without PDL, leaves its result bit for bit the same."""
-    dev = torch.device("cuda")
-    x = torch.randn(1, 1536, device=dev, dtype=torch.bfloat16)
-    w = (torch.randn(1536, 1536, device=dev) * 0.02).to(torch.bfloat16)
-    res = torch.randn(1, 1536, device=dev, dtype=torch.bfloat16)
-    other = (torch.randn(2 * 8960, 1536, device=dev) * 0.02).to(torch.bfloat16)
-    q8, _ = quantize_int8_per_channel(other.float())
-    ref = gemv(x, w, residual=res)
-    for pf in (L2Prefetch(other, 16 << 20, halves=True, at_end=at_end), L2Prefetch(other, 1 << 40, at_end=at_end),
-               L2Prefetch(other, 300, at_end=at_end), L2Prefetch(q8, 5 << 20, halves=True, at_end=at_end)):
-        for pdl in (False, True):
-            torch.testing.assert_close(gemv(x, w, residual=res, l2_prefetch=pf, pdl=pdl), ref, rtol=0, atol=0)
-    torch.cuda.synchronize()
 
 
 @gpu

@@ -37,7 +37,6 @@ turn the matrix-vector path off. Parity with the readable path is tested in
 from __future__ import annotations
 
 import logging
-import math
 import os
 
 import torch
@@ -51,44 +50,11 @@ from ..quantization import TritonInt8Linear, pack_int8_planes
 from ..triton_kernels._launch import pdl_available
 from ..triton_kernels.argmax import argmax_rows
 from ..triton_kernels.fused import add_rmsnorm, rope_qkv_write_kv, silu_and_mul
-from ..triton_kernels.gemv import GEMV_MAX_M, L2Prefetch, gemv, gemv_qkv_rope
+from ..triton_kernels.gemv import GEMV_MAX_M, gemv, gemv_qkv_rope
 from ..triton_kernels.int8_linear import int8_linear
 from ..triton_kernels.paged_attention import paged_attention_decode
 
 _log = logging.getLogger(__name__)
-
-
-# Which weight each L2 prefetch target names, and which kernel of the decode step issues it:
-# "gu" this layer's gate-up weight, from the O projection; "down" this layer's down weight,
-# from the gate-up projection; "qkv" the next layer's QKV weight, from the down projection.
-L2_PREFETCH_TARGETS = ("gu", "down", "qkv")
-
-
-def parse_l2_prefetch(spec: str) -> dict[str, tuple[int, bool]]:
-    """Parse an L2 prefetch plan, ``"target:MB[@pre|@end],..."`` (e.g. ``"gu:16"``,
-    ``"gu:16,down:4@end"``), into ``{target: (bytes, at_end)}``; targets in
-    :data:`L2_PREFETCH_TARGETS`, ``@pre`` (the default) issues the prefetch before the source
-    kernel's PDL wait, ``@end`` after its own work. Empty: no prefetch.
-
-    Raises:
-        ValueError: an unknown target or placement, a negative or non-numeric size, a target
-            named twice.
-    """
-    plan: dict[str, tuple[int, bool]] = {}
-    for item in filter(None, (t.strip() for t in spec.split(","))):
-        target, _, rest = item.partition(":")
-        size, _, where = rest.partition("@")
-        try:
-            mb = float(size)
-        except ValueError:
-            mb = -1.0
-        if not math.isfinite(mb):
-            mb = -1.0
-        if target not in L2_PREFETCH_TARGETS or mb < 0 or where not in ("", "pre", "end") or target in plan:
-            raise ValueError(f"L2 prefetch item {item!r} must be target:MB[@pre|@end] with target in "
-                             f"{L2_PREFETCH_TARGETS} (each once) and MB >= 0 (in {spec!r})")
-        plan[target] = (int(mb * 2**20), where == "end")
-    return plan
 
 
 def _pack(linears: list[nn.Module], with_bias: bool
@@ -246,9 +212,6 @@ class FastQwen2Forward:
         # kernels several positions ahead read their weights early); LLMSERVE_PDL_TRIGGER_FIRST.
         first = env_switch("LLMSERVE_PDL_TRIGGER_FIRST")       # validated on every device
         self.pdl_trigger_first = self.pdl and first is True
-        # L2 prefetch plan of the batch-1 matrix-vector path (parse_l2_prefetch), from
-        # LLMSERVE_L2_PREFETCH; it never changes a result.
-        self.l2_prefetch = parse_l2_prefetch(os.environ.get("LLMSERVE_L2_PREFETCH", ""))
 
     def __call__(self, input_ids: torch.Tensor, positions: torch.Tensor,
                  kv_caches: list[tuple[torch.Tensor, torch.Tensor]], meta: AttentionMetadata) -> torch.Tensor:
@@ -317,14 +280,7 @@ class FastQwen2Forward:
         cos, sin = model.rope_cos_sin(input_ids.device)                     # [L, D/2] fp32
         r = model.model.embed_tokens(input_ids)                             # [N, H]
         n = r.shape[0]
-        plan = self.l2_prefetch
-
-        def prefetch(target: str, weight: torch.Tensor, halves: bool = False) -> L2Prefetch | None:
-            if target not in plan or not plan[target][0]:
-                return None
-            return L2Prefetch(weight, plan[target][0], halves=halves, at_end=plan[target][1])
-
-        for i, (entry, (k_cache, v_cache)) in enumerate(zip(self.layers, kv_caches)):
+        for entry, (k_cache, v_cache) in zip(self.layers, kv_caches):
             layer = entry["layer"]
             w_qkv, b_qkv, s_qkv = entry["qkv"]
             q = gemv_qkv_rope(r, w_qkv, bias=b_qkv, scale=s_qkv, norm_weight=layer.input_layernorm.weight,
@@ -338,18 +294,15 @@ class FastQwen2Forward:
             else:
                 o = backend.forward(q, k_cache, v_cache, meta, self.scale)  # [N, Hq, D]
             w_o, b_o, s_o = _proj(layer.self_attn.o_proj)
-            w_gu, _, s_gu = entry["gate_up"]
-            w_d, b_d, s_d = _proj(layer.mlp.down_proj)
             gemv(o.reshape(n, self.num_heads * self.head_dim), w_o, scale=s_o, bias=b_o,
-                 residual=r, out=r, pdl=pdl, early_epilogue=early, pdl_trigger_first=first,
-                 l2_prefetch=prefetch("gu", w_gu, halves=True))             # r += o @ Wo.T
+                 residual=r, out=r, pdl=pdl, early_epilogue=early,
+                 pdl_trigger_first=first)                                   # r += o @ Wo.T
+            w_gu, _, s_gu = entry["gate_up"]
             act = gemv(r, w_gu, scale=s_gu, prologue="rmsnorm", glu=True,
                        norm_weight=layer.post_attention_layernorm.weight, eps=self.eps,
-                       pdl=pdl, pdl_trigger_first=first,
-                       l2_prefetch=prefetch("down", w_d))                   # [N, I]
-            nxt = self.layers[i + 1]["qkv"][0] if i + 1 < len(self.layers) else None
+                       pdl=pdl, pdl_trigger_first=first)                    # [N, I]
+            w_d, b_d, s_d = _proj(layer.mlp.down_proj)
             gemv(act, w_d, scale=s_d, bias=b_d, residual=r, out=r, pdl=pdl,
-                 early_epilogue=early, pdl_trigger_first=first,
-                 l2_prefetch=None if nxt is None else prefetch("qkv", nxt))  # r += act @ Wd.T
+                 early_epilogue=early, pdl_trigger_first=first)             # r += act @ Wd.T
         h, _ = add_rmsnorm(r, model.model.norm.weight, self.eps)            # [N, H]
         return h

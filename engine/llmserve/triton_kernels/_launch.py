@@ -1,6 +1,6 @@
 """Launch helpers shared by the Triton kernels: the device's SM count, the zeroed arrival
-counters of the in-kernel ("last program reduces") split merges, programmatic dependent
-launch (PDL) and L2 prefetches."""
+counters of the in-kernel ("last program reduces") split merges, and programmatic dependent
+launch (PDL)."""
 
 from __future__ import annotations
 
@@ -123,40 +123,3 @@ def pdl_wait(USE_PDL: tl.constexpr, TRIGGER_FIRST: tl.constexpr):
         gdc_wait()
         if not TRIGGER_FIRST:
             gdc_launch_dependents()
-
-
-# ----------------------------------------------------------------------------------------------
-# L2 prefetch (inline PTX: NVIDIA GPUs only, never traced by the interpreter)
-
-L2_LINE_BYTES = 128  # the unit one prefetch.global.L2 names (an L2 cache line on Hopper)
-
-
-@triton.jit
-def prefetch_l2(ptrs, mask):
-    """``prefetch.global.L2`` of each address whose ``mask`` (int32) is non-zero (PTX ISA,
-    "prefetch"): brings the line into L2 without holding registers for the data and without
-    anything to wait for, so the issuing warp goes on (or exits) at once."""
-    tl.inline_asm_elementwise(
-        "{ .reg .pred p; setp.ne.b32 p, $2, 0; @p prefetch.global.L2 [$1]; mov.u32 $0, 0; }",
-        "=r,l,r", [ptrs, mask], dtype=tl.int32, is_pure=False, pack=1)
-
-
-@triton.jit
-def prefetch_l2_share(base, n_lines, second, LINE: tl.constexpr, TWO: tl.constexpr,
-                      VEC: tl.constexpr):
-    """This program's contiguous share (the grid split evenly) of ``n_lines`` L2 lines from
-    ``base`` (``LINE`` elements of ``base``'s type a line), and with ``TWO`` the same lines at
-    ``base + second`` (elements): a later kernel's weight brought into L2 by an earlier one
-    while HBM has little else to do. ``VEC`` prefetches a step (one or more a thread)."""
-    pid = tl.program_id(0)
-    per = tl.cdiv(n_lines, tl.num_programs(0))
-    lo = pid * per
-    hi = tl.minimum(lo + per, n_lines)
-    offs = tl.arange(0, VEC)
-    for i in range(lo, hi, VEC):
-        idx = i + offs
-        live = (idx < hi).to(tl.int32)
-        ptrs = base + idx.to(tl.int64) * LINE
-        prefetch_l2(ptrs, live)
-        if TWO:
-            prefetch_l2(ptrs + second, live)

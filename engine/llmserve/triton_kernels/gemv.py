@@ -53,9 +53,9 @@ import triton
 import triton.language as tl
 
 from ..quantization import unpack_int8_planes
-from ._launch import L2_LINE_BYTES, num_sms, pdl_launch_kwargs, pdl_start, pdl_wait, prefetch_l2_share
+from ._launch import num_sms, pdl_launch_kwargs, pdl_start, pdl_wait
 
-__all__ = ["GemvConfig", "L2Prefetch", "choose_gemv_config", "gemv", "gemv_qkv_rope", "gemv_reference", "GEMV_MAX_M",
+__all__ = ["GemvConfig", "choose_gemv_config", "gemv", "gemv_qkv_rope", "gemv_reference", "GEMV_MAX_M",
            "weight_kind"]
 
 GEMV_MAX_M = 4  # most rows of x (every program serves all of them); larger M use a GEMM
@@ -285,16 +285,13 @@ def _gemv_block(blk, w, wb, rm, rm_ld, rk, x_ptr, w_ptr, y_ptr, scale_ptr, bias_
 def _gemv_kernel(x_ptr, w_ptr, y_ptr, scale_ptr, bias_ptr, res_ptr, g_ptr,
                  kc_ptr, vc_ptr, cos_ptr, sin_ptr, pos_ptr, slot_ptr, num_slots,
                  M, N, K, stride_xm, stride_wn, stride_ym, stride_rm, eps,
-                 pf_ptr, pf_lines, pf_second,
                  W_INT8: tl.constexpr, HAS_BIAS: tl.constexpr, HAS_RES: tl.constexpr,
                  PROLOGUE: tl.constexpr, GLU: tl.constexpr, ROPE: tl.constexpr,
                  HQ: tl.constexpr, HKV: tl.constexpr, HALF: tl.constexpr,
                  BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                  EVEN_K: tl.constexpr, STAGES: tl.constexpr, PERSISTENT: tl.constexpr,
                  USE_PDL: tl.constexpr, EARLY_EPI: tl.constexpr = False,
-                 PDL_TRIGGER_FIRST: tl.constexpr = False, PLANES: tl.constexpr = False,
-                 PF: tl.constexpr = 0, PF_TWO: tl.constexpr = False, PF_LINE: tl.constexpr = 64,
-                 PF_VEC: tl.constexpr = 128):
+                 PDL_TRIGGER_FIRST: tl.constexpr = False, PLANES: tl.constexpr = False):
     """A program computes ``BLOCK_N`` outputs (a row block) for all ``M <= BLOCK_M`` rows of x:
     row block ``pid``, or with ``PERSISTENT`` (a grid smaller than the block count) blocks
     ``pid, pid + grid, ...``, which avoids a last partial wave; the first tile of its next
@@ -309,10 +306,6 @@ def _gemv_kernel(x_ptr, w_ptr, y_ptr, scale_ptr, bias_ptr, res_ptr, g_ptr,
     With ``USE_PDL`` the first weight tile is loaded before the wait (:func:`pdl_wait`):
     weights never depend on the previous kernel, so their first bytes stream while that kernel
     drains (``PDL_TRIGGER_FIRST``: while the kernels before it drain too).
-
-    ``PF`` (1: before the wait, 2: after the program's last row block): the program's share of
-    ``pf_lines`` L2 lines of another weight from ``pf_ptr`` (``PF_TWO``: also from
-    ``pf_ptr + pf_second``) prefetched into L2 (:func:`~._launch.prefetch_l2_share`).
     """
     TWO_ROWS: tl.constexpr = GLU or ROPE
     pdl_start(USE_PDL, PDL_TRIGGER_FIRST)
@@ -327,8 +320,6 @@ def _gemv_kernel(x_ptr, w_ptr, y_ptr, scale_ptr, bias_ptr, res_ptr, g_ptr,
                      EVEN_K)
     else:
         wb = w
-    if PF == 1:
-        prefetch_l2_share(pf_ptr, pf_lines, pf_second, PF_LINE, PF_TWO, PF_VEC)
     pdl_wait(USE_PDL, PDL_TRIGGER_FIRST)  # everything below may read what earlier kernels wrote
     if PERSISTENT:
         nprog = tl.num_programs(0)
@@ -352,55 +343,6 @@ def _gemv_kernel(x_ptr, w_ptr, y_ptr, scale_ptr, bias_ptr, res_ptr, g_ptr,
         _gemv_block(pid, w, wb, rm, rm_ld, rk, x_ptr, w_ptr, y_ptr, scale_ptr, bias_ptr, res_ptr, g_ptr, kc_ptr, vc_ptr, cos_ptr, sin_ptr, pos_ptr, slot_ptr, num_slots, M, N, K, stride_xm, stride_wn, stride_ym, stride_rm, eps,
                     W_INT8, HAS_BIAS, HAS_RES, PROLOGUE, GLU, ROPE, HQ, HKV, HALF, BLOCK_M, BLOCK_N,
                     BLOCK_K, EVEN_K, STAGES, EARLY_EPI, PLANES)
-    if PF == 2:
-        prefetch_l2_share(pf_ptr, pf_lines, pf_second, PF_LINE, PF_TWO, PF_VEC)
-
-
-@dataclass(frozen=True, slots=True)
-class L2Prefetch:
-    """Part of a *later* kernel's weight that a :func:`gemv` launch brings into L2 with
-    ``prefetch.global.L2`` (fire and forget: no registers held, nothing waited for), so that
-    weight streams while HBM is otherwise idle (batch-1 decode: during the attention and the
-    small O projection) and the later kernel finds those bytes in L2.
-
-    Attributes:
-        weight: the later kernel's weight, contiguous (any dtype; read only through L2 lines).
-        nbytes: bytes to prefetch from its start (clamped to its size); with ``halves`` the
-            first ``nbytes / 2`` of each half (a packed ``[gate; up]`` weight, whose first
-            programs read the first rows of both halves).
-        halves: split as above.
-        at_end: issue after the launch's own work (each program after its last row block)
-            instead of before its PDL wait (where a PDL launch idles while its predecessor
-            runs).
-
-    Only on NVIDIA GPUs (inline PTX); :func:`gemv` ignores it elsewhere. It never changes a
-    result.
-    """
-
-    weight: torch.Tensor
-    nbytes: int
-    halves: bool = False
-    at_end: bool = False
-
-    def kernel_args(self) -> tuple[torch.Tensor, int, int, int, bool, int]:
-        """``(pf_ptr, pf_lines, pf_second, PF, PF_TWO, PF_LINE)`` for :func:`_gemv_kernel`.
-
-        Raises:
-            ValueError: a non-contiguous weight, negative ``nbytes``, or halves of a weight
-                with an odd number of rows."""
-        w = self.weight
-        if not w.is_contiguous():
-            raise ValueError("L2Prefetch.weight must be contiguous")
-        if self.nbytes < 0:
-            raise ValueError(f"L2Prefetch.nbytes must be >= 0, got {self.nbytes}")
-        if self.halves and w.shape[0] % 2:
-            raise ValueError(f"L2Prefetch with halves needs an even row count, got {tuple(w.shape)}")
-        line = L2_LINE_BYTES // w.element_size()
-        total = w.numel() // (2 if self.halves else 1)          # elements of one region
-        want = min(self.nbytes // (2 if self.halves else 1) // w.element_size(), total)
-        lines = triton.cdiv(want, line)      # the last one starts inside the region (want <= total)
-        return w, lines, total if self.halves else 0, (2 if self.at_end else 1) if lines else 0, \
-            self.halves, line
 
 
 @dataclass(frozen=True, slots=True)
@@ -602,10 +544,10 @@ def _check_gemv_inputs(x, weight, scale, bias, residual, prologue, norm_weight, 
 
 def _launch(x, weight, out, cfg: GemvConfig, n: int, *, scale=None, bias=None, residual=None,
             norm_weight=None, prologue="none", eps=1e-6, glu=False, pdl=False, rope=None,
-            early_epilogue=False, pdl_trigger_first=False, l2_prefetch: L2Prefetch | None = None) -> None:
+            early_epilogue=False, pdl_trigger_first=False) -> None:
     """Launch :func:`_gemv_kernel` over ``n`` outputs (validated arguments). ``rope``: ``(k_cache,
     v_cache, cos, sin, positions, slot_mapping, num_heads, num_kv_heads)`` for the QKV+RoPE
-    epilogue (then ``n`` counts rotation pairs); ``l2_prefetch`` only on NVIDIA GPUs."""
+    epilogue (then ``n`` counts rotation pairs)."""
     m, k = x.shape
     planes = weight.dtype == torch.int32
     if planes:                      # the kernel's K loop runs over words (4 columns each)
@@ -618,12 +560,6 @@ def _launch(x, weight, out, cfg: GemvConfig, n: int, *, scale=None, bias=None, r
     else:
         hq = hkv = half = 1
         rope_args = (dummy, dummy, dummy, dummy, dummy, dummy, 0)
-    pf_args, pf_kw = (dummy, 0, 0), {}
-    if l2_prefetch is not None and x.is_cuda and torch.version.hip is None:
-        ptr, lines, second, where, two, line = l2_prefetch.kernel_args()
-        if where:
-            pf_args = (ptr, lines, second)
-            pf_kw = {"PF": where, "PF_TWO": two, "PF_LINE": line, "PF_VEC": 32 * cfg.num_warps}
     blocks = triton.cdiv(n, cfg.block_n)
     if cfg.programs_per_sm:
         blocks = min(blocks, cfg.programs_per_sm * num_sms(x.device, cpu_default=2))
@@ -631,13 +567,13 @@ def _launch(x, weight, out, cfg: GemvConfig, n: int, *, scale=None, bias=None, r
         x, weight, out, scale if scale is not None else dummy, bias if bias is not None else dummy,
         residual if residual is not None else out, norm_weight if norm_weight is not None else dummy,
         *rope_args, m, n, k, x.stride(0), weight.stride(0), out.stride(0),
-        residual.stride(0) if residual is not None else out.stride(0), eps, *pf_args,
+        residual.stride(0) if residual is not None else out.stride(0), eps,
         W_INT8=weight.dtype in (torch.int8, torch.int32), PLANES=planes, HAS_BIAS=bias is not None,
         HAS_RES=residual is not None,
         PROLOGUE=PROLOGUES[prologue], GLU=glu, ROPE=rope is not None, HQ=hq, HKV=hkv, HALF=half,
         BLOCK_M=triton.next_power_of_2(m), BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
         EVEN_K=k % cfg.block_k == 0, STAGES=cfg.stages, PERSISTENT=blocks < triton.cdiv(n, cfg.block_n),
-        EARLY_EPI=bool(early_epilogue), num_warps=cfg.num_warps, **pf_kw,
+        EARLY_EPI=bool(early_epilogue), num_warps=cfg.num_warps,
         **pdl_launch_kwargs(pdl, pdl_trigger_first))
 
 
@@ -647,7 +583,7 @@ def gemv_qkv_rope(x: torch.Tensor, weight: torch.Tensor, *, bias: torch.Tensor |
                   k_cache: torch.Tensor, v_cache: torch.Tensor, num_heads: int, num_kv_heads: int,
                   scale: torch.Tensor | None = None, config: GemvConfig | None = None,
                   pdl: bool = False, early_epilogue: bool = False,
-                  pdl_trigger_first: bool = False, l2_prefetch: L2Prefetch | None = None) -> torch.Tensor:
+                  pdl_trigger_first: bool = False) -> torch.Tensor:
     """RMSNorm -> packed QKV projection -> RoPE on Q and K -> K/V written to the paged cache, in
     one kernel; returns Q. The same function as ``gemv(x, weight, bias=bias,
     prologue="rmsnorm", ...)`` followed by :func:`~llmserve.triton_kernels.fused.rope_qkv_write_kv`
@@ -667,7 +603,7 @@ def gemv_qkv_rope(x: torch.Tensor, weight: torch.Tensor, *, bias: torch.Tensor |
         k_cache, v_cache: contiguous ``[num_blocks + 1, block_size, Hkv, D]``.
         num_heads, num_kv_heads: ``Hq``, ``Hkv``.
         pdl: programmatic dependent launch (see :func:`gemv`).
-        early_epilogue, pdl_trigger_first, l2_prefetch: see :func:`gemv`.
+        early_epilogue, pdl_trigger_first: see :func:`gemv`.
 
     Returns:
         ``q`` ``[M, Hq, D]`` in ``x.dtype``.
@@ -702,7 +638,7 @@ def gemv_qkv_rope(x: torch.Tensor, weight: torch.Tensor, *, bias: torch.Tensor |
     _launch(x, weight, q.view(m, num_heads * d), cfg, n_pairs, scale=scale, bias=bias,
             norm_weight=norm_weight, prologue="rmsnorm", eps=eps, pdl=pdl,
             rope=(k_cache, v_cache, cos, sin, positions, slot_mapping, num_heads, num_kv_heads),
-            early_epilogue=early_epilogue, pdl_trigger_first=pdl_trigger_first, l2_prefetch=l2_prefetch)
+            early_epilogue=early_epilogue, pdl_trigger_first=pdl_trigger_first)
     return q
 
 
@@ -711,8 +647,7 @@ def gemv(x: torch.Tensor, weight: torch.Tensor, *, scale: torch.Tensor | None = 
          prologue: str = "none", norm_weight: torch.Tensor | None = None, eps: float = 1e-6,
          glu: bool = False, out: torch.Tensor | None = None,
          config: GemvConfig | None = None, pdl: bool = False,
-         early_epilogue: bool = False, pdl_trigger_first: bool = False,
-         l2_prefetch: L2Prefetch | None = None) -> torch.Tensor:
+         early_epilogue: bool = False, pdl_trigger_first: bool = False) -> torch.Tensor:
     """``y = residual + (prologue(x) @ (weight * scale[:, None]).T + bias)`` for ``M <= 4`` rows
     (with ``glu``: ``y = silu(p[:, :N]) * p[:, N:]`` of that projection ``p``).
 
@@ -747,8 +682,6 @@ def gemv(x: torch.Tensor, weight: torch.Tensor, *, scale: torch.Tensor | None = 
             its predecessor (``_launch.pdl_wait``), so several kernels ahead can read their
             weights early. Only when every kernel of the chain waits before touching what
             earlier kernels write (the engine's decode path). Same results.
-        l2_prefetch: part of a later kernel's weight to bring into L2 (:class:`L2Prefetch`;
-            NVIDIA GPUs only, ignored elsewhere). Same results.
 
     Returns:
         ``[M, N]`` in ``out``'s dtype (default ``x.dtype``); fp32 accumulation.
@@ -772,7 +705,7 @@ def gemv(x: torch.Tensor, weight: torch.Tensor, *, scale: torch.Tensor | None = 
     cfg = config or choose_gemv_config(m, n, k, weight.dtype, x.device, prologue + ("+glu" if glu else ""))
     _launch(x, weight, out, cfg, n, scale=scale, bias=bias, residual=residual, norm_weight=norm_weight,
             prologue=prologue, eps=eps, glu=glu, pdl=pdl, early_epilogue=early_epilogue,
-            pdl_trigger_first=pdl_trigger_first, l2_prefetch=l2_prefetch)
+            pdl_trigger_first=pdl_trigger_first)
     return out
 
 

@@ -50,7 +50,7 @@ import triton
 import triton.language as tl
 
 from ..config import env_switch
-from ._launch import num_sms, pdl_launch_kwargs, pdl_start, pdl_wait, prefetch_l2, zeroed_counters
+from ._launch import num_sms, pdl_launch_kwargs, pdl_start, pdl_wait, zeroed_counters
 
 __all__ = [
     "SUPPORTED_HEAD_DIMS",
@@ -183,6 +183,15 @@ def _masked_tile_step(q, k_cache_ptr, v_cache_ptr, off, tmask, offs_d, qk_scale,
 
 
 @triton.jit
+def _prefetch_l2(ptrs, mask):
+    """``prefetch.global.L2`` of each address whose ``mask`` (int32) is non-zero (PTX ISA,
+    "prefetch"): brings the line into L2 without holding registers for the data."""
+    tl.inline_asm_elementwise(
+        "{ .reg .pred p; setp.ne.b32 p, $2, 0; @p prefetch.global.L2 [$1]; mov.u32 $0, 0; }",
+        "=r,l,r", [ptrs, mask], dtype=tl.int32, is_pure=False, pack=1)
+
+
+@triton.jit
 def _qk(q, k, FP32_MATH: tl.constexpr):
     """Scores ``q @ k.T`` ``[R, BLOCK_N]`` in fp32 (exact fp32 products in the interpreter)."""
     if FP32_MATH:
@@ -264,8 +273,8 @@ def _decode_kernel(q_ptr, k_cache_ptr, v_cache_ptr, out_ptr, m_ptr, l_ptr, acc_p
             lines = tl.arange(0, HEAD_DIM // 64) * 64              # 128-byte lines of a bf16 row
             pre = off0[:, None] + lines[None, :]
             pmask = (tmask0[:, None] & (lines[None, :] >= 0)).to(tl.int32)
-            prefetch_l2(k_cache_ptr + pre, pmask)
-            prefetch_l2(v_cache_ptr + pre, pmask)
+            _prefetch_l2(k_cache_ptr + pre, pmask)
+            _prefetch_l2(v_cache_ptr + pre, pmask)
     pdl_wait(USE_PDL, PDL_TRIGGER_FIRST)
     if SKIP_NON_DECODE:
         if tl.load(qsl_ptr + b + 1) - q_row != 1:  # served by the prefill kernel
