@@ -644,6 +644,59 @@ def test_gemv_input_errors():
             GemvConfig(**bad)
 
 
+@pytest.mark.parametrize("int8", [False, True])
+def test_gemv_gathered_rows(int8):
+    """``x_rows`` / ``residual_rows``: x and the residual read as tables (an embedding lookup
+    inside the kernel), repeated and out-of-order ids, int32 and int64 ids; equal to gathering
+    first, in the QKV+RoPE kernel too; bad arguments are errors."""
+    torch.manual_seed(3)
+    table = torch.randn(50, 40, device=DEVICE)
+    w = torch.randn(24, 40, device=DEVICE)
+    scale = None
+    if int8:
+        w, scale = quantize_int8_per_channel(w)
+    res_table = torch.randn(50, 24, device=DEVICE)
+    cfg = GemvConfig(8, 16, 1, 1)
+    for ids in (torch.tensor([7], device=DEVICE), torch.tensor([31, 2, 31], device=DEVICE, dtype=torch.int32)):
+        x = table[ids.long()]
+        ref = gemv(x, w, scale=scale, residual=res_table[ids.long()], prologue="rmsnorm",
+                   norm_weight=torch.ones(40, device=DEVICE), config=cfg)
+        got = gemv(table, w, scale=scale, residual=res_table, prologue="rmsnorm",
+                   norm_weight=torch.ones(40, device=DEVICE), config=cfg, x_rows=ids, residual_rows=ids)
+        torch.testing.assert_close(got, ref, rtol=0, atol=0)
+        got = gemv(x, w, scale=scale, residual=res_table, config=cfg, residual_rows=ids)
+        torch.testing.assert_close(got, gemv(x, w, scale=scale, residual=res_table[ids.long()], config=cfg),
+                                   rtol=0, atol=0)
+    ids = torch.tensor([3, 3], device=DEVICE)
+    with pytest.raises(ValueError, match="x_rows must be a 1-D int32/int64"):
+        gemv(table, w, scale=scale, x_rows=ids.float())
+    with pytest.raises(ValueError, match="same tensor"):
+        gemv(table, w, scale=scale, residual=res_table, x_rows=ids, residual_rows=ids.clone())
+    with pytest.raises(ValueError, match="one entry per row"):
+        gemv(table[:3], w, scale=scale, residual=res_table, residual_rows=ids)
+    with pytest.raises(ValueError, match="needs a residual table"):
+        gemv(table[:2], w, scale=scale, residual_rows=ids)
+    with pytest.raises(ValueError, match=r"\[R, N=24\]"):
+        gemv(table[:2], w, scale=scale, residual=res_table[:, :5], residual_rows=ids)
+    with pytest.raises(ValueError, match="residual table"):
+        gemv(table[:2], w, scale=scale, residual=res_table, residual_rows=ids, out=res_table[:2])
+    # QKV + RoPE: row m of x is table[ids[m]]
+    hq, hkv, d = 2, 1, 8
+    wq = torch.randn((hq + 2 * hkv) * d, 40, device=DEVICE)
+    kc = torch.zeros(3, 4, hkv, d, device=DEVICE)
+    ids = torch.tensor([9, 4], device=DEVICE)
+    pos = torch.tensor([1, 5], device=DEVICE)
+    slots = torch.tensor([0, 6], device=DEVICE)
+    cos, sin = torch.rand(8, d // 2, device=DEVICE), torch.rand(8, d // 2, device=DEVICE)
+    kw = dict(bias=None, norm_weight=torch.rand(40, device=DEVICE) + 0.5, eps=1e-6, positions=pos,
+              slot_mapping=slots, cos=cos, sin=sin, num_heads=hq, num_kv_heads=hkv, config=GemvConfig(4, 16, 1, 1))
+    k1, v1, k2, v2 = kc.clone(), kc.clone(), kc.clone(), kc.clone()
+    q1 = gemv_qkv_rope(table[ids], wq, k_cache=k1, v_cache=v1, **kw)
+    q2 = gemv_qkv_rope(table, wq, k_cache=k2, v_cache=v2, x_rows=ids, **kw)
+    for a, b in ((q1, q2), (k1, k2), (v1, v2)):
+        torch.testing.assert_close(a, b, rtol=0, atol=0)
+
+
 def test_gemv_config_env_and_table(monkeypatch, tmp_path):
     from llmserve.triton_kernels import gemv as gm
     monkeypatch.setenv("LLMSERVE_GEMV_CONFIG", "2,64,2,1")

@@ -146,13 +146,15 @@ def _gemv_step(acc, acc_b, sq, w, wb, x_base, g_ptr, k0, K, rk, PROLOGUE: tl.con
 
 
 @triton.jit
-def _epilogue_operands(rm_ld, rn_ld, row_a, row_b, scale_ptr, bias_ptr, res_ptr, pos_ptr, slot_ptr, stride_rm,
+def _epilogue_operands(rm_ld, res_row, rn_ld, row_a, row_b, scale_ptr, bias_ptr, res_ptr, pos_ptr, slot_ptr,
+                       stride_rm,
                        W_INT8: tl.constexpr, HAS_BIAS: tl.constexpr, HAS_RES: tl.constexpr,
                        ROPE: tl.constexpr, TWO_ROWS: tl.constexpr, BLOCK_M: tl.constexpr,
                        BLOCK_N: tl.constexpr):
     """Operands of a row block's epilogue that do not depend on its result: int8 scales of
     rows a/b ``[1, BN]``, bias of rows a/b (of output ``n`` when not RoPE) ``[1, BN]``, the
-    rows' positions and cache slots ``[BM]`` (RoPE), the residual ``[BM, BN]`` fp32; zeros for
+    rows' positions and cache slots ``[BM]`` (RoPE), the residual ``[BM, BN]`` fp32 (rows
+    ``res_row`` of ``res_ptr``, int64 ``[BM]``); zeros for
     what the kernel does not use. (The cos/sin rows are not here: their address depends on a
     load, and a warp issues in order, so loading them before the K loop would hold it back.)"""
     sc_a = tl.zeros([1, BLOCK_N], tl.float32)
@@ -176,31 +178,42 @@ def _epilogue_operands(rm_ld, rn_ld, row_a, row_b, scale_ptr, bias_ptr, res_ptr,
         pos = tl.load(pos_ptr + rm_ld).to(tl.int64)
         slot = tl.load(slot_ptr + rm_ld).to(tl.int64)
     if HAS_RES:
-        res = tl.load(res_ptr + rm_ld[:, None].to(tl.int64) * stride_rm + rn_ld[None, :]).to(tl.float32)
+        res = tl.load(res_ptr + res_row[:, None] * stride_rm + rn_ld[None, :]).to(tl.float32)
     return sc_a, sc_b, bias_a, bias_b, pos, slot, res
 
 
 @triton.jit
 def _gemv_block(blk, w, wb, rm, rm_ld, rk, x_ptr, w_ptr, y_ptr, scale_ptr, bias_ptr, res_ptr, g_ptr,
-                kc_ptr, vc_ptr, cos_ptr, sin_ptr, pos_ptr, slot_ptr, num_slots,
+                kc_ptr, vc_ptr, cos_ptr, sin_ptr, pos_ptr, slot_ptr, num_slots, ids_ptr,
                 M, N, K, stride_xm, stride_wn, stride_ym, stride_rm, eps,
                 W_INT8: tl.constexpr, HAS_BIAS: tl.constexpr, HAS_RES: tl.constexpr,
                 PROLOGUE: tl.constexpr, GLU: tl.constexpr, ROPE: tl.constexpr,
                 HQ: tl.constexpr, HKV: tl.constexpr, HALF: tl.constexpr,
                 BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                 EVEN_K: tl.constexpr, STAGES: tl.constexpr, EARLY_EPI: tl.constexpr,
-                PLANES: tl.constexpr):
+                PLANES: tl.constexpr, X_GATHER: tl.constexpr, RES_GATHER: tl.constexpr):
     """Row block ``blk``: accumulate over K (``w``/``wb``: its first weight tiles, already
-    loaded), then the epilogue and the stores."""
+    loaded), then the epilogue and the stores. ``X_GATHER`` / ``RES_GATHER``: row ``m`` of x /
+    of the residual is row ``ids[m]`` of that table (an embedding lookup)."""
     TWO_ROWS: tl.constexpr = GLU or ROPE
     rn, rn_ld, row_a, row_b, head, j = _gemv_rows(blk, N, BLOCK_N, ROPE, HALF)
+    if X_GATHER or RES_GATHER:
+        ids = tl.load(ids_ptr + rm_ld).to(tl.int64)                                      # [BM]
+    else:
+        ids = rm_ld.to(tl.int64)
+    x_row = rm_ld.to(tl.int64)
+    if X_GATHER:
+        x_row = ids
+    res_row = rm_ld.to(tl.int64)
+    if RES_GATHER:
+        res_row = ids
     if EARLY_EPI:  # the epilogue's operands requested now: their latency overlaps the K loop
         sc_a, sc_b, bias_a, bias_b, pos, slot, res = _epilogue_operands(
-            rm_ld, rn_ld, row_a, row_b, scale_ptr, bias_ptr, res_ptr, pos_ptr, slot_ptr, stride_rm,
+            rm_ld, res_row, rn_ld, row_a, row_b, scale_ptr, bias_ptr, res_ptr, pos_ptr, slot_ptr, stride_rm,
             W_INT8, HAS_BIAS, HAS_RES, ROPE, TWO_ROWS, BLOCK_M, BLOCK_N)
     w_base = w_ptr + row_a[None, :, None].to(tl.int64) * stride_wn + rk[None, None, :]   # [1, BN, BK]
     wb_base = w_ptr + row_b[None, :, None].to(tl.int64) * stride_wn + rk[None, None, :]
-    x_base = x_ptr + rm_ld[:, None, None].to(tl.int64) * stride_xm + (rn * 0)[None, :, None] \
+    x_base = x_ptr + x_row[:, None, None] * stride_xm + (rn * 0)[None, :, None] \
         + rk[None, None, :]                                                              # [BM, BN, BK]
     acc = tl.zeros([BLOCK_M, BLOCK_N, BLOCK_K], dtype=tl.float32)
     if TWO_ROWS:
@@ -221,7 +234,7 @@ def _gemv_block(blk, w, wb, rm, rm_ld, rk, x_ptr, w_ptr, y_ptr, scale_ptr, bias_
                                     TWO_ROWS, EVEN_K, PLANES)
     if not EARLY_EPI:
         sc_a, sc_b, bias_a, bias_b, pos, slot, res = _epilogue_operands(
-            rm_ld, rn_ld, row_a, row_b, scale_ptr, bias_ptr, res_ptr, pos_ptr, slot_ptr, stride_rm,
+            rm_ld, res_row, rn_ld, row_a, row_b, scale_ptr, bias_ptr, res_ptr, pos_ptr, slot_ptr, stride_rm,
             W_INT8, HAS_BIAS, HAS_RES, ROPE, TWO_ROWS, BLOCK_M, BLOCK_N)
     out = tl.sum(acc, axis=2)                                                            # [BM, BN]
     if TWO_ROWS:
@@ -283,7 +296,7 @@ def _gemv_block(blk, w, wb, rm, rm_ld, rk, x_ptr, w_ptr, y_ptr, scale_ptr, bias_
 
 @triton.jit
 def _gemv_kernel(x_ptr, w_ptr, y_ptr, scale_ptr, bias_ptr, res_ptr, g_ptr,
-                 kc_ptr, vc_ptr, cos_ptr, sin_ptr, pos_ptr, slot_ptr, num_slots,
+                 kc_ptr, vc_ptr, cos_ptr, sin_ptr, pos_ptr, slot_ptr, num_slots, ids_ptr,
                  M, N, K, stride_xm, stride_wn, stride_ym, stride_rm, eps,
                  W_INT8: tl.constexpr, HAS_BIAS: tl.constexpr, HAS_RES: tl.constexpr,
                  PROLOGUE: tl.constexpr, GLU: tl.constexpr, ROPE: tl.constexpr,
@@ -291,7 +304,8 @@ def _gemv_kernel(x_ptr, w_ptr, y_ptr, scale_ptr, bias_ptr, res_ptr, g_ptr,
                  BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                  EVEN_K: tl.constexpr, STAGES: tl.constexpr, PERSISTENT: tl.constexpr,
                  USE_PDL: tl.constexpr, EARLY_EPI: tl.constexpr = False,
-                 PDL_TRIGGER_FIRST: tl.constexpr = False, PLANES: tl.constexpr = False):
+                 PDL_TRIGGER_FIRST: tl.constexpr = False, PLANES: tl.constexpr = False,
+                 X_GATHER: tl.constexpr = False, RES_GATHER: tl.constexpr = False):
     """A program computes ``BLOCK_N`` outputs (a row block) for all ``M <= BLOCK_M`` rows of x:
     row block ``pid``, or with ``PERSISTENT`` (a grid smaller than the block count) blocks
     ``pid, pid + grid, ...``, which avoids a last partial wave; the first tile of its next
@@ -302,6 +316,9 @@ def _gemv_kernel(x_ptr, w_ptr, y_ptr, scale_ptr, bias_ptr, res_ptr, g_ptr,
     RoPE rotates together. ``x`` is addressed as a ``[BLOCK_M, BLOCK_N, BLOCK_K]`` tile with a
     zero stride along N (all N-rows of the tile read the same activations: L1 hits), so it
     arrives in the weight tile's register layout and no layout conversion is needed.
+
+    ``X_GATHER`` / ``RES_GATHER``: x / the residual are tables whose rows ``ids[m]`` are read
+    (the token embedding: the lookup needs no kernel of its own).
 
     With ``USE_PDL`` the first weight tile is loaded before the wait (:func:`pdl_wait`):
     weights never depend on the previous kernel, so their first bytes stream while that kernel
@@ -336,13 +353,13 @@ def _gemv_kernel(x_ptr, w_ptr, y_ptr, scale_ptr, bias_ptr, res_ptr, g_ptr,
                                  K, rk, nxt, num_blocks)
             else:
                 wb = w
-            _gemv_block(blk, w_cur, wb_cur, rm, rm_ld, rk, x_ptr, w_ptr, y_ptr, scale_ptr, bias_ptr, res_ptr, g_ptr, kc_ptr, vc_ptr, cos_ptr, sin_ptr, pos_ptr, slot_ptr, num_slots, M, N, K, stride_xm, stride_wn, stride_ym, stride_rm, eps,
+            _gemv_block(blk, w_cur, wb_cur, rm, rm_ld, rk, x_ptr, w_ptr, y_ptr, scale_ptr, bias_ptr, res_ptr, g_ptr, kc_ptr, vc_ptr, cos_ptr, sin_ptr, pos_ptr, slot_ptr, num_slots, ids_ptr, M, N, K, stride_xm, stride_wn, stride_ym, stride_rm, eps,
                         W_INT8, HAS_BIAS, HAS_RES, PROLOGUE, GLU, ROPE, HQ, HKV, HALF, BLOCK_M, BLOCK_N,
-                        BLOCK_K, EVEN_K, STAGES, EARLY_EPI, PLANES)
+                        BLOCK_K, EVEN_K, STAGES, EARLY_EPI, PLANES, X_GATHER, RES_GATHER)
     else:
-        _gemv_block(pid, w, wb, rm, rm_ld, rk, x_ptr, w_ptr, y_ptr, scale_ptr, bias_ptr, res_ptr, g_ptr, kc_ptr, vc_ptr, cos_ptr, sin_ptr, pos_ptr, slot_ptr, num_slots, M, N, K, stride_xm, stride_wn, stride_ym, stride_rm, eps,
+        _gemv_block(pid, w, wb, rm, rm_ld, rk, x_ptr, w_ptr, y_ptr, scale_ptr, bias_ptr, res_ptr, g_ptr, kc_ptr, vc_ptr, cos_ptr, sin_ptr, pos_ptr, slot_ptr, num_slots, ids_ptr, M, N, K, stride_xm, stride_wn, stride_ym, stride_rm, eps,
                     W_INT8, HAS_BIAS, HAS_RES, PROLOGUE, GLU, ROPE, HQ, HKV, HALF, BLOCK_M, BLOCK_N,
-                    BLOCK_K, EVEN_K, STAGES, EARLY_EPI, PLANES)
+                    BLOCK_K, EVEN_K, STAGES, EARLY_EPI, PLANES, X_GATHER, RES_GATHER)
 
 
 @dataclass(frozen=True, slots=True)
@@ -489,7 +506,8 @@ def _gpu_name(device: torch.device) -> str:
     return _GPU_NAMES[idx]
 
 
-def _check_gemv_inputs(x, weight, scale, bias, residual, prologue, norm_weight, eps, glu, out):
+def _check_gemv_inputs(x, weight, scale, bias, residual, prologue, norm_weight, eps, glu, out,
+                       x_rows=None, residual_rows=None):
     """Validate :func:`gemv`'s arguments (``ValueError`` with the reason); returns ``(M, N, K)``."""
     if prologue not in PROLOGUES:
         raise ValueError(f"prologue must be one of {sorted(PROLOGUES)}, got {prologue!r}")
@@ -503,6 +521,19 @@ def _check_gemv_inputs(x, weight, scale, bias, residual, prologue, norm_weight, 
     if planes:                      # int8 byte planes: [N, K/4] words (pack_int8_planes)
         k *= 4
     m = x.shape[0]
+    for name, t in (("x_rows", x_rows), ("residual_rows", residual_rows)):
+        if t is not None and (t.dim() != 1 or t.dtype not in (torch.int32, torch.int64) or t.device != x.device):
+            raise ValueError(f"{name} must be a 1-D int32/int64 tensor on {x.device}, got {t.dtype} "
+                             f"{tuple(t.shape)} on {t.device}")
+    if x_rows is not None and residual_rows is not None and x_rows is not residual_rows:
+        raise ValueError("x_rows and residual_rows must be the same tensor when both are given")
+    if x_rows is not None:
+        m = x_rows.shape[0]
+    elif residual_rows is not None:
+        if residual_rows.shape[0] != m:
+            raise ValueError(f"residual_rows must have one entry per row of x (M={m}), got {residual_rows.shape[0]}")
+    if residual_rows is not None and residual is None:
+        raise ValueError("residual_rows needs a residual table")
     if x.shape[1] != k:
         raise ValueError(f"x has {x.shape[1]} columns; weight [{rows}, {weight.shape[1]}]"
                          f"{' (int8 byte planes, 4 columns a word)' if planes else ''} needs {k}")
@@ -529,8 +560,11 @@ def _check_gemv_inputs(x, weight, scale, bias, residual, prologue, norm_weight, 
         raise ValueError(f"bias must be [N={n}], got {tuple(bias.shape)}")
     if prologue == "rmsnorm" and (norm_weight is None or norm_weight.shape != (k,)):
         raise ValueError(f"prologue 'rmsnorm' needs norm_weight [K={k}]")
-    if residual is not None and (residual.shape != (m, n) or residual.stride(-1) != 1):
+    if residual is not None and residual_rows is None and (residual.shape != (m, n) or residual.stride(-1) != 1):
         raise ValueError(f"residual must be [M={m}, N={n}] with a contiguous last dim, got "
+                         f"{tuple(residual.shape)}")
+    if residual_rows is not None and (residual.dim() != 2 or residual.shape[1] != n):
+        raise ValueError(f"a residual table read through residual_rows must be [R, N={n}], got "
                          f"{tuple(residual.shape)}")
     for name, t in (("weight", weight), ("scale", scale), ("bias", bias), ("residual", residual),
                     ("norm_weight", norm_weight), ("out", out)):
@@ -544,11 +578,14 @@ def _check_gemv_inputs(x, weight, scale, bias, residual, prologue, norm_weight, 
 
 def _launch(x, weight, out, cfg: GemvConfig, n: int, *, scale=None, bias=None, residual=None,
             norm_weight=None, prologue="none", eps=1e-6, glu=False, pdl=False, rope=None,
-            early_epilogue=False, pdl_trigger_first=False) -> None:
+            early_epilogue=False, pdl_trigger_first=False, x_rows=None, residual_rows=None) -> None:
     """Launch :func:`_gemv_kernel` over ``n`` outputs (validated arguments). ``rope``: ``(k_cache,
     v_cache, cos, sin, positions, slot_mapping, num_heads, num_kv_heads)`` for the QKV+RoPE
-    epilogue (then ``n`` counts rotation pairs)."""
+    epilogue (then ``n`` counts rotation pairs); ``x_rows`` / ``residual_rows``: gathered rows."""
     m, k = x.shape
+    ids = x_rows if x_rows is not None else residual_rows
+    if ids is not None:
+        m = ids.shape[0]
     planes = weight.dtype == torch.int32
     if planes:                      # the kernel's K loop runs over words (4 columns each)
         k = weight.shape[1]
@@ -566,15 +603,15 @@ def _launch(x, weight, out, cfg: GemvConfig, n: int, *, scale=None, bias=None, r
     _gemv_kernel[(blocks,)](
         x, weight, out, scale if scale is not None else dummy, bias if bias is not None else dummy,
         residual if residual is not None else out, norm_weight if norm_weight is not None else dummy,
-        *rope_args, m, n, k, x.stride(0), weight.stride(0), out.stride(0),
+        *rope_args, ids if ids is not None else dummy, m, n, k, x.stride(0), weight.stride(0), out.stride(0),
         residual.stride(0) if residual is not None else out.stride(0), eps,
         W_INT8=weight.dtype in (torch.int8, torch.int32), PLANES=planes, HAS_BIAS=bias is not None,
         HAS_RES=residual is not None,
         PROLOGUE=PROLOGUES[prologue], GLU=glu, ROPE=rope is not None, HQ=hq, HKV=hkv, HALF=half,
         BLOCK_M=triton.next_power_of_2(m), BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
         EVEN_K=k % cfg.block_k == 0, STAGES=cfg.stages, PERSISTENT=blocks < triton.cdiv(n, cfg.block_n),
-        EARLY_EPI=bool(early_epilogue), num_warps=cfg.num_warps,
-        **pdl_launch_kwargs(pdl, pdl_trigger_first))
+        EARLY_EPI=bool(early_epilogue), X_GATHER=x_rows is not None, RES_GATHER=residual_rows is not None,
+        num_warps=cfg.num_warps, **pdl_launch_kwargs(pdl, pdl_trigger_first))
 
 
 def gemv_qkv_rope(x: torch.Tensor, weight: torch.Tensor, *, bias: torch.Tensor | None,
@@ -583,7 +620,7 @@ def gemv_qkv_rope(x: torch.Tensor, weight: torch.Tensor, *, bias: torch.Tensor |
                   k_cache: torch.Tensor, v_cache: torch.Tensor, num_heads: int, num_kv_heads: int,
                   scale: torch.Tensor | None = None, config: GemvConfig | None = None,
                   pdl: bool = False, early_epilogue: bool = False,
-                  pdl_trigger_first: bool = False) -> torch.Tensor:
+                  pdl_trigger_first: bool = False, x_rows: torch.Tensor | None = None) -> torch.Tensor:
     """RMSNorm -> packed QKV projection -> RoPE on Q and K -> K/V written to the paged cache, in
     one kernel; returns Q. The same function as ``gemv(x, weight, bias=bias,
     prologue="rmsnorm", ...)`` followed by :func:`~llmserve.triton_kernels.fused.rope_qkv_write_kv`
@@ -603,7 +640,8 @@ def gemv_qkv_rope(x: torch.Tensor, weight: torch.Tensor, *, bias: torch.Tensor |
         k_cache, v_cache: contiguous ``[num_blocks + 1, block_size, Hkv, D]``.
         num_heads, num_kv_heads: ``Hq``, ``Hkv``.
         pdl: programmatic dependent launch (see :func:`gemv`).
-        early_epilogue, pdl_trigger_first: see :func:`gemv`.
+        early_epilogue, pdl_trigger_first, x_rows: see :func:`gemv` (with ``x_rows``, ``x`` is
+            the embedding table and ``M = len(x_rows)``).
 
     Returns:
         ``q`` ``[M, Hq, D]`` in ``x.dtype``.
@@ -611,7 +649,8 @@ def gemv_qkv_rope(x: torch.Tensor, weight: torch.Tensor, *, bias: torch.Tensor |
     Raises:
         ValueError: as :func:`gemv`, plus cache / table / head-count mismatches.
     """
-    m, rows, k = _check_gemv_inputs(x, weight, scale, bias, None, "rmsnorm", norm_weight, eps, False, None)
+    m, rows, k = _check_gemv_inputs(x, weight, scale, bias, None, "rmsnorm", norm_weight, eps, False, None,
+                                    x_rows)
     if k_cache.dim() != 4 or not (k_cache.is_contiguous() and v_cache.is_contiguous()) \
             or v_cache.shape != k_cache.shape:
         raise ValueError("k_cache and v_cache must be contiguous [num_blocks + 1, block_size, Hkv, D] "
@@ -638,7 +677,7 @@ def gemv_qkv_rope(x: torch.Tensor, weight: torch.Tensor, *, bias: torch.Tensor |
     _launch(x, weight, q.view(m, num_heads * d), cfg, n_pairs, scale=scale, bias=bias,
             norm_weight=norm_weight, prologue="rmsnorm", eps=eps, pdl=pdl,
             rope=(k_cache, v_cache, cos, sin, positions, slot_mapping, num_heads, num_kv_heads),
-            early_epilogue=early_epilogue, pdl_trigger_first=pdl_trigger_first)
+            early_epilogue=early_epilogue, pdl_trigger_first=pdl_trigger_first, x_rows=x_rows)
     return q
 
 
@@ -647,7 +686,8 @@ def gemv(x: torch.Tensor, weight: torch.Tensor, *, scale: torch.Tensor | None = 
          prologue: str = "none", norm_weight: torch.Tensor | None = None, eps: float = 1e-6,
          glu: bool = False, out: torch.Tensor | None = None,
          config: GemvConfig | None = None, pdl: bool = False,
-         early_epilogue: bool = False, pdl_trigger_first: bool = False) -> torch.Tensor:
+         early_epilogue: bool = False, pdl_trigger_first: bool = False,
+         x_rows: torch.Tensor | None = None, residual_rows: torch.Tensor | None = None) -> torch.Tensor:
     """``y = residual + (prologue(x) @ (weight * scale[:, None]).T + bias)`` for ``M <= 4`` rows
     (with ``glu``: ``y = silu(p[:, :N]) * p[:, N:]`` of that projection ``p``).
 
@@ -682,6 +722,11 @@ def gemv(x: torch.Tensor, weight: torch.Tensor, *, scale: torch.Tensor | None = 
             its predecessor (``_launch.pdl_wait``), so several kernels ahead can read their
             weights early. Only when every kernel of the chain waits before touching what
             earlier kernels write (the engine's decode path). Same results.
+        x_rows: optional int32/int64 ``[M]``: ``x`` is then a table ``[R, K]`` (e.g. the token
+            embedding) and row ``m`` of the input is ``x[x_rows[m]]``, so an embedding lookup
+            needs no kernel of its own. Indices are not range-checked (device data).
+        residual_rows: the same for ``residual`` (a table ``[R, N]``); with ``x_rows`` it
+            must be the same tensor.
 
     Returns:
         ``[M, N]`` in ``out``'s dtype (default ``x.dtype``); fp32 accumulation.
@@ -690,7 +735,11 @@ def gemv(x: torch.Tensor, weight: torch.Tensor, *, scale: torch.Tensor | None = 
         ValueError: shapes, dtypes, strides or devices that do not fit, ``M > GEMV_MAX_M``, an
             unknown prologue, CPU tensors without ``TRITON_INTERPRET=1``.
     """
-    m, n, k = _check_gemv_inputs(x, weight, scale, bias, residual, prologue, norm_weight, eps, glu, out)
+    m, n, k = _check_gemv_inputs(x, weight, scale, bias, residual, prologue, norm_weight, eps, glu, out,
+                                 x_rows, residual_rows)
+    if residual_rows is not None and out is not None and out.untyped_storage().data_ptr() == \
+            residual.untyped_storage().data_ptr():
+        raise ValueError("out must not share memory with a residual table read through residual_rows")
     if out is None:
         out = torch.empty((m, n), dtype=x.dtype, device=x.device)
     elif (out.shape != (m, n) or out.stride(-1) != 1
@@ -705,7 +754,7 @@ def gemv(x: torch.Tensor, weight: torch.Tensor, *, scale: torch.Tensor | None = 
     cfg = config or choose_gemv_config(m, n, k, weight.dtype, x.device, prologue + ("+glu" if glu else ""))
     _launch(x, weight, out, cfg, n, scale=scale, bias=bias, residual=residual, norm_weight=norm_weight,
             prologue=prologue, eps=eps, glu=glu, pdl=pdl, early_epilogue=early_epilogue,
-            pdl_trigger_first=pdl_trigger_first)
+            pdl_trigger_first=pdl_trigger_first, x_rows=x_rows, residual_rows=residual_rows)
     return out
 
 
