@@ -113,33 +113,31 @@ def test_gemv_path_matches_readable_path(seqs):
 
 
 @pytest.mark.parametrize("seqs", [[(1, 1)], [(9, 1), (4, 1), (17, 1)], [(7, 3)]])
-def test_decode_logits_fuses_embedding_and_final_norm(monkeypatch, seqs):
-    """``decode_logits`` (the decode graphs' function): the first layer's kernels read the
-    embedding rows straight from the table and the LM head applies the final RMSNorm; the same
-    logits and cache writes as ``compute_logits(forward(...))`` and as the readable path (fp32,
-    rounding only), with repeated token ids in one step; ``LLMSERVE_DECODE_FUSE_ENDS=0`` takes
-    the unfused functions."""
+def test_gemv_path_embedding_gather(monkeypatch, seqs):
+    """The first layer's kernels read the embedding rows straight from the table
+    (``embed_gather``, on by default): the same hidden states, logits and cache writes as the
+    lookup kernel (fp32: bit for bit) and as the readable path, with a token id repeated in one
+    step; ``LLMSERVE_DECODE_EMBED_GATHER=0`` keeps the lookup."""
     model = small_model(6, 2)
     ids, pos, caches, meta = batch(model, seqs)
     if ids.numel() > 1:
         ids[1] = ids[0]                                        # the same row gathered twice
     caches2 = [(k.clone(), v.clone()) for k, v in caches]
-    ref = model.compute_logits(model(ids, pos, caches, meta))
+    caches3 = [(k.clone(), v.clone()) for k, v in caches]
+    ref = model(ids, pos, caches, meta)
     fast = FastQwen2Forward(model, use_gemv=True, gemv_max_tokens=4)
-    assert fast.fuse_ends
-    logits = fast.decode_logits(ids, pos, caches2, meta)
-    assert logits.dtype == torch.float32 and logits.shape == ref.shape
-    torch.testing.assert_close(logits, ref, atol=2e-4, rtol=2e-4)
-    for (k1, v1), (k2, v2) in zip(caches, caches2):
+    assert fast.embed_gather
+    out = fast(ids, pos, caches2, meta)
+    torch.testing.assert_close(out, ref, atol=5e-5, rtol=5e-5)
+    monkeypatch.setenv("LLMSERVE_DECODE_EMBED_GATHER", "0")
+    off = FastQwen2Forward(model, use_gemv=True, gemv_max_tokens=4)
+    assert not off.embed_gather
+    torch.testing.assert_close(off(ids, pos, caches3, meta), out, atol=0, rtol=0)
+    for (k1, v1), (k2, v2), (k3, v3) in zip(caches, caches2, caches3):
         torch.testing.assert_close(k2[:-1], k1[:-1], atol=1e-5, rtol=1e-5)
         torch.testing.assert_close(v2[:-1], v1[:-1], atol=1e-5, rtol=1e-5)
-    monkeypatch.setenv("LLMSERVE_DECODE_FUSE_ENDS", "0")
-    off = FastQwen2Forward(model, use_gemv=True, gemv_max_tokens=4)
-    assert not off.fuse_ends
-    caches3 = [(k.clone(), v.clone()) for k, v in caches]
-    torch.testing.assert_close(off.decode_logits(ids, pos, caches3, meta),
-                               off.compute_logits(off(ids, pos, [(k.clone(), v.clone()) for k, v in caches], meta)),
-                               atol=0, rtol=0)
+        torch.testing.assert_close(k3, k2, atol=0, rtol=0)
+        torch.testing.assert_close(v3, v2, atol=0, rtol=0)
 
 
 def test_add_rmsnorm_and_silu_match_reference():

@@ -80,16 +80,12 @@ class CUDAGraphDecodeRunner:
             ``0`` or ``>= max_model_len``: none).
         greedy: optional ``logits [N, V] -> [N]`` int64 argmax, captured after the logits so
             the step's greedy tokens come out of the graph (:attr:`last_argmax`).
-        forward_logits: optional ``(input_ids, positions, kv_caches, meta) -> logits [N, V]``
-            float32 used instead of ``compute_logits(forward(...))`` (every decode row is
-            sampled), e.g. :meth:`~llmserve.models.fast_forward.FastQwen2Forward.decode_logits`.
     """
 
     def __init__(self, forward, compute_logits, kv_caches, block_size: int, max_batch: int,
                  max_model_len: int, device: torch.device, short_context: int | None = None,
-                 greedy=None, forward_logits=None) -> None:
+                 greedy=None) -> None:
         self.forward = forward
-        self.forward_logits = forward_logits
         self.compute_logits = compute_logits
         self.greedy = greedy
         self.kv_caches = kv_caches
@@ -141,11 +137,8 @@ class CUDAGraphDecodeRunner:
             block_size=self.block_size, is_decode_only=True)
 
     def _run(self, b: int, short: bool) -> tuple[torch.Tensor, torch.Tensor | None]:
-        args = (self.input_ids[:b], self.positions[:b], self.kv_caches, self._meta(b, short))
-        if self.forward_logits is not None:
-            logits = self.forward_logits(*args)                               # [b, V]
-        else:
-            logits = self.compute_logits(self.forward(*args))                 # [b, V]
+        hidden = self.forward(self.input_ids[:b], self.positions[:b], self.kv_caches, self._meta(b, short))
+        logits = self.compute_logits(hidden)                                  # [b, V]
         return logits, (self.greedy(logits) if self.greedy is not None else None)  # [b] int64
 
     @torch.inference_mode()

@@ -221,8 +221,7 @@ class LLMEngine(_EngineBase):
             graphs = CUDAGraphDecodeRunner(fast, fast.compute_logits, self.kv_cache.kv_caches,
                                            self.block_size, config.scheduler.max_num_seqs,
                                            self.max_model_len, self.device,
-                                           greedy=fast.greedy if graph_argmax else None,
-                                           forward_logits=fast.decode_logits)
+                                           greedy=fast.greedy if graph_argmax else None)
             graphs.capture()
         return fast, graphs
 

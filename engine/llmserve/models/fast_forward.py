@@ -212,12 +212,12 @@ class FastQwen2Forward:
         # kernels several positions ahead read their weights early); LLMSERVE_PDL_TRIGGER_FIRST.
         first = env_switch("LLMSERVE_PDL_TRIGGER_FIRST")       # validated on every device
         self.pdl_trigger_first = self.pdl and first is True
-        # decode_logits: the embedding lookup read by the first layer's kernels and the final
-        # RMSNorm as the LM head's prologue (two launches a step fewer); LLMSERVE_DECODE_FUSE_ENDS=0
-        # keeps them separate (A/B runs).
-        fuse_ends = env_switch("LLMSERVE_DECODE_FUSE_ENDS")
-        self.fuse_ends = (fuse_ends is not False and type(model.model.embed_tokens) is nn.Embedding
-                          and model.model.embed_tokens.weight.stride(-1) == 1)
+        # Matrix-vector path: the first layer's QKV and O kernels read the token embeddings
+        # straight from the table (gemv's x_rows / residual_rows), so the lookup is no kernel of
+        # its own; LLMSERVE_DECODE_EMBED_GATHER=0 keeps the lookup kernel (A/B runs).
+        gather = env_switch("LLMSERVE_DECODE_EMBED_GATHER")
+        self.embed_gather = (gather is not False and type(model.model.embed_tokens) is nn.Embedding
+                             and model.model.embed_tokens.weight.stride(-1) == 1)
 
     def _check_quantization(self) -> None:
         if getattr(self.model, "quantization_config", None) is not self._quantization:
@@ -267,27 +267,6 @@ class FastQwen2Forward:
         out = torch.empty((m, w.shape[0]), dtype=torch.float32, device=hidden.device)
         return gemv(hidden, w, out=out, pdl=self.pdl, pdl_trigger_first=self.pdl_trigger_first)
 
-    def decode_logits(self, input_ids: torch.Tensor, positions: torch.Tensor,
-                      kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
-                      meta: AttentionMetadata) -> torch.Tensor:
-        """``compute_logits(self(input_ids, ...))`` for a step whose every row is sampled (the
-        decode graphs): logits ``[N, V]`` float32. On the matrix-vector path with
-        :attr:`fuse_ends` the first layer's QKV and O kernels read the token embeddings straight
-        from the table (``gemv``'s ``x_rows`` / ``residual_rows``) and the LM head applies the
-        final RMSNorm as its prologue, so neither the embedding lookup nor the final norm is a
-        kernel of its own. The normalised hidden state then stays fp32 into the LM head instead
-        of being rounded to the model dtype (like every RMSNorm prologue of this path), so bf16
-        logits differ from :meth:`compute_logits` by about one rounding of the activation."""
-        n = input_ids.shape[0]
-        if not (self.fuse_ends and self.use_gemv and self._plain_head and 0 < n <= self.gemv_max_tokens):
-            return self.compute_logits(self(input_ids, positions, kv_caches, meta))
-        self._check_quantization()
-        r = self._forward_gemv(input_ids, positions, kv_caches, meta, fuse_ends=True)  # [N, H], before the norm
-        w = self.model.lm_head.weight                                       # [V, H]
-        out = torch.empty((n, w.shape[0]), dtype=torch.float32, device=r.device)
-        return gemv(r, w, prologue="rmsnorm", norm_weight=self.model.model.norm.weight, eps=self.eps,
-                    out=out, pdl=self.pdl, pdl_trigger_first=self.pdl_trigger_first)
-
     def greedy(self, logits: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
         """``logits [M, V]`` float32 ``-> [M]`` int64, ``torch.argmax(logits, -1)`` in one Triton
         launch (:func:`~llmserve.triton_kernels.argmax.argmax_rows`; programmatic dependent
@@ -296,14 +275,14 @@ class FastQwen2Forward:
 
     def _forward_gemv(self, input_ids: torch.Tensor, positions: torch.Tensor,
                       kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
-                      meta: AttentionMetadata, fuse_ends: bool = False) -> torch.Tensor:
+                      meta: AttentionMetadata) -> torch.Tensor:
         """The same function for ``N <= GEMV_MAX_M`` tokens with fused matrix-vector kernels:
         ``r`` is the residual stream ``[N, H]``, updated in place by the O and down
         projections' epilogues; each layer's two RMSNorms run inside the QKV and gate-up
         projections, RoPE and the K/V cache write in the QKV projection's epilogue and
-        SiLU-and-mul in the gate-up projection's epilogue. ``fuse_ends``: the first QKV and O
-        projections read the embedding rows of ``input_ids`` from the table (no lookup kernel),
-        and ``r`` is returned *before* the final RMSNorm (:meth:`decode_logits`)."""
+        SiLU-and-mul in the gate-up projection's epilogue. With :attr:`embed_gather` the first
+        layer's QKV and O projections read the embedding rows of ``input_ids`` from the table
+        (no lookup kernel; the O projection writes the first ``r``)."""
         model = self.model
         backend = model.attention_backend
         direct_decode = isinstance(backend, TritonPagedAttention) and meta.is_decode_only
@@ -312,13 +291,13 @@ class FastQwen2Forward:
         cos, sin = model.rope_cos_sin(input_ids.device)                     # [L, D/2] fp32
         emb = model.model.embed_tokens.weight                               # [V, H]
         n = input_ids.shape[0]
-        if fuse_ends:   # rows of emb read by the first QKV and O kernels; the O kernel writes r
+        if self.embed_gather:   # rows of emb read by the first QKV and O kernels; O writes r
             r = torch.empty((n, emb.shape[1]), dtype=emb.dtype, device=emb.device)
         else:
             r = model.model.embed_tokens(input_ids)                         # [N, H]
         for i, (entry, (k_cache, v_cache)) in enumerate(zip(self.layers, kv_caches)):
             layer = entry["layer"]
-            gather = fuse_ends and i == 0
+            gather = self.embed_gather and i == 0
             w_qkv, b_qkv, s_qkv = entry["qkv"]
             q = gemv_qkv_rope(emb if gather else r, w_qkv, bias=b_qkv, scale=s_qkv,
                               norm_weight=layer.input_layernorm.weight,
@@ -344,7 +323,5 @@ class FastQwen2Forward:
             w_d, b_d, s_d = _proj(layer.mlp.down_proj)
             gemv(act, w_d, scale=s_d, bias=b_d, residual=r, out=r, pdl=pdl,
                  early_epilogue=early, pdl_trigger_first=first)             # r += act @ Wd.T
-        if fuse_ends:
-            return r
         h, _ = add_rmsnorm(r, model.model.norm.weight, self.eps)            # [N, H]
         return h
