@@ -150,10 +150,12 @@ class _InFlightStep:
     seqs: list[Sequence]
     sample: "PendingSample"
 
-    def device_source(self) -> tuple[torch.Tensor, dict[str, int]]:
-        """``(token_ids_device [S], {request_id: row})``: where the next step finds the
-        input ids of these sequences."""
-        return self.sample.token_ids_device, {s.request_id: i for i, s in enumerate(self.seqs)}
+    def device_source(self) -> tuple[torch.Tensor, dict[str, int], torch.cuda.Event | None]:
+        """``(token_ids_device [S], {request_id: row}, copied)``: where the next step finds the
+        input ids of these sequences, and the event a graph replay that overwrites them waits
+        for (``None``: no wait needed; :meth:`PendingSample.copied`)."""
+        return self.sample.token_ids_device, {s.request_id: i for i, s in enumerate(self.seqs)}, \
+            self.sample.copied()
 
 
 class LLMEngine(_EngineBase):

@@ -182,7 +182,8 @@ class ModelRunner:
         fill = None
         if fill_rows:
             fill = lambda input_ids: self._fill_pending(input_ids, fill_rows, fill_src, pending)  # noqa: E731
-        logits = g.run(ids, pos, slots, pos + 1, table, fill=fill)
+        logits = g.run(ids, pos, slots, pos + 1, table, fill=fill,
+                       wait_event=pending[2] if pending is not None and len(pending) > 2 else None)
         self.num_graph_steps += 1
         return logits, list(range(b))
 

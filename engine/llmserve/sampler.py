@@ -13,9 +13,12 @@ threshold is kept).
 
 from __future__ import annotations
 
+from contextlib import nullcontext as _nullcontext
 from dataclasses import dataclass
 
 import torch
+
+from .config import env_switch
 
 from .sampling_params import SamplingParams
 
@@ -150,12 +153,31 @@ class Sampler:
 
 
 def _to_host(t: torch.Tensor | None) -> torch.Tensor | None:
-    """Start a copy of ``t`` to (pinned) host memory; returns the host tensor."""
+    """Start a copy of ``t`` to (pinned) host memory on the current stream; returns the host
+    tensor."""
     if t is None or t.device.type == "cpu":
         return t
     host = torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
     host.copy_(t, non_blocking=True)
     return host
+
+
+_SIDE_STREAMS: dict[int, torch.cuda.Stream] = {}
+
+
+def _copy_stream(device: torch.device) -> torch.cuda.Stream | None:
+    """The stream that copies sampled ids to the host, or ``None`` for the current one.
+
+    With ``LLMSERVE_D2H_SIDE_STREAM=1`` the copy runs on a side stream that waits for the step,
+    so the compute stream goes from one step's kernels straight to the next step's input copy
+    (the next step's graph waits for the copy only before it replays; see
+    :meth:`PendingSample.copied`)."""
+    if env_switch("LLMSERVE_D2H_SIDE_STREAM") is not True:
+        return None
+    idx = device.index if device.index is not None else torch.cuda.current_device()
+    if idx not in _SIDE_STREAMS:
+        _SIDE_STREAMS[idx] = torch.cuda.Stream(device)
+    return _SIDE_STREAMS[idx]
 
 
 class PendingSample:
@@ -165,19 +187,33 @@ class PendingSample:
         token_ids_device: ``[B]`` int64 on the logits' device (the next step's input ids).
     """
 
-    __slots__ = ("token_ids_device", "_host", "_lp", "_event")
+    __slots__ = ("token_ids_device", "_host", "_lp", "_event", "_side")
 
     def __init__(self, chosen: torch.Tensor, lp_parts) -> None:
         self.token_ids_device = chosen
-        self._host = _to_host(chosen)
-        self._lp = None
-        if lp_parts is not None:
-            want, ks, tok_lp, top_vals, top_ids = lp_parts
-            self._lp = (want, ks, _to_host(tok_lp), _to_host(top_vals), _to_host(top_ids))
-        self._event = None
-        if chosen.device.type == "cuda":
-            self._event = torch.cuda.Event()
-            self._event.record()
+        side = _copy_stream(chosen.device) if chosen.device.type == "cuda" else None
+        self._side = side is not None
+        if side is not None:            # the copies wait for the step on a side stream
+            side.wait_stream(torch.cuda.current_stream(chosen.device))
+            for t in (chosen, *(lp_parts[2:] if lp_parts is not None else ())):
+                if t is not None:
+                    t.record_stream(side)   # not reused by the allocator before the copy ran
+        with torch.cuda.stream(side) if side is not None else _nullcontext():
+            self._host = _to_host(chosen)
+            self._lp = None
+            if lp_parts is not None:
+                want, ks, tok_lp, top_vals, top_ids = lp_parts
+                self._lp = (want, ks, _to_host(tok_lp), _to_host(top_vals), _to_host(top_ids))
+            self._event = None
+            if chosen.device.type == "cuda":
+                self._event = torch.cuda.Event()
+                self._event.record()
+
+    def copied(self) -> torch.cuda.Event | None:
+        """With a side copy stream: the event after the copies, which work that overwrites
+        :attr:`token_ids_device` (the next replay of the same decode graph) must wait for;
+        ``None`` when the copies ran on the compute stream (ordered already)."""
+        return self._event if self._side else None
 
     def result(self) -> SampleResult:
         """Wait for this step's sampling (only its own work, not later launches) and return
