@@ -214,16 +214,17 @@ def test_pdl_trigger_first_same_tokens(monkeypatch):
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
-def test_d2h_side_stream_same_outputs(monkeypatch):
-    """``LLMSERVE_D2H_SIDE_STREAM=1`` (sampled ids copied to the host on a side stream, the
-    next graph replay waiting for that copy) changes only stream order: the same greedy tokens
-    through graph replays, the same sampled tokens and logprobs for seeded requests."""
+def test_d2h_defer_same_outputs(monkeypatch):
+    """``LLMSERVE_D2H_DEFER`` (a step's sampled ids copied to the host just before the next
+    step's replay instead of right after the step; on by default) changes only the order of
+    work on the stream: the same greedy tokens through graph replays, the same sampled tokens
+    and logprobs for seeded requests."""
     from llmserve.config import CacheConfig, EngineConfig, SchedulerConfig
     from llmserve.engine import LLMEngine
     from llmserve.sampling_params import SamplingParams
 
     def run(side: str):
-        monkeypatch.setenv("LLMSERVE_D2H_SIDE_STREAM", side)
+        monkeypatch.setenv("LLMSERVE_D2H_DEFER", side)
         cfg = EngineConfig(model="tiny", device="cuda", dtype="bfloat16", attention_backend="triton",
                            use_cuda_graph=True, cache=CacheConfig(num_blocks=512),
                            scheduler=SchedulerConfig(max_num_seqs=8, max_model_len=512))

@@ -13,12 +13,10 @@ threshold is kept).
 
 from __future__ import annotations
 
-from contextlib import nullcontext as _nullcontext
 from dataclasses import dataclass
 
 import torch
 
-from .config import env_switch
 
 from .sampling_params import SamplingParams
 
@@ -104,7 +102,8 @@ class Sampler:
 
     @torch.inference_mode()
     def sample_async(self, logits: torch.Tensor, params: list[SamplingParams],
-                     request_ids: list[str], argmax: torch.Tensor | None = None) -> "PendingSample":
+                     request_ids: list[str], argmax: torch.Tensor | None = None,
+                     defer_copy: bool = False) -> "PendingSample":
         """Queue the sampling of one step on the logits' device without waiting for it.
 
         The chosen ids stay on the device (``PendingSample.token_ids_device``, which the next
@@ -113,7 +112,8 @@ class Sampler:
         (:meth:`PendingSample.result`). No host synchronisation happens here.
 
         Args/shapes as :meth:`sample`; ``argmax``: ``logits.argmax(-1)`` ``[B]`` int64 when the
-        caller has it already (the decode graph computes it), used for the greedy rows.
+        caller has it already (the decode graph computes it), used for the greedy rows;
+        ``defer_copy``: queue the copy to the host later (:meth:`PendingSample.start_copy`).
         """
         b = logits.shape[0]
         if b == 0:
@@ -149,7 +149,7 @@ class Sampler:
             tok_lp = lp.gather(1, chosen[want][:, None]).squeeze(1)               # [W]
             top_vals, top_ids = lp.topk(kmax, dim=-1) if kmax > 0 else (None, None)
             lp_parts = (want, [params[i].logprobs for i in want], tok_lp, top_vals, top_ids)
-        return PendingSample(chosen, lp_parts)
+        return PendingSample(chosen, lp_parts, defer=defer_copy)
 
 
 def _to_host(t: torch.Tensor | None) -> torch.Tensor | None:
@@ -162,24 +162,6 @@ def _to_host(t: torch.Tensor | None) -> torch.Tensor | None:
     return host
 
 
-_SIDE_STREAMS: dict[int, torch.cuda.Stream] = {}
-
-
-def _copy_stream(device: torch.device) -> torch.cuda.Stream | None:
-    """The stream that copies sampled ids to the host, or ``None`` for the current one.
-
-    With ``LLMSERVE_D2H_SIDE_STREAM=1`` the copy runs on a side stream that waits for the step,
-    so the compute stream goes from one step's kernels straight to the next step's input copy
-    (the next step's graph waits for the copy only before it replays; see
-    :meth:`PendingSample.copied`)."""
-    if env_switch("LLMSERVE_D2H_SIDE_STREAM") is not True:
-        return None
-    idx = device.index if device.index is not None else torch.cuda.current_device()
-    if idx not in _SIDE_STREAMS:
-        _SIDE_STREAMS[idx] = torch.cuda.Stream(device)
-    return _SIDE_STREAMS[idx]
-
-
 class PendingSample:
     """One step's sampled ids (and logprobs) on their way to the host.
 
@@ -187,37 +169,38 @@ class PendingSample:
         token_ids_device: ``[B]`` int64 on the logits' device (the next step's input ids).
     """
 
-    __slots__ = ("token_ids_device", "_host", "_lp", "_event", "_side")
+    __slots__ = ("token_ids_device", "_host", "_lp", "_event", "_parts")
 
-    def __init__(self, chosen: torch.Tensor, lp_parts) -> None:
+    def __init__(self, chosen: torch.Tensor, lp_parts, defer: bool = False) -> None:
         self.token_ids_device = chosen
-        side = _copy_stream(chosen.device) if chosen.device.type == "cuda" else None
-        self._side = side is not None
-        if side is not None:            # the copies wait for the step on a side stream
-            side.wait_stream(torch.cuda.current_stream(chosen.device))
-            for t in (chosen, *(lp_parts[2:] if lp_parts is not None else ())):
-                if t is not None:
-                    t.record_stream(side)   # not reused by the allocator before the copy ran
-        with torch.cuda.stream(side) if side is not None else _nullcontext():
-            self._host = _to_host(chosen)
-            self._lp = None
-            if lp_parts is not None:
-                want, ks, tok_lp, top_vals, top_ids = lp_parts
-                self._lp = (want, ks, _to_host(tok_lp), _to_host(top_vals), _to_host(top_ids))
-            self._event = None
-            if chosen.device.type == "cuda":
-                self._event = torch.cuda.Event()
-                self._event.record()
+        self._host = self._lp = self._event = None
+        self._parts = (chosen, lp_parts)
+        if not defer:
+            self.start_copy()
 
-    def copied(self) -> torch.cuda.Event | None:
-        """With a side copy stream: the event after the copies, which work that overwrites
-        :attr:`token_ids_device` (the next replay of the same decode graph) must wait for;
-        ``None`` when the copies ran on the compute stream (ordered already)."""
-        return self._event if self._side else None
+    def start_copy(self) -> None:
+        """Queue the copies to pinned host memory, and the event :meth:`result` waits for, on
+        the current stream (once; later calls do nothing). A deferred sample (``defer=True``)
+        is copied when the next step's inputs are on their way (the engine passes this method
+        to the model runner, which calls it just before the next decode graph replays: the
+        copy then follows the next step's input copy instead of preceding it, and still
+        precedes the replay that overwrites the graph's token buffer) or at :meth:`result`."""
+        if self._parts is None:
+            return
+        chosen, lp_parts = self._parts
+        self._parts = None
+        self._host = _to_host(chosen)
+        if lp_parts is not None:
+            want, ks, tok_lp, top_vals, top_ids = lp_parts
+            self._lp = (want, ks, _to_host(tok_lp), _to_host(top_vals), _to_host(top_ids))
+        if chosen.device.type == "cuda":
+            self._event = torch.cuda.Event()
+            self._event.record()
 
     def result(self) -> SampleResult:
         """Wait for this step's sampling (only its own work, not later launches) and return
         the ids and logprob records."""
+        self.start_copy()
         if self._event is not None:
             self._event.synchronize()
         ids = self._host.tolist()
