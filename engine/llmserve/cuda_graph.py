@@ -190,8 +190,7 @@ class CUDAGraphDecodeRunner:
         return None
 
     def run(self, token_ids: np.ndarray, positions: np.ndarray, slots: np.ndarray,
-            context_lens: np.ndarray, block_tables: np.ndarray, fill=None,
-            before_replay=None) -> torch.Tensor:
+            context_lens: np.ndarray, block_tables: np.ndarray, fill=None) -> torch.Tensor:
         """Replay the bucket's graph for ``b = len(token_ids)`` decode rows: the short-context
         graph when every context fits in it, else the full-length one (``last_graph`` records
         which).
@@ -201,9 +200,6 @@ class CUDAGraphDecodeRunner:
             block_tables: ``[b, w]`` int64 with ``w <= max_blocks``.
             fill: optional callable given the graph's ``input_ids`` buffer after the inputs are
                 copied in, to write ids that live on the device (asynchronous scheduling).
-            before_replay: optional callable run after the input copies and ``fill``, just
-                before the replay (the previous step's token copy to the host, which reads a
-                graph output the replay may overwrite).
 
         Returns:
             logits ``[b, V]`` float32 (a view of the graph's static output: consume before the
@@ -226,8 +222,6 @@ class CUDAGraphDecodeRunner:
         self._dev[:n].copy_(self._hosts[self._turn][:n], non_blocking=True)               # one H2D copy
         if fill is not None:
             fill(self.input_ids)
-        if before_replay is not None:
-            before_replay()
         short = (bucket, True) in self.graphs and int(context_lens.max()) <= self.short_context
         self.last_graph = self.graphs[(bucket, short)]
         self.last_graph.replay()

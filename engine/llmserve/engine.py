@@ -150,12 +150,10 @@ class _InFlightStep:
     seqs: list[Sequence]
     sample: "PendingSample"
 
-    def device_source(self) -> tuple[torch.Tensor, dict[str, int], Callable[[], None]]:
-        """``(token_ids_device [S], {request_id: row}, start_copy)``: where the next step finds
-        the input ids of these sequences, and what queues their copy to the host (called by the
-        model runner before the next step's forward work; :meth:`PendingSample.start_copy`)."""
-        return self.sample.token_ids_device, {s.request_id: i for i, s in enumerate(self.seqs)}, \
-            self.sample.start_copy
+    def device_source(self) -> tuple[torch.Tensor, dict[str, int]]:
+        """``(token_ids_device [S], {request_id: row})``: where the next step finds the
+        input ids of these sequences."""
+        return self.sample.token_ids_device, {s.request_id: i for i, s in enumerate(self.seqs)}
 
 
 class LLMEngine(_EngineBase):
@@ -204,11 +202,6 @@ class LLMEngine(_EngineBase):
         auto = os.environ.get("LLMSERVE_ASYNC_SCHEDULING", "1" if self.device.type == "cuda" else "0") != "0"
         self.async_scheduling = auto if config.async_scheduling is None else bool(config.async_scheduling)
         self._inflight: _InFlightStep | None = None
-        # With asynchronous scheduling a step's sampled ids are copied to the host just before
-        # the next step's forward work (after its input copies) instead of right after the step,
-        # so the device does not go copy-out -> copy-in between two decode graphs;
-        # LLMSERVE_D2H_DEFER=0 copies right away (A/B runs).
-        self._defer_copy = env_switch("LLMSERVE_D2H_DEFER") is not False
 
     def _build_fast_path(self, config: EngineConfig):
         """On CUDA: the fused forward (Triton norm/rope/silu kernels, packed QKV and gate-up
@@ -431,8 +424,7 @@ class LLMEngine(_EngineBase):
                 seqs = [out.scheduled[i].seq for i in sample_idx]
                 sample = self.sampler.sample_async(logits, [s.sampling_params for s in seqs],
                                                    [s.request_id for s in seqs],
-                                                   argmax=self.runner.last_argmax,
-                                                   defer_copy=self.async_scheduling and self._defer_copy)
+                                                   argmax=self.runner.last_argmax)
                 for seq in seqs:
                     seq.num_pending += 1
                 launched = _InFlightStep(seqs, sample)

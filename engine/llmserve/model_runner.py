@@ -182,16 +182,14 @@ class ModelRunner:
         fill = None
         if fill_rows:
             fill = lambda input_ids: self._fill_pending(input_ids, fill_rows, fill_src, pending)  # noqa: E731
-        logits = g.run(ids, pos, slots, pos + 1, table, fill=fill, before_replay=_start_copy(pending))
+        logits = g.run(ids, pos, slots, pos + 1, table, fill=fill)
         self.num_graph_steps += 1
         return logits, list(range(b))
 
     @torch.inference_mode()
     def execute(self, scheduled: list, pending=None) -> tuple[torch.Tensor, list[int]]:
         """Run one forward pass (a CUDA-graph replay for decode-only steps when available).
-        ``pending``: the in-flight step's sampled ids, see :meth:`prepare`; its optional third
-        element queues their copy to the host, called before this step's forward work (after
-        the input copies of a graph step).
+        ``pending``: the in-flight step's sampled ids, see :meth:`prepare`.
 
         Returns:
             ``(logits [S, vocab] float32, sample_seq_indices)``: logits for the sequences that
@@ -204,17 +202,9 @@ class ModelRunner:
             self.last_argmax = self.cuda_graphs.last_argmax
             return replay
         self.num_eager_steps += 1
-        start_copy = _start_copy(pending)
-        if start_copy is not None:     # the in-flight step's ids leave before this step's kernels
-            start_copy()
         inp = self.prepare(scheduled, pending)
         hidden = self.forward(inp.input_ids, inp.positions, self.kv_caches, inp.attn_metadata)  # [N, H]
         if not inp.sample_seq_indices:
             return hidden.new_empty((0, 0), dtype=torch.float32), []
         logits = self.model.compute_logits(hidden[inp.sample_rows])                            # [S, V]
         return logits, inp.sample_seq_indices
-
-
-def _start_copy(pending):
-    """The in-flight step's copy-to-host hook in ``pending`` (third element), or ``None``."""
-    return pending[2] if pending is not None and len(pending) > 2 else None

@@ -17,7 +17,6 @@ from dataclasses import dataclass
 
 import torch
 
-
 from .sampling_params import SamplingParams
 
 
@@ -102,8 +101,7 @@ class Sampler:
 
     @torch.inference_mode()
     def sample_async(self, logits: torch.Tensor, params: list[SamplingParams],
-                     request_ids: list[str], argmax: torch.Tensor | None = None,
-                     defer_copy: bool = False) -> "PendingSample":
+                     request_ids: list[str], argmax: torch.Tensor | None = None) -> "PendingSample":
         """Queue the sampling of one step on the logits' device without waiting for it.
 
         The chosen ids stay on the device (``PendingSample.token_ids_device``, which the next
@@ -112,8 +110,7 @@ class Sampler:
         (:meth:`PendingSample.result`). No host synchronisation happens here.
 
         Args/shapes as :meth:`sample`; ``argmax``: ``logits.argmax(-1)`` ``[B]`` int64 when the
-        caller has it already (the decode graph computes it), used for the greedy rows;
-        ``defer_copy``: queue the copy to the host later (:meth:`PendingSample.start_copy`).
+        caller has it already (the decode graph computes it), used for the greedy rows.
         """
         b = logits.shape[0]
         if b == 0:
@@ -149,12 +146,11 @@ class Sampler:
             tok_lp = lp.gather(1, chosen[want][:, None]).squeeze(1)               # [W]
             top_vals, top_ids = lp.topk(kmax, dim=-1) if kmax > 0 else (None, None)
             lp_parts = (want, [params[i].logprobs for i in want], tok_lp, top_vals, top_ids)
-        return PendingSample(chosen, lp_parts, defer=defer_copy)
+        return PendingSample(chosen, lp_parts)
 
 
 def _to_host(t: torch.Tensor | None) -> torch.Tensor | None:
-    """Start a copy of ``t`` to (pinned) host memory on the current stream; returns the host
-    tensor."""
+    """Start a copy of ``t`` to (pinned) host memory; returns the host tensor."""
     if t is None or t.device.type == "cpu":
         return t
     host = torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
@@ -169,30 +165,16 @@ class PendingSample:
         token_ids_device: ``[B]`` int64 on the logits' device (the next step's input ids).
     """
 
-    __slots__ = ("token_ids_device", "_host", "_lp", "_event", "_parts")
+    __slots__ = ("token_ids_device", "_host", "_lp", "_event")
 
-    def __init__(self, chosen: torch.Tensor, lp_parts, defer: bool = False) -> None:
+    def __init__(self, chosen: torch.Tensor, lp_parts) -> None:
         self.token_ids_device = chosen
-        self._host = self._lp = self._event = None
-        self._parts = (chosen, lp_parts)
-        if not defer:
-            self.start_copy()
-
-    def start_copy(self) -> None:
-        """Queue the copies to pinned host memory, and the event :meth:`result` waits for, on
-        the current stream (once; later calls do nothing). A deferred sample (``defer=True``)
-        is copied when the next step's inputs are on their way (the engine passes this method
-        to the model runner, which calls it just before the next decode graph replays: the
-        copy then follows the next step's input copy instead of preceding it, and still
-        precedes the replay that overwrites the graph's token buffer) or at :meth:`result`."""
-        if self._parts is None:
-            return
-        chosen, lp_parts = self._parts
-        self._parts = None
         self._host = _to_host(chosen)
+        self._lp = None
         if lp_parts is not None:
             want, ks, tok_lp, top_vals, top_ids = lp_parts
             self._lp = (want, ks, _to_host(tok_lp), _to_host(top_vals), _to_host(top_ids))
+        self._event = None
         if chosen.device.type == "cuda":
             self._event = torch.cuda.Event()
             self._event.record()
@@ -200,7 +182,6 @@ class PendingSample:
     def result(self) -> SampleResult:
         """Wait for this step's sampling (only its own work, not later launches) and return
         the ids and logprob records."""
-        self.start_copy()
         if self._event is not None:
             self._event.synchronize()
         ids = self._host.tolist()
