@@ -54,3 +54,25 @@ def test_argmax_out_and_errors():
     with pytest.raises(ValueError, match="power of two"):
         argmax_rows(x, block=24)
     assert argmax_rows(torch.randn(0, 5).to(DEVICE)).shape == (0,)
+
+
+@pytest.mark.parametrize("progs", [1, 3])
+def test_argmax_selected_output_row(progs):
+    """``out_row``: the result goes to row ``out_row[0]`` of a ``[R, B]`` output chosen on the
+    device (the decode graphs alternate two rows); the other rows are untouched; a wrong
+    ``out`` or ``out_row`` is an error."""
+    x = torch.randn(3, 300, generator=torch.Generator().manual_seed(7)).to(DEVICE)
+    buf = torch.full((2, 8), -5, dtype=torch.int64, device=DEVICE)
+    for row in (1, 0):
+        sel = torch.tensor([row], device=DEVICE)
+        before = buf.clone()
+        assert argmax_rows(x, buf[:, :3], out_row=sel, block=16, max_programs=progs) is not None
+        assert torch.equal(buf[row, :3], x.argmax(dim=-1))
+        assert torch.equal(buf[1 - row], before[1 - row]) and torch.equal(buf[row, 3:], before[row, 3:])
+    sel = torch.tensor([0], device=DEVICE)
+    for bad_out in (buf[0, :3], buf[:, :2], buf[:, :3].float(), buf.t()[:3]):
+        with pytest.raises(ValueError, match="with out_row"):
+            argmax_rows(x, bad_out, out_row=sel)
+    for bad_sel in (torch.tensor([[0]], device=DEVICE), torch.tensor([0], dtype=torch.int32, device=DEVICE)):
+        with pytest.raises(ValueError, match="out_row must be"):
+            argmax_rows(x, buf[:, :3], out_row=bad_sel)

@@ -212,6 +212,39 @@ def test_pdl_trigger_first_same_tokens(monkeypatch):
     assert run("1") == run("0")
 
 
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_d2h_side_stream_same_outputs(monkeypatch):
+    """Sampled ids copied to the host on a side stream (default; ``LLMSERVE_D2H_SIDE_STREAM=0``
+    copies on the compute stream) with the decode graphs alternating their greedy output row:
+    the same greedy tokens through many graph replays (both rows used), the same sampled tokens
+    and logprobs for seeded requests."""
+    from llmserve.config import CacheConfig, EngineConfig, SchedulerConfig
+    from llmserve.engine import LLMEngine
+    from llmserve.sampling_params import SamplingParams
+
+    def run(side: str):
+        monkeypatch.setenv("LLMSERVE_D2H_SIDE_STREAM", side)
+        cfg = EngineConfig(model="tiny", device="cuda", dtype="bfloat16", attention_backend="triton",
+                           use_cuda_graph=True, cache=CacheConfig(num_blocks=512),
+                           scheduler=SchedulerConfig(max_num_seqs=8, max_model_len=512))
+        eng = LLMEngine(cfg)
+        assert eng.async_scheduling
+        greedy = [eng.generate([[10 + i] * (3 + 60 * i)], SamplingParams(max_tokens=40, ignore_eos=True))[0]
+                  .output_token_ids for i in range(3)]
+        outs = eng.generate([[5] * 7, [9] * 30, [11] * 3],
+                            SamplingParams(max_tokens=30, ignore_eos=True, temperature=0.8, seed=3, logprobs=2))
+        return greedy, [(list(o.output_token_ids), o.logprobs) for o in outs], eng.runner.cuda_graphs._replays
+
+    g1, s1, n1 = run("1")
+    g0, s0, n0 = run("0")
+    assert n1 > 2 and n0 > 2
+    assert g1 == g0
+    assert [t for t, _ in s1] == [t for t, _ in s0]
+    for (_, a), (_, b) in zip(s1, s0):
+        assert len(a) == 30 and [r["top"] for r in a] == [r["top"] for r in b]
+
+
 def test_engine_switches_reject_bad_values(monkeypatch):
     """``LLMSERVE_PDL_TRIGGER_FIRST`` and ``LLMSERVE_GRAPH_ARGMAX`` take 0, 1 or nothing; any
     other value is an error when the forward / engine is built (on any device)."""

@@ -78,8 +78,11 @@ class CUDAGraphDecodeRunner:
         short_context: context length of the second, short-context graph captured for batch
             buckets up to :data:`SHORT_MAX_BATCH` (default :func:`short_context_default`;
             ``0`` or ``>= max_model_len``: none).
-        greedy: optional ``logits [N, V] -> [N]`` int64 argmax, captured after the logits so
-            the step's greedy tokens come out of the graph (:attr:`last_argmax`).
+        greedy: optional ``(logits [N, V], out=[2, N] int64, out_row=[1] int64)`` writing the
+            argmax of each row to ``out[out_row[0]]`` (e.g.
+            :meth:`~llmserve.models.fast_forward.FastQwen2Forward.greedy`), captured after the
+            logits so the step's greedy tokens come out of the graph (:attr:`last_argmax`);
+            replays alternate between the two rows.
     """
 
     def __init__(self, forward, compute_logits, kv_caches, block_size: int, max_batch: int,
@@ -96,11 +99,11 @@ class CUDAGraphDecodeRunner:
         self.max_batch = self.buckets[-1]
         self.max_blocks = (max_model_len + block_size - 1) // block_size
         b, nb = self.max_batch, self.max_blocks
-        # Layout of the packed input buffer, in int64 words: ids | positions | slots (int64) |
-        # ctx_lens | table (int32, the attention kernels' dtype; each region is sized in int64
-        # words and half used), so one H2D copy fills every input and no conversion kernel
-        # runs inside the graph.
-        self._sizes = [b, b, b, b, b * nb]
+        # Layout of the packed input buffer, in int64 words: ids + the argmax parity (one word) |
+        # positions | slots (int64) | ctx_lens | table (int32, the attention kernels' dtype; each
+        # region is sized in int64 words and half used), so one H2D copy fills every input and
+        # no conversion kernel runs inside the graph.
+        self._sizes = [b + 1, b, b, b, b * nb]
         self._offsets = np.cumsum([0] + self._sizes)
         total = int(self._offsets[-1])
         # Two pinned staging buffers used in turn: with asynchronous scheduling the host fills
@@ -113,7 +116,17 @@ class CUDAGraphDecodeRunner:
         self._hosts_i32 = [h[o[3]:].view(torch.int32).numpy() for h in self._hosts]  # ctx | table
         self._turn = 0                                     # the staging buffer in use
         self._dev = torch.zeros(total, dtype=torch.int64, device=device)
-        self.input_ids = self._dev[o[0]:o[1]]
+        self.input_ids = self._dev[o[0]:o[0] + b]
+        # Greedy tokens alternate between the two rows of one buffer shared by every graph:
+        # replay j writes row j % 2 (the parity word of its inputs). The copy of replay j's
+        # tokens to the host may then run on another stream without holding up replay j + 1,
+        # which writes the other row; replay j + 2 is launched only after the host has read
+        # replay j's tokens (asynchronous scheduling reads a step's tokens before it launches
+        # the step after next).
+        self._parity_word = int(o[1]) - 1
+        self.argmax_parity = self._dev[self._parity_word:self._parity_word + 1]         # [1] int64
+        self.argmax_out = torch.zeros(2, b, dtype=torch.int64, device=device)
+        self._replays = 0
         self.positions = self._dev[o[1]:o[2]]
         self.slots = self._dev[o[2]:o[3]]
         self.ctx_lens = self._dev[o[3]:o[4]].view(torch.int32)[:b]                 # [b] int32
@@ -139,7 +152,10 @@ class CUDAGraphDecodeRunner:
     def _run(self, b: int, short: bool) -> tuple[torch.Tensor, torch.Tensor | None]:
         hidden = self.forward(self.input_ids[:b], self.positions[:b], self.kv_caches, self._meta(b, short))
         logits = self.compute_logits(hidden)                                  # [b, V]
-        return logits, (self.greedy(logits) if self.greedy is not None else None)  # [b] int64
+        if self.greedy is None:
+            return logits, None
+        self.greedy(logits, out=self.argmax_out[:, :b], out_row=self.argmax_parity)  # [2, b] int64
+        return logits, self.argmax_out
 
     @torch.inference_mode()
     def capture(self) -> None:
@@ -169,7 +185,7 @@ class CUDAGraphDecodeRunner:
 
     def _fill_padding(self, start: int) -> None:
         o, h = self._offsets, self._hosts_np[self._turn]
-        h[o[0] + start:o[1]] = 0
+        h[o[0] + start:o[0] + self.max_batch] = 0                # ids (not the parity word)
         h[o[1] + start:o[2]] = 0
         h[o[2] + start:o[3]] = -1
         ctx, table = self._host_ctx_table()
@@ -204,7 +220,7 @@ class CUDAGraphDecodeRunner:
         Returns:
             logits ``[b, V]`` float32 (a view of the graph's static output: consume before the
             next replay); with ``greedy``, :attr:`last_argmax` is their argmax ``[b]`` int64
-            (static too), else ``None``.
+            (static too: valid until the replay after next), else ``None``.
         """
         b = len(token_ids)
         bucket = self.bucket_for(b)
@@ -213,6 +229,8 @@ class CUDAGraphDecodeRunner:
         h[o[0]:o[0] + b] = token_ids
         h[o[1]:o[1] + b] = positions
         h[o[2]:o[2] + b] = slots
+        parity = self._replays % 2
+        h[self._parity_word] = parity
         ctx, table = self._host_ctx_table()
         ctx[:b] = context_lens
         table[:b] = 0
@@ -225,7 +243,8 @@ class CUDAGraphDecodeRunner:
         short = (bucket, True) in self.graphs and int(context_lens.max()) <= self.short_context
         self.last_graph = self.graphs[(bucket, short)]
         self.last_graph.replay()
+        self._replays += 1
         self.num_short_replays += short
         logits, ids = self.outputs[(bucket, short)]
-        self.last_argmax = ids[:b] if ids is not None else None
+        self.last_argmax = ids[parity, :b] if ids is not None else None
         return logits[:b]

@@ -267,11 +267,12 @@ class FastQwen2Forward:
         out = torch.empty((m, w.shape[0]), dtype=torch.float32, device=hidden.device)
         return gemv(hidden, w, out=out, pdl=self.pdl, pdl_trigger_first=self.pdl_trigger_first)
 
-    def greedy(self, logits: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+    def greedy(self, logits: torch.Tensor, out: torch.Tensor | None = None,
+               out_row: torch.Tensor | None = None) -> torch.Tensor:
         """``logits [M, V]`` float32 ``-> [M]`` int64, ``torch.argmax(logits, -1)`` in one Triton
         launch (:func:`~llmserve.triton_kernels.argmax.argmax_rows`; programmatic dependent
         launch after the LM head on the matrix-vector path). Used inside the decode graphs."""
-        return argmax_rows(logits, out, pdl=self.pdl, pdl_trigger_first=self.pdl_trigger_first)
+        return argmax_rows(logits, out, pdl=self.pdl, pdl_trigger_first=self.pdl_trigger_first, out_row=out_row)
 
     def _forward_gemv(self, input_ids: torch.Tensor, positions: torch.Tensor,
                       kv_caches: list[tuple[torch.Tensor, torch.Tensor]],

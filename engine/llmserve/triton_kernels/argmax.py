@@ -46,15 +46,17 @@ def _chunk_argmax(x_ptr, lo, hi, BLOCK: tl.constexpr, ITERS: tl.constexpr):
 
 
 @triton.jit
-def _argmax_kernel(x_ptr, out_ptr, pv_ptr, pi_ptr, pn_ptr, cnt_ptr, V, stride_x, chunk,
+def _argmax_kernel(x_ptr, out_ptr, sel_ptr, stride_out, pv_ptr, pi_ptr, pn_ptr, cnt_ptr, V, stride_x, chunk,
                    S: tl.constexpr, S_PAD: tl.constexpr, BLOCK: tl.constexpr, ITERS: tl.constexpr,
-                   USE_PDL: tl.constexpr, PDL_TRIGGER_FIRST: tl.constexpr):
+                   USE_PDL: tl.constexpr, PDL_TRIGGER_FIRST: tl.constexpr, SELECT: tl.constexpr):
     """Grid ``(B, S)``: program ``(b, s)`` reduces ``x[b, s*chunk : (s+1)*chunk]``; the last of
-    the row's ``S`` programs merges the partials (in chunk order) into ``out[b]`` and re-arms
-    the row's counter."""
+    the row's ``S`` programs merges the partials (in chunk order) into ``out[b]`` (``SELECT``:
+    ``out[sel[0], b]``, the output row read from device memory) and re-arms the row's counter."""
     pdl_start(USE_PDL, PDL_TRIGGER_FIRST)
     b = tl.program_id(0)
     s = tl.program_id(1)
+    if SELECT:    # written before the forward pass (the step's inputs): readable before the wait
+        out_ptr += tl.load(sel_ptr).to(tl.int64) * stride_out
     pdl_wait(USE_PDL, PDL_TRIGGER_FIRST)
     row = x_ptr + b.to(tl.int64) * stride_x
     lo = s * chunk
@@ -89,7 +91,8 @@ def _argmax_kernel(x_ptr, out_ptr, pv_ptr, pi_ptr, pn_ptr, cnt_ptr, V, stride_x,
 
 
 def argmax_rows(x: torch.Tensor, out: torch.Tensor | None = None, *, pdl: bool = False,
-                pdl_trigger_first: bool = False, block: int = 1024, max_programs: int | None = None) -> torch.Tensor:
+                pdl_trigger_first: bool = False, block: int = 1024, max_programs: int | None = None,
+                out_row: torch.Tensor | None = None) -> torch.Tensor:
     """``torch.argmax(x, dim=-1)`` for a 2-D float tensor, in one kernel launch.
 
     Args:
@@ -99,10 +102,15 @@ def argmax_rows(x: torch.Tensor, out: torch.Tensor | None = None, *, pdl: bool =
             :func:`~llmserve.triton_kernels.gemv.gemv`); ``x`` is read after the wait.
         block: elements a program reduces per step (power of two).
         max_programs: programs per row (default: the SM count, 2 in the interpreter).
+        out_row: optional int64 ``[1]`` on ``x``'s device: ``out`` is then ``[R, B]`` (rows
+            contiguous) and the result goes to row ``out_row[0]``, chosen when the kernel runs
+            (a CUDA graph alternating between two output buffers). Not range-checked (device
+            data); with PDL it is read before the wait, so it must not be written by the kernel
+            just before this one.
 
     Returns:
         ``[B]`` int64: the first index of each row's maximum (of its first NaN, if any), as
-        ``torch.argmax``; 0 for an all ``-inf`` row, like torch.
+        ``torch.argmax``; 0 for an all ``-inf`` row, like torch. With ``out_row``: ``out``.
 
     Raises:
         ValueError: not 2-D, empty last dim, non-contiguous last dim, an integer dtype, an
@@ -116,7 +124,14 @@ def argmax_rows(x: torch.Tensor, out: torch.Tensor | None = None, *, pdl: bool =
         raise ValueError(f"last dim {v} too large (int32 indices)")
     if block < 16 or block & (block - 1):
         raise ValueError(f"block must be a power of two >= 16, got {block}")
-    if out is None:
+    if out_row is not None:
+        if out is None or out.dim() != 2 or out.shape[1] != b or out.dtype != torch.int64 \
+                or out.device != x.device or (b > 1 and out.stride(1) != 1):
+            raise ValueError(f"with out_row, out must be int64 [R, {b}] on {x.device} with contiguous rows")
+        if out_row.shape != (1,) or out_row.dtype != torch.int64 or out_row.device != x.device:
+            raise ValueError(f"out_row must be int64 [1] on {x.device}, got {out_row.dtype} "
+                             f"{tuple(out_row.shape)} on {out_row.device}")
+    elif out is None:
         out = torch.empty(b, dtype=torch.int64, device=x.device)
     elif out.shape != (b,) or out.dtype != torch.int64 or out.device != x.device or (b > 1 and out.stride(0) != 1):
         raise ValueError(f"out must be a contiguous int64 [{b}] on {x.device}, got {out.dtype} "
@@ -134,7 +149,9 @@ def argmax_rows(x: torch.Tensor, out: torch.Tensor | None = None, *, pdl: bool =
     part_i = torch.empty(b * s, dtype=torch.int32, device=x.device)
     part_n = torch.empty(b * s, dtype=torch.int32, device=x.device)
     cnt = zeroed_counters("argmax", x.device, b)
-    _argmax_kernel[(b, s)](x, out, part_v, part_i, part_n, cnt, v, x.stride(0), chunk,
+    _argmax_kernel[(b, s)](x, out, out_row if out_row is not None else out,
+                           out.stride(0) if out_row is not None else 0,
+                           part_v, part_i, part_n, cnt, v, x.stride(0), chunk, SELECT=out_row is not None,
                            S=s, S_PAD=triton.next_power_of_2(s), BLOCK=block, ITERS=iters,
                            num_warps=4 if x.device.type == "cuda" else 1,
                            **pdl_launch_kwargs(pdl, pdl_trigger_first))
