@@ -176,6 +176,146 @@ def _int8_linear_kernel(x_ptr, w_ptr, s_ptr, bias_ptr, y_ptr, ws_ptr, cnt_ptr, M
 
 
 @triton.jit
+def _stream_index(pid_m, pid_n, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, SWAP_AB: tl.constexpr):
+    """Output-row and output-column indices of tile ``(pid_m, pid_n)``, shaped like the
+    accumulator: ``[BM, 1]`` and ``[1, BN]``, or ``[1, BM]`` and ``[BN, 1]`` with ``SWAP_AB``
+    (so neither orientation needs a transpose before its stores)."""
+    rm = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    if SWAP_AB:
+        mm = rm[None, :]
+        nn = rn[:, None]
+    else:
+        mm = rm[:, None]
+        nn = rn[None, :]
+    return mm, nn
+
+
+@triton.jit
+def _stream_store(acc, pid_m, pid_n, M, N, s_ptr, bias_ptr, y_ptr, stride_ym, HAS_BIAS: tl.constexpr,
+                  BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, SWAP_AB: tl.constexpr):
+    """``y[tile] = acc * scale (+ bias)`` in y's dtype, for a finished fp32 tile sum."""
+    mm, nn = _stream_index(pid_m, pid_n, BLOCK_M, BLOCK_N, SWAP_AB)
+    nn_ld = nn % N
+    out = acc * tl.load(s_ptr + nn_ld).to(tl.float32)
+    if HAS_BIAS:
+        out += tl.load(bias_ptr + nn_ld).to(tl.float32)
+    tl.store(y_ptr + mm.to(tl.int64) * stride_ym + nn, out.to(y_ptr.dtype.element_ty),
+             mask=(mm < M) & (nn < N))
+
+
+@triton.jit
+def _stream_ws_offsets(slot, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, SWAP_AB: tl.constexpr):
+    """Offsets of workspace slot ``slot`` (one fp32 ``[BM, BN]`` tile, m-major), shaped like the
+    accumulator."""
+    mm, nn = _stream_index(0, 0, BLOCK_M, BLOCK_N, SWAP_AB)
+    return slot.to(tl.int64) * (BLOCK_M * BLOCK_N) + mm * BLOCK_N + nn
+
+
+@triton.jit
+def _stream_fixup(tile, k_steps, total, M, N, s_ptr, bias_ptr, y_ptr, ws_ptr, cnt_ptr, stride_ym,
+                  HAS_BIAS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                  SWAP_AB: tl.constexpr):
+    """Signal that this program's partial sum of ``tile`` is in the workspace; the last of the
+    tile's contributors to arrive sums all partials in program order (deterministic), writes
+    y and re-arms the tile's counter."""
+    num_progs = tl.num_programs(0)
+    # Contributors: the programs owning the tile's first and last iterations, and all between
+    # (owner(i) = ((i + 1) * P - 1) // total inverts start(p) = p * total // P).
+    p_first = ((tile * k_steps + 1) * num_progs - 1) // total
+    p_last = ((tile + 1) * k_steps * num_progs - 1) // total
+    # The partial was stored before this point; the barrier and the acq_rel atomic publish it
+    # (the same "semaphore" as _int8_epilogue's split-K reduction).
+    tl.debug_barrier()
+    count = tl.atomic_add(cnt_ptr + tile, 1)
+    if count == p_last - p_first:
+        if SWAP_AB:
+            tot = tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32)
+        else:
+            tot = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+        for q in tl.range(p_first, p_last + 1, num_stages=1):
+            tot += tl.load(ws_ptr + _stream_ws_offsets(tile + q, BLOCK_M, BLOCK_N, SWAP_AB),
+                           cache_modifier=".cg")
+        num_pid_m = tl.cdiv(M, BLOCK_M)
+        _stream_store(tot, tile % num_pid_m, tile // num_pid_m, M, N, s_ptr, bias_ptr, y_ptr, stride_ym,
+                      HAS_BIAS, BLOCK_M, BLOCK_N, SWAP_AB)
+        tl.atomic_xchg(cnt_ptr + tile, 0)
+
+
+@triton.jit(do_not_specialize=["M"])  # M varies per step: no recompiles
+def _int8_stream_kernel(x_ptr, w_ptr, w_desc, s_ptr, bias_ptr, y_ptr, ws_ptr, cnt_ptr, M, N, K,
+                        stride_xm, stride_wn, stride_ym,
+                        HAS_BIAS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                        BLOCK_K: tl.constexpr, SWAP_AB: tl.constexpr, EVEN_K: tl.constexpr,
+                        STAGES: tl.constexpr, USE_TMA: tl.constexpr, FP32_MATH: tl.constexpr):
+    """Persistent stream-K tensor-core kernel (``kind="stream"``; see :func:`_stream_launch`).
+
+    The work is the flattened sequence of ``total = tiles * k_steps`` (output tile, K step)
+    iterations, tile-major; program ``p`` of ``P`` runs iterations ``[p * total // P,
+    (p + 1) * total // P)`` in one software-pipelined loop, so ``STAGES`` weight tiles stay in
+    flight across tile boundaries. A tile finished inside one program is stored directly; a
+    tile cut by a program boundary leaves fp32 partials in workspace slot ``tile + p`` (unique:
+    segments ``(tile, p)`` in order get increasing ``tile + p``) and is reduced by
+    :func:`_stream_fixup` after the loop (the pipeliner skips loops that contain loops, so the
+    reduction, which has one, stays outside). Each program has at most two cut tiles: its
+    first and its last."""
+    pid = tl.program_id(0)
+    num_progs = tl.num_programs(0)
+    num_pid_m = tl.cdiv(M, BLOCK_M)
+    k_steps = tl.cdiv(K, BLOCK_K)
+    total = num_pid_m * tl.cdiv(N, BLOCK_N) * k_steps            # host checks P * total < 2^31
+    start = pid * total // num_progs
+    end = (pid + 1) * total // num_progs                         # > start: the host caps P <= total
+    lm = tl.arange(0, BLOCK_M)
+    ln = tl.arange(0, BLOCK_N)
+    rk = tl.arange(0, BLOCK_K)
+    if SWAP_AB:
+        acc = tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32)
+    else:
+        acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+    for it in tl.range(start, end, num_stages=STAGES):
+        tile = it // k_steps
+        ks = it - tile * k_steps
+        pid_m = tile % num_pid_m          # m fastest: the row tiles of one weight tile adjoin
+        pid_n = tile // num_pid_m
+        k0 = tl.multiple_of(ks * BLOCK_K, BLOCK_K)
+        offs_k = k0 + rk
+        rm_ld = (pid_m * BLOCK_M + lm) % M       # wrapped: loads in bounds; stores are masked
+        x_ptrs = x_ptr + rm_ld[:, None].to(tl.int64) * stride_xm + offs_k[None, :]          # [BM, BK]
+        if USE_TMA:       # out-of-range rows and columns read as zeros
+            w = w_desc.load([pid_n * BLOCK_N, k0])                                           # [BN, BK]
+        else:
+            rn_ld = (pid_n * BLOCK_N + ln) % N
+            w_ptrs = w_ptr + rn_ld[:, None].to(tl.int64) * stride_wn + offs_k[None, :]      # [BN, BK]
+            if EVEN_K:
+                w = tl.load(w_ptrs)
+            else:
+                w = tl.load(w_ptrs, mask=(offs_k < K)[None, :], other=0)
+        if EVEN_K:
+            x = tl.load(x_ptrs)
+        else:
+            x = tl.load(x_ptrs, mask=(offs_k < K)[None, :], other=0.0)
+        acc = _mma_step(acc, x, w, SWAP_AB, FP32_MATH)
+        last_k = ks == k_steps - 1
+        if last_k | (it == end - 1):
+            if last_k & (it - ks >= start):     # the whole tile ran here: scale, bias, store
+                _stream_store(acc, pid_m, pid_n, M, N, s_ptr, bias_ptr, y_ptr, stride_ym, HAS_BIAS,
+                              BLOCK_M, BLOCK_N, SWAP_AB)
+            else:                               # cut by a program boundary: keep the partial
+                tl.store(ws_ptr + _stream_ws_offsets(tile + pid, BLOCK_M, BLOCK_N, SWAP_AB), acc)
+            acc = tl.zeros_like(acc)
+    first_tile = start // k_steps
+    last_tile = (end - 1) // k_steps
+    first_cut = first_tile * k_steps < start
+    if first_cut:
+        _stream_fixup(first_tile, k_steps, total, M, N, s_ptr, bias_ptr, y_ptr, ws_ptr, cnt_ptr,
+                      stride_ym, HAS_BIAS, BLOCK_M, BLOCK_N, SWAP_AB)
+    if ((last_tile + 1) * k_steps > end) & ((last_tile != first_tile) | (first_tile * k_steps >= start)):
+        _stream_fixup(last_tile, k_steps, total, M, N, s_ptr, bias_ptr, y_ptr, ws_ptr, cnt_ptr,
+                      stride_ym, HAS_BIAS, BLOCK_M, BLOCK_N, SWAP_AB)
+
+
+@triton.jit
 def _dequant_kernel(w_ptr, s_ptr, out_ptr, N, K, stride_wn, stride_on,
                     BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PLANES: tl.constexpr = False):
     """``out[n, k] = w[n, k] * scale[n]`` in the output dtype (``kind="dequant"``); with
@@ -225,10 +365,40 @@ class Int8LinearConfig:
     num_warps: int = 4
     num_stages: int = 3
     fused_reduce: bool = False  # split-K: last split reduces (no second launch) vs reduce kernel
-    kind: str = "mma"  # "mma" (tensor cores), "vec" (gemv.py, M <= 4), "dequant"
+    kind: str = "mma"  # "mma" (tensor cores), "vec" (gemv.py, M <= 4), "dequant", "stream"
     # block_k: weight columns a step; with byte planes, "vec" passes it to gemv as words and
     # "mma" steps max(16, block_k // 4) words (the same bytes)
-    programs_per_sm: int = 0  # "vec": GemvConfig.programs_per_sm
+    programs_per_sm: int = 0  # "vec": GemvConfig.programs_per_sm; "stream": grid / SMs (0 = 1)
+    tma: bool = False  # "stream": weight tiles through a TMA tensor descriptor (CUDA, Hopper+)
+
+
+INT8_KINDS = ("mma", "vec", "dequant", "stream")
+
+
+def _pow2(v: int) -> bool:
+    return isinstance(v, int) and v > 0 and v & (v - 1) == 0
+
+
+def check_stream_config(cfg: Int8LinearConfig) -> None:
+    """Validate the fields a ``kind="stream"`` configuration uses (``ValueError`` naming the
+    field and the allowed range). ``swap_ab`` is the orientation: the weight tile as the MMA's
+    A operand (``True``, ``y.T = w @ x.T``) or as its B operand (``False``, ``y = x @ w.T``)."""
+    if not _pow2(cfg.block_m) or cfg.block_m < 16:
+        raise ValueError(f"stream: block_m must be a power of two >= 16 (the smallest tensor-core "
+                         f"tile), got {cfg.block_m}")
+    for name in ("block_n", "block_k"):
+        v = getattr(cfg, name)
+        if not _pow2(v) or not 16 <= v <= 1024:
+            raise ValueError(f"stream: {name} must be a power of two in [16, 1024], got {v}")
+    if not isinstance(cfg.num_stages, int) or not 1 <= cfg.num_stages <= 8:
+        raise ValueError(f"stream: num_stages must be in [1, 8], got {cfg.num_stages}")
+    if cfg.num_warps not in (1, 2, 4, 8, 16):
+        raise ValueError(f"stream: num_warps must be 1, 2, 4, 8 or 16, got {cfg.num_warps}")
+    if not isinstance(cfg.programs_per_sm, int) or not 0 <= cfg.programs_per_sm <= 8:
+        raise ValueError(f"stream: programs_per_sm must be in [0, 8] (0 means 1), got {cfg.programs_per_sm}")
+    if cfg.tma and (cfg.block_n > 256 or cfg.block_k > 256):
+        raise ValueError(f"stream: a TMA box has at most 256 elements a dimension, got block_n="
+                         f"{cfg.block_n}, block_k={cfg.block_k} with tma=True")
 
 
 def _tile_counters(device: torch.device, n: int) -> torch.Tensor:
@@ -335,6 +505,86 @@ def _check_int8_inputs(x, w_int8, scale, bias) -> tuple[int, int]:
     return n, k
 
 
+def _stream_launch(x2: torch.Tensor, w_int8: torch.Tensor, scale: torch.Tensor,
+                   bias: torch.Tensor | None, y: torch.Tensor, cfg: Int8LinearConfig) -> None:
+    """``y = x2 @ (w_int8 * scale[:, None]).T (+ bias)`` with the persistent stream-K
+    tensor-core kernel (``kind="stream"``), written into ``y``.
+
+    Shapes: ``x2 [M, K]`` (unit column stride), ``w_int8 [N, K]`` int8 row-major, ``scale`` and
+    ``bias`` ``[N]``, ``y [M, N]`` contiguous in ``x2.dtype``. Designed for decode batches
+    (``M <= block_m = 16``); larger M runs ``cdiv(M, block_m)`` row tiles, re-reading the weights
+    once per row tile.
+
+    Algorithm. The output is cut into ``[block_m, block_n]`` tiles, each the sum of
+    ``k_steps = cdiv(K, block_k)`` products of a ``[block_m, block_k]`` slice of x with a
+    ``[block_n, block_k]`` int8 weight tile (converted to ``x.dtype`` in registers, exact for int8;
+    fp32 accumulation). All ``tiles * k_steps`` such iterations form one flat sequence that is
+    split into ``P = programs_per_sm * SMs`` contiguous, equal (+-1) ranges, one per program of a
+    grid of ``P`` (capped at the iteration count). Every program runs its range as one
+    software-pipelined loop (``num_stages`` loads in flight), so weight reads never pause at
+    tile boundaries and every SM streams the same number of bytes: the per-tile pipeline
+    prologue and drain of a one-tile-a-program grid, and its ragged last wave, disappear.
+
+    This is the "stream-K" decomposition (Osama, Merrill, Cecka, Garland and Owens, "Stream-K:
+    Work-centric Parallel Decomposition for Dense Matrix-Matrix Multiplication on the GPU",
+    PPoPP 2023) with the flat (tile, k step) loop and in-loop epilogue of Triton's persistent
+    matmul tutorial (``python/tutorials/09-persistent-matmul.py``). Tiles cut by a range
+    boundary are combined without waiting on other programs (no spin-waits, so no
+    co-residency assumption and no deadlock in the interpreter): each contributor stores its
+    fp32 partial in a workspace slot and counts itself in on the tile's counter; the last to
+    arrive sums the partials in program order and applies the scale and bias. The sum order
+    depends only on ``P``, so results are reproducible run to run.
+
+    Orientation (``cfg.swap_ab``): ``False`` computes ``x @ w.T`` (weight tile = the MMA's B
+    operand; with 16 rows Hopper's wgmma needs M >= 64, so this is mma.sync); ``True``
+    computes ``(w @ x.T).T`` (weight tile = the A operand, ``[block_n, 16]`` accumulator; with
+    ``block_n`` >= 64 a wgmma can take the converted A operand from registers). ``cfg.tma``
+    loads weight tiles through a host-built TMA tensor descriptor (CUDA only; needs 16-byte
+    aligned rows and base).
+
+    Raises:
+        ValueError: invalid configuration fields (:func:`check_stream_config`); ``tma`` on CPU
+            tensors, without ``triton.tools.tensor_descriptor``, or with misaligned weights;
+            an iteration space too large for int32 arithmetic.
+    """
+    check_stream_config(cfg)
+    m, k = x2.shape
+    n = w_int8.shape[0]
+    bm, bn, bk = cfg.block_m, cfg.block_n, cfg.block_k
+    tiles = triton.cdiv(m, bm) * triton.cdiv(n, bn)
+    k_steps = triton.cdiv(k, bk)
+    total = tiles * k_steps
+    progs = min(max(1, cfg.programs_per_sm) * _num_sms(x2.device), total)
+    if (progs + 1) * (total + k_steps) >= 2 ** 31:
+        raise ValueError(f"stream: {total} iterations x {progs} programs overflow the kernel's int32 "
+                         f"index arithmetic; use a larger block_n/block_k or kind 'mma'")
+    w_desc = w_int8
+    if cfg.tma:
+        if x2.device.type != "cuda":
+            raise ValueError("stream: tma=True needs CUDA tensors (TMA is a Hopper copy engine)")
+        try:
+            from triton.tools.tensor_descriptor import TensorDescriptor
+        except ImportError as ex:  # pragma: no cover - Triton < 3.4
+            raise ValueError("stream: tma=True needs triton.tools.tensor_descriptor (Triton >= 3.4)") from ex
+        if w_int8.data_ptr() % 16 or w_int8.stride(0) % 16:
+            raise ValueError(f"stream: tma=True needs a 16-byte aligned weight base and row stride, got "
+                             f"stride {w_int8.stride(0)} bytes")
+        w_desc = TensorDescriptor(w_int8, [n, k], [w_int8.stride(0), 1], [bn, bk])
+    # A tile is cut (needs the workspace) unless every range is whole tiles.
+    cut = total % progs != 0 or (total // progs) % k_steps != 0
+    ws = torch.empty((tiles + progs - 1, bm * bn) if cut else (1,), dtype=torch.float32,
+                     device=x2.device)                               # [slots, BM * BN] fp32
+    cnt = _tile_counters(x2.device, tiles) if cut else ws
+    on_cpu = x2.device.type == "cpu"
+    _int8_stream_kernel[(progs,)](
+        x2, w_int8, w_desc, scale, bias if bias is not None else scale, y, ws, cnt, m, n, k,
+        x2.stride(0), w_int8.stride(0), y.stride(0),
+        HAS_BIAS=bias is not None, BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, SWAP_AB=cfg.swap_ab,
+        EVEN_K=k % bk == 0, STAGES=cfg.num_stages, USE_TMA=cfg.tma,
+        FP32_MATH=on_cpu or x2.dtype == torch.float32, num_warps=cfg.num_warps,
+        num_stages=cfg.num_stages)
+
+
 def int8_linear(x: torch.Tensor, w_int8: torch.Tensor, scale: torch.Tensor,
                 bias: torch.Tensor | None = None, *, config: Int8LinearConfig | None = None
                 ) -> torch.Tensor:
@@ -370,8 +620,15 @@ def int8_linear(x: torch.Tensor, w_int8: torch.Tensor, scale: torch.Tensor,
         raise ValueError("int8_linear needs CUDA tensors, or (CPU tensors) the Triton interpreter: "
                          "set TRITON_INTERPRET=1 before importing llmserve.triton_kernels")
     cfg = config or choose_int8_config(m, n, k, x.device, planes=planes)
-    if cfg.kind not in ("mma", "vec", "dequant"):
-        raise ValueError(f"Int8LinearConfig.kind must be 'mma', 'vec' or 'dequant', got {cfg.kind!r}")
+    if cfg.kind not in INT8_KINDS:
+        raise ValueError(f"Int8LinearConfig.kind must be one of {', '.join(map(repr, INT8_KINDS))}, "
+                         f"got {cfg.kind!r}")
+    if cfg.kind == "stream":
+        if planes:
+            raise ValueError("kind 'stream' reads row-major int8 weights [N, K] only, got int32 byte "
+                             "planes; unpack them (unpack_int8_planes) or use kind 'mma' or 'vec'")
+        _stream_launch(x2, w_int8, scale, bias, y, cfg)
+        return y.reshape(*lead, n)
     if cfg.kind == "vec":
         if m > GEMV_MAX_M:
             raise ValueError(f"kind 'vec' serves M <= {GEMV_MAX_M}, got M={m}")
