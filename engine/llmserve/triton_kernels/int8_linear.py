@@ -4,14 +4,15 @@ Weight format: ``w_int8`` is ``[N, K]`` int8, row-major — the same orientation
 ``nn.Linear.weight`` (out_features x in_features), so a state-dict transform quantizes each
 weight in place without transposing — or the same values as *byte planes*, int32
 ``[N, K / 4]`` (:func:`~llmserve.quantization.pack_int8_planes`), which every kernel kind here
-also reads. ``scale`` is ``[N]`` (fp32, fp16 or bf16): symmetric per-output-channel scales, ``w ~= w_int8 * scale[:, None]`` with ``w_int8`` in ``[-127, 127]``.
+but ``"stream"`` also reads. ``scale`` is ``[N]`` (fp32, fp16 or bf16): symmetric per-output-channel scales, ``w ~= w_int8 * scale[:, None]`` with ``w_int8`` in ``[-127, 127]``.
 
 The fused kernels read int8 tiles, convert them in registers (every int8 value is exact in
 bf16/fp16), accumulate in fp32 and apply the per-channel scale (and bias) once in the epilogue —
 the scale factors out of the K sum: ``sum_k x[m,k] * q[n,k] * s[n] = s[n] * sum_k x[m,k] * q[n,k]``.
 
-Three kernel kinds (:class:`Int8LinearConfig.kind`), chosen per shape by
-:func:`choose_int8_config` from H200 measurements (``results/kernels/NOTES.md``):
+Four kernel kinds (:class:`Int8LinearConfig.kind`); the first three are chosen per shape by
+:func:`choose_int8_config` from H200 measurements (``results/kernels/NOTES.md``), the fourth
+(``"stream"``) only through an explicit ``config`` until the H200 has measured it:
 
 * ``"vec"`` (decode, M <= 4; the default at M = 1): the matrix-vector kernel of ``gemv.py``
   (one or two weight rows a program, fp32 element-wise accumulation reduced over K once, the
@@ -22,6 +23,11 @@ Three kernel kinds (:class:`Int8LinearConfig.kind`), chosen per shape by
   converted in registers; split-K over K when there are few output tiles, with the partials
   summed by the last split to finish (``fused_reduce``) or by a small reduction kernel. An
   optional "swap AB" orientation computes ``y.T = w @ x.T`` (measured slower on Hopper).
+* ``"stream"`` (decode, M <= 16; experimental, issue #6): a persistent stream-K tensor-core
+  kernel (:func:`_stream_launch`). One program (or two) an SM walks an equal share of the
+  flattened (output tile, K step) iterations in a single software-pipelined loop, so the
+  weight stream never pauses at tile boundaries and there is no ragged last wave; tiles cut
+  by a share boundary are summed by their last contributor. Row-major int8 only.
 * ``"dequant"`` (prefill, M > 64): one pass int8 -> ``x.dtype`` weights, then cuBLAS. The fused
   tile kernel measured 1.7-2.1x slower than bf16 cuBLAS at M >= 256 (a guess, not profiled: the
   converted operand goes back through shared memory before each wgmma, stalling the pipeline);
@@ -574,7 +580,7 @@ def _stream_launch(x2: torch.Tensor, w_int8: torch.Tensor, scale: torch.Tensor,
     cut = total % progs != 0 or (total // progs) % k_steps != 0
     ws = torch.empty((tiles + progs - 1, bm * bn) if cut else (1,), dtype=torch.float32,
                      device=x2.device)                               # [slots, BM * BN] fp32
-    cnt = _tile_counters(x2.device, tiles) if cut else ws
+    cnt = _tile_counters(x2.device, tiles)        # always int32: one binary with and without cuts
     on_cpu = x2.device.type == "cpu"
     _int8_stream_kernel[(progs,)](
         x2, w_int8, w_desc, scale, bias if bias is not None else scale, y, ws, cnt, m, n, k,
@@ -603,7 +609,8 @@ def int8_linear(x: torch.Tensor, w_int8: torch.Tensor, scale: torch.Tensor,
 
     Raises:
         ValueError: wrong dtypes, shapes, strides or devices; CPU tensors without
-            ``TRITON_INTERPRET=1``.
+            ``TRITON_INTERPRET=1``; an unknown ``config.kind``; byte planes with kind
+            ``"stream"`` or an invalid stream configuration (:func:`check_stream_config`).
     """
     n, k = _check_int8_inputs(x, w_int8, scale, bias)
     planes = w_int8.dtype == torch.int32
