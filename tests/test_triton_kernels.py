@@ -484,6 +484,8 @@ def _stream_ranges(m, n, k, cfg, sms):
     k_steps = -(-k // cfg.block_k)
     total = -(-m // cfg.block_m) * -(-n // cfg.block_n) * k_steps
     p = min(max(1, cfg.programs_per_sm) * sms, total)
+    if k_steps > 1 and -(-(k_steps - 1) // (total // p)) + 1 > 32:      # the contributor cap
+        p = total // -(-(k_steps - 1) // 31)
     return k_steps, [(i * total // p, (i + 1) * total // p) for i in range(p)]
 
 
@@ -505,6 +507,10 @@ STREAM_CASES = [
     pytest.param(4, 64, 64, 16, 32, False, 1, 4, True, torch.float32, "none", id="no-cut-tiles"),
     pytest.param(2, 16, 20, 16, 16, True, 2, 4, True, torch.float32, "cut", id="fewer-iterations-than-sms"),
     pytest.param(20, 40, 72, 16, 32, True, 1, 4, True, torch.float32, "cut", id="two-row-tiles"),
+    pytest.param(3, 80, 160, 16, 32, False, 1, 3, True, torch.float32, "head-tail", id="head-whole-tail"),
+    pytest.param(20, 80, 160, 16, 32, True, 2, 3, False, torch.float32, "head-tail", id="head-whole-tail-swap-2m"),
+    # 34 programs over one tile of 34 k steps: > 32 contributors, so the host halves the grid
+    pytest.param(2, 16, 544, 16, 16, True, 2, 17, False, torch.float32, "inside", id="contributors-capped"),
 ]
 
 
@@ -529,6 +535,8 @@ def test_int8_stream_matches_reference(monkeypatch, m, n, k, bn, bk, swap, pps, 
     cut = any(s % k_steps for s, _ in ranges)                    # a tile split between programs
     inside = any(e - s < k_steps and s % k_steps and e % k_steps for s, e in ranges)
     assert cut == (split != "none") and (inside or split != "inside")
+    if split == "head-tail":   # a range = head segment, whole tile(s), tail segment
+        assert any(s % k_steps and e % k_steps and (e // k_steps - s // k_steps) >= 2 for s, e in ranges)
     ref = int8_linear_reference(x, w_q, scale, b)
     y = int8_linear(x, w_q, scale, b, config=cfg)
     assert_close(y, ref, dtype)

@@ -219,29 +219,33 @@ def _stream_ws_offsets(slot, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, SWAP_
 
 
 @triton.jit
-def _stream_fixup(tile, k_steps, total, M, N, s_ptr, bias_ptr, y_ptr, ws_ptr, cnt_ptr, stride_ym,
+def _stream_fixup(acc, tile, pid, k_steps, total, M, N, s_ptr, bias_ptr, y_ptr, ws_ptr, cnt_ptr, stride_ym,
                   HAS_BIAS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                  SWAP_AB: tl.constexpr):
-    """Signal that this program's partial sum of ``tile`` is in the workspace; the last of the
-    tile's contributors to arrive sums all partials in program order (deterministic), writes
-    y and re-arms the tile's counter."""
+                  SWAP_AB: tl.constexpr, MAX_CONTRIB: tl.constexpr):
+    """Store this program's partial sum ``acc`` of a cut ``tile`` in workspace slot
+    ``tile + pid`` and count it in; the last of the tile's contributors to arrive sums all
+    partials in program order (deterministic), writes y and re-arms the tile's counter.
+    The sum is unrolled over ``MAX_CONTRIB`` (>= the tile's contributor count) masked loads,
+    so the caller's loop has no inner loop (Triton's pipeliner skips loops that contain
+    loops) and all loads are in flight at once."""
     num_progs = tl.num_programs(0)
+    woffs = _stream_ws_offsets(tile, BLOCK_M, BLOCK_N, SWAP_AB)            # slot `tile`; + q slots
+    tl.store(ws_ptr + woffs + pid * (BLOCK_M * BLOCK_N), acc)
     # Contributors: the programs owning the tile's first and last iterations, and all between
     # (owner(i) = ((i + 1) * P - 1) // total inverts start(p) = p * total // P).
     p_first = ((tile * k_steps + 1) * num_progs - 1) // total
     p_last = ((tile + 1) * k_steps * num_progs - 1) // total
-    # The partial was stored before this point; the barrier and the acq_rel atomic publish it
-    # (the same "semaphore" as _int8_epilogue's split-K reduction).
+    # The barrier and the acq_rel atomic publish the partial (the "semaphore" of split-K and
+    # stream-K GEMMs, as in _int8_epilogue); partials are re-read from L2 (.cg).
     tl.debug_barrier()
     count = tl.atomic_add(cnt_ptr + tile, 1)
     if count == p_last - p_first:
-        if SWAP_AB:
-            tot = tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32)
-        else:
-            tot = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
-        for q in tl.range(p_first, p_last + 1, num_stages=1):
-            tot += tl.load(ws_ptr + _stream_ws_offsets(tile + q, BLOCK_M, BLOCK_N, SWAP_AB),
-                           cache_modifier=".cg")
+        tot = tl.zeros_like(acc)
+        for c in tl.static_range(MAX_CONTRIB):
+            q = p_first + c
+            live = (woffs * 0 + q) <= p_last                         # (a tensor mask: interpreter)
+            tot += tl.load(ws_ptr + woffs + q.to(tl.int64) * (BLOCK_M * BLOCK_N), mask=live,
+                           other=0.0, cache_modifier=".cg")
         num_pid_m = tl.cdiv(M, BLOCK_M)
         _stream_store(tot, tile % num_pid_m, tile // num_pid_m, M, N, s_ptr, bias_ptr, y_ptr, stride_ym,
                       HAS_BIAS, BLOCK_M, BLOCK_N, SWAP_AB)
@@ -253,18 +257,19 @@ def _int8_stream_kernel(x_ptr, w_ptr, w_desc, s_ptr, bias_ptr, y_ptr, ws_ptr, cn
                         stride_xm, stride_wn, stride_ym,
                         HAS_BIAS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                         BLOCK_K: tl.constexpr, SWAP_AB: tl.constexpr, EVEN_K: tl.constexpr,
-                        STAGES: tl.constexpr, USE_TMA: tl.constexpr, FP32_MATH: tl.constexpr):
+                        STAGES: tl.constexpr, USE_TMA: tl.constexpr, FP32_MATH: tl.constexpr,
+                        MAX_CONTRIB: tl.constexpr):
     """Persistent stream-K tensor-core kernel (``kind="stream"``; see :func:`_stream_launch`).
 
     The work is the flattened sequence of ``total = tiles * k_steps`` (output tile, K step)
-    iterations, tile-major; program ``p`` of ``P`` runs iterations ``[p * total // P,
-    (p + 1) * total // P)`` in one software-pipelined loop, so ``STAGES`` weight tiles stay in
-    flight across tile boundaries. A tile finished inside one program is stored directly; a
-    tile cut by a program boundary leaves fp32 partials in workspace slot ``tile + p`` (unique:
-    segments ``(tile, p)`` in order get increasing ``tile + p``) and is reduced by
-    :func:`_stream_fixup` after the loop (the pipeliner skips loops that contain loops, so the
-    reduction, which has one, stays outside). Each program has at most two cut tiles: its
-    first and its last."""
+    iterations, tile-major; program ``p`` of ``P`` owns iterations ``[p * total // P,
+    (p + 1) * total // P)`` and runs them in one software-pipelined loop, so ``STAGES`` weight
+    tiles stay in flight across tile boundaries. At most two of its tiles are cut by a range
+    boundary: the last one (``tail`` segment: the tile's first k steps) and the first one
+    (``head`` segment: its last k steps). The loop visits the tail segment, then the head
+    segment, then the whole tiles in between: every cut tile's partials are then ready early
+    and its last contributor reduces it (:func:`_stream_fixup`) while the other programs still
+    stream, instead of every program ending on an atomic round trip and a reduction."""
     pid = tl.program_id(0)
     num_progs = tl.num_programs(0)
     num_pid_m = tl.cdiv(M, BLOCK_M)
@@ -272,6 +277,15 @@ def _int8_stream_kernel(x_ptr, w_ptr, w_desc, s_ptr, bias_ptr, y_ptr, ws_ptr, cn
     total = num_pid_m * tl.cdiv(N, BLOCK_N) * k_steps            # host checks P * total < 2^31
     start = pid * total // num_progs
     end = (pid + 1) * total // num_progs                         # > start: the host caps P <= total
+    first_tile = start // k_steps
+    last_tile = (end - 1) // k_steps
+    head_cut = first_tile * k_steps < start
+    head_len = tl.where(head_cut, tl.minimum(end, (first_tile + 1) * k_steps) - start, 0)
+    tail_start = tl.maximum(start, last_tile * k_steps)
+    # a range inside one tile is all head segment
+    tail_cut = ((last_tile + 1) * k_steps > end) & ((last_tile != first_tile) | (head_cut == 0))
+    tail_len = tl.where(tail_cut, end - tail_start, 0)
+    cut_len = tail_len + head_len
     lm = tl.arange(0, BLOCK_M)
     ln = tl.arange(0, BLOCK_N)
     rk = tl.arange(0, BLOCK_K)
@@ -279,7 +293,9 @@ def _int8_stream_kernel(x_ptr, w_ptr, w_desc, s_ptr, bias_ptr, y_ptr, ws_ptr, cn
         acc = tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32)
     else:
         acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
-    for it in tl.range(start, end, num_stages=STAGES):
+    for j in tl.range(0, end - start, num_stages=STAGES):
+        # visit order: tail segment, head segment, whole tiles (the last two are contiguous)
+        it = tl.where(j < tail_len, tail_start + j, start + j - tail_len)
         tile = it // k_steps
         ks = it - tile * k_steps
         pid_m = tile % num_pid_m          # m fastest: the row tiles of one weight tile adjoin
@@ -302,23 +318,16 @@ def _int8_stream_kernel(x_ptr, w_ptr, w_desc, s_ptr, bias_ptr, y_ptr, ws_ptr, cn
         else:
             x = tl.load(x_ptrs, mask=(offs_k < K)[None, :], other=0.0)
         acc = _mma_step(acc, x, w, SWAP_AB, FP32_MATH)
-        last_k = ks == k_steps - 1
-        if last_k | (it == end - 1):
-            if last_k & (it - ks >= start):     # the whole tile ran here: scale, bias, store
+        cut_end = (j == tail_len - 1) | ((j == cut_len - 1) & (head_len > 0))
+        whole_end = (j >= cut_len) & (ks == k_steps - 1)
+        if cut_end | whole_end:
+            if whole_end:                       # the whole tile ran here: scale, bias, store
                 _stream_store(acc, pid_m, pid_n, M, N, s_ptr, bias_ptr, y_ptr, stride_ym, HAS_BIAS,
                               BLOCK_M, BLOCK_N, SWAP_AB)
-            else:                               # cut by a program boundary: keep the partial
-                tl.store(ws_ptr + _stream_ws_offsets(tile + pid, BLOCK_M, BLOCK_N, SWAP_AB), acc)
+            else:                               # cut by a range boundary: partial + fixup
+                _stream_fixup(acc, tile, pid, k_steps, total, M, N, s_ptr, bias_ptr, y_ptr, ws_ptr,
+                              cnt_ptr, stride_ym, HAS_BIAS, BLOCK_M, BLOCK_N, SWAP_AB, MAX_CONTRIB)
             acc = tl.zeros_like(acc)
-    first_tile = start // k_steps
-    last_tile = (end - 1) // k_steps
-    first_cut = first_tile * k_steps < start
-    if first_cut:
-        _stream_fixup(first_tile, k_steps, total, M, N, s_ptr, bias_ptr, y_ptr, ws_ptr, cnt_ptr,
-                      stride_ym, HAS_BIAS, BLOCK_M, BLOCK_N, SWAP_AB)
-    if ((last_tile + 1) * k_steps > end) & ((last_tile != first_tile) | (first_tile * k_steps >= start)):
-        _stream_fixup(last_tile, k_steps, total, M, N, s_ptr, bias_ptr, y_ptr, ws_ptr, cnt_ptr,
-                      stride_ym, HAS_BIAS, BLOCK_M, BLOCK_N, SWAP_AB)
 
 
 @triton.jit
@@ -561,6 +570,12 @@ def _stream_launch(x2: torch.Tensor, w_int8: torch.Tensor, scale: torch.Tensor,
     k_steps = triton.cdiv(k, bk)
     total = tiles * k_steps
     progs = min(max(1, cfg.programs_per_sm) * _num_sms(x2.device), total)
+    # A tile of k_steps iterations meets at most ceil((k_steps - 1) / L) + 1 ranges of length
+    # >= L = total // P; keep that <= 32 (the unrolled fixup), then round it up to a power of
+    # two so that few shapes share one binary.
+    if k_steps > 1 and triton.cdiv(k_steps - 1, total // progs) + 1 > 32:
+        progs = total // triton.cdiv(k_steps - 1, 31)
+    max_contrib = triton.next_power_of_2(triton.cdiv(k_steps - 1, total // progs) + 1)
     if (progs + 1) * (total + k_steps) >= 2 ** 31:
         raise ValueError(f"stream: {total} iterations x {progs} programs overflow the kernel's int32 "
                          f"index arithmetic; use a larger block_n/block_k or kind 'mma'")
@@ -587,7 +602,7 @@ def _stream_launch(x2: torch.Tensor, w_int8: torch.Tensor, scale: torch.Tensor,
         x2.stride(0), w_int8.stride(0), y.stride(0),
         HAS_BIAS=bias is not None, BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, SWAP_AB=cfg.swap_ab,
         EVEN_K=k % bk == 0, STAGES=cfg.num_stages, USE_TMA=cfg.tma,
-        FP32_MATH=on_cpu or x2.dtype == torch.float32, num_warps=cfg.num_warps,
+        FP32_MATH=on_cpu or x2.dtype == torch.float32, MAX_CONTRIB=max_contrib, num_warps=cfg.num_warps,
         num_stages=cfg.num_stages)
 
 
