@@ -179,7 +179,8 @@ def aot_compile(cfg: Int8LinearConfig) -> dict:
     from llmserve.triton_kernels.int8_linear import _int8_stream_kernel
 
     const = dict(HAS_BIAS=False, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
-                 SWAP_AB=cfg.swap_ab, EVEN_K=True, STAGES=cfg.num_stages, USE_TMA=cfg.tma, FP32_MATH=False)
+                 SWAP_AB=cfg.swap_ab, EVEN_K=True, STAGES=cfg.num_stages, USE_TMA=cfg.tma, FP32_MATH=False,
+                 MAX_CONTRIB=4, ASM_BARRIER=True)
     sig = {"x_ptr": "*bf16", "w_ptr": "*i8",
            "w_desc": f"tensordesc<i8[{cfg.block_n}, {cfg.block_k}]>" if cfg.tma else "*i8",
            "s_ptr": "*fp32", "bias_ptr": "*fp32", "y_ptr": "*bf16", "ws_ptr": "*fp32", "cnt_ptr": "*i32",
@@ -190,9 +191,11 @@ def aot_compile(cfg: Int8LinearConfig) -> dict:
                     attrs={(i,): [["tt.divisibility", 16]] for i in aligned})
     k = triton.compile(src, target=GPUTarget("cuda", 90, 32),
                        options=dict(num_warps=cfg.num_warps, num_stages=cfg.num_stages))
-    ptx = k.asm["ptx"]
-    return dict(shared=k.metadata.shared, cp_async="cp.async." in ptx, tma="cp.async.bulk.tensor" in ptx,
-                wgmma="wgmma" in ptx, mma_sync="mma.sync" in ptx)
+    ptx, ttgir = k.asm["ptx"], k.asm["ttgir"]
+    # pipelined: the loads of later iterations are issued asynchronously inside the main loop
+    pipelined = "async_copy_global_to_local" in ttgir or "async_tma_copy_global_to_local" in ttgir
+    return dict(shared=k.metadata.shared, pipelined=pipelined, cp_async="cp.async." in ptx,
+                tma="cp.async.bulk.tensor" in ptx, wgmma="wgmma" in ptx, mma_sync="mma.sync" in ptx)
 
 
 def dry_run(cfgs: list[Int8LinearConfig], aot: bool, workers: int) -> int:
@@ -213,6 +216,9 @@ def dry_run(cfgs: list[Int8LinearConfig], aot: bool, workers: int) -> int:
             else:
                 used = ",".join(name for name in ("cp_async", "tma", "wgmma", "mma_sync") if r[name])
                 line += f"  sm_90: {r['shared'] // 1024} KB shared, {used}"
+                if not r["pipelined"]:
+                    bad += 1
+                    line += "  NOT PIPELINED"
         print(line)
     return 1 if bad else 0
 

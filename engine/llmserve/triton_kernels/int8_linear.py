@@ -219,9 +219,22 @@ def _stream_ws_offsets(slot, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, SWAP_
 
 
 @triton.jit
+def _cta_barrier(pid, ASM_BARRIER: tl.constexpr):
+    """Barrier of all threads of the program (``__syncthreads``). ``tl.debug_barrier`` inside a
+    loop keeps Triton's software pipeliner from pipelining that loop (seen with Triton 3.9 for
+    sm_90: no ``cp.async`` left in the stream kernel's loop), so on the GPU it is inline PTX
+    (``ASM_BARRIER``); the interpreter has no inline assembly."""
+    if ASM_BARRIER:
+        tl.inline_asm_elementwise("bar.sync 0;\n\tmov.u32 $0, $1;", "=r,r", [pid], dtype=tl.int32,
+                                  is_pure=False, pack=1)
+    else:
+        tl.debug_barrier()
+
+
+@triton.jit
 def _stream_fixup(acc, tile, pid, k_steps, total, M, N, s_ptr, bias_ptr, y_ptr, ws_ptr, cnt_ptr, stride_ym,
                   HAS_BIAS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                  SWAP_AB: tl.constexpr, MAX_CONTRIB: tl.constexpr):
+                  SWAP_AB: tl.constexpr, MAX_CONTRIB: tl.constexpr, ASM_BARRIER: tl.constexpr):
     """Store this program's partial sum ``acc`` of a cut ``tile`` in workspace slot
     ``tile + pid`` and count it in; the last of the tile's contributors to arrive sums all
     partials in program order (deterministic), writes y and re-arms the tile's counter.
@@ -235,9 +248,9 @@ def _stream_fixup(acc, tile, pid, k_steps, total, M, N, s_ptr, bias_ptr, y_ptr, 
     # (owner(i) = ((i + 1) * P - 1) // total inverts start(p) = p * total // P).
     p_first = ((tile * k_steps + 1) * num_progs - 1) // total
     p_last = ((tile + 1) * k_steps * num_progs - 1) // total
-    # The barrier and the acq_rel atomic publish the partial (the "semaphore" of split-K and
-    # stream-K GEMMs, as in _int8_epilogue); partials are re-read from L2 (.cg).
-    tl.debug_barrier()
+    # The barrier and the acq_rel atomic publish the partial of every thread (the "semaphore"
+    # of split-K and stream-K GEMMs, as in _int8_epilogue); partials are re-read from L2 (.cg).
+    _cta_barrier(pid, ASM_BARRIER)
     count = tl.atomic_add(cnt_ptr + tile, 1)
     if count == p_last - p_first:
         tot = tl.zeros_like(acc)
@@ -258,7 +271,7 @@ def _int8_stream_kernel(x_ptr, w_ptr, w_desc, s_ptr, bias_ptr, y_ptr, ws_ptr, cn
                         HAS_BIAS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                         BLOCK_K: tl.constexpr, SWAP_AB: tl.constexpr, EVEN_K: tl.constexpr,
                         STAGES: tl.constexpr, USE_TMA: tl.constexpr, FP32_MATH: tl.constexpr,
-                        MAX_CONTRIB: tl.constexpr):
+                        MAX_CONTRIB: tl.constexpr, ASM_BARRIER: tl.constexpr):
     """Persistent stream-K tensor-core kernel (``kind="stream"``; see :func:`_stream_launch`).
 
     The work is the flattened sequence of ``total = tiles * k_steps`` (output tile, K step)
@@ -326,7 +339,8 @@ def _int8_stream_kernel(x_ptr, w_ptr, w_desc, s_ptr, bias_ptr, y_ptr, ws_ptr, cn
                               BLOCK_M, BLOCK_N, SWAP_AB)
             else:                               # cut by a range boundary: partial + fixup
                 _stream_fixup(acc, tile, pid, k_steps, total, M, N, s_ptr, bias_ptr, y_ptr, ws_ptr,
-                              cnt_ptr, stride_ym, HAS_BIAS, BLOCK_M, BLOCK_N, SWAP_AB, MAX_CONTRIB)
+                              cnt_ptr, stride_ym, HAS_BIAS, BLOCK_M, BLOCK_N, SWAP_AB, MAX_CONTRIB,
+                              ASM_BARRIER)
             acc = tl.zeros_like(acc)
 
 
@@ -602,7 +616,8 @@ def _stream_launch(x2: torch.Tensor, w_int8: torch.Tensor, scale: torch.Tensor,
         x2.stride(0), w_int8.stride(0), y.stride(0),
         HAS_BIAS=bias is not None, BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, SWAP_AB=cfg.swap_ab,
         EVEN_K=k % bk == 0, STAGES=cfg.num_stages, USE_TMA=cfg.tma,
-        FP32_MATH=on_cpu or x2.dtype == torch.float32, MAX_CONTRIB=max_contrib, num_warps=cfg.num_warps,
+        FP32_MATH=on_cpu or x2.dtype == torch.float32, MAX_CONTRIB=max_contrib,
+        ASM_BARRIER=not on_cpu and os.environ.get("TRITON_INTERPRET", "0") != "1", num_warps=cfg.num_warps,
         num_stages=cfg.num_stages)
 
 
