@@ -198,14 +198,26 @@ def _stream_index(pid_m, pid_n, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, SW
 
 
 @triton.jit
-def _stream_store(acc, pid_m, pid_n, M, N, s_ptr, bias_ptr, y_ptr, stride_ym, HAS_BIAS: tl.constexpr,
+def _stream_channel(ptr, pid_n, N, BLOCK_N: tl.constexpr, SWAP_AB: tl.constexpr):
+    """Tile ``pid_n``'s per-output-channel values (scale or bias) in fp32, shaped to broadcast
+    against the accumulator: ``[1, BN]``, or ``[BN, 1]`` with ``SWAP_AB``."""
+    rn_ld = (pid_n * BLOCK_N + tl.arange(0, BLOCK_N)) % N
+    if SWAP_AB:
+        v = tl.load(ptr + rn_ld[:, None])
+    else:
+        v = tl.load(ptr + rn_ld[None, :])
+    return v.to(tl.float32)
+
+
+@triton.jit
+def _stream_store(acc, sc, bi, pid_m, pid_n, M, N, y_ptr, stride_ym, HAS_BIAS: tl.constexpr,
                   BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, SWAP_AB: tl.constexpr):
-    """``y[tile] = acc * scale (+ bias)`` in y's dtype, for a finished fp32 tile sum."""
+    """``y[tile] = acc * sc (+ bi)`` in y's dtype, for a finished fp32 tile sum; ``sc``/``bi``
+    from :func:`_stream_channel`."""
     mm, nn = _stream_index(pid_m, pid_n, BLOCK_M, BLOCK_N, SWAP_AB)
-    nn_ld = nn % N
-    out = acc * tl.load(s_ptr + nn_ld).to(tl.float32)
+    out = acc * sc
     if HAS_BIAS:
-        out += tl.load(bias_ptr + nn_ld).to(tl.float32)
+        out += bi
     tl.store(y_ptr + mm.to(tl.int64) * stride_ym + nn, out.to(y_ptr.dtype.element_ty),
              mask=(mm < M) & (nn < N))
 
@@ -232,7 +244,7 @@ def _cta_barrier(pid, ASM_BARRIER: tl.constexpr):
 
 
 @triton.jit
-def _stream_fixup(acc, tile, pid, k_steps, total, M, N, s_ptr, bias_ptr, y_ptr, ws_ptr, cnt_ptr, stride_ym,
+def _stream_fixup(acc, sc, bi, tile, pid, k_steps, total, M, N, y_ptr, ws_ptr, cnt_ptr, stride_ym,
                   HAS_BIAS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                   SWAP_AB: tl.constexpr, MAX_CONTRIB: tl.constexpr, ASM_BARRIER: tl.constexpr):
     """Store this program's partial sum ``acc`` of a cut ``tile`` in workspace slot
@@ -260,7 +272,7 @@ def _stream_fixup(acc, tile, pid, k_steps, total, M, N, s_ptr, bias_ptr, y_ptr, 
             tot += tl.load(ws_ptr + woffs + q.to(tl.int64) * (BLOCK_M * BLOCK_N), mask=live,
                            other=0.0, cache_modifier=".cg")
         num_pid_m = tl.cdiv(M, BLOCK_M)
-        _stream_store(tot, tile % num_pid_m, tile // num_pid_m, M, N, s_ptr, bias_ptr, y_ptr, stride_ym,
+        _stream_store(tot, sc, bi, tile % num_pid_m, tile // num_pid_m, M, N, y_ptr, stride_ym,
                       HAS_BIAS, BLOCK_M, BLOCK_N, SWAP_AB)
         tl.atomic_xchg(cnt_ptr + tile, 0)
 
@@ -331,14 +343,22 @@ def _int8_stream_kernel(x_ptr, w_ptr, w_desc, s_ptr, bias_ptr, y_ptr, ws_ptr, cn
         else:
             x = tl.load(x_ptrs, mask=(offs_k < K)[None, :], other=0.0)
         acc = _mma_step(acc, x, w, SWAP_AB, FP32_MATH)
+        # The tile's scale (and bias), read every step so that the pipeliner prefetches them
+        # with the weights (a few hundred bytes, L2 hits): a load in the epilogue branch would
+        # stall each tile end for a full memory latency with no new loads issued.
+        sc = _stream_channel(s_ptr, pid_n, N, BLOCK_N, SWAP_AB)
+        if HAS_BIAS:
+            bi = _stream_channel(bias_ptr, pid_n, N, BLOCK_N, SWAP_AB)
+        else:
+            bi = sc
         cut_end = (j == tail_len - 1) | ((j == cut_len - 1) & (head_len > 0))
         whole_end = (j >= cut_len) & (ks == k_steps - 1)
         if cut_end | whole_end:
             if whole_end:                       # the whole tile ran here: scale, bias, store
-                _stream_store(acc, pid_m, pid_n, M, N, s_ptr, bias_ptr, y_ptr, stride_ym, HAS_BIAS,
+                _stream_store(acc, sc, bi, pid_m, pid_n, M, N, y_ptr, stride_ym, HAS_BIAS,
                               BLOCK_M, BLOCK_N, SWAP_AB)
             else:                               # cut by a range boundary: partial + fixup
-                _stream_fixup(acc, tile, pid, k_steps, total, M, N, s_ptr, bias_ptr, y_ptr, ws_ptr,
+                _stream_fixup(acc, sc, bi, tile, pid, k_steps, total, M, N, y_ptr, ws_ptr,
                               cnt_ptr, stride_ym, HAS_BIAS, BLOCK_M, BLOCK_N, SWAP_AB, MAX_CONTRIB,
                               ASM_BARRIER)
             acc = tl.zeros_like(acc)
