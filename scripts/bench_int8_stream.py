@@ -180,7 +180,7 @@ def aot_compile(cfg: Int8LinearConfig) -> dict:
 
     const = dict(HAS_BIAS=False, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
                  SWAP_AB=cfg.swap_ab, EVEN_K=True, STAGES=cfg.num_stages, USE_TMA=cfg.tma, FP32_MATH=False,
-                 MAX_CONTRIB=4, ASM_BARRIER=True)
+                 MAX_CONTRIB=4, ASM_BARRIER=True, ONE_M=True)
     sig = {"x_ptr": "*bf16", "w_ptr": "*i8",
            "w_desc": f"tensordesc<i8[{cfg.block_n}, {cfg.block_k}]>" if cfg.tma else "*i8",
            "s_ptr": "*fp32", "bias_ptr": "*fp32", "y_ptr": "*bf16", "ws_ptr": "*fp32", "cnt_ptr": "*i32",

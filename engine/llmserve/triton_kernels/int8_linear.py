@@ -201,7 +201,7 @@ def _stream_index(pid_m, pid_n, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, SW
 def _stream_channel(ptr, pid_n, N, BLOCK_N: tl.constexpr, SWAP_AB: tl.constexpr):
     """Tile ``pid_n``'s per-output-channel values (scale or bias) in fp32, shaped to broadcast
     against the accumulator: ``[1, BN]``, or ``[BN, 1]`` with ``SWAP_AB``."""
-    rn_ld = (pid_n * BLOCK_N + tl.arange(0, BLOCK_N)) % N
+    rn_ld = tl.minimum(pid_n * BLOCK_N + tl.arange(0, BLOCK_N), N - 1)   # clamped: in bounds
     if SWAP_AB:
         v = tl.load(ptr + rn_ld[:, None])
     else:
@@ -244,7 +244,8 @@ def _cta_barrier(pid, ASM_BARRIER: tl.constexpr):
 
 
 @triton.jit
-def _stream_fixup(acc, sc, bi, tile, pid, k_steps, total, M, N, y_ptr, ws_ptr, cnt_ptr, stride_ym,
+def _stream_fixup(acc, sc, bi, tile, pid_m, pid_n, pid, k_steps, total, M, N, y_ptr, ws_ptr, cnt_ptr,
+                  stride_ym,
                   HAS_BIAS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                   SWAP_AB: tl.constexpr, MAX_CONTRIB: tl.constexpr, ASM_BARRIER: tl.constexpr):
     """Store this program's partial sum ``acc`` of a cut ``tile`` in workspace slot
@@ -271,9 +272,8 @@ def _stream_fixup(acc, sc, bi, tile, pid, k_steps, total, M, N, y_ptr, ws_ptr, c
             live = (woffs * 0 + q) <= p_last                         # (a tensor mask: interpreter)
             tot += tl.load(ws_ptr + woffs + q.to(tl.int64) * (BLOCK_M * BLOCK_N), mask=live,
                            other=0.0, cache_modifier=".cg")
-        num_pid_m = tl.cdiv(M, BLOCK_M)
-        _stream_store(tot, sc, bi, tile % num_pid_m, tile // num_pid_m, M, N, y_ptr, stride_ym,
-                      HAS_BIAS, BLOCK_M, BLOCK_N, SWAP_AB)
+        _stream_store(tot, sc, bi, pid_m, pid_n, M, N, y_ptr, stride_ym, HAS_BIAS, BLOCK_M, BLOCK_N,
+                      SWAP_AB)
         tl.atomic_xchg(cnt_ptr + tile, 0)
 
 
@@ -283,7 +283,7 @@ def _int8_stream_kernel(x_ptr, w_ptr, w_desc, s_ptr, bias_ptr, y_ptr, ws_ptr, cn
                         HAS_BIAS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                         BLOCK_K: tl.constexpr, SWAP_AB: tl.constexpr, EVEN_K: tl.constexpr,
                         STAGES: tl.constexpr, USE_TMA: tl.constexpr, FP32_MATH: tl.constexpr,
-                        MAX_CONTRIB: tl.constexpr, ASM_BARRIER: tl.constexpr):
+                        MAX_CONTRIB: tl.constexpr, ASM_BARRIER: tl.constexpr, ONE_M: tl.constexpr):
     """Persistent stream-K tensor-core kernel (``kind="stream"``; see :func:`_stream_launch`).
 
     The work is the flattened sequence of ``total = tiles * k_steps`` (output tile, K step)
@@ -323,25 +323,31 @@ def _int8_stream_kernel(x_ptr, w_ptr, w_desc, s_ptr, bias_ptr, y_ptr, ws_ptr, cn
         it = tl.where(j < tail_len, tail_start + j, start + j - tail_len)
         tile = it // k_steps
         ks = it - tile * k_steps
-        pid_m = tile % num_pid_m          # m fastest: the row tiles of one weight tile adjoin
-        pid_n = tile // num_pid_m
+        if ONE_M:                         # M <= BLOCK_M (decode): no divisions for the row tile
+            pid_m = 0
+            pid_n = tile
+        else:                             # m fastest: the row tiles of one weight tile adjoin
+            pid_m = tile % num_pid_m
+            pid_n = tile // num_pid_m
         k0 = tl.multiple_of(ks * BLOCK_K, BLOCK_K)
         offs_k = k0 + rk
-        rm_ld = (pid_m * BLOCK_M + lm) % M       # wrapped: loads in bounds; stores are masked
-        x_ptrs = x_ptr + rm_ld[:, None].to(tl.int64) * stride_xm + offs_k[None, :]          # [BM, BK]
+        rm = pid_m * BLOCK_M + lm
+        x_ptrs = x_ptr + rm[:, None].to(tl.int64) * stride_xm + offs_k[None, :]             # [BM, BK]
         if USE_TMA:       # out-of-range rows and columns read as zeros
             w = w_desc.load([pid_n * BLOCK_N, k0])                                           # [BN, BK]
         else:
-            rn_ld = (pid_n * BLOCK_N + ln) % N
+            rn_ld = tl.minimum(pid_n * BLOCK_N + ln, N - 1)
             w_ptrs = w_ptr + rn_ld[:, None].to(tl.int64) * stride_wn + offs_k[None, :]      # [BN, BK]
             if EVEN_K:
                 w = tl.load(w_ptrs)
             else:
                 w = tl.load(w_ptrs, mask=(offs_k < K)[None, :], other=0)
+        # rows >= M are masked (zero-filled without a memory access: at M = 2 the x tile costs
+        # 2 rows of L2 traffic, not 16)
         if EVEN_K:
-            x = tl.load(x_ptrs)
+            x = tl.load(x_ptrs, mask=(rm < M)[:, None], other=0.0)
         else:
-            x = tl.load(x_ptrs, mask=(offs_k < K)[None, :], other=0.0)
+            x = tl.load(x_ptrs, mask=(rm < M)[:, None] & (offs_k < K)[None, :], other=0.0)
         acc = _mma_step(acc, x, w, SWAP_AB, FP32_MATH)
         # The tile's scale (and bias), read every step so that the pipeliner prefetches them
         # with the weights (a few hundred bytes, L2 hits): a load in the epilogue branch would
@@ -358,7 +364,7 @@ def _int8_stream_kernel(x_ptr, w_ptr, w_desc, s_ptr, bias_ptr, y_ptr, ws_ptr, cn
                 _stream_store(acc, sc, bi, pid_m, pid_n, M, N, y_ptr, stride_ym, HAS_BIAS,
                               BLOCK_M, BLOCK_N, SWAP_AB)
             else:                               # cut by a range boundary: partial + fixup
-                _stream_fixup(acc, sc, bi, tile, pid, k_steps, total, M, N, y_ptr, ws_ptr,
+                _stream_fixup(acc, sc, bi, tile, pid_m, pid_n, pid, k_steps, total, M, N, y_ptr, ws_ptr,
                               cnt_ptr, stride_ym, HAS_BIAS, BLOCK_M, BLOCK_N, SWAP_AB, MAX_CONTRIB,
                               ASM_BARRIER)
             acc = tl.zeros_like(acc)
@@ -637,7 +643,8 @@ def _stream_launch(x2: torch.Tensor, w_int8: torch.Tensor, scale: torch.Tensor,
         HAS_BIAS=bias is not None, BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, SWAP_AB=cfg.swap_ab,
         EVEN_K=k % bk == 0, STAGES=cfg.num_stages, USE_TMA=cfg.tma,
         FP32_MATH=on_cpu or x2.dtype == torch.float32, MAX_CONTRIB=max_contrib,
-        ASM_BARRIER=not on_cpu and os.environ.get("TRITON_INTERPRET", "0") != "1", num_warps=cfg.num_warps,
+        ASM_BARRIER=not on_cpu and os.environ.get("TRITON_INTERPRET", "0") != "1", ONE_M=m <= bm,
+        num_warps=cfg.num_warps,
         num_stages=cfg.num_stages)
 
 
