@@ -588,7 +588,13 @@ def _stream_launch(x2: torch.Tensor, w_int8: torch.Tensor, scale: torch.Tensor,
     co-residency assumption and no deadlock in the interpreter): each contributor stores its
     fp32 partial in a workspace slot and counts itself in on the tile's counter; the last to
     arrive sums the partials in program order and applies the scale and bias. The sum order
-    depends only on ``P``, so results are reproducible run to run.
+    depends only on ``P``, so results are reproducible run to run. Each program visits its
+    (at most two) cut segments before its whole tiles, so the partials are ready, and reduced,
+    early in the kernel instead of in a tail after every program's stream; a tile may be
+    shared by at most 32 programs (the grid shrinks if needed), the bound of the unrolled sum.
+
+    The scale (and bias) of the current tile are read every step so the pipeliner prefetches
+    them with the weights; rows of x at or beyond M are masked, never read.
 
     Orientation (``cfg.swap_ab``): ``False`` computes ``x @ w.T`` (weight tile = the MMA's B
     operand; with 16 rows Hopper's wgmma needs M >= 64, so this is mma.sync); ``True``
