@@ -53,6 +53,7 @@ from bench_int8_planes import (  # noqa: E402  (scripts/, next to this file)
 
 from llmserve.triton_kernels.int8_linear import (  # noqa: E402
     Int8LinearConfig,
+    _stream_launch,
     check_stream_config,
     choose_int8_config,
     int8_linear,
@@ -127,13 +128,32 @@ def validate(cfgs: list[Int8LinearConfig]) -> None:
                              "exceed an H200 SM")
 
 
+def compiled_info(kernel) -> dict:
+    """Registers, spills, shared bytes of a compiled Triton kernel, and whether its main loop
+    was software-pipelined (asynchronous copies in the TTGIR)."""
+    info = {}
+    for name in ("n_regs", "n_spills"):
+        if getattr(kernel, name, None) is not None:
+            info[name] = int(getattr(kernel, name))
+    md = getattr(kernel, "metadata", None)
+    if md is not None and getattr(md, "shared", None) is not None:
+        info["shared"] = int(md.shared)
+    ttgir = (getattr(kernel, "asm", None) or {}).get("ttgir")
+    if ttgir:
+        info["pipelined"] = ("async_copy_global_to_local" in ttgir
+                             or "async_tma_copy_global_to_local" in ttgir)
+        info["wgmma"] = "warp_group_dot" in ttgir
+    return info
+
+
 def _check_worker(args):
     """Compile and check one configuration in a fresh process on every shape (M = 2 and 16):
-    returns ``(index, None)`` or ``(index, error)``."""
+    returns ``(index, None or error, compiled-kernel info per shape)``."""
     idx, cfg = args
+    infos = {}
     try:
         dev = torch.device("cuda")
-        for _, k, n in SHAPES:
+        for lab, k, n in SHAPES:
             q = torch.randint(-127, 128, (n, k), dtype=torch.int8, device=dev)
             s = torch.rand(n, device=dev) * 1e-3 + 1e-4
             for m in (2, 16):
@@ -141,25 +161,33 @@ def _check_worker(args):
                 ref = x.double() @ (q.double() * s.double()[:, None]).T
                 err = rel_err(int8_linear(x, q, s, config=cfg), ref)
                 if not err < 1e-2:
-                    return idx, f"relative error {err:.2e} (K={k} N={n} M={m})"
+                    return idx, f"relative error {err:.2e} (K={k} N={n} M={m})", infos
+            y = torch.empty((2, n), device=dev, dtype=torch.bfloat16)
+            try:
+                infos[lab] = compiled_info(_stream_launch(x[:2], q, s, None, y, cfg))
+            except Exception as ex:  # noqa: BLE001 - diagnostics only
+                infos[lab] = {"info_error": f"{type(ex).__name__}: {ex}"[:200]}
         torch.cuda.synchronize()
-        return idx, None
+        return idx, None, infos
     except Exception as ex:  # noqa: BLE001 - reported as the configuration's error
-        return idx, f"{type(ex).__name__}: {ex}"[:300]
+        return idx, f"{type(ex).__name__}: {ex}"[:300], infos
 
 
-def precheck(cfgs: list[Int8LinearConfig], workers: int, timeout_s: float) -> dict[int, str]:
+def precheck(cfgs: list[Int8LinearConfig], workers: int, timeout_s: float
+             ) -> tuple[dict[int, str], dict[int, dict]]:
     """Compile + check every configuration in worker processes (one process a configuration,
     so a faulting kernel takes only its own CUDA context down); Triton's disk cache then serves
-    the timed pass. Returns ``{index: error}`` for the failures."""
+    the timed pass. Returns ``({index: error}`` for the failures, ``{index: {shape: compiled
+    kernel info}})``."""
     errors: dict[int, str] = {}
+    infos: dict[int, dict] = {}
     ctx = mp.get_context("spawn")
     with ctx.Pool(workers, maxtasksperchild=1) as pool:
         pending = {i: pool.apply_async(_check_worker, ((i, c),)) for i, c in enumerate(cfgs)}
         deadline = time.time() + timeout_s
         for i, res in pending.items():
             try:
-                _, err = res.get(timeout=max(1.0, deadline - time.time()))
+                _, err, infos[i] = res.get(timeout=max(1.0, deadline - time.time()))
             except mp.TimeoutError:
                 err = f"compile/check did not finish within {timeout_s:.0f} s"
             except Exception as ex:  # noqa: BLE001 - a worker that died
@@ -167,7 +195,7 @@ def precheck(cfgs: list[Int8LinearConfig], workers: int, timeout_s: float) -> di
             if err:
                 errors[i] = err
         pool.terminate()
-    return errors
+    return errors, infos
 
 
 def aot_compile(cfg: Int8LinearConfig) -> dict:
@@ -230,8 +258,8 @@ def _aot_worker(cfg):
         return dict(error=f"{type(ex).__name__}: {ex}"[:300])
 
 
-def time_rows(cfgs, ms, pre_errors, budget_s, out: Path, t0: float, dev: torch.device | None = None
-              ) -> list[dict]:
+def time_rows(cfgs, ms, pre_errors, budget_s, out: Path, t0: float, dev: torch.device | None = None,
+              infos: dict[int, dict] | None = None) -> list[dict]:
     """Time cuBLAS, the default and every configuration that passed the pre-check, for each
     shape and M; ``stream.json`` is rewritten after each row (partial results survive)."""
     dev = dev or torch.device("cuda")
@@ -248,7 +276,8 @@ def time_rows(cfgs, ms, pre_errors, budget_s, out: Path, t0: float, dev: torch.d
             row["default_err"], row["default_us"] = int8_us(x, q, s, ref)
             res = []
             for i, c in enumerate(cfgs):
-                r = dict(name=cfg_name(c), cfg=asdict(c), us=None, err=None, error=pre_errors.get(i))
+                r = dict(name=cfg_name(c), cfg=asdict(c), us=None, err=None, error=pre_errors.get(i),
+                         compiled=(infos or {}).get(i, {}).get(lab))
                 if r["error"] is None and time.time() - t0 > budget_s:
                     r["error"] = f"skipped: past the {budget_s:.0f} s time budget"
                 if r["error"] is None:
@@ -334,10 +363,12 @@ def main() -> int:
     validate(cfgs)
     args.out.mkdir(parents=True, exist_ok=True)
     t0 = time.time()
-    pre = precheck(cfgs, args.workers, timeout_s=180.0) if args.workers > 0 else {}
+    pre, infos = precheck(cfgs, args.workers, timeout_s=180.0) if args.workers > 0 else ({}, {})
     print(f"[{time.time() - t0:6.1f}s] compiled and checked {len(cfgs)} configurations, {len(pre)} failed"
           + "".join(f"\n    {cfg_name(cfgs[i])}: {e}" for i, e in sorted(pre.items())), flush=True)
-    rows = time_rows(cfgs, args.ms, pre, args.budget_s, args.out, t0)
+    for i, c in enumerate(cfgs):
+        print(f"    {cfg_name(c):32s} {json.dumps(infos.get(i, {}))}", flush=True)
+    rows = time_rows(cfgs, args.ms, pre, args.budget_s, args.out, t0, infos=infos)
     print(write_md(rows, args.out))
     print(f"[{time.time() - t0:6.1f}s] wrote {args.out / 'stream.json'} and {args.out / 'stream.md'}")
     return 0

@@ -561,9 +561,10 @@ def _check_int8_inputs(x, w_int8, scale, bias) -> tuple[int, int]:
 
 
 def _stream_launch(x2: torch.Tensor, w_int8: torch.Tensor, scale: torch.Tensor,
-                   bias: torch.Tensor | None, y: torch.Tensor, cfg: Int8LinearConfig) -> None:
+                   bias: torch.Tensor | None, y: torch.Tensor, cfg: Int8LinearConfig):
     """``y = x2 @ (w_int8 * scale[:, None]).T (+ bias)`` with the persistent stream-K
-    tensor-core kernel (``kind="stream"``), written into ``y``.
+    tensor-core kernel (``kind="stream"``), written into ``y``. Returns what the Triton launch
+    returns (on CUDA the compiled kernel: benchmarks read its registers, shared memory and IR).
 
     Shapes: ``x2 [M, K]`` (unit column stride), ``w_int8 [N, K]`` int8 row-major, ``scale`` and
     ``bias`` ``[N]``, ``y [M, N]`` contiguous in ``x2.dtype``. Designed for decode batches
@@ -643,7 +644,7 @@ def _stream_launch(x2: torch.Tensor, w_int8: torch.Tensor, scale: torch.Tensor,
                      device=x2.device)                               # [slots, BM * BN] fp32
     cnt = _tile_counters(x2.device, tiles)        # always int32: one binary with and without cuts
     on_cpu = x2.device.type == "cpu"
-    _int8_stream_kernel[(progs,)](
+    return _int8_stream_kernel[(progs,)](
         x2, w_int8, w_desc, scale, bias if bias is not None else scale, y, ws, cnt, m, n, k,
         x2.stride(0), w_int8.stride(0), y.stride(0),
         HAS_BIAS=bias is not None, BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, SWAP_AB=cfg.swap_ab,
