@@ -518,9 +518,13 @@ STREAM_CASES = [
 def test_int8_stream_matches_reference(monkeypatch, m, n, k, bn, bk, swap, pps, sms, bias, dtype, split):
     """The persistent stream-K kind at awkward sizes: M = 1..16 (and two row tiles), K and N
     not multiples of the tile, both MMA orientations, 1 or 2 programs an SM over a faked SM
-    count, tiles cut by program boundaries (a tile spread over 3-4 programs, whose middle
-    program's whole range lies inside it), no cut at all, and fewer iterations than programs.
-    Run twice: the tile counters must be re-armed and the result must repeat bit for bit."""
+    count, tiles cut by program boundaries ("inside": a tile spread over 3-4 programs, the
+    middle one's whole range inside it; "head-tail": a range that is the end of one tile,
+    whole tiles, the start of another, visited tail first), no cut at all, fewer iterations
+    than programs, and more than 32 programs on one tile (the grid is shrunk). The split is
+    asserted from a host mirror of the partition, so a case cannot silently stop covering
+    its path. Run twice: the tile counters must be re-armed and the result must repeat bit
+    for bit."""
     import importlib
 
     il = importlib.import_module("llmserve.triton_kernels.int8_linear")
