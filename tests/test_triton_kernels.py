@@ -479,6 +479,107 @@ def test_int8_linear_input_errors():
                     config=Int8LinearConfig(1, 16, 16, kind="vec"))
 
 
+def _stream_ranges(m, n, k, cfg, sms):
+    """Host mirror of the stream kind's partition: ``(k_steps, per-program iteration ranges)``."""
+    k_steps = -(-k // cfg.block_k)
+    total = -(-m // cfg.block_m) * -(-n // cfg.block_n) * k_steps
+    p = min(max(1, cfg.programs_per_sm) * sms, total)
+    if k_steps > 1 and -(-(k_steps - 1) // (total // p)) + 1 > 32:      # the contributor cap
+        p = total // -(-(k_steps - 1) // 31)
+    return k_steps, [(i * total // p, (i + 1) * total // p) for i in range(p)]
+
+
+def _stream_cfg(bn, bk, swap, pps, stages=2):
+    return Int8LinearConfig(16, bn, bk, swap_ab=swap, num_warps=1, num_stages=stages, kind="stream",
+                            programs_per_sm=pps)
+
+
+STREAM_CASES = [
+    # (m, n, k, block_n, block_k, swap_ab, programs_per_sm, sms, bias, dtype, how tiles are split)
+    pytest.param(1, 40, 100, 16, 32, False, 1, 4, True, torch.float32, "cut", id="m1-ragged-nk"),
+    pytest.param(2, 48, 100, 32, 32, True, 1, 4, False, torch.float32, "cut", id="m2-swap-ragged-k"),
+    pytest.param(7, 40, 136, 32, 32, False, 2, 3, True, torch.float16, "cut", id="m7-fp16-2pps-3sms"),
+    pytest.param(7, 40, 136, 16, 64, True, 2, 4, False, torch.float32, "cut", id="m7-swap-2pps"),
+    pytest.param(16, 33, 64, 16, 16, True, 1, 5, True, torch.float32, "cut", id="m16-swap-ragged-n"),
+    pytest.param(16, 64, 96, 32, 32, False, 2, 4, False, torch.float16, "cut", id="m16-fp16"),
+    pytest.param(5, 32, 256, 16, 16, False, 2, 4, True, torch.float32, "inside", id="tile-over-4-programs"),
+    pytest.param(3, 32, 256, 16, 16, True, 2, 3, False, torch.float32, "inside", id="tile-over-3-programs-swap"),
+    pytest.param(4, 64, 64, 16, 32, False, 1, 4, True, torch.float32, "none", id="no-cut-tiles"),
+    pytest.param(2, 16, 20, 16, 16, True, 2, 4, True, torch.float32, "cut", id="fewer-iterations-than-sms"),
+    pytest.param(20, 40, 72, 16, 32, True, 1, 4, True, torch.float32, "cut", id="two-row-tiles"),
+    pytest.param(3, 80, 160, 16, 32, False, 1, 3, True, torch.float32, "head-tail", id="head-whole-tail"),
+    pytest.param(20, 80, 160, 16, 32, True, 2, 3, False, torch.float32, "head-tail", id="head-whole-tail-swap-2m"),
+    # 34 programs over one tile of 34 k steps: > 32 contributors, so the host halves the grid
+    pytest.param(2, 16, 544, 16, 16, True, 2, 17, False, torch.float32, "inside", id="contributors-capped"),
+]
+
+
+@pytest.mark.parametrize("m,n,k,bn,bk,swap,pps,sms,bias,dtype,split", STREAM_CASES)
+def test_int8_stream_matches_reference(monkeypatch, m, n, k, bn, bk, swap, pps, sms, bias, dtype, split):
+    """The persistent stream-K kind at awkward sizes: M = 1..16 (and two row tiles), K and N
+    not multiples of the tile, both MMA orientations, 1 or 2 programs an SM over a faked SM
+    count, tiles cut by program boundaries ("inside": a tile spread over 3-4 programs, the
+    middle one's whole range inside it; "head-tail": a range that is the end of one tile,
+    whole tiles, the start of another, visited tail first), no cut at all, fewer iterations
+    than programs, and more than 32 programs on one tile (the grid is shrunk). The split is
+    asserted from a host mirror of the partition, so a case cannot silently stop covering
+    its path. Run twice: the tile counters must be re-armed and the result must repeat bit
+    for bit."""
+    import importlib
+
+    il = importlib.import_module("llmserve.triton_kernels.int8_linear")
+    monkeypatch.setattr(il, "_num_sms", lambda device: sms)
+    g = torch.Generator().manual_seed(m * 1000 + n + k)
+    w_q, scale = quantize_int8_per_channel(torch.randn(n, k, generator=g) * 0.05)
+    w_q, scale = w_q.to(DEVICE), scale.to(DEVICE)
+    x = torch.randn(m, k, generator=g).to(dtype).to(DEVICE)
+    b = torch.randn(n, generator=g).to(DEVICE) if bias else None
+    cfg = _stream_cfg(bn, bk, swap, pps)
+    k_steps, ranges = _stream_ranges(m, n, k, cfg, sms)
+    cut = any(s % k_steps for s, _ in ranges)                    # a tile split between programs
+    inside = any(e - s < k_steps and s % k_steps and e % k_steps for s, e in ranges)
+    assert cut == (split != "none") and (inside or split != "inside")
+    if split == "head-tail":   # a range = head segment, whole tile(s), tail segment
+        assert any(s % k_steps and e % k_steps and (e // k_steps - s // k_steps) >= 2 for s, e in ranges)
+    ref = int8_linear_reference(x, w_q, scale, b)
+    y = int8_linear(x, w_q, scale, b, config=cfg)
+    assert_close(y, ref, dtype)
+    assert torch.equal(int8_linear(x, w_q, scale, b, config=cfg), y)
+
+
+def test_int8_stream_3d_input_and_bf16_scale():
+    """Leading dims are flattened into M (2 x 9 = 18 rows: two row tiles) and a bf16 scale is
+    read as fp32, as for the other kinds."""
+    g = torch.Generator().manual_seed(1)
+    n, k = 40, 136
+    w_q, scale = quantize_int8_per_channel(torch.randn(n, k, generator=g))
+    scale = scale.to(torch.bfloat16).to(DEVICE)
+    w_q = w_q.to(DEVICE)
+    x = torch.randn(2, 9, k, generator=g).to(DEVICE)
+    y = int8_linear(x, w_q, scale, config=_stream_cfg(32, 64, True, 2))
+    assert y.shape == (2, 9, n)
+    assert_close(y, int8_linear_reference(x, w_q, scale), torch.float32)
+
+
+def test_int8_stream_config_errors():
+    """Byte planes, bad tile fields and TMA off CUDA are refused with the field's name."""
+    w_q, scale = quantize_int8_per_channel(torch.randn(8, 32))
+    w_q, scale = w_q.to(DEVICE), scale.to(DEVICE)
+    x = torch.randn(2, 32, device=DEVICE)
+    with pytest.raises(ValueError, match="byte planes"):
+        int8_linear(x, pack_int8_planes(w_q), scale, config=_stream_cfg(16, 32, False, 1))
+    for bad, field in ((dict(block_m=8), "block_m"), (dict(block_n=24), "block_n"),
+                       (dict(block_k=8), "block_k"), (dict(num_stages=0), "num_stages"),
+                       (dict(programs_per_sm=-1), "programs_per_sm"), (dict(num_warps=3), "num_warps"),
+                       (dict(tma=True, block_k=512), "TMA")):
+        kw = dict(block_m=16, block_n=16, block_k=32, num_warps=1, num_stages=2, kind="stream") | bad
+        with pytest.raises(ValueError, match=field):
+            int8_linear(x, w_q, scale, config=Int8LinearConfig(**kw))
+    if DEVICE.type == "cpu":
+        with pytest.raises(ValueError, match="tma=True needs CUDA"):
+            int8_linear(x, w_q, scale, config=Int8LinearConfig(16, 16, 32, kind="stream", tma=True))
+
+
 # ---------------------------------------------------------------------------------------------
 # matrix-vector kernel with fused prologues / epilogues (decode of 1..4 tokens)
 # ---------------------------------------------------------------------------------------------
@@ -794,3 +895,31 @@ def test_gpu_bf16_gemv(k, n, m):
         ref = gemv_reference(x.float(), w if int8 else w.float(), **kw).float()
         rel = ((y - ref).norm() / ref.norm()).item()
         assert rel < 1e-2, (prologue, int8, glu, rel)
+
+
+@gpu
+@needs_cuda
+@pytest.mark.parametrize("k,n", [(1536, 8960), (8960, 1536), (1536, 2048)])
+@pytest.mark.parametrize("m", [2, 8, 16])
+def test_gpu_bf16_int8_stream(k, n, m):
+    """The stream kind in bf16 at the Qwen2.5-1.5B shapes: both orientations, 1 and 2
+    programs an SM, pointer and TMA weight loads (tma skipped where this Triton lacks it)."""
+    dev = torch.device("cuda")
+    w_q, scale = quantize_int8_per_channel(torch.randn(n, k, device=dev) * 0.02)
+    bias = torch.randn(n, device=dev, dtype=torch.bfloat16)
+    x = torch.randn(m, k, device=dev, dtype=torch.bfloat16)
+    ref = int8_linear_reference(x.float(), w_q, scale, bias.float())
+    try:
+        from triton.tools.tensor_descriptor import TensorDescriptor  # noqa: F401
+        tmas = (False, True) if torch.cuda.get_device_capability(dev)[0] >= 9 else (False,)
+    except ImportError:
+        tmas = (False,)
+    for bn, bk, swap, pps, stages, warps in ((32, 256, False, 1, 4, 4), (64, 128, True, 2, 4, 4),
+                                             (128, 128, True, 1, 3, 8), (32, 128, False, 2, 5, 4)):
+        for tma in tmas:
+            cfg = Int8LinearConfig(16, bn, bk, swap_ab=swap, num_warps=warps, num_stages=stages,
+                                   kind="stream", programs_per_sm=pps, tma=tma)
+            y = int8_linear(x, w_q, scale, bias, config=cfg)
+            rel = ((y.float() - ref).norm() / ref.norm()).item()
+            assert rel < 1e-2, (cfg, rel)
+            assert torch.equal(int8_linear(x, w_q, scale, bias, config=cfg), y), cfg
