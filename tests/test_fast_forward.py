@@ -115,8 +115,8 @@ def test_gemv_path_matches_readable_path(seqs):
 @pytest.mark.parametrize("seqs", [[(1, 1)], [(9, 1), (4, 1), (17, 1)], [(7, 3)]])
 def test_gemv_path_embedding_gather(monkeypatch, seqs):
     """The first layer's kernels read the embedding rows straight from the table
-    (``embed_gather``, on by default): the same hidden states, logits and cache writes as the
-    lookup kernel (fp32: bit for bit) and as the readable path, with a token id repeated in one
+    (``embed_gather``, on by default): the same hidden states and cache writes as the lookup
+    kernel (fp32 in the interpreter: bit for bit) and as the readable path, with a token id repeated in one
     step; ``LLMSERVE_DECODE_EMBED_GATHER=0`` keeps the lookup."""
     model = small_model(6, 2)
     ids, pos, caches, meta = batch(model, seqs)
@@ -132,12 +132,13 @@ def test_gemv_path_embedding_gather(monkeypatch, seqs):
     monkeypatch.setenv("LLMSERVE_DECODE_EMBED_GATHER", "0")
     off = FastQwen2Forward(model, use_gemv=True, gemv_max_tokens=4)
     assert not off.embed_gather
-    torch.testing.assert_close(off(ids, pos, caches3, meta), out, atol=0, rtol=0)
+    tol = dict(atol=0, rtol=0) if DEVICE == "cpu" else dict(atol=1e-5, rtol=1e-5)  # GPU: FMA contraction
+    torch.testing.assert_close(off(ids, pos, caches3, meta), out, **tol)
     for (k1, v1), (k2, v2), (k3, v3) in zip(caches, caches2, caches3):
         torch.testing.assert_close(k2[:-1], k1[:-1], atol=1e-5, rtol=1e-5)
         torch.testing.assert_close(v2[:-1], v1[:-1], atol=1e-5, rtol=1e-5)
-        torch.testing.assert_close(k3, k2, atol=0, rtol=0)
-        torch.testing.assert_close(v3, v2, atol=0, rtol=0)
+        torch.testing.assert_close(k3, k2, **tol)
+        torch.testing.assert_close(v3, v2, **tol)
 
 
 def test_add_rmsnorm_and_silu_match_reference():
