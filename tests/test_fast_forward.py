@@ -247,8 +247,9 @@ def test_d2h_side_stream_same_outputs(monkeypatch):
 
 
 def test_engine_switches_reject_bad_values(monkeypatch):
-    """``LLMSERVE_PDL_TRIGGER_FIRST`` and ``LLMSERVE_GRAPH_ARGMAX`` take 0, 1 or nothing; any
-    other value is an error when the forward / engine is built (on any device)."""
+    """``LLMSERVE_PDL_TRIGGER_FIRST``, ``LLMSERVE_GRAPH_ARGMAX`` and ``LLMSERVE_D2H_SIDE_STREAM``
+    take 0, 1 or nothing; any other value is an error when the forward / engine is built (on
+    any device)."""
     from llmserve.config import EngineConfig
     from llmserve.engine import LLMEngine
 
@@ -264,6 +265,11 @@ def test_engine_switches_reject_bad_values(monkeypatch):
         LLMEngine(EngineConfig())
     monkeypatch.setenv("LLMSERVE_GRAPH_ARGMAX", "0")
     LLMEngine(EngineConfig())
+    monkeypatch.setenv("LLMSERVE_D2H_SIDE_STREAM", "yes")          # read when the sampler is built
+    with pytest.raises(ValueError, match="LLMSERVE_D2H_SIDE_STREAM"):
+        LLMEngine(EngineConfig())
+    monkeypatch.setenv("LLMSERVE_D2H_SIDE_STREAM", "0")
+    assert LLMEngine(EngineConfig()).sampler.copy_stream is None     # CPU: never a side stream
 
 
 @pytest.mark.parametrize("env,expected", [("", True), ("0", False), ("1", True)])

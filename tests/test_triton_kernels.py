@@ -644,12 +644,13 @@ def test_gemv_input_errors():
             GemvConfig(**bad)
 
 
-@pytest.mark.parametrize("int8", [False, True])
+@pytest.mark.parametrize("int8", [False, True, "planes"])
 def test_gemv_gathered_rows(int8):
     """``x_rows`` / ``residual_rows``: x and the residual read as tables (an embedding lookup
-    inside the kernel), repeated and out-of-order ids, int32 and int64 ids; equal to gathering
-    first (bit for bit in the interpreter; on a GPU the two compiled variants may contract
-    multiply-adds differently: ~1e-6), in the QKV+RoPE kernel too; bad arguments are errors."""
+    inside the kernel), repeated and out-of-order ids, int32 and int64 ids, early and late
+    epilogue operands, a persistent grid, a SwiGLU epilogue; equal to gathering first (bit for
+    bit in the interpreter; on a GPU the two compiled variants may contract multiply-adds
+    differently: ~1e-6), in the QKV+RoPE kernel too; bad arguments are errors."""
     tol = dict(rtol=0, atol=0) if DEVICE == "cpu" else dict(rtol=1e-5, atol=1e-5)
     torch.manual_seed(3)
     table = torch.randn(50, 40, device=DEVICE)
@@ -657,21 +658,30 @@ def test_gemv_gathered_rows(int8):
     scale = None
     if int8:
         w, scale = quantize_int8_per_channel(w)
+        if int8 == "planes":
+            w = pack_int8_planes(w)
     res_table = torch.randn(50, 24, device=DEVICE)
-    cfg = GemvConfig(8, 16, 1, 1)
-    for ids in (torch.tensor([7], device=DEVICE), torch.tensor([31, 2, 31], device=DEVICE, dtype=torch.int32)):
-        x = table[ids.long()]
-        ref = gemv(x, w, scale=scale, residual=res_table[ids.long()], prologue="rmsnorm",
-                   norm_weight=torch.ones(40, device=DEVICE), config=cfg)
-        got = gemv(table, w, scale=scale, residual=res_table, prologue="rmsnorm",
-                   norm_weight=torch.ones(40, device=DEVICE), config=cfg, x_rows=ids, residual_rows=ids)
-        torch.testing.assert_close(got, ref, **tol)
-        got = gemv(x, w, scale=scale, residual=res_table, config=cfg, residual_rows=ids)
-        torch.testing.assert_close(got, gemv(x, w, scale=scale, residual=res_table[ids.long()], config=cfg),
-                                   **tol)
+    g = torch.rand(40, device=DEVICE) + 0.5
+    for cfg, early in ((GemvConfig(8, 16, 1, 1), False), (GemvConfig(8, 16, 1, 1), True),
+                       (GemvConfig(4, 8, 1, 1, programs_per_sm=1), True)):
+        for ids in (torch.tensor([7], device=DEVICE), torch.tensor([31, 2, 31], device=DEVICE, dtype=torch.int32)):
+            x = table[ids.long()]
+            kw = dict(scale=scale, config=cfg, early_epilogue=early)
+            ref = gemv(x, w, residual=res_table[ids.long()], prologue="rmsnorm", norm_weight=g, **kw)
+            got = gemv(table, w, residual=res_table, prologue="rmsnorm", norm_weight=g, x_rows=ids,
+                       residual_rows=ids, **kw)
+            torch.testing.assert_close(got, ref, **tol)
+            got = gemv(x, w, residual=res_table, residual_rows=ids, **kw)
+            torch.testing.assert_close(got, gemv(x, w, residual=res_table[ids.long()], **kw), **tol)
+            glu_w = torch.cat([w, w.flip(0)])
+            glu_s = None if scale is None else torch.cat([scale, scale.flip(0)])
+            torch.testing.assert_close(gemv(table, glu_w, scale=glu_s, glu=True, x_rows=ids, config=cfg),
+                                       gemv(x, glu_w, scale=glu_s, glu=True, config=cfg), **tol)
     ids = torch.tensor([3, 3], device=DEVICE)
-    with pytest.raises(ValueError, match="x_rows must be a 1-D int32/int64"):
+    with pytest.raises(ValueError, match="x_rows must be a contiguous 1-D int32/int64"):
         gemv(table, w, scale=scale, x_rows=ids.float())
+    with pytest.raises(ValueError, match="x_rows must be a contiguous"):
+        gemv(table, w, scale=scale, x_rows=torch.tensor([3, 0, 17, 0], device=DEVICE)[::2])
     with pytest.raises(ValueError, match="same tensor"):
         gemv(table, w, scale=scale, residual=res_table, x_rows=ids, residual_rows=ids.clone())
     with pytest.raises(ValueError, match="one entry per row"):

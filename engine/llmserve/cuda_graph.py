@@ -99,18 +99,21 @@ class CUDAGraphDecodeRunner:
         self.max_batch = self.buckets[-1]
         self.max_blocks = (max_model_len + block_size - 1) // block_size
         b, nb = self.max_batch, self.max_blocks
-        # Layout of the packed input buffer, in int64 words: ids + the argmax parity (one word) |
-        # positions | slots (int64) | ctx_lens | table (int32, the attention kernels' dtype; each
-        # region is sized in int64 words and half used), so one H2D copy fills every input and
-        # no conversion kernel runs inside the graph.
-        self._sizes = [b + 1, b, b, b, b * nb]
+        # Layout of the packed input buffer, in int64 words: ids + the argmax parity word (+ one
+        # spare word, so the regions after it keep the 16-byte alignment of the other regions,
+        # which Triton specialises its pointer arguments on) | positions | slots (int64) |
+        # ctx_lens | table (int32, the attention kernels' dtype; each region is sized in int64
+        # words and half used), so one H2D copy fills every input and no conversion kernel
+        # runs inside the graph.
+        self._sizes = [b + 2, b, b, b, b * nb]
         self._offsets = np.cumsum([0] + self._sizes)
         total = int(self._offsets[-1])
         # Two pinned staging buffers used in turn: with asynchronous scheduling the host fills
         # step n+1's inputs while step n's copy may still be queued behind step n-1 on the
         # device; the buffer written now was last read by the copy of step n-1, which has
         # completed once the engine read step n-1's sampled tokens.
-        self._hosts = [torch.zeros(total, dtype=torch.int64, pin_memory=True) for _ in range(2)]
+        self._hosts = [torch.zeros(total, dtype=torch.int64, pin_memory=device.type == "cuda")
+                       for _ in range(2)]
         self._hosts_np = [h.numpy() for h in self._hosts]
         o = self._offsets
         self._hosts_i32 = [h[o[3]:].view(torch.int32).numpy() for h in self._hosts]  # ctx | table
@@ -122,8 +125,11 @@ class CUDAGraphDecodeRunner:
         # tokens to the host may then run on another stream without holding up replay j + 1,
         # which writes the other row; replay j + 2 is launched only after the host has read
         # replay j's tokens (asynchronous scheduling reads a step's tokens before it launches
-        # the step after next).
-        self._parity_word = int(o[1]) - 1
+        # the step after next). The one way around it is an exception between a replay and
+        # the engine taking over its sample (``LLMEngine.step``): the step before stays unread
+        # while the next replay runs; by then its copy has long finished, and the front end
+        # aborts every request on a step error, so no token is delivered from it.
+        self._parity_word = int(o[0]) + b
         self.argmax_parity = self._dev[self._parity_word:self._parity_word + 1]         # [1] int64
         self.argmax_out = torch.zeros(2, b, dtype=torch.int64, device=device)
         self._replays = 0

@@ -19,7 +19,6 @@ from dataclasses import dataclass
 import torch
 
 from .config import env_switch
-
 from .sampling_params import SamplingParams
 
 
@@ -70,6 +69,10 @@ class Sampler:
 
     def __init__(self, device: torch.device | str, seed: int = 0) -> None:
         self.device = torch.device(device)
+        # Copies of sampled ids to the host on a side stream (CUDA): LLMSERVE_D2H_SIDE_STREAM=0
+        # keeps them on the compute stream (A/B runs); read, and validated, here.
+        side = env_switch("LLMSERVE_D2H_SIDE_STREAM")
+        self.copy_stream = _copy_stream(self.device) if side is not False and self.device.type == "cuda" else None
         self._engine_gen = torch.Generator(device=self.device)
         self._engine_gen.manual_seed(seed)
         self._generators: dict[str, torch.Generator] = {}
@@ -149,7 +152,7 @@ class Sampler:
             tok_lp = lp.gather(1, chosen[want][:, None]).squeeze(1)               # [W]
             top_vals, top_ids = lp.topk(kmax, dim=-1) if kmax > 0 else (None, None)
             lp_parts = (want, [params[i].logprobs for i in want], tok_lp, top_vals, top_ids)
-        return PendingSample(chosen, lp_parts)
+        return PendingSample(chosen, lp_parts, copy_stream=self.copy_stream)
 
 
 def _to_host(t: torch.Tensor | None) -> torch.Tensor | None:
@@ -164,17 +167,17 @@ def _to_host(t: torch.Tensor | None) -> torch.Tensor | None:
 _COPY_STREAMS: dict[int, torch.cuda.Stream] = {}
 
 
-def _copy_stream(device: torch.device) -> torch.cuda.Stream | None:
-    """The side stream that copies a CUDA step's sampled ids to the host (one per device), or
-    ``None`` with ``LLMSERVE_D2H_SIDE_STREAM=0`` (the copy then runs on the compute stream).
+def _copy_stream(device: torch.device) -> torch.cuda.Stream:
+    """The side stream that copies a CUDA step's sampled ids to the host, one per device (two
+    engines on one GPU share it: their copies queue behind each other, a false dependency of a
+    few microseconds).
 
     Why: a copy to pinned host memory holds its stream ~5 us after it ends (H200 engine
     profile), so on the compute stream it sat between one decode graph and the next step's
     input copy; on a side stream the compute stream goes straight on. Whatever the copy reads
     must not be overwritten by the next step: fresh tensors are kept alive for it
-    (``record_stream``), and the decode graphs alternate their greedy output buffer."""
-    if env_switch("LLMSERVE_D2H_SIDE_STREAM") is False:
-        return None
+    (``record_stream``), and the decode graphs alternate their greedy output buffer
+    (:class:`~llmserve.cuda_graph.CUDAGraphDecodeRunner`)."""
     idx = device.index if device.index is not None else torch.cuda.current_device()
     if idx not in _COPY_STREAMS:
         _COPY_STREAMS[idx] = torch.cuda.Stream(device)
@@ -182,17 +185,23 @@ def _copy_stream(device: torch.device) -> torch.cuda.Stream | None:
 
 
 class PendingSample:
-    """One step's sampled ids (and logprobs) on their way to the host.
+    """One step's sampled ids (and logprobs) on their way to the host: the copies to pinned
+    memory are queued at construction, on ``copy_stream`` (after it waits for the current
+    stream's work) when one is given, else on the current stream; :meth:`result` waits for
+    them.
 
     Attributes:
-        token_ids_device: ``[B]`` int64 on the logits' device (the next step's input ids).
+        token_ids_device: ``[B]`` int64 on the logits' device (the next step's input ids); for a
+            greedy decode-graph step a view of the graph's token buffer, valid until the replay
+            after next (:class:`~llmserve.cuda_graph.CUDAGraphDecodeRunner`).
     """
 
     __slots__ = ("token_ids_device", "_host", "_lp", "_event")
 
-    def __init__(self, chosen: torch.Tensor, lp_parts) -> None:
+    def __init__(self, chosen: torch.Tensor, lp_parts,
+                 copy_stream: torch.cuda.Stream | None = None) -> None:
         self.token_ids_device = chosen
-        side = _copy_stream(chosen.device) if chosen.device.type == "cuda" else None
+        side = copy_stream if chosen.device.type == "cuda" else None
         if side is not None:        # the copies wait for this step's work on a side stream
             side.wait_stream(torch.cuda.current_stream(chosen.device))
             for t in (chosen, *(lp_parts[2:] if lp_parts is not None else ())):

@@ -220,6 +220,8 @@ class FastQwen2Forward:
                              and model.model.embed_tokens.weight.stride(-1) == 1)
 
     def _check_quantization(self) -> None:
+        """Raises ``RuntimeError`` if the model was quantized after this forward packed its
+        weights (the packed tensors would be stale)."""
         if getattr(self.model, "quantization_config", None) is not self._quantization:
             raise RuntimeError("the model was quantized after FastQwen2Forward was built: its packed "
                                "q/k/v and gate/up weights are the old ones; build it again")
@@ -271,7 +273,9 @@ class FastQwen2Forward:
                out_row: torch.Tensor | None = None) -> torch.Tensor:
         """``logits [M, V]`` float32 ``-> [M]`` int64, ``torch.argmax(logits, -1)`` in one Triton
         launch (:func:`~llmserve.triton_kernels.argmax.argmax_rows`; programmatic dependent
-        launch after the LM head on the matrix-vector path). Used inside the decode graphs."""
+        launch after the LM head on the matrix-vector path). Used inside the decode graphs,
+        which pass ``out`` ``[2, M]`` and ``out_row`` (int64 ``[1]``, the row to write, read on
+        the device); the return value is then ``out``. Raises ``ValueError`` as ``argmax_rows``."""
         return argmax_rows(logits, out, pdl=self.pdl, pdl_trigger_first=self.pdl_trigger_first, out_row=out_row)
 
     def _forward_gemv(self, input_ids: torch.Tensor, positions: torch.Tensor,
@@ -292,13 +296,14 @@ class FastQwen2Forward:
         cos, sin = model.rope_cos_sin(input_ids.device)                     # [L, D/2] fp32
         emb = model.model.embed_tokens.weight                               # [V, H]
         n = input_ids.shape[0]
-        if self.embed_gather:   # rows of emb read by the first QKV and O kernels; O writes r
+        gather_ids = self.embed_gather and input_ids.is_contiguous()
+        if gather_ids:          # rows of emb read by the first QKV and O kernels; O writes r
             r = torch.empty((n, emb.shape[1]), dtype=emb.dtype, device=emb.device)
         else:
             r = model.model.embed_tokens(input_ids)                         # [N, H]
         for i, (entry, (k_cache, v_cache)) in enumerate(zip(self.layers, kv_caches)):
             layer = entry["layer"]
-            gather = self.embed_gather and i == 0
+            gather = gather_ids and i == 0
             w_qkv, b_qkv, s_qkv = entry["qkv"]
             q = gemv_qkv_rope(emb if gather else r, w_qkv, bias=b_qkv, scale=s_qkv,
                               norm_weight=layer.input_layernorm.weight,

@@ -105,8 +105,9 @@ def argmax_rows(x: torch.Tensor, out: torch.Tensor | None = None, *, pdl: bool =
         out_row: optional int64 ``[1]`` on ``x``'s device: ``out`` is then ``[R, B]`` (rows
             contiguous) and the result goes to row ``out_row[0]``, chosen when the kernel runs
             (a CUDA graph alternating between two output buffers). Not range-checked (device
-            data); with PDL it is read before the wait, so it must not be written by the kernel
-            just before this one.
+            data); with PDL it is read before the wait, so no kernel that may still be running
+            when this one starts (the one before it; with ``pdl_trigger_first`` several before
+            it) may write it.
 
     Returns:
         ``[B]`` int64: the first index of each row's maximum (of its first NaN, if any), as
@@ -114,7 +115,9 @@ def argmax_rows(x: torch.Tensor, out: torch.Tensor | None = None, *, pdl: bool =
 
     Raises:
         ValueError: not 2-D, empty last dim, non-contiguous last dim, an integer dtype, an
-            ``out`` of the wrong shape, dtype, device or stride, a non-power-of-two ``block``.
+            ``out`` of the wrong shape, dtype, device or stride (``[R, B]`` with contiguous rows
+            when ``out_row`` is given, which is then required), an ``out_row`` that is not int64
+            ``[1]`` on ``x``'s device, a non-power-of-two ``block``.
     """
     if x.dim() != 2 or x.shape[1] == 0 or x.stride(1) != 1 or not x.dtype.is_floating_point:
         raise ValueError(f"x must be a 2-D float tensor with a non-empty contiguous last dim, got "

@@ -199,8 +199,6 @@ def _gemv_block(blk, w, wb, rm, rm_ld, rk, x_ptr, w_ptr, y_ptr, scale_ptr, bias_
     rn, rn_ld, row_a, row_b, head, j = _gemv_rows(blk, N, BLOCK_N, ROPE, HALF)
     if X_GATHER or RES_GATHER:
         ids = tl.load(ids_ptr + rm_ld).to(tl.int64)                                      # [BM]
-    else:
-        ids = rm_ld.to(tl.int64)
     x_row = rm_ld.to(tl.int64)
     if X_GATHER:
         x_row = ids
@@ -522,9 +520,10 @@ def _check_gemv_inputs(x, weight, scale, bias, residual, prologue, norm_weight, 
         k *= 4
     m = x.shape[0]
     for name, t in (("x_rows", x_rows), ("residual_rows", residual_rows)):
-        if t is not None and (t.dim() != 1 or t.dtype not in (torch.int32, torch.int64) or t.device != x.device):
-            raise ValueError(f"{name} must be a 1-D int32/int64 tensor on {x.device}, got {t.dtype} "
-                             f"{tuple(t.shape)} on {t.device}")
+        if t is not None and (t.dim() != 1 or t.dtype not in (torch.int32, torch.int64) or t.device != x.device
+                              or (t.numel() > 1 and t.stride(0) != 1)):
+            raise ValueError(f"{name} must be a contiguous 1-D int32/int64 tensor on {x.device}, got "
+                             f"{t.dtype} {tuple(t.shape)} stride {t.stride()} on {t.device}")
     if x_rows is not None and residual_rows is not None and x_rows is not residual_rows:
         raise ValueError("x_rows and residual_rows must be the same tensor when both are given")
     if x_rows is not None:
@@ -700,7 +699,8 @@ def gemv(x: torch.Tensor, weight: torch.Tensor, *, scale: torch.Tensor | None = 
         scale: per-output-channel scales of an int8 weight (one per weight row).
         bias: optional ``[N]`` (not with ``glu``).
         residual: optional ``[M, N]`` added after the projection (rounded to ``x.dtype``
-            first, like the unfused ``x + proj(h)``). May be ``out`` itself (in place).
+            first, like the unfused ``x + proj(h)``). May be ``out`` itself (in place). With
+            ``residual_rows`` a table ``[R, N]`` that must not share memory with ``out``.
         prologue: ``"none"`` or ``"rmsnorm"``: ``x -> norm_weight * x * rsqrt(mean(x^2) +
             eps)`` (Qwen2 RMSNorm, the normalised value kept in fp32).
         norm_weight: ``[K]`` RMSNorm gain for ``prologue="rmsnorm"``.
@@ -733,7 +733,10 @@ def gemv(x: torch.Tensor, weight: torch.Tensor, *, scale: torch.Tensor | None = 
 
     Raises:
         ValueError: shapes, dtypes, strides or devices that do not fit, ``M > GEMV_MAX_M``, an
-            unknown prologue, CPU tensors without ``TRITON_INTERPRET=1``.
+            unknown prologue, CPU tensors without ``TRITON_INTERPRET=1``; ``x_rows`` /
+            ``residual_rows`` that are not contiguous 1-D int32/int64 on x's device, differ from
+            each other, or come without a residual table; ``out`` sharing memory with a
+            residual table.
     """
     m, n, k = _check_gemv_inputs(x, weight, scale, bias, residual, prologue, norm_weight, eps, glu, out,
                                  x_rows, residual_rows)
