@@ -116,8 +116,8 @@ def test_gemv_path_matches_readable_path(seqs):
 def test_gemv_path_embedding_gather(monkeypatch, seqs):
     """The first layer's kernels read the embedding rows straight from the table
     (``embed_gather``, on by default): the same hidden states and cache writes as the lookup
-    kernel (fp32 in the interpreter: bit for bit) and as the readable path, with a token id repeated in one
-    step; ``LLMSERVE_DECODE_EMBED_GATHER=0`` keeps the lookup."""
+    kernel (fp32 in the interpreter: bit for bit) and as the readable path, with a token id
+    repeated in one step; ``LLMSERVE_DECODE_EMBED_GATHER=0`` keeps the lookup."""
     model = small_model(6, 2)
     ids, pos, caches, meta = batch(model, seqs)
     if ids.numel() > 1:
