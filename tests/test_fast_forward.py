@@ -35,6 +35,11 @@ def small_model(hq=4, hkv=2, d=16, dtype=torch.float32):
     return m.to(DEVICE, dtype).eval()
 
 
+def clone_caches(caches):
+    """A copy of per-layer ``(k, v)`` caches (each path of a comparison writes its own)."""
+    return [(k.clone(), v.clone()) for k, v in caches]
+
+
 def batch(model, seqs, block_size=4):
     """seqs: list of (context_len, q_len). Fresh caches with the prefix already computed by the
     readable path; returns inputs for one more step."""
@@ -69,7 +74,7 @@ def batch(model, seqs, block_size=4):
 def test_fast_forward_matches_readable_path(hq, hkv):
     model = small_model(hq, hkv)
     ids, pos, caches, meta = batch(model, [(9, 9), (5, 1), (8, 3), (1, 1)])
-    caches2 = [(k.clone(), v.clone()) for k, v in caches]
+    caches2 = clone_caches(caches)
     ref = model(ids, pos, caches, meta)
     sd_before = {k: v.clone() for k, v in model.state_dict().items()}
     fast = FastQwen2Forward(model)
@@ -95,8 +100,8 @@ def test_gemv_path_matches_readable_path(seqs):
     projections, residual adds into their epilogues); same hidden states and cache writes."""
     model = small_model(6, 2)
     ids, pos, caches, meta = batch(model, seqs)
-    caches2 = [(k.clone(), v.clone()) for k, v in caches]
-    caches3 = [(k.clone(), v.clone()) for k, v in caches]
+    caches2 = clone_caches(caches)
+    caches3 = clone_caches(caches)
     ref = model(ids, pos, caches, meta)
     fast = FastQwen2Forward(model, use_gemv=True, gemv_max_tokens=4)
     assert fast.use_gemv
@@ -122,8 +127,8 @@ def test_gemv_path_embedding_gather(monkeypatch, seqs):
     ids, pos, caches, meta = batch(model, seqs)
     if ids.numel() > 1:
         ids[1] = ids[0]                                        # the same row gathered twice
-    caches2 = [(k.clone(), v.clone()) for k, v in caches]
-    caches3 = [(k.clone(), v.clone()) for k, v in caches]
+    caches2 = clone_caches(caches)
+    caches3 = clone_caches(caches)
     ref = model(ids, pos, caches, meta)
     fast = FastQwen2Forward(model, use_gemv=True, gemv_max_tokens=4)
     assert fast.embed_gather
@@ -279,7 +284,7 @@ def test_gemv_path_early_epilogue_switch(monkeypatch, env, expected):
     monkeypatch.setenv("LLMSERVE_GEMV_EARLY_EPILOGUE", env)
     model = small_model(6, 2)
     ids, pos, caches, meta = batch(model, [(9, 1), (4, 1)])
-    caches2 = [(k.clone(), v.clone()) for k, v in caches]
+    caches2 = clone_caches(caches)
     ref = model(ids, pos, caches, meta)
     fast = FastQwen2Forward(model, use_gemv=True, gemv_max_tokens=4)
     assert fast.early_epilogue is expected
@@ -329,7 +334,7 @@ def test_int8_projections_are_fused(seqs, planes, monkeypatch):
     monkeypatch.setenv("LLMSERVE_INT8_PLANES", "1" if planes else "0")
     model = quantize_model(small_model(6, 2), "triton-int8")
     ids, pos, caches, meta = batch(model, seqs)
-    caches2 = [(k.clone(), v.clone()) for k, v in caches]
+    caches2 = clone_caches(caches)
     ref = model(ids, pos, caches, meta)
     sd_before = {k: v.clone() for k, v in model.state_dict().items()}
     fast = FastQwen2Forward(model, use_gemv=True, gemv_max_tokens=4)
@@ -386,7 +391,7 @@ def test_reference_int8_layers_turn_the_gemv_path_off():
 
     model = quantize_model(small_model(6, 2), "int8")
     ids, pos, caches, meta = batch(model, [(9, 1)])
-    caches2 = [(k.clone(), v.clone()) for k, v in caches]
+    caches2 = clone_caches(caches)
     ref = model(ids, pos, caches, meta)
     fast = FastQwen2Forward(model, use_gemv=True, gemv_max_tokens=4)
     assert not fast.use_gemv and "qkv" not in fast.layers[0]
@@ -419,7 +424,7 @@ def test_partly_quantized_models_match_the_readable_path(include):
     model = quantize_model(small_model(6, 2), "triton-int8", include=include)
     for seqs in ([(9, 1)], [(9, 9), (5, 1)]):
         ids, pos, caches, meta = batch(model, seqs)
-        caches2 = [(k.clone(), v.clone()) for k, v in caches]
+        caches2 = clone_caches(caches)
         ref = model(ids, pos, caches, meta)
         fast = FastQwen2Forward(model, use_gemv=True, gemv_max_tokens=4)
         torch.testing.assert_close(fast(ids, pos, caches2, meta), ref, atol=5e-5, rtol=5e-5)

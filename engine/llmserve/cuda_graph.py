@@ -142,7 +142,7 @@ class CUDAGraphDecodeRunner:
         self.short_context = short if 0 < short < max_model_len else 0
         # keyed (bucket, short): short=False sized for max_model_len, True for short_context
         self.graphs: dict[tuple[int, bool], torch.cuda.CUDAGraph] = {}
-        self.outputs: dict[tuple[int, bool], tuple[torch.Tensor, torch.Tensor | None]] = {}
+        self.outputs: dict[tuple[int, bool], torch.Tensor] = {}              # static logits [b, V]
         self.pool = None
         self.num_short_replays = 0
         self.last_graph: torch.cuda.CUDAGraph | None = None
@@ -155,13 +155,12 @@ class CUDAGraphDecodeRunner:
             max_query_len=1, max_context_len=self.short_context if short else self.max_model_len,
             block_size=self.block_size, is_decode_only=True)
 
-    def _run(self, b: int, short: bool) -> tuple[torch.Tensor, torch.Tensor | None]:
+    def _run(self, b: int, short: bool) -> torch.Tensor:
         hidden = self.forward(self.input_ids[:b], self.positions[:b], self.kv_caches, self._meta(b, short))
         logits = self.compute_logits(hidden)                                  # [b, V]
-        if self.greedy is None:
-            return logits, None
-        self.greedy(logits, out=self.argmax_out[:, :b], out_row=self.argmax_parity)  # [2, b] int64
-        return logits, self.argmax_out
+        if self.greedy is not None:                                           # into argmax_out[parity, :b]
+            self.greedy(logits, out=self.argmax_out[:, :b], out_row=self.argmax_parity)
+        return logits
 
     @torch.inference_mode()
     def capture(self) -> None:
@@ -251,6 +250,5 @@ class CUDAGraphDecodeRunner:
         self.last_graph.replay()
         self._replays += 1
         self.num_short_replays += short
-        logits, ids = self.outputs[(bucket, short)]
-        self.last_argmax = ids[parity, :b] if ids is not None else None
-        return logits[:b]
+        self.last_argmax = self.argmax_out[parity, :b] if self.greedy is not None else None
+        return self.outputs[(bucket, short)][:b]

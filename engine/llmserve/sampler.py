@@ -201,7 +201,7 @@ class PendingSample:
     def __init__(self, chosen: torch.Tensor, lp_parts,
                  copy_stream: torch.cuda.Stream | None = None) -> None:
         self.token_ids_device = chosen
-        side = copy_stream if chosen.device.type == "cuda" else None
+        side = copy_stream              # set by a CUDA sampler only
         if side is not None:        # the copies wait for this step's work on a side stream
             side.wait_stream(torch.cuda.current_stream(chosen.device))
             for t in (chosen, *(lp_parts[2:] if lp_parts is not None else ())):

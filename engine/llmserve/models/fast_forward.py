@@ -219,16 +219,11 @@ class FastQwen2Forward:
         self.embed_gather = (gather is not False and type(model.model.embed_tokens) is nn.Embedding
                              and model.model.embed_tokens.weight.stride(-1) == 1)
 
-    def _check_quantization(self) -> None:
-        """Raises ``RuntimeError`` if the model was quantized after this forward packed its
-        weights (the packed tensors would be stale)."""
+    def __call__(self, input_ids: torch.Tensor, positions: torch.Tensor,
+                 kv_caches: list[tuple[torch.Tensor, torch.Tensor]], meta: AttentionMetadata) -> torch.Tensor:
         if getattr(self.model, "quantization_config", None) is not self._quantization:
             raise RuntimeError("the model was quantized after FastQwen2Forward was built: its packed "
                                "q/k/v and gate/up weights are the old ones; build it again")
-
-    def __call__(self, input_ids: torch.Tensor, positions: torch.Tensor,
-                 kv_caches: list[tuple[torch.Tensor, torch.Tensor]], meta: AttentionMetadata) -> torch.Tensor:
-        self._check_quantization()
         if self.use_gemv and input_ids.shape[0] <= self.gemv_max_tokens:
             return self._forward_gemv(input_ids, positions, kv_caches, meta)
         model = self.model
