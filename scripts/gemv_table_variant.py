@@ -4,7 +4,7 @@ read per file, so one process can compare several; see ``scripts/ab_decode_env.p
 
 Usage: python3 scripts/gemv_table_variant.py OUT.json [--gpu "NVIDIA H200"]
            "float|rmsnorm+glu|1|1536|8960=2,2048,4,1" "float|rmsnorm+rope|1|1536|1024=1,2048,4,1"
-Each override is ``<int8|float>|<prologue>|<M>|<K>|<N>=block_n,block_k,num_warps,stages[,programs_per_sm]``
+Each override is ``<int8|float>|<prologue>|<M>|<K>|<N>=block_n,block_k,num_warps,stages[,programs_per_sm[,red]]``
 (the key of :func:`llmserve.triton_kernels.gemv.table_key` without the GPU name); a value is
 checked with :class:`~llmserve.triton_kernels.gemv.GemvConfig` before it is written.
 """

@@ -509,6 +509,11 @@ def _gemv_case(m, n, k, prologue, int8, dtype, glu=False, seed=0):
     (1, 37, 100, "rmsnorm", "planes", torch.float32, None),        # 25 words a row
     (4, 40, 72, "rmsnorm", "planes", torch.float32, GemvConfig(2, 8, 1, 1)),  # 18 words, 8 a step
     (3, 37, 100, "none", "planes", torch.float16, GemvConfig(4, 16, 1, 1, 1)),  # persistent
+    # red: runs of adjacent K columns summed before they reach the accumulator
+    (3, 37, 100, "rmsnorm", True, torch.float32, GemvConfig(4, 32, 1, 1, 0, 8)),
+    (1, 37, 100, "none", False, torch.float16, GemvConfig(2, 16, 1, 1, 0, 16)),   # red = block_k
+    (2, 21, 64, "rmsnorm", False, torch.float32, GemvConfig(4, 32, 1, 1, 1, 4)),  # persistent
+    (4, 40, 72, "rmsnorm", "planes", torch.float32, GemvConfig(2, 8, 1, 1, 0, 4)),
 ])
 @pytest.mark.parametrize("early", [False, True])
 def test_gemv_matches_reference(m, n, k, prologue, int8, dtype, cfg, early):
@@ -538,6 +543,8 @@ def test_gemv_matches_reference(m, n, k, prologue, int8, dtype, cfg, early):
     (1, 19, 100, "rmsnorm", False, torch.float32, GemvConfig(2, 32, 1, 1, 2)),  # persistent
     (4, 24, 64, "rmsnorm", "planes", torch.float32, GemvConfig(2, 8, 1, 1)),
     (1, 19, 100, "rmsnorm", "planes", torch.float16, None),
+    (1, 19, 100, "rmsnorm", False, torch.float32, GemvConfig(2, 32, 1, 1, 0, 8)),
+    (4, 24, 64, "rmsnorm", True, torch.float32, GemvConfig(2, 32, 1, 1, 0, 8)),
 ])
 @pytest.mark.parametrize("early", [False, True])
 def test_gemv_swiglu_epilogue(m, n, k, prologue, int8, dtype, cfg, early):
@@ -564,6 +571,8 @@ def test_gemv_swiglu_epilogue(m, n, k, prologue, int8, dtype, cfg, early):
     (2, 6, 2, 32, False, torch.float32, GemvConfig(2, 16, 1, 1, 1)),   # persistent: 2 programs
     (3, 7, 1, 16, "planes", torch.float32, GemvConfig(2, 4, 1, 1)),   # 10 words a row, 4 a step
     (1, 12, 2, 32, "planes", torch.float16, None),
+    (3, 7, 1, 16, True, torch.float32, GemvConfig(2, 16, 1, 1, 0, 8)),
+    (1, 12, 2, 32, False, torch.float16, GemvConfig(1, 32, 1, 1, 0, 8)),
 ])
 @pytest.mark.parametrize("early", [False, True])
 def test_gemv_qkv_rope_matches_unfused(m, hq, hkv, d, int8, dtype, cfg, early):
@@ -639,7 +648,8 @@ def test_gemv_input_errors():
     with pytest.raises(ValueError, match="eps"):
         gemv(x, w, scale=scale, prologue="rmsnorm", norm_weight=gw, eps=None)
     for bad in (dict(block_n=3, block_k=32), dict(block_n=0, block_k=32), dict(block_n=2, block_k=48),
-                dict(block_n=2, block_k=32, stages=0)):
+                dict(block_n=2, block_k=32, stages=0), dict(block_n=2, block_k=32, red=3),
+                dict(block_n=2, block_k=32, red=64), dict(block_n=2, block_k=32, red=0)):
         with pytest.raises(ValueError, match="GemvConfig"):
             GemvConfig(**bad)
 
@@ -727,6 +737,20 @@ def test_gemv_config_env_and_table(monkeypatch, tmp_path):
     monkeypatch.setattr(gm, "_TABLES", {})
     assert gm._table() == {"c": GemvConfig(2, 256, 4, 1), "d": GemvConfig(1, 512, 2, 1, 8)}
     assert gm._table()["d"].as_list() == [1, 512, 2, 1, 8]
+    table_r = tmp_path / "tr.json"              # a sixth value: red (with programs_per_sm 0 fifth)
+    table_r.write_text('{"configs": {"r": [2, 256, 2, 1, 0, 8], "bad": [2, 256, 2, 1, 0, 512]}}')
+    monkeypatch.setenv("LLMSERVE_GEMV_TABLE", str(table_r))
+    assert gm._table() == {"r": GemvConfig(2, 256, 2, 1, 0, 8)}
+    assert gm._table()["r"].as_list() == [2, 256, 2, 1, 0, 8]
+    monkeypatch.setenv("LLMSERVE_GEMV_RED", "8")       # the A/B override, capped at block_k
+    assert gm._red_override(GemvConfig(2, 4, 1, 1)) == 4
+    assert gm._red_override(GemvConfig(2, 256, 1, 1)) == 8
+    for bad in ("3", "0", "x"):
+        monkeypatch.setenv("LLMSERVE_GEMV_RED", bad)
+        with pytest.raises(ValueError, match="LLMSERVE_GEMV_RED"):
+            gm._red_override(GemvConfig(2, 256, 1, 1))
+    monkeypatch.delenv("LLMSERVE_GEMV_RED")
+    assert gm._red_override(GemvConfig(2, 256, 1, 1, 0, 4)) == 4
     table2 = tmp_path / "t2.json"                # another file is its own table (A/B in one process)
     table2.write_text('{"configs": {"c": [4, 128, 2, 1]}}')
     monkeypatch.setenv("LLMSERVE_GEMV_TABLE", str(table2))

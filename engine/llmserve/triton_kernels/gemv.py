@@ -109,14 +109,26 @@ def _plane_bytes(w, j: tl.constexpr):
 
 
 @triton.jit
-def _x_tile(x_base, g_ptr, sq, k0, K, rk, PROLOGUE: tl.constexpr, EVEN_K: tl.constexpr):
+def _fold(acc, prod, RED: tl.constexpr):
+    """``acc + prod`` with ``prod`` ``[BM, BN, BK]``; ``RED > 1``: each run of ``RED`` adjacent
+    K columns summed first, so ``acc`` is ``[BM, BN, BK // RED]`` (fewer accumulator registers,
+    so more weight bytes in flight per SM at the same occupancy)."""
+    if RED == 1:
+        return acc + prod
+    else:
+        return acc + tl.sum(tl.reshape(prod, [prod.shape[0], prod.shape[1], prod.shape[2] // RED, RED]), axis=3)
+
+
+@triton.jit
+def _x_tile(x_base, g_ptr, sq, k0, K, rk, PROLOGUE: tl.constexpr, EVEN_K: tl.constexpr,
+            RED: tl.constexpr = 1):
     """x at columns ``k0 + rk`` in fp32, with the RMSNorm gain applied (``sq += x^2`` first)."""
     if EVEN_K:
         x = tl.load(x_base + k0).to(tl.float32)
     else:
         x = tl.load(x_base + k0, mask=((k0 + rk) < K)[None, None, :], other=0.0).to(tl.float32)
     if PROLOGUE == 1:        # RMSNorm: x * g now, rsqrt(mean(x^2) + eps) in the epilogue
-        sq += x * x
+        sq = _fold(sq, x * x, RED)
         if EVEN_K:
             g = tl.load(g_ptr + k0 + rk).to(tl.float32)
         else:
@@ -127,21 +139,21 @@ def _x_tile(x_base, g_ptr, sq, k0, K, rk, PROLOGUE: tl.constexpr, EVEN_K: tl.con
 
 @triton.jit
 def _gemv_step(acc, acc_b, sq, w, wb, x_base, g_ptr, k0, K, rk, PROLOGUE: tl.constexpr,
-               TWO_ROWS: tl.constexpr, EVEN_K: tl.constexpr, PLANES: tl.constexpr):
+               TWO_ROWS: tl.constexpr, EVEN_K: tl.constexpr, PLANES: tl.constexpr, RED: tl.constexpr = 1):
     """Accumulate one K tile: ``acc += prologue(x) * w`` (and ``acc_b`` for the second weight row
     of a GLU / RoPE pair; ``sq += x^2`` for the RMSNorm prologue). With ``PLANES`` the tile is
     int32 words (``K`` counts words) and byte plane ``j`` pairs with x's columns ``j * K + k``."""
     if PLANES:
         for j in tl.static_range(4):
-            x, sq = _x_tile(x_base + j * K, g_ptr + j * K, sq, k0, K, rk, PROLOGUE, EVEN_K)
-            acc += x * _plane_bytes(w, j).to(tl.float32)
+            x, sq = _x_tile(x_base + j * K, g_ptr + j * K, sq, k0, K, rk, PROLOGUE, EVEN_K, RED)
+            acc = _fold(acc, x * _plane_bytes(w, j).to(tl.float32), RED)
             if TWO_ROWS:
-                acc_b += x * _plane_bytes(wb, j).to(tl.float32)
+                acc_b = _fold(acc_b, x * _plane_bytes(wb, j).to(tl.float32), RED)
     else:
-        x, sq = _x_tile(x_base, g_ptr, sq, k0, K, rk, PROLOGUE, EVEN_K)
-        acc += x * w.to(tl.float32)
+        x, sq = _x_tile(x_base, g_ptr, sq, k0, K, rk, PROLOGUE, EVEN_K, RED)
+        acc = _fold(acc, x * w.to(tl.float32), RED)
         if TWO_ROWS:
-            acc_b += x * wb.to(tl.float32)
+            acc_b = _fold(acc_b, x * wb.to(tl.float32), RED)
     return acc, acc_b, sq
 
 
@@ -191,7 +203,8 @@ def _gemv_block(blk, w, wb, rm, rm_ld, rk, x_ptr, w_ptr, y_ptr, scale_ptr, bias_
                 HQ: tl.constexpr, HKV: tl.constexpr, HALF: tl.constexpr,
                 BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                 EVEN_K: tl.constexpr, STAGES: tl.constexpr, EARLY_EPI: tl.constexpr,
-                PLANES: tl.constexpr, X_GATHER: tl.constexpr, RES_GATHER: tl.constexpr):
+                PLANES: tl.constexpr, X_GATHER: tl.constexpr, RES_GATHER: tl.constexpr,
+                RED: tl.constexpr = 1):
     """Row block ``blk``: accumulate over K (``w``/``wb``: its first weight tiles, already
     loaded), then the epilogue and the stores. ``X_GATHER`` / ``RES_GATHER``: row ``m`` of x /
     of the residual is row ``ids[m]`` of that table (an embedding lookup)."""
@@ -213,23 +226,23 @@ def _gemv_block(blk, w, wb, rm, rm_ld, rk, x_ptr, w_ptr, y_ptr, scale_ptr, bias_
     wb_base = w_ptr + row_b[None, :, None].to(tl.int64) * stride_wn + rk[None, None, :]
     x_base = x_ptr + x_row[:, None, None] * stride_xm + (rn * 0)[None, :, None] \
         + rk[None, None, :]                                                              # [BM, BN, BK]
-    acc = tl.zeros([BLOCK_M, BLOCK_N, BLOCK_K], dtype=tl.float32)
+    acc = tl.zeros([BLOCK_M, BLOCK_N, BLOCK_K // RED], dtype=tl.float32)
     if TWO_ROWS:
-        acc_b = tl.zeros([BLOCK_M, BLOCK_N, BLOCK_K], dtype=tl.float32)
+        acc_b = tl.zeros([BLOCK_M, BLOCK_N, BLOCK_K // RED], dtype=tl.float32)
     else:
         acc_b = tl.zeros([1, 1, 1], dtype=tl.float32)
     if PROLOGUE == 1:
-        sq = tl.zeros([BLOCK_M, BLOCK_N, BLOCK_K], dtype=tl.float32)
+        sq = tl.zeros([BLOCK_M, BLOCK_N, BLOCK_K // RED], dtype=tl.float32)
     else:
         sq = tl.zeros([1, 1, 1], dtype=tl.float32)
     acc, acc_b, sq = _gemv_step(acc, acc_b, sq, w, wb, x_base, g_ptr, 0, K, rk, PROLOGUE, TWO_ROWS,
-                                EVEN_K, PLANES)
+                                EVEN_K, PLANES, RED)
     for k0 in tl.range(BLOCK_K, K, BLOCK_K, num_stages=STAGES):
         w = _load_w(w_base, k0, K, rk, EVEN_K)
         if TWO_ROWS:
             wb = _load_w(wb_base, k0, K, rk, EVEN_K)
         acc, acc_b, sq = _gemv_step(acc, acc_b, sq, w, wb, x_base, g_ptr, k0, K, rk, PROLOGUE,
-                                    TWO_ROWS, EVEN_K, PLANES)
+                                    TWO_ROWS, EVEN_K, PLANES, RED)
     if not EARLY_EPI:
         sc_a, sc_b, bias_a, bias_b, pos, slot, res = _epilogue_operands(
             rm_ld, res_row, rn_ld, row_a, row_b, scale_ptr, bias_ptr, res_ptr, pos_ptr, slot_ptr, stride_rm,
@@ -303,7 +316,8 @@ def _gemv_kernel(x_ptr, w_ptr, y_ptr, scale_ptr, bias_ptr, res_ptr, g_ptr,
                  EVEN_K: tl.constexpr, STAGES: tl.constexpr, PERSISTENT: tl.constexpr,
                  USE_PDL: tl.constexpr, EARLY_EPI: tl.constexpr = False,
                  PDL_TRIGGER_FIRST: tl.constexpr = False, PLANES: tl.constexpr = False,
-                 X_GATHER: tl.constexpr = False, RES_GATHER: tl.constexpr = False):
+                 X_GATHER: tl.constexpr = False, RES_GATHER: tl.constexpr = False,
+                 RED: tl.constexpr = 1):
     """A program computes ``BLOCK_N`` outputs (a row block) for all ``M <= BLOCK_M`` rows of x:
     row block ``pid``, or with ``PERSISTENT`` (a grid smaller than the block count) blocks
     ``pid, pid + grid, ...``, which avoids a last partial wave; the first tile of its next
@@ -353,11 +367,11 @@ def _gemv_kernel(x_ptr, w_ptr, y_ptr, scale_ptr, bias_ptr, res_ptr, g_ptr,
                 wb = w
             _gemv_block(blk, w_cur, wb_cur, rm, rm_ld, rk, x_ptr, w_ptr, y_ptr, scale_ptr, bias_ptr, res_ptr, g_ptr, kc_ptr, vc_ptr, cos_ptr, sin_ptr, pos_ptr, slot_ptr, num_slots, ids_ptr, M, N, K, stride_xm, stride_wn, stride_ym, stride_rm, eps,
                         W_INT8, HAS_BIAS, HAS_RES, PROLOGUE, GLU, ROPE, HQ, HKV, HALF, BLOCK_M, BLOCK_N,
-                        BLOCK_K, EVEN_K, STAGES, EARLY_EPI, PLANES, X_GATHER, RES_GATHER)
+                        BLOCK_K, EVEN_K, STAGES, EARLY_EPI, PLANES, X_GATHER, RES_GATHER, RED)
     else:
         _gemv_block(pid, w, wb, rm, rm_ld, rk, x_ptr, w_ptr, y_ptr, scale_ptr, bias_ptr, res_ptr, g_ptr, kc_ptr, vc_ptr, cos_ptr, sin_ptr, pos_ptr, slot_ptr, num_slots, ids_ptr, M, N, K, stride_xm, stride_wn, stride_ym, stride_rm, eps,
                     W_INT8, HAS_BIAS, HAS_RES, PROLOGUE, GLU, ROPE, HQ, HKV, HALF, BLOCK_M, BLOCK_N,
-                    BLOCK_K, EVEN_K, STAGES, EARLY_EPI, PLANES, X_GATHER, RES_GATHER)
+                    BLOCK_K, EVEN_K, STAGES, EARLY_EPI, PLANES, X_GATHER, RES_GATHER, RED)
 
 
 @dataclass(frozen=True, slots=True)
@@ -372,6 +386,7 @@ class GemvConfig:
     num_warps: int = 4
     stages: int = 1
     programs_per_sm: int = 0
+    red: int = 1
 
     def __post_init__(self) -> None:
         for name in ("block_n", "block_k", "num_warps"):
@@ -384,10 +399,14 @@ class GemvConfig:
             raise ValueError(f"GemvConfig.stages must be an int >= 1, got {self.stages!r}")
         if not isinstance(self.programs_per_sm, int) or self.programs_per_sm < 0:
             raise ValueError(f"GemvConfig.programs_per_sm must be an int >= 0, got {self.programs_per_sm!r}")
+        if not isinstance(self.red, int) or self.red < 1 or self.red & (self.red - 1) or self.red > self.block_k:
+            raise ValueError(f"GemvConfig.red must be a power of two in [1, block_k], got {self.red!r}")
 
     def as_list(self) -> list[int]:
-        """The table form: ``[block_n, block_k, num_warps, stages(, programs_per_sm)]``."""
+        """The table form: ``[block_n, block_k, num_warps, stages(, programs_per_sm(, red))]``."""
         v = [self.block_n, self.block_k, self.num_warps, self.stages]
+        if self.red != 1:
+            return v + [self.programs_per_sm, self.red]
         return v + [self.programs_per_sm] if self.programs_per_sm else v
 
 
@@ -424,7 +443,7 @@ def _table() -> dict[str, GemvConfig]:
             raise ValueError(f"LLMSERVE_GEMV_TABLE={env!r} is not a gemv table (no \"configs\" object)")
         table = {}
         for key, v in (configs.items() if isinstance(configs, dict) else ()):
-            if isinstance(v, list) and len(v) in (4, 5):
+            if isinstance(v, list) and len(v) in (4, 5, 6):
                 try:
                     table[key] = GemvConfig(*v)
                 except (TypeError, ValueError):
@@ -462,11 +481,11 @@ def choose_gemv_config(m: int, n: int, k: int, w_dtype: torch.dtype, device: tor
     if env:
         try:
             vals = [int(v) for v in env.split(",")]
-            if len(vals) not in (4, 5):
+            if len(vals) not in (4, 5, 6):
                 raise ValueError(f"{len(vals)} values")
             return GemvConfig(*vals)
         except (TypeError, ValueError) as e:
-            raise ValueError(f"LLMSERVE_GEMV_CONFIG must be 'block_n,block_k,num_warps,stages[,programs_per_sm]' "
+            raise ValueError(f"LLMSERVE_GEMV_CONFIG must be 'block_n,block_k,num_warps,stages[,programs_per_sm[,red]]' "
                              f"(powers of two; stages >= 1), got {env!r}: {e}") from None
     if device.type != "cuda":
         return GemvConfig(block_n=8, block_k=32, num_warps=1, stages=1)
@@ -597,6 +616,7 @@ def _launch(x, weight, out, cfg: GemvConfig, n: int, *, scale=None, bias=None, r
         hq = hkv = half = 1
         rope_args = (dummy, dummy, dummy, dummy, dummy, dummy, 0)
     blocks = triton.cdiv(n, cfg.block_n)
+    red = _red_override(cfg)
     if cfg.programs_per_sm:
         blocks = min(blocks, cfg.programs_per_sm * num_sms(x.device, cpu_default=2))
     _gemv_kernel[(blocks,)](
@@ -610,7 +630,21 @@ def _launch(x, weight, out, cfg: GemvConfig, n: int, *, scale=None, bias=None, r
         BLOCK_M=triton.next_power_of_2(m), BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
         EVEN_K=k % cfg.block_k == 0, STAGES=cfg.stages, PERSISTENT=blocks < triton.cdiv(n, cfg.block_n),
         EARLY_EPI=bool(early_epilogue), X_GATHER=x_rows is not None, RES_GATHER=residual_rows is not None,
-        num_warps=cfg.num_warps, **pdl_launch_kwargs(pdl, pdl_trigger_first))
+        RED=red, num_warps=cfg.num_warps, **pdl_launch_kwargs(pdl, pdl_trigger_first))
+
+
+def _red_override(cfg: GemvConfig) -> int:
+    """``cfg.red``, or ``LLMSERVE_GEMV_RED`` (A/B runs: every launch; capped at ``block_k``)."""
+    env = os.environ.get("LLMSERVE_GEMV_RED")
+    if not env:
+        return cfg.red
+    try:
+        red = int(env)
+        if red < 1 or red & (red - 1):
+            raise ValueError
+    except ValueError:
+        raise ValueError(f"LLMSERVE_GEMV_RED must be a power of two >= 1, got {env!r}") from None
+    return min(red, cfg.block_k)
 
 
 def gemv_qkv_rope(x: torch.Tensor, weight: torch.Tensor, *, bias: torch.Tensor | None,
