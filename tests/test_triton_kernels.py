@@ -515,7 +515,7 @@ def _gemv_case(m, n, k, prologue, int8, dtype, glu=False, seed=0):
     (2, 21, 64, "rmsnorm", False, torch.float32, GemvConfig(4, 32, 1, 1, 1, 4)),  # persistent
     (4, 40, 72, "rmsnorm", "planes", torch.float32, GemvConfig(2, 8, 1, 1, 0, 4)),
 ])
-@pytest.mark.parametrize("early", [False, True])
+@pytest.mark.parametrize("early", [False, True, 2])
 def test_gemv_matches_reference(m, n, k, prologue, int8, dtype, cfg, early):
     """``early``: the epilogue's operands (scales, bias, residual) requested before the K loop."""
     x, w, scale, gw = _gemv_case(m, n, k, prologue, int8, dtype)
@@ -574,7 +574,7 @@ def test_gemv_swiglu_epilogue(m, n, k, prologue, int8, dtype, cfg, early):
     (3, 7, 1, 16, True, torch.float32, GemvConfig(2, 16, 1, 1, 0, 8)),
     (1, 12, 2, 32, False, torch.float16, GemvConfig(1, 32, 1, 1, 0, 8)),
 ])
-@pytest.mark.parametrize("early", [False, True])
+@pytest.mark.parametrize("early", [False, True, 2])
 def test_gemv_qkv_rope_matches_unfused(m, hq, hkv, d, int8, dtype, cfg, early):
     """RMSNorm + packed QKV + bias + RoPE + K/V cache write in one kernel against the unfused
     pair ``gemv`` then ``rope_qkv_write_kv`` (padding slot -1 goes to the scratch block)."""
@@ -647,6 +647,8 @@ def test_gemv_input_errors():
         gemv(xx, torch.randn(16, 16, device=DEVICE), residual=xx, out=xx)
     with pytest.raises(ValueError, match="eps"):
         gemv(x, w, scale=scale, prologue="rmsnorm", norm_weight=gw, eps=None)
+    with pytest.raises(ValueError, match="early_epilogue"):
+        gemv(x, w, scale=scale, early_epilogue=3)
     for bad in (dict(block_n=3, block_k=32), dict(block_n=0, block_k=32), dict(block_n=2, block_k=48),
                 dict(block_n=2, block_k=32, stages=0), dict(block_n=2, block_k=32, red=3),
                 dict(block_n=2, block_k=32, red=64), dict(block_n=2, block_k=32, red=0)):

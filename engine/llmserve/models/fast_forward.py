@@ -208,6 +208,11 @@ class FastQwen2Forward:
         # LLMSERVE_GEMV_EARLY_EPILOGUE=0/1 overrides the size rule.
         early = env_switch("LLMSERVE_GEMV_EARLY_EPILOGUE")
         self.early_epilogue = cfg.hidden_size <= 2048 if early is None else early
+        # The QKV kernel's RoPE operands (positions, slots, the cos/sin rows; bias, int8
+        # scales) read before its PDL wait (gemv's early_epilogue=2), so the dependent
+        # position -> cos/sin load is off the critical path. LLMSERVE_GEMV_PRE_WAIT=0/1.
+        pre = env_switch("LLMSERVE_GEMV_PRE_WAIT")
+        self.qkv_early = 2 if (self.pdl and pre is True) else int(self.early_epilogue)
         # PDL kernels let the next kernel launch before waiting for their predecessor (a cascade:
         # kernels several positions ahead read their weights early); LLMSERVE_PDL_TRIGGER_FIRST.
         first = env_switch("LLMSERVE_PDL_TRIGGER_FIRST")       # validated on every device
@@ -305,7 +310,7 @@ class FastQwen2Forward:
                               eps=self.eps, positions=positions, slot_mapping=meta.slot_mapping,
                               cos=cos, sin=sin, k_cache=k_cache, v_cache=v_cache,
                               num_heads=self.num_heads, num_kv_heads=self.num_kv_heads,
-                              pdl=pdl, early_epilogue=early, pdl_trigger_first=first,
+                              pdl=pdl, early_epilogue=self.qkv_early, pdl_trigger_first=first,
                               x_rows=input_ids if gather else None)         # [N, Hq, D]
             if direct_decode:
                 o = paged_attention_decode(q, k_cache, v_cache, meta, self.scale, pdl=pdl,

@@ -204,10 +204,13 @@ def _gemv_block(blk, w, wb, rm, rm_ld, rk, x_ptr, w_ptr, y_ptr, scale_ptr, bias_
                 BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                 EVEN_K: tl.constexpr, STAGES: tl.constexpr, EARLY_EPI: tl.constexpr,
                 PLANES: tl.constexpr, X_GATHER: tl.constexpr, RES_GATHER: tl.constexpr,
-                RED: tl.constexpr = 1):
+                RED: tl.constexpr = 1, pre_sc_a=None, pre_sc_b=None, pre_bias_a=None, pre_bias_b=None,
+                pre_pos=None, pre_slot=None, pre_c=None, pre_s=None):
     """Row block ``blk``: accumulate over K (``w``/``wb``: its first weight tiles, already
     loaded), then the epilogue and the stores. ``X_GATHER`` / ``RES_GATHER``: row ``m`` of x /
-    of the residual is row ``ids[m]`` of that table (an embedding lookup)."""
+    of the residual is row ``ids[m]`` of that table (an embedding lookup). ``EARLY_EPI == 2``:
+    the ``pre_*`` operands (scales, bias, RoPE positions / slots / cos / sin rows) were loaded
+    by the caller before its PDL wait; only the residual is loaded here, before the K loop."""
     TWO_ROWS: tl.constexpr = GLU or ROPE
     rn, rn_ld, row_a, row_b, head, j = _gemv_rows(blk, N, BLOCK_N, ROPE, HALF)
     if X_GATHER or RES_GATHER:
@@ -218,7 +221,12 @@ def _gemv_block(blk, w, wb, rm, rm_ld, rk, x_ptr, w_ptr, y_ptr, scale_ptr, bias_
     res_row = rm_ld.to(tl.int64)
     if RES_GATHER:
         res_row = ids
-    if EARLY_EPI:  # the epilogue's operands requested now: their latency overlaps the K loop
+    if EARLY_EPI == 2:  # loaded before the PDL wait (all but the residual, which a kernel wrote)
+        sc_a, sc_b, bias_a, bias_b, pos, slot = pre_sc_a, pre_sc_b, pre_bias_a, pre_bias_b, pre_pos, pre_slot
+        res = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
+        if HAS_RES:
+            res = tl.load(res_ptr + res_row[:, None] * stride_rm + rn_ld[None, :]).to(tl.float32)
+    elif EARLY_EPI:  # the epilogue's operands requested now: their latency overlaps the K loop
         sc_a, sc_b, bias_a, bias_b, pos, slot, res = _epilogue_operands(
             rm_ld, res_row, rn_ld, row_a, row_b, scale_ptr, bias_ptr, res_ptr, pos_ptr, slot_ptr, stride_rm,
             W_INT8, HAS_BIAS, HAS_RES, ROPE, TWO_ROWS, BLOCK_M, BLOCK_N)
@@ -273,8 +281,12 @@ def _gemv_block(blk, w, wb, rm, rm_ld, rk, x_ptr, w_ptr, y_ptr, scale_ptr, bias_
         a = out.to(y_ptr.dtype.element_ty).to(tl.float32)
         b = out_b.to(y_ptr.dtype.element_ty).to(tl.float32)
         slot = tl.where(slot < 0, slot + num_slots, slot)      # padding -> scratch block
-        c = tl.load(cos_ptr + pos[:, None] * HALF + j[None, :])                          # [BM, BN]
-        s = tl.load(sin_ptr + pos[:, None] * HALF + j[None, :])
+        if EARLY_EPI == 2:
+            c = pre_c
+            s = pre_s
+        else:
+            c = tl.load(cos_ptr + pos[:, None] * HALF + j[None, :])                      # [BM, BN]
+            s = tl.load(sin_ptr + pos[:, None] * HALF + j[None, :])
         is_v = (head >= HQ + HKV)[None, :]
         ra = tl.where(is_v, a, a * c - b * s)
         rb = tl.where(is_v, b, b * c + a * s)
@@ -349,6 +361,30 @@ def _gemv_kernel(x_ptr, w_ptr, y_ptr, scale_ptr, bias_ptr, res_ptr, g_ptr,
                      EVEN_K)
     else:
         wb = w
+    if EARLY_EPI == 2:
+        # Operands no kernel of the forward pass writes (weights: scales, bias; step metadata:
+        # RoPE positions, cache slots and the cos/sin rows they select), requested before the
+        # wait, so the epilogue's dependent position -> cos/sin load is off the critical path.
+        tl.static_assert(not PERSISTENT, "EARLY_EPI == 2 needs one row block a program")
+        _, p_rn_ld, p_row_a, p_row_b, _, p_j = _gemv_rows(pid, N, BLOCK_N, ROPE, HALF)
+        p_sc_a, p_sc_b, p_bias_a, p_bias_b, p_pos, p_slot, _ = _epilogue_operands(
+            rm_ld, rm_ld.to(tl.int64), p_rn_ld, p_row_a, p_row_b, scale_ptr, bias_ptr, res_ptr, pos_ptr, slot_ptr,
+            stride_rm, W_INT8, HAS_BIAS, False, ROPE, TWO_ROWS, BLOCK_M, BLOCK_N)
+        if ROPE:
+            p_c = tl.load(cos_ptr + p_pos[:, None] * HALF + p_j[None, :])
+            p_s = tl.load(sin_ptr + p_pos[:, None] * HALF + p_j[None, :])
+        else:
+            p_c = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
+            p_s = p_c
+    else:
+        p_sc_a = tl.zeros([1, 1], tl.float32)
+        p_sc_b = p_sc_a
+        p_bias_a = p_sc_a
+        p_bias_b = p_sc_a
+        p_c = p_sc_a
+        p_s = p_sc_a
+        p_pos = tl.zeros([1], tl.int64)
+        p_slot = p_pos
     pdl_wait(USE_PDL, PDL_TRIGGER_FIRST)  # everything below may read what earlier kernels wrote
     if PERSISTENT:
         nprog = tl.num_programs(0)
@@ -371,7 +407,8 @@ def _gemv_kernel(x_ptr, w_ptr, y_ptr, scale_ptr, bias_ptr, res_ptr, g_ptr,
     else:
         _gemv_block(pid, w, wb, rm, rm_ld, rk, x_ptr, w_ptr, y_ptr, scale_ptr, bias_ptr, res_ptr, g_ptr, kc_ptr, vc_ptr, cos_ptr, sin_ptr, pos_ptr, slot_ptr, num_slots, ids_ptr, M, N, K, stride_xm, stride_wn, stride_ym, stride_rm, eps,
                     W_INT8, HAS_BIAS, HAS_RES, PROLOGUE, GLU, ROPE, HQ, HKV, HALF, BLOCK_M, BLOCK_N,
-                    BLOCK_K, EVEN_K, STAGES, EARLY_EPI, PLANES, X_GATHER, RES_GATHER, RED)
+                    BLOCK_K, EVEN_K, STAGES, EARLY_EPI, PLANES, X_GATHER, RES_GATHER, RED,
+                    p_sc_a, p_sc_b, p_bias_a, p_bias_b, p_pos, p_slot, p_c, p_s)
 
 
 @dataclass(frozen=True, slots=True)
@@ -629,8 +666,18 @@ def _launch(x, weight, out, cfg: GemvConfig, n: int, *, scale=None, bias=None, r
         PROLOGUE=PROLOGUES[prologue], GLU=glu, ROPE=rope is not None, HQ=hq, HKV=hkv, HALF=half,
         BLOCK_M=triton.next_power_of_2(m), BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
         EVEN_K=k % cfg.block_k == 0, STAGES=cfg.stages, PERSISTENT=blocks < triton.cdiv(n, cfg.block_n),
-        EARLY_EPI=bool(early_epilogue), X_GATHER=x_rows is not None, RES_GATHER=residual_rows is not None,
+        EARLY_EPI=_early_mode(early_epilogue, blocks < triton.cdiv(n, cfg.block_n)), X_GATHER=x_rows is not None, RES_GATHER=residual_rows is not None,
         RED=red, num_warps=cfg.num_warps, **pdl_launch_kwargs(pdl, pdl_trigger_first))
+
+
+def _early_mode(early_epilogue, persistent: bool) -> int:
+    """The kernel's ``EARLY_EPI``: 0 (after the K loop), 1 (before it) or 2 (weights' and step
+    metadata's operands before the PDL wait, the residual before the K loop); a persistent
+    grid, whose programs serve several row blocks, uses 1 for 2."""
+    mode = int(early_epilogue)
+    if mode not in (0, 1, 2):
+        raise ValueError(f"early_epilogue must be False/True or 0/1/2, got {early_epilogue!r}")
+    return 1 if mode == 2 and persistent else mode
 
 
 def _red_override(cfg: GemvConfig) -> int:
@@ -751,7 +798,10 @@ def gemv(x: torch.Tensor, weight: torch.Tensor, *, scale: torch.Tensor | None = 
             overlaps the weight stream. Same results. On the H200 it shortened batch-1 decode
             of Qwen2.5-0.5B/1.5B shapes (1.5B 1.146 -> 1.079 ms/step) but lengthened 7B
             (3.82 -> 4.11), so the engine turns it on by model size
-            (:class:`~llmserve.models.fast_forward.FastQwen2Forward`).
+            (:class:`~llmserve.models.fast_forward.FastQwen2Forward`). ``2`` (with ``pdl``):
+            the operands no kernel writes (int8 scales, bias; RoPE positions, slots and
+            cos/sin rows) are read before the PDL wait, the residual after it (a persistent
+            grid uses ``1``).
         pdl_trigger_first: with ``pdl``, let the next kernel launch before this one waits for
             its predecessor (``_launch.pdl_wait``), so several kernels ahead can read their
             weights early. Only when every kernel of the chain waits before touching what
