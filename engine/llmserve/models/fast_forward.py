@@ -210,9 +210,13 @@ class FastQwen2Forward:
         self.early_epilogue = cfg.hidden_size <= 2048 if early is None else early
         # The QKV kernel's RoPE operands (positions, slots, the cos/sin rows; bias, int8
         # scales) read before its PDL wait (gemv's early_epilogue=2), so the dependent
-        # position -> cos/sin load is off the critical path. LLMSERVE_GEMV_PRE_WAIT=0/1.
+        # position -> cos/sin load is off the critical path. H200, batch-1 decode, four
+        # alternated rounds: Qwen2.5-1.5B 1.0109 -> 1.0084 ms/step (tuned table), 0.5B
+        # 0.484 / 0.479 -> 0.475 / 0.480, 7B 3.592 -> 3.758 (slower, like the early epilogue
+        # there), hence the same size rule; results/h200/notes/s12/. LLMSERVE_GEMV_PRE_WAIT=0/1.
         pre = env_switch("LLMSERVE_GEMV_PRE_WAIT")
-        self.qkv_early = 2 if (self.pdl and pre is True) else int(self.early_epilogue)
+        pre = cfg.hidden_size <= 2048 if pre is None else pre
+        self.qkv_early = 2 if (self.pdl and pre) else int(self.early_epilogue)
         # PDL kernels let the next kernel launch before waiting for their predecessor (a cascade:
         # kernels several positions ahead read their weights early); LLMSERVE_PDL_TRIGGER_FIRST.
         first = env_switch("LLMSERVE_PDL_TRIGGER_FIRST")       # validated on every device
