@@ -546,7 +546,7 @@ def _tuned(gpu: str, int8: bool | str, prologue: str, m: int, k: int, n: int) ->
         plain = _table().get(table_key(gpu, int8, prologue[:-len("+rope")], m, k, 2 * n))
         if plain:
             hit = GemvConfig(max(1, plain.block_n // 2), plain.block_k, plain.num_warps, plain.stages,
-                             plain.programs_per_sm)
+                             plain.programs_per_sm, plain.red)
     return hit
 
 
