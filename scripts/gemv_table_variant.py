@@ -29,13 +29,13 @@ def main() -> None:
     for item in args.overrides:
         key, _, value = item.partition("=")
         if not value or key.count("|") != 4:
-            raise SystemExit(f"override must be 'kind|prologue|M|K|N=bn,bk,warps,stages', got {item!r}")
+            raise SystemExit(f"override must be 'kind|prologue|M|K|N=bn,bk,warps,stages[,pps[,red]]', got {item!r}")
         try:
             vals = [int(v) for v in value.split(",")]
             gm.GemvConfig(*vals)                   # raises on a malformed configuration
         except (TypeError, ValueError) as e:
             raise SystemExit(f"bad configuration in {item!r} (want block_n,block_k,num_warps,stages"
-                             f"[,programs_per_sm], powers of two): {e}") from None
+                             f"[,programs_per_sm[,red]], powers of two): {e}") from None
         data["configs"][f"{args.gpu}|{key}"] = vals
     data["variant_of"] = src
     data["overrides"] = args.overrides

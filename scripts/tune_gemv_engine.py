@@ -47,10 +47,19 @@ def write_variant(base: dict, overrides: dict, path: Path, src: str) -> Path:
 
 
 def run_ab(out: Path, settings: list[str], preset: str, rounds: int) -> dict:
+    """``ab_decode_env.py`` over ``settings``; its rows (a failed setting is a row with an error).
+
+    Raises:
+        RuntimeError: the A/B process failed or wrote no result file (a stale file from an
+            earlier run is removed first, so it is never read instead)."""
+    out.unlink(missing_ok=True)
     cmd = [sys.executable, str(HERE / "ab_decode_env.py"), str(out), "--presets", preset,
            "--rounds", str(rounds), "--settings", *settings]
-    subprocess.run(cmd, check=False)
-    return json.loads(out.read_text()) if out.exists() else {"rows": []}
+    proc = subprocess.run(cmd, check=False)
+    if proc.returncode != 0 or not out.exists():
+        raise RuntimeError(f"{' '.join(cmd[:3])} ... exited with {proc.returncode}"
+                           + ("" if out.exists() else f" and wrote no {out}"))
+    return json.loads(out.read_text())
 
 
 def medians(res: dict) -> dict[str, float]:
@@ -77,6 +86,13 @@ def main() -> int:
     base = json.loads(base_path.read_text())
     base_copy = write_variant(base, {}, a.out / "tables" / "base.json", str(base_path))
     cands = json.loads(a.candidates.read_text())
+    from llmserve.triton_kernels.gemv import GemvConfig
+    for key, lst in cands.items():       # a malformed entry would be skipped by the table
+        for cfg in lst:                  # reader and silently measure the fallback rule instead
+            try:
+                GemvConfig(*cfg)
+            except (TypeError, ValueError) as e:
+                raise SystemExit(f"candidate {cfg!r} of {key!r} is not a GemvConfig: {e}") from None
     settings = [f"LLMSERVE_GEMV_TABLE={base_copy}"]
     which: dict[str, tuple[str, list[int]]] = {}
     for i, (key, lst) in enumerate(cands.items()):

@@ -546,7 +546,7 @@ def test_gemv_matches_reference(m, n, k, prologue, int8, dtype, cfg, early):
     (1, 19, 100, "rmsnorm", False, torch.float32, GemvConfig(2, 32, 1, 1, 0, 8)),
     (4, 24, 64, "rmsnorm", True, torch.float32, GemvConfig(2, 32, 1, 1, 0, 8)),
 ])
-@pytest.mark.parametrize("early", [False, True])
+@pytest.mark.parametrize("early", [False, True, 2])
 def test_gemv_swiglu_epilogue(m, n, k, prologue, int8, dtype, cfg, early):
     """``silu(gate) * up`` of a packed ``[gate; up]`` projection, gate row n and up row N + n
     in one program (int8: each half with its own scales, loaded before or after the K loop)."""
@@ -721,6 +721,96 @@ def test_gemv_gathered_rows(int8):
         torch.testing.assert_close(a, b, **tol)
 
 
+def test_gemv_launch_arguments_red_and_early(monkeypatch):
+    """``red`` and ``early_epilogue`` reach the kernel as launched (both change only the order
+    of a sum or of loads, so comparisons of results cannot see them): the table's ``red``, the
+    ``LLMSERVE_GEMV_RED`` override (capped at ``block_k``), mode 2 (1 on a persistent grid),
+    in ``gemv`` and ``gemv_qkv_rope``; bad ``early_epilogue`` values are errors, even for M = 0."""
+    from llmserve.triton_kernels import gemv as gm
+    seen = []
+
+    class Recorder:
+        def __getitem__(self, grid):
+            return lambda *args, **kw: seen.append(kw)
+
+    monkeypatch.setattr(gm, "_gemv_kernel", Recorder())
+    monkeypatch.delenv("LLMSERVE_GEMV_RED", raising=False)
+    x, w = torch.randn(1, 40, device=DEVICE), torch.randn(24, 40, device=DEVICE)
+    gm.gemv(x, w, config=GemvConfig(2, 32, 1, 1, 0, 8), early_epilogue=2)
+    gm.gemv(x, w, config=GemvConfig(2, 32, 1, 1, 1, 4), early_epilogue=2)      # persistent: 12 > 2 programs
+    gm.gemv(x, w, config=GemvConfig(2, 32, 1, 1), early_epilogue=True)
+    monkeypatch.setenv("LLMSERVE_GEMV_RED", "64")
+    gm.gemv(x, w, config=GemvConfig(2, 32, 1, 1), early_epilogue=False)
+    monkeypatch.delenv("LLMSERVE_GEMV_RED")
+    assert [(k["RED"], k["EARLY_EPI"], k["PERSISTENT"]) for k in seen] == \
+        [(8, 2, False), (4, 1, True), (1, 1, False), (32, 0, False)]
+    seen.clear()
+    hq, hkv, d = 2, 1, 8
+    kc = torch.zeros(3, 4, hkv, d, device=DEVICE)
+    cos = torch.rand(8, d // 2, device=DEVICE)
+    qkv_kw = dict(bias=None, norm_weight=torch.ones(40, device=DEVICE), eps=1e-6,
+                  positions=torch.tensor([1], device=DEVICE), slot_mapping=torch.tensor([0], device=DEVICE),
+                  cos=cos, sin=cos, k_cache=kc, v_cache=kc.clone(), num_heads=hq, num_kv_heads=hkv)
+    wq = torch.randn((hq + 2 * hkv) * d, 40, device=DEVICE)
+    gm.gemv_qkv_rope(x, wq, config=GemvConfig(1, 64, 2, 1, 0, 4), early_epilogue=2, **qkv_kw)
+    assert (seen[0]["RED"], seen[0]["EARLY_EPI"], seen[0]["ROPE"]) == (4, 2, True)
+    for bad in (3, 2.7, "2", None, -1):
+        with pytest.raises(ValueError, match="early_epilogue"):
+            gm.gemv(x, w, early_epilogue=bad)
+        with pytest.raises(ValueError, match="early_epilogue"):
+            gm.gemv(x[:0], w, early_epilogue=bad)                               # M = 0 too
+        with pytest.raises(ValueError, match="early_epilogue"):
+            gm.gemv_qkv_rope(x[:0], wq, early_epilogue=bad, **{**qkv_kw, "positions": qkv_kw["positions"][:0],
+                                                              "slot_mapping": qkv_kw["slot_mapping"][:0]})
+    assert gm._early_mode(2, persistent=False) == 2 and gm._early_mode(2, persistent=True) == 1
+    assert gm._early_mode(True, persistent=True) == 1 and gm._early_mode(False, persistent=False) == 0
+
+
+def test_qkv_early_mode(monkeypatch):
+    """The decode QKV kernel's mode: 2 with PDL and the pre-wait (default: hidden <= 2048),
+    else the other kernels' early-epilogue setting."""
+    from llmserve.models.fast_forward import qkv_early_mode
+    monkeypatch.delenv("LLMSERVE_GEMV_PRE_WAIT", raising=False)
+    assert qkv_early_mode(True, 1536, True) == 2
+    assert qkv_early_mode(True, 3584, False) == 0            # 7B: measured slower with it
+    assert qkv_early_mode(False, 1536, True) == 1            # no PDL: no wait to read before
+    monkeypatch.setenv("LLMSERVE_GEMV_PRE_WAIT", "0")
+    assert qkv_early_mode(True, 1536, True) == 1
+    monkeypatch.setenv("LLMSERVE_GEMV_PRE_WAIT", "1")
+    assert qkv_early_mode(True, 3584, False) == 2
+    monkeypatch.setenv("LLMSERVE_GEMV_PRE_WAIT", "yes")
+    with pytest.raises(ValueError, match="LLMSERVE_GEMV_PRE_WAIT"):
+        qkv_early_mode(True, 1536, True)
+
+
+def test_gemv_qkv_rope_shipped_combination():
+    """The H200 table's Qwen2.5-1.5B QKV+RoPE launch in miniature: a tile wider than K (the
+    whole row read before the PDL wait), ``red`` 4, the RoPE operands read before the wait
+    (mode 2), x gathered from the embedding table; against the unfused fp32 reference
+    (``gemv_reference`` then ``rope_qkv_write_kv``), not another configuration of the kernel."""
+    torch.manual_seed(5)
+    hq, hkv, d, h = 6, 2, 16, 40
+    table = torch.randn(30, h, device=DEVICE)
+    w = torch.randn((hq + 2 * hkv) * d, h, device=DEVICE) / 8
+    bias = torch.randn((hq + 2 * hkv) * d, device=DEVICE)
+    g = torch.rand(h, device=DEVICE) + 0.5
+    ids = torch.tensor([17, 3, 17], device=DEVICE)
+    pos = torch.tensor([4, 0, 11], device=DEVICE)
+    slots = torch.tensor([2, 9, -1], device=DEVICE)
+    ang = torch.arange(16.0)[:, None] / (10000.0 ** (torch.arange(d // 2) / (d // 2)))[None, :]
+    cos, sin = ang.cos().contiguous().to(DEVICE), ang.sin().contiguous().to(DEVICE)
+    shape = (4, 4, hkv, d)
+    kc, vc = torch.randn(shape, device=DEVICE), torch.randn(shape, device=DEVICE)
+    kc_ref, vc_ref = kc.clone(), vc.clone()
+    qkv = gemv_reference(table[ids], w, bias=bias, prologue="rmsnorm", norm_weight=g, eps=1e-6)
+    q_ref = rope_qkv_write_kv(qkv, pos, slots, cos, sin, kc_ref, vc_ref, hq, hkv)
+    q = gemv_qkv_rope(table, w, bias=bias, norm_weight=g, eps=1e-6, positions=pos, slot_mapping=slots,
+                      cos=cos, sin=sin, k_cache=kc, v_cache=vc, num_heads=hq, num_kv_heads=hkv,
+                      config=GemvConfig(1, 64, 1, 1, 0, 4), early_epilogue=2, x_rows=ids)
+    for a, b in ((q, q_ref), (kc, kc_ref), (vc, vc_ref)):
+        torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-4)
+
+
 def test_gemv_config_env_and_table(monkeypatch, tmp_path):
     from llmserve.triton_kernels import gemv as gm
     monkeypatch.setenv("LLMSERVE_GEMV_CONFIG", "2,64,2,1")
@@ -753,6 +843,10 @@ def test_gemv_config_env_and_table(monkeypatch, tmp_path):
             gm._red_override(GemvConfig(2, 256, 1, 1))
     monkeypatch.delenv("LLMSERVE_GEMV_RED")
     assert gm._red_override(GemvConfig(2, 256, 1, 1, 0, 4)) == 4
+    table_rope = tmp_path / "trope.json"         # an untuned "+rope" key: half the rows, red kept
+    table_rope.write_text('{"configs": {"G|float|rmsnorm|1|40|64": [4, 2048, 2, 1, 0, 8]}}')
+    monkeypatch.setenv("LLMSERVE_GEMV_TABLE", str(table_rope))
+    assert gm._tuned("G", "float", "rmsnorm+rope", 1, 40, 32) == GemvConfig(2, 2048, 2, 1, 0, 8)
     table2 = tmp_path / "t2.json"                # another file is its own table (A/B in one process)
     table2.write_text('{"configs": {"c": [4, 128, 2, 1]}}')
     monkeypatch.setenv("LLMSERVE_GEMV_TABLE", str(table2))

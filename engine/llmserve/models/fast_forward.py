@@ -127,6 +127,17 @@ def _linear(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None, s: torch.T
     return int8_linear(x, w, s, b)
 
 
+def qkv_early_mode(pdl: bool, hidden_size: int, early_epilogue: bool) -> int:
+    """The decode QKV kernel's ``early_epilogue`` (see :func:`~llmserve.triton_kernels.gemv.gemv`):
+    2 (its RoPE operands read before the PDL wait) with PDL and either
+    ``LLMSERVE_GEMV_PRE_WAIT=1`` or, unset, ``hidden_size <= 2048``; otherwise the other
+    kernels' ``early_epilogue`` (so ``LLMSERVE_GEMV_EARLY_EPILOGUE`` governs the QKV kernel only
+    when the pre-wait is off). ``ValueError`` for a switch value other than 0/1."""
+    pre = env_switch("LLMSERVE_GEMV_PRE_WAIT")
+    pre = hidden_size <= 2048 if pre is None else pre
+    return 2 if (pdl and pre) else int(early_epilogue)
+
+
 class FastQwen2Forward:
     """Fused forward for a loaded :class:`~llmserve.models.qwen2.Qwen2ForCausalLM`.
 
@@ -205,7 +216,8 @@ class FastQwen2Forward:
         # Epilogue operands requested before the gemv K loop (gemv's early_epilogue): measured
         # faster on the H200 for hidden sizes 896 and 1536 (Qwen2.5-0.5B/1.5B: 1.5B 1.146 ->
         # 1.079 ms/step), slower for 3584 (7B: 3.82 -> 4.11); results/h200/notes/s6/ab_epi*.json.
-        # LLMSERVE_GEMV_EARLY_EPILOGUE=0/1 overrides the size rule.
+        # LLMSERVE_GEMV_EARLY_EPILOGUE=0/1 overrides the size rule (for the QKV kernel only when
+        # its pre-wait is off, see qkv_early_mode).
         early = env_switch("LLMSERVE_GEMV_EARLY_EPILOGUE")
         self.early_epilogue = cfg.hidden_size <= 2048 if early is None else early
         # The QKV kernel's RoPE operands (positions, slots, the cos/sin rows; bias, int8
@@ -214,9 +226,7 @@ class FastQwen2Forward:
         # alternated rounds: Qwen2.5-1.5B 1.0109 -> 1.0084 ms/step (tuned table), 0.5B
         # 0.484 / 0.479 -> 0.475 / 0.480, 7B 3.592 -> 3.758 (slower, like the early epilogue
         # there), hence the same size rule; results/h200/notes/s12/. LLMSERVE_GEMV_PRE_WAIT=0/1.
-        pre = env_switch("LLMSERVE_GEMV_PRE_WAIT")
-        pre = cfg.hidden_size <= 2048 if pre is None else pre
-        self.qkv_early = 2 if (self.pdl and pre) else int(self.early_epilogue)
+        self.qkv_early = qkv_early_mode(self.pdl, cfg.hidden_size, self.early_epilogue)
         # PDL kernels let the next kernel launch before waiting for their predecessor (a cascade:
         # kernels several positions ahead read their weights early); LLMSERVE_PDL_TRIGGER_FIRST.
         first = env_switch("LLMSERVE_PDL_TRIGGER_FIRST")       # validated on every device

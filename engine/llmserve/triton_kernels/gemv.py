@@ -8,7 +8,8 @@ Qwen2.5-1.5B projection on the H200 but only 0.9-1.1 TB/s on the small ones (O p
 launch of a few microseconds. This kernel
 
 * streams ``BLOCK_N`` (1-8) weight rows a program through its K loop, accumulating
-  ``x[m, k] * w[n, k]`` element-wise in fp32 and reducing over K once at the end; with one or
+  ``x[m, k] * w[n, k]`` element-wise in fp32 (or, with ``red``, summed over runs of adjacent
+  columns first) and reducing over K once at the end; with one or
   two rows a program there are thousands of programs, so many loads are in flight without
   software pipelining (``STAGES`` > 1 streams the tiles through shared memory with ``cp.async``;
   it measured slower on the H200 on 21 of 23 shapes, so the tuned configurations use 1);
@@ -416,7 +417,12 @@ class GemvConfig:
     """Launch configuration of :func:`gemv`: ``block_n`` output columns a row block,
     ``block_k`` weight columns a step (32-bit words, four columns each, for int8 byte planes),
     ``stages`` tiles in flight (1: no pipelining), ``programs_per_sm`` (0: one program a row block; ``p``: at most ``p`` programs per SM, each
-    looping over row blocks, which avoids a last partial wave)."""
+    looping over row blocks, which avoids a last partial wave), ``red`` (a power of two <=
+    ``block_k``: runs of ``red`` adjacent K columns of the product tile are summed in registers
+    before they reach the fp32 accumulators, which then hold ``block_k / red`` columns; with
+    ``red`` = the elements one thread loads as one 16-byte vector the sum needs no shuffles, and
+    the freed registers let more programs share an SM. H200, Qwen2.5-1.5B gate-up: 15.4 ->
+    14.3 us with ``[1, 512, 1 warp]`` and red 8, results/h200/notes/s12/red_sweep)."""
 
     block_n: int
     block_k: int
@@ -456,7 +462,8 @@ def _table() -> dict[str, GemvConfig]:
     ``LLMSERVE_GEMV_TABLE``; written by ``scripts/bench_gemv.py`` from a device sweep (or
     ``scripts/gemv_table_variant.py`` for A/B runs). Keys are
     ``"<gpu name>|<float|int8|int8p>|<prologue>|<M>|<K>|<N>"`` (:func:`weight_kind`; ``K`` in
-    columns), values ``[block_n, block_k, num_warps, stages]`` or with ``programs_per_sm`` fifth; malformed entries are ignored.
+    columns), values ``[block_n, block_k, num_warps, stages]``, with ``programs_per_sm`` fifth and
+    ``red`` sixth (:class:`GemvConfig`); malformed entries are ignored.
     Each file is read once per process (so ``LLMSERVE_GEMV_TABLE`` can change between engine
     builds, for A/B runs).
 
@@ -506,7 +513,7 @@ def choose_gemv_config(m: int, n: int, k: int, w_dtype: torch.dtype, device: tor
                        prologue: str = "none") -> GemvConfig:
     """Shape-keyed configuration (deterministic, CUDA-graph safe; no autotuning at run time).
 
-    Order: ``LLMSERVE_GEMV_CONFIG="bn,bk,warps,stages[,programs_per_sm]"`` (A/B runs), then the tuned table
+    Order: ``LLMSERVE_GEMV_CONFIG="bn,bk,warps,stages[,programs_per_sm[,red]]"`` (A/B runs), then the tuned table
     (exact GPU name, weight kind, prologue, M, K, N), then a rule from the H200 sweeps in
     ``results/kernels/gemv_*.md``: no software pipelining (``stages=1`` beat 2-4 on every
     shape: with one or two rows a program, many programs per SM keep enough loads in flight
@@ -670,13 +677,18 @@ def _launch(x, weight, out, cfg: GemvConfig, n: int, *, scale=None, bias=None, r
         RED=red, num_warps=cfg.num_warps, **pdl_launch_kwargs(pdl, pdl_trigger_first))
 
 
+def _check_early(early_epilogue) -> int:
+    """``early_epilogue`` as 0, 1 or 2 (``ValueError`` for anything but False/True/0/1/2)."""
+    if type(early_epilogue) not in (bool, int) or early_epilogue not in (0, 1, 2):
+        raise ValueError(f"early_epilogue must be False/True or 0/1/2, got {early_epilogue!r}")
+    return int(early_epilogue)
+
+
 def _early_mode(early_epilogue, persistent: bool) -> int:
     """The kernel's ``EARLY_EPI``: 0 (after the K loop), 1 (before it) or 2 (weights' and step
     metadata's operands before the PDL wait, the residual before the K loop); a persistent
     grid, whose programs serve several row blocks, uses 1 for 2."""
-    mode = int(early_epilogue)
-    if mode not in (0, 1, 2):
-        raise ValueError(f"early_epilogue must be False/True or 0/1/2, got {early_epilogue!r}")
+    mode = _check_early(early_epilogue)
     return 1 if mode == 2 and persistent else mode
 
 
@@ -699,7 +711,7 @@ def gemv_qkv_rope(x: torch.Tensor, weight: torch.Tensor, *, bias: torch.Tensor |
                   slot_mapping: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
                   k_cache: torch.Tensor, v_cache: torch.Tensor, num_heads: int, num_kv_heads: int,
                   scale: torch.Tensor | None = None, config: GemvConfig | None = None,
-                  pdl: bool = False, early_epilogue: bool = False,
+                  pdl: bool = False, early_epilogue: bool | int = False,
                   pdl_trigger_first: bool = False, x_rows: torch.Tensor | None = None) -> torch.Tensor:
     """RMSNorm -> packed QKV projection -> RoPE on Q and K -> K/V written to the paged cache, in
     one kernel; returns Q. The same function as ``gemv(x, weight, bias=bias,
@@ -749,6 +761,7 @@ def gemv_qkv_rope(x: torch.Tensor, weight: torch.Tensor, *, bias: torch.Tensor |
                     ("positions", positions), ("slot_mapping", slot_mapping)):
         if t.device != x.device:
             raise ValueError(f"{name} is on {t.device} but x is on {x.device}")
+    _check_early(early_epilogue)
     q = torch.empty((m, num_heads, d), dtype=x.dtype, device=x.device)
     if m == 0:
         return q
@@ -766,7 +779,7 @@ def gemv(x: torch.Tensor, weight: torch.Tensor, *, scale: torch.Tensor | None = 
          prologue: str = "none", norm_weight: torch.Tensor | None = None, eps: float = 1e-6,
          glu: bool = False, out: torch.Tensor | None = None,
          config: GemvConfig | None = None, pdl: bool = False,
-         early_epilogue: bool = False, pdl_trigger_first: bool = False,
+         early_epilogue: bool | int = False, pdl_trigger_first: bool = False,
          x_rows: torch.Tensor | None = None, residual_rows: torch.Tensor | None = None) -> torch.Tensor:
     """``y = residual + (prologue(x) @ (weight * scale[:, None]).T + bias)`` for ``M <= 4`` rows
     (with ``glu``: ``y = silu(p[:, :N]) * p[:, N:]`` of that projection ``p``).
@@ -824,6 +837,7 @@ def gemv(x: torch.Tensor, weight: torch.Tensor, *, scale: torch.Tensor | None = 
     """
     m, n, k = _check_gemv_inputs(x, weight, scale, bias, residual, prologue, norm_weight, eps, glu, out,
                                  x_rows, residual_rows)
+    _check_early(early_epilogue)
     if residual_rows is not None and out is not None and out.untyped_storage().data_ptr() == \
             residual.untyped_storage().data_ptr():
         raise ValueError("out must not share memory with a residual table read through residual_rows")
