@@ -22,7 +22,6 @@ from __future__ import annotations
 import argparse
 import datetime as _dt
 import json
-import os
 import sys
 from pathlib import Path
 
@@ -31,6 +30,7 @@ import triton
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import bench_gemv as bg  # noqa: E402  (scripts/, next to this file)
+from gemv_table_variant import write_variant  # noqa: E402
 
 from llmserve.triton_kernels import gemv as gm  # noqa: E402
 from llmserve.triton_kernels.gemv import GemvConfig  # noqa: E402
@@ -112,12 +112,7 @@ def main() -> int:
                      f"{'yes' if r['shipped'] else ''} | {r['error'] or ''} |")
     (a.out / "gemv_red.md").write_text("\n".join(lines) + "\n")
     if a.table_out:
-        src = os.path.join(os.path.dirname(gm.__file__), "gemv_configs.json")
-        data = json.load(open(src))
-        data["configs"].update(variant)
-        data["variant_of"] = src
-        data["overrides"] = variant
-        a.table_out.write_text(json.dumps(data, indent=1))
+        write_variant(variant, a.table_out)
     return 0
 
 

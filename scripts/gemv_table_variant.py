@@ -12,9 +12,24 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 
 from llmserve.triton_kernels import gemv as gm
+
+
+def write_variant(configs: dict, out, base=None, record=None):
+    """Write the gemv table ``base`` (default: the packaged ``gemv_configs.json``) with the
+    entries ``configs`` (full keys, GPU name included -> table values) replaced, to ``out``;
+    the file records ``variant_of`` (the base) and ``overrides`` (``record``, default
+    ``configs``), which ``ab_decode_env.py`` copies into its rows. Returns ``out``."""
+    src = str(base or gm._DEFAULT_TABLE)
+    with open(src) as f:
+        data = json.load(f)
+    data["configs"].update(configs)
+    data["variant_of"] = src
+    data["overrides"] = configs if record is None else record
+    with open(out, "w") as f:
+        json.dump(data, f, indent=1, sort_keys=True)
+    return out
 
 
 def main() -> None:
@@ -23,9 +38,7 @@ def main() -> None:
     ap.add_argument("overrides", nargs="*")
     ap.add_argument("--gpu", default="NVIDIA H200")
     args = ap.parse_args()
-    src = os.path.join(os.path.dirname(gm.__file__), "gemv_configs.json")
-    with open(src) as f:
-        data = json.load(f)
+    configs = {}
     for item in args.overrides:
         key, _, value = item.partition("=")
         if not value or key.count("|") != 4:
@@ -36,11 +49,8 @@ def main() -> None:
         except (TypeError, ValueError) as e:
             raise SystemExit(f"bad configuration in {item!r} (want block_n,block_k,num_warps,stages"
                              f"[,programs_per_sm[,red]], powers of two): {e}") from None
-        data["configs"][f"{args.gpu}|{key}"] = vals
-    data["variant_of"] = src
-    data["overrides"] = args.overrides
-    with open(args.out, "w") as f:
-        json.dump(data, f, indent=1, sort_keys=True)
+        configs[f"{args.gpu}|{key}"] = vals
+    write_variant(configs, args.out, record=args.overrides)
     print(f"wrote {args.out}: {len(args.overrides)} overrides")
 
 

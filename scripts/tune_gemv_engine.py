@@ -23,27 +23,14 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import statistics
 import subprocess
 import sys
 from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
-
-
-def packaged_table() -> Path:
-    from llmserve.triton_kernels import gemv as gm
-    return Path(gm.__file__).with_name("gemv_configs.json")
-
-
-def write_variant(base: dict, overrides: dict, path: Path, src: str) -> Path:
-    data = json.loads(json.dumps(base))
-    data["configs"].update(overrides)
-    data["variant_of"] = src
-    data["overrides"] = overrides
-    path.write_text(json.dumps(data, indent=1))
-    return path
+sys.path.insert(0, str(HERE))
+from gemv_table_variant import write_variant  # noqa: E402  (scripts/, next to this file)
 
 
 def run_ab(out: Path, settings: list[str], preset: str, rounds: int) -> dict:
@@ -81,10 +68,10 @@ def main() -> int:
     ap.add_argument("--final-rounds", type=int, default=3)
     a = ap.parse_args()
     (a.out / "tables").mkdir(parents=True, exist_ok=True)
-    pkg = packaged_table()
-    base_path = a.base or pkg
+    from llmserve.triton_kernels.gemv import _DEFAULT_TABLE
+    base_path = a.base or Path(_DEFAULT_TABLE)
     base = json.loads(base_path.read_text())
-    base_copy = write_variant(base, {}, a.out / "tables" / "base.json", str(base_path))
+    base_copy = write_variant({}, a.out / "tables" / "base.json", base_path)
     cands = json.loads(a.candidates.read_text())
     from llmserve.triton_kernels.gemv import GemvConfig
     for key, lst in cands.items():       # a malformed entry would be skipped by the table
@@ -100,7 +87,7 @@ def main() -> int:
         for j, cfg in enumerate(lst):
             if base["configs"].get(full) == cfg:
                 continue
-            p = write_variant(base, {full: cfg}, a.out / "tables" / f"k{i}_c{j}.json", str(base_path))
+            p = write_variant({full: cfg}, a.out / "tables" / f"k{i}_c{j}.json", base_path)
             s = f"LLMSERVE_GEMV_TABLE={p}"
             settings.append(s)
             which[s] = (full, cfg)
@@ -114,7 +101,7 @@ def main() -> int:
         if ms < best.get(full, (base_ms, None))[0]:
             best[full] = (ms, cfg)
     chosen = {k: v[1] for k, v in best.items()}
-    tuned = write_variant(base, chosen, a.out / "tuned.json", str(base_path))
+    tuned = write_variant(chosen, a.out / "tuned.json", base_path)
     final = ["", f"LLMSERVE_GEMV_TABLE={base_copy}", f"LLMSERVE_GEMV_TABLE={tuned}"]
     med2 = medians(run_ab(a.out / "phase2.json", final, a.preset, a.final_rounds))
     summary = dict(preset=a.preset, base=str(base_path), base_median_ms=base_ms,

@@ -224,9 +224,9 @@ def _gemv_block(blk, w, wb, rm, rm_ld, rk, x_ptr, w_ptr, y_ptr, scale_ptr, bias_
         res_row = ids
     if EARLY_EPI == 2:  # loaded before the PDL wait (all but the residual, which a kernel wrote)
         sc_a, sc_b, bias_a, bias_b, pos, slot = pre_sc_a, pre_sc_b, pre_bias_a, pre_bias_b, pre_pos, pre_slot
-        res = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
-        if HAS_RES:
-            res = tl.load(res_ptr + res_row[:, None] * stride_rm + rn_ld[None, :]).to(tl.float32)
+        _, _, _, _, _, _, res = _epilogue_operands(                     # the residual only
+            rm_ld, res_row, rn_ld, row_a, row_b, scale_ptr, bias_ptr, res_ptr, pos_ptr, slot_ptr, stride_rm,
+            False, False, HAS_RES, False, TWO_ROWS, BLOCK_M, BLOCK_N)
     elif EARLY_EPI:  # the epilogue's operands requested now: their latency overlaps the K loop
         sc_a, sc_b, bias_a, bias_b, pos, slot, res = _epilogue_operands(
             rm_ld, res_row, rn_ld, row_a, row_b, scale_ptr, bias_ptr, res_ptr, pos_ptr, slot_ptr, stride_rm,
@@ -568,8 +568,9 @@ def _gpu_name(device: torch.device) -> str:
 
 
 def _check_gemv_inputs(x, weight, scale, bias, residual, prologue, norm_weight, eps, glu, out,
-                       x_rows=None, residual_rows=None):
+                       x_rows=None, residual_rows=None, early_epilogue=False):
     """Validate :func:`gemv`'s arguments (``ValueError`` with the reason); returns ``(M, N, K)``."""
+    _check_early(early_epilogue)
     if prologue not in PROLOGUES:
         raise ValueError(f"prologue must be one of {sorted(PROLOGUES)}, got {prologue!r}")
     if x.dim() != 2 or x.stride(-1) != 1 or x.dtype not in (torch.float16, torch.bfloat16, torch.float32):
@@ -660,9 +661,9 @@ def _launch(x, weight, out, cfg: GemvConfig, n: int, *, scale=None, bias=None, r
         hq = hkv = half = 1
         rope_args = (dummy, dummy, dummy, dummy, dummy, dummy, 0)
     blocks = triton.cdiv(n, cfg.block_n)
-    red = _red_override(cfg)
     if cfg.programs_per_sm:
         blocks = min(blocks, cfg.programs_per_sm * num_sms(x.device, cpu_default=2))
+    persistent = blocks < triton.cdiv(n, cfg.block_n)
     _gemv_kernel[(blocks,)](
         x, weight, out, scale if scale is not None else dummy, bias if bias is not None else dummy,
         residual if residual is not None else out, norm_weight if norm_weight is not None else dummy,
@@ -672,24 +673,24 @@ def _launch(x, weight, out, cfg: GemvConfig, n: int, *, scale=None, bias=None, r
         HAS_RES=residual is not None,
         PROLOGUE=PROLOGUES[prologue], GLU=glu, ROPE=rope is not None, HQ=hq, HKV=hkv, HALF=half,
         BLOCK_M=triton.next_power_of_2(m), BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
-        EVEN_K=k % cfg.block_k == 0, STAGES=cfg.stages, PERSISTENT=blocks < triton.cdiv(n, cfg.block_n),
-        EARLY_EPI=_early_mode(early_epilogue, blocks < triton.cdiv(n, cfg.block_n)), X_GATHER=x_rows is not None, RES_GATHER=residual_rows is not None,
-        RED=red, num_warps=cfg.num_warps, **pdl_launch_kwargs(pdl, pdl_trigger_first))
+        EVEN_K=k % cfg.block_k == 0, STAGES=cfg.stages, PERSISTENT=persistent,
+        EARLY_EPI=_early_mode(early_epilogue, persistent), X_GATHER=x_rows is not None,
+        RES_GATHER=residual_rows is not None, RED=_red_override(cfg), num_warps=cfg.num_warps,
+        **pdl_launch_kwargs(pdl, pdl_trigger_first))
 
 
-def _check_early(early_epilogue) -> int:
-    """``early_epilogue`` as 0, 1 or 2 (``ValueError`` for anything but False/True/0/1/2)."""
+def _check_early(early_epilogue) -> None:
+    """``ValueError`` for an ``early_epilogue`` other than False/True/0/1/2."""
     if type(early_epilogue) not in (bool, int) or early_epilogue not in (0, 1, 2):
         raise ValueError(f"early_epilogue must be False/True or 0/1/2, got {early_epilogue!r}")
-    return int(early_epilogue)
 
 
 def _early_mode(early_epilogue, persistent: bool) -> int:
-    """The kernel's ``EARLY_EPI``: 0 (after the K loop), 1 (before it) or 2 (weights' and step
-    metadata's operands before the PDL wait, the residual before the K loop); a persistent
-    grid, whose programs serve several row blocks, uses 1 for 2."""
-    mode = _check_early(early_epilogue)
-    return 1 if mode == 2 and persistent else mode
+    """The kernel's ``EARLY_EPI`` for a validated ``early_epilogue`` (:func:`_check_early`): 0
+    (after the K loop), 1 (before it) or 2 (weights' and step metadata's operands before the
+    PDL wait, the residual before the K loop); a persistent grid, whose programs serve several
+    row blocks, uses 1 for 2."""
+    return 1 if early_epilogue == 2 and persistent else int(early_epilogue)
 
 
 def _red_override(cfg: GemvConfig) -> int:
@@ -742,7 +743,7 @@ def gemv_qkv_rope(x: torch.Tensor, weight: torch.Tensor, *, bias: torch.Tensor |
         ValueError: as :func:`gemv`, plus cache / table / head-count mismatches.
     """
     m, rows, k = _check_gemv_inputs(x, weight, scale, bias, None, "rmsnorm", norm_weight, eps, False, None,
-                                    x_rows)
+                                    x_rows, early_epilogue=early_epilogue)
     if k_cache.dim() != 4 or not (k_cache.is_contiguous() and v_cache.is_contiguous()) \
             or v_cache.shape != k_cache.shape:
         raise ValueError("k_cache and v_cache must be contiguous [num_blocks + 1, block_size, Hkv, D] "
@@ -761,7 +762,6 @@ def gemv_qkv_rope(x: torch.Tensor, weight: torch.Tensor, *, bias: torch.Tensor |
                     ("positions", positions), ("slot_mapping", slot_mapping)):
         if t.device != x.device:
             raise ValueError(f"{name} is on {t.device} but x is on {x.device}")
-    _check_early(early_epilogue)
     q = torch.empty((m, num_heads, d), dtype=x.dtype, device=x.device)
     if m == 0:
         return q
@@ -836,8 +836,7 @@ def gemv(x: torch.Tensor, weight: torch.Tensor, *, scale: torch.Tensor | None = 
             residual table.
     """
     m, n, k = _check_gemv_inputs(x, weight, scale, bias, residual, prologue, norm_weight, eps, glu, out,
-                                 x_rows, residual_rows)
-    _check_early(early_epilogue)
+                                 x_rows, residual_rows, early_epilogue)
     if residual_rows is not None and out is not None and out.untyped_storage().data_ptr() == \
             residual.untyped_storage().data_ptr():
         raise ValueError("out must not share memory with a residual table read through residual_rows")
