@@ -76,3 +76,98 @@ def test_argmax_selected_output_row(progs):
     for bad_sel in (torch.tensor([[0]], device=DEVICE), torch.tensor([0], dtype=torch.int32, device=DEVICE)):
         with pytest.raises(ValueError, match="out_row must be"):
             argmax_rows(x, buf[:, :3], out_row=bad_sel)
+
+
+# ---- the argmax merged into a producer (gemv's argmax_keys) + argmax_finalize ----------------
+
+import triton  # noqa: E402
+import triton.language as tl  # noqa: E402
+
+from llmserve.triton_kernels.argmax import (ARGMAX_EMPTY, argmax_finalize, argmax_key,  # noqa: E402
+                                            argmax_key_buffer)
+from llmserve.triton_kernels.gemv import GemvConfig, gemv  # noqa: E402
+
+
+@triton.jit
+def _keys_kernel(v_ptr, k_ptr, N: tl.constexpr):
+    offs = tl.arange(0, N)
+    tl.store(k_ptr + offs, argmax_key(tl.load(v_ptr + offs), offs))
+
+
+def test_argmax_keys_order_like_torch():
+    """The packed keys order (value, index) pairs as ``torch.argmax`` does: a larger value wins,
+    NaN above +inf, -0 equal to +0, a tie goes to the smaller index; checked on every pair of a
+    list of special and random values (the integer maximum of each pair's keys names the pair
+    member torch.argmax picks)."""
+    special = [0.0, -0.0, 1.0, -1.0, float("inf"), float("-inf"), float("nan"), -float("nan"),
+               1e-45, -1e-45, 3.4e38, -3.4e38, 1.0, 0.0]
+    vals = torch.tensor(special + torch.randn(18, generator=torch.Generator().manual_seed(1)).tolist())
+    n = vals.numel()                                        # 32, a power of two
+    keys = torch.empty(n, dtype=torch.int64)
+    vd, kd = vals.to(DEVICE), keys.to(DEVICE)
+    _keys_kernel[(1,)](vd, kd, N=n)
+    keys = kd.cpu()
+    assert bool((keys > ARGMAX_EMPTY).all())
+    for i in range(n):
+        for j in range(n):
+            if i == j:
+                continue
+            lo, hi = min(i, j), max(i, j)
+            want = (lo, hi)[int(torch.stack([vals[lo], vals[hi]]).argmax())]
+            got = lo if keys[lo] > keys[hi] else hi
+            assert got == want, (i, j, vals[i].item(), vals[j].item())
+
+
+@pytest.mark.parametrize("m,n,cfg", [(1, 1, GemvConfig(4, 16, 1, 1)), (1, 37, GemvConfig(4, 16, 1, 1)),
+                                     (3, 100, GemvConfig(8, 16, 1, 1)), (4, 70, GemvConfig(2, 32, 1, 1, 1)),
+                                     (2, 53, GemvConfig(1, 16, 1, 1, 0, 4))])
+def test_gemv_argmax_keys_match_torch(m, n, cfg):
+    """``gemv(..., argmax_keys=)`` + ``argmax_finalize``: torch.argmax of the returned logits
+    (fp32 with an exact tie, and bf16), single and persistent grids, ``red``, in a selected
+    output row; the key buffer is left empty for the next launch, which is checked by
+    running twice with different inputs."""
+    g = torch.Generator().manual_seed(m * 100 + n)
+    keys = argmax_key_buffer(torch.device(DEVICE), m, owner="test")[:m]
+    assert bool((keys == ARGMAX_EMPTY).all())
+    for rep in range(2):
+        x = torch.randn(m, 40, generator=g).to(DEVICE)
+        w = torch.randn(n, 40, generator=g).to(DEVICE)
+        w[n // 2] = w[0]                                         # an exact tie in every row
+        logits = torch.empty(m, n, device=DEVICE)
+        gemv(x, w, out=logits, argmax_keys=keys, config=cfg)
+        out = torch.full((2, m), -5, dtype=torch.int64, device=DEVICE)
+        argmax_finalize(keys, out, out_row=torch.tensor([rep % 2], device=DEVICE))
+        assert torch.equal(out[rep % 2], logits.argmax(-1)), rep
+        assert bool((out[1 - rep % 2] == -5).all())
+        assert bool((keys == ARGMAX_EMPTY).all())
+    # bf16 logits (out in x's dtype): rounding makes ties common; the keys are of the stored
+    # values, so the result is torch.argmax of what gemv returns (whatever the interpreter's
+    # bf16 arithmetic gives)
+    xb = torch.randn(m, 40, generator=g).to(DEVICE, torch.bfloat16)
+    wb = (torch.randn(n, 40, generator=g) * 0.01).to(DEVICE, torch.bfloat16)
+    yb = gemv(xb, wb, argmax_keys=keys, config=cfg)
+    assert yb.dtype == torch.bfloat16
+    got = argmax_finalize(keys, torch.empty(m, dtype=torch.int64, device=DEVICE))
+    assert torch.equal(got, yb.argmax(-1))
+
+
+def test_argmax_finalize_and_keys_errors():
+    keys = argmax_key_buffer(torch.device(DEVICE), 2, owner="test")[:2]
+    x, w = torch.randn(2, 8, device=DEVICE), torch.randn(6, 8, device=DEVICE)
+    with pytest.raises(ValueError, match="argmax_keys must be a contiguous int64"):
+        gemv(x, w, argmax_keys=keys[:1])
+    with pytest.raises(ValueError, match="argmax_keys must be a contiguous int64"):
+        gemv(x, w, argmax_keys=keys.int())
+    with pytest.raises(ValueError, match="no glu"):
+        gemv(x, torch.randn(12, 8, device=DEVICE), glu=True, argmax_keys=keys)
+    with pytest.raises(ValueError, match="keys must be a contiguous int64"):
+        argmax_finalize(keys.float(), torch.empty(2, dtype=torch.int64, device=DEVICE))
+    with pytest.raises(ValueError, match="out must be a contiguous int64"):
+        argmax_finalize(keys, torch.empty(3, dtype=torch.int64, device=DEVICE))
+    with pytest.raises(ValueError, match="with out_row"):
+        argmax_finalize(keys, torch.empty(2, dtype=torch.int64, device=DEVICE),
+                        out_row=torch.zeros(1, dtype=torch.int64, device=DEVICE))
+    with pytest.raises(ValueError, match="out_row must be int64"):
+        argmax_finalize(keys, torch.empty(2, 2, dtype=torch.int64, device=DEVICE),
+                        out_row=torch.zeros(1, dtype=torch.int32, device=DEVICE))
+    assert bool((keys == ARGMAX_EMPTY).all())                # nothing launched

@@ -19,7 +19,113 @@ import triton.language as tl
 
 from ._launch import num_sms, pdl_launch_kwargs, pdl_start, pdl_wait, zeroed_counters
 
-__all__ = ["argmax_rows"]
+__all__ = ["argmax_rows", "argmax_finalize", "argmax_key_buffer", "ARGMAX_EMPTY"]
+
+# A packed (value, index) key, ordered so that the integer maximum is the first index of the
+# largest value (torch.argmax's rule, NaN largest): the top 32 bits are the fp32 bits made
+# order-preserving as signed integers (negative floats get their magnitude bits flipped; -0 is
+# folded onto +0; every NaN maps to the largest code), the low 32 bits hold ``2**32 - 1 - index``
+# so a smaller index wins a tie. Producers merge keys with an int64 atomic max
+# (:func:`merge_argmax_keys`, inside the LM head's programs), :func:`argmax_finalize` decodes.
+ARGMAX_EMPTY = -(2 ** 63)          # below every key: the state a key buffer starts and ends in
+_EMPTY = tl.constexpr(ARGMAX_EMPTY)
+_KEY_BUFFERS: dict[tuple[str, int | None], torch.Tensor] = {}
+
+
+@triton.jit
+def argmax_key(v, idx):
+    """Packed keys of fp32 values ``v`` at int indices ``idx`` (same shape or broadcast)."""
+    v = tl.where(v == 0.0, 0.0, v)                              # -0 -> +0: they tie, as in torch
+    bits = v.to(tl.int32, bitcast=True)
+    hi = tl.where(bits >= 0, bits, bits ^ 0x7FFFFFFF)           # signed order == float order
+    hi = tl.where(v != v, 0x7FFFFFFF, hi)                       # NaN above +inf
+    low = tl.full([1], 4294967295, tl.int64) - idx.to(tl.int64)
+    return (hi.to(tl.int64) << 32) | low
+
+
+@triton.jit
+def merge_argmax_keys(key_ptr, cur, v, rm, rn, mask, M):
+    """Merge the keys of a tile of fp32 values ``v`` ``[BM, BN]`` (rows ``rm``, columns ``rn``,
+    valid where ``mask``) into ``key_ptr[rm]`` with an int64 atomic max per row, skipped where
+    the tile's best does not beat ``cur`` ``[BM]`` (an earlier read of the keys: a lower bound,
+    since keys only grow, so almost every program skips its atomic once a large logit was
+    seen)."""
+    k = tl.where(mask, argmax_key(v, rn[None, :]), _EMPTY)
+    best = tl.max(k, axis=1)                                                             # [BM]
+    tl.atomic_max(key_ptr + rm, best, mask=(rm < M) & (best > cur), sem="relaxed")
+
+
+@triton.jit
+def _argmax_finalize_kernel(key_ptr, out_ptr, sel_ptr, stride_out, M, BLOCK_M: tl.constexpr,
+                            SELECT: tl.constexpr, USE_PDL: tl.constexpr, PDL_TRIGGER_FIRST: tl.constexpr):
+    """``out[m] = index of key[m]`` (``SELECT``: row ``sel[0]`` of ``out``), then ``key[m] =
+    ARGMAX_EMPTY``, for ``m < M``; one program."""
+    pdl_start(USE_PDL, PDL_TRIGGER_FIRST)
+    rm = tl.arange(0, BLOCK_M)
+    live = rm < M
+    if SELECT:    # step input, written before the forward pass: readable before the wait
+        out_ptr += tl.load(sel_ptr).to(tl.int64) * stride_out
+    pdl_wait(USE_PDL, PDL_TRIGGER_FIRST)
+    key = tl.load(key_ptr + rm, mask=live, other=_EMPTY, cache_modifier=".cg")
+    idx = tl.full([1], 4294967295, tl.int64) - (key & 4294967295)
+    idx = tl.where(key == _EMPTY, 0, idx)
+    tl.store(out_ptr + rm, idx, mask=live)
+    tl.store(key_ptr + rm, tl.full([BLOCK_M], _EMPTY, tl.int64), mask=live)
+
+
+def argmax_key_buffer(device: torch.device, n: int, owner: str = "gemv") -> torch.Tensor:
+    """An int64 key buffer of at least ``n`` entries holding :data:`ARGMAX_EMPTY`, one per
+    (``owner``, device) (cached: a CUDA graph captures its address); :func:`argmax_finalize`
+    leaves its rows empty again. Launches on concurrent streams must not share one."""
+    key = (owner, device.type, device.index)
+    buf = _KEY_BUFFERS.get(key)
+    if buf is None or buf.numel() < n:
+        buf = torch.full((max(n, 16),), ARGMAX_EMPTY, dtype=torch.int64, device=device)
+        _KEY_BUFFERS[key] = buf
+    return buf
+
+
+def argmax_finalize(keys: torch.Tensor, out: torch.Tensor, *, out_row: torch.Tensor | None = None,
+                    pdl: bool = False, pdl_trigger_first: bool = False) -> torch.Tensor:
+    """Decode ``M`` packed argmax keys (merged by a producer such as
+    :func:`~llmserve.triton_kernels.gemv.gemv` with ``argmax_keys``) into int64 indices and
+    reset them to :data:`ARGMAX_EMPTY`, in one single-program launch.
+
+    Args:
+        keys: int64 ``[M]`` on a CUDA device (or CPU in the interpreter), contiguous.
+        out: int64 ``[M]``, or ``[R, M]`` with contiguous rows when ``out_row`` is given.
+        out_row: optional int64 ``[1]``: the row of ``out`` to write, read on the device (see
+            :func:`argmax_rows`; read before the PDL wait).
+        pdl, pdl_trigger_first: programmatic dependent launch (see
+            :func:`~llmserve.triton_kernels.gemv.gemv`): the keys are read after the wait.
+
+    Returns:
+        ``out``: the first index of each row's maximum, as ``torch.argmax`` of the values the
+        producer merged (0 for a row no producer touched).
+
+    Raises:
+        ValueError: dtypes, shapes, devices or strides that do not fit.
+    """
+    if keys.dim() != 1 or keys.dtype != torch.int64 or (keys.numel() > 1 and keys.stride(0) != 1):
+        raise ValueError(f"keys must be a contiguous int64 [M], got {keys.dtype} {tuple(keys.shape)}")
+    m = keys.shape[0]
+    if out_row is not None:
+        if out.dim() != 2 or out.shape[1] != m or out.dtype != torch.int64 or out.device != keys.device \
+                or (m > 1 and out.stride(1) != 1):
+            raise ValueError(f"with out_row, out must be int64 [R, {m}] on {keys.device} with contiguous rows")
+        if out_row.shape != (1,) or out_row.dtype != torch.int64 or out_row.device != keys.device:
+            raise ValueError(f"out_row must be int64 [1] on {keys.device}, got {out_row.dtype} "
+                             f"{tuple(out_row.shape)} on {out_row.device}")
+    elif out.shape != (m,) or out.dtype != torch.int64 or out.device != keys.device or (m > 1 and out.stride(0) != 1):
+        raise ValueError(f"out must be a contiguous int64 [{m}] on {keys.device}, got {out.dtype} "
+                         f"{tuple(out.shape)} on {out.device}")
+    if m == 0:
+        return out
+    _argmax_finalize_kernel[(1,)](keys, out, out_row if out_row is not None else out,
+                                  out.stride(0) if out_row is not None else 0, m,
+                                  BLOCK_M=triton.next_power_of_2(m), SELECT=out_row is not None,
+                                  num_warps=1, **pdl_launch_kwargs(pdl, pdl_trigger_first))
+    return out
 
 
 @triton.jit
