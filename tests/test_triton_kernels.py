@@ -785,7 +785,9 @@ def test_gemv_launch_arguments_red_and_early(monkeypatch):
     monkeypatch.delenv("LLMSERVE_GEMV_RED", raising=False)
     x, w = torch.randn(1, 40, device=DEVICE), torch.randn(24, 40, device=DEVICE)
     gm.gemv(x, w, config=GemvConfig(2, 32, 1, 1, 0, 8), early_epilogue=2)
-    gm.gemv(x, w, config=GemvConfig(2, 32, 1, 1, 1, 4), early_epilogue=2)      # persistent: 12 > 2 programs
+    sms = gm.num_sms(x.device, cpu_default=2)
+    wp = torch.randn(2 * (sms + 4), 40, device=DEVICE)                          # sms + 4 row blocks
+    gm.gemv(x, wp, config=GemvConfig(2, 32, 1, 1, 1, 4), early_epilogue=2)     # persistent: > 1 a SM
     gm.gemv(x, w, config=GemvConfig(2, 32, 1, 1), early_epilogue=True)
     monkeypatch.setenv("LLMSERVE_GEMV_RED", "64")
     gm.gemv(x, w, config=GemvConfig(2, 32, 1, 1), early_epilogue=False)
