@@ -46,14 +46,13 @@ def argmax_key(v, idx):
 @triton.jit
 def merge_argmax_keys(key_ptr, cur, v, rm, rn, mask, M):
     """Merge the keys of a tile of fp32 values ``v`` ``[BM, BN]`` (rows ``rm``, columns ``rn``,
-    valid where ``mask``) into ``key_ptr[rm]`` with int64 atomic max operations, issued only
-    for the elements that beat ``cur`` ``[BM]`` (an earlier read of the keys: a lower bound,
-    since keys only grow, so almost every program issues none once a large logit was seen).
-    Element-wise, not a max over the tile first: that reduction crosses warps (shared memory
-    and a barrier in every program), in every program of the LM head."""
-    k = argmax_key(v, rn[None, :])                                                       # [BM, BN]
-    live = mask & (rm < M)[:, None] & (k > cur[:, None])
-    tl.atomic_max(key_ptr + rm[:, None] + (rn * 0)[None, :], k, mask=live, sem="relaxed")
+    valid where ``mask``) into ``key_ptr[rm]`` with an int64 atomic max per row, skipped where
+    the tile's best does not beat ``cur`` ``[BM]`` (an earlier read of the keys: a lower bound,
+    since keys only grow, so almost every program skips its atomic once a large logit was
+    seen)."""
+    k = tl.where(mask, argmax_key(v, rn[None, :]), _EMPTY)
+    best = tl.max(k, axis=1)                                                             # [BM]
+    tl.atomic_max(key_ptr + rm, best, mask=(rm < M) & (best > cur), sem="relaxed")
 
 
 @triton.jit
