@@ -146,44 +146,6 @@ def test_gemv_path_embedding_gather(monkeypatch, seqs):
         torch.testing.assert_close(v3, v2, **tol)
 
 
-def test_gemv_path_pending_ids_and_fused_argmax(monkeypatch):
-    """With ``id_source`` set (the decode graphs set it while they capture), an input id
-    ``-1 - j`` is ``id_source[j]``: the same hidden states and cache writes as the resolved ids
-    (bit for bit in the interpreter); ``logits_and_greedy`` returns ``compute_logits``'s logits
-    and writes their argmax to the selected row, fused into the LM head by default and through
-    the separate argmax kernel with ``LLMSERVE_FUSED_ARGMAX=0``; which forwards resolve pending
-    ids."""
-    model = small_model(6, 2)
-    ids, pos, caches, meta = batch(model, [(9, 1), (4, 1), (17, 1)])
-    caches2 = clone_caches(caches)
-    fast = FastQwen2Forward(model, use_gemv=True, gemv_max_tokens=4)
-    assert fast.fused_argmax and fast.id_source is None
-    assert fast.resolves_pending_ids(1) and fast.resolves_pending_ids(4) and not fast.resolves_pending_ids(5)
-    out = fast(ids, pos, caches, meta)
-    fast.id_source = torch.tensor([7, ids[2].item(), 3, ids[0].item()], device=DEVICE)
-    out2 = fast(torch.tensor([-4, ids[1].item(), -2], device=DEVICE), pos, caches2, meta)
-    fast.id_source = None
-    tol = dict(atol=0, rtol=0) if DEVICE == "cpu" else dict(atol=1e-5, rtol=1e-5)
-    torch.testing.assert_close(out2, out, **tol)
-    for (k1, v1), (k2, v2) in zip(caches, caches2):
-        torch.testing.assert_close(k2, k1, **tol)
-        torch.testing.assert_close(v2, v1, **tol)
-    logits = fast.compute_logits(out)
-    for env in ("1", "0"):
-        monkeypatch.setenv("LLMSERVE_FUSED_ARGMAX", env)
-        f = FastQwen2Forward(model, use_gemv=True, gemv_max_tokens=4)
-        assert f.fused_argmax == (env == "1")
-        tok = torch.full((2, 3), -1, dtype=torch.int64, device=DEVICE)
-        got = f.logits_and_greedy(out, tok, out_row=torch.tensor([1], device=DEVICE))
-        torch.testing.assert_close(got, logits, **tol)
-        assert tok[1].tolist() == logits.argmax(-1).tolist() and tok[0].tolist() == [-1] * 3
-    monkeypatch.delenv("LLMSERVE_FUSED_ARGMAX")
-    off = FastQwen2Forward(model, use_gemv=False)
-    assert not off.fused_argmax and not off.resolves_pending_ids(1)
-    monkeypatch.setenv("LLMSERVE_DECODE_EMBED_GATHER", "0")
-    assert not FastQwen2Forward(model, use_gemv=True).resolves_pending_ids(1)
-
-
 def test_add_rmsnorm_and_silu_match_reference():
     torch.manual_seed(1)
     x = torch.randn(7, 33, device=DEVICE)
@@ -289,60 +251,9 @@ def test_d2h_side_stream_same_outputs(monkeypatch):
         assert len(a) == 30 and [r["top"] for r in a] == [r["top"] for r in b]
 
 
-@pytest.mark.gpu
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
-@pytest.mark.parametrize("gemv_max", ["1", "4"])
-def test_pending_ids_and_fused_argmax_same_tokens(monkeypatch, gemv_max):
-    """The decode graphs' pending input ids (read in the first layer's gather instead of a copy
-    kernel) and the argmax merged into the LM head give the same greedy tokens as the copy
-    kernel and the separate argmax, and as the sampler's torch.argmax, with asynchronous
-    scheduling, requests of several lengths finishing at different steps (rows move) and
-    batch buckets 1..4 on the matrix-vector path (``LLMSERVE_DECODE_GEMV_MAX=4``); with
-    pending ids on, copy kernels remain only after eager (prefill) steps."""
-    from llmserve.config import CacheConfig, EngineConfig, SchedulerConfig
-    from llmserve.engine import LLMEngine
-    from llmserve.sampling_params import SamplingParams
-
-    monkeypatch.setenv("LLMSERVE_DECODE_GEMV_MAX", gemv_max)
-
-    def run(fused: str, pending: str, graph_argmax: str = "1"):
-        monkeypatch.setenv("LLMSERVE_FUSED_ARGMAX", fused)
-        monkeypatch.setenv("LLMSERVE_GRAPH_PENDING_IDS", pending)
-        monkeypatch.setenv("LLMSERVE_GRAPH_ARGMAX", graph_argmax)
-        cfg = EngineConfig(model="tiny", device="cuda", dtype="bfloat16", attention_backend="triton",
-                           use_cuda_graph=True, cache=CacheConfig(num_blocks=512),
-                           scheduler=SchedulerConfig(max_num_seqs=8, max_model_len=512))
-        eng = LLMEngine(cfg)
-        assert eng.async_scheduling
-        copies = []
-        orig = eng.runner._fill_pending
-        monkeypatch.setattr(eng.runner, "_fill_pending", lambda *a: (copies.append(1), orig(*a))[1])
-        toks = [o.output_token_ids for o in eng.generate(
-            [[10 + i] * (3 + 40 * i) for i in range(4)],
-            [SamplingParams(max_tokens=20 + 9 * i, ignore_eos=True) for i in range(4)])]
-        toks += [eng.generate([[7] * 5], SamplingParams(max_tokens=60, ignore_eos=True))[0].output_token_ids]
-        graphs = eng.runner.cuda_graphs
-        return toks, len(copies), graphs.pending_buckets, eng.runner.num_graph_steps
-
-    ref, ref_copies, none, _ = run("0", "0", graph_argmax="0")
-    assert none == set()
-    buckets = {"1": {1}, "4": {1, 2, 4}}[gemv_max]
-    for fused, pending in (("1", "1"), ("0", "1"), ("1", "0")):
-        toks, copies, pb, graph_steps = run(fused, pending)
-        assert toks == ref, (fused, pending)
-        assert pb == (buckets if pending == "1" else set())
-        if pending == "1":
-            # the 60-token request alone decodes at batch 1: no copy after its first graph step
-            assert graph_steps > 60 and copies <= ref_copies - 55, (copies, ref_copies)
-            if gemv_max == "4":                  # every bucket: copies only after eager steps
-                assert copies <= 4, copies
-        else:
-            assert copies == ref_copies
-
-
 def test_engine_switches_reject_bad_values(monkeypatch):
-    """``LLMSERVE_PDL_TRIGGER_FIRST``, ``LLMSERVE_GRAPH_ARGMAX``, ``LLMSERVE_D2H_SIDE_STREAM``,
-    ``LLMSERVE_FUSED_ARGMAX`` and ``LLMSERVE_GRAPH_PENDING_IDS`` take 0, 1 or nothing; any other value is an error when the forward / engine is built (on
+    """``LLMSERVE_PDL_TRIGGER_FIRST``, ``LLMSERVE_GRAPH_ARGMAX`` and ``LLMSERVE_D2H_SIDE_STREAM``
+    take 0, 1 or nothing; any other value is an error when the forward / engine is built (on
     any device)."""
     from llmserve.config import EngineConfig
     from llmserve.engine import LLMEngine
@@ -364,14 +275,6 @@ def test_engine_switches_reject_bad_values(monkeypatch):
         LLMEngine(EngineConfig())
     monkeypatch.setenv("LLMSERVE_D2H_SIDE_STREAM", "0")
     assert LLMEngine(EngineConfig()).sampler.copy_stream is None     # CPU: never a side stream
-    monkeypatch.setenv("LLMSERVE_FUSED_ARGMAX", "yes")
-    with pytest.raises(ValueError, match="LLMSERVE_FUSED_ARGMAX"):
-        FastQwen2Forward(small_model(6, 2), use_gemv=True)
-    monkeypatch.delenv("LLMSERVE_FUSED_ARGMAX")
-    from llmserve.cuda_graph import CUDAGraphDecodeRunner
-    monkeypatch.setenv("LLMSERVE_GRAPH_PENDING_IDS", "yes")         # read when the graphs are built
-    with pytest.raises(ValueError, match="LLMSERVE_GRAPH_PENDING_IDS"):
-        CUDAGraphDecodeRunner(lambda *a: None, lambda h: h, [], 4, 2, 16, torch.device("cpu"))
 
 
 @pytest.mark.parametrize("env,expected", [("", True), ("0", False), ("1", True)])

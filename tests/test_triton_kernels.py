@@ -721,54 +721,6 @@ def test_gemv_gathered_rows(int8):
         torch.testing.assert_close(a, b, **tol)
 
 
-def test_gemv_row_source_resolves_negative_ids():
-    """``row_source``: an id ``-1 - j`` in ``x_rows`` / ``residual_rows`` reads row
-    ``row_source[j]`` (the previous step's greedy token, on the device), mixed with plain ids,
-    int32 and int64 ids, one and several row blocks a program, in the QKV+RoPE kernel too;
-    bit for bit equal to passing the resolved ids (same compiled arithmetic). Bad arguments
-    are errors."""
-    torch.manual_seed(5)
-    table = torch.randn(50, 40, device=DEVICE)
-    w = torch.randn(24, 40, device=DEVICE)
-    res = torch.randn(50, 24, device=DEVICE)
-    g = torch.rand(40, device=DEVICE) + 0.5
-    src = torch.tensor([5, 17, 33, 2, 9, 41], device=DEVICE)
-    for ids, real in (([-4], [2]), ([-4, 7, -1, -6], [2, 7, 5, 41])):
-        for dtype in (torch.int64, torch.int32):
-            ids_t = torch.tensor(ids, device=DEVICE, dtype=dtype)
-            real_t = torch.tensor(real, device=DEVICE, dtype=dtype)
-            for cfg, early in ((GemvConfig(8, 16, 1, 1), True), (GemvConfig(4, 8, 1, 1, programs_per_sm=1), False)):
-                kw = dict(residual=res, prologue="rmsnorm", norm_weight=g, config=cfg, early_epilogue=early)
-                got = gemv(table, w, x_rows=ids_t, residual_rows=ids_t, row_source=src, **kw)
-                assert torch.equal(got, gemv(table, w, x_rows=real_t, residual_rows=real_t, **kw))
-                x = table[real_t.long()]
-                got = gemv(x, w, residual=res, residual_rows=ids_t, row_source=src, config=cfg)
-                assert torch.equal(got, gemv(x, w, residual=res, residual_rows=real_t, config=cfg))
-    hq, hkv, d = 2, 1, 8
-    wq = torch.randn((hq + 2 * hkv) * d, 40, device=DEVICE)
-    kc = torch.zeros(3, 4, hkv, d, device=DEVICE)
-    cos, sin = torch.rand(8, d // 2, device=DEVICE), torch.rand(8, d // 2, device=DEVICE)
-    kw = dict(bias=None, norm_weight=g, eps=1e-6, positions=torch.tensor([1, 5], device=DEVICE),
-              slot_mapping=torch.tensor([0, 6], device=DEVICE), cos=cos, sin=sin, num_heads=hq,
-              num_kv_heads=hkv, config=GemvConfig(4, 16, 1, 1))
-    k1, v1, k2, v2 = kc.clone(), kc.clone(), kc.clone(), kc.clone()
-    q1 = gemv_qkv_rope(table, wq, k_cache=k1, v_cache=v1, x_rows=torch.tensor([33, 4], device=DEVICE), **kw)
-    q2 = gemv_qkv_rope(table, wq, k_cache=k2, v_cache=v2, x_rows=torch.tensor([-3, 4], device=DEVICE),
-                       row_source=src, **kw)
-    for a, b in ((q1, q2), (k1, k2), (v1, v2)):
-        assert torch.equal(a, b)
-    ids = torch.tensor([-1], device=DEVICE)
-    with pytest.raises(ValueError, match="row_source needs x_rows or residual_rows"):
-        gemv(table[:1], w, row_source=src)
-    with pytest.raises(ValueError, match="row_source must be a non-empty contiguous 1-D int64"):
-        gemv(table, w, x_rows=ids, row_source=src.int())
-    with pytest.raises(ValueError, match="row_source must be"):
-        gemv(table, w, x_rows=ids, row_source=src[::2])
-    with pytest.raises(ValueError, match="row_source must be"):
-        gemv_qkv_rope(table, wq, k_cache=k1, v_cache=v1, x_rows=torch.tensor([1, 2], device=DEVICE),
-                      row_source=src[:0], **kw)
-
-
 def test_gemv_launch_arguments_red_and_early(monkeypatch):
     """``red`` and ``early_epilogue`` reach the kernel as launched (both change only the order
     of a sum or of loads, so comparisons of results cannot see them): the table's ``red``, the

@@ -29,7 +29,6 @@ import numpy as np
 import torch
 
 from .attention.metadata import AttentionMetadata
-from .config import env_switch
 
 
 SHORT_CONTEXT = 512     # tokens: 8 tiles of 64 (head_dim <= 128), or 2 of 256 for <= 4 (sequence,
@@ -84,31 +83,14 @@ class CUDAGraphDecodeRunner:
             :meth:`~llmserve.models.fast_forward.FastQwen2Forward.greedy`), captured after the
             logits so the step's greedy tokens come out of the graph (:attr:`last_argmax`);
             replays alternate between the two rows.
-        logits_greedy: optional ``(hidden [N, H], out=[2, N] int64, out_row=[1] int64) ->
-            logits [N, V]``: the logits and their greedy tokens in one call (e.g.
-            :meth:`~llmserve.models.fast_forward.FastQwen2Forward.logits_and_greedy`, which
-            merges the argmax into the LM head), used instead of ``compute_logits`` + ``greedy``.
-        pending_ids: let the forward read a pending input id (the previous replay's greedy
-            token, still on the device) through the first layer's gather, encoded as a negative
-            id (:meth:`pending_id`), instead of a copy kernel before the replay; needs a
-            ``forward`` with ``resolves_pending_ids(n)`` and an ``id_source`` attribute
-            (:class:`~llmserve.models.fast_forward.FastQwen2Forward`) and greedy tokens in the
-            graph. Default on (``LLMSERVE_GRAPH_PENDING_IDS=0`` turns it off).
     """
 
     def __init__(self, forward, compute_logits, kv_caches, block_size: int, max_batch: int,
                  max_model_len: int, device: torch.device, short_context: int | None = None,
-                 greedy=None, logits_greedy=None, pending_ids: bool | None = None) -> None:
+                 greedy=None) -> None:
         self.forward = forward
         self.compute_logits = compute_logits
         self.greedy = greedy
-        self.logits_greedy = logits_greedy
-        if pending_ids is None:
-            pending_ids = env_switch("LLMSERVE_GRAPH_PENDING_IDS") is not False
-        self._pending_ids = (bool(pending_ids) and (greedy is not None or logits_greedy is not None)
-                             and hasattr(forward, "resolves_pending_ids") and hasattr(forward, "id_source"))
-        # Buckets whose graphs resolve negative input ids (filled at capture)
-        self.pending_buckets: set[int] = set()
         self.kv_caches = kv_caches
         self.block_size = block_size
         self.max_model_len = max_model_len
@@ -175,8 +157,6 @@ class CUDAGraphDecodeRunner:
 
     def _run(self, b: int, short: bool) -> torch.Tensor:
         hidden = self.forward(self.input_ids[:b], self.positions[:b], self.kv_caches, self._meta(b, short))
-        if self.logits_greedy is not None:                                    # into argmax_out[parity, :b]
-            return self.logits_greedy(hidden, out=self.argmax_out[:, :b], out_row=self.argmax_parity)
         logits = self.compute_logits(hidden)                                  # [b, V]
         if self.greedy is not None:                                           # into argmax_out[parity, :b]
             self.greedy(logits, out=self.argmax_out[:, :b], out_row=self.argmax_parity)
@@ -192,24 +172,6 @@ class CUDAGraphDecodeRunner:
         torch.cuda.synchronize(self.device)
         stream = torch.cuda.Stream(self.device)
         stream.wait_stream(torch.cuda.current_stream(self.device))
-        self._attach_id_source()
-        try:
-            self._capture_all(stream)
-        finally:
-            if self._pending_ids:
-                self.forward.id_source = None
-        torch.cuda.current_stream(self.device).wait_stream(stream)
-        torch.cuda.synchronize(self.device)
-
-    def _attach_id_source(self) -> None:
-        """With pending ids on: point the forward's ``id_source`` at the greedy-token buffer (the
-        graphs captured now resolve ``-1 - k`` to ``argmax_out.view(-1)[k]``) and record the
-        buckets whose forward resolves them. :meth:`capture` detaches it afterwards."""
-        if self._pending_ids:
-            self.forward.id_source = self.argmax_out.view(-1)
-            self.pending_buckets = {b for b in self.buckets if self.forward.resolves_pending_ids(b)}
-
-    def _capture_all(self, stream) -> None:
         with torch.cuda.stream(stream):
             for b in reversed(self.buckets):
                 variants = [False] + ([True] if self.short_context and b <= SHORT_MAX_BATCH else [])
@@ -223,6 +185,8 @@ class CUDAGraphDecodeRunner:
                     if self.pool is None:
                         self.pool = g.pool()
                     self.graphs[(b, short)] = g
+        torch.cuda.current_stream(self.device).wait_stream(stream)
+        torch.cuda.synchronize(self.device)
 
     def _fill_padding(self, start: int) -> None:
         o, h = self._offsets, self._hosts_np[self._turn]
@@ -253,9 +217,7 @@ class CUDAGraphDecodeRunner:
         which).
 
         Args:
-            token_ids, positions, slots, context_lens: ``[b]`` int64 arrays; a negative token
-                id is a pending one (:meth:`pending_id`), only for buckets in
-                :attr:`pending_buckets`.
+            token_ids, positions, slots, context_lens: ``[b]`` int64 arrays.
             block_tables: ``[b, w]`` int64 with ``w <= max_blocks``.
             fill: optional callable given the graph's ``input_ids`` buffer after the inputs are
                 copied in, to write ids that live on the device (asynchronous scheduling).
@@ -267,8 +229,6 @@ class CUDAGraphDecodeRunner:
         """
         b = len(token_ids)
         bucket = self.bucket_for(b)
-        if bucket not in self.pending_buckets and b and int(np.min(token_ids)) < 0:
-            raise ValueError(f"negative token ids for a batch of {b}, whose graph does not resolve pending ids")
         self._turn ^= 1
         o, h = self._offsets, self._hosts_np[self._turn]
         h[o[0]:o[0] + b] = token_ids
@@ -290,24 +250,5 @@ class CUDAGraphDecodeRunner:
         self.last_graph.replay()
         self._replays += 1
         self.num_short_replays += short
-        self.last_argmax = self.argmax_out[parity, :b] if self.has_greedy else None
+        self.last_argmax = self.argmax_out[parity, :b] if self.greedy is not None else None
         return self.outputs[(bucket, short)][:b]
-
-    @property
-    def has_greedy(self) -> bool:
-        """Whether the graphs compute the greedy tokens (:attr:`last_argmax`)."""
-        return self.greedy is not None or self.logits_greedy is not None
-
-    def pending_id(self, tokens: torch.Tensor, j: int, b: int) -> int | None:
-        """The negative input id that makes a replay of ``b`` rows read ``tokens[j]`` on the
-        device (``-1 - k`` for flat entry ``k`` of the greedy-token buffer), or ``None`` when it
-        cannot: ``tokens`` is not a view of that buffer (a step with sampled rows copies its
-        tokens), or the bucket's forward does not resolve pending ids (:attr:`pending_buckets`).
-        ``tokens``: the in-flight step's ids, e.g. an earlier :attr:`last_argmax`."""
-        bucket = self.bucket_for(b)
-        if bucket not in self.pending_buckets or tokens.dtype != torch.int64 or tokens.dim() != 1 \
-                or tokens.untyped_storage().data_ptr() != self.argmax_out.untyped_storage().data_ptr() \
-                or not 0 <= j < tokens.shape[0]:
-            return None
-        k = tokens.storage_offset() - self.argmax_out.storage_offset() + j * tokens.stride(0)
-        return -1 - k if 0 <= k < self.argmax_out.numel() else None

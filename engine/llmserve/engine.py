@@ -207,9 +207,8 @@ class LLMEngine(_EngineBase):
         """On CUDA: the fused forward (Triton norm/rope/silu kernels, packed QKV and gate-up
         GEMMs) and, with the Triton attention backend and ``use_cuda_graph``, decode graphs.
         On CPU: the readable path only."""
-        # Greedy tokens computed inside the decode graphs (merged into the LM head's programs on
-        # the matrix-vector path, else one Triton argmax launch after the LM head);
-        # LLMSERVE_GRAPH_ARGMAX=0 leaves the argmax to the sampler (torch.argmax).
+        # Greedy tokens computed inside the decode graphs (one Triton argmax launch after the
+        # LM head); LLMSERVE_GRAPH_ARGMAX=0 leaves the argmax to the sampler (torch.argmax).
         graph_argmax = env_switch("LLMSERVE_GRAPH_ARGMAX") is not False
         if self.device.type != "cuda":
             return None, None
@@ -222,9 +221,7 @@ class LLMEngine(_EngineBase):
             graphs = CUDAGraphDecodeRunner(fast, fast.compute_logits, self.kv_cache.kv_caches,
                                            self.block_size, config.scheduler.max_num_seqs,
                                            self.max_model_len, self.device,
-                                           greedy=fast.greedy if graph_argmax else None,
-                                           logits_greedy=(fast.logits_and_greedy
-                                                          if graph_argmax and fast.fused_argmax else None))
+                                           greedy=fast.greedy if graph_argmax else None)
             graphs.capture()
         return fast, graphs
 

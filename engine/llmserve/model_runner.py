@@ -165,12 +165,9 @@ class ModelRunner:
             if item.num_new_tokens != 1 or c + 1 != seq.num_tokens:
                 return None
             if seq.num_pending:
-                src = self._pending_source(seq, pending)
-                ref = g.pending_id(pending[0], src, b)       # read in the graph's first layer
-                ids[i] = ref if ref is not None else 0
-                if ref is None:                             # else a copy kernel before the replay
-                    fill_rows.append(i)
-                    fill_src.append(src)
+                ids[i] = 0
+                fill_rows.append(i)
+                fill_src.append(self._pending_source(seq, pending))
             else:
                 ids[i] = seq.output_token_ids[-1] if seq.output_token_ids else seq.prompt_token_ids[-1]
             pos[i] = c

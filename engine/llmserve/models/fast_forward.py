@@ -48,7 +48,7 @@ from ..attention.triton_backend import TritonPagedAttention
 from ..config import env_switch
 from ..quantization import TritonInt8Linear, pack_int8_planes
 from ..triton_kernels._launch import pdl_available
-from ..triton_kernels.argmax import argmax_finalize, argmax_key_buffer, argmax_rows
+from ..triton_kernels.argmax import argmax_rows
 from ..triton_kernels.fused import add_rmsnorm, rope_qkv_write_kv, silu_and_mul
 from ..triton_kernels.gemv import GEMV_MAX_M, gemv, gemv_qkv_rope
 from ..triton_kernels.int8_linear import int8_linear
@@ -237,16 +237,6 @@ class FastQwen2Forward:
         gather = env_switch("LLMSERVE_DECODE_EMBED_GATHER")
         self.embed_gather = (gather is not False and type(model.model.embed_tokens) is nn.Embedding
                              and model.model.embed_tokens.weight.stride(-1) == 1)
-        # Where the first layer's gather resolves negative input ids (-1 - j -> id_source[j]):
-        # set by the CUDA-graph runner while it captures, to its greedy-token buffer, so a
-        # decode step reads the previous step's greedy tokens without a copy kernel before it
-        # (resolves_pending_ids). None: ids are used as given.
-        self.id_source: torch.Tensor | None = None
-        # The greedy argmax merged into the LM head's programs (gemv's argmax_keys) plus one
-        # single-program decode launch, instead of a separate argmax kernel over the logits
-        # (logits_and_greedy); LLMSERVE_FUSED_ARGMAX=0 keeps the separate kernel (A/B runs).
-        fused = env_switch("LLMSERVE_FUSED_ARGMAX")
-        self.fused_argmax = fused is not False and self.use_gemv and self._plain_head
 
     def __call__(self, input_ids: torch.Tensor, positions: torch.Tensor,
                  kv_caches: list[tuple[torch.Tensor, torch.Tensor]], meta: AttentionMetadata) -> torch.Tensor:
@@ -302,33 +292,6 @@ class FastQwen2Forward:
         the device); the return value is then ``out``. Raises ``ValueError`` as ``argmax_rows``."""
         return argmax_rows(logits, out, pdl=self.pdl, pdl_trigger_first=self.pdl_trigger_first, out_row=out_row)
 
-    def logits_and_greedy(self, hidden: torch.Tensor, out: torch.Tensor,
-                          out_row: torch.Tensor | None = None) -> torch.Tensor:
-        """:meth:`compute_logits` and :meth:`greedy` in one: ``hidden [M, H] -> logits [M, V]``
-        float32, with ``torch.argmax(logits, -1)`` written to ``out`` (``[M]`` int64, or with
-        ``out_row`` row ``out_row[0]`` of ``out [R, M]``, as :meth:`greedy`). On the
-        matrix-vector path with :attr:`fused_argmax` the LM head's programs merge packed
-        (logit, index) keys with int64 atomic max operations and one single-program launch
-        decodes them (:func:`~llmserve.triton_kernels.argmax.argmax_finalize`), so no kernel
-        re-reads the ``[M, V]`` logits. Raises ``ValueError`` as :meth:`greedy`."""
-        m = hidden.shape[0]
-        if not (self.fused_argmax and 0 < m <= self.gemv_max_tokens):
-            logits = self.compute_logits(hidden)
-            self.greedy(logits, out=out, out_row=out_row)
-            return logits
-        w = self.model.lm_head.weight                                       # [V, H]
-        logits = torch.empty((m, w.shape[0]), dtype=torch.float32, device=hidden.device)
-        keys = argmax_key_buffer(hidden.device, m)[:m]                      # ARGMAX_EMPTY
-        gemv(hidden, w, out=logits, pdl=self.pdl, pdl_trigger_first=self.pdl_trigger_first, argmax_keys=keys)
-        argmax_finalize(keys, out, out_row=out_row, pdl=self.pdl, pdl_trigger_first=self.pdl_trigger_first)
-        return logits
-
-    def resolves_pending_ids(self, n: int) -> bool:
-        """Whether a forward of ``n`` tokens reads its input ids only through the first layer's
-        gather (the matrix-vector path with :attr:`embed_gather`), where a negative id
-        ``-1 - j`` means ``id_source[j]`` while :attr:`id_source` is set."""
-        return self.use_gemv and self.embed_gather and 0 < n <= self.gemv_max_tokens
-
     def _forward_gemv(self, input_ids: torch.Tensor, positions: torch.Tensor,
                       kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
                       meta: AttentionMetadata) -> torch.Tensor:
@@ -362,8 +325,7 @@ class FastQwen2Forward:
                               cos=cos, sin=sin, k_cache=k_cache, v_cache=v_cache,
                               num_heads=self.num_heads, num_kv_heads=self.num_kv_heads,
                               pdl=pdl, early_epilogue=self.qkv_early, pdl_trigger_first=first,
-                              x_rows=input_ids if gather else None,
-                              row_source=self.id_source if gather else None)  # [N, Hq, D]
+                              x_rows=input_ids if gather else None)         # [N, Hq, D]
             if direct_decode:
                 o = paged_attention_decode(q, k_cache, v_cache, meta, self.scale, pdl=pdl,
                                            pdl_trigger_first=first)
@@ -373,8 +335,7 @@ class FastQwen2Forward:
             gemv(o.reshape(n, self.num_heads * self.head_dim), w_o, scale=s_o, bias=b_o,
                  residual=emb if gather else r, out=r, pdl=pdl, early_epilogue=early,
                  pdl_trigger_first=first,
-                 residual_rows=input_ids if gather else None,
-                 row_source=self.id_source if gather else None)             # r += o @ Wo.T
+                 residual_rows=input_ids if gather else None)               # r += o @ Wo.T
             w_gu, _, s_gu = entry["gate_up"]
             act = gemv(r, w_gu, scale=s_gu, prologue="rmsnorm", glu=True,
                        norm_weight=layer.post_attention_layernorm.weight, eps=self.eps,

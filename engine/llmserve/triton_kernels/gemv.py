@@ -55,7 +55,6 @@ import triton.language as tl
 
 from ..quantization import unpack_int8_planes
 from ._launch import num_sms, pdl_launch_kwargs, pdl_start, pdl_wait
-from .argmax import merge_argmax_keys
 
 __all__ = ["GemvConfig", "choose_gemv_config", "gemv", "gemv_qkv_rope", "gemv_reference", "GEMV_MAX_M",
            "weight_kind"]
@@ -207,21 +206,16 @@ def _gemv_block(blk, w, wb, rm, rm_ld, rk, x_ptr, w_ptr, y_ptr, scale_ptr, bias_
                 EVEN_K: tl.constexpr, STAGES: tl.constexpr, EARLY_EPI: tl.constexpr,
                 PLANES: tl.constexpr, X_GATHER: tl.constexpr, RES_GATHER: tl.constexpr,
                 RED: tl.constexpr = 1, pre_sc_a=None, pre_sc_b=None, pre_bias_a=None, pre_bias_b=None,
-                pre_pos=None, pre_slot=None, pre_c=None, pre_s=None, src_ptr=None, key_ptr=None,
-                key_cur=None, ID_SOURCE: tl.constexpr = False, ARGMAX: tl.constexpr = False):
+                pre_pos=None, pre_slot=None, pre_c=None, pre_s=None):
     """Row block ``blk``: accumulate over K (``w``/``wb``: its first weight tiles, already
     loaded), then the epilogue and the stores. ``X_GATHER`` / ``RES_GATHER``: row ``m`` of x /
-    of the residual is row ``ids[m]`` of that table (an embedding lookup); with ``ID_SOURCE`` a
-    negative id ``-1 - j`` means ``src[j]``. ``ARGMAX``: the stored values' packed argmax keys
-    are merged into ``key_ptr`` (``key_cur``: their value when the program started). ``EARLY_EPI == 2``:
+    of the residual is row ``ids[m]`` of that table (an embedding lookup). ``EARLY_EPI == 2``:
     the ``pre_*`` operands (scales, bias, RoPE positions / slots / cos / sin rows) were loaded
     by the caller before its PDL wait; only the residual is loaded here, before the K loop."""
     TWO_ROWS: tl.constexpr = GLU or ROPE
     rn, rn_ld, row_a, row_b, head, j = _gemv_rows(blk, N, BLOCK_N, ROPE, HALF)
     if X_GATHER or RES_GATHER:
         ids = tl.load(ids_ptr + rm_ld).to(tl.int64)                                      # [BM]
-        if ID_SOURCE:   # -1 - j: the id is src[j] (a token a kernel wrote, e.g. the last greedy row)
-            ids = tl.where(ids < 0, tl.load(src_ptr + (-1 - ids), mask=ids < 0, other=0), ids)
     x_row = rm_ld.to(tl.int64)
     if X_GATHER:
         x_row = ids
@@ -320,10 +314,8 @@ def _gemv_block(blk, w, wb, rm, rm_ld, rk, x_ptr, w_ptr, y_ptr, scale_ptr, bias_
         if HAS_RES:
             # the unfused path rounds the projection to the model dtype before the residual add
             out = res.to(tl.float32) + out.to(y_ptr.dtype.element_ty).to(tl.float32)
-        val = out.to(y_ptr.dtype.element_ty)
-        tl.store(y_ptr + rm[:, None].to(tl.int64) * stride_ym + rn[None, :], val, mask=mask)
-        if ARGMAX:      # of the stored values, so it is torch.argmax of the returned rows
-            merge_argmax_keys(key_ptr, key_cur, val.to(tl.float32), rm, rn, mask, M)
+        tl.store(y_ptr + rm[:, None].to(tl.int64) * stride_ym + rn[None, :],
+                 out.to(y_ptr.dtype.element_ty), mask=mask)
 
 
 @triton.jit
@@ -338,8 +330,7 @@ def _gemv_kernel(x_ptr, w_ptr, y_ptr, scale_ptr, bias_ptr, res_ptr, g_ptr,
                  USE_PDL: tl.constexpr, EARLY_EPI: tl.constexpr = False,
                  PDL_TRIGGER_FIRST: tl.constexpr = False, PLANES: tl.constexpr = False,
                  X_GATHER: tl.constexpr = False, RES_GATHER: tl.constexpr = False,
-                 RED: tl.constexpr = 1, src_ptr=None, key_ptr=None, ID_SOURCE: tl.constexpr = False,
-                 ARGMAX: tl.constexpr = False):
+                 RED: tl.constexpr = 1):
     """A program computes ``BLOCK_N`` outputs (a row block) for all ``M <= BLOCK_M`` rows of x:
     row block ``pid``, or with ``PERSISTENT`` (a grid smaller than the block count) blocks
     ``pid, pid + grid, ...``, which avoids a last partial wave; the first tile of its next
@@ -352,9 +343,7 @@ def _gemv_kernel(x_ptr, w_ptr, y_ptr, scale_ptr, bias_ptr, res_ptr, g_ptr,
     arrives in the weight tile's register layout and no layout conversion is needed.
 
     ``X_GATHER`` / ``RES_GATHER``: x / the residual are tables whose rows ``ids[m]`` are read
-    (the token embedding: the lookup needs no kernel of its own); ``ID_SOURCE``: a negative id
-    ``-1 - j`` is ``src[j]``. ``ARGMAX``: each program merges the packed argmax keys of its
-    outputs into ``key[m]`` (:mod:`~llmserve.triton_kernels.argmax`).
+    (the token embedding: the lookup needs no kernel of its own).
 
     With ``USE_PDL`` the first weight tile is loaded before the wait (:func:`pdl_wait`):
     weights never depend on the previous kernel, so their first bytes stream while that kernel
@@ -398,10 +387,6 @@ def _gemv_kernel(x_ptr, w_ptr, y_ptr, scale_ptr, bias_ptr, res_ptr, g_ptr,
         p_pos = tl.zeros([1], tl.int64)
         p_slot = p_pos
     pdl_wait(USE_PDL, PDL_TRIGGER_FIRST)  # everything below may read what earlier kernels wrote
-    if ARGMAX:      # a lower bound of the keys (they only grow): in flight during the K loop
-        key_cur = tl.load(key_ptr + rm_ld, cache_modifier=".cg")
-    else:
-        key_cur = tl.zeros([1], tl.int64)
     if PERSISTENT:
         nprog = tl.num_programs(0)
         num_blocks = tl.cdiv(N, BLOCK_N)
@@ -419,14 +404,12 @@ def _gemv_kernel(x_ptr, w_ptr, y_ptr, scale_ptr, bias_ptr, res_ptr, g_ptr,
                 wb = w
             _gemv_block(blk, w_cur, wb_cur, rm, rm_ld, rk, x_ptr, w_ptr, y_ptr, scale_ptr, bias_ptr, res_ptr, g_ptr, kc_ptr, vc_ptr, cos_ptr, sin_ptr, pos_ptr, slot_ptr, num_slots, ids_ptr, M, N, K, stride_xm, stride_wn, stride_ym, stride_rm, eps,
                         W_INT8, HAS_BIAS, HAS_RES, PROLOGUE, GLU, ROPE, HQ, HKV, HALF, BLOCK_M, BLOCK_N,
-                        BLOCK_K, EVEN_K, STAGES, EARLY_EPI, PLANES, X_GATHER, RES_GATHER, RED,
-                        src_ptr=src_ptr, key_ptr=key_ptr, key_cur=key_cur, ID_SOURCE=ID_SOURCE, ARGMAX=ARGMAX)
+                        BLOCK_K, EVEN_K, STAGES, EARLY_EPI, PLANES, X_GATHER, RES_GATHER, RED)
     else:
         _gemv_block(pid, w, wb, rm, rm_ld, rk, x_ptr, w_ptr, y_ptr, scale_ptr, bias_ptr, res_ptr, g_ptr, kc_ptr, vc_ptr, cos_ptr, sin_ptr, pos_ptr, slot_ptr, num_slots, ids_ptr, M, N, K, stride_xm, stride_wn, stride_ym, stride_rm, eps,
                     W_INT8, HAS_BIAS, HAS_RES, PROLOGUE, GLU, ROPE, HQ, HKV, HALF, BLOCK_M, BLOCK_N,
                     BLOCK_K, EVEN_K, STAGES, EARLY_EPI, PLANES, X_GATHER, RES_GATHER, RED,
-                    p_sc_a, p_sc_b, p_bias_a, p_bias_b, p_pos, p_slot, p_c, p_s,
-                    src_ptr, key_ptr, key_cur, ID_SOURCE, ARGMAX)
+                    p_sc_a, p_sc_b, p_bias_a, p_bias_b, p_pos, p_slot, p_c, p_s)
 
 
 @dataclass(frozen=True, slots=True)
@@ -658,12 +641,10 @@ def _check_gemv_inputs(x, weight, scale, bias, residual, prologue, norm_weight, 
 
 def _launch(x, weight, out, cfg: GemvConfig, n: int, *, scale=None, bias=None, residual=None,
             norm_weight=None, prologue="none", eps=1e-6, glu=False, pdl=False, rope=None,
-            early_epilogue=False, pdl_trigger_first=False, x_rows=None, residual_rows=None,
-            row_source=None, argmax_keys=None) -> None:
+            early_epilogue=False, pdl_trigger_first=False, x_rows=None, residual_rows=None) -> None:
     """Launch :func:`_gemv_kernel` over ``n`` outputs (validated arguments). ``rope``: ``(k_cache,
     v_cache, cos, sin, positions, slot_mapping, num_heads, num_kv_heads)`` for the QKV+RoPE
-    epilogue (then ``n`` counts rotation pairs); ``x_rows`` / ``residual_rows``: gathered rows
-    (``row_source``: what their negative entries name); ``argmax_keys``: merged argmax keys."""
+    epilogue (then ``n`` counts rotation pairs); ``x_rows`` / ``residual_rows``: gathered rows."""
     m, k = x.shape
     ids = x_rows if x_rows is not None else residual_rows
     if ids is not None:
@@ -694,24 +675,8 @@ def _launch(x, weight, out, cfg: GemvConfig, n: int, *, scale=None, bias=None, r
         BLOCK_M=triton.next_power_of_2(m), BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
         EVEN_K=k % cfg.block_k == 0, STAGES=cfg.stages, PERSISTENT=persistent,
         EARLY_EPI=_early_mode(early_epilogue, persistent), X_GATHER=x_rows is not None,
-        RES_GATHER=residual_rows is not None, RED=_red_override(cfg),
-        src_ptr=row_source if row_source is not None else dummy,
-        key_ptr=argmax_keys if argmax_keys is not None else dummy,
-        ID_SOURCE=row_source is not None, ARGMAX=argmax_keys is not None, num_warps=cfg.num_warps,
+        RES_GATHER=residual_rows is not None, RED=_red_override(cfg), num_warps=cfg.num_warps,
         **pdl_launch_kwargs(pdl, pdl_trigger_first))
-
-
-def _check_row_source(row_source, x_rows, residual_rows, device) -> None:
-    """``ValueError`` unless ``row_source`` is None or a contiguous 1-D int64 tensor on ``device``
-    given with ``x_rows`` or ``residual_rows``."""
-    if row_source is None:
-        return
-    if x_rows is None and residual_rows is None:
-        raise ValueError("row_source needs x_rows or residual_rows (it resolves their negative ids)")
-    if row_source.dim() != 1 or row_source.dtype != torch.int64 or row_source.numel() == 0 \
-            or row_source.device != device or (row_source.numel() > 1 and row_source.stride(0) != 1):
-        raise ValueError(f"row_source must be a non-empty contiguous 1-D int64 tensor on {device}, got "
-                         f"{row_source.dtype} {tuple(row_source.shape)} on {row_source.device}")
 
 
 def _check_early(early_epilogue) -> None:
@@ -748,8 +713,7 @@ def gemv_qkv_rope(x: torch.Tensor, weight: torch.Tensor, *, bias: torch.Tensor |
                   k_cache: torch.Tensor, v_cache: torch.Tensor, num_heads: int, num_kv_heads: int,
                   scale: torch.Tensor | None = None, config: GemvConfig | None = None,
                   pdl: bool = False, early_epilogue: bool | int = False,
-                  pdl_trigger_first: bool = False, x_rows: torch.Tensor | None = None,
-                  row_source: torch.Tensor | None = None) -> torch.Tensor:
+                  pdl_trigger_first: bool = False, x_rows: torch.Tensor | None = None) -> torch.Tensor:
     """RMSNorm -> packed QKV projection -> RoPE on Q and K -> K/V written to the paged cache, in
     one kernel; returns Q. The same function as ``gemv(x, weight, bias=bias,
     prologue="rmsnorm", ...)`` followed by :func:`~llmserve.triton_kernels.fused.rope_qkv_write_kv`
@@ -769,8 +733,8 @@ def gemv_qkv_rope(x: torch.Tensor, weight: torch.Tensor, *, bias: torch.Tensor |
         k_cache, v_cache: contiguous ``[num_blocks + 1, block_size, Hkv, D]``.
         num_heads, num_kv_heads: ``Hq``, ``Hkv``.
         pdl: programmatic dependent launch (see :func:`gemv`).
-        early_epilogue, pdl_trigger_first, x_rows, row_source: see :func:`gemv` (with
-            ``x_rows``, ``x`` is the embedding table and ``M = len(x_rows)``).
+        early_epilogue, pdl_trigger_first, x_rows: see :func:`gemv` (with ``x_rows``, ``x`` is
+            the embedding table and ``M = len(x_rows)``).
 
     Returns:
         ``q`` ``[M, Hq, D]`` in ``x.dtype``.
@@ -780,7 +744,6 @@ def gemv_qkv_rope(x: torch.Tensor, weight: torch.Tensor, *, bias: torch.Tensor |
     """
     m, rows, k = _check_gemv_inputs(x, weight, scale, bias, None, "rmsnorm", norm_weight, eps, False, None,
                                     x_rows, early_epilogue=early_epilogue)
-    _check_row_source(row_source, x_rows, None, x.device)
     if k_cache.dim() != 4 or not (k_cache.is_contiguous() and v_cache.is_contiguous()) \
             or v_cache.shape != k_cache.shape:
         raise ValueError("k_cache and v_cache must be contiguous [num_blocks + 1, block_size, Hkv, D] "
@@ -807,8 +770,7 @@ def gemv_qkv_rope(x: torch.Tensor, weight: torch.Tensor, *, bias: torch.Tensor |
     _launch(x, weight, q.view(m, num_heads * d), cfg, n_pairs, scale=scale, bias=bias,
             norm_weight=norm_weight, prologue="rmsnorm", eps=eps, pdl=pdl,
             rope=(k_cache, v_cache, cos, sin, positions, slot_mapping, num_heads, num_kv_heads),
-            early_epilogue=early_epilogue, pdl_trigger_first=pdl_trigger_first, x_rows=x_rows,
-            row_source=row_source)
+            early_epilogue=early_epilogue, pdl_trigger_first=pdl_trigger_first, x_rows=x_rows)
     return q
 
 
@@ -818,8 +780,7 @@ def gemv(x: torch.Tensor, weight: torch.Tensor, *, scale: torch.Tensor | None = 
          glu: bool = False, out: torch.Tensor | None = None,
          config: GemvConfig | None = None, pdl: bool = False,
          early_epilogue: bool | int = False, pdl_trigger_first: bool = False,
-         x_rows: torch.Tensor | None = None, residual_rows: torch.Tensor | None = None,
-         row_source: torch.Tensor | None = None, argmax_keys: torch.Tensor | None = None) -> torch.Tensor:
+         x_rows: torch.Tensor | None = None, residual_rows: torch.Tensor | None = None) -> torch.Tensor:
     """``y = residual + (prologue(x) @ (weight * scale[:, None]).T + bias)`` for ``M <= 4`` rows
     (with ``glu``: ``y = silu(p[:, :N]) * p[:, N:]`` of that projection ``p``).
 
@@ -863,15 +824,6 @@ def gemv(x: torch.Tensor, weight: torch.Tensor, *, scale: torch.Tensor | None = 
             needs no kernel of its own. Indices are not range-checked (device data).
         residual_rows: the same for ``residual`` (a table ``[R, N]``); with ``x_rows`` it
             must be the same tensor.
-        row_source: optional int64 ``[S]`` with ``x_rows`` / ``residual_rows``: an entry
-            ``-1 - j`` of those names row ``row_source[j]`` (not range-checked), so ids that a
-            kernel wrote (the previous decode step's greedy tokens) are read without a copy
-            kernel. Non-negative entries are rows as before.
-        argmax_keys: optional int64 ``[M]`` (e.g. :func:`~llmserve.triton_kernels.argmax.
-            argmax_key_buffer`), every entry at least ``ARGMAX_EMPTY``: the packed argmax key of
-            each returned row (``torch.argmax`` of ``y[m]``) is merged in with int64 atomic max
-            operations; decode and reset with :func:`~llmserve.triton_kernels.argmax.
-            argmax_finalize`. Only for plain projections (no ``glu``).
 
     Returns:
         ``[M, N]`` in ``out``'s dtype (default ``x.dtype``); fp32 accumulation.
@@ -881,17 +833,10 @@ def gemv(x: torch.Tensor, weight: torch.Tensor, *, scale: torch.Tensor | None = 
             unknown prologue, CPU tensors without ``TRITON_INTERPRET=1``; ``x_rows`` /
             ``residual_rows`` that are not contiguous 1-D int32/int64 on x's device, differ from
             each other, or come without a residual table; ``out`` sharing memory with a
-            residual table; a bad ``row_source`` or ``argmax_keys``, or ``argmax_keys`` with
-            ``glu``.
+            residual table.
     """
     m, n, k = _check_gemv_inputs(x, weight, scale, bias, residual, prologue, norm_weight, eps, glu, out,
                                  x_rows, residual_rows, early_epilogue)
-    _check_row_source(row_source, x_rows, residual_rows, x.device)
-    if argmax_keys is not None and (glu or argmax_keys.shape != (m,) or argmax_keys.dtype != torch.int64
-                                    or argmax_keys.device != x.device
-                                    or (m > 1 and argmax_keys.stride(0) != 1)):
-        raise ValueError(f"argmax_keys must be a contiguous int64 [M={m}] on {x.device} (and no glu), got "
-                         f"{argmax_keys.dtype} {tuple(argmax_keys.shape)} on {argmax_keys.device}")
     if residual_rows is not None and out is not None and out.untyped_storage().data_ptr() == \
             residual.untyped_storage().data_ptr():
         raise ValueError("out must not share memory with a residual table read through residual_rows")
@@ -909,8 +854,7 @@ def gemv(x: torch.Tensor, weight: torch.Tensor, *, scale: torch.Tensor | None = 
     cfg = config or choose_gemv_config(m, n, k, weight.dtype, x.device, prologue + ("+glu" if glu else ""))
     _launch(x, weight, out, cfg, n, scale=scale, bias=bias, residual=residual, norm_weight=norm_weight,
             prologue=prologue, eps=eps, glu=glu, pdl=pdl, early_epilogue=early_epilogue,
-            pdl_trigger_first=pdl_trigger_first, x_rows=x_rows, residual_rows=residual_rows,
-            row_source=row_source, argmax_keys=argmax_keys)
+            pdl_trigger_first=pdl_trigger_first, x_rows=x_rows, residual_rows=residual_rows)
     return out
 
 
