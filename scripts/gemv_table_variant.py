@@ -4,7 +4,7 @@ read per file, so one process can compare several; see ``scripts/ab_decode_env.p
 
 Usage: python3 scripts/gemv_table_variant.py OUT.json [--gpu "NVIDIA H200"]
            "float|rmsnorm+glu|1|1536|8960=2,2048,4,1" "float|rmsnorm+rope|1|1536|1024=1,2048,4,1"
-Each override is ``<int8|float>|<prologue>|<M>|<K>|<N>=block_n,block_k,num_warps,stages[,programs_per_sm[,red]]``
+Each override is ``<int8|float>|<prologue>|<M>|<K>|<N>=block_n,block_k,num_warps,stages[,programs_per_sm[,red[,pre]]]``
 (the key of :func:`llmserve.triton_kernels.gemv.table_key` without the GPU name); a value is
 checked with :class:`~llmserve.triton_kernels.gemv.GemvConfig` before it is written.
 """
@@ -42,13 +42,13 @@ def main() -> None:
     for item in args.overrides:
         key, _, value = item.partition("=")
         if not value or key.count("|") != 4:
-            raise SystemExit(f"override must be 'kind|prologue|M|K|N=bn,bk,warps,stages[,pps[,red]]', got {item!r}")
+            raise SystemExit(f"override must be 'kind|prologue|M|K|N=bn,bk,warps,stages[,pps[,red[,pre]]]', got {item!r}")
         try:
             vals = [int(v) for v in value.split(",")]
             gm.GemvConfig(*vals)                   # raises on a malformed configuration
         except (TypeError, ValueError) as e:
             raise SystemExit(f"bad configuration in {item!r} (want block_n,block_k,num_warps,stages"
-                             f"[,programs_per_sm[,red]], powers of two): {e}") from None
+                             f"[,programs_per_sm[,red[,pre]]], powers of two; pre 1-4): {e}") from None
         configs[f"{args.gpu}|{key}"] = vals
     write_variant(configs, args.out, record=args.overrides)
     print(f"wrote {args.out}: {len(args.overrides)} overrides")

@@ -206,9 +206,11 @@ def _gemv_block(blk, w, wb, rm, rm_ld, rk, x_ptr, w_ptr, y_ptr, scale_ptr, bias_
                 EVEN_K: tl.constexpr, STAGES: tl.constexpr, EARLY_EPI: tl.constexpr,
                 PLANES: tl.constexpr, X_GATHER: tl.constexpr, RES_GATHER: tl.constexpr,
                 RED: tl.constexpr = 1, pre_sc_a=None, pre_sc_b=None, pre_bias_a=None, pre_bias_b=None,
-                pre_pos=None, pre_slot=None, pre_c=None, pre_s=None):
+                pre_pos=None, pre_slot=None, pre_c=None, pre_s=None, PRE: tl.constexpr = 1,
+                w1=None, wb1=None, w2=None, wb2=None, w3=None, wb3=None):
     """Row block ``blk``: accumulate over K (``w``/``wb``: its first weight tiles, already
-    loaded), then the epilogue and the stores. ``X_GATHER`` / ``RES_GATHER``: row ``m`` of x /
+    loaded; with ``PRE`` > 1 also ``w1``/``wb1`` .. the tiles at ``BLOCK_K``, ``2 * BLOCK_K``,
+    .., loaded before the PDL wait), then the epilogue and the stores. ``X_GATHER`` / ``RES_GATHER``: row ``m`` of x /
     of the residual is row ``ids[m]`` of that table (an embedding lookup). ``EARLY_EPI == 2``:
     the ``pre_*`` operands (scales, bias, RoPE positions / slots / cos / sin rows) were loaded
     by the caller before its PDL wait; only the residual is loaded here, before the K loop."""
@@ -246,7 +248,16 @@ def _gemv_block(blk, w, wb, rm, rm_ld, rk, x_ptr, w_ptr, y_ptr, scale_ptr, bias_
         sq = tl.zeros([1, 1, 1], dtype=tl.float32)
     acc, acc_b, sq = _gemv_step(acc, acc_b, sq, w, wb, x_base, g_ptr, 0, K, rk, PROLOGUE, TWO_ROWS,
                                 EVEN_K, PLANES, RED)
-    for k0 in tl.range(BLOCK_K, K, BLOCK_K, num_stages=STAGES):
+    if PRE >= 2:
+        acc, acc_b, sq = _gemv_step(acc, acc_b, sq, w1, wb1, x_base, g_ptr, BLOCK_K, K, rk, PROLOGUE,
+                                    TWO_ROWS, EVEN_K, PLANES, RED)
+    if PRE >= 3:
+        acc, acc_b, sq = _gemv_step(acc, acc_b, sq, w2, wb2, x_base, g_ptr, 2 * BLOCK_K, K, rk, PROLOGUE,
+                                    TWO_ROWS, EVEN_K, PLANES, RED)
+    if PRE >= 4:
+        acc, acc_b, sq = _gemv_step(acc, acc_b, sq, w3, wb3, x_base, g_ptr, 3 * BLOCK_K, K, rk, PROLOGUE,
+                                    TWO_ROWS, EVEN_K, PLANES, RED)
+    for k0 in tl.range(PRE * BLOCK_K, K, BLOCK_K, num_stages=STAGES):
         w = _load_w(w_base, k0, K, rk, EVEN_K)
         if TWO_ROWS:
             wb = _load_w(wb_base, k0, K, rk, EVEN_K)
@@ -330,7 +341,7 @@ def _gemv_kernel(x_ptr, w_ptr, y_ptr, scale_ptr, bias_ptr, res_ptr, g_ptr,
                  USE_PDL: tl.constexpr, EARLY_EPI: tl.constexpr = False,
                  PDL_TRIGGER_FIRST: tl.constexpr = False, PLANES: tl.constexpr = False,
                  X_GATHER: tl.constexpr = False, RES_GATHER: tl.constexpr = False,
-                 RED: tl.constexpr = 1):
+                 RED: tl.constexpr = 1, PRE: tl.constexpr = 1):
     """A program computes ``BLOCK_N`` outputs (a row block) for all ``M <= BLOCK_M`` rows of x:
     row block ``pid``, or with ``PERSISTENT`` (a grid smaller than the block count) blocks
     ``pid, pid + grid, ...``, which avoids a last partial wave; the first tile of its next
@@ -347,7 +358,10 @@ def _gemv_kernel(x_ptr, w_ptr, y_ptr, scale_ptr, bias_ptr, res_ptr, g_ptr,
 
     With ``USE_PDL`` the first weight tile is loaded before the wait (:func:`pdl_wait`):
     weights never depend on the previous kernel, so their first bytes stream while that kernel
-    drains (``PDL_TRIGGER_FIRST``: while the kernels before it drain too).
+    drains (``PDL_TRIGGER_FIRST``: while the kernels before it drain too). ``PRE`` (1-4, not
+    with ``PERSISTENT``): that many tiles of each weight row are requested before the wait,
+    so the HBM time that latency-bound predecessors (decode attention, kernel boundaries)
+    leave idle streams more of this kernel's weights.
     """
     TWO_ROWS: tl.constexpr = GLU or ROPE
     pdl_start(USE_PDL, PDL_TRIGGER_FIRST)
@@ -362,6 +376,26 @@ def _gemv_kernel(x_ptr, w_ptr, y_ptr, scale_ptr, bias_ptr, res_ptr, g_ptr,
                      EVEN_K)
     else:
         wb = w
+    w1, wb1, w2, wb2, w3, wb3 = w, wb, w, wb, w, wb                  # placeholders unless PRE > 1
+    if PRE >= 2:
+        tl.static_assert(not PERSISTENT, "PRE > 1 needs one row block a program")
+        w1 = _load_w(w_ptr + row_a[None, :, None].to(tl.int64) * stride_wn + rk[None, None, :], BLOCK_K, K, rk,
+                     EVEN_K)
+        if TWO_ROWS:
+            wb1 = _load_w(w_ptr + row_b[None, :, None].to(tl.int64) * stride_wn + rk[None, None, :], BLOCK_K, K,
+                          rk, EVEN_K)
+    if PRE >= 3:
+        w2 = _load_w(w_ptr + row_a[None, :, None].to(tl.int64) * stride_wn + rk[None, None, :], 2 * BLOCK_K, K,
+                     rk, EVEN_K)
+        if TWO_ROWS:
+            wb2 = _load_w(w_ptr + row_b[None, :, None].to(tl.int64) * stride_wn + rk[None, None, :], 2 * BLOCK_K,
+                          K, rk, EVEN_K)
+    if PRE >= 4:
+        w3 = _load_w(w_ptr + row_a[None, :, None].to(tl.int64) * stride_wn + rk[None, None, :], 3 * BLOCK_K, K,
+                     rk, EVEN_K)
+        if TWO_ROWS:
+            wb3 = _load_w(w_ptr + row_b[None, :, None].to(tl.int64) * stride_wn + rk[None, None, :], 3 * BLOCK_K,
+                          K, rk, EVEN_K)
     if EARLY_EPI == 2:
         # Operands no kernel of the forward pass writes (weights: scales, bias; step metadata:
         # RoPE positions, cache slots and the cos/sin rows they select), requested before the
@@ -409,7 +443,8 @@ def _gemv_kernel(x_ptr, w_ptr, y_ptr, scale_ptr, bias_ptr, res_ptr, g_ptr,
         _gemv_block(pid, w, wb, rm, rm_ld, rk, x_ptr, w_ptr, y_ptr, scale_ptr, bias_ptr, res_ptr, g_ptr, kc_ptr, vc_ptr, cos_ptr, sin_ptr, pos_ptr, slot_ptr, num_slots, ids_ptr, M, N, K, stride_xm, stride_wn, stride_ym, stride_rm, eps,
                     W_INT8, HAS_BIAS, HAS_RES, PROLOGUE, GLU, ROPE, HQ, HKV, HALF, BLOCK_M, BLOCK_N,
                     BLOCK_K, EVEN_K, STAGES, EARLY_EPI, PLANES, X_GATHER, RES_GATHER, RED,
-                    p_sc_a, p_sc_b, p_bias_a, p_bias_b, p_pos, p_slot, p_c, p_s)
+                    p_sc_a, p_sc_b, p_bias_a, p_bias_b, p_pos, p_slot, p_c, p_s, PRE,
+                    w1, wb1, w2, wb2, w3, wb3)
 
 
 @dataclass(frozen=True, slots=True)
@@ -422,7 +457,9 @@ class GemvConfig:
     before they reach the fp32 accumulators, which then hold ``block_k / red`` columns; with
     ``red`` = the elements one thread loads as one 16-byte vector the sum needs no shuffles, and
     the freed registers let more programs share an SM. H200, Qwen2.5-1.5B gate-up: 15.4 ->
-    14.3 us with ``[1, 512, 1 warp]`` and red 8, results/h200/notes/s12/red_sweep)."""
+    14.3 us with ``[1, 512, 1 warp]`` and red 8, results/h200/notes/s12/red_sweep), ``pre``
+    (1-4: weight tiles a program requests before its PDL wait; more than 1 only without
+    ``programs_per_sm``, capped at the row's tile count)."""
 
     block_n: int
     block_k: int
@@ -430,6 +467,7 @@ class GemvConfig:
     stages: int = 1
     programs_per_sm: int = 0
     red: int = 1
+    pre: int = 1
 
     def __post_init__(self) -> None:
         for name in ("block_n", "block_k", "num_warps"):
@@ -444,10 +482,14 @@ class GemvConfig:
             raise ValueError(f"GemvConfig.programs_per_sm must be an int >= 0, got {self.programs_per_sm!r}")
         if not isinstance(self.red, int) or self.red < 1 or self.red & (self.red - 1) or self.red > self.block_k:
             raise ValueError(f"GemvConfig.red must be a power of two in [1, block_k], got {self.red!r}")
+        if not isinstance(self.pre, int) or not 1 <= self.pre <= 4:
+            raise ValueError(f"GemvConfig.pre must be an int in [1, 4], got {self.pre!r}")
 
     def as_list(self) -> list[int]:
-        """The table form: ``[block_n, block_k, num_warps, stages(, programs_per_sm(, red))]``."""
+        """The table form: ``[block_n, block_k, num_warps, stages(, programs_per_sm(, red(, pre)))]``."""
         v = [self.block_n, self.block_k, self.num_warps, self.stages]
+        if self.pre != 1:
+            return v + [self.programs_per_sm, self.red, self.pre]
         if self.red != 1:
             return v + [self.programs_per_sm, self.red]
         return v + [self.programs_per_sm] if self.programs_per_sm else v
@@ -463,7 +505,7 @@ def _table() -> dict[str, GemvConfig]:
     ``scripts/gemv_table_variant.py`` for A/B runs). Keys are
     ``"<gpu name>|<float|int8|int8p>|<prologue>|<M>|<K>|<N>"`` (:func:`weight_kind`; ``K`` in
     columns), values ``[block_n, block_k, num_warps, stages]``, with ``programs_per_sm`` fifth and
-    ``red`` sixth (:class:`GemvConfig`); malformed entries are ignored.
+    ``red`` sixth and ``pre`` seventh (:class:`GemvConfig`); malformed entries are ignored.
     Each file is read once per process (so ``LLMSERVE_GEMV_TABLE`` can change between engine
     builds, for A/B runs).
 
@@ -487,7 +529,7 @@ def _table() -> dict[str, GemvConfig]:
             raise ValueError(f"LLMSERVE_GEMV_TABLE={env!r} is not a gemv table (no \"configs\" object)")
         table = {}
         for key, v in (configs.items() if isinstance(configs, dict) else ()):
-            if isinstance(v, list) and len(v) in (4, 5, 6):
+            if isinstance(v, list) and len(v) in (4, 5, 6, 7):
                 try:
                     table[key] = GemvConfig(*v)
                 except (TypeError, ValueError):
@@ -513,7 +555,7 @@ def choose_gemv_config(m: int, n: int, k: int, w_dtype: torch.dtype, device: tor
                        prologue: str = "none") -> GemvConfig:
     """Shape-keyed configuration (deterministic, CUDA-graph safe; no autotuning at run time).
 
-    Order: ``LLMSERVE_GEMV_CONFIG="bn,bk,warps,stages[,programs_per_sm[,red]]"`` (A/B runs), then the tuned table
+    Order: ``LLMSERVE_GEMV_CONFIG="bn,bk,warps,stages[,programs_per_sm[,red[,pre]]]"`` (A/B runs), then the tuned table
     (exact GPU name, weight kind, prologue, M, K, N), then a rule from the H200 sweeps in
     ``results/kernels/gemv_*.md``: no software pipelining (``stages=1`` beat 2-4 on every
     shape: with one or two rows a program, many programs per SM keep enough loads in flight
@@ -525,11 +567,11 @@ def choose_gemv_config(m: int, n: int, k: int, w_dtype: torch.dtype, device: tor
     if env:
         try:
             vals = [int(v) for v in env.split(",")]
-            if len(vals) not in (4, 5, 6):
+            if len(vals) not in (4, 5, 6, 7):
                 raise ValueError(f"{len(vals)} values")
             return GemvConfig(*vals)
         except (TypeError, ValueError) as e:
-            raise ValueError(f"LLMSERVE_GEMV_CONFIG must be 'block_n,block_k,num_warps,stages[,programs_per_sm[,red]]' "
+            raise ValueError(f"LLMSERVE_GEMV_CONFIG must be 'block_n,block_k,num_warps,stages[,programs_per_sm[,red[,pre]]]' "
                              f"(powers of two; stages >= 1), got {env!r}: {e}") from None
     if device.type != "cuda":
         return GemvConfig(block_n=8, block_k=32, num_warps=1, stages=1)
@@ -675,7 +717,8 @@ def _launch(x, weight, out, cfg: GemvConfig, n: int, *, scale=None, bias=None, r
         BLOCK_M=triton.next_power_of_2(m), BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
         EVEN_K=k % cfg.block_k == 0, STAGES=cfg.stages, PERSISTENT=persistent,
         EARLY_EPI=_early_mode(early_epilogue, persistent), X_GATHER=x_rows is not None,
-        RES_GATHER=residual_rows is not None, RED=_red_override(cfg), num_warps=cfg.num_warps,
+        RES_GATHER=residual_rows is not None, RED=_red_override(cfg),
+        PRE=1 if persistent else min(_pre_override(cfg), triton.cdiv(k, cfg.block_k)), num_warps=cfg.num_warps,
         **pdl_launch_kwargs(pdl, pdl_trigger_first))
 
 
@@ -691,6 +734,21 @@ def _early_mode(early_epilogue, persistent: bool) -> int:
     PDL wait, the residual before the K loop); a persistent grid, whose programs serve several
     row blocks, uses 1 for 2."""
     return 1 if early_epilogue == 2 and persistent else int(early_epilogue)
+
+
+def _pre_override(cfg: GemvConfig) -> int:
+    """``cfg.pre``, or ``LLMSERVE_GEMV_PRE`` (A/B runs: every launch; the launcher caps it at the
+    row's tile count, and a persistent grid uses 1)."""
+    env = os.environ.get("LLMSERVE_GEMV_PRE")
+    if not env:
+        return cfg.pre
+    try:
+        pre = int(env)
+        if not 1 <= pre <= 4:
+            raise ValueError
+    except ValueError:
+        raise ValueError(f"LLMSERVE_GEMV_PRE must be an integer in [1, 4], got {env!r}") from None
+    return pre
 
 
 def _red_override(cfg: GemvConfig) -> int:
