@@ -721,6 +721,84 @@ def test_gemv_gathered_rows(int8):
         torch.testing.assert_close(a, b, **tol)
 
 
+@pytest.mark.parametrize("kind", ["float", "int8", "planes"])
+def test_gemv_pre_wait_tiles(monkeypatch, kind):
+    """``GemvConfig.pre``: weight tiles requested before the PDL wait change only when loads
+    are issued, not the sum's order: bit for bit the results of ``pre=1`` for plain,
+    RMSNorm + residual, SwiGLU and QKV+RoPE launches, K a multiple of the tile or not, and a
+    ``pre`` above the row's tile count. The launches carry ``PRE`` as configured, capped at
+    the tile count, 1 on a persistent grid, ``LLMSERVE_GEMV_PRE`` overriding; bad values are
+    errors."""
+    from llmserve.triton_kernels import gemv as gm
+    torch.manual_seed(11)
+    for k in (64, 72):                                       # 4 tiles of 16 / 4.5 tiles
+        x = torch.randn(2, k, device=DEVICE)
+        w = torch.randn(24, k, device=DEVICE)
+        glu_w = torch.randn(48, k, device=DEVICE)
+        scale = glu_s = None
+        if kind != "float":
+            w, scale = quantize_int8_per_channel(w)
+            glu_w, glu_s = quantize_int8_per_channel(glu_w)
+            if kind == "planes":
+                w, glu_w = pack_int8_planes(w), pack_int8_planes(glu_w)
+        g = torch.rand(k, device=DEVICE) + 0.5
+        res = torch.randn(2, 24, device=DEVICE)
+        bk = 4 if kind == "planes" else 16                    # words for planes
+        base = GemvConfig(4, bk, 1, 1)
+        ref = (gemv(x, w, scale=scale, config=base),
+               gemv(x, w, scale=scale, residual=res, prologue="rmsnorm", norm_weight=g, config=base,
+                    early_epilogue=True),
+               gemv(x, glu_w, scale=glu_s, glu=True, prologue="rmsnorm", norm_weight=g, config=base))
+        for pre in (2, 3, 4):
+            cfg = GemvConfig(4, bk, 1, 1, 0, 1, pre)
+            got = (gemv(x, w, scale=scale, config=cfg),
+                   gemv(x, w, scale=scale, residual=res, prologue="rmsnorm", norm_weight=g, config=cfg,
+                        early_epilogue=True),
+                   gemv(x, glu_w, scale=glu_s, glu=True, prologue="rmsnorm", norm_weight=g, config=cfg))
+            for a, b in zip(got, ref):
+                assert torch.equal(a, b), (k, pre)
+    hq, hkv, d = 2, 1, 8
+    wq = torch.randn((hq + 2 * hkv) * d, 40, device=DEVICE)
+    kc = torch.zeros(3, 4, hkv, d, device=DEVICE)
+    cos, sin = torch.rand(8, d // 2, device=DEVICE), torch.rand(8, d // 2, device=DEVICE)
+    kw = dict(bias=torch.randn((hq + 2 * hkv) * d, device=DEVICE), norm_weight=torch.rand(40, device=DEVICE) + 0.5,
+              eps=1e-6, positions=torch.tensor([1, 5], device=DEVICE), slot_mapping=torch.tensor([0, 6], device=DEVICE),
+              cos=cos, sin=sin, num_heads=hq, num_kv_heads=hkv)
+    xq = torch.randn(2, 40, device=DEVICE)
+    k1, v1, k2, v2 = kc.clone(), kc.clone(), kc.clone(), kc.clone()
+    q1 = gemv_qkv_rope(xq, wq, k_cache=k1, v_cache=v1, config=GemvConfig(4, 16, 1, 1), **kw)
+    q2 = gemv_qkv_rope(xq, wq, k_cache=k2, v_cache=v2, config=GemvConfig(4, 16, 1, 1, 0, 1, 3), **kw)
+    for a, b in ((q1, q2), (k1, k2), (v1, v2)):
+        assert torch.equal(a, b)
+    # launch arguments
+    seen = []
+
+    class Recorder:
+        def __getitem__(self, grid):
+            return lambda *args, **kw: seen.append(kw["PRE"])
+
+    monkeypatch.setattr(gm, "_gemv_kernel", Recorder())
+    monkeypatch.delenv("LLMSERVE_GEMV_PRE", raising=False)
+    x, w = torch.randn(1, 40, device=DEVICE), torch.randn(24, 40, device=DEVICE)
+    sms = gm.num_sms(x.device, cpu_default=2)
+    wp = torch.randn(2 * (sms + 4), 40, device=DEVICE)
+    gm.gemv(x, w, config=GemvConfig(2, 16, 1, 1, 0, 1, 2))          # 3 tiles of 16: 2
+    gm.gemv(x, w, config=GemvConfig(2, 16, 1, 1, 0, 1, 4))          # capped at 3
+    gm.gemv(x, wp, config=GemvConfig(2, 16, 1, 1, 1, 1, 3))         # persistent: 1
+    monkeypatch.setenv("LLMSERVE_GEMV_PRE", "2")
+    gm.gemv(x, w, config=GemvConfig(2, 32, 1, 1))                   # override: 2 (2 tiles of 32)
+    assert seen == [2, 3, 1, 2]
+    for bad in ("0", "5", "x"):
+        monkeypatch.setenv("LLMSERVE_GEMV_PRE", bad)
+        with pytest.raises(ValueError, match="LLMSERVE_GEMV_PRE"):
+            gm.gemv(x, w, config=GemvConfig(2, 32, 1, 1))
+    for bad in (0, 5, 2.0):
+        with pytest.raises(ValueError, match="GemvConfig.pre"):
+            GemvConfig(2, 32, 1, 1, 0, 1, bad)
+    assert GemvConfig(2, 32, 1, 1, 0, 1, 3).as_list() == [2, 32, 1, 1, 0, 1, 3]
+    assert GemvConfig(*GemvConfig(2, 32, 1, 1, 0, 4, 2).as_list()) == GemvConfig(2, 32, 1, 1, 0, 4, 2)
+
+
 def test_gemv_launch_arguments_red_and_early(monkeypatch):
     """``red`` and ``early_epilogue`` reach the kernel as launched (both change only the order
     of a sum or of loads, so comparisons of results cannot see them): the table's ``red``, the
@@ -819,6 +897,8 @@ def test_gemv_config_env_and_table(monkeypatch, tmp_path):
     assert gm.choose_gemv_config(1, 10, 10, torch.float32, DEVICE) == GemvConfig(2, 64, 2, 1)
     monkeypatch.setenv("LLMSERVE_GEMV_CONFIG", "2,64,2,1,16")
     assert gm.choose_gemv_config(1, 10, 10, torch.float32, DEVICE).programs_per_sm == 16
+    monkeypatch.setenv("LLMSERVE_GEMV_CONFIG", "2,64,2,1,0,1,3")
+    assert gm.choose_gemv_config(1, 10, 10, torch.float32, DEVICE).pre == 3
     for bad in ("8,32,4", "8,48,4,1", "a,b,c,d"):
         monkeypatch.setenv("LLMSERVE_GEMV_CONFIG", bad)
         with pytest.raises(ValueError, match="LLMSERVE_GEMV_CONFIG"):
@@ -832,9 +912,10 @@ def test_gemv_config_env_and_table(monkeypatch, tmp_path):
     assert gm._table() == {"c": GemvConfig(2, 256, 4, 1), "d": GemvConfig(1, 512, 2, 1, 8)}
     assert gm._table()["d"].as_list() == [1, 512, 2, 1, 8]
     table_r = tmp_path / "tr.json"              # a sixth value: red (with programs_per_sm 0 fifth)
-    table_r.write_text('{"configs": {"r": [2, 256, 2, 1, 0, 8], "bad": [2, 256, 2, 1, 0, 512]}}')
+    table_r.write_text('{"configs": {"r": [2, 256, 2, 1, 0, 8], "bad": [2, 256, 2, 1, 0, 512], '
+                       '"p": [2, 256, 2, 1, 0, 1, 3], "badp": [2, 256, 2, 1, 0, 1, 7]}}')   # seventh: pre
     monkeypatch.setenv("LLMSERVE_GEMV_TABLE", str(table_r))
-    assert gm._table() == {"r": GemvConfig(2, 256, 2, 1, 0, 8)}
+    assert gm._table() == {"r": GemvConfig(2, 256, 2, 1, 0, 8), "p": GemvConfig(2, 256, 2, 1, 0, 1, 3)}
     assert gm._table()["r"].as_list() == [2, 256, 2, 1, 0, 8]
     monkeypatch.setenv("LLMSERVE_GEMV_RED", "8")       # the A/B override, capped at block_k
     assert gm._red_override(GemvConfig(2, 4, 1, 1)) == 4
