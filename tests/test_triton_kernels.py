@@ -727,7 +727,7 @@ def test_gemv_pre_wait_tiles(monkeypatch, kind):
     are issued, not the sum's order: bit for bit the results of ``pre=1`` for plain,
     RMSNorm + residual, SwiGLU and QKV+RoPE launches, K a multiple of the tile or not, and a
     ``pre`` above the row's tile count. The launches carry ``PRE`` as configured, capped at
-    the tile count, 1 on a persistent grid, ``LLMSERVE_GEMV_PRE`` overriding; bad values are
+    the tile count, 1 on a persistent grid, ``LLMSERVE_GEMV_PRE_TILES`` overriding; bad values are
     errors."""
     from llmserve.triton_kernels import gemv as gm
     torch.manual_seed(11)
@@ -778,19 +778,19 @@ def test_gemv_pre_wait_tiles(monkeypatch, kind):
             return lambda *args, **kw: seen.append(kw["PRE"])
 
     monkeypatch.setattr(gm, "_gemv_kernel", Recorder())
-    monkeypatch.delenv("LLMSERVE_GEMV_PRE", raising=False)
+    monkeypatch.delenv("LLMSERVE_GEMV_PRE_TILES", raising=False)
     x, w = torch.randn(1, 40, device=DEVICE), torch.randn(24, 40, device=DEVICE)
     sms = gm.num_sms(x.device, cpu_default=2)
     wp = torch.randn(2 * (sms + 4), 40, device=DEVICE)
     gm.gemv(x, w, config=GemvConfig(2, 16, 1, 1, 0, 1, 2))          # 3 tiles of 16: 2
     gm.gemv(x, w, config=GemvConfig(2, 16, 1, 1, 0, 1, 4))          # capped at 3
     gm.gemv(x, wp, config=GemvConfig(2, 16, 1, 1, 1, 1, 3))         # persistent: 1
-    monkeypatch.setenv("LLMSERVE_GEMV_PRE", "2")
+    monkeypatch.setenv("LLMSERVE_GEMV_PRE_TILES", "2")
     gm.gemv(x, w, config=GemvConfig(2, 32, 1, 1))                   # override: 2 (2 tiles of 32)
     assert seen == [2, 3, 1, 2]
     for bad in ("0", "5", "x"):
-        monkeypatch.setenv("LLMSERVE_GEMV_PRE", bad)
-        with pytest.raises(ValueError, match="LLMSERVE_GEMV_PRE"):
+        monkeypatch.setenv("LLMSERVE_GEMV_PRE_TILES", bad)
+        with pytest.raises(ValueError, match="LLMSERVE_GEMV_PRE_TILES"):
             gm.gemv(x, w, config=GemvConfig(2, 32, 1, 1))
     for bad in (0, 5, 2.0):
         with pytest.raises(ValueError, match="GemvConfig.pre"):

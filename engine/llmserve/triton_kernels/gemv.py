@@ -737,9 +737,9 @@ def _early_mode(early_epilogue, persistent: bool) -> int:
 
 
 def _pre_override(cfg: GemvConfig) -> int:
-    """``cfg.pre``, or ``LLMSERVE_GEMV_PRE`` (A/B runs: every launch; the launcher caps it at the
+    """``cfg.pre``, or ``LLMSERVE_GEMV_PRE_TILES`` (A/B runs: every launch; the launcher caps it at the
     row's tile count, and a persistent grid uses 1)."""
-    env = os.environ.get("LLMSERVE_GEMV_PRE")
+    env = os.environ.get("LLMSERVE_GEMV_PRE_TILES")
     if not env:
         return cfg.pre
     try:
@@ -747,7 +747,7 @@ def _pre_override(cfg: GemvConfig) -> int:
         if not 1 <= pre <= 4:
             raise ValueError
     except ValueError:
-        raise ValueError(f"LLMSERVE_GEMV_PRE must be an integer in [1, 4], got {env!r}") from None
+        raise ValueError(f"LLMSERVE_GEMV_PRE_TILES must be an integer in [1, 4], got {env!r}") from None
     return pre
 
 
