@@ -731,7 +731,7 @@ def test_gemv_pre_wait_tiles(monkeypatch, kind):
     errors."""
     from llmserve.triton_kernels import gemv as gm
     torch.manual_seed(11)
-    for k in (64, 72):                                       # 4 tiles of 16 / 4.5 tiles
+    for k in (32, 64, 72):                     # 2 tiles of 16 (pre 3, 4 capped) / 4 / 4.5 tiles
         x = torch.randn(2, k, device=DEVICE)
         w = torch.randn(24, k, device=DEVICE)
         glu_w = torch.randn(48, k, device=DEVICE)
@@ -927,9 +927,11 @@ def test_gemv_config_env_and_table(monkeypatch, tmp_path):
     monkeypatch.delenv("LLMSERVE_GEMV_RED")
     assert gm._red_override(GemvConfig(2, 256, 1, 1, 0, 4)) == 4
     table_rope = tmp_path / "trope.json"         # an untuned "+rope" key: half the rows, red kept
-    table_rope.write_text('{"configs": {"G|float|rmsnorm|1|40|64": [4, 2048, 2, 1, 0, 8]}}')
+    table_rope.write_text('{"configs": {"G|float|rmsnorm|1|40|64": [4, 2048, 2, 1, 0, 8], '
+                          '"G|float|rmsnorm|1|40|128": [4, 512, 2, 1, 0, 8, 2]}}')
     monkeypatch.setenv("LLMSERVE_GEMV_TABLE", str(table_rope))
     assert gm._tuned("G", "float", "rmsnorm+rope", 1, 40, 32) == GemvConfig(2, 2048, 2, 1, 0, 8)
+    assert gm._tuned("G", "float", "rmsnorm+rope", 1, 40, 64) == GemvConfig(2, 512, 2, 1, 0, 8, 2)  # pre kept
     table2 = tmp_path / "t2.json"                # another file is its own table (A/B in one process)
     table2.write_text('{"configs": {"c": [4, 128, 2, 1]}}')
     monkeypatch.setenv("LLMSERVE_GEMV_TABLE", str(table2))

@@ -458,8 +458,8 @@ class GemvConfig:
     ``red`` = the elements one thread loads as one 16-byte vector the sum needs no shuffles, and
     the freed registers let more programs share an SM. H200, Qwen2.5-1.5B gate-up: 15.4 ->
     14.3 us with ``[1, 512, 1 warp]`` and red 8, results/h200/notes/s12/red_sweep), ``pre``
-    (1-4: weight tiles a program requests before its PDL wait; more than 1 only without
-    ``programs_per_sm``, capped at the row's tile count)."""
+    (1-4: weight tiles a program requests before its PDL wait; capped at the row's tile count,
+    and 1 on a persistent grid)."""
 
     block_n: int
     block_k: int
@@ -595,7 +595,7 @@ def _tuned(gpu: str, int8: bool | str, prologue: str, m: int, k: int, n: int) ->
         plain = _table().get(table_key(gpu, int8, prologue[:-len("+rope")], m, k, 2 * n))
         if plain:
             hit = GemvConfig(max(1, plain.block_n // 2), plain.block_k, plain.num_warps, plain.stages,
-                             plain.programs_per_sm, plain.red)
+                             plain.programs_per_sm, plain.red, plain.pre)
     return hit
 
 
@@ -862,7 +862,8 @@ def gemv(x: torch.Tensor, weight: torch.Tensor, *, scale: torch.Tensor | None = 
             projections: no residual, no glu) float32, e.g. fp32 logits.
         config: launch override (default :func:`choose_gemv_config`).
         pdl: launch with programmatic dependent launch (Hopper+; see ``_launch.py``): the
-            first weight tile is read before waiting for the previous kernel. Only for weights
+            first ``config.pre`` weight tiles (default 1) are read before waiting for the
+            previous kernel. Only for weights
             that no kernel just before this one writes (the engine's decode path).
         early_epilogue: request the epilogue's operands (scales, bias, residual, RoPE
             positions and slots) before the K loop instead of after it, so their latency
