@@ -76,6 +76,18 @@ def _load_w(w_base, k0, K, rk, EVEN_K: tl.constexpr):
 
 
 @triton.jit
+def _row_tiles(w_ptr, row_a, row_b, stride_wn, k0, K, rk, EVEN_K: tl.constexpr, TWO_ROWS: tl.constexpr):
+    """The weight tiles at columns ``k0 + rk`` of rows ``row_a`` and (``TWO_ROWS``) ``row_b``
+    ``[1, BLOCK_N, BLOCK_K]`` each; without ``TWO_ROWS`` the second is the first again."""
+    w = _load_w(w_ptr + row_a[None, :, None].to(tl.int64) * stride_wn + rk[None, None, :], k0, K, rk, EVEN_K)
+    wb = w
+    if TWO_ROWS:
+        wb = _load_w(w_ptr + row_b[None, :, None].to(tl.int64) * stride_wn + rk[None, None, :], k0, K, rk,
+                     EVEN_K)
+    return w, wb
+
+
+@triton.jit
 def _prefetch_w(w_base, K, rk, blk, num_blocks):
     """The first tile of row block ``blk``, loaded only if that block exists."""
     live = (rk < K) & ((rk * 0 + blk) < num_blocks)                  # [BLOCK_K]
@@ -370,32 +382,15 @@ def _gemv_kernel(x_ptr, w_ptr, y_ptr, scale_ptr, bias_ptr, res_ptr, g_ptr,
     rm_ld = rm % M
     rk = tl.arange(0, BLOCK_K)
     _, _, row_a, row_b, _, _ = _gemv_rows(pid, N, BLOCK_N, ROPE, HALF)
-    w = _load_w(w_ptr + row_a[None, :, None].to(tl.int64) * stride_wn + rk[None, None, :], 0, K, rk, EVEN_K)
-    if TWO_ROWS:
-        wb = _load_w(w_ptr + row_b[None, :, None].to(tl.int64) * stride_wn + rk[None, None, :], 0, K, rk,
-                     EVEN_K)
-    else:
-        wb = w
+    w, wb = _row_tiles(w_ptr, row_a, row_b, stride_wn, 0, K, rk, EVEN_K, TWO_ROWS)
     w1, wb1, w2, wb2, w3, wb3 = w, wb, w, wb, w, wb                  # placeholders unless PRE > 1
     if PRE >= 2:
         tl.static_assert(not PERSISTENT, "PRE > 1 needs one row block a program")
-        w1 = _load_w(w_ptr + row_a[None, :, None].to(tl.int64) * stride_wn + rk[None, None, :], BLOCK_K, K, rk,
-                     EVEN_K)
-        if TWO_ROWS:
-            wb1 = _load_w(w_ptr + row_b[None, :, None].to(tl.int64) * stride_wn + rk[None, None, :], BLOCK_K, K,
-                          rk, EVEN_K)
+        w1, wb1 = _row_tiles(w_ptr, row_a, row_b, stride_wn, BLOCK_K, K, rk, EVEN_K, TWO_ROWS)
     if PRE >= 3:
-        w2 = _load_w(w_ptr + row_a[None, :, None].to(tl.int64) * stride_wn + rk[None, None, :], 2 * BLOCK_K, K,
-                     rk, EVEN_K)
-        if TWO_ROWS:
-            wb2 = _load_w(w_ptr + row_b[None, :, None].to(tl.int64) * stride_wn + rk[None, None, :], 2 * BLOCK_K,
-                          K, rk, EVEN_K)
+        w2, wb2 = _row_tiles(w_ptr, row_a, row_b, stride_wn, 2 * BLOCK_K, K, rk, EVEN_K, TWO_ROWS)
     if PRE >= 4:
-        w3 = _load_w(w_ptr + row_a[None, :, None].to(tl.int64) * stride_wn + rk[None, None, :], 3 * BLOCK_K, K,
-                     rk, EVEN_K)
-        if TWO_ROWS:
-            wb3 = _load_w(w_ptr + row_b[None, :, None].to(tl.int64) * stride_wn + rk[None, None, :], 3 * BLOCK_K,
-                          K, rk, EVEN_K)
+        w3, wb3 = _row_tiles(w_ptr, row_a, row_b, stride_wn, 3 * BLOCK_K, K, rk, EVEN_K, TWO_ROWS)
     if EARLY_EPI == 2:
         # Operands no kernel of the forward pass writes (weights: scales, bias; step metadata:
         # RoPE positions, cache slots and the cos/sin rows they select), requested before the
