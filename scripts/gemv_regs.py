@@ -13,6 +13,7 @@ Prints one line per (shape, pre): registers, stack and shared memory per program
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import inspect
 import os
 import re
@@ -25,16 +26,15 @@ import triton  # noqa: E402
 from triton.backends.compiler import GPUTarget  # noqa: E402
 from triton.compiler import ASTSource  # noqa: E402
 
-from llmserve.triton_kernels.gemv import _gemv_kernel  # noqa: E402
+from llmserve.triton_kernels.gemv import GemvConfig, _gemv_kernel, _tuned  # noqa: E402
 
-# (label, K, N, block_n, block_k, warps, red, glu, prologue): bf16 decode shapes of the tuned table
-SHAPES = [("1.5B gate-up", 1536, 8960, 1, 512, 1, 8, True, 1),
-          ("1.5B down", 8960, 1536, 1, 1024, 4, 1, False, 0),
-          ("1.5B LM head", 1536, 151936, 4, 512, 2, 1, False, 0),
-          ("7B gate-up", 3584, 18944, 2, 512, 2, 1, True, 1),
-          ("7B down", 18944, 3584, 4, 512, 8, 1, False, 0),
-          ("0.5B down", 4864, 896, 1, 1024, 4, 1, False, 0),
-          ("0.5B LM head", 896, 151936, 4, 128, 2, 1, False, 0)]
+# (label, table prologue, K, N): bf16 M = 1 decode shapes; their tiles come from the packaged
+# table (gemv_configs.json) for this GPU name
+GPU = "NVIDIA H200"
+SHAPES = [("1.5B gate-up", "rmsnorm+glu", 1536, 8960), ("1.5B down", "none", 8960, 1536),
+          ("1.5B LM head", "none", 1536, 151936), ("7B gate-up", "rmsnorm+glu", 3584, 18944),
+          ("7B down", "none", 18944, 3584), ("0.5B down", "none", 4864, 896),
+          ("0.5B LM head", "none", 896, 151936)]
 _PTRS = {"x_ptr": "*bf16", "w_ptr": "*bf16", "y_ptr": "*bf16", "scale_ptr": "*bf16", "bias_ptr": "*bf16",
          "res_ptr": "*bf16", "g_ptr": "*bf16", "kc_ptr": "*bf16", "vc_ptr": "*bf16", "cos_ptr": "*fp32",
          "sin_ptr": "*fp32", "pos_ptr": "*i64", "slot_ptr": "*i64", "ids_ptr": "*bf16"}
@@ -43,18 +43,19 @@ _SCALARS = {"num_slots": "i32", "M": "i32", "N": "i32", "K": "i32", "stride_xm":
 _DIVISIBLE = set(_PTRS) | {"K", "N", "stride_xm", "stride_wn", "stride_ym", "stride_rm"}
 
 
-def resource_usage(k: int, block_n: int, block_k: int, warps: int, red: int, pre: int, glu: bool,
-                   prologue: int) -> str:
-    """``cuobjdump -res-usage``'s ``REG / STACK / SHARED`` of one M = 1, bf16, PDL launch."""
+def resource_usage(k: int, cfg: GemvConfig, glu: bool, prologue: int) -> str:
+    """``cuobjdump -res-usage``'s ``REG / STACK / SHARED`` of one M = 1, bf16, PDL launch of
+    ``cfg`` (one row block a program; ``pre`` capped at the row's tile count, as launched)."""
     names = list(inspect.signature(_gemv_kernel.fn).parameters)
     const = dict(W_INT8=False, HAS_BIAS=False, HAS_RES=False, PROLOGUE=prologue, GLU=glu, ROPE=False, HQ=1,
-                 HKV=1, HALF=1, BLOCK_M=1, BLOCK_N=block_n, BLOCK_K=block_k, EVEN_K=k % block_k == 0, STAGES=1,
-                 PERSISTENT=False, USE_PDL=True, EARLY_EPI=0, PDL_TRIGGER_FIRST=False, PLANES=False,
-                 X_GATHER=False, RES_GATHER=False, RED=red, PRE=min(pre, triton.cdiv(k, block_k)))
+                 HKV=1, HALF=1, BLOCK_M=1, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
+                 EVEN_K=k % cfg.block_k == 0, STAGES=cfg.stages, PERSISTENT=False, USE_PDL=True, EARLY_EPI=0,
+                 PDL_TRIGGER_FIRST=False, PLANES=False, X_GATHER=False, RES_GATHER=False, RED=cfg.red,
+                 PRE=min(cfg.pre, triton.cdiv(k, cfg.block_k)))
     sig = {n: _PTRS.get(n) or _SCALARS.get(n) or "constexpr" for n in names}
     attrs = {(i,): [["tt.divisibility", 16]] for i, n in enumerate(names) if n in _DIVISIBLE}
     kernel = triton.compile(ASTSource(_gemv_kernel, sig, const, attrs), target=GPUTarget("cuda", 90, 32),
-                            options={"num_warps": warps})
+                            options={"num_warps": cfg.num_warps})
     tool = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "cuobjdump")
     with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
         f.write(kernel.asm["cubin"])
@@ -69,10 +70,15 @@ def main() -> None:
     ap.add_argument("--pre", type=int, nargs="+", default=[1, 2, 3, 4])
     args = ap.parse_args()
     print(f"triton {triton.__version__}, sm_90")
-    for label, k, n, bn, bk, warps, red, glu, prologue in SHAPES:
+    for label, prologue, k, n in SHAPES:
+        cfg = _tuned(GPU, "float", prologue, 1, k, n)
+        if cfg is None:
+            print(f"{label:14s} no {GPU} entry in the table")
+            continue
         for pre in args.pre:
-            print(f"{label:14s} [{bn}, {bk}, {warps} warps, red {red}] pre {pre}: "
-                  f"{resource_usage(k, bn, bk, warps, red, pre, glu, prologue)}")
+            c = dataclasses.replace(cfg, pre=pre)
+            print(f"{label:14s} [{c.block_n}, {c.block_k}, {c.num_warps} warps, red {c.red}] pre {pre}: "
+                  f"{resource_usage(k, c, 'glu' in prologue, int(prologue.startswith('rmsnorm')))}")
 
 
 if __name__ == "__main__":

@@ -222,8 +222,9 @@ def _gemv_block(blk, w, wb, rm, rm_ld, rk, x_ptr, w_ptr, y_ptr, scale_ptr, bias_
                 w1=None, wb1=None, w2=None, wb2=None, w3=None, wb3=None):
     """Row block ``blk``: accumulate over K (``w``/``wb``: its first weight tiles, already
     loaded; with ``PRE`` > 1 also ``w1``/``wb1`` .. the tiles at ``BLOCK_K``, ``2 * BLOCK_K``,
-    .., loaded before the PDL wait), then the epilogue and the stores. ``X_GATHER`` / ``RES_GATHER``: row ``m`` of x /
-    of the residual is row ``ids[m]`` of that table (an embedding lookup). ``EARLY_EPI == 2``:
+    .., loaded before the PDL wait), then the epilogue and the stores. ``X_GATHER`` /
+    ``RES_GATHER``: row ``m`` of x / of the residual is row ``ids[m]`` of that table (an
+    embedding lookup). ``EARLY_EPI == 2``:
     the ``pre_*`` operands (scales, bias, RoPE positions / slots / cos / sin rows) were loaded
     by the caller before its PDL wait; only the residual is loaded here, before the K loop."""
     TWO_ROWS: tl.constexpr = GLU or ROPE
@@ -482,12 +483,10 @@ class GemvConfig:
 
     def as_list(self) -> list[int]:
         """The table form: ``[block_n, block_k, num_warps, stages(, programs_per_sm(, red(, pre)))]``."""
-        v = [self.block_n, self.block_k, self.num_warps, self.stages]
-        if self.pre != 1:
-            return v + [self.programs_per_sm, self.red, self.pre]
-        if self.red != 1:
-            return v + [self.programs_per_sm, self.red]
-        return v + [self.programs_per_sm] if self.programs_per_sm else v
+        v = [self.block_n, self.block_k, self.num_warps, self.stages, self.programs_per_sm, self.red, self.pre]
+        while len(v) > 4 and v[-1] == (0, 1, 1)[len(v) - 5]:     # trailing defaults left out
+            v.pop()
+        return v
 
 
 _TABLES: dict[str, dict[str, GemvConfig]] = {}
@@ -731,32 +730,31 @@ def _early_mode(early_epilogue, persistent: bool) -> int:
     return 1 if early_epilogue == 2 and persistent else int(early_epilogue)
 
 
+def _env_int(name: str, default: int, valid, what: str) -> int:
+    """The integer in environment variable ``name`` (an A/B override of every launch), or
+    ``default`` when it is unset or empty. ``ValueError`` naming it and ``what`` it must be when
+    it is not an integer or ``valid(value)`` is false."""
+    env = os.environ.get(name)
+    if not env:
+        return default
+    try:
+        value = int(env)
+    except ValueError:
+        value = None
+    if value is None or not valid(value):
+        raise ValueError(f"{name} must be {what}, got {env!r}")
+    return value
+
+
 def _pre_override(cfg: GemvConfig) -> int:
     """``cfg.pre``, or ``LLMSERVE_GEMV_PRE_TILES`` (A/B runs: every launch; the launcher caps it at the
     row's tile count, and a persistent grid uses 1)."""
-    env = os.environ.get("LLMSERVE_GEMV_PRE_TILES")
-    if not env:
-        return cfg.pre
-    try:
-        pre = int(env)
-        if not 1 <= pre <= 4:
-            raise ValueError
-    except ValueError:
-        raise ValueError(f"LLMSERVE_GEMV_PRE_TILES must be an integer in [1, 4], got {env!r}") from None
-    return pre
+    return _env_int("LLMSERVE_GEMV_PRE_TILES", cfg.pre, lambda v: 1 <= v <= 4, "an integer in [1, 4]")
 
 
 def _red_override(cfg: GemvConfig) -> int:
     """``cfg.red``, or ``LLMSERVE_GEMV_RED`` (A/B runs: every launch; capped at ``block_k``)."""
-    env = os.environ.get("LLMSERVE_GEMV_RED")
-    if not env:
-        return cfg.red
-    try:
-        red = int(env)
-        if red < 1 or red & (red - 1):
-            raise ValueError
-    except ValueError:
-        raise ValueError(f"LLMSERVE_GEMV_RED must be a power of two >= 1, got {env!r}") from None
+    red = _env_int("LLMSERVE_GEMV_RED", cfg.red, lambda v: v >= 1 and not v & (v - 1), "a power of two >= 1")
     return min(red, cfg.block_k)
 
 
