@@ -447,60 +447,6 @@ def test_int8_linear_configs(cfg, planes):
     assert_close(y, int8_linear_reference(x, ref_w, scale), torch.float32)
 
 
-@pytest.mark.parametrize("limbs", [2, 3])
-@pytest.mark.parametrize("m,split,fused", [(1, 1, False), (7, 2, True), (16, 3, False), (16, 1, False)])
-@pytest.mark.parametrize("bias", [False, True])
-def test_int8_linear_limbs(limbs, m, split, fused, bias):
-    """The integer-tensor-core form of the tensor-core kind (``limbs``: x split into int8
-    limbs a K step, ``_limb_step``): M = 1 / 7 / 16 in one 16-row tile, split-K with an uneven
-    last split (fused reduction and the reduction kernel), K = 136 not a multiple of the
-    32-wide step. Rows spanning 2^-30 .. 2^6 within one tile, an all-zero row and a row of
-    one tiny value: 3 limbs stay within ``amax * 2^-20`` of each tile's largest input (the
-    representation bound), 2 limbs within ``amax * 2^-13``; both well inside fp32 tolerances
-    for these rows against the fp64 product."""
-    g = torch.Generator().manual_seed(10 * m + limbs)
-    n, k = 40, 136
-    w_q, scale = quantize_int8_per_channel(torch.randn(n, k, generator=g))
-    x = torch.randn(m, k, generator=g) * torch.exp2(torch.randint(-30, 6, (m, k), generator=g).float())
-    if m > 2:
-        x[1] = 0.0
-        x[2] = 0.0
-        x[2, 5] = 3e-30
-    b = torch.randn(n, generator=g) if bias else None
-    ref = x.double() @ (w_q.double() * scale.double()[:, None]).T + (b.double() if bias else 0)
-    # the representation bound, summed over each 32-column K step (one power of two a row a step)
-    bound = torch.zeros(m, dtype=torch.float64)
-    for k0 in range(0, k, 32):
-        bound += x[:, k0:k0 + 32].abs().amax(1).double() * 2.0 ** -(6 + 7 * (limbs - 1)) * 32
-    bound = bound[:, None] * (w_q.abs().double() * scale.double()[:, None]).amax(1)[None, :]
-    mag = x.abs().double() @ (w_q.abs().double() * scale.double()[:, None]).T  # fp32 rounding scale
-    cfg = Int8LinearConfig(16, 32, 32, split_k=split, num_warps=1, num_stages=1, fused_reduce=fused, limbs=limbs)
-    dev = lambda t: None if t is None else t.to(DEVICE)  # noqa: E731
-    for _ in range(2 if fused else 1):  # fused: twice, the arrival counters must be re-armed
-        y = int8_linear(x.to(DEVICE), w_q.to(DEVICE), scale.to(DEVICE), dev(b), config=cfg).double().cpu()
-        err = (y - ref).abs()
-        assert (err <= bound + 1e-6 * mag + 1e-30).all(), (err - bound).max()
-    if m > 2:
-        assert (y[1] == (b.double() if bias else 0)).all()
-
-
-def test_int8_linear_limbs_config_errors():
-    """``limbs`` only for the plain tensor-core kind on row-major int8, 2 or 3 limbs."""
-    x = torch.randn(3, 64, device=DEVICE)
-    w_q, scale = quantize_int8_per_channel(torch.randn(8, 64))
-    w_q, scale = w_q.to(DEVICE), scale.to(DEVICE)
-    base = dict(num_warps=1, num_stages=1)
-    for bad in (Int8LinearConfig(16, 16, 32, limbs=4, **base), Int8LinearConfig(16, 16, 32, limbs=1, **base),
-                Int8LinearConfig(16, 16, 32, swap_ab=True, limbs=3, **base),
-                Int8LinearConfig(16, 16, 16, limbs=3, **base),
-                Int8LinearConfig(1, 2, 64, kind="vec", limbs=3, **base),
-                Int8LinearConfig(1, 1, 1, kind="dequant", limbs=3)):
-        with pytest.raises(ValueError, match="limbs"):
-            int8_linear(x, w_q, scale, config=bad)
-    with pytest.raises(ValueError, match="byte planes"):
-        int8_linear(x, pack_int8_planes(w_q), scale, config=Int8LinearConfig(16, 16, 32, limbs=3, **base))
-
-
 def test_quantize_int8_per_channel():
     w = torch.randn(24, 33)
     w[3] = 0

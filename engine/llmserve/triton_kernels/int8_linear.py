@@ -108,48 +108,13 @@ def _mma_step(acc, x, w, SWAP_AB: tl.constexpr, FP32_MATH: tl.constexpr):
     return acc
 
 
-@triton.jit
-def _limb_step(acc, x, w, LIMBS: tl.constexpr):
-    """``acc += x @ w.T`` (``[BM, BN]`` fp32) on the *integer* tensor cores: the float tile
-    ``x [BM, BK]`` is split into ``LIMBS`` int8 tiles, ``x = g * (c0 + c1 / 128 + c2 / 128^2
-    ...)`` with one power of two ``g`` per row of the tile, and each limb is multiplied by the
-    int8 weight tile ``w [BN, BK]`` as it is (int8 x int8 -> int32 MMA; no weight conversion).
-
-    The split is exact arithmetic in fp32: ``f = 1 / g`` puts the row's largest magnitude in
-    [32, 64), each limb is ``round(y)`` in [-64, 64] and the rest ``(y - round(y)) * 128`` stays
-    exact, so ``x`` is represented to ``amax * 2^-(6 + 7 (LIMBS - 1))`` (3 limbs: every bf16
-    element within 2^12 of the row's tile maximum is exact, smaller ones err by < amax * 2^-20).
-    The int32 products are exact (|sum| <= BK * 64 * 127 < 2^24 for BK <= 2048, so also exact
-    after the conversion to fp32). The same splitting of a float operand into integer
-    slices is how the Ozaki scheme emulates fp64 GEMM on integer tensor cores (Ozaki et al.
-    2012; Ootomo, Ozaki and Yokota 2024); here it serves an int8 weight instead."""
-    xf = x.to(tl.float32)
-    amax = tl.max(tl.abs(xf), axis=1)                                        # [BM]
-    e = (amax.to(tl.int32, bitcast=True) >> 23) & 0xFF                       # biased exponent
-    e = tl.maximum(e, 6)              # zero / denormal rows: any scale works, keep g normal
-    f = ((259 - e) << 23).to(tl.float32, bitcast=True)                       # 2^(132 - e)
-    g = ((e - 5) << 23).to(tl.float32, bitcast=True)                         # 2^(e - 132) = 1 / f
-    y = xf * f[:, None]                                                      # |y| < 64, exact
-    wt = tl.trans(w)                                                         # [BK, BN] int8
-    c = tl.floor(y + 0.5)
-    part = tl.dot(c.to(tl.int8), wt, out_dtype=tl.int32).to(tl.float32)
-    unit = 1.0
-    for _ in tl.static_range(1, LIMBS):
-        y = (y - c) * 128.0                                                  # exact, |y| <= 64
-        c = tl.floor(y + 0.5)
-        unit = unit * 0.0078125
-        part += tl.dot(c.to(tl.int8), wt, out_dtype=tl.int32).to(tl.float32) * unit
-    return acc + part * g[:, None]
-
-
 @triton.jit(do_not_specialize=["M", "k_per_split"])  # M varies per step: no recompiles
 def _int8_linear_kernel(x_ptr, w_ptr, s_ptr, bias_ptr, y_ptr, ws_ptr, cnt_ptr, M, N, K, k_per_split,
                         stride_xm, stride_xk, stride_wn, stride_wk, stride_ym, stride_yn,
                         HAS_BIAS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                         BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr, SWAP_AB: tl.constexpr,
                         EVEN_K: tl.constexpr, SPLIT: tl.constexpr, FUSED_REDUCE: tl.constexpr,
-                        FP32_MATH: tl.constexpr, PLANES: tl.constexpr = False,
-                        LIMBS: tl.constexpr = 0):
+                        FP32_MATH: tl.constexpr, PLANES: tl.constexpr = False):
     """Tensor-core tile kernel (``kind="mma"``). With ``PLANES`` the weight is int8 byte planes
     (int32 words; ``K``, ``k_per_split`` and ``BLOCK_K`` count words) and each K step makes
     four products, one a plane. On the H200 this is 15-25% slower than row-major int8 at
@@ -157,8 +122,7 @@ def _int8_linear_kernel(x_ptr, w_ptr, s_ptr, bias_ptr, y_ptr, ws_ptr, cnt_ptr, M
     permuted row-major matrix with x gathered in that order was 2-5x slower still
     (``int8_planes_run3/lib``), and one product a step over the four planes reordered
     plane-major in registers 1.3x slower (``int8_planes_run4/lib_cat``), so byte planes pay
-    off only where the matrix-vector kind serves the call. ``LIMBS > 0`` (row-major weights,
-    plain orientation): each K step runs on the integer tensor cores (:func:`_limb_step`)."""
+    off only where the matrix-vector kind serves the call."""
     pid = tl.program_id(0)
     pid_k = tl.program_id(1)
     num_pid_m = tl.cdiv(M, BLOCK_M)
@@ -202,10 +166,7 @@ def _int8_linear_kernel(x_ptr, w_ptr, s_ptr, bias_ptr, y_ptr, ws_ptr, cnt_ptr, M
                 x = tl.load(x_ptrs)
             else:
                 x = tl.load(x_ptrs, mask=kmask[None, :], other=0.0)
-            if LIMBS > 0:
-                acc = _limb_step(acc, x, w, LIMBS)
-            else:
-                acc = _mma_step(acc, x, w, SWAP_AB, FP32_MATH)
+            acc = _mma_step(acc, x, w, SWAP_AB, FP32_MATH)
         x_ptrs += BLOCK_K * stride_xk
         w_ptrs += BLOCK_K * stride_wk
     if SWAP_AB:
@@ -268,10 +229,6 @@ class Int8LinearConfig:
     # block_k: weight columns a step; with byte planes, "vec" passes it to gemv as words and
     # "mma" steps max(16, block_k // 4) words (the same bytes)
     programs_per_sm: int = 0  # "vec": GemvConfig.programs_per_sm
-    # "mma": 0 = convert the int8 tile to x's dtype for the MMA; 2 or 3 = split x into that
-    # many int8 limbs a step and multiply on the integer tensor cores (_limb_step; row-major
-    # weights and the plain orientation only)
-    limbs: int = 0
 
 
 def _tile_counters(device: torch.device, n: int) -> torch.Tensor:
@@ -415,11 +372,6 @@ def int8_linear(x: torch.Tensor, w_int8: torch.Tensor, scale: torch.Tensor,
     cfg = config or choose_int8_config(m, n, k, x.device, planes=planes)
     if cfg.kind not in ("mma", "vec", "dequant"):
         raise ValueError(f"Int8LinearConfig.kind must be 'mma', 'vec' or 'dequant', got {cfg.kind!r}")
-    if cfg.limbs and (cfg.kind != "mma" or planes or cfg.swap_ab or cfg.limbs not in (2, 3)
-                      or cfg.block_m < 16 or cfg.block_k < 32):
-        raise ValueError("Int8LinearConfig.limbs (2 or 3) needs kind 'mma' on row-major int8 weights, "
-                         f"swap_ab=False, block_m >= 16 and block_k >= 32; got {cfg} "
-                         f"with {'byte planes' if planes else 'row-major int8'}")
     if cfg.kind == "vec":
         if m > GEMV_MAX_M:
             raise ValueError(f"kind 'vec' serves M <= {GEMV_MAX_M}, got M={m}")
@@ -455,7 +407,7 @@ def int8_linear(x: torch.Tensor, w_int8: torch.Tensor, scale: torch.Tensor,
         *args, HAS_BIAS=has_bias, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=bk,
         GROUP_M=cfg.group_m, SWAP_AB=cfg.swap_ab, EVEN_K=even_k, SPLIT=split > 1,
         FUSED_REDUCE=fused, FP32_MATH=on_cpu or x.dtype == torch.float32, PLANES=planes,
-        LIMBS=cfg.limbs, num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+        num_warps=cfg.num_warps, num_stages=cfg.num_stages)
     if split > 1 and not fused:
         block = 1024 if not on_cpu else 256
         _splitk_reduce_kernel[(triton.cdiv(m * n, block),)](
