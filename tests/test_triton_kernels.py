@@ -357,9 +357,10 @@ def test_int8_planes_whole_steps():
 
 
 def test_int8_planes_config_rules(monkeypatch):
-    """The GPU rules for byte planes, checked without a GPU (device name and SM count faked):
-    the matrix-vector kind for M = 2 when K <= 4096 and for M <= 4 up to 4 Mi weights, the
-    tensor-core kind otherwise; the gemv rule's words tile keeps 2 KB a row and step."""
+    """The GPU rules for both layouts, checked without a GPU (device name and SM count faked):
+    the matrix-vector kind for M = 2 and for M <= 4 up to 4 Mi weights, the tensor-core kind
+    otherwise; the gemv rule's words tile keeps 2 KB a row and step; on the H200 the tuned
+    M = 2 entries (with ``red``) reach the matrix-vector launch."""
     import importlib
 
     gemv_mod = importlib.import_module("llmserve.triton_kernels.gemv")   # the modules, not the
@@ -373,10 +374,10 @@ def test_int8_planes_config_rules(monkeypatch):
              for m, n, k in ((1, 8960, 1536), (2, 8960, 1536), (3, 8960, 1536), (4, 2048, 1536),
                              (2, 1536, 8960), (8, 2048, 1536)) for planes in (False, True)}
     assert kinds[(1, 8960, 1536, False)] == kinds[(1, 8960, 1536, True)] == "vec"
-    assert kinds[(2, 8960, 1536, True)] == "vec" and kinds[(2, 8960, 1536, False)] == "mma"
-    assert kinds[(3, 8960, 1536, True)] == "mma"                 # 13.8 Mi weights
-    assert kinds[(4, 2048, 1536, True)] == "vec" and kinds[(4, 2048, 1536, False)] == "mma"
-    assert kinds[(2, 1536, 8960, True)] == "mma"                 # K > 4096 and 13.8 Mi weights
+    assert kinds[(2, 8960, 1536, True)] == kinds[(2, 8960, 1536, False)] == "vec"
+    assert kinds[(3, 8960, 1536, True)] == kinds[(3, 8960, 1536, False)] == "mma"  # 13.8 Mi weights
+    assert kinds[(4, 2048, 1536, True)] == kinds[(4, 2048, 1536, False)] == "vec"  # 3.1 Mi weights
+    assert kinds[(2, 1536, 8960, True)] == kinds[(2, 1536, 8960, False)] == "vec"
     assert kinds[(8, 2048, 1536, True)] == "mma"                 # above GEMV_MAX_M
     # M = 64: dequantize + cuBLAS for k <= 4096, the tensor-core tiles for larger k; M = 32 tiles
     assert il.choose_int8_config(64, 8960, 1536, cuda).kind == "dequant"
@@ -387,6 +388,14 @@ def test_int8_planes_config_rules(monkeypatch):
     w = gemv_mod.choose_gemv_config(1, 8960, 1536, torch.int32, cuda)
     assert (w.block_n, w.block_k * 4 * 1) == (f.block_n, f.block_k * 2)   # same bytes a row and step
     assert gemv_mod.choose_gemv_config(1, 40, 96, torch.int32, cuda).block_k == 32  # <= pow2(96 / 4)
+    monkeypatch.setattr(gemv_mod, "_gpu_name", lambda device: "NVIDIA H200")
+    down2 = il.choose_int8_config(2, 1536, 8960, cuda)
+    assert (down2.kind, down2.block_n, down2.block_k, down2.num_warps, down2.red) == ("vec", 1, 1024, 4, 16)
+    seen = []
+    monkeypatch.setattr(il, "gemv", lambda *a, config, **kw: seen.append(config) or torch.zeros(2, 1536))
+    il.int8_linear(torch.zeros(2, 8960), torch.zeros(1536, 8960, dtype=torch.int8), torch.ones(1536),
+                   config=down2)
+    assert seen[0].red == 16 and (seen[0].block_n, seen[0].block_k, seen[0].num_warps) == (1, 1024, 4)
 
 
 def test_int8_planes_layout_and_errors():

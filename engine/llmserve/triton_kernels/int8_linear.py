@@ -229,6 +229,7 @@ class Int8LinearConfig:
     # block_k: weight columns a step; with byte planes, "vec" passes it to gemv as words and
     # "mma" steps max(16, block_k // 4) words (the same bytes)
     programs_per_sm: int = 0  # "vec": GemvConfig.programs_per_sm
+    red: int = 1  # "vec": GemvConfig.red (adjacent K columns summed before the accumulator)
 
 
 def _tile_counters(device: torch.device, n: int) -> torch.Tensor:
@@ -258,6 +259,13 @@ def choose_int8_config(m: int, n: int, k: int, device: torch.device, planes: boo
 
     * ``m == 1``: the ``gemv.py`` matrix-vector kernel (``"vec"``) with its tuned or rule-based
       configuration (gate/up 7.1 us, 1.42x; down 7.8 us, 1.56x; qkv 3.5 us, 1.57x).
+    * ``m == 2``, and ``m <= 4`` for weights up to 4 M elements: the matrix-vector kernel too,
+      on both layouts, with per-shape tiles (``red`` included) from
+      ``results/kernels/int8_vec_red_run1`` (row-major int8, against the tensor-core kind in
+      the same run: qkv M = 2 3.8 vs 6.3 us, M = 4 4.6 vs 6.3; gate/up M = 2 9.4 vs 9.4, down
+      M = 2 9.3 vs 9.5; byte planes: down M = 2 10.5 vs 11.2, and earlier
+      ``results/kernels/int8_planes_run1``: qkv M = 2 4.3 vs 6.5, M = 4 5.5 vs 6.4). At M = 4
+      the larger shapes stay on tensor cores (gate/up 12.1 vs 9.2, down 14.1 vs 9.6).
     * ``m <= 64`` otherwise: tensor-core tiles ``BLOCK_M = max(16, next_pow2(m))`` with the
       weight tile as the MMA's B operand (plain orientation measured faster than swap-AB):
       ``k <= 4096``: 32x256 weight tiles, split-K only to reach one program per SM (gate/up
@@ -269,17 +277,13 @@ def choose_int8_config(m: int, n: int, k: int, device: torch.device, planes: boo
     * CPU (Triton interpreter): the same kinds with small tiles, so tests cover every path.
 
     ``planes``: the weight is int8 byte planes (:func:`pack_int8_planes`; ``k`` still counts
-    columns). The matrix-vector kernel then also serves ``m = 2`` for ``k <= 4096`` and
-    ``m <= 4`` for weights up to 4 M elements, where it measured faster than the tensor-core
-    kind on the H200 (``results/kernels/int8_planes_run1``: qkv M = 2 4.3 vs 6.5 us, M = 4
-    5.5 vs 6.4; gate/up M = 2 9.4 vs 10.8).
+    columns).
     """
-    vec = m == 1 or (planes and device.type == "cuda" and m <= GEMV_MAX_M
-                     and ((m == 2 and k <= 4096) or n * k <= 4 * 1024 * 1024))
+    vec = m == 1 or (device.type == "cuda" and m <= GEMV_MAX_M and (m == 2 or n * k <= 4 * 1024 * 1024))
     if vec:  # block_n / block_k / num_warps / num_stages of the gemv.py launch
         g = choose_gemv_config(m, n, k, torch.int32 if planes else torch.int8, device)
         return Int8LinearConfig(1, g.block_n, g.block_k, num_warps=g.num_warps, num_stages=g.stages,
-                                kind="vec", programs_per_sm=g.programs_per_sm)
+                                kind="vec", programs_per_sm=g.programs_per_sm, red=g.red)
     if device.type != "cuda":
         if m <= 64:
             split = 2 if k >= 64 else 1
@@ -377,7 +381,7 @@ def int8_linear(x: torch.Tensor, w_int8: torch.Tensor, scale: torch.Tensor,
             raise ValueError(f"kind 'vec' serves M <= {GEMV_MAX_M}, got M={m}")
         y = gemv(x2, w_int8, scale=scale, bias=bias,
                  config=GemvConfig(cfg.block_n, cfg.block_k, cfg.num_warps, cfg.num_stages,
-                                   cfg.programs_per_sm))
+                                   cfg.programs_per_sm, cfg.red))
         return y.reshape(*lead, n)
     if cfg.kind == "dequant":
         # Compute-bound shapes: one pass int8 -> x.dtype weights, then the vendor GEMM (the
