@@ -393,9 +393,11 @@ def test_int8_planes_config_rules(monkeypatch):
     assert (down2.kind, down2.block_n, down2.block_k, down2.num_warps, down2.red) == ("vec", 1, 1024, 4, 16)
     seen = []
     monkeypatch.setattr(il, "gemv", lambda *a, config, **kw: seen.append(config) or torch.zeros(2, 1536))
-    il.int8_linear(torch.zeros(2, 8960), torch.zeros(1536, 8960, dtype=torch.int8), torch.ones(1536),
-                   config=down2)
+    il.int8_linear(torch.zeros(2, 8960, device=DEVICE), torch.zeros(1536, 8960, dtype=torch.int8, device=DEVICE),
+                   torch.ones(1536, device=DEVICE), config=down2)
     assert seen[0].red == 16 and (seen[0].block_n, seen[0].block_k, seen[0].num_warps) == (1, 1024, 4)
+    qkv3, qkv4 = (il.choose_int8_config(m, 2048, 1536, cuda) for m in (3, 4))   # M = 3: M = 4's tile
+    assert qkv3 == qkv4 and (qkv3.kind, qkv3.block_n, qkv3.red) == ("vec", 2, 16)
 
 
 def test_int8_planes_layout_and_errors():

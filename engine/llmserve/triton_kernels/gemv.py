@@ -549,9 +549,9 @@ def choose_gemv_config(m: int, n: int, k: int, w_dtype: torch.dtype, device: tor
                        prologue: str = "none") -> GemvConfig:
     """Shape-keyed configuration (deterministic, CUDA-graph safe; no autotuning at run time).
 
-    Order: ``LLMSERVE_GEMV_CONFIG="bn,bk,warps,stages[,programs_per_sm[,red[,pre]]]"`` (A/B runs), then the tuned table
-    (exact GPU name, weight kind, prologue, M, K, N), then a rule from the H200 sweeps in
-    ``results/kernels/gemv_*.md``: no software pipelining (``stages=1`` beat 2-4 on every
+    Order: ``LLMSERVE_GEMV_CONFIG="bn,bk,warps,stages[,programs_per_sm[,red[,pre]]]"`` (A/B
+    runs), then the tuned table (exact GPU name, weight kind, prologue, M, K, N; for M = 3 the
+    M = 4 entry), then a rule from the H200 sweeps in ``results/kernels/gemv_*.md``: no software pipelining (``stages=1`` beat 2-4 on every
     shape: with one or two rows a program, many programs per SM keep enough loads in flight
     without it), 512-1024 weight elements a program and step, one or two rows a program; for
     int8 byte planes (``w_dtype`` int32) the same 2 KB a row and step in words. ``k`` counts
@@ -570,7 +570,11 @@ def choose_gemv_config(m: int, n: int, k: int, w_dtype: torch.dtype, device: tor
     if device.type != "cuda":
         return GemvConfig(block_n=8, block_k=32, num_warps=1, stages=1)
     gpu, kind = _gpu_name(device), weight_kind(w_dtype)
-    hit = _tuned(gpu, kind, prologue, m, k, n)
+    # M = 3 runs the kernel compiled for 4 rows (BLOCK_M = next power of two): without its own
+    # entry it takes M = 4's (qkv int8 M = 3 on the rule tile: 8.3 us vs 4.6 with M = 4's,
+    # results/kernels/int8_vec_red_run1/lib)
+    hit = _tuned(gpu, kind, prologue, m, k, n) or (
+        _tuned(gpu, kind, prologue, triton.next_power_of_2(m), k, n) if m & (m - 1) else None)
     if hit:
         return hit
     bn = 1 if n <= 4096 else 2
