@@ -117,36 +117,6 @@ def test_gemv_path_matches_readable_path(seqs):
     torch.testing.assert_close(off, ref, atol=2e-5, rtol=2e-5)
 
 
-@pytest.mark.parametrize("seqs", [[(1, 1)], [(9, 1), (4, 1), (17, 1)], [(7, 3)], [(6, 6)]])
-def test_decode_logits_final_norm_in_lm_head(monkeypatch, seqs):
-    """``decode_logits`` (what the decode graphs run): on the matrix-vector path the final
-    RMSNorm is the LM head kernel's prologue, and its logits match ``compute_logits`` of the
-    normed hidden states and the readable model; steps longer than ``gemv_max_tokens`` (the
-    6-token chunk) and ``LLMSERVE_GEMV_FINAL_NORM=0`` (the default) take the separate norm, bit
-    for bit."""
-    model = small_model(6, 2)
-    ids, pos, caches, meta = batch(model, seqs)
-    caches2, caches3 = clone_caches(caches), clone_caches(caches)
-    ref = model.compute_logits(model(ids, pos, caches, meta))
-    assert not FastQwen2Forward(model, use_gemv=True, gemv_max_tokens=4).final_norm_in_head  # opt in
-    monkeypatch.setenv("LLMSERVE_GEMV_FINAL_NORM", "1")
-    fast = FastQwen2Forward(model, use_gemv=True, gemv_max_tokens=4)
-    assert fast.final_norm_in_head
-    logits = fast.decode_logits(ids, pos, caches2, meta)
-    assert logits.dtype == torch.float32 and logits.shape == ref.shape
-    torch.testing.assert_close(logits, ref, atol=2e-4, rtol=2e-4)
-    unfused = fast.compute_logits(fast(ids, pos, clone_caches(caches3), meta))
-    if ids.numel() > 4:
-        torch.testing.assert_close(logits, unfused, atol=0, rtol=0)
-    else:   # a different rounding order: close, not equal in general
-        torch.testing.assert_close(logits, unfused, atol=2e-5, rtol=2e-5)
-    monkeypatch.setenv("LLMSERVE_GEMV_FINAL_NORM", "0")
-    off = FastQwen2Forward(model, use_gemv=True, gemv_max_tokens=4)
-    assert not off.final_norm_in_head
-    torch.testing.assert_close(off.decode_logits(ids, pos, caches3, meta), unfused, atol=0, rtol=0)
-    assert not FastQwen2Forward(model, use_gemv=False).final_norm_in_head
-
-
 @pytest.mark.parametrize("seqs", [[(1, 1)], [(9, 1), (4, 1), (17, 1)], [(7, 3)]])
 def test_gemv_path_embedding_gather(monkeypatch, seqs):
     """The first layer's kernels read the embedding rows straight from the table

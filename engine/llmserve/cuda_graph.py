@@ -67,10 +67,8 @@ class CUDAGraphDecodeRunner:
     """Captures and replays decode steps.
 
     Args:
-        forward: ``(input_ids, positions, kv_caches, meta) -> hidden [N, H]``, or the logits
-            ``[N, V]`` float32 themselves when ``compute_logits`` is None (e.g.
-            :meth:`~llmserve.models.fast_forward.FastQwen2Forward.decode_logits`).
-        compute_logits: ``hidden [N, H] -> logits [N, V]`` float32, or None.
+        forward: ``(input_ids, positions, kv_caches, meta) -> hidden [N, H]``.
+        compute_logits: ``hidden [N, H] -> logits [N, V]`` float32.
         kv_caches: per-layer ``(k, v)`` cache tensors.
         block_size: tokens per block.
         max_batch: largest bucket (the scheduler's ``max_num_seqs``).
@@ -158,8 +156,8 @@ class CUDAGraphDecodeRunner:
             block_size=self.block_size, is_decode_only=True)
 
     def _run(self, b: int, short: bool) -> torch.Tensor:
-        out = self.forward(self.input_ids[:b], self.positions[:b], self.kv_caches, self._meta(b, short))
-        logits = out if self.compute_logits is None else self.compute_logits(out)  # [b, V]
+        hidden = self.forward(self.input_ids[:b], self.positions[:b], self.kv_caches, self._meta(b, short))
+        logits = self.compute_logits(hidden)                                  # [b, V]
         if self.greedy is not None:                                           # into argmax_out[parity, :b]
             self.greedy(logits, out=self.argmax_out[:, :b], out_row=self.argmax_parity)
         return logits

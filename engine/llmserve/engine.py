@@ -218,7 +218,7 @@ class LLMEngine(_EngineBase):
         fast = FastQwen2Forward(self.model)
         graphs = None
         if config.attention_backend == "triton" and config.use_cuda_graph:
-            graphs = CUDAGraphDecodeRunner(fast.decode_logits, None, self.kv_cache.kv_caches,
+            graphs = CUDAGraphDecodeRunner(fast, fast.compute_logits, self.kv_cache.kv_caches,
                                            self.block_size, config.scheduler.max_num_seqs,
                                            self.max_model_len, self.device,
                                            greedy=fast.greedy if graph_argmax else None)

@@ -410,7 +410,7 @@ class SpeculativeEngine(LLMEngine):
         graphs = None
         if config.attention_backend == "triton" and config.use_cuda_graph:
             from .cuda_graph import CUDAGraphDecodeRunner
-            graphs = CUDAGraphDecodeRunner(fast.decode_logits, None,
+            graphs = CUDAGraphDecodeRunner(fast, fast.compute_logits,
                                            self.draft_kv_cache.kv_caches, self.block_size,
                                            config.scheduler.max_num_seqs, self.max_model_len, self.device)
             graphs.capture()

@@ -237,40 +237,12 @@ class FastQwen2Forward:
         gather = env_switch("LLMSERVE_DECODE_EMBED_GATHER")
         self.embed_gather = (gather is not False and type(model.model.embed_tokens) is nn.Embedding
                              and model.model.embed_tokens.weight.stride(-1) == 1)
-        # Matrix-vector path, decode_logits only, opt in (LLMSERVE_GEMV_FINAL_NORM=1): the final
-        # RMSNorm runs as the LM head kernel's prologue (no norm kernel of its own). H200, batch-1
-        # decode with the plain LM head tile: 1.5B 1.010-1.018 -> 1.027-1.031 ms/step, 0.5B
-        # 0.467-0.474 -> 0.475-0.479 (the prologue took the 1.5B LM head from 71 to 118
-        # registers; results/h200/notes/s14/run1).
-        fuse_norm = env_switch("LLMSERVE_GEMV_FINAL_NORM")
-        self.final_norm_in_head = self.use_gemv and self._plain_head and fuse_norm is True
-
-    def _check_quantization(self) -> None:
-        if getattr(self.model, "quantization_config", None) is not self._quantization:
-            raise RuntimeError("the model was quantized after FastQwen2Forward was built: its packed "
-                               "q/k/v and gate/up weights are the old ones; build it again")
-
-    def decode_logits(self, input_ids: torch.Tensor, positions: torch.Tensor,
-                      kv_caches: list[tuple[torch.Tensor, torch.Tensor]], meta: AttentionMetadata
-                      ) -> torch.Tensor:
-        """Logits ``[N, V]`` float32 of every token of the step: ``compute_logits(self(...))``,
-        except on the matrix-vector path with :attr:`final_norm_in_head`, where the model's final
-        RMSNorm is the LM head kernel's prologue (``gemv(prologue="rmsnorm")``: ``x * g`` per K
-        tile, the ``rsqrt(mean(x^2) + eps)`` factor in the epilogue, so the normed hidden state is
-        never rounded to bf16) instead of a kernel of its own. Used by the decode graphs, which
-        need logits only. Raises ``RuntimeError`` as :meth:`__call__`."""
-        if not (self.final_norm_in_head and input_ids.shape[0] <= self.gemv_max_tokens):
-            return self.compute_logits(self(input_ids, positions, kv_caches, meta))
-        self._check_quantization()
-        r = self._forward_gemv(input_ids, positions, kv_caches, meta, final_norm=False)  # [N, H]
-        w = self.model.lm_head.weight                                       # [V, H]
-        out = torch.empty((r.shape[0], w.shape[0]), dtype=torch.float32, device=r.device)
-        return gemv(r, w, out=out, prologue="rmsnorm", norm_weight=self.model.model.norm.weight,
-                    eps=self.eps, pdl=self.pdl, pdl_trigger_first=self.pdl_trigger_first)
 
     def __call__(self, input_ids: torch.Tensor, positions: torch.Tensor,
                  kv_caches: list[tuple[torch.Tensor, torch.Tensor]], meta: AttentionMetadata) -> torch.Tensor:
-        self._check_quantization()
+        if getattr(self.model, "quantization_config", None) is not self._quantization:
+            raise RuntimeError("the model was quantized after FastQwen2Forward was built: its packed "
+                               "q/k/v and gate/up weights are the old ones; build it again")
         if self.use_gemv and input_ids.shape[0] <= self.gemv_max_tokens:
             return self._forward_gemv(input_ids, positions, kv_caches, meta)
         model = self.model
@@ -322,15 +294,14 @@ class FastQwen2Forward:
 
     def _forward_gemv(self, input_ids: torch.Tensor, positions: torch.Tensor,
                       kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
-                      meta: AttentionMetadata, final_norm: bool = True) -> torch.Tensor:
+                      meta: AttentionMetadata) -> torch.Tensor:
         """The same function for ``N <= GEMV_MAX_M`` tokens with fused matrix-vector kernels:
         ``r`` is the residual stream ``[N, H]``, updated in place by the O and down
         projections' epilogues; each layer's two RMSNorms run inside the QKV and gate-up
         projections, RoPE and the K/V cache write in the QKV projection's epilogue and
         SiLU-and-mul in the gate-up projection's epilogue. With :attr:`embed_gather` the first
         layer's QKV and O projections read the embedding rows of ``input_ids`` from the table
-        (no lookup kernel; the O projection writes the first ``r``). ``final_norm=False``
-        returns the residual stream before the model's final RMSNorm (:meth:`decode_logits`)."""
+        (no lookup kernel; the O projection writes the first ``r``)."""
         model = self.model
         backend = model.attention_backend
         direct_decode = isinstance(backend, TritonPagedAttention) and meta.is_decode_only
@@ -372,7 +343,5 @@ class FastQwen2Forward:
             w_d, b_d, s_d = _proj(layer.mlp.down_proj)
             gemv(act, w_d, scale=s_d, bias=b_d, residual=r, out=r, pdl=pdl,
                  early_epilogue=early, pdl_trigger_first=first)             # r += act @ Wd.T
-        if not final_norm:
-            return r
         h, _ = add_rmsnorm(r, model.model.norm.weight, self.eps)            # [N, H]
         return h

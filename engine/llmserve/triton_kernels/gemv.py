@@ -587,12 +587,8 @@ def choose_gemv_config(m: int, n: int, k: int, w_dtype: torch.dtype, device: tor
 
 def _tuned(gpu: str, int8: bool | str, prologue: str, m: int, k: int, n: int) -> GemvConfig | None:
     """The table's configuration for this shape; for an untuned ``"+rope"`` prologue, the plain
-    projection's tile with half the rows (each output is two weight rows); for an untuned
-    ``"rmsnorm"`` prologue (the LM head with the final norm), the plain projection's tile;
-    ``None`` if neither."""
+    projection's tile with half the rows (each output is two weight rows); ``None`` if neither."""
     hit = _table().get(table_key(gpu, int8, prologue, m, k, n))
-    if hit is None and prologue == "rmsnorm":
-        hit = _table().get(table_key(gpu, int8, "none", m, k, n))
     if hit is None and prologue.endswith("+rope"):
         plain = _table().get(table_key(gpu, int8, prologue[:-len("+rope")], m, k, 2 * n))
         if plain:
