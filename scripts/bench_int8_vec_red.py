@@ -120,23 +120,28 @@ def main() -> int:
                 row[f"{name}_best"] = ok[0] if ok else None
                 row[f"{name}_best_red1"] = next((r for r in ok if r["cfg"][5:6] in ([], [1])), None)
                 del c
-            rb, pb = row["rowmajor_best"], row["planes_best"]
             cb = row["cublas_bf16_us"]
+
+            def best(r):
+                return f"{r['us']:.2f} {r['cfg']} ({cb / r['us']:.2f}x)" if r else "every configuration failed"
+
             print(f"[{time.time() - t0:6.1f}s] {lab} M={m}: cuBLAS {cb:.2f}, defaults "
                   f"{row['rowmajor_default']['us']:.2f} / {row['planes_default']['us']:.2f}, best row-major "
-                  f"{rb and rb['us']:.2f} {rb and rb['cfg']} ({cb / rb['us']:.2f}x), planes {pb['us']:.2f} "
-                  f"{pb['cfg']} ({cb / pb['us']:.2f}x)", flush=True)
+                  f"{best(row['rowmajor_best'])}, planes {best(row['planes_best'])}", flush=True)
             rows.append(row)
             (args.out / "vec_red.json").write_text(json.dumps(dict(**run_header(), rows=rows), indent=1))
     lines = ["| shape | M | cuBLAS bf16 us | default row-major / planes us | best row-major us (cfg) | best planes us "
              "(cfg) | best red 1 row-major / planes us | speed-up of the best |", "|---|---|---|---|---|---|---|---|"]
+    def cell(b, with_cfg=True):
+        return "-" if b is None else f"{b['us']:.2f}" + (f" {b['cfg']}" if with_cfg else "")
+
     for r in rows:
         rb, pb, cb = r["rowmajor_best"], r["planes_best"], r["cublas_bf16_us"]
-        r1, p1 = r["rowmajor_best_red1"], r["planes_best_red1"]
-        best = min(rb["us"], pb["us"])
+        ok = [b["us"] for b in (rb, pb) if b]
         lines.append(f"| {r['shape']} | {r['M']} | {cb:.2f} | {r['rowmajor_default']['us']:.2f} / "
-                     f"{r['planes_default']['us']:.2f} | {rb['us']:.2f} {rb['cfg']} | {pb['us']:.2f} {pb['cfg']} | "
-                     f"{r1['us']:.2f} / {p1['us']:.2f} | {cb / best:.2f}x |")
+                     f"{r['planes_default']['us']:.2f} | {cell(rb)} | {cell(pb)} | "
+                     f"{cell(r['rowmajor_best_red1'], False)} / {cell(r['planes_best_red1'], False)} | "
+                     + (f"{cb / min(ok):.2f}x |" if ok else "- |"))
     (args.out / "vec_red.md").write_text(f"{run_header()}\n\ncfg = [block_n, block_k, warps, stages, "
                                          "programs_per_sm, red] (block_k in columns, words for planes)\n\n"
                                          + "\n".join(lines) + "\n")

@@ -356,29 +356,36 @@ def test_int8_planes_whole_steps():
         assert_close(gemv(x[:m], p, scale=scale, config=GemvConfig(2, 16, 1, 1)), ref[:m], torch.float32)
 
 
-def test_int8_planes_config_rules(monkeypatch):
-    """The GPU rules for both layouts, checked without a GPU (device name and SM count faked):
-    the matrix-vector kind for M = 2 and for M <= 4 up to 4 Mi weights, the tensor-core kind
-    otherwise; the gemv rule's words tile keeps 2 KB a row and step; on the H200 the tuned
-    M = 2 entries (with ``red``) reach the matrix-vector launch."""
+def test_int8_planes_config_rules(monkeypatch, tmp_path):
+    """The GPU routing, checked without a GPU (device name and SM count faked). Without tuned
+    entries: byte planes take the matrix-vector kind for M = 2 when K <= 4096 and for M <= 4 up
+    to 4 Mi weights (inclusive), row-major int8 only at M = 1, the tensor-core kind otherwise;
+    the gemv rule's words tile keeps 2 KB a row and step. On the H200 a tuned M = 2..4 entry
+    (M = 3: M = 4's, and only for M = 3) routes that shape to the matrix-vector kind with its
+    tile and ``red``; untuned shapes (the engine's packed gate-up, o_proj) keep the tensor-core
+    kind; CPU devices keep it too."""
     import importlib
+    import json
 
     gemv_mod = importlib.import_module("llmserve.triton_kernels.gemv")   # the modules, not the
     il = importlib.import_module("llmserve.triton_kernels.int8_linear")  # functions re-exported
 
     monkeypatch.delenv("LLMSERVE_GEMV_CONFIG", raising=False)
+    monkeypatch.delenv("LLMSERVE_GEMV_TABLE", raising=False)
     monkeypatch.setattr(gemv_mod, "_gpu_name", lambda device: "no such GPU")
     monkeypatch.setattr(il, "_num_sms", lambda device: 132)
     cuda = torch.device("cuda")
     kinds = {(m, n, k, planes): il.choose_int8_config(m, n, k, cuda, planes=planes).kind
              for m, n, k in ((1, 8960, 1536), (2, 8960, 1536), (3, 8960, 1536), (4, 2048, 1536),
-                             (2, 1536, 8960), (8, 2048, 1536)) for planes in (False, True)}
+                             (2, 1536, 8960), (8, 2048, 1536), (3, 2048, 2048), (3, 2049, 2048))
+             for planes in (False, True)}
     assert kinds[(1, 8960, 1536, False)] == kinds[(1, 8960, 1536, True)] == "vec"
-    assert kinds[(2, 8960, 1536, True)] == kinds[(2, 8960, 1536, False)] == "vec"
+    assert kinds[(2, 8960, 1536, True)] == "vec" and kinds[(2, 8960, 1536, False)] == "mma"
     assert kinds[(3, 8960, 1536, True)] == kinds[(3, 8960, 1536, False)] == "mma"  # 13.8 Mi weights
-    assert kinds[(4, 2048, 1536, True)] == kinds[(4, 2048, 1536, False)] == "vec"  # 3.1 Mi weights
-    assert kinds[(2, 1536, 8960, True)] == kinds[(2, 1536, 8960, False)] == "vec"
+    assert kinds[(4, 2048, 1536, True)] == "vec" and kinds[(4, 2048, 1536, False)] == "mma"
+    assert kinds[(2, 1536, 8960, True)] == "mma"                 # K > 4096 and 13.8 Mi weights
     assert kinds[(8, 2048, 1536, True)] == "mma"                 # above GEMV_MAX_M
+    assert kinds[(3, 2048, 2048, True)] == "vec" and kinds[(3, 2049, 2048, True)] == "mma"  # 4 Mi: inclusive
     # M = 64: dequantize + cuBLAS for k <= 4096, the tensor-core tiles for larger k; M = 32 tiles
     assert il.choose_int8_config(64, 8960, 1536, cuda).kind == "dequant"
     assert il.choose_int8_config(64, 1536, 8960, cuda).kind == "mma"
@@ -388,6 +395,7 @@ def test_int8_planes_config_rules(monkeypatch):
     w = gemv_mod.choose_gemv_config(1, 8960, 1536, torch.int32, cuda)
     assert (w.block_n, w.block_k * 4 * 1) == (f.block_n, f.block_k * 2)   # same bytes a row and step
     assert gemv_mod.choose_gemv_config(1, 40, 96, torch.int32, cuda).block_k == 32  # <= pow2(96 / 4)
+
     monkeypatch.setattr(gemv_mod, "_gpu_name", lambda device: "NVIDIA H200")
     down2 = il.choose_int8_config(2, 1536, 8960, cuda)
     assert (down2.kind, down2.block_n, down2.block_k, down2.num_warps, down2.red) == ("vec", 1, 1024, 4, 16)
@@ -398,6 +406,20 @@ def test_int8_planes_config_rules(monkeypatch):
     assert seen[0].red == 16 and (seen[0].block_n, seen[0].block_k, seen[0].num_warps) == (1, 1024, 4)
     qkv3, qkv4 = (il.choose_int8_config(m, 2048, 1536, cuda) for m in (3, 4))   # M = 3: M = 4's tile
     assert qkv3 == qkv4 and (qkv3.kind, qkv3.block_n, qkv3.red) == ("vec", 2, 16)
+    for m, n, k in ((2, 17920, 1536), (2, 1536, 1536), (4, 1536, 1536), (2, 2048, 1536)):
+        want = "vec" if (n, k) == (2048, 1536) else "mma"    # untuned: packed gate-up, o_proj
+        assert il.choose_int8_config(m, n, k, cuda).kind == want, (m, n, k)
+        assert il.choose_int8_config(m, n, k, torch.device("cpu")).kind == "mma"
+        assert il.choose_int8_config(m, n, k, torch.device("cpu"), planes=True).kind == "mma"
+    # the M = 3 fallback is M = 4's entry, for M = 3 only (a table with nothing else)
+    table = tmp_path / "t.json"
+    table.write_text(json.dumps({"configs": {"NVIDIA H200|int8|none|4|1024|512": [2, 256, 2, 1, 0, 4]}}))
+    monkeypatch.setenv("LLMSERVE_GEMV_TABLE", str(table))
+    assert gemv_mod.tuned_gemv_config(3, 512, 1024, torch.int8, cuda).as_list() == [2, 256, 2, 1, 0, 4]
+    assert gemv_mod.tuned_gemv_config(4, 512, 1024, torch.int8, cuda).red == 4
+    assert all(gemv_mod.tuned_gemv_config(m, 512, 1024, torch.int8, cuda) is None for m in (1, 2))
+    assert gemv_mod.tuned_gemv_config(3, 512, 1024, torch.int8, torch.device("cpu")) is None
+    assert [il.choose_int8_config(m, 512, 1024, cuda).kind for m in (2, 3, 4)] == ["mma", "vec", "vec"]
 
 
 def test_int8_planes_layout_and_errors():

@@ -57,7 +57,7 @@ from ..quantization import unpack_int8_planes
 from ._launch import num_sms, pdl_launch_kwargs, pdl_start, pdl_wait
 
 __all__ = ["GemvConfig", "choose_gemv_config", "gemv", "gemv_qkv_rope", "gemv_reference", "GEMV_MAX_M",
-           "weight_kind"]
+           "tuned_gemv_config", "weight_kind"]
 
 GEMV_MAX_M = 4  # most rows of x (every program serves all of them); larger M use a GEMM
 
@@ -569,20 +569,30 @@ def choose_gemv_config(m: int, n: int, k: int, w_dtype: torch.dtype, device: tor
                              f"(powers of two; stages >= 1), got {env!r}: {e}") from None
     if device.type != "cuda":
         return GemvConfig(block_n=8, block_k=32, num_warps=1, stages=1)
-    gpu, kind = _gpu_name(device), weight_kind(w_dtype)
-    # M = 3 runs the kernel compiled for 4 rows (BLOCK_M = next power of two): without its own
-    # entry it takes M = 4's (qkv int8 M = 3 on the rule tile: 8.3 us vs 4.6 with M = 4's,
-    # results/kernels/int8_vec_red_run1/lib)
-    hit = _tuned(gpu, kind, prologue, m, k, n) or (
-        _tuned(gpu, kind, prologue, triton.next_power_of_2(m), k, n) if m & (m - 1) else None)
+    hit = tuned_gemv_config(m, n, k, w_dtype, device, prologue)
     if hit:
         return hit
+    kind = weight_kind(w_dtype)
     bn = 1 if n <= 4096 else 2
     bk = max(64, (1024 if bn == 1 else 512) // triton.next_power_of_2(m))
     if kind == "int8p":             # words: the same 2 KB a row and step as the float rule
         bk //= 2
         k //= 4
     return GemvConfig(block_n=bn, block_k=min(bk, triton.next_power_of_2(k)), num_warps=4, stages=1)
+
+
+def tuned_gemv_config(m: int, n: int, k: int, w_dtype: torch.dtype, device: torch.device,
+                      prologue: str = "none") -> GemvConfig | None:
+    """The tuned table's configuration for this GPU and shape (see :func:`_table`), or None
+    (CPU devices, untuned shapes). M = 3 runs the kernel compiled for 4 rows (``BLOCK_M`` is
+    the next power of two), so without an entry of its own it takes M = 4's (Qwen2.5-1.5B qkv
+    int8 at M = 3: 8.33 us on the rule tile, 4.68 with M = 4's;
+    ``results/h200/notes/s14/run3_tests/lib/``, ``run4_lib/lib/``)."""
+    if device.type != "cuda":
+        return None
+    gpu, kind = _gpu_name(device), weight_kind(w_dtype)
+    return _tuned(gpu, kind, prologue, m, k, n) or (
+        _tuned(gpu, kind, prologue, triton.next_power_of_2(m), k, n) if m & (m - 1) else None)
 
 
 def _tuned(gpu: str, int8: bool | str, prologue: str, m: int, k: int, n: int) -> GemvConfig | None:

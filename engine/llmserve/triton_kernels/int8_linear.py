@@ -45,7 +45,7 @@ from ..quantization import (  # the layout (pure torch), re-exported
     unpack_int8_planes,
 )
 from ._launch import num_sms, zeroed_counters
-from .gemv import GEMV_MAX_M, GemvConfig, _plane_bytes, choose_gemv_config, gemv
+from .gemv import GEMV_MAX_M, GemvConfig, _plane_bytes, choose_gemv_config, gemv, tuned_gemv_config
 
 __all__ = ["Int8LinearConfig", "choose_int8_config", "int8_linear", "int8_linear_reference",
            "pack_int8_planes", "quantize_int8_per_channel", "unpack_int8_planes"]
@@ -259,13 +259,18 @@ def choose_int8_config(m: int, n: int, k: int, device: torch.device, planes: boo
 
     * ``m == 1``: the ``gemv.py`` matrix-vector kernel (``"vec"``) with its tuned or rule-based
       configuration (gate/up 7.1 us, 1.42x; down 7.8 us, 1.56x; qkv 3.5 us, 1.57x).
-    * ``m == 2``, and ``m <= 4`` for weights up to 4 M elements: the matrix-vector kernel too,
-      on both layouts, with per-shape tiles (``red`` included) from
-      ``results/kernels/int8_vec_red_run1`` (row-major int8, against the tensor-core kind in
-      the same run: qkv M = 2 3.8 vs 6.3 us, M = 4 4.6 vs 6.3; gate/up M = 2 9.4 vs 9.4, down
-      M = 2 9.3 vs 9.5; byte planes: down M = 2 10.5 vs 11.2, and earlier
-      ``results/kernels/int8_planes_run1``: qkv M = 2 4.3 vs 6.5, M = 4 5.5 vs 6.4). At M = 4
-      the larger shapes stay on tensor cores (gate/up 12.1 vs 9.2, down 14.1 vs 9.6).
+    * ``2 <= m <= 4`` where the gemv table has a tuned entry for the shape (M = 3 takes M = 4's):
+      the matrix-vector kernel too, with that tile (``red`` included). The entries come from
+      ``results/kernels/int8_vec_red_run1`` (Qwen2.5-1.5B shapes; row-major int8 against the
+      tensor-core kind in the same run: qkv M = 2 3.8 vs 6.3 us, M = 4 4.6 vs 6.3; gate/up
+      M = 2 9.4 vs 9.4, down M = 2 9.3 vs 9.5; byte planes: down M = 2 10.5 vs 11.2). Only
+      measured winners are entries: at M = 4 the larger shapes stay on tensor cores (gate/up
+      12.1 vs 9.2, down 14.1 vs 9.6), and untuned shapes do not take the matrix-vector rule
+      tile, which the same sweep measured slower than the tensor-core kind (gate/up M = 2
+      15.7 vs 9.4 us, down M = 2 13.3 vs 9.5, qkv M = 4 8.3 vs 6.3).
+    * byte planes, untuned shapes: the matrix-vector kind also for ``m = 2`` with ``k <= 4096``
+      and ``m <= 4`` with up to 4 Mi weights (``results/kernels/int8_planes_run1``: qkv M = 2
+      4.3 vs 6.5 us, M = 4 5.5 vs 6.4; gate/up M = 2 9.4 vs 10.8).
     * ``m <= 64`` otherwise: tensor-core tiles ``BLOCK_M = max(16, next_pow2(m))`` with the
       weight tile as the MMA's B operand (plain orientation measured faster than swap-AB):
       ``k <= 4096``: 32x256 weight tiles, split-K only to reach one program per SM (gate/up
@@ -274,14 +279,18 @@ def choose_int8_config(m: int, n: int, k: int, device: torch.device, planes: boo
     * ``m > 64``, and ``m = 64`` with ``k <= 4096``: dequantize to ``x.dtype`` then cuBLAS
       (M=2048: 1.12-1.19x the bf16 time; the fused tile kernels measured 1.7-2.1x, at M=256
       too; at M=64, Qwen2.5-1.5B gate/up 18.4 vs 21.3 us and qkv 8.9 vs 11.1 for the tiles).
-    * CPU (Triton interpreter): the same kinds with small tiles, so tests cover every path.
+    * CPU (Triton interpreter): the same kinds with small tiles (the matrix-vector kind at
+      M = 1 only), so tests cover every path.
 
     ``planes``: the weight is int8 byte planes (:func:`pack_int8_planes`; ``k`` still counts
     columns).
     """
-    vec = m == 1 or (device.type == "cuda" and m <= GEMV_MAX_M and (m == 2 or n * k <= 4 * 1024 * 1024))
+    w_dtype = torch.int32 if planes else torch.int8
+    vec = m == 1 or (device.type == "cuda" and m <= GEMV_MAX_M and (
+        tuned_gemv_config(m, n, k, w_dtype, device) is not None
+        or (planes and ((m == 2 and k <= 4096) or n * k <= 4 * 1024 * 1024))))
     if vec:  # block_n / block_k / num_warps / num_stages of the gemv.py launch
-        g = choose_gemv_config(m, n, k, torch.int32 if planes else torch.int8, device)
+        g = choose_gemv_config(m, n, k, w_dtype, device)
         return Int8LinearConfig(1, g.block_n, g.block_k, num_warps=g.num_warps, num_stages=g.stages,
                                 kind="vec", programs_per_sm=g.programs_per_sm, red=g.red)
     if device.type != "cuda":
