@@ -200,24 +200,28 @@ def rel_err(a, b):
     return ((a.float() - b.float()).norm() / b.float().norm().clamp_min(1e-30)).item()
 
 
+def time_config(case: Case, cfg: GemvConfig) -> dict:
+    """One sweep row of ``case`` under ``cfg``: ``us`` is None, with ``error`` saying why, when
+    the configuration failed its parity check or its launch (e.g. out of registers)."""
+    out = dict(cfg=cfg.as_list(), us=None, rel_err=None, error=None)
+    try:
+        out["rel_err"] = case.check(cfg)
+        if out["rel_err"] < 1e-2:
+            out["us"] = time_graph(case.fns(cfg), case.reps)
+        else:
+            out["error"] = f"relative error {out['rel_err']:.2e} >= 1e-2 against fp32"
+    except Exception as ex:  # noqa: BLE001 - kept as a row
+        out["error"] = f"{type(ex).__name__}: {ex}"[:300]
+    return out
+
+
 def run_case(c, sweep: bool) -> dict:
     case = Case(c, ROTATE)
     k, n, m = case.k, case.n, case.m
     elt = 1 if case.int8 else 2
 
     def t_cfg(cfg) -> dict:
-        """One sweep row: ``us`` is None, with ``error`` saying why, when the configuration
-        failed its parity check or its launch (e.g. out of registers)."""
-        out = dict(cfg=cfg.as_list(), us=None, rel_err=None, error=None)
-        try:
-            out["rel_err"] = case.check(cfg)
-            if out["rel_err"] < 1e-2:
-                out["us"] = time_graph(case.fns(cfg), case.reps)
-            else:
-                out["error"] = f"relative error {out['rel_err']:.2e} >= 1e-2 against fp32"
-        except Exception as ex:  # noqa: BLE001 - kept as a row
-            out["error"] = f"{type(ex).__name__}: {ex}"[:300]
-        return out
+        return time_config(case, cfg)
 
     bfns, _keep = case.baseline()
     base = time_graph(bfns, max(len(bfns), 24))

@@ -35,7 +35,7 @@ from bench_int8_planes import run_header  # noqa: E402
 from llmserve.triton_kernels.gemv import GemvConfig  # noqa: E402
 from llmserve.triton_kernels.int8_linear import choose_int8_config, int8_linear  # noqa: E402
 
-SHAPES = [("gate/up", 1536, 8960), ("down", 8960, 1536), ("qkv", 1536, 2048)]
+SHAPES = [(lab.removeprefix("int8 "), k, n) for lab, k, n in bg.INT8_SHAPES]  # gate/up, down, qkv
 
 
 def configs(planes: bool, quick: bool) -> list[GemvConfig]:
@@ -103,18 +103,7 @@ def main() -> int:
                            f"w{dflt.num_warps}",
                     us=bg.time_graph([lambda i=i: int8_linear(c.x, c.w[i], c.sc[i]) for i in range(c.copies)],
                                      c.reps))
-                res = []
-                for cfg in configs(planes, args.quick):
-                    r = dict(cfg=cfg.as_list(), us=None, rel_err=None, error=None)
-                    try:
-                        r["rel_err"] = c.check(cfg)
-                        if r["rel_err"] < 1e-2:
-                            r["us"] = bg.time_graph(c.fns(cfg), c.reps)
-                        else:
-                            r["error"] = f"relative error {r['rel_err']:.2e}"
-                    except Exception as ex:  # noqa: BLE001 - kept as a row
-                        r["error"] = f"{type(ex).__name__}: {ex}"[:200]
-                    res.append(r)
+                res = [bg.time_config(c, cfg) for cfg in configs(planes, args.quick)]
                 row[name] = res
                 ok = sorted((r for r in res if r["us"] is not None), key=lambda r: r["us"])
                 row[f"{name}_best"] = ok[0] if ok else None
