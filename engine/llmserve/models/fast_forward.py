@@ -231,6 +231,11 @@ class FastQwen2Forward:
         # kernels several positions ahead read their weights early); LLMSERVE_PDL_TRIGGER_FIRST.
         first = env_switch("LLMSERVE_PDL_TRIGGER_FIRST")       # validated on every device
         self.pdl_trigger_first = self.pdl and first is True
+        # EXPERIMENT (A/B only): trigger-first for the named kernels only
+        # (qkv, attn, o, gu, down, head, argmax).
+        roles = {r for r in os.environ.get("LLMSERVE_PDL_TRIGGER_ROLES", "").split(",") if r}
+        self.trigger_roles = {r: self.pdl and (self.pdl_trigger_first or r in roles)
+                              for r in ("qkv", "attn", "o", "gu", "down", "head", "argmax")}
         # Matrix-vector path: the first layer's QKV and O kernels read the token embeddings
         # straight from the table (gemv's x_rows / residual_rows), so the lookup is no kernel of
         # its own; LLMSERVE_DECODE_EMBED_GATHER=0 keeps the lookup kernel (A/B runs).
@@ -281,7 +286,7 @@ class FastQwen2Forward:
             return self.model.compute_logits(hidden)
         w = self.model.lm_head.weight                                       # [V, H]
         out = torch.empty((m, w.shape[0]), dtype=torch.float32, device=hidden.device)
-        return gemv(hidden, w, out=out, pdl=self.pdl, pdl_trigger_first=self.pdl_trigger_first)
+        return gemv(hidden, w, out=out, pdl=self.pdl, pdl_trigger_first=self.trigger_roles["head"])
 
     def greedy(self, logits: torch.Tensor, out: torch.Tensor | None = None,
                out_row: torch.Tensor | None = None) -> torch.Tensor:
@@ -290,7 +295,7 @@ class FastQwen2Forward:
         launch after the LM head on the matrix-vector path). Used inside the decode graphs,
         which pass ``out`` ``[2, M]`` and ``out_row`` (int64 ``[1]``, the row to write, read on
         the device); the return value is then ``out``. Raises ``ValueError`` as ``argmax_rows``."""
-        return argmax_rows(logits, out, pdl=self.pdl, pdl_trigger_first=self.pdl_trigger_first, out_row=out_row)
+        return argmax_rows(logits, out, pdl=self.pdl, pdl_trigger_first=self.trigger_roles["argmax"], out_row=out_row)
 
     def _forward_gemv(self, input_ids: torch.Tensor, positions: torch.Tensor,
                       kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
@@ -306,7 +311,7 @@ class FastQwen2Forward:
         backend = model.attention_backend
         direct_decode = isinstance(backend, TritonPagedAttention) and meta.is_decode_only
         pdl, early = self.pdl, self.early_epilogue
-        first = self.pdl_trigger_first
+        tf = self.trigger_roles
         cos, sin = model.rope_cos_sin(input_ids.device)                     # [L, D/2] fp32
         emb = model.model.embed_tokens.weight                               # [V, H]
         n = input_ids.shape[0]
@@ -324,24 +329,24 @@ class FastQwen2Forward:
                               eps=self.eps, positions=positions, slot_mapping=meta.slot_mapping,
                               cos=cos, sin=sin, k_cache=k_cache, v_cache=v_cache,
                               num_heads=self.num_heads, num_kv_heads=self.num_kv_heads,
-                              pdl=pdl, early_epilogue=self.qkv_early, pdl_trigger_first=first,
+                              pdl=pdl, early_epilogue=self.qkv_early, pdl_trigger_first=tf["qkv"],
                               x_rows=input_ids if gather else None)         # [N, Hq, D]
             if direct_decode:
                 o = paged_attention_decode(q, k_cache, v_cache, meta, self.scale, pdl=pdl,
-                                           pdl_trigger_first=first)
+                                           pdl_trigger_first=tf["attn"])
             else:
                 o = backend.forward(q, k_cache, v_cache, meta, self.scale)  # [N, Hq, D]
             w_o, b_o, s_o = _proj(layer.self_attn.o_proj)
             gemv(o.reshape(n, self.num_heads * self.head_dim), w_o, scale=s_o, bias=b_o,
                  residual=emb if gather else r, out=r, pdl=pdl, early_epilogue=early,
-                 pdl_trigger_first=first,
+                 pdl_trigger_first=tf["o"],
                  residual_rows=input_ids if gather else None)               # r += o @ Wo.T
             w_gu, _, s_gu = entry["gate_up"]
             act = gemv(r, w_gu, scale=s_gu, prologue="rmsnorm", glu=True,
                        norm_weight=layer.post_attention_layernorm.weight, eps=self.eps,
-                       pdl=pdl, pdl_trigger_first=first)                    # [N, I]
+                       pdl=pdl, pdl_trigger_first=tf["gu"])                 # [N, I]
             w_d, b_d, s_d = _proj(layer.mlp.down_proj)
             gemv(act, w_d, scale=s_d, bias=b_d, residual=r, out=r, pdl=pdl,
-                 early_epilogue=early, pdl_trigger_first=first)             # r += act @ Wd.T
+                 early_epilogue=early, pdl_trigger_first=tf["down"])        # r += act @ Wd.T
         h, _ = add_rmsnorm(r, model.model.norm.weight, self.eps)            # [N, H]
         return h
