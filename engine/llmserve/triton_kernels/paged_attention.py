@@ -50,7 +50,7 @@ import triton
 import triton.language as tl
 
 from ..config import env_switch
-from ._launch import gdc_launch_dependents, gdc_wait, num_sms, pdl_launch_kwargs, pdl_start, pdl_wait, zeroed_counters
+from ._launch import num_sms, pdl_launch_kwargs, pdl_start, pdl_wait, zeroed_counters
 
 __all__ = [
     "SUPPORTED_HEAD_DIMS",
@@ -237,8 +237,7 @@ def _decode_kernel(q_ptr, k_cache_ptr, v_cache_ptr, out_ptr, m_ptr, l_ptr, acc_p
                    SKIP_NON_DECODE: tl.constexpr, DIRECT_OUT: tl.constexpr,
                    MIN_TILES: tl.constexpr,
                    USE_PDL: tl.constexpr, PDL_TRIGGER_FIRST: tl.constexpr = False,
-                   EARLY_PAGES: tl.constexpr = False, PREFETCH_KV: tl.constexpr = False,
-                   TRIGGER_AT: tl.constexpr = 0):
+                   EARLY_PAGES: tl.constexpr = False, PREFETCH_KV: tl.constexpr = False):
     """Grid ``(B, Hkv, num_splits)``. The split of the context is decided here, per sequence:
     its ``ceil(ctx / BLOCK_N)`` tiles are spread over the ``num_splits`` programs
     (:func:`_active_splits`), so a short sequence in a grid sized for ``max_model_len`` (CUDA
@@ -276,10 +275,7 @@ def _decode_kernel(q_ptr, k_cache_ptr, v_cache_ptr, out_ptr, m_ptr, l_ptr, acc_p
             pmask = (tmask0[:, None] & (lines[None, :] >= 0)).to(tl.int32)
             _prefetch_l2(k_cache_ptr + pre, pmask)
             _prefetch_l2(v_cache_ptr + pre, pmask)
-    if USE_PDL and TRIGGER_AT > 0 and not PDL_TRIGGER_FIRST:  # EXPERIMENT: trigger later
-        gdc_wait()
-    else:
-        pdl_wait(USE_PDL, PDL_TRIGGER_FIRST)
+    pdl_wait(USE_PDL, PDL_TRIGGER_FIRST)
     if SKIP_NON_DECODE:
         if tl.load(qsl_ptr + b + 1) - q_row != 1:  # served by the prefill kernel
             return
@@ -299,8 +295,6 @@ def _decode_kernel(q_ptr, k_cache_ptr, v_cache_ptr, out_ptr, m_ptr, l_ptr, acc_p
     if EARLY_PAGES:  # the first tile (masked) through the offsets read before the wait
         m_i, l_i, acc = _masked_tile_step(q, k_cache_ptr, v_cache_ptr, off0, tmask0, offs_d, qk_scale,
                                           m_i, l_i, acc, FP32_MATH, True)
-        if USE_PDL and TRIGGER_AT == 1 and not PDL_TRIGGER_FIRST:
-            gdc_launch_dependents()
         rest = start + BLOCK_N
     else:
         rest = start
@@ -321,8 +315,6 @@ def _decode_kernel(q_ptr, k_cache_ptr, v_cache_ptr, out_ptr, m_ptr, l_ptr, acc_p
         m_i, l_i, acc = _masked_tile_step(q, k_cache_ptr, v_cache_ptr, off, tmask, offs_d, qk_scale,
                                           m_i, l_i, acc, FP32_MATH, False)
 
-    if USE_PDL and TRIGGER_AT == 1 and not PDL_TRIGGER_FIRST and not EARLY_PAGES:
-        gdc_launch_dependents()
     o_ptrs = out_ptr + q_row.to(tl.int64) * stride_on + heads[:, None] * stride_oh + offs_d[None, :]
     if DIRECT_OUT:
         out = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
@@ -364,8 +356,6 @@ def _decode_kernel(q_ptr, k_cache_ptr, v_cache_ptr, out_ptr, m_ptr, l_ptr, acc_p
                 out = o_t / tl.where(l_t > 0, l_t, 1.0)[:, None]
                 tl.store(o_ptrs, out.to(out_ptr.dtype.element_ty), mask=gmask[:, None])
                 tl.atomic_xchg(cnt, 0)
-    if USE_PDL and TRIGGER_AT == 2 and not PDL_TRIGGER_FIRST:
-        gdc_launch_dependents()
 
 
 @triton.jit
@@ -787,7 +777,6 @@ def paged_attention_decode(query: torch.Tensor, k_cache: torch.Tensor, v_cache: 
         G=g, G_PAD=g_pad, HEAD_DIM=d, PAGE=bs, BLOCK_N=bn, FP32_MATH=fp32_math,
         SKIP_NON_DECODE=skip_non_decode, DIRECT_OUT=direct,
         MIN_TILES=min_tiles, EARLY_PAGES=early_pages, PREFETCH_KV=early_pages and prefetch and not on_cpu,
-        TRIGGER_AT=int(os.environ.get("LLMSERVE_DECODE_TRIGGER_AT", "0") or 0) if pdl else 0,
         num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
         **pdl_launch_kwargs(pdl, pdl_trigger_first))
     if not direct and not fused:
