@@ -197,25 +197,85 @@ def test_cuda_graph_decode_matches_eager(monkeypatch, short_context, prompt_step
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 def test_pdl_trigger_first_same_tokens(monkeypatch):
-    """``LLMSERVE_PDL_TRIGGER_FIRST=1`` (kernels let their successors launch before they wait)
-    changes only when kernels start, not what they compute: the same greedy tokens through
+    """``LLMSERVE_PDL_TRIGGER_FIRST=1`` (kernels let their successors launch before they wait),
+    the default (the QKV kernel only) and ``LLMSERVE_PDL_TRIGGER_QKV=0`` (none) change only
+    when kernels start, not what they compute: the same greedy tokens through
     graph replays of the matrix-vector path, for contexts of one and several decode splits."""
     from llmserve.config import CacheConfig, EngineConfig, SchedulerConfig
     from llmserve.engine import LLMEngine
     from llmserve.sampling_params import SamplingParams
 
-    def run(first: str):
+    def run(first: str, qkv: str = ""):
         monkeypatch.setenv("LLMSERVE_PDL_TRIGGER_FIRST", first)
+        monkeypatch.setenv("LLMSERVE_PDL_TRIGGER_QKV", qkv)
         cfg = EngineConfig(model="tiny", device="cuda", dtype="bfloat16", attention_backend="triton",
                            use_cuda_graph=True, cache=CacheConfig(num_blocks=512),
                            scheduler=SchedulerConfig(max_num_seqs=8, max_model_len=512))
         eng = LLMEngine(cfg)
         fast = eng.runner.forward
         assert fast.pdl_trigger_first == (first == "1" and fast.pdl)
+        assert fast.trigger_roles["qkv"] == (qkv != "0" and fast.pdl)
         return [eng.generate([[10 + i] * (3 + 60 * i)], SamplingParams(max_tokens=60, ignore_eos=True))[0]
                 .output_token_ids for i in range(4)]
 
-    assert run("1") == run("0")
+    assert run("1") == run("0") == run("0", "0")       # cascade, QKV only (default), none
+
+
+def test_trigger_roles(monkeypatch):
+    """Which decode kernels trigger their successor before their PDL wait: none without PDL;
+    by default the QKV kernel only, for hidden sizes <= 2048; ``LLMSERVE_PDL_TRIGGER_QKV``
+    overrides the size rule; ``LLMSERVE_PDL_TRIGGER_FIRST=1`` makes it every kernel."""
+    from llmserve.models.fast_forward import TRIGGER_ROLES, trigger_roles
+    for name in ("LLMSERVE_PDL_TRIGGER_QKV", "LLMSERVE_PDL_TRIGGER_FIRST"):
+        monkeypatch.delenv(name, raising=False)
+    only = lambda *r: {k: k in r for k in TRIGGER_ROLES}                        # noqa: E731
+    assert trigger_roles(False, 1536) == only()
+    assert trigger_roles(True, 1536) == only("qkv") and trigger_roles(True, 2048) == only("qkv")
+    assert trigger_roles(True, 3584) == only()                                 # 7B: measured slower
+    monkeypatch.setenv("LLMSERVE_PDL_TRIGGER_QKV", "0")
+    assert trigger_roles(True, 1536) == only()
+    monkeypatch.setenv("LLMSERVE_PDL_TRIGGER_QKV", "1")
+    assert trigger_roles(True, 3584) == only("qkv") and trigger_roles(False, 3584) == only()
+    monkeypatch.setenv("LLMSERVE_PDL_TRIGGER_FIRST", "1")
+    assert trigger_roles(True, 3584) == only(*TRIGGER_ROLES) and trigger_roles(False, 3584) == only()
+    monkeypatch.setenv("LLMSERVE_PDL_TRIGGER_FIRST", "0")
+    monkeypatch.setenv("LLMSERVE_PDL_TRIGGER_QKV", "on")
+    with pytest.raises(ValueError, match="LLMSERVE_PDL_TRIGGER_QKV"):
+        trigger_roles(True, 1536)
+    monkeypatch.delenv("LLMSERVE_PDL_TRIGGER_QKV")
+    assert FastQwen2Forward(small_model(6, 2), use_gemv=True).trigger_roles == only()  # no PDL on CPU
+
+
+def test_gemv_path_passes_trigger_roles(monkeypatch):
+    """Each kernel of the matrix-vector path is launched with its own role's
+    ``pdl_trigger_first`` (recorded around the real launches, which run without PDL here):
+    the QKV kernel of every layer, and no other, with the default roles."""
+    import llmserve.models.fast_forward as ff
+    from llmserve.models.fast_forward import trigger_roles
+    seen = []
+
+    def recorder(name, fn):
+        def call(*args, **kw):
+            seen.append((name, kw.get("pdl_trigger_first")))
+            return fn(*args, **{**kw, "pdl": False, "pdl_trigger_first": False})
+        return call
+
+    for name in ("gemv", "gemv_qkv_rope", "paged_attention_decode"):
+        monkeypatch.setattr(ff, name, recorder(name, getattr(ff, name)))
+    model = small_model(6, 2)
+    ids, pos, caches, meta = batch(model, [(5, 1)])
+    fast = FastQwen2Forward(model, use_gemv=True, gemv_max_tokens=4)
+    monkeypatch.delenv("LLMSERVE_PDL_TRIGGER_FIRST", raising=False)
+    monkeypatch.delenv("LLMSERVE_PDL_TRIGGER_QKV", raising=False)
+    fast.pdl, fast.trigger_roles = True, trigger_roles(True, model.config.hidden_size)
+    ref = model(ids, pos, clone_caches(caches), meta)
+    out = fast(ids, pos, caches, meta)
+    fast.compute_logits(out)
+    torch.testing.assert_close(out, ref, atol=5e-5, rtol=5e-5)
+    layers = model.config.num_hidden_layers
+    assert [f for n, f in seen if n == "gemv_qkv_rope"] == [True] * layers
+    assert [f for n, f in seen if n != "gemv_qkv_rope"] == [False] * (len(seen) - layers)
+    assert len(seen) - layers >= 3 * layers + 1                    # O, gate-up, down a layer; LM head
 
 
 @pytest.mark.gpu

@@ -138,6 +138,32 @@ def qkv_early_mode(pdl: bool, hidden_size: int, early_epilogue: bool) -> int:
     return 2 if (pdl and pre) else int(early_epilogue)
 
 
+TRIGGER_ROLES = ("qkv", "attn", "o", "gate_up", "down", "head", "argmax")
+
+
+def trigger_roles(pdl: bool, hidden_size: int) -> dict[str, bool]:
+    """Per decode kernel of the matrix-vector path (keys :data:`TRIGGER_ROLES`: QKV+RoPE,
+    decode attention, O, gate-up, down, LM head, greedy argmax), whether it is launched with
+    ``pdl_trigger_first`` (its successor may launch before this kernel's own PDL wait; see
+    :func:`~llmserve.triton_kernels._launch.pdl_wait`). All False without PDL; all True with
+    ``LLMSERVE_PDL_TRIGGER_FIRST=1`` (the full cascade, measured no better in session 7).
+    Otherwise only the QKV kernel, where ``LLMSERVE_PDL_TRIGGER_QKV=1`` or, unset,
+    ``hidden_size <= 2048``: the decode attention then launches while QKV streams its weights
+    and reads its block-table entries and asks L2 for its K/V rows earlier. H200, batch-1
+    decode, alternated A/Bs (results/h200/notes/s15/): Qwen2.5-1.5B 1.0040 -> 1.0001 and
+    1.0107 -> 1.0051 ms/step, 0.5B 0.4680 -> 0.4666, 7B 3.5945 -> 3.5980 (slower, hence the
+    size rule); triggering first in the attention (+9.5 us a step), O (+2.3), down or LM
+    head (level) measured no better. ``ValueError`` for a switch value other than 0/1."""
+    if not pdl:
+        return dict.fromkeys(TRIGGER_ROLES, False)
+    if env_switch("LLMSERVE_PDL_TRIGGER_FIRST"):
+        return dict.fromkeys(TRIGGER_ROLES, True)
+    qkv = env_switch("LLMSERVE_PDL_TRIGGER_QKV")
+    roles = dict.fromkeys(TRIGGER_ROLES, False)
+    roles["qkv"] = hidden_size <= 2048 if qkv is None else qkv
+    return roles
+
+
 class FastQwen2Forward:
     """Fused forward for a loaded :class:`~llmserve.models.qwen2.Qwen2ForCausalLM`.
 
@@ -231,11 +257,9 @@ class FastQwen2Forward:
         # kernels several positions ahead read their weights early); LLMSERVE_PDL_TRIGGER_FIRST.
         first = env_switch("LLMSERVE_PDL_TRIGGER_FIRST")       # validated on every device
         self.pdl_trigger_first = self.pdl and first is True
-        # EXPERIMENT (A/B only): trigger-first for the named kernels only
-        # (qkv, attn, o, gu, down, head, argmax).
-        roles = {r for r in os.environ.get("LLMSERVE_PDL_TRIGGER_ROLES", "").split(",") if r}
-        self.trigger_roles = {r: self.pdl and (self.pdl_trigger_first or r in roles)
-                              for r in ("qkv", "attn", "o", "gu", "down", "head", "argmax")}
+        # Which decode kernels let their successor launch before their own PDL wait (by
+        # default only the QKV kernel of models with hidden size <= 2048, see trigger_roles).
+        self.trigger_roles = trigger_roles(self.pdl, cfg.hidden_size)
         # Matrix-vector path: the first layer's QKV and O kernels read the token embeddings
         # straight from the table (gemv's x_rows / residual_rows), so the lookup is no kernel of
         # its own; LLMSERVE_DECODE_EMBED_GATHER=0 keeps the lookup kernel (A/B runs).
@@ -344,7 +368,7 @@ class FastQwen2Forward:
             w_gu, _, s_gu = entry["gate_up"]
             act = gemv(r, w_gu, scale=s_gu, prologue="rmsnorm", glu=True,
                        norm_weight=layer.post_attention_layernorm.weight, eps=self.eps,
-                       pdl=pdl, pdl_trigger_first=tf["gu"])                 # [N, I]
+                       pdl=pdl, pdl_trigger_first=tf["gate_up"])            # [N, I]
             w_d, b_d, s_d = _proj(layer.mlp.down_proj)
             gemv(act, w_d, scale=s_d, bias=b_d, residual=r, out=r, pdl=pdl,
                  early_epilogue=early, pdl_trigger_first=tf["down"])        # r += act @ Wd.T
