@@ -714,12 +714,6 @@ def paged_attention_decode(query: torch.Tensor, k_cache: torch.Tensor, v_cache: 
     max_ctx = max(int(meta.max_context_len), 1)
     cfg = _decode_config(d, on_cpu, b * hkv, max_ctx, k_cache.element_size())
     wide = cfg.pop("wide", False)      # the wide tile keeps its own stage count (1)
-    _wcfg = os.environ.get("LLMSERVE_DECODE_WIDE_CFG", "")  # EXPERIMENT: "BN,warps,stages[,splits]"
-    if wide and _wcfg and num_splits is None:
-        _v = [int(x) for x in _wcfg.split(",")]
-        cfg = dict(BLOCK_N=_v[0], num_warps=_v[1], num_stages=_v[2])
-        if len(_v) > 3 and _v[3] > 0:
-            num_splits = _v[3]
     if _DECODE_STAGES and not on_cpu and not wide:
         cfg["num_stages"] = _DECODE_STAGES
     if block_n is not None:
