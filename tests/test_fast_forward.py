@@ -254,14 +254,21 @@ def test_gemv_path_passes_trigger_roles(monkeypatch):
     from llmserve.models.fast_forward import trigger_roles
     seen = []
 
+    norm_pdl = []
+
     def recorder(name, fn):
         def call(*args, **kw):
             seen.append((name, kw.get("pdl_trigger_first")))
             return fn(*args, **{**kw, "pdl": False, "pdl_trigger_first": False})
         return call
 
+    def norm(*args, pdl=False, **kw):          # the final norm: launched with PDL on the GPU
+        norm_pdl.append(pdl)
+        return add_rmsnorm(*args, **kw)
+
     for name in ("gemv", "gemv_qkv_rope", "paged_attention_decode"):
         monkeypatch.setattr(ff, name, recorder(name, getattr(ff, name)))
+    monkeypatch.setattr(ff, "add_rmsnorm", norm)
     model = small_model(6, 2)
     ids, pos, caches, meta = batch(model, [(5, 1)])
     fast = FastQwen2Forward(model, use_gemv=True, gemv_max_tokens=4)
@@ -276,6 +283,7 @@ def test_gemv_path_passes_trigger_roles(monkeypatch):
     assert [f for n, f in seen if n == "gemv_qkv_rope"] == [True] * layers
     assert [f for n, f in seen if n != "gemv_qkv_rope"] == [False] * (len(seen) - layers)
     assert len(seen) - layers >= 3 * layers + 1                    # O, gate-up, down a layer; LM head
+    assert norm_pdl == [True]
 
 
 @pytest.mark.gpu

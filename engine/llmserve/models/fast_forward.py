@@ -260,6 +260,8 @@ class FastQwen2Forward:
         # Which decode kernels let their successor launch before their own PDL wait (by
         # default only the QKV kernel of models with hidden size <= 2048, see trigger_roles).
         self.trigger_roles = trigger_roles(self.pdl, cfg.hidden_size)
+        # EXPERIMENT: the final RMSNorm launched with PDL (LLMSERVE_PDL_FINAL_NORM=0 turns it off).
+        self.norm_pdl = env_switch("LLMSERVE_PDL_FINAL_NORM") is not False
         # Matrix-vector path: the first layer's QKV and O kernels read the token embeddings
         # straight from the table (gemv's x_rows / residual_rows), so the lookup is no kernel of
         # its own; LLMSERVE_DECODE_EMBED_GATHER=0 keeps the lookup kernel (A/B runs).
@@ -372,5 +374,5 @@ class FastQwen2Forward:
             w_d, b_d, s_d = _proj(layer.mlp.down_proj)
             gemv(act, w_d, scale=s_d, bias=b_d, residual=r, out=r, pdl=pdl,
                  early_epilogue=early, pdl_trigger_first=tf["down"])        # r += act @ Wd.T
-        h, _ = add_rmsnorm(r, model.model.norm.weight, self.eps)            # [N, H]
+        h, _ = add_rmsnorm(r, model.model.norm.weight, self.eps, pdl=pdl and self.norm_pdl)  # [N, H]
         return h

@@ -23,14 +23,22 @@ import torch
 import triton
 import triton.language as tl
 
+from ._launch import pdl_launch_kwargs, pdl_start, pdl_wait
+
 
 @triton.jit
 def _add_rmsnorm_kernel(x_ptr, res_ptr, w_ptr, out_ptr, res_out_ptr, H, eps,
                         stride_x, stride_r, stride_o, stride_ro,
-                        HAS_RES: tl.constexpr, BLOCK: tl.constexpr):
+                        HAS_RES: tl.constexpr, BLOCK: tl.constexpr,
+                        USE_PDL: tl.constexpr = False, PDL_TRIGGER_FIRST: tl.constexpr = False):
+    """One row a program. With ``USE_PDL`` the norm weight (never written by a kernel) is read
+    before the PDL wait and x / the residual after it."""
+    pdl_start(USE_PDL, PDL_TRIGGER_FIRST)
     row = tl.program_id(0).to(tl.int64)
     offs = tl.arange(0, BLOCK)
     mask = offs < H
+    w = tl.load(w_ptr + offs, mask=mask, other=0.0).to(tl.float32)
+    pdl_wait(USE_PDL, PDL_TRIGGER_FIRST)
     x = tl.load(x_ptr + row * stride_x + offs, mask=mask, other=0.0).to(tl.float32)
     if HAS_RES:
         r = tl.load(res_ptr + row * stride_r + offs, mask=mask, other=0.0).to(tl.float32)
@@ -39,12 +47,11 @@ def _add_rmsnorm_kernel(x_ptr, res_ptr, w_ptr, out_ptr, res_out_ptr, H, eps,
         x = s.to(tl.float32)
     var = tl.sum(x * x, axis=0) / H
     y = (x * tl.math.rsqrt(var + eps)).to(out_ptr.dtype.element_ty).to(tl.float32)
-    w = tl.load(w_ptr + offs, mask=mask, other=0.0).to(tl.float32)
     tl.store(out_ptr + row * stride_o + offs, (y * w).to(out_ptr.dtype.element_ty), mask=mask)
 
 
 def add_rmsnorm(x: torch.Tensor, weight: torch.Tensor, eps: float,
-                residual: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+                residual: torch.Tensor | None = None, *, pdl: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
     """``residual' = x + residual`` (when given) and ``out = weight * rmsnorm(residual')``.
 
     Args:
@@ -53,6 +60,10 @@ def add_rmsnorm(x: torch.Tensor, weight: torch.Tensor, eps: float,
         eps: variance epsilon.
         residual: ``[M, H]`` or ``None`` (then ``x`` itself is normalised and returned as the
             residual).
+        pdl: launch with programmatic dependent launch (Hopper; see
+            :func:`~llmserve.triton_kernels._launch.pdl_wait`): the kernel may start while its
+            predecessor drains and reads ``weight`` before waiting, and the next PDL kernel
+            (the LM head) may launch once this one passed its wait.
 
     Returns:
         ``(out [M, H], residual' [M, H])`` in ``x.dtype``.
@@ -69,14 +80,14 @@ def add_rmsnorm(x: torch.Tensor, weight: torch.Tensor, eps: float,
         res_out = x
         _add_rmsnorm_kernel[(m,)](x, x, weight, out, x, h, eps, x.stride(0), x.stride(0),
                                   out.stride(0), x.stride(0), HAS_RES=False,
-                                  BLOCK=triton.next_power_of_2(h))
+                                  BLOCK=triton.next_power_of_2(h), **pdl_launch_kwargs(pdl))
         return out, res_out
     if residual.shape != x.shape or residual.stride(-1) != 1:
         raise ValueError(f"residual must match x {tuple(x.shape)}, got {tuple(residual.shape)}")
     res_out = torch.empty_like(x)
     _add_rmsnorm_kernel[(m,)](x, residual, weight, out, res_out, h, eps, x.stride(0),
                               residual.stride(0), out.stride(0), res_out.stride(0),
-                              HAS_RES=True, BLOCK=triton.next_power_of_2(h))
+                              HAS_RES=True, BLOCK=triton.next_power_of_2(h), **pdl_launch_kwargs(pdl))
     return out, res_out
 
 
