@@ -260,7 +260,10 @@ class FastQwen2Forward:
         # Which decode kernels let their successor launch before their own PDL wait (by
         # default only the QKV kernel of models with hidden size <= 2048, see trigger_roles).
         self.trigger_roles = trigger_roles(self.pdl, cfg.hidden_size)
-        # EXPERIMENT: the final RMSNorm launched with PDL (LLMSERVE_PDL_FINAL_NORM=0 turns it off).
+        # The final RMSNorm of the matrix-vector path is launched with PDL too (it reads its
+        # weight before the wait; the LM head may launch once it passed the wait): H200, 1.5B,
+        # its marginal time 1.53 -> 0.80 us a step, 0.9994 -> 0.9982 ms/step over 4 alternated
+        # rounds (results/h200/notes/s15/). LLMSERVE_PDL_FINAL_NORM=0 launches it plainly.
         self.norm_pdl = env_switch("LLMSERVE_PDL_FINAL_NORM") is not False
         # Matrix-vector path: the first layer's QKV and O kernels read the token embeddings
         # straight from the table (gemv's x_rows / residual_rows), so the lookup is no kernel of
