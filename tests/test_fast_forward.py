@@ -205,9 +205,10 @@ def test_pdl_trigger_first_same_tokens(monkeypatch):
     from llmserve.engine import LLMEngine
     from llmserve.sampling_params import SamplingParams
 
-    def run(first: str, qkv: str = ""):
+    def run(first: str, qkv: str = "", norm: str = ""):
         monkeypatch.setenv("LLMSERVE_PDL_TRIGGER_FIRST", first)
         monkeypatch.setenv("LLMSERVE_PDL_TRIGGER_QKV", qkv)
+        monkeypatch.setenv("LLMSERVE_PDL_FINAL_NORM", norm)
         cfg = EngineConfig(model="tiny", device="cuda", dtype="bfloat16", attention_backend="triton",
                            use_cuda_graph=True, cache=CacheConfig(num_blocks=512),
                            scheduler=SchedulerConfig(max_num_seqs=8, max_model_len=512))
@@ -218,7 +219,8 @@ def test_pdl_trigger_first_same_tokens(monkeypatch):
         return [eng.generate([[10 + i] * (3 + 60 * i)], SamplingParams(max_tokens=60, ignore_eos=True))[0]
                 .output_token_ids for i in range(4)]
 
-    assert run("1") == run("0") == run("0", "0")       # cascade, QKV only (default), none
+    # cascade, QKV only (default), none, none and the final norm without PDL
+    assert run("1") == run("0") == run("0", "0") == run("0", "0", "0")
 
 
 def test_trigger_roles(monkeypatch):
@@ -240,9 +242,20 @@ def test_trigger_roles(monkeypatch):
     assert trigger_roles(True, 3584) == only(*TRIGGER_ROLES) and trigger_roles(False, 3584) == only()
     monkeypatch.setenv("LLMSERVE_PDL_TRIGGER_FIRST", "0")
     monkeypatch.setenv("LLMSERVE_PDL_TRIGGER_QKV", "on")
+    for pdl in (True, False):                                  # validated with and without PDL
+        with pytest.raises(ValueError, match="LLMSERVE_PDL_TRIGGER_QKV"):
+            trigger_roles(pdl, 1536)
+    monkeypatch.setenv("LLMSERVE_PDL_TRIGGER_FIRST", "1")
     with pytest.raises(ValueError, match="LLMSERVE_PDL_TRIGGER_QKV"):
         trigger_roles(True, 1536)
+    with pytest.raises(ValueError, match="LLMSERVE_PDL_TRIGGER_QKV"):
+        FastQwen2Forward(small_model(6, 2), use_gemv=True)     # no PDL on CPU: still rejected
     monkeypatch.delenv("LLMSERVE_PDL_TRIGGER_QKV")
+    monkeypatch.setenv("LLMSERVE_PDL_TRIGGER_FIRST", "0")
+    monkeypatch.setenv("LLMSERVE_PDL_FINAL_NORM", "yes")
+    with pytest.raises(ValueError, match="LLMSERVE_PDL_FINAL_NORM"):
+        FastQwen2Forward(small_model(6, 2), use_gemv=True)
+    monkeypatch.delenv("LLMSERVE_PDL_FINAL_NORM")
     assert FastQwen2Forward(small_model(6, 2), use_gemv=True).trigger_roles == only()  # no PDL on CPU
 
 
@@ -269,11 +282,11 @@ def test_gemv_path_passes_trigger_roles(monkeypatch):
     for name in ("gemv", "gemv_qkv_rope", "paged_attention_decode"):
         monkeypatch.setattr(ff, name, recorder(name, getattr(ff, name)))
     monkeypatch.setattr(ff, "add_rmsnorm", norm)
+    for name in ("LLMSERVE_PDL_TRIGGER_FIRST", "LLMSERVE_PDL_TRIGGER_QKV", "LLMSERVE_PDL_FINAL_NORM"):
+        monkeypatch.delenv(name, raising=False)
     model = small_model(6, 2)
     ids, pos, caches, meta = batch(model, [(5, 1)])
     fast = FastQwen2Forward(model, use_gemv=True, gemv_max_tokens=4)
-    monkeypatch.delenv("LLMSERVE_PDL_TRIGGER_FIRST", raising=False)
-    monkeypatch.delenv("LLMSERVE_PDL_TRIGGER_QKV", raising=False)
     fast.pdl, fast.trigger_roles = True, trigger_roles(True, model.config.hidden_size)
     ref = model(ids, pos, clone_caches(caches), meta)
     out = fast(ids, pos, caches, meta)
@@ -284,6 +297,71 @@ def test_gemv_path_passes_trigger_roles(monkeypatch):
     assert [f for n, f in seen if n != "gemv_qkv_rope"] == [False] * (len(seen) - layers)
     assert len(seen) - layers >= 3 * layers + 1                    # O, gate-up, down a layer; LM head
     assert norm_pdl == [True]
+
+
+@pytest.mark.parametrize("role", [None, "qkv", "attn", "o", "gate_up", "down", "head", "argmax"])
+def test_each_decode_kernel_gets_its_own_trigger_role(monkeypatch, role):
+    """With exactly one role set, exactly that kernel (every layer's, for per-layer kernels) is
+    launched with ``pdl_trigger_first``: QKV, the Triton decode attention, O, gate-up, down,
+    the LM head and the greedy argmax each read their own role (recorded around the real
+    launches, which run without PDL here)."""
+    import llmserve.models.fast_forward as ff
+    from llmserve.attention import get_attention_backend
+    from llmserve.models.fast_forward import TRIGGER_ROLES
+    seen, norm_pdl = [], []
+
+    def recorder(name, fn):
+        def call(*args, **kw):
+            seen.append((name, kw.get("pdl_trigger_first")))
+            return fn(*args, **{**kw, "pdl": False, "pdl_trigger_first": False})
+        return call
+
+    def norm(*args, pdl=False, **kw):
+        norm_pdl.append(pdl)
+        return add_rmsnorm(*args, **kw)
+
+    for name in ("gemv", "gemv_qkv_rope", "paged_attention_decode", "argmax_rows"):
+        monkeypatch.setattr(ff, name, recorder(name, getattr(ff, name)))
+    monkeypatch.setattr(ff, "add_rmsnorm", norm)
+    monkeypatch.delenv("LLMSERVE_PDL_FINAL_NORM", raising=False)
+    model = small_model(4, 2, d=32)
+    model.attention_backend = get_attention_backend("triton")       # the direct decode kernel
+    ids, pos, caches, meta = batch(model, [(5, 1)])
+    fast = FastQwen2Forward(model, use_gemv=True, gemv_max_tokens=4)
+    fast.pdl, fast.trigger_roles = True, {k: k == role for k in TRIGGER_ROLES}
+    ref = model(ids, pos, clone_caches(caches), meta)
+    out = fast(ids, pos, caches, meta)
+    torch.testing.assert_close(out, ref, atol=5e-5, rtol=5e-5)
+    fast.greedy(fast.compute_logits(out))
+    layers = model.config.num_hidden_layers
+    gemvs = [f for n, f in seen if n == "gemv"]
+    assert len(gemvs) == 3 * layers + 1                            # O, gate-up, down a layer; LM head
+    got = {"qkv": [f for n, f in seen if n == "gemv_qkv_rope"],
+           "attn": [f for n, f in seen if n == "paged_attention_decode"],
+           "o": gemvs[0:3 * layers:3], "gate_up": gemvs[1:3 * layers:3], "down": gemvs[2:3 * layers:3],
+           "head": gemvs[-1:], "argmax": [f for n, f in seen if n == "argmax_rows"]}
+    for k, flags in got.items():
+        assert flags == [k == role] * (1 if k in ("head", "argmax") else layers), (k, flags)
+    assert norm_pdl == [True]
+
+
+def test_add_rmsnorm_pdl_launch(monkeypatch):
+    """``add_rmsnorm(pdl=True)`` launches its kernel with PDL (``launch_pdl`` and the kernel's
+    ``USE_PDL``; never trigger-first); without it, no PDL options at all."""
+    from llmserve.triton_kernels import fused
+    seen = []
+
+    class Recorder:
+        def __getitem__(self, grid):
+            return lambda *args, **kw: seen.append(kw)
+
+    monkeypatch.setattr(fused, "_add_rmsnorm_kernel", Recorder())
+    x, w = torch.randn(2, 40, device=DEVICE), torch.ones(40, device=DEVICE)
+    for pdl in (True, False):
+        fused.add_rmsnorm(x, w, 1e-6, pdl=pdl)
+        fused.add_rmsnorm(x, w, 1e-6, x.clone(), pdl=pdl)
+    assert [(k["USE_PDL"], k["PDL_TRIGGER_FIRST"], k.get("launch_pdl", False)) for k in seen] == \
+        [(True, False, True)] * 2 + [(False, False, False)] * 2
 
 
 @pytest.mark.gpu

@@ -147,18 +147,20 @@ def trigger_roles(pdl: bool, hidden_size: int) -> dict[str, bool]:
     ``pdl_trigger_first`` (its successor may launch before this kernel's own PDL wait; see
     :func:`~llmserve.triton_kernels._launch.pdl_wait`). All False without PDL; all True with
     ``LLMSERVE_PDL_TRIGGER_FIRST=1`` (the full cascade, measured no better in session 7).
+    (The final RMSNorm, also a PDL kernel, always triggers after its wait.)
     Otherwise only the QKV kernel, where ``LLMSERVE_PDL_TRIGGER_QKV=1`` or, unset,
     ``hidden_size <= 2048``: the decode attention then launches while QKV streams its weights
     and reads its block-table entries and asks L2 for its K/V rows earlier. H200, batch-1
     decode, alternated A/Bs (results/h200/notes/s15/): Qwen2.5-1.5B 1.0040 -> 1.0001 and
     1.0107 -> 1.0051 ms/step, 0.5B 0.4680 -> 0.4666, 7B 3.5945 -> 3.5980 (slower, hence the
-    size rule); triggering first in the attention (+9.5 us a step), O (+2.3), down or LM
-    head (level) measured no better. ``ValueError`` for a switch value other than 0/1."""
+    size rule; hidden size 2048 is not measured); triggering first in the attention (+9.5
+    us a step), O (+2.4), down (+1.2) or LM head (level) measured no better. ``ValueError`` for a switch value other than 0/1."""
+    first = env_switch("LLMSERVE_PDL_TRIGGER_FIRST")      # both validated on every device
+    qkv = env_switch("LLMSERVE_PDL_TRIGGER_QKV")
     if not pdl:
         return dict.fromkeys(TRIGGER_ROLES, False)
-    if env_switch("LLMSERVE_PDL_TRIGGER_FIRST"):
+    if first:
         return dict.fromkeys(TRIGGER_ROLES, True)
-    qkv = env_switch("LLMSERVE_PDL_TRIGGER_QKV")
     roles = dict.fromkeys(TRIGGER_ROLES, False)
     roles["qkv"] = hidden_size <= 2048 if qkv is None else qkv
     return roles
@@ -253,8 +255,9 @@ class FastQwen2Forward:
         # 0.484 / 0.479 -> 0.475 / 0.480, 7B 3.592 -> 3.758 (slower, like the early epilogue
         # there), hence the same size rule; results/h200/notes/s12/. LLMSERVE_GEMV_PRE_WAIT=0/1.
         self.qkv_early = qkv_early_mode(self.pdl, cfg.hidden_size, self.early_epilogue)
-        # PDL kernels let the next kernel launch before waiting for their predecessor (a cascade:
-        # kernels several positions ahead read their weights early); LLMSERVE_PDL_TRIGGER_FIRST.
+        # LLMSERVE_PDL_TRIGGER_FIRST=1: every decode kernel lets the next one launch before
+        # waiting for its predecessor (a cascade); kept as a flag for tests and A/B runs, the
+        # launches take their flags from trigger_roles.
         first = env_switch("LLMSERVE_PDL_TRIGGER_FIRST")       # validated on every device
         self.pdl_trigger_first = self.pdl and first is True
         # Which decode kernels let their successor launch before their own PDL wait (by

@@ -62,8 +62,9 @@ def add_rmsnorm(x: torch.Tensor, weight: torch.Tensor, eps: float,
             residual).
         pdl: launch with programmatic dependent launch (Hopper; see
             :func:`~llmserve.triton_kernels._launch.pdl_wait`): the kernel may start while its
-            predecessor drains and reads ``weight`` before waiting, and the next PDL kernel
-            (the LM head) may launch once this one passed its wait.
+            predecessor drains and reads ``weight`` before waiting (so no kernel of the same
+            PDL chain may write ``weight``), and the next PDL kernel (the LM head) may launch
+            once this one passed its wait.
 
     Returns:
         ``(out [M, H], residual' [M, H])`` in ``x.dtype``.
