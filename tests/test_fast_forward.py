@@ -260,15 +260,12 @@ def test_trigger_roles(monkeypatch):
     assert fast.trigger_roles == (only("qkv") if fast.pdl else only())       # no PDL on CPU
 
 
-def test_gemv_path_passes_trigger_roles(monkeypatch):
-    """Each kernel of the matrix-vector path is launched with its own role's
-    ``pdl_trigger_first`` (recorded around the real launches, which run without PDL here):
-    the QKV kernel of every layer, and no other, with the default roles."""
+def record_decode_launches(monkeypatch) -> tuple[list, list]:
+    """Wrap the matrix-vector path's kernel launchers in ``fast_forward``: each call appends
+    ``(launcher name, pdl_trigger_first)`` to the first list (the final norm its ``pdl`` to
+    the second) and runs the real launch without PDL (the interpreter has none)."""
     import llmserve.models.fast_forward as ff
-    from llmserve.models.fast_forward import trigger_roles
-    seen = []
-
-    norm_pdl = []
+    seen, norm_pdl = [], []
 
     def recorder(name, fn):
         def call(*args, **kw):
@@ -280,9 +277,18 @@ def test_gemv_path_passes_trigger_roles(monkeypatch):
         norm_pdl.append(pdl)
         return add_rmsnorm(*args, **kw)
 
-    for name in ("gemv", "gemv_qkv_rope", "paged_attention_decode"):
+    for name in ("gemv", "gemv_qkv_rope", "paged_attention_decode", "argmax_rows"):
         monkeypatch.setattr(ff, name, recorder(name, getattr(ff, name)))
     monkeypatch.setattr(ff, "add_rmsnorm", norm)
+    return seen, norm_pdl
+
+
+def test_gemv_path_passes_trigger_roles(monkeypatch):
+    """Each kernel of the matrix-vector path is launched with its own role's
+    ``pdl_trigger_first`` (recorded around the real launches, which run without PDL here):
+    the QKV kernel of every layer, and no other, with the default roles."""
+    from llmserve.models.fast_forward import trigger_roles
+    seen, norm_pdl = record_decode_launches(monkeypatch)
     for name in ("LLMSERVE_PDL_TRIGGER_FIRST", "LLMSERVE_PDL_TRIGGER_QKV", "LLMSERVE_PDL_FINAL_NORM"):
         monkeypatch.delenv(name, raising=False)
     model = small_model(6, 2)
@@ -306,24 +312,9 @@ def test_each_decode_kernel_gets_its_own_trigger_role(monkeypatch, role):
     launched with ``pdl_trigger_first``: QKV, the Triton decode attention, O, gate-up, down,
     the LM head and the greedy argmax each read their own role (recorded around the real
     launches, which run without PDL here)."""
-    import llmserve.models.fast_forward as ff
     from llmserve.attention import get_attention_backend
     from llmserve.models.fast_forward import TRIGGER_ROLES
-    seen, norm_pdl = [], []
-
-    def recorder(name, fn):
-        def call(*args, **kw):
-            seen.append((name, kw.get("pdl_trigger_first")))
-            return fn(*args, **{**kw, "pdl": False, "pdl_trigger_first": False})
-        return call
-
-    def norm(*args, pdl=False, **kw):
-        norm_pdl.append(pdl)
-        return add_rmsnorm(*args, **kw)
-
-    for name in ("gemv", "gemv_qkv_rope", "paged_attention_decode", "argmax_rows"):
-        monkeypatch.setattr(ff, name, recorder(name, getattr(ff, name)))
-    monkeypatch.setattr(ff, "add_rmsnorm", norm)
+    seen, norm_pdl = record_decode_launches(monkeypatch)
     monkeypatch.delenv("LLMSERVE_PDL_FINAL_NORM", raising=False)
     model = small_model(4, 2, d=32)
     model.attention_backend = get_attention_backend("triton")       # the direct decode kernel

@@ -127,6 +127,12 @@ def _linear(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None, s: torch.T
     return int8_linear(x, w, s, b)
 
 
+# Largest hidden size for which the size-ruled decode options default on (the early
+# epilogue, the QKV kernel's pre-wait operands, the QKV kernel triggering first): each was
+# measured faster on Qwen2.5-0.5B / 1.5B and slower on 7B (hidden 3584).
+SMALL_HIDDEN_MAX = 2048
+
+
 def qkv_early_mode(pdl: bool, hidden_size: int, early_epilogue: bool) -> int:
     """The decode QKV kernel's ``early_epilogue`` (see :func:`~llmserve.triton_kernels.gemv.gemv`):
     2 (its RoPE operands read before the PDL wait) with PDL and either
@@ -134,7 +140,7 @@ def qkv_early_mode(pdl: bool, hidden_size: int, early_epilogue: bool) -> int:
     kernels' ``early_epilogue`` (so ``LLMSERVE_GEMV_EARLY_EPILOGUE`` governs the QKV kernel only
     when the pre-wait is off). ``ValueError`` for a switch value other than 0/1."""
     pre = env_switch("LLMSERVE_GEMV_PRE_WAIT")
-    pre = hidden_size <= 2048 if pre is None else pre
+    pre = hidden_size <= SMALL_HIDDEN_MAX if pre is None else pre
     return 2 if (pdl and pre) else int(early_epilogue)
 
 
@@ -162,7 +168,7 @@ def trigger_roles(pdl: bool, hidden_size: int) -> dict[str, bool]:
     if first:
         return dict.fromkeys(TRIGGER_ROLES, True)
     roles = dict.fromkeys(TRIGGER_ROLES, False)
-    roles["qkv"] = hidden_size <= 2048 if qkv is None else qkv
+    roles["qkv"] = hidden_size <= SMALL_HIDDEN_MAX if qkv is None else qkv
     return roles
 
 
@@ -247,7 +253,7 @@ class FastQwen2Forward:
         # LLMSERVE_GEMV_EARLY_EPILOGUE=0/1 overrides the size rule (for the QKV kernel only when
         # its pre-wait is off, see qkv_early_mode).
         early = env_switch("LLMSERVE_GEMV_EARLY_EPILOGUE")
-        self.early_epilogue = cfg.hidden_size <= 2048 if early is None else early
+        self.early_epilogue = cfg.hidden_size <= SMALL_HIDDEN_MAX if early is None else early
         # The QKV kernel's RoPE operands (positions, slots, the cos/sin rows; bias, int8
         # scales) read before its PDL wait (gemv's early_epilogue=2), so the dependent
         # position -> cos/sin load is off the critical path. H200, batch-1 decode, four
@@ -255,14 +261,11 @@ class FastQwen2Forward:
         # 0.484 / 0.479 -> 0.475 / 0.480, 7B 3.592 -> 3.758 (slower, like the early epilogue
         # there), hence the same size rule; results/h200/notes/s12/. LLMSERVE_GEMV_PRE_WAIT=0/1.
         self.qkv_early = qkv_early_mode(self.pdl, cfg.hidden_size, self.early_epilogue)
-        # LLMSERVE_PDL_TRIGGER_FIRST=1: every decode kernel lets the next one launch before
-        # waiting for its predecessor (a cascade); kept as a flag for tests and A/B runs, the
-        # launches take their flags from trigger_roles.
-        first = env_switch("LLMSERVE_PDL_TRIGGER_FIRST")       # validated on every device
-        self.pdl_trigger_first = self.pdl and first is True
         # Which decode kernels let their successor launch before their own PDL wait (by
-        # default only the QKV kernel of models with hidden size <= 2048, see trigger_roles).
+        # default only the QKV kernel of models with hidden size <= 2048, see trigger_roles);
+        # pdl_trigger_first: all of them (LLMSERVE_PDL_TRIGGER_FIRST=1 with PDL, a cascade).
         self.trigger_roles = trigger_roles(self.pdl, cfg.hidden_size)
+        self.pdl_trigger_first = all(self.trigger_roles.values())
         # The final RMSNorm of the matrix-vector path is launched with PDL too (it reads its
         # weight before the wait; the LM head may launch once it passed the wait): H200, 1.5B,
         # its marginal time 1.53 -> 0.80 us a step, 0.9994 -> 0.9982 ms/step over 4 alternated
