@@ -1,0 +1,360 @@
+"""Weight-only INT8 linear for 1..16 tokens on the tensor cores, with the weights stored as
+ready-made MMA fragments: ``y = x @ (q * scale[:, None]).T + bias``.
+
+Why a separate kernel. The ``"mma"`` kind of ``int8_linear.py`` lets Triton stage int8 tiles
+in shared memory, convert them and feed ``tl.dot``; on the H200 it streams about 1.5 TB/s of
+int8 at M = 2..16, so it is only 1.1-1.3x faster than cuBLAS bf16 (``results/kernels/NOTES.md``).
+Here every thread's 16-byte load *is* its share of the MMA operand, as in Marlin (Frantar et
+al., "MARLIN: Mixed-Precision Auto-Regressive Parallel Inference on Large Language Models",
+2024), whose idea this follows (not its code): no shared memory, no layout conversion; the
+weights go global -> registers -> four bf16 MMAs a load.
+
+The MMA is PTX ``mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32`` issued by
+``tl.inline_asm_elementwise``, with the weights as the A operand (16 output channels) and the
+activations as B (8 tokens a tile; 1 or 2 tiles). PTX ISA, "Matrix Fragments for
+mma.m16n8k16 with floating point type": lane ``l`` (group ``g = l // 4``, ``q = l % 4``)
+holds A rows ``g`` and ``g + 8`` at K pairs ``2q, 2q+1`` and ``2q+8, 2q+9``, B column ``g``
+at the same K pairs, and D rows ``g``, ``g + 8`` x columns ``2q, 2q + 1``. Since only the
+*pairing* of A's and B's K indices matters, each 32-column K block is permuted so that lane
+``l`` owns physical columns ``8q .. 8q + 7`` of both its A rows and its B column: K step
+``s`` (0, 1) of the block maps fragment pairs ``(2q, 2q+1)`` -> ``8q + 4s + (0, 1)`` and
+``(2q+8, 2q+9)`` -> ``8q + 4s + (2, 3)``. One 16-byte load then holds a lane's A operand of
+two K steps and one 16-byte load of x (8 bf16) its B operand of both.
+
+Fragment layout (:func:`pack_int8_fragments`): int32 ``[N/16, K/32, 32, 4]``; chunk
+``(nb, kb)`` lane ``l`` holds ``q[16 nb + g, 32 kb + 8q : +8]`` then
+``q[16 nb + g + 8, 32 kb + 8q : +8]`` (16 bytes), each byte stored as ``q + 128``
+(offset binary), which the conversion needs: a byte placed in the low mantissa of
+``2^23`` reads as the fp32 ``2^23 + q + 128``; subtracting ``2^23 + 128`` leaves ``q``
+exactly, whose fp32 low half is zero, so its high half is the bf16 (PRMT + FADD, no ``I2F``;
+the same conversion the byte-planes kernels use).
+
+Work split: a program owns 16 output channels and ``1 / split`` of K; its ``num_warps``
+warps take interleaved K chunks, ``unroll`` chunks a loop step each (all loads of a step are
+issued before its MMAs), partial sums are reduced over the unrolled copies, then over the
+warps (shared memory, Triton's ``tl.sum``), then over the K splits by the last split to
+finish (a per-tile arrival counter, as in ``int8_linear.py``'s fused split-K reduction).
+
+GPU only (``sm_80`` or later): the Triton interpreter cannot run inline PTX.
+:func:`emulate_fragment_linear` is the same computation lane by lane in PyTorch, from the
+PTX fragment tables; the CPU tests check the layout with it.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import triton
+import triton.language as tl
+
+from ._launch import zeroed_counters
+
+__all__ = ["FragConfig", "choose_frag_config", "emulate_fragment_linear", "int8_frag_linear",
+           "pack_int8_fragments", "unpack_int8_fragments"]
+
+FRAG_MAX_M = 16  #: tokens a call serves (two 8-token MMA tiles)
+
+
+def _check_q(w_int8: torch.Tensor) -> tuple[int, int]:
+    if not isinstance(w_int8, torch.Tensor) or w_int8.dtype != torch.int8 or w_int8.dim() != 2:
+        raise ValueError(f"w_int8 must be a 2-D int8 tensor [N, K], got "
+                         f"{getattr(w_int8, 'dtype', type(w_int8))} {tuple(getattr(w_int8, 'shape', ()))}")
+    n, k = w_int8.shape
+    if n % 16 or k % 32:
+        raise ValueError(f"the fragment layout needs N % 16 == 0 and K % 32 == 0, got N={n}, K={k}")
+    return n, k
+
+
+def pack_int8_fragments(w_int8: torch.Tensor) -> torch.Tensor:
+    """Reorder an int8 weight into the MMA fragment layout of :func:`int8_frag_linear`.
+
+    Args:
+        w_int8: ``[N, K]`` int8 (values in ``[-127, 127]``; -128 would be read as -128 too),
+            ``N % 16 == 0``, ``K % 32 == 0``.
+
+    Returns:
+        int32 ``[N / 16, K / 32, 32, 4]``, contiguous: chunk ``(nb, kb)``, lane ``l``: the
+        16 bytes ``q[16 nb + l//4, 32 kb + 8 (l%4) : +8]`` and
+        ``q[16 nb + l//4 + 8, 32 kb + 8 (l%4) : +8]``, each stored as ``q + 128`` (little-endian
+        bytes in the words).
+
+    Raises:
+        ValueError: not a 2-D int8 tensor, or the sizes above.
+    """
+    n, k = _check_q(w_int8)
+    b = (w_int8.view(torch.uint8) ^ 0x80).reshape(n // 16, 2, 8, k // 32, 4, 8)  # nb h g kb q byte
+    b = b.permute(0, 3, 2, 4, 1, 5).contiguous()                                  # nb kb g q h byte
+    return b.view(torch.int32).reshape(n // 16, k // 32, 32, 4)
+
+
+def unpack_int8_fragments(frags: torch.Tensor) -> torch.Tensor:
+    """Inverse of :func:`pack_int8_fragments`: int32 ``[N/16, K/32, 32, 4]`` -> int8 ``[N, K]``.
+
+    Raises:
+        ValueError: not a 4-D int32 tensor of that form.
+    """
+    if (not isinstance(frags, torch.Tensor) or frags.dtype != torch.int32 or frags.dim() != 4
+            or tuple(frags.shape[2:]) != (32, 4)):
+        raise ValueError(f"frags must be an int32 tensor [N/16, K/32, 32, 4], got "
+                         f"{getattr(frags, 'dtype', type(frags))} {tuple(getattr(frags, 'shape', ()))}")
+    nb, kb = frags.shape[:2]
+    b = frags.contiguous().view(torch.uint8).reshape(nb, kb, 8, 4, 2, 8) ^ 0x80      # nb kb g q h byte
+    return b.permute(0, 4, 2, 1, 3, 5).reshape(nb * 16, kb * 32).view(torch.int8)
+
+
+def emulate_fragment_linear(x: torch.Tensor, frags: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    """What :func:`int8_frag_linear` computes, lane by lane, in fp64 PyTorch (for tests).
+
+    Built from the PTX ``m16n8k16`` fragment tables and the kernel's K permutation, not from
+    :func:`pack_int8_fragments`: for every chunk and lane it decodes the A registers exactly
+    as the kernel's conversion does (word ``2s`` / ``2s+1`` of the step ... see the module
+    docstring) and places each product where the MMA would.
+
+    Args:
+        x: ``[M, K]`` float; frags: the fragment layout; scale: ``[N]``.
+
+    Returns:
+        ``[M, N]`` float64.
+    """
+    nbk, kbk = frags.shape[:2]
+    m = x.shape[0]
+    by = frags.contiguous().view(torch.uint8).reshape(nbk, kbk, 32, 16).long() - 128  # q per byte
+    xd = x.double().reshape(m, kbk, 32)
+    y = torch.zeros(m, nbk * 16, dtype=torch.float64)
+    lane = torch.arange(32)
+    g, q = lane // 4, lane % 4
+    for s in range(2):  # K step within the 32-column block
+        # A registers of step s: reg0 = word 2s... see _asm: (word, byte pair) of each register
+        regs = [(0 + s, 0, 0), (2 + s, 0, 8), (0 + s, 1, 0), (2 + s, 1, 8)]  # (word, pair, row add)
+        for reg, (word, pair, radd) in enumerate(regs):
+            for e in range(2):  # element of the bf16x2 register
+                kk = 2 * q + 8 * (reg // 2) + e           # fragment K index (PTX table)
+                phys = 8 * q + 4 * s + 2 * (kk >= 8).long() + e  # the kernel's permutation
+                a = by[:, :, lane, 4 * word + 2 * pair + e].double()  # [nb, kb, 32]
+                row = g + radd
+                # D[row, n] += A[row, kk] * B[kk, n]; B[kk, n] = x[n, phys] (lanes (n, q) hold it)
+                xk = xd.gather(2, phys[None, None, :].expand(m, kbk, 32))  # [M, kb, 32 lanes]
+                contrib = torch.einsum("bkl,mkl->mbl", a, xk)            # [M, nb, 32]
+                idx = (torch.arange(nbk)[:, None] * 16 + row[None, :]).reshape(-1)
+                y.index_add_(1, idx, contrib.reshape(m, -1))
+    return y * scale.double()[None, :]
+
+
+_CVT = """prmt.b32 t0, {w}, mg, {s0};
+prmt.b32 t1, {w}, mg, {s1};
+sub.f32 t0, t0, 0f4B000080;
+sub.f32 t1, t1, 0f4B000080;
+prmt.b32 {a}, t0, t1, 0x7632;
+"""
+_MMA = ("mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {{{d}}}, {{{a}}}, {{{b}}}, {{{c}}};\n")
+
+
+def _asm(tiles: int) -> tuple[str, str]:
+    """PTX and constraints of one lane's step over a 16-byte chunk (pack = 4 elements):
+    outputs the new accumulators (4 fp32 a tile), inputs the 4 weight words, 4 x words a tile,
+    the 4 accumulators a tile."""
+    n_out = 4 * tiles
+    w = [f"${n_out + i}" for i in range(4)]
+    xw = [[f"${n_out + 4 + 4 * t + i}" for i in range(4)] for t in range(tiles)]
+    cin = [[f"${n_out + 4 + 4 * tiles + 4 * t + i}" for i in range(4)] for t in range(tiles)]
+    body = ".reg .b32 t0, t1, mg, a<8>;\n.reg .f32 d<8>;\nmov.b32 mg, 0x4B000000;\n"
+    # a0..a3: K step 0; a4..a7: step 1. Register r of step s = (word, byte pair):
+    #   reg0 row g  pairs (0,1) of word s      reg1 row g+8 pair (0,1) of word 2+s
+    #   reg2 row g  pair (2,3) of word s       reg3 row g+8 pair (2,3) of word 2+s
+    for s in range(2):
+        for r, (word, pair) in enumerate([(s, 0), (2 + s, 0), (s, 1), (2 + s, 1)]):
+            body += _CVT.format(w=w[word], s0=hex(0x7650 + 2 * pair), s1=hex(0x7650 + 2 * pair + 1),
+                                a=f"a{4 * s + r}")
+    for t in range(tiles):
+        d = ", ".join(f"d{4 * t + i}" for i in range(4))
+        body += _MMA.format(d=d, a="a0, a1, a2, a3", b=f"{xw[t][0]}, {xw[t][1]}", c=", ".join(cin[t]))
+        body += _MMA.format(d=d, a="a4, a5, a6, a7", b=f"{xw[t][2]}, {xw[t][3]}", c=d)
+    for t in range(tiles):
+        for i in range(4):
+            body += f"mov.f32 ${4 * t + i}, d{4 * t + i};\n"
+    cons = ",".join(["=f"] * n_out + ["r"] * (4 + 4 * tiles) + ["f"] * n_out)
+    return "{\n" + body + "}", cons
+
+
+_ASM1, _CONS1 = _asm(1)
+_ASM2, _CONS2 = _asm(2)
+
+
+@triton.jit(do_not_specialize=["M"])
+def _int8_frag_kernel(x_ptr, w_ptr, s_ptr, bias_ptr, y_ptr, ws_ptr, cnt_ptr, M, N, KB, kb_per_split,
+                      stride_xm, stride_ym, HAS_BIAS: tl.constexpr, TILES: tl.constexpr,
+                      UNROLL: tl.constexpr, WARPS: tl.constexpr, SPLIT: tl.constexpr,
+                      EVEN: tl.constexpr, ASM1: tl.constexpr, CONS1: tl.constexpr,
+                      ASM2: tl.constexpr, CONS2: tl.constexpr):
+    """One program: 16 output channels (``nb``) x K chunks ``[kb_lo, kb_lo + kb_per_split)``.
+
+    ``x_ptr`` is x as int32 words (two bf16 each, ``stride_xm`` in words); ``w_ptr`` the
+    fragment layout; ``KB`` = K / 32. Element ``e`` of a ``[UNROLL, WARPS * 128]`` tensor is
+    word ``e % 4`` of thread ``e // 4`` (the 16-byte vectorized layout Triton gives these
+    loads), which is what the inline PTX takes four at a time.
+    """
+    T: tl.constexpr = WARPS * 32
+    nb = tl.program_id(0)
+    pid_k = tl.program_id(1)
+    e = tl.arange(0, T * 4)
+    warp = e // 128
+    lane = (e // 4) % 32
+    tok = lane // 4                               # B column (token) of the lane, tile 0
+    xcol = (lane % 4) * 4 + e % 4                 # word of x within a 32-column chunk
+    u = tl.arange(0, UNROLL)
+    kb_lo = pid_k * kb_per_split
+    kb_hi = tl.minimum(kb_lo + kb_per_split, KB)
+    chunk = kb_lo + u[:, None] * WARPS + warp[None, :]                       # [U, T*4] at step 0
+    w_ptrs = w_ptr + (nb.to(tl.int64) * KB + kb_lo) * 128 + u[:, None] * (T * 4) + e[None, :]
+    x0_ptrs = x_ptr + tok[None, :] * stride_xm + chunk * 16 + xcol[None, :]
+    x1_ptrs = x0_ptrs + 8 * stride_xm
+    tok_ok0 = (tok < M)[None, :]
+    tok_ok1 = (tok + 8 < M)[None, :]
+    acc0 = tl.zeros([UNROLL, T * 4], dtype=tl.float32)
+    acc1 = tl.zeros([UNROLL, T * 4], dtype=tl.float32)
+    STEP: tl.constexpr = UNROLL * WARPS
+    for k0 in range(kb_lo, kb_hi, STEP):
+        if EVEN:
+            w = tl.load(w_ptrs, eviction_policy="evict_first")
+            x0 = tl.load(x0_ptrs, mask=tok_ok0, other=0)
+            if TILES == 2:
+                x1 = tl.load(x1_ptrs, mask=tok_ok1, other=0)
+        else:
+            ok = (chunk + (k0 - kb_lo)) < kb_hi
+            w = tl.load(w_ptrs, mask=ok, other=-0x7F7F7F80, eviction_policy="evict_first")
+            x0 = tl.load(x0_ptrs, mask=ok & tok_ok0, other=0)
+            if TILES == 2:
+                x1 = tl.load(x1_ptrs, mask=ok & tok_ok1, other=0)
+        if TILES == 2:
+            acc0, acc1 = tl.inline_asm_elementwise(ASM2, CONS2, [w, x0, x1, acc0, acc1],
+                                                   dtype=(tl.float32, tl.float32), is_pure=True, pack=4)
+        else:
+            acc0 = tl.inline_asm_elementwise(ASM1, CONS1, [w, x0, acc0], dtype=tl.float32, is_pure=True,
+                                             pack=4)
+        w_ptrs += STEP * 128
+        x0_ptrs += STEP * 16
+        x1_ptrs += STEP * 16
+    # D register j of lane l: channel 16 nb + l // 4 + 8 (j // 2), token (l % 4) * 2 + j % 2
+    f = tl.arange(0, 128)
+    ch = nb * 16 + (f // 16) + 8 * ((f % 4) // 2)
+    tk = ((f // 4) % 4) * 2 + f % 2
+    _frag_store(acc0, ch, tk, nb, pid_k, M, N, s_ptr, bias_ptr, y_ptr, ws_ptr, cnt_ptr, stride_ym,
+                HAS_BIAS, SPLIT, WARPS, UNROLL, TILES, 0)
+    if TILES == 2:
+        _frag_store(acc1, ch, tk + 8, nb, pid_k, M, N, s_ptr, bias_ptr, y_ptr, ws_ptr, cnt_ptr, stride_ym,
+                    HAS_BIAS, SPLIT, WARPS, UNROLL, TILES, 1)
+
+
+@triton.jit
+def _frag_store(acc, ch, tk, nb, pid_k, M, N, s_ptr, bias_ptr, y_ptr, ws_ptr, cnt_ptr, stride_ym,
+                HAS_BIAS: tl.constexpr, SPLIT: tl.constexpr, WARPS: tl.constexpr, UNROLL: tl.constexpr,
+                TILES: tl.constexpr, TILE: tl.constexpr):
+    """Reduce one tile's ``[UNROLL, WARPS * 128]`` partial sums to ``[128]`` (channel ``ch``,
+    token ``tk``) and store ``y`` (scaled, + bias); with ``SPLIT`` the last K split of the
+    channel block to arrive sums the partials in split order (deterministic)."""
+    part = tl.sum(tl.reshape(tl.sum(acc, axis=0), [WARPS, 128]), axis=0)
+    mask = tk < M
+    if SPLIT:
+        tl.store(ws_ptr + (pid_k * M + tk).to(tl.int64) * N + ch, part, mask=mask)
+        if TILE == TILES - 1:
+            nsplit = tl.num_programs(1)
+            tl.debug_barrier()
+            count = tl.atomic_add(cnt_ptr + nb, 1)
+            if count == nsplit - 1:
+                f = tl.arange(0, 128)
+                chr_ = nb * 16 + (f // 16) + 8 * ((f % 4) // 2)
+                for t in tl.static_range(TILES):
+                    tkr = ((f // 4) % 4) * 2 + f % 2 + 8 * t
+                    mk = tkr < M
+                    tot = tl.zeros([128], dtype=tl.float32)
+                    for s in range(0, nsplit):
+                        tot += tl.load(ws_ptr + (s * M + tkr).to(tl.int64) * N + chr_, mask=mk, other=0.0,
+                                       cache_modifier=".cg")
+                    yv = tot * tl.load(s_ptr + chr_).to(tl.float32)
+                    if HAS_BIAS:
+                        yv += tl.load(bias_ptr + chr_).to(tl.float32)
+                    tl.store(y_ptr + tkr.to(tl.int64) * stride_ym + chr_, yv.to(y_ptr.dtype.element_ty), mask=mk)
+                tl.atomic_xchg(cnt_ptr + nb, 0)
+    else:
+        yv = part * tl.load(s_ptr + ch).to(tl.float32)
+        if HAS_BIAS:
+            yv += tl.load(bias_ptr + ch).to(tl.float32)
+        tl.store(y_ptr + tk.to(tl.int64) * stride_ym + ch, yv.to(y_ptr.dtype.element_ty), mask=mask)
+
+
+@dataclass(frozen=True, slots=True)
+class FragConfig:
+    """Launch configuration of :func:`int8_frag_linear`: ``num_warps`` warps a program,
+    ``unroll`` 16-byte chunks a warp loads per loop step, ``split_k`` programs along K."""
+
+    num_warps: int = 4
+    unroll: int = 4
+    split_k: int = 1
+
+
+def choose_frag_config(m: int, n: int, k: int) -> FragConfig:
+    """Default configuration (placeholder rule until the H200 sweep: enough programs to give
+    every SM one, 4 warps, 4 chunks in flight a warp)."""
+    split = max(1, min(8, 132 // max(1, n // 16)))
+    return FragConfig(4, 4, split)
+
+
+def int8_frag_linear(x: torch.Tensor, frags: torch.Tensor, scale: torch.Tensor,
+                     bias: torch.Tensor | None = None, config: FragConfig | None = None) -> torch.Tensor:
+    """``y = x @ (q * scale[:, None]).T + bias`` for ``M <= 16`` tokens, ``q`` given in the
+    fragment layout (:func:`pack_int8_fragments`).
+
+    Args:
+        x: ``[..., K]`` bf16 on a CUDA device, last dim contiguous, at most 16 rows in all.
+        frags: int32 ``[N/16, K/32, 32, 4]`` on the same device.
+        scale: ``[N]`` per-output-channel scales (any float dtype).
+        bias: optional ``[N]``.
+        config: launch configuration (default :func:`choose_frag_config`).
+
+    Returns:
+        ``[..., N]`` in ``x.dtype`` (fp32 accumulation, one rounding at the end).
+
+    Raises:
+        ValueError: wrong dtypes, shapes, devices or more than 16 rows; NotImplementedError
+        on a CPU tensor (inline PTX; use :func:`emulate_fragment_linear`).
+    """
+    if not isinstance(x, torch.Tensor) or x.dtype != torch.bfloat16:
+        raise ValueError(f"x must be a bf16 tensor, got {getattr(x, 'dtype', type(x))}")
+    if not isinstance(frags, torch.Tensor) or frags.dtype != torch.int32 or frags.dim() != 4 \
+            or tuple(frags.shape[2:]) != (32, 4) or not frags.is_contiguous():
+        raise ValueError("frags must be a contiguous int32 tensor [N/16, K/32, 32, 4] (pack_int8_fragments)")
+    n, k = frags.shape[0] * 16, frags.shape[1] * 32
+    if x.shape[-1] != k:
+        raise ValueError(f"x has K={x.shape[-1]} but the weight has K={k}")
+    if scale.shape != (n,) or (bias is not None and bias.shape != (n,)):
+        raise ValueError(f"scale and bias must be [N] = [{n}]")
+    if x.device.type != "cuda":
+        raise NotImplementedError("int8_frag_linear runs inline PTX: CUDA only (emulate_fragment_linear on CPU)")
+    if not (frags.device == x.device == scale.device and (bias is None or bias.device == x.device)):
+        raise ValueError("x, frags, scale and bias must be on one device")
+    lead = x.shape[:-1]
+    x2 = x.reshape(-1, k)
+    m = x2.shape[0]
+    if m > FRAG_MAX_M or m == 0:
+        raise ValueError(f"int8_frag_linear serves 1..{FRAG_MAX_M} rows, got {m}")
+    if x2.stride(1) != 1 or x2.stride(0) % 2:
+        x2 = x2.contiguous()
+    cfg = config or choose_frag_config(m, n, k)
+    kb = k // 32
+    split = max(1, min(cfg.split_k, kb))
+    kb_per = triton.cdiv(kb, split)
+    split = triton.cdiv(kb, kb_per)
+    y = torch.empty((m, n), dtype=x.dtype, device=x.device)
+    ws = torch.empty((split, m, n), dtype=torch.float32, device=x.device) if split > 1 else y
+    cnt = zeroed_counters("int8_frag", x.device, n // 16) if split > 1 else y
+    step = cfg.unroll * cfg.num_warps
+    even = kb % kb_per == 0 and kb_per % step == 0
+    tiles = 1 if m <= 8 else 2
+    _int8_frag_kernel[(n // 16, split)](
+        x2.view(torch.int32), frags, scale, bias if bias is not None else scale, y, ws, cnt,
+        m, n, kb, kb_per, x2.stride(0) // 2, y.stride(0),
+        HAS_BIAS=bias is not None, TILES=tiles, UNROLL=cfg.unroll, WARPS=cfg.num_warps,
+        SPLIT=split > 1, EVEN=even, ASM1=_ASM1, CONS1=_CONS1, ASM2=_ASM2, CONS2=_CONS2,
+        num_warps=cfg.num_warps, num_stages=1)
+    return y.reshape(*lead, n)

@@ -1,0 +1,141 @@
+#!/usr/bin/env python
+"""INT8 weight-only linear at M = 1..16 with the weights as ready-made MMA fragments
+(``triton_kernels/int8_frag.py``) against bf16 cuBLAS and the shipped ``int8_linear``.
+
+Question (issue #6, results/kernels/NOTES.md sessions 10 and 14): Triton's own tensor-core
+path streams about 1.5 TB/s of int8 at M = 2..16 (1.1-1.3x cuBLAS bf16); the target is 1.5x.
+Does a kernel whose 16-byte loads are the MMA operands (inline-PTX ``mma.sync``, no shared
+memory) stream int8 at the matrix-vector kernel's rate for every M up to 16?
+
+Every configuration is checked against an fp64 reference (relative error < 1e-2, the bf16
+output's rounding is ~2e-3) before it is timed; failures are kept as rows. Timing: CUDA
+graphs of back-to-back calls rotating over > 200 MB of weights (``scripts/cuda_timing.py``).
+Writes ``frag.json`` and ``frag.md`` to ``--out``.
+
+Usage: python3 scripts/bench_int8_frag.py --out DIR [--ms 1 2 4 8 16] [--shapes 1.5b] [--quick]
+"""
+
+from __future__ import annotations
+
+import argparse
+import itertools
+import json
+import math
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from bench_int8_planes import cublas_us, int8_us, rel_err, run_header  # noqa: E402
+from cuda_timing import graph_time_us  # noqa: E402
+
+from llmserve.triton_kernels.int8_frag import FragConfig, int8_frag_linear, pack_int8_fragments  # noqa: E402
+from llmserve.triton_kernels.int8_linear import choose_int8_config  # noqa: E402
+
+SHAPES = {"1.5b": [("gate/up", 1536, 8960), ("down", 8960, 1536), ("qkv", 1536, 2048)],
+          "7b": [("7B gate/up", 3584, 18944), ("7B down", 18944, 3584), ("7B qkv", 3584, 4608)],
+          "0.5b": [("0.5B gate/up", 896, 4864), ("0.5B down", 4864, 896), ("0.5B qkv", 896, 1152)]}
+ROTATE = 200e6
+
+
+def configs(quick: bool) -> list[FragConfig]:
+    if quick:
+        return [FragConfig(4, 4, 1), FragConfig(4, 2, 2)]
+    return [FragConfig(w, u, s) for w, u, s in itertools.product((1, 2, 4, 8), (1, 2, 4, 8), (1, 2, 4, 8))
+            if 4 <= w * u <= 32]
+
+
+def _precompile(args):
+    """Worker: call every (shape, tiles, config) once so the timed pass finds the binaries."""
+    wid, nw, shapes, ms, cfgs = args
+    i = 0
+    for _, k, n in shapes:
+        f = pack_int8_fragments(torch.randint(-127, 128, (n, k), dtype=torch.int8)).cuda()
+        s = torch.rand(n, device="cuda")
+        for m in sorted({min(m, 8) if m <= 8 else 16 for m in ms}):
+            x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
+            for c in cfgs:
+                i += 1
+                if i % nw == wid:
+                    try:
+                        int8_frag_linear(x, f, s, config=c)
+                    except Exception:  # noqa: BLE001 - the timed pass reports it
+                        pass
+    torch.cuda.synchronize()
+    return wid
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--out", type=Path, required=True)
+    ap.add_argument("--ms", type=int, nargs="+", default=[1, 2, 3, 4, 8, 16])
+    ap.add_argument("--shapes", nargs="+", default=["1.5b"], choices=sorted(SHAPES))
+    ap.add_argument("--workers", type=int, default=14)
+    ap.add_argument("--quick", action="store_true")
+    args = ap.parse_args()
+    args.out.mkdir(parents=True, exist_ok=True)
+    dev = torch.device("cuda")
+    shapes = [s for name in args.shapes for s in SHAPES[name]]
+    cfgs = configs(args.quick)
+    t0 = time.time()
+    if args.workers > 1:
+        import multiprocessing as mp
+        with mp.get_context("spawn").Pool(args.workers) as pool:
+            pool.map(_precompile, [(w, args.workers, shapes, args.ms, cfgs) for w in range(args.workers)])
+        print(f"[{time.time() - t0:6.1f}s] precompiled {len(cfgs)} configurations", flush=True)
+    rows = []
+    for lab, k, n in shapes:
+        copies = max(1, math.ceil(ROTATE / (n * k)))
+        q = torch.randint(-127, 128, (copies, n, k), dtype=torch.int8, device=dev)
+        s = torch.rand(copies, n, device=dev) * 1e-3 + 1e-4
+        fr = torch.stack([pack_int8_fragments(q[i]) for i in range(copies)])
+        wb = torch.empty((max(1, math.ceil(ROTATE / (2 * n * k))), n, k), dtype=torch.bfloat16,
+                         device=dev).normal_(0, .02)
+        for m in args.ms:
+            x = torch.randn(m, k, device=dev, dtype=torch.bfloat16)
+            ref = x.double() @ (q[0].double() * s[0].double()[:, None]).T
+            row = dict(shape=lab, K=k, N=n, M=m, cublas_bf16_us=cublas_us(x, wb))
+            cfg = choose_int8_config(m, n, k, dev)
+            row["shipped_config"] = f"{cfg.kind} {cfg.block_m}x{cfg.block_n}x{cfg.block_k} split {cfg.split_k}"
+            row["shipped_err"], row["shipped_us"] = int8_us(x, q, s, ref)
+            res = []
+            for c in cfgs:
+                r = dict(cfg=[c.num_warps, c.unroll, c.split_k], us=None, err=None, error=None)
+                try:
+                    r["err"] = rel_err(int8_frag_linear(x, fr[0], s[0], config=c), ref)
+                    if r["err"] > 1e-2:
+                        r["error"] = f"relative error {r['err']:.2e}"
+                    else:
+                        r["us"] = graph_time_us([lambda i=i: int8_frag_linear(x, fr[i], s[i], config=c)
+                                                 for i in range(copies)], max(copies, 24), replays=12)
+                except Exception as ex:  # noqa: BLE001 - kept as a row
+                    r["error"] = f"{type(ex).__name__}: {ex}"[:300]
+                res.append(r)
+            row["frag"] = res
+            ok = [r for r in res if r["us"] is not None]
+            bad = [r for r in res if r["error"]]
+            if ok:
+                row["frag_best"] = min(ok, key=lambda r: r["us"])
+            rows.append(row)
+            b = row.get("frag_best")
+            print(f"[{time.time() - t0:6.1f}s] {lab} M={m}: cuBLAS {row['cublas_bf16_us']:.2f}, shipped "
+                  f"{row['shipped_us']:.2f} ({row['shipped_config']}), frag "
+                  + (f"{b['us']:.2f} {b['cfg']} ({row['cublas_bf16_us'] / b['us']:.2f}x)" if b else "none")
+                  + (f"; {len(bad)} failed, first: {bad[0]['cfg']} {bad[0]['error']}" if bad else ""), flush=True)
+            (args.out / "frag.json").write_text(json.dumps(dict(**run_header(), rows=rows), indent=1))
+    lines = ["| shape | M | cuBLAS bf16 us | shipped int8 us | speed-up | frag us (warps, unroll, split) | speed-up "
+             "| frag int8 GB/s |", "|---|---|---|---|---|---|---|---|"]
+    for r in rows:
+        c, a, b = r["cublas_bf16_us"], r["shipped_us"], r.get("frag_best")
+        lines.append(f"| {r['shape']} | {r['M']} | {c:.2f} | {a:.2f} | {c / a:.2f}x | "
+                     + (f"{b['us']:.2f} {tuple(b['cfg'])} | {c / b['us']:.2f}x | {r['N'] * r['K'] / b['us'] / 1e3:.0f} |"
+                        if b else "- | - | - |"))
+    (args.out / "frag.md").write_text("\n".join(lines) + "\n")
+    print("\n".join(lines))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,112 @@
+"""The INT8 MMA-fragment linear (``triton_kernels/int8_frag.py``).
+
+CPU: the layout (pack/unpack round trip, the byte each lane reads) and a lane-by-lane
+emulation built from the PTX ``m16n8k16`` fragment tables against ``x @ (q * s).T``, so a
+wrong permutation fails here without a GPU. GPU (``gpu`` marker): the kernel itself in bf16
+against an fp64 reference at awkward sizes (1, 7, 8, 9, 16 rows; one 16-channel block; K of
+one chunk; K not a multiple of a loop step; split-K with a ragged last split; bias).
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from llmserve.triton_kernels.int8_frag import (
+    FRAG_MAX_M,
+    FragConfig,
+    emulate_fragment_linear,
+    int8_frag_linear,
+    pack_int8_fragments,
+    unpack_int8_fragments,
+)
+
+gpu = pytest.mark.gpu
+
+
+@pytest.mark.parametrize("n,k", [(16, 32), (48, 96), (32, 320)])
+def test_pack_round_trip_and_lane_bytes(n, k):
+    g = torch.Generator().manual_seed(n + k)
+    q = torch.randint(-127, 128, (n, k), dtype=torch.int8, generator=g)
+    f = pack_int8_fragments(q)
+    assert f.shape == (n // 16, k // 32, 32, 4) and f.dtype == torch.int32
+    assert torch.equal(unpack_int8_fragments(f), q)
+    by = f.view(torch.uint8).reshape(n // 16, k // 32, 32, 16)
+    # lane 13 of chunk (nb=last, kb=last): group 3, q 1 -> rows 3 and 11, columns 8..15
+    nb, kb = n // 16 - 1, k // 32 - 1
+    rows = q[16 * nb + 3], q[16 * nb + 11]
+    want = torch.cat([rows[0][32 * kb + 8: 32 * kb + 16], rows[1][32 * kb + 8: 32 * kb + 16]])
+    assert torch.equal((by[nb, kb, 13] ^ 0x80).view(torch.int8), want)
+
+
+@pytest.mark.parametrize("m,n,k", [(1, 16, 32), (3, 48, 96), (8, 32, 64), (16, 32, 160)])
+def test_emulation_matches_reference(m, n, k):
+    g = torch.Generator().manual_seed(m * n + k)
+    q = torch.randint(-127, 128, (n, k), dtype=torch.int8, generator=g)
+    s = torch.rand(n, generator=g) + 0.5
+    x = torch.randn(m, k, generator=g)
+    ref = x.double() @ (q.double() * s.double()[:, None]).T
+    torch.testing.assert_close(emulate_fragment_linear(x, pack_int8_fragments(q), s), ref, rtol=1e-12, atol=1e-9)
+
+
+def test_emulation_sees_a_wrong_layout():
+    """The emulation is not the pack's inverse: row-major int8 reinterpreted as fragments fails."""
+    q = torch.randint(-127, 128, (16, 64), dtype=torch.int8, generator=torch.Generator().manual_seed(1))
+    x = torch.randn(2, 64, generator=torch.Generator().manual_seed(2))
+    wrong = (q.view(torch.uint8) ^ 0x80).view(torch.int32).reshape(1, 2, 32, 4)
+    ref = x.double() @ q.double().T
+    assert (emulate_fragment_linear(x, wrong, torch.ones(16)) - ref).abs().max() > 1.0
+
+
+def test_validation():
+    with pytest.raises(ValueError, match="N % 16"):
+        pack_int8_fragments(torch.zeros(24, 32, dtype=torch.int8))
+    with pytest.raises(ValueError, match="K % 32"):
+        pack_int8_fragments(torch.zeros(16, 40, dtype=torch.int8))
+    with pytest.raises(ValueError, match="int8"):
+        pack_int8_fragments(torch.zeros(16, 32))
+    with pytest.raises(ValueError, match="int32"):
+        unpack_int8_fragments(torch.zeros(1, 1, 32, 4))
+    f = pack_int8_fragments(torch.zeros(16, 32, dtype=torch.int8))
+    s = torch.ones(16)
+    with pytest.raises(ValueError, match="bf16"):
+        int8_frag_linear(torch.zeros(1, 32), f, s)
+    with pytest.raises(ValueError, match="K=64"):
+        int8_frag_linear(torch.zeros(1, 64, dtype=torch.bfloat16), f, s)
+    with pytest.raises(ValueError, match=r"\[N\]"):
+        int8_frag_linear(torch.zeros(1, 32, dtype=torch.bfloat16), f, torch.ones(8))
+    with pytest.raises(NotImplementedError, match="CUDA"):
+        int8_frag_linear(torch.zeros(1, 32, dtype=torch.bfloat16), f, s)
+
+
+@gpu
+@pytest.mark.parametrize("m", [1, 2, 7, 8, 9, 16])
+@pytest.mark.parametrize("n,k,cfg", [
+    (16, 32, FragConfig(1, 1, 1)),        # one chunk, one program
+    (48, 96, FragConfig(2, 2, 1)),        # K (3 chunks) not a multiple of the loop step (4)
+    (64, 1536, FragConfig(4, 4, 1)),
+    (32, 8960, FragConfig(4, 4, 8)),      # 280 chunks: ragged splits of 35, steps of 16
+    (2048, 1536, FragConfig(8, 2, 3)),
+])
+def test_kernel_matches_reference(m, n, k, cfg):
+    g = torch.Generator().manual_seed(m + n + k)
+    q = torch.randint(-127, 128, (n, k), dtype=torch.int8, generator=g)
+    s = (torch.rand(n, generator=g) * 1e-2 + 1e-3)
+    bias = torch.randn(n, generator=g)
+    x = torch.randn(m, k, generator=g).to(torch.bfloat16)
+    ref = x.double() @ (q.double() * s.double()[:, None]).T + bias.double()
+    f = pack_int8_fragments(q).cuda()
+    y = int8_frag_linear(x.cuda(), f, s.cuda(), bias.cuda(), config=cfg)
+    assert y.dtype == torch.bfloat16 and y.shape == (m, n)
+    err = ((y.double().cpu() - ref).norm() / ref.norm()).item()
+    assert err < 4e-3, err
+    y2 = int8_frag_linear(x.cuda(), f, s.cuda(), bias.cuda(), config=cfg)   # counters re-armed
+    assert torch.equal(y, y2)
+
+
+@gpu
+def test_kernel_rejects_too_many_rows():
+    f = pack_int8_fragments(torch.zeros(16, 32, dtype=torch.int8)).cuda()
+    with pytest.raises(ValueError, match="rows"):
+        int8_frag_linear(torch.zeros(FRAG_MAX_M + 1, 32, dtype=torch.bfloat16, device="cuda"), f,
+                         torch.ones(16, device="cuda"))
