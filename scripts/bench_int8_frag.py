@@ -42,9 +42,9 @@ ROTATE = 200e6
 
 def configs(quick: bool) -> list[FragConfig]:
     if quick:
-        return [FragConfig(4, 4, 1), FragConfig(4, 2, 2)]
-    return [FragConfig(w, u, s) for w, u, s in itertools.product((1, 2, 4, 8), (1, 2, 4, 8), (1, 2, 4, 8))
-            if 4 <= w * u <= 32]
+        return [FragConfig(4, 4, 1), FragConfig(4, 2, 2, 2, True)]
+    return [FragConfig(w, u, s, b, pf) for w, u, s, b, pf in
+            itertools.product((2, 4, 8), (1, 2, 4), (1, 2, 4, 8), (1, 2, 4), (False, True)) if u * b <= 8]
 
 
 def _precompile(args):
@@ -102,7 +102,10 @@ def main() -> int:
             row["shipped_err"], row["shipped_us"] = int8_us(x, q, s, ref)
             res = []
             for c in cfgs:
-                r = dict(cfg=[c.num_warps, c.unroll, c.split_k], us=None, err=None, error=None)
+                r = dict(cfg=[c.num_warps, c.unroll, c.split_k, c.blocks, int(c.prefetch)], us=None, err=None,
+                         error=None)
+                if (n // 16) % c.blocks:
+                    continue
                 try:
                     r["err"] = rel_err(int8_frag_linear(x, fr[0], s[0], config=c), ref)
                     if r["err"] > 1e-2:
@@ -125,7 +128,7 @@ def main() -> int:
                   + (f"{b['us']:.2f} {b['cfg']} ({row['cublas_bf16_us'] / b['us']:.2f}x)" if b else "none")
                   + (f"; {len(bad)} failed, first: {bad[0]['cfg']} {bad[0]['error']}" if bad else ""), flush=True)
             (args.out / "frag.json").write_text(json.dumps(dict(**run_header(), rows=rows), indent=1))
-    lines = ["| shape | M | cuBLAS bf16 us | shipped int8 us | speed-up | frag us (warps, unroll, split) | speed-up "
+    lines = ["| shape | M | cuBLAS bf16 us | shipped int8 us | speed-up | frag us (warps, unroll, split, blocks, prefetch) | speed-up "
              "| frag int8 GB/s |", "|---|---|---|---|---|---|---|---|"]
     for r in rows:
         c, a, b = r["cublas_bf16_us"], r["shipped_us"], r.get("frag_best")

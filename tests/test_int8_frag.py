@@ -82,11 +82,13 @@ def test_validation():
 @gpu
 @pytest.mark.parametrize("m", [1, 2, 7, 8, 9, 16])
 @pytest.mark.parametrize("n,k,cfg", [
-    (16, 32, FragConfig(1, 1, 1)),        # one chunk, one program
-    (48, 96, FragConfig(2, 2, 1)),        # K (3 chunks) not a multiple of the loop step (4)
-    (64, 1536, FragConfig(4, 4, 1)),
-    (32, 8960, FragConfig(4, 4, 8)),      # 280 chunks: ragged splits of 35, steps of 16
-    (2048, 1536, FragConfig(8, 2, 3)),
+    (16, 32, FragConfig(1, 1, 1)),                        # one chunk, one program
+    (48, 96, FragConfig(2, 2, 1)),                        # K (3 chunks) not a multiple of the step (4)
+    (48, 96, FragConfig(2, 1, 1, prefetch=True)),
+    (64, 1536, FragConfig(4, 4, 1, blocks=2, prefetch=True)),
+    (32, 8960, FragConfig(4, 4, 8, blocks=2)),            # 280 chunks: ragged splits of 35, steps of 16
+    (32, 8960, FragConfig(2, 2, 4, prefetch=True)),
+    (2048, 1536, FragConfig(8, 2, 3, blocks=4, prefetch=True)),
 ])
 def test_kernel_matches_reference(m, n, k, cfg):
     g = torch.Generator().manual_seed(m + n + k)
@@ -105,8 +107,11 @@ def test_kernel_matches_reference(m, n, k, cfg):
 
 
 @gpu
-def test_kernel_rejects_too_many_rows():
-    f = pack_int8_fragments(torch.zeros(16, 32, dtype=torch.int8)).cuda()
+def test_kernel_rejects_bad_calls():
+    f = pack_int8_fragments(torch.zeros(48, 32, dtype=torch.int8)).cuda()
+    s = torch.ones(48, device="cuda")
     with pytest.raises(ValueError, match="rows"):
-        int8_frag_linear(torch.zeros(FRAG_MAX_M + 1, 32, dtype=torch.bfloat16, device="cuda"), f,
-                         torch.ones(16, device="cuda"))
+        int8_frag_linear(torch.zeros(FRAG_MAX_M + 1, 32, dtype=torch.bfloat16, device="cuda"), f, s)
+    with pytest.raises(ValueError, match="blocks"):
+        int8_frag_linear(torch.zeros(2, 32, dtype=torch.bfloat16, device="cuda"), f, s,
+                         config=FragConfig(blocks=2))

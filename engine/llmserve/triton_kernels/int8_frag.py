@@ -183,19 +183,21 @@ _ASM2, _CONS2 = _asm(2)
 
 @triton.jit(do_not_specialize=["M"])
 def _int8_frag_kernel(x_ptr, w_ptr, s_ptr, bias_ptr, y_ptr, ws_ptr, cnt_ptr, M, N, KB, kb_per_split,
-                      stride_xm, stride_ym, HAS_BIAS: tl.constexpr, TILES: tl.constexpr,
-                      UNROLL: tl.constexpr, WARPS: tl.constexpr, SPLIT: tl.constexpr,
-                      EVEN: tl.constexpr, ASM1: tl.constexpr, CONS1: tl.constexpr,
+                      stride_xm, stride_ym, HAS_BIAS: tl.constexpr, TILES: tl.constexpr, NB: tl.constexpr,
+                      UNROLL: tl.constexpr, WARPS: tl.constexpr, SPLIT: tl.constexpr, EVEN: tl.constexpr,
+                      PREFETCH: tl.constexpr, ASM1: tl.constexpr, CONS1: tl.constexpr,
                       ASM2: tl.constexpr, CONS2: tl.constexpr):
-    """One program: 16 output channels (``nb``) x K chunks ``[kb_lo, kb_lo + kb_per_split)``.
+    """One program: ``NB`` blocks of 16 output channels x K chunks ``[kb_lo, kb_lo + kb_per_split)``.
 
     ``x_ptr`` is x as int32 words (two bf16 each, ``stride_xm`` in words); ``w_ptr`` the
-    fragment layout; ``KB`` = K / 32. Element ``e`` of a ``[UNROLL, WARPS * 128]`` tensor is
-    word ``e % 4`` of thread ``e // 4`` (the 16-byte vectorized layout Triton gives these
-    loads), which is what the inline PTX takes four at a time.
+    fragment layout; ``KB`` = K / 32. Element ``e`` of the last axis (``WARPS * 128``) is word
+    ``e % 4`` of thread ``e // 4`` (the 16-byte vectorized layout Triton gives these loads),
+    which is what the inline PTX takes four at a time. The ``NB`` weight chunks of one K chunk
+    share the lane's x words (loaded once). ``PREFETCH``: the next loop step's loads are
+    issued before this step's MMAs.
     """
     T: tl.constexpr = WARPS * 32
-    nb = tl.program_id(0)
+    pid_n = tl.program_id(0)
     pid_k = tl.program_id(1)
     e = tl.arange(0, T * 4)
     warp = e // 128
@@ -203,94 +205,135 @@ def _int8_frag_kernel(x_ptr, w_ptr, s_ptr, bias_ptr, y_ptr, ws_ptr, cnt_ptr, M, 
     tok = lane // 4                               # B column (token) of the lane, tile 0
     xcol = (lane % 4) * 4 + e % 4                 # word of x within a 32-column chunk
     u = tl.arange(0, UNROLL)
+    b = tl.arange(0, NB)
+    # output of D register j of lane l (after the reductions, f = 4 l + j): channel
+    # 16 nb + l // 4 + 8 (j // 2), token (l % 4) * 2 + j % 2
+    f = tl.arange(0, 128)
+    ch = (pid_n * NB + b[:, None]) * 16 + (f // 16)[None, :] + 8 * ((f % 4) // 2)[None, :]   # [NB, 128]
+    tk = (((f // 4) % 4) * 2 + f % 2)[None, :]
+    sc = tl.load(s_ptr + ch).to(tl.float32)       # before the loop: off the critical path
+    if HAS_BIAS:
+        bias = tl.load(bias_ptr + ch).to(tl.float32)
+    else:
+        bias = sc
     kb_lo = pid_k * kb_per_split
     kb_hi = tl.minimum(kb_lo + kb_per_split, KB)
     chunk = kb_lo + u[:, None] * WARPS + warp[None, :]                       # [U, T*4] at step 0
-    w_ptrs = w_ptr + (nb.to(tl.int64) * KB + kb_lo) * 128 + u[:, None] * (T * 4) + e[None, :]
+    w_ptrs = (w_ptr + ((pid_n * NB + b[:, None, None]).to(tl.int64) * KB + kb_lo) * 128
+              + u[None, :, None] * (T * 4) + e[None, None, :])                # [NB, U, T*4]
     x0_ptrs = x_ptr + tok[None, :] * stride_xm + chunk * 16 + xcol[None, :]
     x1_ptrs = x0_ptrs + 8 * stride_xm
     tok_ok0 = (tok < M)[None, :]
     tok_ok1 = (tok + 8 < M)[None, :]
-    acc0 = tl.zeros([UNROLL, T * 4], dtype=tl.float32)
-    acc1 = tl.zeros([UNROLL, T * 4], dtype=tl.float32)
     STEP: tl.constexpr = UNROLL * WARPS
-    for k0 in range(kb_lo, kb_hi, STEP):
-        if EVEN:
-            w = tl.load(w_ptrs, eviction_policy="evict_first")
-            x0 = tl.load(x0_ptrs, mask=tok_ok0, other=0)
-            if TILES == 2:
-                x1 = tl.load(x1_ptrs, mask=tok_ok1, other=0)
-        else:
+    acc0 = tl.zeros([NB, UNROLL, T * 4], dtype=tl.float32)
+    acc1 = tl.zeros([NB, UNROLL, T * 4], dtype=tl.float32)
+    if PREFETCH:
+        w, x0, x1 = _frag_loads(w_ptrs, x0_ptrs, x1_ptrs, chunk < kb_hi, tok_ok0, tok_ok1, TILES, EVEN)
+        for k0 in range(kb_lo, kb_hi, STEP):
+            w_ptrs += STEP * 128
+            x0_ptrs += STEP * 16
+            x1_ptrs += STEP * 16
+            nxt = (chunk + (k0 + STEP - kb_lo)) < kb_hi
+            wn, x0n, x1n = _frag_loads(w_ptrs, x0_ptrs, x1_ptrs, nxt, tok_ok0, tok_ok1, TILES, False)
+            acc0, acc1 = _frag_mma(w, x0, x1, acc0, acc1, TILES, ASM1, CONS1, ASM2, CONS2)
+            w, x0, x1 = wn, x0n, x1n
+    else:
+        for k0 in range(kb_lo, kb_hi, STEP):
             ok = (chunk + (k0 - kb_lo)) < kb_hi
-            w = tl.load(w_ptrs, mask=ok, other=-0x7F7F7F80, eviction_policy="evict_first")
-            x0 = tl.load(x0_ptrs, mask=ok & tok_ok0, other=0)
-            if TILES == 2:
-                x1 = tl.load(x1_ptrs, mask=ok & tok_ok1, other=0)
-        if TILES == 2:
-            acc0, acc1 = tl.inline_asm_elementwise(ASM2, CONS2, [w, x0, x1, acc0, acc1],
-                                                   dtype=(tl.float32, tl.float32), is_pure=True, pack=4)
-        else:
-            acc0 = tl.inline_asm_elementwise(ASM1, CONS1, [w, x0, acc0], dtype=tl.float32, is_pure=True,
-                                             pack=4)
-        w_ptrs += STEP * 128
-        x0_ptrs += STEP * 16
-        x1_ptrs += STEP * 16
-    # D register j of lane l: channel 16 nb + l // 4 + 8 (j // 2), token (l % 4) * 2 + j % 2
-    f = tl.arange(0, 128)
-    ch = nb * 16 + (f // 16) + 8 * ((f % 4) // 2)
-    tk = ((f // 4) % 4) * 2 + f % 2
-    _frag_store(acc0, ch, tk, nb, pid_k, M, N, s_ptr, bias_ptr, y_ptr, ws_ptr, cnt_ptr, stride_ym,
-                HAS_BIAS, SPLIT, WARPS, UNROLL, TILES, 0)
+            w, x0, x1 = _frag_loads(w_ptrs, x0_ptrs, x1_ptrs, ok, tok_ok0, tok_ok1, TILES, EVEN)
+            acc0, acc1 = _frag_mma(w, x0, x1, acc0, acc1, TILES, ASM1, CONS1, ASM2, CONS2)
+            w_ptrs += STEP * 128
+            x0_ptrs += STEP * 16
+            x1_ptrs += STEP * 16
+    _frag_store(acc0, ch, tk, sc, bias, pid_n, pid_k, M, N, y_ptr, ws_ptr, cnt_ptr, stride_ym,
+                HAS_BIAS, SPLIT, NB, WARPS, TILES, 0)
     if TILES == 2:
-        _frag_store(acc1, ch, tk + 8, nb, pid_k, M, N, s_ptr, bias_ptr, y_ptr, ws_ptr, cnt_ptr, stride_ym,
-                    HAS_BIAS, SPLIT, WARPS, UNROLL, TILES, 1)
+        _frag_store(acc1, ch, tk + 8, sc, bias, pid_n, pid_k, M, N, y_ptr, ws_ptr, cnt_ptr, stride_ym,
+                    HAS_BIAS, SPLIT, NB, WARPS, TILES, 1)
 
 
 @triton.jit
-def _frag_store(acc, ch, tk, nb, pid_k, M, N, s_ptr, bias_ptr, y_ptr, ws_ptr, cnt_ptr, stride_ym,
-                HAS_BIAS: tl.constexpr, SPLIT: tl.constexpr, WARPS: tl.constexpr, UNROLL: tl.constexpr,
+def _frag_mma(w, x0, x1, acc0, acc1, TILES: tl.constexpr, ASM1: tl.constexpr, CONS1: tl.constexpr,
+              ASM2: tl.constexpr, CONS2: tl.constexpr):
+    """``acc_t [NB, U, T*4] += `` the lane's MMAs over its weight chunks ``w`` and x words
+    ``x_t [U, T*4]`` (broadcast over the NB channel blocks: the same registers)."""
+    if TILES == 2:
+        acc0, acc1 = tl.inline_asm_elementwise(ASM2, CONS2, [w, x0[None], x1[None], acc0, acc1],
+                                               dtype=(tl.float32, tl.float32), is_pure=True, pack=4)
+    else:
+        acc0 = tl.inline_asm_elementwise(ASM1, CONS1, [w, x0[None], acc0], dtype=tl.float32, is_pure=True,
+                                         pack=4)
+    return acc0, acc1
+
+
+@triton.jit
+def _frag_loads(w_ptrs, x0_ptrs, x1_ptrs, ok, tok_ok0, tok_ok1, TILES: tl.constexpr, EVEN: tl.constexpr):
+    """One loop step's weight chunks ``[NB, U, T*4]`` and x words ``[U, T*4]`` (tile 0 and,
+    with ``TILES == 2``, tile 1); chunks with ``ok`` false read as zeros (int8 0 is the byte
+    0x80 in offset binary)."""
+    if EVEN:
+        w = tl.load(w_ptrs, eviction_policy="evict_first")
+        x0 = tl.load(x0_ptrs, mask=tok_ok0, other=0)
+        x1 = x0
+        if TILES == 2:
+            x1 = tl.load(x1_ptrs, mask=tok_ok1, other=0)
+    else:
+        w = tl.load(w_ptrs, mask=ok[None], other=-0x7F7F7F80, eviction_policy="evict_first")
+        x0 = tl.load(x0_ptrs, mask=ok & tok_ok0, other=0)
+        x1 = x0
+        if TILES == 2:
+            x1 = tl.load(x1_ptrs, mask=ok & tok_ok1, other=0)
+    return w, x0, x1
+
+
+@triton.jit
+def _frag_store(acc, ch, tk, sc, bias, pid_n, pid_k, M, N, y_ptr, ws_ptr, cnt_ptr, stride_ym,
+                HAS_BIAS: tl.constexpr, SPLIT: tl.constexpr, NB: tl.constexpr, WARPS: tl.constexpr,
                 TILES: tl.constexpr, TILE: tl.constexpr):
-    """Reduce one tile's ``[UNROLL, WARPS * 128]`` partial sums to ``[128]`` (channel ``ch``,
-    token ``tk``) and store ``y`` (scaled, + bias); with ``SPLIT`` the last K split of the
-    channel block to arrive sums the partials in split order (deterministic)."""
-    part = tl.sum(tl.reshape(tl.sum(acc, axis=0), [WARPS, 128]), axis=0)
-    mask = tk < M
+    """Reduce one tile's ``[NB, UNROLL, WARPS * 128]`` partial sums to ``[NB, 128]`` (channel
+    ``ch``, token ``tk``) and store ``y`` (scaled, + bias); with ``SPLIT`` the last K split of
+    the program's channels to arrive sums the partials in split order (deterministic)."""
+    part = tl.sum(tl.reshape(tl.sum(acc, axis=1), [NB, WARPS, 128]), axis=1)
+    mask = (tk < M) & (ch < N)
     if SPLIT:
         tl.store(ws_ptr + (pid_k * M + tk).to(tl.int64) * N + ch, part, mask=mask)
         if TILE == TILES - 1:
             nsplit = tl.num_programs(1)
             tl.debug_barrier()
-            count = tl.atomic_add(cnt_ptr + nb, 1)
+            count = tl.atomic_add(cnt_ptr + pid_n, 1)
             if count == nsplit - 1:
-                f = tl.arange(0, 128)
-                chr_ = nb * 16 + (f // 16) + 8 * ((f % 4) // 2)
                 for t in tl.static_range(TILES):
-                    tkr = ((f // 4) % 4) * 2 + f % 2 + 8 * t
-                    mk = tkr < M
-                    tot = tl.zeros([128], dtype=tl.float32)
+                    tkr = tk - 8 * (TILES - 1) + 8 * t
+                    mk = (tkr < M) & (ch < N)
+                    tot = tl.zeros([NB, 128], dtype=tl.float32)
                     for s in range(0, nsplit):
-                        tot += tl.load(ws_ptr + (s * M + tkr).to(tl.int64) * N + chr_, mask=mk, other=0.0,
+                        tot += tl.load(ws_ptr + (s * M + tkr).to(tl.int64) * N + ch, mask=mk, other=0.0,
                                        cache_modifier=".cg")
-                    yv = tot * tl.load(s_ptr + chr_).to(tl.float32)
+                    yv = tot * sc
                     if HAS_BIAS:
-                        yv += tl.load(bias_ptr + chr_).to(tl.float32)
-                    tl.store(y_ptr + tkr.to(tl.int64) * stride_ym + chr_, yv.to(y_ptr.dtype.element_ty), mask=mk)
-                tl.atomic_xchg(cnt_ptr + nb, 0)
+                        yv += bias
+                    tl.store(y_ptr + tkr.to(tl.int64) * stride_ym + ch, yv.to(y_ptr.dtype.element_ty), mask=mk)
+                tl.atomic_xchg(cnt_ptr + pid_n, 0)
     else:
-        yv = part * tl.load(s_ptr + ch).to(tl.float32)
+        yv = part * sc
         if HAS_BIAS:
-            yv += tl.load(bias_ptr + ch).to(tl.float32)
+            yv += bias
         tl.store(y_ptr + tk.to(tl.int64) * stride_ym + ch, yv.to(y_ptr.dtype.element_ty), mask=mask)
 
 
 @dataclass(frozen=True, slots=True)
 class FragConfig:
     """Launch configuration of :func:`int8_frag_linear`: ``num_warps`` warps a program,
-    ``unroll`` 16-byte chunks a warp loads per loop step, ``split_k`` programs along K."""
+    ``unroll`` 16-byte chunks a warp loads per loop step and 16-channel block, ``split_k``
+    programs along K, ``blocks`` 16-channel blocks a program (sharing the x loads),
+    ``prefetch``: issue the next step's loads before this step's MMAs."""
 
     num_warps: int = 4
     unroll: int = 4
     split_k: int = 1
+    blocks: int = 1
+    prefetch: bool = False
 
 
 def choose_frag_config(m: int, n: int, k: int) -> FragConfig:
@@ -351,10 +394,13 @@ def int8_frag_linear(x: torch.Tensor, frags: torch.Tensor, scale: torch.Tensor,
     step = cfg.unroll * cfg.num_warps
     even = kb % kb_per == 0 and kb_per % step == 0
     tiles = 1 if m <= 8 else 2
-    _int8_frag_kernel[(n // 16, split)](
+    nbp = cfg.blocks
+    if nbp < 1 or nbp & (nbp - 1) or (n // 16) % nbp:
+        raise ValueError(f"config.blocks={nbp} must be a power of two dividing N / 16 = {n // 16}")
+    _int8_frag_kernel[(n // 16 // nbp, split)](
         x2.view(torch.int32), frags, scale, bias if bias is not None else scale, y, ws, cnt,
         m, n, kb, kb_per, x2.stride(0) // 2, y.stride(0),
-        HAS_BIAS=bias is not None, TILES=tiles, UNROLL=cfg.unroll, WARPS=cfg.num_warps,
-        SPLIT=split > 1, EVEN=even, ASM1=_ASM1, CONS1=_CONS1, ASM2=_ASM2, CONS2=_CONS2,
+        HAS_BIAS=bias is not None, TILES=tiles, NB=nbp, UNROLL=cfg.unroll, WARPS=cfg.num_warps,
+        SPLIT=split > 1, EVEN=even, PREFETCH=cfg.prefetch, ASM1=_ASM1, CONS1=_CONS1, ASM2=_ASM2, CONS2=_CONS2,
         num_warps=cfg.num_warps, num_stages=1)
     return y.reshape(*lead, n)
