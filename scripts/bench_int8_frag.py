@@ -44,7 +44,8 @@ def configs(quick: bool) -> list[FragConfig]:
     if quick:
         return [FragConfig(4, 4, 1), FragConfig(4, 2, 2, 2, True)]
     return [FragConfig(w, u, s, b, pf) for w, u, s, b, pf in
-            itertools.product((2, 4, 8), (1, 2, 4), (1, 2, 4, 8), (1, 2, 4), (False, True)) if u * b <= 8]
+            itertools.product((2, 4, 8, 16), (1, 2, 4, 8), (1, 2, 4, 8), (1, 2, 4), (False, True))
+            if u * b <= 8 and w * u <= 64]
 
 
 def _precompile(args):
@@ -74,6 +75,8 @@ def main() -> int:
     ap.add_argument("--shapes", nargs="+", default=["1.5b"], choices=sorted(SHAPES))
     ap.add_argument("--workers", type=int, default=14)
     ap.add_argument("--quick", action="store_true")
+    ap.add_argument("--read-only", action="store_true",
+                    help="also time the 3 best configurations' loads alone (no conversion, no MMA)")
     args = ap.parse_args()
     args.out.mkdir(parents=True, exist_ok=True)
     dev = torch.device("cuda")
@@ -117,6 +120,12 @@ def main() -> int:
                     r["error"] = f"{type(ex).__name__}: {ex}"[:300]
                 res.append(r)
             row["frag"] = res
+            if args.read_only:  # the same loads without conversion and MMAs, for the 3 best
+                for r in sorted([r for r in res if r["us"] is not None], key=lambda r: r["us"])[:3]:
+                    c = FragConfig(*r["cfg"][:4], bool(r["cfg"][4]))
+                    r["read_only_us"] = graph_time_us([lambda i=i: int8_frag_linear(x, fr[i], s[i], config=c,
+                                                                                    _read_only=True)
+                                                       for i in range(copies)], max(copies, 24), replays=12)
             ok = [r for r in res if r["us"] is not None]
             bad = [r for r in res if r["error"]]
             if ok:
@@ -126,6 +135,7 @@ def main() -> int:
             print(f"[{time.time() - t0:6.1f}s] {lab} M={m}: cuBLAS {row['cublas_bf16_us']:.2f}, shipped "
                   f"{row['shipped_us']:.2f} ({row['shipped_config']}), frag "
                   + (f"{b['us']:.2f} {b['cfg']} ({row['cublas_bf16_us'] / b['us']:.2f}x)" if b else "none")
+                  + (f", loads alone {b['read_only_us']:.2f}" if b and "read_only_us" in b else "")
                   + (f"; {len(bad)} failed, first: {bad[0]['cfg']} {bad[0]['error']}" if bad else ""), flush=True)
             (args.out / "frag.json").write_text(json.dumps(dict(**run_header(), rows=rows), indent=1))
     lines = ["| shape | M | cuBLAS bf16 us | shipped int8 us | speed-up | frag us (warps, unroll, split, blocks, prefetch) | speed-up "

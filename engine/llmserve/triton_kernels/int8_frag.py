@@ -186,7 +186,7 @@ def _int8_frag_kernel(x_ptr, w_ptr, s_ptr, bias_ptr, y_ptr, ws_ptr, cnt_ptr, M, 
                       stride_xm, stride_ym, HAS_BIAS: tl.constexpr, TILES: tl.constexpr, NB: tl.constexpr,
                       UNROLL: tl.constexpr, WARPS: tl.constexpr, SPLIT: tl.constexpr, EVEN: tl.constexpr,
                       PREFETCH: tl.constexpr, ASM1: tl.constexpr, CONS1: tl.constexpr,
-                      ASM2: tl.constexpr, CONS2: tl.constexpr):
+                      ASM2: tl.constexpr, CONS2: tl.constexpr, READ_ONLY: tl.constexpr = False):
     """One program: ``NB`` blocks of 16 output channels x K chunks ``[kb_lo, kb_lo + kb_per_split)``.
 
     ``x_ptr`` is x as int32 words (two bf16 each, ``stride_xm`` in words); ``w_ptr`` the
@@ -194,7 +194,8 @@ def _int8_frag_kernel(x_ptr, w_ptr, s_ptr, bias_ptr, y_ptr, ws_ptr, cnt_ptr, M, 
     ``e % 4`` of thread ``e // 4`` (the 16-byte vectorized layout Triton gives these loads),
     which is what the inline PTX takes four at a time. The ``NB`` weight chunks of one K chunk
     share the lane's x words (loaded once). ``PREFETCH``: the next loop step's loads are
-    issued before this step's MMAs.
+    issued before this step's MMAs. ``READ_ONLY`` (a diagnostic, wrong results): the same
+    loads with one FADD a word instead of the conversion and the MMAs.
     """
     T: tl.constexpr = WARPS * 32
     pid_n = tl.program_id(0)
@@ -236,13 +237,13 @@ def _int8_frag_kernel(x_ptr, w_ptr, s_ptr, bias_ptr, y_ptr, ws_ptr, cnt_ptr, M, 
             x1_ptrs += STEP * 16
             nxt = (chunk + (k0 + STEP - kb_lo)) < kb_hi
             wn, x0n, x1n = _frag_loads(w_ptrs, x0_ptrs, x1_ptrs, nxt, tok_ok0, tok_ok1, TILES, False)
-            acc0, acc1 = _frag_mma(w, x0, x1, acc0, acc1, TILES, ASM1, CONS1, ASM2, CONS2)
+            acc0, acc1 = _frag_mma(w, x0, x1, acc0, acc1, TILES, ASM1, CONS1, ASM2, CONS2, READ_ONLY)
             w, x0, x1 = wn, x0n, x1n
     else:
         for k0 in range(kb_lo, kb_hi, STEP):
             ok = (chunk + (k0 - kb_lo)) < kb_hi
             w, x0, x1 = _frag_loads(w_ptrs, x0_ptrs, x1_ptrs, ok, tok_ok0, tok_ok1, TILES, EVEN)
-            acc0, acc1 = _frag_mma(w, x0, x1, acc0, acc1, TILES, ASM1, CONS1, ASM2, CONS2)
+            acc0, acc1 = _frag_mma(w, x0, x1, acc0, acc1, TILES, ASM1, CONS1, ASM2, CONS2, READ_ONLY)
             w_ptrs += STEP * 128
             x0_ptrs += STEP * 16
             x1_ptrs += STEP * 16
@@ -255,10 +256,14 @@ def _int8_frag_kernel(x_ptr, w_ptr, s_ptr, bias_ptr, y_ptr, ws_ptr, cnt_ptr, M, 
 
 @triton.jit
 def _frag_mma(w, x0, x1, acc0, acc1, TILES: tl.constexpr, ASM1: tl.constexpr, CONS1: tl.constexpr,
-              ASM2: tl.constexpr, CONS2: tl.constexpr):
+              ASM2: tl.constexpr, CONS2: tl.constexpr, READ_ONLY: tl.constexpr):
     """``acc_t [NB, U, T*4] += `` the lane's MMAs over its weight chunks ``w`` and x words
     ``x_t [U, T*4]`` (broadcast over the NB channel blocks: the same registers)."""
-    if TILES == 2:
+    if READ_ONLY:
+        acc0 += (w ^ x0[None]).to(tl.float32, bitcast=True)
+        if TILES == 2:
+            acc1 += x1[None].to(tl.float32, bitcast=True)
+    elif TILES == 2:
         acc0, acc1 = tl.inline_asm_elementwise(ASM2, CONS2, [w, x0[None], x1[None], acc0, acc1],
                                                dtype=(tl.float32, tl.float32), is_pure=True, pack=4)
     else:
@@ -344,7 +349,8 @@ def choose_frag_config(m: int, n: int, k: int) -> FragConfig:
 
 
 def int8_frag_linear(x: torch.Tensor, frags: torch.Tensor, scale: torch.Tensor,
-                     bias: torch.Tensor | None = None, config: FragConfig | None = None) -> torch.Tensor:
+                     bias: torch.Tensor | None = None, config: FragConfig | None = None,
+                     _read_only: bool = False) -> torch.Tensor:
     """``y = x @ (q * scale[:, None]).T + bias`` for ``M <= 16`` tokens, ``q`` given in the
     fragment layout (:func:`pack_int8_fragments`).
 
@@ -354,6 +360,8 @@ def int8_frag_linear(x: torch.Tensor, frags: torch.Tensor, scale: torch.Tensor,
         scale: ``[N]`` per-output-channel scales (any float dtype).
         bias: optional ``[N]``.
         config: launch configuration (default :func:`choose_frag_config`).
+        _read_only: diagnostic for ``scripts/bench_int8_frag.py`` (wrong results): the kernel's
+            loads without the conversion and MMAs.
 
     Returns:
         ``[..., N]`` in ``x.dtype`` (fp32 accumulation, one rounding at the end).
@@ -401,6 +409,6 @@ def int8_frag_linear(x: torch.Tensor, frags: torch.Tensor, scale: torch.Tensor,
         x2.view(torch.int32), frags, scale, bias if bias is not None else scale, y, ws, cnt,
         m, n, kb, kb_per, x2.stride(0) // 2, y.stride(0),
         HAS_BIAS=bias is not None, TILES=tiles, NB=nbp, UNROLL=cfg.unroll, WARPS=cfg.num_warps,
-        SPLIT=split > 1, EVEN=even, PREFETCH=cfg.prefetch, ASM1=_ASM1, CONS1=_CONS1, ASM2=_ASM2, CONS2=_CONS2,
+        SPLIT=split > 1, EVEN=even, PREFETCH=cfg.prefetch, READ_ONLY=_read_only, ASM1=_ASM1, CONS1=_CONS1, ASM2=_ASM2, CONS2=_CONS2,
         num_warps=cfg.num_warps, num_stages=1)
     return y.reshape(*lead, n)
