@@ -44,8 +44,8 @@ def configs(quick: bool) -> list[FragConfig]:
     if quick:
         return [FragConfig(4, 4, 1), FragConfig(4, 2, 2, 2, True)]
     return [FragConfig(w, u, s, b, pf) for w, u, s, b, pf in
-            itertools.product((2, 4, 8, 16), (1, 2, 4, 8), (1, 2, 4, 8), (1, 2, 4), (False, True))
-            if u * b <= 8 and w * u <= 64]
+            itertools.product((2, 4, 8), (2, 4, 8), (1, 2, 3, 4, 6, 8), (1, 2), (False, True))
+            if u * b <= 8 and w * u <= 32]
 
 
 def _precompile(args):

@@ -297,22 +297,22 @@ def _frag_store(acc, ch, tk, sc, bias, pid_n, pid_k, M, N, y_ptr, ws_ptr, cnt_pt
                 HAS_BIAS: tl.constexpr, SPLIT: tl.constexpr, NB: tl.constexpr, WARPS: tl.constexpr,
                 TILES: tl.constexpr, TILE: tl.constexpr):
     """Reduce one tile's ``[NB, UNROLL, WARPS * 128]`` partial sums to ``[NB, 128]`` (channel
-    ``ch``, token ``tk``) and store ``y`` (scaled, + bias); with ``SPLIT`` the last K split of
-    the program's channels to arrive sums the partials in split order (deterministic)."""
+    ``ch``, token ``tk``) and store ``y`` (scaled, + bias); with ``SPLIT`` > 1 K splits the
+    last split of the program's channels to arrive sums the partials in split order
+    (deterministic), all ``SPLIT`` loads issued at once (one L2 round trip)."""
     part = tl.sum(tl.reshape(tl.sum(acc, axis=1), [NB, WARPS, 128]), axis=1)
     mask = (tk < M) & (ch < N)
-    if SPLIT:
+    if SPLIT > 1:
         tl.store(ws_ptr + (pid_k * M + tk).to(tl.int64) * N + ch, part, mask=mask)
         if TILE == TILES - 1:
-            nsplit = tl.num_programs(1)
             tl.debug_barrier()
             count = tl.atomic_add(cnt_ptr + pid_n, 1)
-            if count == nsplit - 1:
+            if count == SPLIT - 1:
                 for t in tl.static_range(TILES):
                     tkr = tk - 8 * (TILES - 1) + 8 * t
                     mk = (tkr < M) & (ch < N)
                     tot = tl.zeros([NB, 128], dtype=tl.float32)
-                    for s in range(0, nsplit):
+                    for s in tl.static_range(SPLIT):
                         tot += tl.load(ws_ptr + (s * M + tkr).to(tl.int64) * N + ch, mask=mk, other=0.0,
                                        cache_modifier=".cg")
                     yv = tot * sc
@@ -409,6 +409,6 @@ def int8_frag_linear(x: torch.Tensor, frags: torch.Tensor, scale: torch.Tensor,
         x2.view(torch.int32), frags, scale, bias if bias is not None else scale, y, ws, cnt,
         m, n, kb, kb_per, x2.stride(0) // 2, y.stride(0),
         HAS_BIAS=bias is not None, TILES=tiles, NB=nbp, UNROLL=cfg.unroll, WARPS=cfg.num_warps,
-        SPLIT=split > 1, EVEN=even, PREFETCH=cfg.prefetch, READ_ONLY=_read_only, ASM1=_ASM1, CONS1=_CONS1, ASM2=_ASM2, CONS2=_CONS2,
+        SPLIT=split, EVEN=even, PREFETCH=cfg.prefetch, READ_ONLY=_read_only, ASM1=_ASM1, CONS1=_CONS1, ASM2=_ASM2, CONS2=_CONS2,
         num_warps=cfg.num_warps, num_stages=1)
     return y.reshape(*lead, n)
