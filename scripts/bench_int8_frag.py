@@ -42,10 +42,10 @@ ROTATE = 200e6
 
 def configs(quick: bool) -> list[FragConfig]:
     if quick:
-        return [FragConfig(4, 4, 1), FragConfig(4, 2, 2, 2, True)]
-    return [FragConfig(w, u, s, b, pf) for w, u, s, b, pf in
-            itertools.product((2, 4, 8), (2, 4, 8), (1, 2, 3, 4, 6, 8), (1, 2), (False, True))
-            if u * b <= 8 and w * u <= 32]
+        return [FragConfig(4, 4, 1), FragConfig(4, 2, 2, 2, True), FragConfig(2, 4, 2, 1, False, 3)]
+    return [FragConfig(w, u, s, b, st == 0, max(1, st)) for w, u, s, b, st in
+            itertools.product((2, 4, 8), (2, 4, 8), (1, 2, 4, 6), (1, 2), (0, 1, 3, 4, 5))
+            if u * b <= 8 and w * u <= 32 and (st <= 1 or b * w * u <= 32)]
 
 
 def _precompile(args):
@@ -105,7 +105,7 @@ def main() -> int:
             row["shipped_err"], row["shipped_us"] = int8_us(x, q, s, ref)
             res = []
             for c in cfgs:
-                r = dict(cfg=[c.num_warps, c.unroll, c.split_k, c.blocks, int(c.prefetch)], us=None, err=None,
+                r = dict(cfg=[c.num_warps, c.unroll, c.split_k, c.blocks, int(c.prefetch), c.stages], us=None, err=None,
                          error=None)
                 if (n // 16) % c.blocks:
                     continue
@@ -122,7 +122,7 @@ def main() -> int:
             row["frag"] = res
             if args.read_only:  # the same loads without conversion and MMAs, for the 3 best
                 for r in sorted([r for r in res if r["us"] is not None], key=lambda r: r["us"])[:3]:
-                    c = FragConfig(*r["cfg"][:4], bool(r["cfg"][4]))
+                    c = FragConfig(*r["cfg"][:4], bool(r["cfg"][4]), r["cfg"][5])
                     r["read_only_us"] = graph_time_us([lambda i=i: int8_frag_linear(x, fr[i], s[i], config=c,
                                                                                     _read_only=True)
                                                        for i in range(copies)], max(copies, 24), replays=12)
@@ -138,7 +138,7 @@ def main() -> int:
                   + (f", loads alone {b['read_only_us']:.2f}" if b and "read_only_us" in b else "")
                   + (f"; {len(bad)} failed, first: {bad[0]['cfg']} {bad[0]['error']}" if bad else ""), flush=True)
             (args.out / "frag.json").write_text(json.dumps(dict(**run_header(), rows=rows), indent=1))
-    lines = ["| shape | M | cuBLAS bf16 us | shipped int8 us | speed-up | frag us (warps, unroll, split, blocks, prefetch) | speed-up "
+    lines = ["| shape | M | cuBLAS bf16 us | shipped int8 us | speed-up | frag us (warps, unroll, split, blocks, prefetch, stages) | speed-up "
              "| frag int8 GB/s |", "|---|---|---|---|---|---|---|---|"]
     for r in rows:
         c, a, b = r["cublas_bf16_us"], r["shipped_us"], r.get("frag_best")

@@ -88,6 +88,8 @@ def test_validation():
     (64, 1536, FragConfig(4, 4, 1, blocks=2, prefetch=True)),
     (32, 8960, FragConfig(4, 4, 8, blocks=2)),            # 280 chunks: ragged splits of 35, steps of 16
     (32, 8960, FragConfig(2, 2, 4, prefetch=True)),
+    (32, 8960, FragConfig(2, 4, 3, stages=4)),            # cp.async pipeline, ragged splits
+    (48, 96, FragConfig(2, 2, 1, stages=3)),
     (2048, 1536, FragConfig(8, 2, 3, blocks=4, prefetch=True)),
 ])
 def test_kernel_matches_reference(m, n, k, cfg):

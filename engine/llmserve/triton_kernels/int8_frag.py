@@ -186,7 +186,8 @@ def _int8_frag_kernel(x_ptr, w_ptr, s_ptr, bias_ptr, y_ptr, ws_ptr, cnt_ptr, M, 
                       stride_xm, stride_ym, HAS_BIAS: tl.constexpr, TILES: tl.constexpr, NB: tl.constexpr,
                       UNROLL: tl.constexpr, WARPS: tl.constexpr, SPLIT: tl.constexpr, EVEN: tl.constexpr,
                       PREFETCH: tl.constexpr, ASM1: tl.constexpr, CONS1: tl.constexpr,
-                      ASM2: tl.constexpr, CONS2: tl.constexpr, READ_ONLY: tl.constexpr = False):
+                      ASM2: tl.constexpr, CONS2: tl.constexpr, READ_ONLY: tl.constexpr = False,
+                      STAGES: tl.constexpr = 1):
     """One program: ``NB`` blocks of 16 output channels x K chunks ``[kb_lo, kb_lo + kb_per_split)``.
 
     ``x_ptr`` is x as int32 words (two bf16 each, ``stride_xm`` in words); ``w_ptr`` the
@@ -240,7 +241,7 @@ def _int8_frag_kernel(x_ptr, w_ptr, s_ptr, bias_ptr, y_ptr, ws_ptr, cnt_ptr, M, 
             acc0, acc1 = _frag_mma(w, x0, x1, acc0, acc1, TILES, ASM1, CONS1, ASM2, CONS2, READ_ONLY)
             w, x0, x1 = wn, x0n, x1n
     else:
-        for k0 in range(kb_lo, kb_hi, STEP):
+        for k0 in tl.range(kb_lo, kb_hi, STEP, num_stages=STAGES):
             ok = (chunk + (k0 - kb_lo)) < kb_hi
             w, x0, x1 = _frag_loads(w_ptrs, x0_ptrs, x1_ptrs, ok, tok_ok0, tok_ok1, TILES, EVEN)
             acc0, acc1 = _frag_mma(w, x0, x1, acc0, acc1, TILES, ASM1, CONS1, ASM2, CONS2, READ_ONLY)
@@ -332,13 +333,16 @@ class FragConfig:
     """Launch configuration of :func:`int8_frag_linear`: ``num_warps`` warps a program,
     ``unroll`` 16-byte chunks a warp loads per loop step and 16-channel block, ``split_k``
     programs along K, ``blocks`` 16-channel blocks a program (sharing the x loads),
-    ``prefetch``: issue the next step's loads before this step's MMAs."""
+    ``prefetch``: issue the next step's loads before this step's MMAs (registers); ``stages``
+    > 1 (without ``prefetch``): Triton's software pipeline copies weights and x into shared
+    memory ``stages - 1`` steps ahead (``cp.async``), then each step reads them from there."""
 
     num_warps: int = 4
     unroll: int = 4
     split_k: int = 1
     blocks: int = 1
     prefetch: bool = False
+    stages: int = 1
 
 
 def choose_frag_config(m: int, n: int, k: int) -> FragConfig:
@@ -409,6 +413,6 @@ def int8_frag_linear(x: torch.Tensor, frags: torch.Tensor, scale: torch.Tensor,
         x2.view(torch.int32), frags, scale, bias if bias is not None else scale, y, ws, cnt,
         m, n, kb, kb_per, x2.stride(0) // 2, y.stride(0),
         HAS_BIAS=bias is not None, TILES=tiles, NB=nbp, UNROLL=cfg.unroll, WARPS=cfg.num_warps,
-        SPLIT=split, EVEN=even, PREFETCH=cfg.prefetch, READ_ONLY=_read_only, ASM1=_ASM1, CONS1=_CONS1, ASM2=_ASM2, CONS2=_CONS2,
+        SPLIT=split, EVEN=even, PREFETCH=cfg.prefetch, READ_ONLY=_read_only, STAGES=cfg.stages, ASM1=_ASM1, CONS1=_CONS1, ASM2=_ASM2, CONS2=_CONS2,
         num_warps=cfg.num_warps, num_stages=1)
     return y.reshape(*lead, n)
