@@ -12,7 +12,8 @@ output's rounding is ~2e-3) before it is timed; failures are kept as rows. Timin
 graphs of back-to-back calls rotating over > 200 MB of weights (``scripts/cuda_timing.py``).
 Writes ``frag.json`` and ``frag.md`` to ``--out``.
 
-Usage: python3 scripts/bench_int8_frag.py --out DIR [--ms 1 2 4 8 16] [--shapes 1.5b] [--quick]
+Usage: python3 scripts/bench_int8_frag.py --out DIR [--ms 1 2 4 8 16] [--shapes 1.5b 7b 0.5b]
+       [--quick] [--read-only] [--defaults ROUNDS]
 """
 
 from __future__ import annotations
@@ -31,7 +32,12 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from bench_int8_planes import cublas_us, int8_us, rel_err, run_header  # noqa: E402
 from cuda_timing import graph_time_us  # noqa: E402
 
-from llmserve.triton_kernels.int8_frag import FragConfig, int8_frag_linear, pack_int8_fragments  # noqa: E402
+from llmserve.triton_kernels.int8_frag import (  # noqa: E402
+    FragConfig,
+    choose_frag_config,
+    int8_frag_linear,
+    pack_int8_fragments,
+)
 from llmserve.triton_kernels.int8_linear import choose_int8_config  # noqa: E402
 
 SHAPES = {"1.5b": [("gate/up", 1536, 8960), ("down", 8960, 1536), ("qkv", 1536, 2048)],
@@ -68,6 +74,52 @@ def _precompile(args):
     return wid
 
 
+def defaults(out: Path, shapes, ms: list[int], rounds: int) -> None:
+    """The default configuration (:func:`choose_frag_config`) against bf16 cuBLAS and the
+    shipped ``int8_linear`` (row-major int8, its own defaults), the three alternated
+    ``rounds`` times in one process; medians. Writes ``defaults.json`` / ``defaults.md``."""
+    dev = torch.device("cuda")
+    rows = []
+    for lab, k, n in shapes:
+        copies = max(1, math.ceil(ROTATE / (n * k)))
+        q = torch.randint(-127, 128, (copies, n, k), dtype=torch.int8, device=dev)
+        s = torch.rand(copies, n, device=dev) * 1e-3 + 1e-4
+        fr = torch.stack([pack_int8_fragments(q[i]) for i in range(copies)])
+        wb = torch.empty((max(1, math.ceil(ROTATE / (2 * n * k))), n, k), dtype=torch.bfloat16,
+                         device=dev).normal_(0, .02)
+        for m in ms:
+            x = torch.randn(m, k, device=dev, dtype=torch.bfloat16)
+            ref = x.double() @ (q[0].double() * s[0].double()[:, None]).T
+            c = choose_frag_config(m, n, k, dev)
+            row = dict(shape=lab, K=k, N=n, M=m, frag_config=[c.num_warps, c.unroll, c.split_k, c.blocks,
+                                                                int(c.prefetch), c.stages],
+                       frag_err=rel_err(int8_frag_linear(x, fr[0], s[0]), ref), cublas=[], shipped=[], frag=[])
+            cfg = choose_int8_config(m, n, k, dev)
+            row["shipped_config"] = f"{cfg.kind} {cfg.block_m}x{cfg.block_n}x{cfg.block_k} split {cfg.split_k}"
+            row["shipped_err"] = rel_err(int8_linear(x, q[0], s[0]), ref)
+            for _ in range(rounds):
+                row["cublas"].append(cublas_us(x, wb))
+                row["shipped"].append(int8_us(x, q, s, ref)[1])
+                row["frag"].append(graph_time_us([lambda i=i: int8_frag_linear(x, fr[i], s[i])
+                                                  for i in range(copies)], max(copies, 24), replays=12))
+            for key in ("cublas", "shipped", "frag"):
+                row[f"{key}_us"] = sorted(row[key])[len(row[key]) // 2]
+            rows.append(row)
+            print(f"{lab} M={m}: cuBLAS {row['cublas_us']:.2f}, shipped {row['shipped_us']:.2f} "
+                  f"({row['shipped_config']}), frag {row['frag_us']:.2f} {row['frag_config']} "
+                  f"({row['cublas_us'] / row['frag_us']:.2f}x), err {row['frag_err']:.1e}", flush=True)
+            (out / "defaults.json").write_text(json.dumps(dict(**run_header(), rows=rows), indent=1))
+    lines = ["| shape | M | cuBLAS bf16 us | shipped int8 us | speed-up | fragments us | speed-up | fragments int8 GB/s "
+             "| config (warps, unroll, split, blocks, prefetch, stages) |", "|---|---|---|---|---|---|---|---|---|"]
+    for r in rows:
+        c = r["cublas_us"]
+        lines.append(f"| {r['shape']} | {r['M']} | {c:.2f} | {r['shipped_us']:.2f} | {c / r['shipped_us']:.2f}x | "
+                     f"{r['frag_us']:.2f} | {c / r['frag_us']:.2f}x | {r['N'] * r['K'] / r['frag_us'] / 1e3:.0f} "
+                     f"| {tuple(r['frag_config'])} |")
+    (out / "defaults.md").write_text("\n".join(lines) + "\n")
+    print("\n".join(lines))
+
+
 def main() -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", type=Path, required=True)
@@ -77,10 +129,16 @@ def main() -> int:
     ap.add_argument("--quick", action="store_true")
     ap.add_argument("--read-only", action="store_true",
                     help="also time the 3 best configurations' loads alone (no conversion, no MMA)")
+    ap.add_argument("--defaults", type=int, default=0, metavar="ROUNDS",
+                    help="instead of the sweep: the default configuration vs cuBLAS and int8_linear, "
+                         "ROUNDS alternated rounds")
     args = ap.parse_args()
     args.out.mkdir(parents=True, exist_ok=True)
     dev = torch.device("cuda")
     shapes = [s for name in args.shapes for s in SHAPES[name]]
+    if args.defaults:
+        defaults(args.out, shapes, args.ms, args.defaults)
+        return 0
     cfgs = configs(args.quick)
     t0 = time.time()
     if args.workers > 1:

@@ -15,6 +15,7 @@ import torch
 from llmserve.triton_kernels.int8_frag import (
     FRAG_MAX_M,
     FragConfig,
+    choose_frag_config,
     emulate_fragment_linear,
     int8_frag_linear,
     pack_int8_fragments,
@@ -56,6 +57,16 @@ def test_emulation_sees_a_wrong_layout():
     wrong = (q.view(torch.uint8) ^ 0x80).view(torch.int32).reshape(1, 2, 32, 4)
     ref = x.double() @ q.double().T
     assert (emulate_fragment_linear(x, wrong, torch.ones(16)) - ref).abs().max() > 1.0
+
+
+def test_default_configs_are_the_measured_winners():
+    """The rule reproduces the H200 sweep's winners on the Qwen2.5-1.5B shapes (run 5)."""
+    assert choose_frag_config(2, 8960, 1536) == FragConfig(4, 4, 1, prefetch=True)     # gate/up
+    assert choose_frag_config(16, 8960, 1536) == FragConfig(2, 8, 1)
+    assert choose_frag_config(4, 1536, 8960) == FragConfig(4, 4, 6, prefetch=True)     # down
+    assert choose_frag_config(16, 1536, 8960) == FragConfig(2, 8, 6)
+    assert choose_frag_config(8, 2048, 1536) == FragConfig(4, 2, 1, stages=5)          # qkv
+    assert choose_frag_config(16, 2048, 1536) == FragConfig(2, 8, 1, stages=5)
 
 
 def test_validation():
@@ -106,6 +117,19 @@ def test_kernel_matches_reference(m, n, k, cfg):
     assert err < 4e-3, err
     y2 = int8_frag_linear(x.cuda(), f, s.cuda(), bias.cuda(), config=cfg)   # counters re-armed
     assert torch.equal(y, y2)
+
+
+@gpu
+@pytest.mark.parametrize("m", [1, 5, 8, 12, 16])
+@pytest.mark.parametrize("n,k", [(8960, 1536), (1536, 8960), (2048, 1536), (896, 4864)])
+def test_default_config_matches_reference(m, n, k):
+    g = torch.Generator().manual_seed(m * 7 + n + k)
+    q = torch.randint(-127, 128, (n, k), dtype=torch.int8, generator=g)
+    s = torch.rand(n, generator=g) * 1e-2 + 1e-3
+    x = torch.randn(m, k, generator=g).to(torch.bfloat16)
+    ref = x.double() @ (q.double() * s.double()[:, None]).T
+    y = int8_frag_linear(x.cuda(), pack_int8_fragments(q).cuda(), s.cuda())
+    assert ((y.double().cpu() - ref).norm() / ref.norm()).item() < 4e-3
 
 
 @gpu

@@ -48,7 +48,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ._launch import zeroed_counters
+from ._launch import num_sms, zeroed_counters
 
 __all__ = ["FragConfig", "choose_frag_config", "emulate_fragment_linear", "int8_frag_linear",
            "pack_int8_fragments", "unpack_int8_fragments"]
@@ -345,11 +345,29 @@ class FragConfig:
     stages: int = 1
 
 
-def choose_frag_config(m: int, n: int, k: int) -> FragConfig:
-    """Default configuration (placeholder rule until the H200 sweep: enough programs to give
-    every SM one, 4 warps, 4 chunks in flight a warp)."""
-    split = max(1, min(8, 132 // max(1, n // 16)))
-    return FragConfig(4, 4, split)
+def choose_frag_config(m: int, n: int, k: int, device: torch.device | None = None) -> FragConfig:
+    """Default launch configuration, the H200 sweep's winners on the Qwen2.5-1.5B shapes
+    (``results/kernels/int8_frag_run5``, 268 configurations a case) written as a rule:
+
+    * split K when K is long (>= 128 chunks) and there are fewer than two 16-channel blocks
+      per SM, to about 4.4 programs per SM (down, K = 8960, N = 1536: 6 splits);
+    * few blocks and no split (qkv, N = 2048): Triton's ``cp.async`` pipeline, 5 stages,
+      2 chunks a warp a step; otherwise loads into registers one step ahead (``prefetch``),
+      4 chunks a warp a step;
+    * more than 8 tokens (two MMA tiles, twice the x registers): 2 warps of 8 chunks, no
+      register prefetch.
+    """
+    sms = num_sms(device, cpu_default=132) if device is not None else 132
+    nb, kb = n // 16, k // 32
+    split = 1
+    if kb >= 128 and nb < 2 * sms:
+        split = max(1, min(8, round(4.4 * sms / nb)))
+    stages = 5 if split == 1 and nb <= 2 * sms else 1
+    if m > 8:
+        return FragConfig(2, 8, split, stages=stages)
+    if stages > 1:
+        return FragConfig(4, 2, split, stages=stages)
+    return FragConfig(4, 4, split, prefetch=True)
 
 
 def int8_frag_linear(x: torch.Tensor, frags: torch.Tensor, scale: torch.Tensor,
@@ -395,7 +413,7 @@ def int8_frag_linear(x: torch.Tensor, frags: torch.Tensor, scale: torch.Tensor,
         raise ValueError(f"int8_frag_linear serves 1..{FRAG_MAX_M} rows, got {m}")
     if x2.stride(1) != 1 or x2.stride(0) % 2:
         x2 = x2.contiguous()
-    cfg = config or choose_frag_config(m, n, k)
+    cfg = config or choose_frag_config(m, n, k, x.device)
     kb = k // 32
     split = max(1, min(cfg.split_k, kb))
     kb_per = triton.cdiv(kb, split)
