@@ -38,7 +38,7 @@ from llmserve.triton_kernels.int8_frag import (  # noqa: E402
     int8_frag_linear,
     pack_int8_fragments,
 )
-from llmserve.triton_kernels.int8_linear import choose_int8_config  # noqa: E402
+from llmserve.triton_kernels.int8_linear import choose_int8_config, int8_linear  # noqa: E402
 
 SHAPES = {"1.5b": [("gate/up", 1536, 8960), ("down", 8960, 1536), ("qkv", 1536, 2048)],
           "7b": [("7B gate/up", 3584, 18944), ("7B down", 18944, 3584), ("7B qkv", 3584, 4608)],
