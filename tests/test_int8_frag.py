@@ -59,14 +59,20 @@ def test_emulation_sees_a_wrong_layout():
     assert (emulate_fragment_linear(x, wrong, torch.ones(16)) - ref).abs().max() > 1.0
 
 
-def test_default_configs_are_the_measured_winners():
-    """The rule reproduces the H200 sweep's winners on the Qwen2.5-1.5B shapes (run 5)."""
-    assert choose_frag_config(2, 8960, 1536) == FragConfig(4, 4, 1, prefetch=True)     # gate/up
-    assert choose_frag_config(16, 8960, 1536) == FragConfig(2, 8, 1)
-    assert choose_frag_config(4, 1536, 8960) == FragConfig(4, 4, 6, prefetch=True)     # down
-    assert choose_frag_config(16, 1536, 8960) == FragConfig(2, 8, 6)
-    assert choose_frag_config(8, 2048, 1536) == FragConfig(4, 2, 1, stages=5)          # qkv
-    assert choose_frag_config(16, 2048, 1536) == FragConfig(2, 8, 1, stages=5)
+def test_default_configs():
+    """On the H200 the table's sweep winners; elsewhere the rule, which reproduces the 1.5B
+    winners (run 5) without the table."""
+    h200 = "NVIDIA H200"
+    assert choose_frag_config(2, 18944, 3584, gpu_name=h200) == FragConfig(2, 4, 1, prefetch=True)  # 7B
+    assert choose_frag_config(12, 3584, 18944, gpu_name=h200) == FragConfig(4, 4, 1, 2, stages=4)
+    for name in (h200, "other"):
+        assert choose_frag_config(2, 8960, 1536, gpu_name=name) == FragConfig(4, 4, 1, prefetch=True)  # gate/up
+        assert choose_frag_config(16, 8960, 1536, gpu_name=name) == FragConfig(2, 8, 1)
+        assert choose_frag_config(4, 1536, 8960, gpu_name=name) == FragConfig(4, 4, 6, prefetch=True)  # down
+        assert choose_frag_config(16, 1536, 8960, gpu_name=name) == FragConfig(2, 8, 6)
+        assert choose_frag_config(8, 2048, 1536, gpu_name=name) == FragConfig(4, 2, 1, stages=5)  # qkv
+        assert choose_frag_config(16, 2048, 1536, gpu_name=name) == FragConfig(2, 8, 1, stages=5)
+    assert choose_frag_config(2, 18944, 3584, gpu_name="other") == FragConfig(4, 4, 1, prefetch=True)
 
 
 def test_validation():
@@ -121,7 +127,8 @@ def test_kernel_matches_reference(m, n, k, cfg):
 
 @gpu
 @pytest.mark.parametrize("m", [1, 5, 8, 12, 16])
-@pytest.mark.parametrize("n,k", [(8960, 1536), (1536, 8960), (2048, 1536), (896, 4864)])
+@pytest.mark.parametrize("n,k", [(8960, 1536), (1536, 8960), (2048, 1536), (896, 4864), (3584, 18944),
+                                 (4608, 3584), (1152, 896)])
 def test_default_config_matches_reference(m, n, k):
     g = torch.Generator().manual_seed(m * 7 + n + k)
     q = torch.randint(-127, 128, (n, k), dtype=torch.int8, generator=g)

@@ -345,9 +345,27 @@ class FragConfig:
     stages: int = 1
 
 
-def choose_frag_config(m: int, n: int, k: int, device: torch.device | None = None) -> FragConfig:
-    """Default launch configuration, the H200 sweep's winners on the Qwen2.5-1.5B shapes
-    (``results/kernels/int8_frag_run5``, 268 configurations a case) written as a rule:
+# H200 sweep winners (results/kernels/int8_frag_run5: Qwen2.5-1.5B shapes; int8_frag_run8: 7B and
+# 0.5B), keyed by (N, K, MMA tiles: 1 for M <= 8, 2 for M = 9..16); the configuration with the
+# lowest summed time over the swept M of that tile count (M = 2, 4, 8 / 2, 8; M = 16).
+_TUNED_GPU = "NVIDIA H200"
+_TUNED: dict[tuple[int, int, int], FragConfig] = {
+    (8960, 1536, 1): FragConfig(4, 4, 1, prefetch=True), (8960, 1536, 2): FragConfig(2, 8, 1),
+    (1536, 8960, 1): FragConfig(4, 4, 6, prefetch=True), (1536, 8960, 2): FragConfig(2, 8, 6),
+    (2048, 1536, 1): FragConfig(4, 2, 1, stages=5), (2048, 1536, 2): FragConfig(2, 8, 1, stages=5),
+    (18944, 3584, 1): FragConfig(2, 4, 1, prefetch=True), (18944, 3584, 2): FragConfig(4, 2, 1, 2, True),
+    (3584, 18944, 1): FragConfig(4, 4, 1, 2, stages=5), (3584, 18944, 2): FragConfig(4, 4, 1, 2, stages=4),
+    (4608, 3584, 1): FragConfig(2, 4, 1, stages=4), (4608, 3584, 2): FragConfig(4, 4, 1, prefetch=True),
+    (4864, 896, 1): FragConfig(2, 8, 1, prefetch=True), (4864, 896, 2): FragConfig(2, 8, 1),
+    (896, 4864, 1): FragConfig(4, 2, 1, stages=5), (896, 4864, 2): FragConfig(4, 2, 1, stages=5),
+    (1152, 896, 1): FragConfig(4, 8, 1, prefetch=True), (1152, 896, 2): FragConfig(2, 2, 1, stages=5),
+}
+
+
+def choose_frag_config(m: int, n: int, k: int, device: torch.device | None = None,
+                       gpu_name: str | None = None) -> FragConfig:
+    """Default launch configuration: the H200 sweep's winner for the Qwen2.5 0.5B / 1.5B / 7B
+    projection shapes (``_TUNED``), else a rule written from the 1.5B winners:
 
     * split K when K is long (>= 128 chunks) and there are fewer than two 16-channel blocks
       per SM, to about 4.4 programs per SM (down, K = 8960, N = 1536: 6 splits);
@@ -356,14 +374,21 @@ def choose_frag_config(m: int, n: int, k: int, device: torch.device | None = Non
       4 chunks a warp a step;
     * more than 8 tokens (two MMA tiles, twice the x registers): 2 warps of 8 chunks, no
       register prefetch.
+
+    ``gpu_name`` (default: the device's) selects the table; other GPUs get the rule.
     """
+    if gpu_name is None and device is not None and device.type == "cuda":
+        gpu_name = torch.cuda.get_device_name(device)
+    tiles = 1 if m <= 8 else 2
+    if gpu_name == _TUNED_GPU and (n, k, tiles) in _TUNED:
+        return _TUNED[(n, k, tiles)]
     sms = num_sms(device, cpu_default=132) if device is not None else 132
     nb, kb = n // 16, k // 32
     split = 1
     if kb >= 128 and nb < 2 * sms:
         split = max(1, min(8, round(4.4 * sms / nb)))
     stages = 5 if split == 1 and nb <= 2 * sms else 1
-    if m > 8:
+    if tiles == 2:
         return FragConfig(2, 8, split, stages=stages)
     if stages > 1:
         return FragConfig(4, 2, split, stages=stages)
