@@ -12,9 +12,14 @@ from __future__ import annotations
 import pytest
 import torch
 
+import re
+
 from llmserve.triton_kernels.int8_frag import (
+    _ASM1,
+    _ASM2,
     FRAG_MAX_M,
     FragConfig,
+    a_register_source,
     choose_frag_config,
     emulate_fragment_linear,
     int8_frag_linear,
@@ -75,6 +80,32 @@ def test_default_configs():
     assert choose_frag_config(2, 18944, 3584, gpu_name="other") == FragConfig(4, 4, 1, prefetch=True)
 
 
+@pytest.mark.parametrize("asm,tiles", [(_ASM1, 1), (_ASM2, 2)])
+def test_ptx_reads_the_register_table(asm, tiles):
+    """The PTX converts each A register from the word and byte pair the emulation assumes,
+    feeds x words 2s, 2s+1 as B of step s, and chains step 1 onto step 0's accumulators."""
+    cvt = re.findall(r"prmt\.b32 t0, \$(\d+), mg, (0x[0-9a-f]+);\nprmt\.b32 t1, \$\1, mg, (0x[0-9a-f]+);"
+                     r"\nsub\.f32 t0.*\nsub\.f32 t1.*\nprmt\.b32 a(\d), t0, t1, 0x7632;", asm)
+    n_out = 4 * tiles
+    assert len(cvt) == 8
+    for operand, s0, s1, a in cvt:
+        step, reg = divmod(int(a), 4)
+        word, pair = a_register_source(step, reg)
+        assert int(operand) == n_out + word
+        assert (int(s0, 16), int(s1, 16)) == (0x7650 + 2 * pair, 0x7651 + 2 * pair)
+    mma = re.findall(r"mma\.sync\.aligned\.m16n8k16\.row\.col\.f32\.bf16\.bf16\.f32 \{(.*?)\}, \{(.*?)\}, "
+                     r"\{(.*?)\}, \{(.*?)\};", asm)
+    assert len(mma) == 2 * tiles
+    for i, (d, a, b, c) in enumerate(mma):
+        t, step = divmod(i, 2)
+        assert a == ", ".join(f"a{4 * step + r}" for r in range(4))
+        x0 = n_out + 4 + 4 * t
+        assert b == f"${x0 + 2 * step}, ${x0 + 2 * step + 1}"
+        assert d == ", ".join(f"d{4 * t + r}" for r in range(4))
+        cin = n_out + 4 + 4 * tiles + 4 * t
+        assert c == (", ".join(f"${cin + r}" for r in range(4)) if step == 0 else d)
+
+
 def test_validation():
     with pytest.raises(ValueError, match="N % 16"):
         pack_int8_fragments(torch.zeros(24, 32, dtype=torch.int8))
@@ -92,8 +123,17 @@ def test_validation():
         int8_frag_linear(torch.zeros(1, 64, dtype=torch.bfloat16), f, s)
     with pytest.raises(ValueError, match=r"\[N\]"):
         int8_frag_linear(torch.zeros(1, 32, dtype=torch.bfloat16), f, torch.ones(8))
+    with pytest.raises(ValueError, match="scale"):
+        int8_frag_linear(torch.zeros(1, 32, dtype=torch.bfloat16), f, 1.0)
+    with pytest.raises(ValueError, match="scale"):
+        int8_frag_linear(torch.zeros(1, 32, dtype=torch.bfloat16), f, torch.ones(16, dtype=torch.int32))
+    with pytest.raises(ValueError, match="bias"):
+        int8_frag_linear(torch.zeros(1, 32, dtype=torch.bfloat16), f, s, torch.ones(8))
     with pytest.raises(NotImplementedError, match="CUDA"):
         int8_frag_linear(torch.zeros(1, 32, dtype=torch.bfloat16), f, s)
+    for bad in (dict(unroll=3), dict(num_warps=0), dict(blocks=6), dict(split_k=0), dict(stages=0)):
+        with pytest.raises(ValueError, match="FragConfig"):
+            FragConfig(**bad)
 
 
 @gpu
@@ -140,6 +180,30 @@ def test_default_config_matches_reference(m, n, k):
 
 
 @gpu
+def test_kernel_handles_strided_and_unaligned_inputs():
+    """x views with an odd offset or row stride, and non-contiguous scale / bias, are copied
+    (the kernel's 16-byte vector loads); an unaligned weight is refused."""
+    g = torch.Generator().manual_seed(5)
+    n, k, m = 64, 96, 3
+    q = torch.randint(-127, 128, (n, k), dtype=torch.int8, generator=g)
+    s = torch.rand(n, generator=g) + 0.5
+    bias = torch.randn(n, generator=g)
+    xs = torch.randn(m, k + 9, generator=g).to(torch.bfloat16).cuda()
+    x = xs[:, 1:k + 1]                                   # odd element offset, row stride k + 9
+    ref = x.double().cpu() @ (q.double() * s.double()[:, None]).T + bias.double()
+    f = pack_int8_fragments(q).cuda()
+    s2 = torch.stack([s, s], 1).cuda()[:, 0]              # stride 2
+    b2 = torch.stack([bias, bias], 1).cuda()[:, 1]
+    y = int8_frag_linear(x, f, s2, b2, config=FragConfig(2, 2, 2))
+    assert ((y.double().cpu() - ref).norm() / ref.norm()).item() < 4e-3
+    flat = torch.empty(f.numel() + 1, dtype=torch.int32, device="cuda")
+    f_off = flat[1:].view(f.shape)                          # 4 bytes off
+    f_off.copy_(f)
+    with pytest.raises(ValueError, match="aligned"):
+        int8_frag_linear(x, f_off, s2)
+
+
+@gpu
 def test_kernel_rejects_bad_calls():
     f = pack_int8_fragments(torch.zeros(48, 32, dtype=torch.int8)).cuda()
     s = torch.ones(48, device="cuda")
@@ -148,3 +212,5 @@ def test_kernel_rejects_bad_calls():
     with pytest.raises(ValueError, match="blocks"):
         int8_frag_linear(torch.zeros(2, 32, dtype=torch.bfloat16, device="cuda"), f, s,
                          config=FragConfig(blocks=2))
+    with pytest.raises(ValueError, match="device"):
+        int8_frag_linear(torch.zeros(2, 32, dtype=torch.bfloat16, device="cuda"), f, torch.ones(48))

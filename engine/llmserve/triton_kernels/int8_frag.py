@@ -110,13 +110,23 @@ def unpack_int8_fragments(frags: torch.Tensor) -> torch.Tensor:
     return b.permute(0, 4, 2, 1, 3, 5).reshape(nb * 16, kb * 32).view(torch.int8)
 
 
+def a_register_source(step: int, reg: int) -> tuple[int, int]:
+    """``(word, byte pair)`` of a lane's 16-byte chunk that the kernel converts into A register
+    ``reg`` (0-3) of K step ``step`` (0, 1): registers 0 / 2 hold row ``g`` (PTX K pairs
+    ``2q, 2q+1`` / ``2q+8, 2q+9``) and come from word ``step``; registers 1 / 3 hold row
+    ``g + 8`` and come from word ``2 + step``; pair 0 is bytes 0-1 of the word, pair 1 bytes
+    2-3. The one table both :func:`_asm` (the PTX) and :func:`emulate_fragment_linear` read."""
+    return (step + 2 * (reg % 2), reg // 2)
+
+
 def emulate_fragment_linear(x: torch.Tensor, frags: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
     """What :func:`int8_frag_linear` computes, lane by lane, in fp64 PyTorch (for tests).
 
     Built from the PTX ``m16n8k16`` fragment tables and the kernel's K permutation, not from
-    :func:`pack_int8_fragments`: for every chunk and lane it decodes the A registers exactly
-    as the kernel's conversion does (word ``2s`` / ``2s+1`` of the step ... see the module
-    docstring) and places each product where the MMA would.
+    :func:`pack_int8_fragments`: for every chunk and lane it decodes the A registers as the
+    kernel's conversion does (:func:`a_register_source`), pairs each with the x value the
+    lane holding that B element loads (x words ``2s``, ``2s + 1`` of K step ``s``), and places
+    each product where the MMA would.
 
     Args:
         x: ``[M, K]`` float; frags: the fragment layout; scale: ``[N]``.
@@ -132,9 +142,9 @@ def emulate_fragment_linear(x: torch.Tensor, frags: torch.Tensor, scale: torch.T
     lane = torch.arange(32)
     g, q = lane // 4, lane % 4
     for s in range(2):  # K step within the 32-column block
-        # A registers of step s: reg0 = word 2s... see _asm: (word, byte pair) of each register
-        regs = [(0 + s, 0, 0), (2 + s, 0, 8), (0 + s, 1, 0), (2 + s, 1, 8)]  # (word, pair, row add)
-        for reg, (word, pair, radd) in enumerate(regs):
+        for reg in range(4):
+            word, pair = a_register_source(s, reg)
+            radd = 8 * (reg % 2)                             # PTX table: registers 1, 3 are row g + 8
             for e in range(2):  # element of the bf16x2 register
                 kk = 2 * q + 8 * (reg // 2) + e           # fragment K index (PTX table)
                 phys = 8 * q + 4 * s + 2 * (kk >= 8).long() + e  # the kernel's permutation
@@ -166,11 +176,10 @@ def _asm(tiles: int) -> tuple[str, str]:
     xw = [[f"${n_out + 4 + 4 * t + i}" for i in range(4)] for t in range(tiles)]
     cin = [[f"${n_out + 4 + 4 * tiles + 4 * t + i}" for i in range(4)] for t in range(tiles)]
     body = ".reg .b32 t0, t1, mg, a<8>;\n.reg .f32 d<8>;\nmov.b32 mg, 0x4B000000;\n"
-    # a0..a3: K step 0; a4..a7: step 1. Register r of step s = (word, byte pair):
-    #   reg0 row g  pairs (0,1) of word s      reg1 row g+8 pair (0,1) of word 2+s
-    #   reg2 row g  pair (2,3) of word s       reg3 row g+8 pair (2,3) of word 2+s
+    # a0..a3: K step 0; a4..a7: step 1; register r of step s from a_register_source(s, r)
     for s in range(2):
-        for r, (word, pair) in enumerate([(s, 0), (2 + s, 0), (s, 1), (2 + s, 1)]):
+        for r in range(4):
+            word, pair = a_register_source(s, r)
             body += _CVT.format(w=w[word], s0=hex(0x7650 + 2 * pair), s1=hex(0x7650 + 2 * pair + 1),
                                 a=f"a{4 * s + r}")
     for t in range(tiles):
@@ -351,6 +360,16 @@ class FragConfig:
     prefetch: bool = False
     stages: int = 1
 
+    def __post_init__(self) -> None:
+        for name in ("num_warps", "unroll", "blocks"):
+            v = getattr(self, name)
+            if not isinstance(v, int) or v < 1 or v & (v - 1) or v > 64:
+                raise ValueError(f"FragConfig.{name} must be a power of two in 1..64, got {v!r}")
+        for name in ("split_k", "stages"):
+            v = getattr(self, name)
+            if not isinstance(v, int) or v < 1:
+                raise ValueError(f"FragConfig.{name} must be an int >= 1, got {v!r}")
+
 
 # H200 sweep winners (results/kernels/int8_frag/run5: Qwen2.5-1.5B shapes; run8: 7B and
 # 0.5B), keyed by (N, K, MMA tiles: 1 for M <= 8, 2 for M = 9..16); the configuration with the
@@ -409,10 +428,13 @@ def int8_frag_linear(x: torch.Tensor, frags: torch.Tensor, scale: torch.Tensor,
     fragment layout (:func:`pack_int8_fragments`).
 
     Args:
-        x: ``[..., K]`` bf16 on a CUDA device, last dim contiguous, at most 16 rows in all.
-        frags: int32 ``[N/16, K/32, 32, 4]`` on the same device.
-        scale: ``[N]`` per-output-channel scales (any float dtype).
-        bias: optional ``[N]``.
+        x: ``[..., K]`` bf16 on a CUDA device, at most 16 rows in all (copied first unless its
+            rows are contiguous, 16-byte aligned and a multiple of 16 bytes apart: every lane's
+            x load is one 16-byte vector).
+        frags: int32 ``[N/16, K/32, 32, 4]``, contiguous, 16-byte aligned (as allocated), on
+            x's device.
+        scale: ``[N]`` per-output-channel scales, a floating-point tensor.
+        bias: optional ``[N]`` floating-point tensor.
         config: launch configuration (default :func:`choose_frag_config`).
         _read_only: diagnostic for ``scripts/bench_int8_frag.py`` (wrong results): the kernel's
             loads without the conversion and MMAs.
@@ -421,8 +443,9 @@ def int8_frag_linear(x: torch.Tensor, frags: torch.Tensor, scale: torch.Tensor,
         ``[..., N]`` in ``x.dtype`` (fp32 accumulation, one rounding at the end).
 
     Raises:
-        ValueError: wrong dtypes, shapes, devices or more than 16 rows; NotImplementedError
-        on a CPU tensor (inline PTX; use :func:`emulate_fragment_linear`).
+        ValueError: wrong dtypes, shapes, devices, alignment, ``config.blocks`` not dividing
+        ``N / 16``, or more than 16 rows; NotImplementedError on a CPU tensor (inline PTX; use
+        :func:`emulate_fragment_linear`).
     """
     if not isinstance(x, torch.Tensor) or x.dtype != torch.bfloat16:
         raise ValueError(f"x must be a bf16 tensor, got {getattr(x, 'dtype', type(x))}")
@@ -432,20 +455,32 @@ def int8_frag_linear(x: torch.Tensor, frags: torch.Tensor, scale: torch.Tensor,
     n, k = frags.shape[0] * 16, frags.shape[1] * 32
     if x.shape[-1] != k:
         raise ValueError(f"x has K={x.shape[-1]} but the weight has K={k}")
-    if scale.shape != (n,) or (bias is not None and bias.shape != (n,)):
-        raise ValueError(f"scale and bias must be [N] = [{n}]")
+    for name, t in (("scale", scale), ("bias", bias)):
+        if t is None and name == "bias":
+            continue
+        if not isinstance(t, torch.Tensor) or not t.is_floating_point() or t.shape != (n,):
+            raise ValueError(f"{name} must be a floating-point tensor [N] = [{n}], got "
+                             f"{getattr(t, 'dtype', type(t))} {tuple(getattr(t, 'shape', ()))}")
     if x.device.type != "cuda":
         raise NotImplementedError("int8_frag_linear runs inline PTX: CUDA only (emulate_fragment_linear on CPU)")
     if not (frags.device == x.device == scale.device and (bias is None or bias.device == x.device)):
         raise ValueError("x, frags, scale and bias must be on one device")
+    if frags.data_ptr() % 16:
+        # each lane's 16-byte load must be one vector: Triton vectorizes only 16-byte aligned
+        # pointers, and the inline PTX takes each thread's four words as its MMA operand
+        raise ValueError("frags must be 16-byte aligned (a fresh tensor or a whole-chunk slice)")
     lead = x.shape[:-1]
     x2 = x.reshape(-1, k)
     m = x2.shape[0]
     if m > FRAG_MAX_M or m == 0:
         raise ValueError(f"int8_frag_linear serves 1..{FRAG_MAX_M} rows, got {m}")
-    if x2.stride(1) != 1 or x2.stride(0) % 2:
-        x2 = x2.contiguous()
-    cfg = config or choose_frag_config(m, n, k, x.device)
+    cfg = config or choose_frag_config(m, n, k, x.device)  # FragConfig validates its fields
+    if (n // 16) % cfg.blocks:
+        raise ValueError(f"config.blocks={cfg.blocks} must divide N / 16 = {n // 16}")
+    if x2.stride(1) != 1 or x2.stride(0) % 8 or x2.data_ptr() % 16:
+        x2 = torch.empty((m, k), dtype=x.dtype, device=x.device).copy_(x2)  # rows 16-byte aligned
+    scale = scale.contiguous()
+    bias = bias.contiguous() if bias is not None else None
     kb = k // 32
     split = max(1, min(cfg.split_k, kb))
     kb_per = triton.cdiv(kb, split)
@@ -453,16 +488,12 @@ def int8_frag_linear(x: torch.Tensor, frags: torch.Tensor, scale: torch.Tensor,
     y = torch.empty((m, n), dtype=x.dtype, device=x.device)
     ws = torch.empty((split, m, n), dtype=torch.float32, device=x.device) if split > 1 else y
     cnt = zeroed_counters("int8_frag", x.device, n // 16) if split > 1 else y
-    step = cfg.unroll * cfg.num_warps
-    even = kb % kb_per == 0 and kb_per % step == 0
-    tiles = 1 if m <= 8 else 2
-    nbp = cfg.blocks
-    if nbp < 1 or nbp & (nbp - 1) or (n // 16) % nbp:
-        raise ValueError(f"config.blocks={nbp} must be a power of two dividing N / 16 = {n // 16}")
-    _int8_frag_kernel[(n // 16 // nbp, split)](
+    even = kb % kb_per == 0 and kb_per % (cfg.unroll * cfg.num_warps) == 0
+    _int8_frag_kernel[(n // 16 // cfg.blocks, split)](
         x2.view(torch.int32), frags, scale, bias if bias is not None else scale, y, ws, cnt,
         m, n, kb, kb_per, x2.stride(0) // 2, y.stride(0),
-        HAS_BIAS=bias is not None, TILES=tiles, NB=nbp, UNROLL=cfg.unroll, WARPS=cfg.num_warps,
-        SPLIT=split, EVEN=even, PREFETCH=cfg.prefetch, READ_ONLY=_read_only, STAGES=cfg.stages, ASM1=_ASM1, CONS1=_CONS1, ASM2=_ASM2, CONS2=_CONS2,
+        HAS_BIAS=bias is not None, TILES=1 if m <= 8 else 2, NB=cfg.blocks, UNROLL=cfg.unroll,
+        WARPS=cfg.num_warps, SPLIT=split, EVEN=even, PREFETCH=cfg.prefetch, READ_ONLY=_read_only,
+        STAGES=cfg.stages, ASM1=_ASM1, CONS1=_CONS1, ASM2=_ASM2, CONS2=_CONS2,
         num_warps=cfg.num_warps, num_stages=1)
     return y.reshape(*lead, n)
