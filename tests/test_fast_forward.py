@@ -568,3 +568,58 @@ def test_partly_quantized_models_match_the_readable_path(include):
         fast = FastQwen2Forward(model, use_gemv=True, gemv_max_tokens=4)
         torch.testing.assert_close(fast(ids, pos, caches2, meta), ref, atol=5e-5, rtol=5e-5)
     assert fast.use_gemv == ("q_proj" not in include)
+
+
+def _fragment_sized_model(dtype):
+    """A 2-layer model whose projections the fragment layout takes (N % 16, K % 32): hidden 64,
+    4 q heads x 16, 2 KV heads, intermediate 96."""
+    cfg = ModelConfig(vocab_size=97, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
+                      num_attention_heads=4, num_key_value_heads=2, head_dim=16,
+                      max_position_embeddings=256, rope_theta=10000.0, tie_word_embeddings=True)
+    torch.manual_seed(0)
+    m = Qwen2ForCausalLM(cfg)
+    with torch.no_grad():
+        for p in m.parameters():
+            p.normal_(0, 0.3)
+    return m.to(DEVICE, dtype).eval()
+
+
+def test_int8_fragments_need_cuda_and_bf16(monkeypatch, caplog):
+    """LLMSERVE_INT8_FRAGMENTS=1 is ignored, with a warning, where the kernel cannot run (CPU,
+    or a model that is not bf16): same results as without it."""
+    from llmserve.quantization import quantize_model
+
+    monkeypatch.setenv("LLMSERVE_INT8_FRAGMENTS", "1")
+    model = quantize_model(_fragment_sized_model(torch.float32), "triton-int8")
+    ids, pos, caches, meta = batch(model, [(9, 1), (4, 1), (17, 1)])
+    caches2 = clone_caches(caches)
+    ref = model(ids, pos, caches, meta)
+    with caplog.at_level("WARNING"):
+        fast = FastQwen2Forward(model, use_gemv=True, gemv_max_tokens=1)
+    assert not fast.int8_fragments and "LLMSERVE_INT8_FRAGMENTS=1 ignored" in caplog.text
+    torch.testing.assert_close(fast(ids, pos, caches2, meta), ref, atol=5e-5, rtol=5e-5)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+@pytest.mark.parametrize("seqs", [[(9, 1), (4, 1), (17, 1)], [(5, 1)] * 9, [(9, 1)] * 16])
+def test_int8_fragments_serve_small_steps(seqs, monkeypatch):
+    """With LLMSERVE_INT8_FRAGMENTS=1 (bf16, CUDA) steps of 2..16 tokens run every projection
+    through int8_frag_linear (four calls a layer) and give what the row-major INT8 path gives."""
+    import llmserve.models.fast_forward as ff
+    from llmserve.quantization import quantize_model
+
+    model = quantize_model(_fragment_sized_model(torch.bfloat16), "triton-int8")
+    ids, pos, caches, meta = batch(model, seqs)
+    caches2 = clone_caches(caches)
+    monkeypatch.setenv("LLMSERVE_INT8_FRAGMENTS", "0")
+    ref = FastQwen2Forward(model, use_gemv=True, gemv_max_tokens=1)(ids, pos, caches, meta)
+    monkeypatch.setenv("LLMSERVE_INT8_FRAGMENTS", "1")
+    fast = FastQwen2Forward(model, use_gemv=True, gemv_max_tokens=1)
+    assert fast.int8_fragments and set(fast.layers[0]["frag"]) == {"qkv", "gate_up", "o", "down"}
+    calls = []
+    real = ff.int8_frag_linear
+    monkeypatch.setattr(ff, "int8_frag_linear", lambda *a, **k: calls.append(a[0].shape) or real(*a, **k))
+    out = fast(ids, pos, caches2, meta)
+    assert len(calls) == 4 * model.config.num_hidden_layers
+    err = ((out.float() - ref.float()).norm() / ref.float().norm()).item()
+    assert err < 2e-2, err

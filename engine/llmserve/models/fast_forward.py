@@ -28,7 +28,11 @@ rows and applies the scale in its epilogue; larger steps call
 rows can be repacked once as *byte planes* (four a 32-bit word,
 :func:`~llmserve.quantization.pack_int8_planes`), which the matrix-vector kernel
 streams faster, when ``LLMSERVE_INT8_PLANES=1`` (off by default: faster batch-1 decode for
-1.5B/7B shapes, slower steps of 2..64 tokens); ``state_dict`` still gives row-major int8. Other
+1.5B/7B shapes, slower steps of 2..64 tokens); ``state_dict`` still gives row-major int8. With
+``LLMSERVE_INT8_FRAGMENTS=1`` (CUDA, row-major int8 only) each projection also keeps a copy in
+the MMA-fragment layout (:func:`~llmserve.triton_kernels.int8_frag.pack_int8_fragments`, twice
+the int8 weight memory) and steps of 2..16 tokens call
+:func:`~llmserve.triton_kernels.int8_frag.int8_frag_linear` instead of ``int8_linear``. Other
 quantized modules (the reference ``int8`` scheme, ``int4``) keep being called as modules and
 turn the matrix-vector path off. Parity with the readable path is tested in
 ``tests/test_fast_forward.py``.
@@ -51,6 +55,7 @@ from ..triton_kernels._launch import pdl_available
 from ..triton_kernels.argmax import argmax_rows
 from ..triton_kernels.fused import add_rmsnorm, rope_qkv_write_kv, silu_and_mul
 from ..triton_kernels.gemv import GEMV_MAX_M, gemv, gemv_qkv_rope
+from ..triton_kernels.int8_frag import FRAG_MAX_M, int8_frag_linear, pack_int8_fragments
 from ..triton_kernels.int8_linear import int8_linear
 from ..triton_kernels.paged_attention import paged_attention_decode
 
@@ -94,6 +99,22 @@ def _to_planes(linears: list[nn.Module], packed: torch.Tensor | None = None) -> 
         m.weight = planes[start:start + rows]
         start += rows
     return planes
+
+
+def _fragments(entry: dict, o_proj: nn.Module, down_proj: nn.Module
+               ) -> dict[str, tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]]:
+    """``{name: (fragments, scale, bias)}`` for :func:`int8_frag_linear`, one a row-major Triton
+    INT8 projection of the layer (packed ``qkv`` / ``gate_up`` from ``entry``, ``o`` and
+    ``down`` from the modules) whose sizes the layout takes (``N % 16 == 0``, ``K % 32 == 0``);
+    the row-major weights stay for steps of more than 16 tokens."""
+    out = {}
+    srcs = [(name, entry[name]) for name in ("qkv", "gate_up") if name in entry]
+    srcs += [(name, _proj(m)) for name, m in (("o", o_proj), ("down", down_proj)) if _kind(m) == "int8"]
+    for name, (w, b, s) in srcs:
+        if s is None or w.dtype != torch.int8 or w.shape[0] % 16 or w.shape[1] % 32:
+            continue
+        out[name] = (pack_int8_fragments(w), s, b)
+    return out
 
 
 def _kind(m: nn.Module) -> str | None:
@@ -217,6 +238,14 @@ class FastQwen2Forward:
                          "input size divisible by 4 (hidden %d, intermediate %d, heads x head_dim %d)",
                          cfg.hidden_size, cfg.intermediate_size, cfg.num_attention_heads * cfg.head_dim)
             planes = False
+        # INT8 weights also in the MMA-fragment layout for steps of 2..16 tokens, opt in
+        # (LLMSERVE_INT8_FRAGMENTS=1): a second copy of every int8 projection.
+        frags = env_switch("LLMSERVE_INT8_FRAGMENTS") is True
+        w0 = model.lm_head.weight
+        if frags and (planes or w0.device.type != "cuda" or w0.dtype != torch.bfloat16):
+            _log.warning("LLMSERVE_INT8_FRAGMENTS=1 ignored: it needs a bf16 model on CUDA and "
+                         "row-major int8 (not LLMSERVE_INT8_PLANES=1)")
+            frags = False
         self.layers = []
         for layer in model.model.layers:
             attn, mlp = layer.self_attn, layer.mlp
@@ -230,7 +259,10 @@ class FastQwen2Forward:
             for m in (attn.o_proj, mlp.down_proj):
                 if planes and _kind(m) == "int8":
                     _to_planes([m])
+            if frags:
+                entry["frag"] = _fragments(entry, attn.o_proj, mlp.down_proj)
             self.layers.append(entry)
+        self.int8_fragments = any(e.get("frag") for e in self.layers)
         # Whether the INT8 weights are byte planes: also when an earlier FastQwen2Forward of this
         # model repacked them (planes are not undone; every kernel reads both layouts).
         self.int8_planes = any(getattr(m, "planes", False) for m in model.modules()
@@ -295,20 +327,27 @@ class FastQwen2Forward:
             layer = entry["layer"]
             attn, mlp = layer.self_attn, layer.mlp
             h, residual = add_rmsnorm(x, layer.input_layernorm.weight, self.eps, residual)  # [N, H]
-            if "qkv" in entry:
+            small = entry.get("frag") if n <= FRAG_MAX_M else None
+            if small and "qkv" in small:
+                qkv = int8_frag_linear(h, *small["qkv"])                    # [N, (Hq+2Hkv)*D]
+            elif "qkv" in entry:
                 qkv = _linear(h, *entry["qkv"])                             # [N, (Hq+2Hkv)*D]
             else:
                 qkv = torch.cat([attn.q_proj(h), attn.k_proj(h), attn.v_proj(h)], dim=-1)
             q = rope_qkv_write_kv(qkv, positions, meta.slot_mapping, cos, sin, k_cache, v_cache,
                                   self.num_heads, self.num_kv_heads)        # [N, Hq, D]
             o = backend.forward(q, k_cache, v_cache, meta, self.scale)     # [N, Hq, D]
-            x = attn.o_proj(o.reshape(n, self.num_heads * self.head_dim))  # [N, H]
+            o = o.reshape(n, self.num_heads * self.head_dim)
+            x = int8_frag_linear(o, *small["o"]) if small and "o" in small else attn.o_proj(o)  # [N, H]
             h, residual = add_rmsnorm(x, layer.post_attention_layernorm.weight, self.eps, residual)
-            if "gate_up" in entry:
+            if small and "gate_up" in small:
+                gu = int8_frag_linear(h, *small["gate_up"])                 # [N, 2I]
+            elif "gate_up" in entry:
                 gu = _linear(h, *entry["gate_up"])                          # [N, 2I]
             else:
                 gu = torch.cat([mlp.gate_proj(h), mlp.up_proj(h)], dim=-1)
-            x = mlp.down_proj(silu_and_mul(gu))                             # [N, H]
+            a = silu_and_mul(gu)
+            x = int8_frag_linear(a, *small["down"]) if small and "down" in small else mlp.down_proj(a)  # [N, H]
         h, _ = add_rmsnorm(x, model.model.norm.weight, self.eps, residual)  # [N, H]
         return h
 
