@@ -600,26 +600,68 @@ def test_int8_fragments_need_cuda_and_bf16(monkeypatch, caplog):
     torch.testing.assert_close(fast(ids, pos, caches2, meta), ref, atol=5e-5, rtol=5e-5)
 
 
+def test_int8_fragment_views_follow_load_state_dict():
+    """A Triton INT8 layer holding a view of a fragment copy (what the fused forward gives it
+    with LLMSERVE_INT8_FRAGMENTS=1) has that view repacked in place by load_state_dict."""
+    from llmserve.quantization import TritonInt8Linear, pack_int8_fragments, quantize_model
+
+    model = quantize_model(_fragment_sized_model(torch.float32), "triton-int8")
+    layer = model.model.layers[0]
+    mods = [layer.self_attn.q_proj, layer.self_attn.k_proj]
+    assert all(type(m) is TritonInt8Linear for m in mods)
+    copy = pack_int8_fragments(torch.cat([m.weight for m in mods]))
+    mods[0].fragments, mods[1].fragments = copy[:4], copy[4:]       # 64 and 32 rows
+    ptr = copy.data_ptr()
+    sd = {k: v.clone() for k, v in model.state_dict().items()}
+    assert not any("fragments" in k for k in sd)
+    key = "model.layers.0.self_attn.k_proj.weight"
+    sd[key] = (-sd[key]).flip(1).contiguous()
+    model.load_state_dict(sd)
+    assert copy.data_ptr() == ptr
+    assert torch.equal(copy, pack_int8_fragments(torch.cat([mods[0].weight, sd[key]])))
+
+
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
-@pytest.mark.parametrize("seqs", [[(9, 1), (4, 1), (17, 1)], [(5, 1)] * 9, [(9, 1)] * 16])
+@pytest.mark.parametrize("seqs", [[(9, 1), (4, 1), (17, 1)], [(5, 1)] * 9, [(9, 1)] * 16,
+                                  [(7, 7), (12, 1), (5, 3)], [(9, 9), (8, 8)]])
 def test_int8_fragments_serve_small_steps(seqs, monkeypatch):
-    """With LLMSERVE_INT8_FRAGMENTS=1 (bf16, CUDA) steps of 2..16 tokens run every projection
-    through int8_frag_linear (four calls a layer) and give what the row-major INT8 path gives."""
+    """With LLMSERVE_INT8_FRAGMENTS=1 (bf16, CUDA) steps of 2..16 tokens (decode, prefill and
+    mixed) run every projection through int8_frag_linear (four calls a layer, each with its
+    own weight), a 17-token step runs none, and the result is what the row-major INT8 path
+    gives, also after an in-place load_state_dict of changed weights."""
     import llmserve.models.fast_forward as ff
     from llmserve.quantization import quantize_model
 
     model = quantize_model(_fragment_sized_model(torch.bfloat16), "triton-int8")
     ids, pos, caches, meta = batch(model, seqs)
-    caches2 = clone_caches(caches)
+    caches2, caches3, caches4 = clone_caches(caches), clone_caches(caches), clone_caches(caches)
     monkeypatch.setenv("LLMSERVE_INT8_FRAGMENTS", "0")
-    ref = FastQwen2Forward(model, use_gemv=True, gemv_max_tokens=1)(ids, pos, caches, meta)
+    plain = FastQwen2Forward(model, use_gemv=True, gemv_max_tokens=1)
+    ref = plain(ids, pos, caches, meta)
     monkeypatch.setenv("LLMSERVE_INT8_FRAGMENTS", "1")
     fast = FastQwen2Forward(model, use_gemv=True, gemv_max_tokens=1)
     assert fast.int8_fragments and set(fast.layers[0]["frag"]) == {"qkv", "gate_up", "o", "down"}
     calls = []
     real = ff.int8_frag_linear
-    monkeypatch.setattr(ff, "int8_frag_linear", lambda *a, **k: calls.append(a[0].shape) or real(*a, **k))
+    monkeypatch.setattr(ff, "int8_frag_linear", lambda *a, **k: calls.append(a[1]) or real(*a, **k))
     out = fast(ids, pos, caches2, meta)
-    assert len(calls) == 4 * model.config.num_hidden_layers
+    n_tok = sum(q for _, q in seqs)
+    if n_tok > 16:
+        assert calls == []
+    else:
+        fr = fast.layers
+        assert [c.data_ptr() for c in calls] == [fr[i]["frag"][k][0].data_ptr() for i in range(len(fr))
+                                                for k in ("qkv", "o", "gate_up", "down")]
     err = ((out.float() - ref.float()).norm() / ref.float().norm()).item()
     assert err < 2e-2, err
+    # an in-place load of changed weights reaches the fragment copies (and the packed row-major
+    # weights the plain forward reads)
+    sd = {k: v.clone() for k, v in model.state_dict().items()}
+    for key in ("model.layers.0.mlp.down_proj.weight", "model.layers.1.self_attn.k_proj.weight"):
+        sd[key] = (-sd[key]).flip(1).contiguous()
+    model.load_state_dict(sd)
+    ref2 = plain(ids, pos, caches3, meta)
+    out2 = fast(ids, pos, caches4, meta)
+    assert ((ref2.float() - ref.float()).norm() / ref.float().norm()).item() > 0.1   # the load mattered
+    err2 = ((out2.float() - ref2.float()).norm() / ref2.float().norm()).item()
+    assert err2 < 2e-2, err2

@@ -176,6 +176,9 @@ class LLMEngine(_EngineBase):
         from .model_runner import ModelRunner
         from .scheduler import Scheduler
 
+        # the fused forward before the KV cache: the copies it may keep (LLMSERVE_INT8_FRAGMENTS)
+        # count against the free memory the cache is sized from
+        forward = self._build_fast_forward()
         self.kv_cache = KVCache.from_config(self.model_config, config.cache, self.model.dtype
                                             if hasattr(self.model, "dtype") else config.torch_dtype,
                                             self.device)
@@ -183,7 +186,7 @@ class LLMEngine(_EngineBase):
         self.block_manager = BlockManager(self.kv_cache.num_blocks, self.block_size)
         sched_cfg = dataclasses.replace(config.scheduler, max_model_len=self.max_model_len)
         self.scheduler = Scheduler(sched_cfg, self.block_manager)
-        forward, graphs = self._build_fast_path(config)
+        graphs = self._capture_graphs(config, forward)
         self.runner = ModelRunner(self.model, self.kv_cache.kv_caches, self.block_size, self.device,
                                   forward=forward, cuda_graphs=graphs)
         self._seqs: dict[str, Sequence] = {}
@@ -203,27 +206,31 @@ class LLMEngine(_EngineBase):
         self.async_scheduling = auto if config.async_scheduling is None else bool(config.async_scheduling)
         self._inflight: _InFlightStep | None = None
 
-    def _build_fast_path(self, config: EngineConfig):
+    def _build_fast_forward(self):
         """On CUDA: the fused forward (Triton norm/rope/silu kernels, packed QKV and gate-up
-        GEMMs) and, with the Triton attention backend and ``use_cuda_graph``, decode graphs.
-        On CPU: the readable path only."""
+        GEMMs); on CPU: None (the readable path)."""
+        if self.device.type != "cuda":
+            return None
+        from .models.fast_forward import FastQwen2Forward
+
+        return FastQwen2Forward(self.model)
+
+    def _capture_graphs(self, config: EngineConfig, fast):
+        """With the fused forward ``fast``, the Triton attention backend and ``use_cuda_graph``:
+        the decode CUDA graphs over this engine's KV cache, else None."""
         # Greedy tokens computed inside the decode graphs (one Triton argmax launch after the
         # LM head); LLMSERVE_GRAPH_ARGMAX=0 leaves the argmax to the sampler (torch.argmax).
         graph_argmax = env_switch("LLMSERVE_GRAPH_ARGMAX") is not False
-        if self.device.type != "cuda":
-            return None, None
+        if fast is None or not (config.attention_backend == "triton" and config.use_cuda_graph):
+            return None
         from .cuda_graph import CUDAGraphDecodeRunner
-        from .models.fast_forward import FastQwen2Forward
 
-        fast = FastQwen2Forward(self.model)
-        graphs = None
-        if config.attention_backend == "triton" and config.use_cuda_graph:
-            graphs = CUDAGraphDecodeRunner(fast, fast.compute_logits, self.kv_cache.kv_caches,
-                                           self.block_size, config.scheduler.max_num_seqs,
-                                           self.max_model_len, self.device,
-                                           greedy=fast.greedy if graph_argmax else None)
-            graphs.capture()
-        return fast, graphs
+        graphs = CUDAGraphDecodeRunner(fast, fast.compute_logits, self.kv_cache.kv_caches,
+                                       self.block_size, config.scheduler.max_num_seqs,
+                                       self.max_model_len, self.device,
+                                       greedy=fast.greedy if graph_argmax else None)
+        graphs.capture()
+        return graphs
 
     def warmup(self, force: bool = False) -> dict:
         """Compile and load the GPU kernels of every kind of step before serving.

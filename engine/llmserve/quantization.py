@@ -175,6 +175,55 @@ def unpack_int8_planes(planes: torch.Tensor) -> torch.Tensor:
     return planes.contiguous().view(torch.int8).reshape(n, kw, 4).transpose(1, 2).reshape(n, 4 * kw)
 
 
+def _check_fragment_sizes(w_int8: torch.Tensor) -> tuple[int, int]:
+    if not isinstance(w_int8, torch.Tensor) or w_int8.dtype != torch.int8 or w_int8.dim() != 2:
+        raise ValueError(f"w_int8 must be a 2-D int8 tensor [N, K], got "
+                         f"{getattr(w_int8, 'dtype', type(w_int8))} {tuple(getattr(w_int8, 'shape', ()))}")
+    n, k = w_int8.shape
+    if n % 16 or k % 32:
+        raise ValueError(f"the fragment layout needs N % 16 == 0 and K % 32 == 0, got N={n}, K={k}")
+    return n, k
+
+
+def pack_int8_fragments(w_int8: torch.Tensor) -> torch.Tensor:
+    """Reorder an int8 weight into the MMA fragment layout of
+    :func:`~llmserve.triton_kernels.int8_frag.int8_frag_linear` (see that module's docstring:
+    each lane's 16-byte load is its ``mma.sync.m16n8k16`` A operand for two K steps).
+
+    Args:
+        w_int8: ``[N, K]`` int8 (values in ``[-127, 127]``; -128 would be read as -128 too),
+            ``N % 16 == 0``, ``K % 32 == 0``.
+
+    Returns:
+        int32 ``[N / 16, K / 32, 32, 4]``, contiguous: chunk ``(nb, kb)``, lane ``l``: the
+        16 bytes ``q[16 nb + l//4, 32 kb + 8 (l%4) : +8]`` and
+        ``q[16 nb + l//4 + 8, 32 kb + 8 (l%4) : +8]``, each stored as ``q + 128`` (little-endian
+        bytes in the words).
+
+    Raises:
+        ValueError: not a 2-D int8 tensor, or the sizes above.
+    """
+    n, k = _check_fragment_sizes(w_int8)
+    b = (w_int8.view(torch.uint8) ^ 0x80).reshape(n // 16, 2, 8, k // 32, 4, 8)  # nb h g kb q byte
+    b = b.permute(0, 3, 2, 4, 1, 5).contiguous()                                  # nb kb g q h byte
+    return b.view(torch.int32).reshape(n // 16, k // 32, 32, 4)
+
+
+def unpack_int8_fragments(frags: torch.Tensor) -> torch.Tensor:
+    """Inverse of :func:`pack_int8_fragments`: int32 ``[N/16, K/32, 32, 4]`` -> int8 ``[N, K]``.
+
+    Raises:
+        ValueError: not a 4-D int32 tensor of that form.
+    """
+    if (not isinstance(frags, torch.Tensor) or frags.dtype != torch.int32 or frags.dim() != 4
+            or tuple(frags.shape[2:]) != (32, 4)):
+        raise ValueError(f"frags must be an int32 tensor [N/16, K/32, 32, 4], got "
+                         f"{getattr(frags, 'dtype', type(frags))} {tuple(getattr(frags, 'shape', ()))}")
+    nb, kb = frags.shape[:2]
+    b = frags.contiguous().view(torch.uint8).reshape(nb, kb, 8, 4, 2, 8) ^ 0x80      # nb kb g q h byte
+    return b.permute(0, 4, 2, 1, 3, 5).reshape(nb * 16, kb * 32).view(torch.int8)
+
+
 # ----------------------------------------------------------------------------------------------
 # INT4: packing and group-wise quantization
 # ----------------------------------------------------------------------------------------------
@@ -339,7 +388,9 @@ class TritonInt8Linear(Int8Linear):
     """INT8 linear backed by the fused Triton kernel (same storage as :class:`Int8Linear`;
     the fused serving forward may re-point ``weight`` at int8 byte planes, int32
     ``[out_features, in_features / 4]`` (see :attr:`planes`), while ``state_dict`` and
-    ``load_state_dict`` keep the row-major int8 checkpoint format).
+    ``load_state_dict`` keep the row-major int8 checkpoint format). The fused forward may also
+    give it :attr:`fragments`, a view of its rows in an MMA-fragment copy of the weight
+    (``LLMSERVE_INT8_FRAGMENTS=1``); ``load_state_dict`` repacks that copy in place too.
 
     ``forward`` flattens ``x [..., K]`` to ``[M, K]`` and calls
     ``llmserve.triton_kernels.int8_linear.int8_linear(x, weight, weight_scale, bias)``, which
@@ -357,6 +408,9 @@ class TritonInt8Linear(Int8Linear):
     """
 
     scheme = "triton-int8"
+    #: int32 ``[out / 16, in / 32, 32, 4]`` view of this layer's rows in the fused forward's
+    #: fragment copy (:func:`pack_int8_fragments`), or None; not part of ``state_dict``.
+    fragments: torch.Tensor | None = None
 
     @property
     def planes(self) -> bool:
@@ -396,6 +450,9 @@ class TritonInt8Linear(Int8Linear):
                 state_dict[key] = self.weight        # reported above; left as it is
         super()._load_from_state_dict(state_dict, prefix, local_metadata, strict, missing_keys,
                                       unexpected_keys, error_msgs)
+        if self.fragments is not None and not self.planes:
+            # in place: CUDA graphs captured the fragment copy's address
+            self.fragments.copy_(pack_int8_fragments(self.weight.detach()))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if not x.is_cuda and os.environ.get("TRITON_INTERPRET") != "1":

@@ -29,9 +29,11 @@ rows can be repacked once as *byte planes* (four a 32-bit word,
 :func:`~llmserve.quantization.pack_int8_planes`), which the matrix-vector kernel
 streams faster, when ``LLMSERVE_INT8_PLANES=1`` (off by default: faster batch-1 decode for
 1.5B/7B shapes, slower steps of 2..64 tokens); ``state_dict`` still gives row-major int8. With
-``LLMSERVE_INT8_FRAGMENTS=1`` (CUDA, row-major int8 only) each projection also keeps a copy in
-the MMA-fragment layout (:func:`~llmserve.triton_kernels.int8_frag.pack_int8_fragments`, twice
-the int8 weight memory) and steps of 2..16 tokens call
+``LLMSERVE_INT8_FRAGMENTS=1`` (a bf16 model on CUDA, row-major int8; otherwise ignored with a
+warning) each projection also keeps a copy in the MMA-fragment layout
+(:func:`~llmserve.quantization.pack_int8_fragments`, twice the int8 weight memory; an in-place
+``load_state_dict`` repacks it) and steps of at most 16 tokens that do not take the
+matrix-vector path (by default steps of 2..16 tokens) call
 :func:`~llmserve.triton_kernels.int8_frag.int8_frag_linear` instead of ``int8_linear``. Other
 quantized modules (the reference ``int8`` scheme, ``int4``) keep being called as modules and
 turn the matrix-vector path off. Parity with the readable path is tested in
@@ -55,7 +57,8 @@ from ..triton_kernels._launch import pdl_available
 from ..triton_kernels.argmax import argmax_rows
 from ..triton_kernels.fused import add_rmsnorm, rope_qkv_write_kv, silu_and_mul
 from ..triton_kernels.gemv import GEMV_MAX_M, gemv, gemv_qkv_rope
-from ..triton_kernels.int8_frag import FRAG_MAX_M, int8_frag_linear, pack_int8_fragments
+from ..quantization import pack_int8_fragments
+from ..triton_kernels.int8_frag import FRAG_MAX_M, int8_frag_linear
 from ..triton_kernels.int8_linear import int8_linear
 from ..triton_kernels.paged_attention import paged_attention_decode
 
@@ -101,19 +104,27 @@ def _to_planes(linears: list[nn.Module], packed: torch.Tensor | None = None) -> 
     return planes
 
 
-def _fragments(entry: dict, o_proj: nn.Module, down_proj: nn.Module
+def _fragments(entry: dict, groups: dict[str, list[nn.Module]]
                ) -> dict[str, tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]]:
     """``{name: (fragments, scale, bias)}`` for :func:`int8_frag_linear`, one a row-major Triton
-    INT8 projection of the layer (packed ``qkv`` / ``gate_up`` from ``entry``, ``o`` and
-    ``down`` from the modules) whose sizes the layout takes (``N % 16 == 0``, ``K % 32 == 0``);
-    the row-major weights stay for steps of more than 16 tokens."""
+    INT8 projection group of the layer (``qkv`` / ``gate_up`` packed in ``entry``, ``o`` and
+    ``down`` alone) whose sizes the layout takes: every module's rows a multiple of 16, the
+    input a multiple of 32. Each module's :attr:`~llmserve.quantization.TritonInt8Linear.fragments`
+    is pointed at its rows of the copy, so an in-place ``load_state_dict`` repacks them; the
+    row-major weights stay for the other steps."""
     out = {}
-    srcs = [(name, entry[name]) for name in ("qkv", "gate_up") if name in entry]
-    srcs += [(name, _proj(m)) for name, m in (("o", o_proj), ("down", down_proj)) if _kind(m) == "int8"]
-    for name, (w, b, s) in srcs:
-        if s is None or w.dtype != torch.int8 or w.shape[0] % 16 or w.shape[1] % 32:
+    for name, mods in groups.items():
+        if not (mods and all(_kind(m) == "int8" and not m.planes for m in mods)):
             continue
-        out[name] = (pack_int8_fragments(w), s, b)
+        w, b, s = entry[name] if name in entry else _proj(mods[0])
+        if w.shape[1] % 32 or any(m.out_features % 16 for m in mods):
+            continue
+        frags = pack_int8_fragments(w)
+        start = 0
+        for m in mods:
+            m.fragments = frags[start // 16:(start + m.out_features) // 16]
+            start += m.out_features
+        out[name] = (frags, s, b)
     return out
 
 
@@ -238,8 +249,9 @@ class FastQwen2Forward:
                          "input size divisible by 4 (hidden %d, intermediate %d, heads x head_dim %d)",
                          cfg.hidden_size, cfg.intermediate_size, cfg.num_attention_heads * cfg.head_dim)
             planes = False
-        # INT8 weights also in the MMA-fragment layout for steps of 2..16 tokens, opt in
-        # (LLMSERVE_INT8_FRAGMENTS=1): a second copy of every int8 projection.
+        # INT8 weights also in the MMA-fragment layout for steps of <= 16 tokens off the
+        # matrix-vector path, opt in (LLMSERVE_INT8_FRAGMENTS=1): a second copy of every int8
+        # projection (results/kernels/int8_frag/run11: 1.5B batch 2-8 steps -11 to -12%).
         frags = env_switch("LLMSERVE_INT8_FRAGMENTS") is True
         w0 = model.lm_head.weight
         if frags and (planes or w0.device.type != "cuda" or w0.dtype != torch.bfloat16):
@@ -260,7 +272,10 @@ class FastQwen2Forward:
                 if planes and _kind(m) == "int8":
                     _to_planes([m])
             if frags:
-                entry["frag"] = _fragments(entry, attn.o_proj, mlp.down_proj)
+                entry["frag"] = _fragments(entry, {
+                    "qkv": [attn.q_proj, attn.k_proj, attn.v_proj] if "qkv" in entry else [],
+                    "gate_up": [mlp.gate_proj, mlp.up_proj] if "gate_up" in entry else [],
+                    "o": [attn.o_proj], "down": [mlp.down_proj]})
             self.layers.append(entry)
         self.int8_fragments = any(e.get("frag") for e in self.layers)
         # Whether the INT8 weights are byte planes: also when an earlier FastQwen2Forward of this

@@ -55,59 +55,13 @@ import torch
 import triton
 import triton.language as tl
 
+from ..quantization import pack_int8_fragments, unpack_int8_fragments  # the layout (pure torch), re-exported
 from ._launch import num_sms, zeroed_counters
 
 __all__ = ["FragConfig", "choose_frag_config", "emulate_fragment_linear", "int8_frag_linear",
            "pack_int8_fragments", "unpack_int8_fragments"]
 
 FRAG_MAX_M = 16  #: tokens a call serves (two 8-token MMA tiles)
-
-
-def _check_q(w_int8: torch.Tensor) -> tuple[int, int]:
-    if not isinstance(w_int8, torch.Tensor) or w_int8.dtype != torch.int8 or w_int8.dim() != 2:
-        raise ValueError(f"w_int8 must be a 2-D int8 tensor [N, K], got "
-                         f"{getattr(w_int8, 'dtype', type(w_int8))} {tuple(getattr(w_int8, 'shape', ()))}")
-    n, k = w_int8.shape
-    if n % 16 or k % 32:
-        raise ValueError(f"the fragment layout needs N % 16 == 0 and K % 32 == 0, got N={n}, K={k}")
-    return n, k
-
-
-def pack_int8_fragments(w_int8: torch.Tensor) -> torch.Tensor:
-    """Reorder an int8 weight into the MMA fragment layout of :func:`int8_frag_linear`.
-
-    Args:
-        w_int8: ``[N, K]`` int8 (values in ``[-127, 127]``; -128 would be read as -128 too),
-            ``N % 16 == 0``, ``K % 32 == 0``.
-
-    Returns:
-        int32 ``[N / 16, K / 32, 32, 4]``, contiguous: chunk ``(nb, kb)``, lane ``l``: the
-        16 bytes ``q[16 nb + l//4, 32 kb + 8 (l%4) : +8]`` and
-        ``q[16 nb + l//4 + 8, 32 kb + 8 (l%4) : +8]``, each stored as ``q + 128`` (little-endian
-        bytes in the words).
-
-    Raises:
-        ValueError: not a 2-D int8 tensor, or the sizes above.
-    """
-    n, k = _check_q(w_int8)
-    b = (w_int8.view(torch.uint8) ^ 0x80).reshape(n // 16, 2, 8, k // 32, 4, 8)  # nb h g kb q byte
-    b = b.permute(0, 3, 2, 4, 1, 5).contiguous()                                  # nb kb g q h byte
-    return b.view(torch.int32).reshape(n // 16, k // 32, 32, 4)
-
-
-def unpack_int8_fragments(frags: torch.Tensor) -> torch.Tensor:
-    """Inverse of :func:`pack_int8_fragments`: int32 ``[N/16, K/32, 32, 4]`` -> int8 ``[N, K]``.
-
-    Raises:
-        ValueError: not a 4-D int32 tensor of that form.
-    """
-    if (not isinstance(frags, torch.Tensor) or frags.dtype != torch.int32 or frags.dim() != 4
-            or tuple(frags.shape[2:]) != (32, 4)):
-        raise ValueError(f"frags must be an int32 tensor [N/16, K/32, 32, 4], got "
-                         f"{getattr(frags, 'dtype', type(frags))} {tuple(getattr(frags, 'shape', ()))}")
-    nb, kb = frags.shape[:2]
-    b = frags.contiguous().view(torch.uint8).reshape(nb, kb, 8, 4, 2, 8) ^ 0x80      # nb kb g q h byte
-    return b.permute(0, 4, 2, 1, 3, 5).reshape(nb * 16, kb * 32).view(torch.int8)
 
 
 def a_register_source(step: int, reg: int) -> tuple[int, int]:
