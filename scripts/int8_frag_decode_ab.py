@@ -90,13 +90,20 @@ def main() -> int:
                 date=time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()), command=" ".join(os.sys.argv))
     with open(args.out, "w") as f:
         json.dump(dict(**meta, rows=rows), f, indent=1)
-    base = {r["batch"]: r for r in rows if r.get("setting") == args.settings[0] and "step_ms" in r}
+    # each row of a later setting against the latest earlier row of the first setting with the
+    # same batch size (with --settings 0 1 0 1: round by round)
+    last = {}
     for r in rows:
-        if "step_ms" in r and r["batch"] in base and r["setting"] != args.settings[0]:
-            b0 = base[r["batch"]]
+        if "step_ms" not in r:
+            continue
+        if r["setting"] == args.settings[0]:
+            last[r["batch"]] = r
+        elif r["batch"] in last:
+            b0 = last[r["batch"]]
             same = sum(t0 == t1 for t0, t1 in zip(b0["tokens"], r["tokens"]))
             print(f"batch {r['batch']}: {b0['step_ms']:.3f} -> {r['step_ms']:.3f} ms/step "
-                  f"({r['step_ms'] / b0['step_ms']:.3f}x); identical greedy sequences {same}/{len(r['tokens'])}")
+                  f"({r['step_ms'] / b0['step_ms']:.3f}x, fragments={r['setting']}); identical greedy "
+                  f"sequences {same}/{len(r['tokens'])}")
     return 0
 
 
