@@ -21,7 +21,6 @@ from __future__ import annotations
 import argparse
 import itertools
 import json
-import math
 import sys
 import time
 from pathlib import Path
@@ -29,7 +28,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from bench_int8_planes import cublas_us, int8_us, rel_err, run_header  # noqa: E402
+from bench_int8_planes import cublas_us, int8_us, rel_err, run_header, shape_weights  # noqa: E402
 from cuda_timing import graph_time_us  # noqa: E402
 
 from llmserve.triton_kernels.int8_frag import (  # noqa: E402
@@ -43,7 +42,6 @@ from llmserve.triton_kernels.int8_linear import choose_int8_config, int8_linear 
 SHAPES = {"1.5b": [("gate/up", 1536, 8960), ("down", 8960, 1536), ("qkv", 1536, 2048)],
           "7b": [("7B gate/up", 3584, 18944), ("7B down", 18944, 3584), ("7B qkv", 3584, 4608)],
           "0.5b": [("0.5B gate/up", 896, 4864), ("0.5B down", 4864, 896), ("0.5B qkv", 896, 1152)]}
-ROTATE = 200e6
 
 
 def configs(quick: bool) -> list[FragConfig]:
@@ -81,12 +79,8 @@ def defaults(out: Path, shapes, ms: list[int], rounds: int) -> None:
     dev = torch.device("cuda")
     rows = []
     for lab, k, n in shapes:
-        copies = max(1, math.ceil(ROTATE / (n * k)))
-        q = torch.randint(-127, 128, (copies, n, k), dtype=torch.int8, device=dev)
-        s = torch.rand(copies, n, device=dev) * 1e-3 + 1e-4
+        copies, q, s, wb = shape_weights(k, n, dev)
         fr = torch.stack([pack_int8_fragments(q[i]) for i in range(copies)])
-        wb = torch.empty((max(1, math.ceil(ROTATE / (2 * n * k))), n, k), dtype=torch.bfloat16,
-                         device=dev).normal_(0, .02)
         for m in ms:
             x = torch.randn(m, k, device=dev, dtype=torch.bfloat16)
             ref = x.double() @ (q[0].double() * s[0].double()[:, None]).T
@@ -148,12 +142,8 @@ def main() -> int:
         print(f"[{time.time() - t0:6.1f}s] precompiled {len(cfgs)} configurations", flush=True)
     rows = []
     for lab, k, n in shapes:
-        copies = max(1, math.ceil(ROTATE / (n * k)))
-        q = torch.randint(-127, 128, (copies, n, k), dtype=torch.int8, device=dev)
-        s = torch.rand(copies, n, device=dev) * 1e-3 + 1e-4
+        copies, q, s, wb = shape_weights(k, n, dev)
         fr = torch.stack([pack_int8_fragments(q[i]) for i in range(copies)])
-        wb = torch.empty((max(1, math.ceil(ROTATE / (2 * n * k))), n, k), dtype=torch.bfloat16,
-                         device=dev).normal_(0, .02)
         for m in args.ms:
             x = torch.randn(m, k, device=dev, dtype=torch.bfloat16)
             ref = x.double() @ (q[0].double() * s[0].double()[:, None]).T

@@ -23,8 +23,8 @@ from llmserve.triton_kernels.fused import add_rmsnorm, silu_and_mul  # noqa: E40
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 
 
-def small_model(hq=4, hkv=2, d=16, dtype=torch.float32):
-    cfg = ModelConfig(vocab_size=97, hidden_size=48, intermediate_size=80, num_hidden_layers=2,
+def small_model(hq=4, hkv=2, d=16, dtype=torch.float32, hidden=48, intermediate=80):
+    cfg = ModelConfig(vocab_size=97, hidden_size=hidden, intermediate_size=intermediate, num_hidden_layers=2,
                       num_attention_heads=hq, num_key_value_heads=hkv, head_dim=d,
                       max_position_embeddings=256, rope_theta=10000.0, tie_word_embeddings=True)
     torch.manual_seed(0)
@@ -573,15 +573,7 @@ def test_partly_quantized_models_match_the_readable_path(include):
 def _fragment_sized_model(dtype):
     """A 2-layer model whose projections the fragment layout takes (N % 16, K % 32): hidden 64,
     4 q heads x 16, 2 KV heads, intermediate 96."""
-    cfg = ModelConfig(vocab_size=97, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
-                      num_attention_heads=4, num_key_value_heads=2, head_dim=16,
-                      max_position_embeddings=256, rope_theta=10000.0, tie_word_embeddings=True)
-    torch.manual_seed(0)
-    m = Qwen2ForCausalLM(cfg)
-    with torch.no_grad():
-        for p in m.parameters():
-            p.normal_(0, 0.3)
-    return m.to(DEVICE, dtype).eval()
+    return small_model(4, 2, 16, dtype, hidden=64, intermediate=96)
 
 
 def test_int8_fragments_need_cuda_and_bf16(monkeypatch, caplog):
