@@ -40,7 +40,9 @@ finish (a per-program arrival counter, as in ``int8_linear.py``'s fused split-K 
 Measured (H200, ``scripts/bench_int8_frag.py --defaults 3``, ``results/kernels/int8_frag/run9``):
 1.2-1.4x faster than bf16 cuBLAS at M = 2..8 on the Qwen2.5-1.5B projections (the shipped
 ``int8_linear``: 0.86-1.44x), 1.8-1.9x on the 7B gate/up and down; at M = 9..16 (two MMA
-tiles) 1.0-1.5x. Not yet called by ``int8_linear`` or the engine.
+tiles) 1.0-1.5x. ``int8_linear`` does not route here; the fused forward does, opt in
+(``LLMSERVE_INT8_FRAGMENTS=1``, ``models/fast_forward.py``): 1.5B decode steps of 2-8
+sequences 10-12% faster, 0.5B 49-55% (``results/kernels/int8_frag/run12``).
 
 GPU only (``sm_80`` or later): the Triton interpreter cannot run inline PTX.
 :func:`emulate_fragment_linear` is the same computation lane by lane in PyTorch, from the
