@@ -52,12 +52,11 @@ from torch import nn
 from ..attention import AttentionMetadata
 from ..attention.triton_backend import TritonPagedAttention
 from ..config import env_switch
-from ..quantization import TritonInt8Linear, pack_int8_planes
+from ..quantization import TritonInt8Linear, pack_int8_fragments, pack_int8_planes
 from ..triton_kernels._launch import pdl_available
 from ..triton_kernels.argmax import argmax_rows
 from ..triton_kernels.fused import add_rmsnorm, rope_qkv_write_kv, silu_and_mul
 from ..triton_kernels.gemv import GEMV_MAX_M, gemv, gemv_qkv_rope
-from ..quantization import pack_int8_fragments
 from ..triton_kernels.int8_frag import FRAG_MAX_M, int8_frag_linear
 from ..triton_kernels.int8_linear import int8_linear
 from ..triton_kernels.paged_attention import paged_attention_decode

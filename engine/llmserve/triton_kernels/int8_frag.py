@@ -7,7 +7,7 @@ int8 at M = 2..16, so it is only 1.1-1.3x faster than cuBLAS bf16 (``results/ker
 Here every thread's 16-byte load *is* its share of the MMA operand, as in Marlin (Frantar et
 al., "MARLIN: Mixed-Precision Auto-Regressive Parallel Inference on Large Language Models",
 2024), whose idea this follows (not its code): no shared memory, no layout conversion; the
-weights go global -> registers -> four bf16 MMAs a load.
+weights go global -> registers -> two bf16 MMAs a 16-byte load (four with two token tiles).
 
 The MMA is PTX ``mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32`` issued by
 ``tl.inline_asm_elementwise``, with the weights as the A operand (16 output channels) and the
@@ -26,8 +26,7 @@ Fragment layout (:func:`pack_int8_fragments`): int32 ``[N/16, K/32, 32, 4]``; ch
 ``q[16 nb + g + 8, 32 kb + 8q : +8]`` (16 bytes), each byte stored as ``q + 128``
 (offset binary), which the conversion needs: a byte placed in the low mantissa of
 ``2^23`` reads as the fp32 ``2^23 + q + 128``; subtracting ``2^23 + 128`` leaves ``q``
-exactly, whose fp32 low half is zero, so its high half is the bf16 (PRMT + FADD, no ``I2F``;
-the same conversion the byte-planes kernels use).
+exactly, whose fp32 low half is zero, so its high half is the bf16 (PRMT + FADD, no ``I2F``).
 
 Work split (:class:`FragConfig`): a program owns ``blocks`` x 16 output channels and
 ``1 / split_k`` of K; its ``num_warps`` warps take interleaved K chunks, ``unroll`` chunks a
