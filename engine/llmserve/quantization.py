@@ -131,6 +131,14 @@ def dequantize_int8(q: torch.Tensor, scale: torch.Tensor,
 # INT8 byte planes (a kernel layout of row-major int8 weights)
 # ----------------------------------------------------------------------------------------------
 
+def _check_int8_2d(w_int8: torch.Tensor) -> tuple[int, int]:
+    """``(N, K)`` of a 2-D int8 weight; ``ValueError`` for anything else (the packers' check)."""
+    if not isinstance(w_int8, torch.Tensor) or w_int8.dtype != torch.int8 or w_int8.dim() != 2:
+        raise ValueError(f"w_int8 must be a 2-D int8 tensor [N, K], got "
+                         f"{getattr(w_int8, 'dtype', type(w_int8))} {tuple(getattr(w_int8, 'shape', ()))}")
+    return tuple(w_int8.shape)
+
+
 def pack_int8_planes(w_int8: torch.Tensor) -> torch.Tensor:
     """Pack an int8 weight four values a 32-bit word in *byte planes*: byte ``j`` (0 = least
     significant) of word ``i`` of a row is column ``j * K/4 + i``.
@@ -153,10 +161,7 @@ def pack_int8_planes(w_int8: torch.Tensor) -> torch.Tensor:
     Raises:
         ValueError: not a 2-D int8 tensor, or ``K % 4 != 0``.
     """
-    if not isinstance(w_int8, torch.Tensor) or w_int8.dtype != torch.int8 or w_int8.dim() != 2:
-        raise ValueError(f"w_int8 must be a 2-D int8 tensor [N, K], got "
-                         f"{getattr(w_int8, 'dtype', type(w_int8))} {tuple(getattr(w_int8, 'shape', ()))}")
-    n, k = w_int8.shape
+    n, k = _check_int8_2d(w_int8)
     if k % 4:
         raise ValueError(f"byte planes need K divisible by 4, got K={k}")
     return w_int8.reshape(n, 4, k // 4).transpose(1, 2).contiguous().view(torch.int32).reshape(n, k // 4)
@@ -173,16 +178,6 @@ def unpack_int8_planes(planes: torch.Tensor) -> torch.Tensor:
                          f"{getattr(planes, 'dtype', type(planes))} {tuple(getattr(planes, 'shape', ()))}")
     n, kw = planes.shape
     return planes.contiguous().view(torch.int8).reshape(n, kw, 4).transpose(1, 2).reshape(n, 4 * kw)
-
-
-def _check_fragment_sizes(w_int8: torch.Tensor) -> tuple[int, int]:
-    if not isinstance(w_int8, torch.Tensor) or w_int8.dtype != torch.int8 or w_int8.dim() != 2:
-        raise ValueError(f"w_int8 must be a 2-D int8 tensor [N, K], got "
-                         f"{getattr(w_int8, 'dtype', type(w_int8))} {tuple(getattr(w_int8, 'shape', ()))}")
-    n, k = w_int8.shape
-    if n % 16 or k % 32:
-        raise ValueError(f"the fragment layout needs N % 16 == 0 and K % 32 == 0, got N={n}, K={k}")
-    return n, k
 
 
 def pack_int8_fragments(w_int8: torch.Tensor) -> torch.Tensor:
@@ -203,7 +198,9 @@ def pack_int8_fragments(w_int8: torch.Tensor) -> torch.Tensor:
     Raises:
         ValueError: not a 2-D int8 tensor, or the sizes above.
     """
-    n, k = _check_fragment_sizes(w_int8)
+    n, k = _check_int8_2d(w_int8)
+    if n % 16 or k % 32:
+        raise ValueError(f"the fragment layout needs N % 16 == 0 and K % 32 == 0, got N={n}, K={k}")
     b = (w_int8.view(torch.uint8) ^ 0x80).reshape(n // 16, 2, 8, k // 32, 4, 8)  # nb h g kb q byte
     b = b.permute(0, 3, 2, 4, 1, 5).contiguous()                                  # nb kb g q h byte
     return b.view(torch.int32).reshape(n // 16, k // 32, 32, 4)

@@ -270,13 +270,12 @@ class FastQwen2Forward:
             for m in (attn.o_proj, mlp.down_proj):
                 if planes and _kind(m) == "int8":
                     _to_planes([m])
-            if frags:
-                entry["frag"] = _fragments(entry, {
-                    "qkv": [attn.q_proj, attn.k_proj, attn.v_proj] if "qkv" in entry else [],
-                    "gate_up": [mlp.gate_proj, mlp.up_proj] if "gate_up" in entry else [],
-                    "o": [attn.o_proj], "down": [mlp.down_proj]})
+            entry["frag"] = _fragments(entry, {
+                "qkv": [attn.q_proj, attn.k_proj, attn.v_proj] if "qkv" in entry else [],
+                "gate_up": [mlp.gate_proj, mlp.up_proj] if "gate_up" in entry else [],
+                "o": [attn.o_proj], "down": [mlp.down_proj]}) if frags else {}
             self.layers.append(entry)
-        self.int8_fragments = any(e.get("frag") for e in self.layers)
+        self.int8_fragments = any(e["frag"] for e in self.layers)
         # Whether the INT8 weights are byte planes: also when an earlier FastQwen2Forward of this
         # model repacked them (planes are not undone; every kernel reads both layouts).
         self.int8_planes = any(getattr(m, "planes", False) for m in model.modules()
@@ -341,8 +340,8 @@ class FastQwen2Forward:
             layer = entry["layer"]
             attn, mlp = layer.self_attn, layer.mlp
             h, residual = add_rmsnorm(x, layer.input_layernorm.weight, self.eps, residual)  # [N, H]
-            small = entry.get("frag") if n <= FRAG_MAX_M else None
-            if small and "qkv" in small:
+            small = entry["frag"] if n <= FRAG_MAX_M else {}                # fragment copies
+            if "qkv" in small:
                 qkv = int8_frag_linear(h, *small["qkv"])                    # [N, (Hq+2Hkv)*D]
             elif "qkv" in entry:
                 qkv = _linear(h, *entry["qkv"])                             # [N, (Hq+2Hkv)*D]
@@ -352,16 +351,16 @@ class FastQwen2Forward:
                                   self.num_heads, self.num_kv_heads)        # [N, Hq, D]
             o = backend.forward(q, k_cache, v_cache, meta, self.scale)     # [N, Hq, D]
             o = o.reshape(n, self.num_heads * self.head_dim)
-            x = int8_frag_linear(o, *small["o"]) if small and "o" in small else attn.o_proj(o)  # [N, H]
+            x = int8_frag_linear(o, *small["o"]) if "o" in small else attn.o_proj(o)       # [N, H]
             h, residual = add_rmsnorm(x, layer.post_attention_layernorm.weight, self.eps, residual)
-            if small and "gate_up" in small:
+            if "gate_up" in small:
                 gu = int8_frag_linear(h, *small["gate_up"])                 # [N, 2I]
             elif "gate_up" in entry:
                 gu = _linear(h, *entry["gate_up"])                          # [N, 2I]
             else:
                 gu = torch.cat([mlp.gate_proj(h), mlp.up_proj(h)], dim=-1)
             a = silu_and_mul(gu)
-            x = int8_frag_linear(a, *small["down"]) if small and "down" in small else mlp.down_proj(a)  # [N, H]
+            x = int8_frag_linear(a, *small["down"]) if "down" in small else mlp.down_proj(a)  # [N, H]
         h, _ = add_rmsnorm(x, model.model.norm.weight, self.eps, residual)  # [N, H]
         return h
 

@@ -58,6 +58,7 @@ import triton.language as tl
 
 from ..quantization import pack_int8_fragments, unpack_int8_fragments  # the layout (pure torch), re-exported
 from ._launch import num_sms, zeroed_counters
+from .gemv import _gpu_name
 
 __all__ = ["FragConfig", "choose_frag_config", "emulate_fragment_linear", "int8_frag_linear",
            "pack_int8_fragments", "unpack_int8_fragments"]
@@ -359,7 +360,7 @@ def choose_frag_config(m: int, n: int, k: int, device: torch.device | None = Non
     ``gpu_name`` (default: the device's) selects the table; other GPUs get the rule.
     """
     if gpu_name is None and device is not None and device.type == "cuda":
-        gpu_name = torch.cuda.get_device_name(device)
+        gpu_name = _gpu_name(device)                   # cached per device
     tiles = 1 if m <= 8 else 2
     if gpu_name == _TUNED_GPU and (n, k, tiles) in _TUNED:
         return _TUNED[(n, k, tiles)]
