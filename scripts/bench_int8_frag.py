@@ -13,12 +13,18 @@ graphs of back-to-back calls rotating over > 200 MB of weights (``scripts/cuda_t
 Writes ``frag.json`` and ``frag.md`` to ``--out``.
 
 Usage: python3 scripts/bench_int8_frag.py --out DIR [--ms 1 2 4 8 16] [--shapes 1.5b 7b 0.5b]
-       [--quick] [--read-only] [--defaults ROUNDS]
+       [--quick] [--read-only] [--defaults ROUNDS] [--l2] [--pdl]
+
+``--l2``: sweep configurations with ``l2_prefetch`` (the program's weights requested into L2
+first); ``--pdl``: time the sweep with programmatic dependent launch (each call's weight
+requests overlap the previous call's tail). ``--defaults`` times the default configuration
+alone, with the L2 prefetch, with PDL, and with both.
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import itertools
 import json
 import sys
@@ -44,17 +50,27 @@ SHAPES = {"1.5b": [("gate/up", 1536, 8960), ("down", 8960, 1536), ("qkv", 1536, 
           "0.5b": [("0.5B gate/up", 896, 4864), ("0.5B down", 4864, 896), ("0.5B qkv", 896, 1152)]}
 
 
-def configs(quick: bool) -> list[FragConfig]:
+def configs(quick: bool, l2: bool = False) -> list[FragConfig]:
     if quick:
-        return [FragConfig(4, 4, 1), FragConfig(4, 2, 2, 2, True), FragConfig(2, 4, 2, 1, False, 3)]
+        return [FragConfig(4, 4, 1, l2_prefetch=l2), FragConfig(4, 2, 2, 2, True, l2_prefetch=l2),
+                FragConfig(2, 4, 2, 1, False, 3, l2_prefetch=l2)]
+    if l2:  # weights come from L2: no cp.async pipeline, fewer splits
+        return [FragConfig(w, u, s, 1, pf, 1, True) for w, u, s, pf in
+                itertools.product((2, 4, 8), (2, 4, 8), (1, 3, 6), (False, True)) if w * u <= 32]
     return [FragConfig(w, u, s, b, st == 0, max(1, st)) for w, u, s, b, st in
             itertools.product((2, 4, 8), (2, 4, 8), (1, 2, 4, 6), (1, 2), (0, 1, 3, 4, 5))
             if u * b <= 8 and w * u <= 32 and (st <= 1 or b * w * u <= 32)]
 
 
+def cfg_list(c: FragConfig) -> list[int]:
+    """A configuration as the JSON rows store it: warps, unroll, split, blocks, prefetch,
+    stages, l2_prefetch."""
+    return [c.num_warps, c.unroll, c.split_k, c.blocks, int(c.prefetch), c.stages, int(c.l2_prefetch)]
+
+
 def _precompile(args):
     """Worker: call every (shape, tiles, config) once so the timed pass finds the binaries."""
-    wid, nw, shapes, ms, cfgs = args
+    wid, nw, shapes, ms, cfgs, pdl = args
     i = 0
     for _, k, n in shapes:
         f = pack_int8_fragments(torch.randint(-127, 128, (n, k), dtype=torch.int8)).cuda()
@@ -65,7 +81,7 @@ def _precompile(args):
                 i += 1
                 if i % nw == wid:
                     try:
-                        int8_frag_linear(x, f, s, config=c)
+                        int8_frag_linear(x, f, s, config=c, pdl=pdl)
                     except Exception:  # noqa: BLE001 - the timed pass reports it
                         pass
     torch.cuda.synchronize()
@@ -74,7 +90,8 @@ def _precompile(args):
 
 def defaults(out: Path, shapes, ms: list[int], rounds: int) -> None:
     """The default configuration (:func:`choose_frag_config`) against bf16 cuBLAS and the
-    shipped ``int8_linear`` (row-major int8, its own defaults), the three alternated
+    shipped ``int8_linear`` (row-major int8, its own defaults), and the default with the L2
+    prefetch (``l2``), with PDL (``pdl``) and with both (``l2_pdl``), all alternated
     ``rounds`` times in one process; medians. Writes ``defaults.json`` / ``defaults.md``."""
     dev = torch.device("cuda")
     rows = []
@@ -85,31 +102,40 @@ def defaults(out: Path, shapes, ms: list[int], rounds: int) -> None:
             x = torch.randn(m, k, device=dev, dtype=torch.bfloat16)
             ref = x.double() @ (q[0].double() * s[0].double()[:, None]).T
             c = choose_frag_config(m, n, k, dev)
-            row = dict(shape=lab, K=k, N=n, M=m, frag_config=[c.num_warps, c.unroll, c.split_k, c.blocks,
-                                                                int(c.prefetch), c.stages],
-                       frag_err=rel_err(int8_frag_linear(x, fr[0], s[0]), ref), cublas=[], shipped=[], frag=[])
+            cl2 = dataclasses.replace(c, l2_prefetch=True)
+            variants = {"frag": (c, False), "l2": (cl2, False), "pdl": (c, True), "l2_pdl": (cl2, True)}
+            row = dict(shape=lab, K=k, N=n, M=m, frag_config=cfg_list(c), cublas=[], shipped=[],
+                       **{key: [] for key in variants})
+            for key, (cv, pv) in variants.items():
+                row[f"{key}_err"] = rel_err(int8_frag_linear(x, fr[0], s[0], config=cv, pdl=pv), ref)
             cfg = choose_int8_config(m, n, k, dev)
             row["shipped_config"] = f"{cfg.kind} {cfg.block_m}x{cfg.block_n}x{cfg.block_k} split {cfg.split_k}"
             row["shipped_err"] = rel_err(int8_linear(x, q[0], s[0]), ref)
             for _ in range(rounds):
                 row["cublas"].append(cublas_us(x, wb))
                 row["shipped"].append(int8_us(x, q, s, ref)[1])
-                row["frag"].append(graph_time_us([lambda i=i: int8_frag_linear(x, fr[i], s[i])
-                                                  for i in range(copies)], max(copies, 24), replays=12))
-            for key in ("cublas", "shipped", "frag"):
+                for key, (cv, pv) in variants.items():
+                    row[key].append(graph_time_us([lambda i=i, cv=cv, pv=pv: int8_frag_linear(x, fr[i], s[i], config=cv,
+                                                                                               pdl=pv)
+                                                   for i in range(copies)], max(copies, 24), replays=12))
+            for key in ("cublas", "shipped", *variants):
                 row[f"{key}_us"] = sorted(row[key])[len(row[key]) // 2]
             rows.append(row)
             print(f"{lab} M={m}: cuBLAS {row['cublas_us']:.2f}, shipped {row['shipped_us']:.2f} "
                   f"({row['shipped_config']}), frag {row['frag_us']:.2f} {row['frag_config']} "
-                  f"({row['cublas_us'] / row['frag_us']:.2f}x), err {row['frag_err']:.1e}", flush=True)
+                  f"({row['cublas_us'] / row['frag_us']:.2f}x), +l2 {row['l2_us']:.2f}, +pdl {row['pdl_us']:.2f}, "
+                  f"+l2+pdl {row['l2_pdl_us']:.2f} ({row['cublas_us'] / row['l2_pdl_us']:.2f}x), "
+                  f"errors {max(row[f'{v}_err'] for v in variants):.1e}", flush=True)
             (out / "defaults.json").write_text(json.dumps(dict(**run_header(), rows=rows), indent=1))
     lines = ["| shape | M | cuBLAS bf16 us | shipped int8 us | speed-up | fragments us | speed-up | fragments int8 GB/s "
-             "| config (warps, unroll, split, blocks, prefetch, stages) |", "|---|---|---|---|---|---|---|---|---|"]
+             "| + L2 prefetch us | speed-up | + PDL us | speed-up | + both us | speed-up "
+             "| config (warps, unroll, split, blocks, prefetch, stages, l2) |", "|---" * 15 + "|"]
     for r in rows:
         c = r["cublas_us"]
         lines.append(f"| {r['shape']} | {r['M']} | {c:.2f} | {r['shipped_us']:.2f} | {c / r['shipped_us']:.2f}x | "
-                     f"{r['frag_us']:.2f} | {c / r['frag_us']:.2f}x | {r['N'] * r['K'] / r['frag_us'] / 1e3:.0f} "
-                     f"| {tuple(r['frag_config'])} |")
+                     f"{r['frag_us']:.2f} | {c / r['frag_us']:.2f}x | {r['N'] * r['K'] / r['frag_us'] / 1e3:.0f} | "
+                     + " | ".join(f"{r[f'{v}_us']:.2f} | {c / r[f'{v}_us']:.2f}x" for v in ("l2", "pdl", "l2_pdl"))
+                     + f" | {tuple(r['frag_config'])} |")
     (out / "defaults.md").write_text("\n".join(lines) + "\n")
     print("\n".join(lines))
 
@@ -123,6 +149,8 @@ def main() -> int:
     ap.add_argument("--quick", action="store_true")
     ap.add_argument("--read-only", action="store_true",
                     help="also time the 3 best configurations' loads alone (no conversion, no MMA)")
+    ap.add_argument("--l2", action="store_true", help="sweep configurations with the L2 prefetch")
+    ap.add_argument("--pdl", action="store_true", help="time the sweep with programmatic dependent launch")
     ap.add_argument("--defaults", type=int, default=0, metavar="ROUNDS",
                     help="instead of the sweep: the default configuration vs cuBLAS and int8_linear, "
                          "ROUNDS alternated rounds")
@@ -133,12 +161,12 @@ def main() -> int:
     if args.defaults:
         defaults(args.out, shapes, args.ms, args.defaults)
         return 0
-    cfgs = configs(args.quick)
+    cfgs = configs(args.quick, args.l2)
     t0 = time.time()
     if args.workers > 1:
         import multiprocessing as mp
         with mp.get_context("spawn").Pool(args.workers) as pool:
-            pool.map(_precompile, [(w, args.workers, shapes, args.ms, cfgs) for w in range(args.workers)])
+            pool.map(_precompile, [(w, args.workers, shapes, args.ms, cfgs, args.pdl) for w in range(args.workers)])
         print(f"[{time.time() - t0:6.1f}s] precompiled {len(cfgs)} configurations", flush=True)
     rows = []
     for lab, k, n in shapes:
@@ -155,14 +183,13 @@ def main() -> int:
             for c in cfgs:
                 if (n // 16) % c.blocks:
                     continue
-                r = dict(cfg=[c.num_warps, c.unroll, c.split_k, c.blocks, int(c.prefetch), c.stages], us=None, err=None,
-                         error=None)
+                r = dict(cfg=cfg_list(c), us=None, err=None, error=None, pdl=args.pdl)
                 try:
-                    r["err"] = rel_err(int8_frag_linear(x, fr[0], s[0], config=c), ref)
+                    r["err"] = rel_err(int8_frag_linear(x, fr[0], s[0], config=c, pdl=args.pdl), ref)
                     if r["err"] > 1e-2:
                         r["error"] = f"relative error {r['err']:.2e}"
                     else:
-                        r["us"] = graph_time_us([lambda i=i: int8_frag_linear(x, fr[i], s[i], config=c)
+                        r["us"] = graph_time_us([lambda i=i: int8_frag_linear(x, fr[i], s[i], config=c, pdl=args.pdl)
                                                  for i in range(copies)], max(copies, 24), replays=12)
                 except Exception as ex:  # noqa: BLE001 - kept as a row
                     r["error"] = f"{type(ex).__name__}: {ex}"[:300]
@@ -170,9 +197,9 @@ def main() -> int:
             row["frag"] = res
             if args.read_only:  # the same loads without conversion and MMAs, for the 3 best
                 for r in sorted([r for r in res if r["us"] is not None], key=lambda r: r["us"])[:3]:
-                    c = FragConfig(*r["cfg"][:4], bool(r["cfg"][4]), r["cfg"][5])
+                    c = FragConfig(*r["cfg"][:4], bool(r["cfg"][4]), r["cfg"][5], bool(r["cfg"][6]))
                     r["read_only_us"] = graph_time_us([lambda i=i: int8_frag_linear(x, fr[i], s[i], config=c,
-                                                                                    _read_only=True)
+                                                                                    pdl=args.pdl, _read_only=True)
                                                        for i in range(copies)], max(copies, 24), replays=12)
             ok = [r for r in res if r["us"] is not None]
             bad = [r for r in res if r["error"]]
@@ -186,7 +213,7 @@ def main() -> int:
                   + (f", loads alone {b['read_only_us']:.2f}" if b and "read_only_us" in b else "")
                   + (f"; {len(bad)} failed, first: {bad[0]['cfg']} {bad[0]['error']}" if bad else ""), flush=True)
             (args.out / "frag.json").write_text(json.dumps(dict(**run_header(), rows=rows), indent=1))
-    lines = ["| shape | M | cuBLAS bf16 us | shipped int8 us | speed-up | frag us (warps, unroll, split, blocks, prefetch, stages) | speed-up "
+    lines = ["| shape | M | cuBLAS bf16 us | shipped int8 us | speed-up | frag us (warps, unroll, split, blocks, prefetch, stages, l2) | speed-up "
              "| frag int8 GB/s |", "|---|---|---|---|---|---|---|---|"]
     for r in rows:
         c, a, b = r["cublas_bf16_us"], r["shipped_us"], r.get("frag_best")

@@ -49,12 +49,22 @@ def main() -> int:
     ap.add_argument("--batches", type=int, nargs="+", default=[2, 4, 8])
     ap.add_argument("--context", type=int, default=128)
     ap.add_argument("--replays", type=int, default=20)
-    ap.add_argument("--settings", nargs="+", default=["0", "1"], help="LLMSERVE_INT8_FRAGMENTS values, in order")
+    ap.add_argument("--settings", nargs="+", default=["0", "1"],
+                    help="in order: LLMSERVE_INT8_FRAGMENTS values, or comma-separated NAME=VALUE "
+                         "environment settings (e.g. LLMSERVE_INT8_FRAGMENTS=1,LLMSERVE_INT8_FRAG_PDL=0)")
     ap.add_argument("--out", required=True)
     args = ap.parse_args()
     rows = []
+    def assignments(setting: str) -> dict[str, str]:
+        if "=" not in setting:
+            return {"LLMSERVE_INT8_FRAGMENTS": setting}
+        return dict(a.split("=", 1) for a in setting.split(","))
+
+    names = {k for st in args.settings for k in assignments(st)}
     for setting in args.settings:
-        os.environ["LLMSERVE_INT8_FRAGMENTS"] = setting
+        for k in names:
+            os.environ.pop(k, None)
+        os.environ.update(assignments(setting))
         t0 = time.time()
         try:
             eng = llmserve_engine(args.preset, max_num_seqs=max(args.batches), max_model_len=2048,
@@ -102,7 +112,7 @@ def main() -> int:
             b0 = last[r["batch"]]
             same = sum(t0 == t1 for t0, t1 in zip(b0["tokens"], r["tokens"]))
             print(f"batch {r['batch']}: {b0['step_ms']:.3f} -> {r['step_ms']:.3f} ms/step "
-                  f"({r['step_ms'] / b0['step_ms']:.3f}x, fragments={r['setting']}); identical greedy "
+                  f"({r['step_ms'] / b0['step_ms']:.3f}x, setting {r['setting']}); identical greedy "
                   f"sequences {same}/{len(r['tokens'])}")
     return 0
 

@@ -148,6 +148,10 @@ def test_validation():
     (32, 8960, FragConfig(2, 4, 3, stages=4)),            # cp.async pipeline, ragged splits
     (48, 96, FragConfig(2, 2, 1, stages=3)),
     (2048, 1536, FragConfig(8, 2, 3, blocks=4, prefetch=True)),
+    (48, 96, FragConfig(2, 2, 1, prefetch=True, l2_prefetch=True)),     # L2 prefetch: 3 chunks, 64 threads
+    (64, 1536, FragConfig(4, 4, 1, blocks=2, l2_prefetch=True)),
+    (32, 8960, FragConfig(2, 4, 3, prefetch=True, l2_prefetch=True)),   # ragged splits of 94, 94, 92
+    (32, 8960, FragConfig(4, 2, 6, stages=3, l2_prefetch=True)),
 ])
 def test_kernel_matches_reference(m, n, k, cfg):
     g = torch.Generator().manual_seed(m + n + k)
@@ -163,6 +167,46 @@ def test_kernel_matches_reference(m, n, k, cfg):
     assert err < 4e-3, err
     y2 = int8_frag_linear(x.cuda(), f, s.cuda(), bias.cuda(), config=cfg)   # counters re-armed
     assert torch.equal(y, y2)
+
+
+@gpu
+@pytest.mark.parametrize("cfg", [FragConfig(4, 4, 1, prefetch=True), FragConfig(4, 4, 1, prefetch=True, l2_prefetch=True),
+                                 FragConfig(2, 2, 3, stages=3, l2_prefetch=True), FragConfig(2, 8, 2)])
+@pytest.mark.parametrize("m", [3, 12])
+def test_pdl_chain_reads_the_previous_output(m, cfg):
+    """Eight PDL launches back to back in a CUDA graph, each reading the previous one's output
+    (a square 1536 x 1536 weight): with PDL a launch starts while its predecessor runs, and
+    must read x only after its wait. Against the same chain without PDL and an fp64 chain."""
+    from llmserve.triton_kernels._launch import pdl_available
+
+    if not pdl_available(torch.device("cuda")):
+        pytest.skip("no programmatic dependent launch on this GPU / Triton")
+    g = torch.Generator().manual_seed(m)
+    d = 1536
+    qs = [torch.randint(-127, 128, (d, d), dtype=torch.int8, generator=g) for _ in range(2)]
+    s = torch.full((d,), 1.0 / (127 * d ** 0.5) * 2)
+    fs = [pack_int8_fragments(q).cuda() for q in qs]
+    x = torch.randn(m, d, generator=g).to(torch.bfloat16).cuda()
+
+    def chain(pdl: bool) -> torch.Tensor:
+        h = x
+        for i in range(8):
+            h = int8_frag_linear(h, fs[i % 2], s.cuda(), config=cfg, pdl=pdl)
+        return h
+
+    ref = chain(False)
+    chain(True)                                        # compile outside the capture
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = chain(True)
+    for _ in range(3):
+        graph.replay()
+        torch.cuda.synchronize()
+        assert torch.equal(out, ref)
+    h = x.double().cpu()
+    for i in range(8):
+        h = (h @ (qs[i % 2].double() * s.double()[:, None]).T).bfloat16().double()
+    assert ((ref.double().cpu() - h).norm() / h.norm()).item() < 2e-2
 
 
 @gpu

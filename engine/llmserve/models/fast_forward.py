@@ -34,7 +34,8 @@ warning) each projection also keeps a copy in the MMA-fragment layout
 (:func:`~llmserve.quantization.pack_int8_fragments`, twice the int8 weight memory; an in-place
 ``load_state_dict`` repacks it) and steps of at most 16 tokens that do not take the
 matrix-vector path (by default steps of 2..16 tokens) call
-:func:`~llmserve.triton_kernels.int8_frag.int8_frag_linear` instead of ``int8_linear``. Other
+:func:`~llmserve.triton_kernels.int8_frag.int8_frag_linear` instead of ``int8_linear``, with
+programmatic dependent launch where available (``LLMSERVE_INT8_FRAG_PDL=0``: without). Other
 quantized modules (the reference ``int8`` scheme, ``int4``) keep being called as modules and
 turn the matrix-vector path off. Parity with the readable path is tested in
 ``tests/test_fast_forward.py``.
@@ -276,6 +277,10 @@ class FastQwen2Forward:
                 "o": [attn.o_proj], "down": [mlp.down_proj]}) if frags else {}
             self.layers.append(entry)
         self.int8_fragments = any(e["frag"] for e in self.layers)
+        # The fragment kernel launched with PDL (its weight requests overlap the previous
+        # kernel's tail); LLMSERVE_INT8_FRAG_PDL=0 turns that off.
+        self.frag_pdl = (self.int8_fragments and pdl_available(w0.device)
+                         and env_switch("LLMSERVE_INT8_FRAG_PDL") is not False)
         # Whether the INT8 weights are byte planes: also when an earlier FastQwen2Forward of this
         # model repacked them (planes are not undone; every kernel reads both layouts).
         self.int8_planes = any(getattr(m, "planes", False) for m in model.modules()
@@ -336,13 +341,14 @@ class FastQwen2Forward:
         x = model.model.embed_tokens(input_ids)                             # [N, H]
         n = x.shape[0]
         residual = None
+        fpdl = self.frag_pdl
         for entry, (k_cache, v_cache) in zip(self.layers, kv_caches):
             layer = entry["layer"]
             attn, mlp = layer.self_attn, layer.mlp
             h, residual = add_rmsnorm(x, layer.input_layernorm.weight, self.eps, residual)  # [N, H]
             small = entry["frag"] if n <= FRAG_MAX_M else {}                # fragment copies
             if "qkv" in small:
-                qkv = int8_frag_linear(h, *small["qkv"])                    # [N, (Hq+2Hkv)*D]
+                qkv = int8_frag_linear(h, *small["qkv"], pdl=fpdl)          # [N, (Hq+2Hkv)*D]
             elif "qkv" in entry:
                 qkv = _linear(h, *entry["qkv"])                             # [N, (Hq+2Hkv)*D]
             else:
@@ -351,16 +357,16 @@ class FastQwen2Forward:
                                   self.num_heads, self.num_kv_heads)        # [N, Hq, D]
             o = backend.forward(q, k_cache, v_cache, meta, self.scale)     # [N, Hq, D]
             o = o.reshape(n, self.num_heads * self.head_dim)
-            x = int8_frag_linear(o, *small["o"]) if "o" in small else attn.o_proj(o)       # [N, H]
+            x = int8_frag_linear(o, *small["o"], pdl=fpdl) if "o" in small else attn.o_proj(o)  # [N, H]
             h, residual = add_rmsnorm(x, layer.post_attention_layernorm.weight, self.eps, residual)
             if "gate_up" in small:
-                gu = int8_frag_linear(h, *small["gate_up"])                 # [N, 2I]
+                gu = int8_frag_linear(h, *small["gate_up"], pdl=fpdl)       # [N, 2I]
             elif "gate_up" in entry:
                 gu = _linear(h, *entry["gate_up"])                          # [N, 2I]
             else:
                 gu = torch.cat([mlp.gate_proj(h), mlp.up_proj(h)], dim=-1)
             a = silu_and_mul(gu)
-            x = int8_frag_linear(a, *small["down"]) if "down" in small else mlp.down_proj(a)  # [N, H]
+            x = int8_frag_linear(a, *small["down"], pdl=fpdl) if "down" in small else mlp.down_proj(a)
         h, _ = add_rmsnorm(x, model.model.norm.weight, self.eps, residual)  # [N, H]
         return h
 

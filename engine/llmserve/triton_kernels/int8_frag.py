@@ -57,7 +57,7 @@ import triton
 import triton.language as tl
 
 from ..quantization import pack_int8_fragments, unpack_int8_fragments  # the layout (pure torch), re-exported
-from ._launch import num_sms, zeroed_counters
+from ._launch import num_sms, pdl_available, pdl_launch_kwargs, pdl_start, pdl_wait, zeroed_counters
 from .gemv import _gpu_name
 
 __all__ = ["FragConfig", "choose_frag_config", "emulate_fragment_linear", "int8_frag_linear",
@@ -159,7 +159,8 @@ def _int8_frag_kernel(x_ptr, w_ptr, s_ptr, bias_ptr, y_ptr, ws_ptr, cnt_ptr, M, 
                       UNROLL: tl.constexpr, WARPS: tl.constexpr, SPLIT: tl.constexpr, EVEN: tl.constexpr,
                       PREFETCH: tl.constexpr, ASM1: tl.constexpr, CONS1: tl.constexpr,
                       ASM2: tl.constexpr, CONS2: tl.constexpr, READ_ONLY: tl.constexpr = False,
-                      STAGES: tl.constexpr = 1):
+                      STAGES: tl.constexpr = 1, L2_PREFETCH: tl.constexpr = False,
+                      USE_PDL: tl.constexpr = False, PDL_TRIGGER_FIRST: tl.constexpr = False):
     """One program: ``NB`` blocks of 16 output channels x K chunks ``[kb_lo, kb_lo + kb_per_split)``.
 
     ``x_ptr`` is x as int32 words (two bf16 each, ``stride_xm`` in words); ``w_ptr`` the
@@ -168,8 +169,12 @@ def _int8_frag_kernel(x_ptr, w_ptr, s_ptr, bias_ptr, y_ptr, ws_ptr, cnt_ptr, M, 
     which is what the inline PTX takes four at a time. The ``NB`` weight chunks of one K chunk
     share the lane's x words (loaded once). ``PREFETCH``: the next loop step's loads are
     issued before this step's MMAs. ``READ_ONLY`` (a diagnostic, wrong results): the same
-    loads with one FADD a word instead of the conversion and the MMAs.
+    loads with one FADD a word instead of the conversion and the MMAs. ``L2_PREFETCH``: the
+    program's whole weight range is requested into L2 first (:func:`_l2_prefetch`).
+    ``USE_PDL``: the L2 prefetch, the scales and (with ``PREFETCH``) the first step's weight
+    chunks are requested before the PDL wait (``_launch.pdl_wait``), x after it.
     """
+    pdl_start(USE_PDL, PDL_TRIGGER_FIRST)
     T: tl.constexpr = WARPS * 32
     pid_n = tl.program_id(0)
     pid_k = tl.program_id(1)
@@ -192,6 +197,8 @@ def _int8_frag_kernel(x_ptr, w_ptr, s_ptr, bias_ptr, y_ptr, ws_ptr, cnt_ptr, M, 
         bias = sc
     kb_lo = pid_k * kb_per_split
     kb_hi = tl.minimum(kb_lo + kb_per_split, KB)
+    if L2_PREFETCH:
+        _l2_prefetch(w_ptr, pid_n, KB, kb_lo, kb_hi, NB, T)
     chunk = kb_lo + u[:, None] * WARPS + warp[None, :]                       # [U, T*4] at step 0
     w_ptrs = (w_ptr + ((pid_n * NB + b[:, None, None]).to(tl.int64) * KB + kb_lo) * 128
               + u[None, :, None] * (T * 4) + e[None, None, :])                # [NB, U, T*4]
@@ -203,7 +210,9 @@ def _int8_frag_kernel(x_ptr, w_ptr, s_ptr, bias_ptr, y_ptr, ws_ptr, cnt_ptr, M, 
     acc0 = tl.zeros([NB, UNROLL, T * 4], dtype=tl.float32)
     acc1 = tl.zeros([NB, UNROLL, T * 4], dtype=tl.float32)
     if PREFETCH:
-        w, x0, x1 = _frag_loads(w_ptrs, x0_ptrs, x1_ptrs, chunk < kb_hi, tok_ok0, tok_ok1, TILES, EVEN)
+        w = _frag_w_loads(w_ptrs, chunk < kb_hi, EVEN)
+        pdl_wait(USE_PDL, PDL_TRIGGER_FIRST)  # x (and y, the workspace) after the wait
+        x0, x1 = _frag_x_loads(x0_ptrs, x1_ptrs, chunk < kb_hi, tok_ok0, tok_ok1, TILES, EVEN)
         for k0 in range(kb_lo, kb_hi, STEP):
             w_ptrs += STEP * 128
             x0_ptrs += STEP * 16
@@ -213,6 +222,7 @@ def _int8_frag_kernel(x_ptr, w_ptr, s_ptr, bias_ptr, y_ptr, ws_ptr, cnt_ptr, M, 
             acc0, acc1 = _frag_mma(w, x0, x1, acc0, acc1, TILES, ASM1, CONS1, ASM2, CONS2, READ_ONLY)
             w, x0, x1 = wn, x0n, x1n
     else:
+        pdl_wait(USE_PDL, PDL_TRIGGER_FIRST)
         for k0 in tl.range(kb_lo, kb_hi, STEP, num_stages=STAGES):
             ok = (chunk + (k0 - kb_lo)) < kb_hi
             w, x0, x1 = _frag_loads(w_ptrs, x0_ptrs, x1_ptrs, ok, tok_ok0, tok_ok1, TILES, EVEN)
@@ -246,23 +256,66 @@ def _frag_mma(w, x0, x1, acc0, acc1, TILES: tl.constexpr, ASM1: tl.constexpr, CO
 
 
 @triton.jit
-def _frag_loads(w_ptrs, x0_ptrs, x1_ptrs, ok, tok_ok0, tok_ok1, TILES: tl.constexpr, EVEN: tl.constexpr):
-    """One loop step's weight chunks ``[NB, U, T*4]`` and x words ``[U, T*4]`` (tile 0 and,
-    with ``TILES == 2``, tile 1); chunks with ``ok`` false read as zeros (int8 0 is the byte
-    0x80 in offset binary)."""
+def _frag_w_loads(w_ptrs, ok, EVEN: tl.constexpr):
+    """One loop step's weight chunks ``[NB, U, T*4]``; chunks with ``ok`` false read as zeros
+    (int8 0 is the byte 0x80 in offset binary)."""
     if EVEN:
         w = tl.load(w_ptrs, eviction_policy="evict_first")
+    else:
+        w = tl.load(w_ptrs, mask=ok[None], other=-0x7F7F7F80, eviction_policy="evict_first")
+    return w
+
+
+@triton.jit
+def _frag_x_loads(x0_ptrs, x1_ptrs, ok, tok_ok0, tok_ok1, TILES: tl.constexpr, EVEN: tl.constexpr):
+    """One loop step's x words ``[U, T*4]`` of tile 0 and, with ``TILES == 2``, tile 1
+    (zeros outside the K range or past the last token)."""
+    if EVEN:
         x0 = tl.load(x0_ptrs, mask=tok_ok0, other=0)
         x1 = x0
         if TILES == 2:
             x1 = tl.load(x1_ptrs, mask=tok_ok1, other=0)
     else:
-        w = tl.load(w_ptrs, mask=ok[None], other=-0x7F7F7F80, eviction_policy="evict_first")
         x0 = tl.load(x0_ptrs, mask=ok & tok_ok0, other=0)
         x1 = x0
         if TILES == 2:
             x1 = tl.load(x1_ptrs, mask=ok & tok_ok1, other=0)
+    return x0, x1
+
+
+@triton.jit
+def _frag_loads(w_ptrs, x0_ptrs, x1_ptrs, ok, tok_ok0, tok_ok1, TILES: tl.constexpr, EVEN: tl.constexpr):
+    """One loop step's weight chunks and x words (:func:`_frag_w_loads`, :func:`_frag_x_loads`)."""
+    w = _frag_w_loads(w_ptrs, ok, EVEN)
+    x0, x1 = _frag_x_loads(x0_ptrs, x1_ptrs, ok, tok_ok0, tok_ok1, TILES, EVEN)
     return w, x0, x1
+
+
+# One thread's bulk prefetch into L2 (PTX ISA, ``cp.async.bulk.prefetch.L2``; sm_90+): $1 the
+# address, $2 the bytes (a multiple of 16; nothing when 0). The output is a dummy.
+_L2PF_ASM = tl.constexpr("""{
+.reg .pred p;
+setp.gt.s32 p, $2, 0;
+@p cp.async.bulk.prefetch.L2.global [$1], $2;
+mov.b32 $0, 0;
+}""")
+
+
+@triton.jit
+def _l2_prefetch(w_ptr, pid_n, KB, kb_lo, kb_hi, NB: tl.constexpr, T: tl.constexpr):
+    """Request the program's weight chunks ``[kb_lo, kb_hi)`` of its ``NB`` channel blocks
+    into L2 with bulk prefetches (each of the ``T`` threads a contiguous run of whole 512-byte
+    chunks), so every byte the program reads is in flight at once without registers; the
+    loop's loads then mostly hit L2."""
+    t = tl.arange(0, T)
+    nk = kb_hi - kb_lo
+    per = (nk + T - 1) // T
+    start = t * per
+    count = tl.minimum(tl.maximum(nk - start, 0), per)
+    for b in tl.static_range(NB):
+        addr = w_ptr + ((pid_n * NB + b).to(tl.int64) * KB + kb_lo + start) * 128
+        tl.inline_asm_elementwise(_L2PF_ASM, "=r,l,r", [addr.to(tl.int64, bitcast=True), count * 512],
+                                  dtype=tl.int32, is_pure=False, pack=1)
 
 
 @triton.jit
@@ -307,7 +360,9 @@ class FragConfig:
     programs along K, ``blocks`` 16-channel blocks a program (sharing the x loads),
     ``prefetch``: issue the next step's loads before this step's MMAs (registers); ``stages``
     > 1 (without ``prefetch``): Triton's software pipeline copies weights and x into shared
-    memory ``stages - 1`` steps ahead (``cp.async``), then each step reads them from there."""
+    memory ``stages - 1`` steps ahead (``cp.async``), then each step reads them from there.
+    ``l2_prefetch``: each program first requests its whole weight range into L2 with bulk
+    prefetches (``cp.async.bulk.prefetch.L2``, sm_90 or later)."""
 
     num_warps: int = 4
     unroll: int = 4
@@ -315,6 +370,7 @@ class FragConfig:
     blocks: int = 1
     prefetch: bool = False
     stages: int = 1
+    l2_prefetch: bool = False
 
     def __post_init__(self) -> None:
         for name in ("num_warps", "unroll", "blocks"):
@@ -379,6 +435,7 @@ def choose_frag_config(m: int, n: int, k: int, device: torch.device | None = Non
 
 def int8_frag_linear(x: torch.Tensor, frags: torch.Tensor, scale: torch.Tensor,
                      bias: torch.Tensor | None = None, config: FragConfig | None = None,
+                     pdl: bool = False, pdl_trigger_first: bool = False,
                      _read_only: bool = False) -> torch.Tensor:
     """``y = x @ (q * scale[:, None]).T + bias`` for ``M <= 16`` tokens, ``q`` given in the
     fragment layout (:func:`pack_int8_fragments`).
@@ -392,6 +449,12 @@ def int8_frag_linear(x: torch.Tensor, frags: torch.Tensor, scale: torch.Tensor,
         scale: ``[N]`` per-output-channel scales, a floating-point tensor.
         bias: optional ``[N]`` floating-point tensor.
         config: launch configuration (default :func:`choose_frag_config`).
+        pdl: launch with programmatic dependent launch where the device and Triton allow it
+            (``_launch.pdl_available``; ignored elsewhere): the program's weight requests (the
+            L2 prefetch, the scales, with ``config.prefetch`` the first step's chunks) are
+            issued before it waits for the previous kernel, x is read after.
+        pdl_trigger_first: with ``pdl``, let the next kernel launch before this one waits
+            (``_launch.pdl_wait``).
         _read_only: diagnostic for ``scripts/bench_int8_frag.py`` (wrong results): the kernel's
             loads without the conversion and MMAs.
 
@@ -445,11 +508,12 @@ def int8_frag_linear(x: torch.Tensor, frags: torch.Tensor, scale: torch.Tensor,
     ws = torch.empty((split, m, n), dtype=torch.float32, device=x.device) if split > 1 else y
     cnt = zeroed_counters("int8_frag", x.device, n // 16) if split > 1 else y
     even = kb % kb_per == 0 and kb_per % (cfg.unroll * cfg.num_warps) == 0
+    pdl = bool(pdl) and pdl_available(x.device)
     _int8_frag_kernel[(n // 16 // cfg.blocks, split)](
         x2.view(torch.int32), frags, scale, bias if bias is not None else scale, y, ws, cnt,
         m, n, kb, kb_per, x2.stride(0) // 2, y.stride(0),
         HAS_BIAS=bias is not None, TILES=1 if m <= 8 else 2, NB=cfg.blocks, UNROLL=cfg.unroll,
         WARPS=cfg.num_warps, SPLIT=split, EVEN=even, PREFETCH=cfg.prefetch, READ_ONLY=_read_only,
-        STAGES=cfg.stages, ASM1=_ASM1, CONS1=_CONS1, ASM2=_ASM2, CONS2=_CONS2,
-        num_warps=cfg.num_warps, num_stages=1)
+        STAGES=cfg.stages, L2_PREFETCH=cfg.l2_prefetch, ASM1=_ASM1, CONS1=_CONS1, ASM2=_ASM2,
+        CONS2=_CONS2, num_warps=cfg.num_warps, num_stages=1, **pdl_launch_kwargs(pdl, pdl_trigger_first))
     return y.reshape(*lead, n)
