@@ -185,13 +185,14 @@ def test_pdl_chain_reads_the_previous_output(m, cfg):
     d = 1536
     qs = [torch.randint(-127, 128, (d, d), dtype=torch.int8, generator=g) for _ in range(2)]
     s = torch.full((d,), 1.0 / (127 * d ** 0.5) * 2)
+    sc = s.cuda()
     fs = [pack_int8_fragments(q).cuda() for q in qs]
     x = torch.randn(m, d, generator=g).to(torch.bfloat16).cuda()
 
     def chain(pdl: bool) -> torch.Tensor:
         h = x
         for i in range(8):
-            h = int8_frag_linear(h, fs[i % 2], s.cuda(), config=cfg, pdl=pdl)
+            h = int8_frag_linear(h, fs[i % 2], sc, config=cfg, pdl=pdl)
         return h
 
     ref = chain(False)
