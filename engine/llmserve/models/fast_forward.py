@@ -277,8 +277,9 @@ class FastQwen2Forward:
                 "o": [attn.o_proj], "down": [mlp.down_proj]}) if frags else {}
             self.layers.append(entry)
         self.int8_fragments = any(e["frag"] for e in self.layers)
-        # The fragment kernel launched with PDL (its weight requests overlap the previous
-        # kernel's tail); LLMSERVE_INT8_FRAG_PDL=0 turns that off.
+        # The fragment kernel and the RMSNorms before q/k/v and gate/up launched with PDL (the
+        # fragment kernel's weight requests overlap the norm); LLMSERVE_INT8_FRAG_PDL=0 turns
+        # that off.
         self.frag_pdl = (self.int8_fragments and pdl_available(w0.device)
                          and env_switch("LLMSERVE_INT8_FRAG_PDL") is not False)
         # Whether the INT8 weights are byte planes: also when an earlier FastQwen2Forward of this
@@ -345,7 +346,7 @@ class FastQwen2Forward:
         for entry, (k_cache, v_cache) in zip(self.layers, kv_caches):
             layer = entry["layer"]
             attn, mlp = layer.self_attn, layer.mlp
-            h, residual = add_rmsnorm(x, layer.input_layernorm.weight, self.eps, residual)  # [N, H]
+            h, residual = add_rmsnorm(x, layer.input_layernorm.weight, self.eps, residual, pdl=fpdl)  # [N, H]
             small = entry["frag"] if n <= FRAG_MAX_M else {}                # fragment copies
             if "qkv" in small:
                 qkv = int8_frag_linear(h, *small["qkv"], pdl=fpdl)          # [N, (Hq+2Hkv)*D]
@@ -358,7 +359,7 @@ class FastQwen2Forward:
             o = backend.forward(q, k_cache, v_cache, meta, self.scale)     # [N, Hq, D]
             o = o.reshape(n, self.num_heads * self.head_dim)
             x = int8_frag_linear(o, *small["o"], pdl=fpdl) if "o" in small else attn.o_proj(o)  # [N, H]
-            h, residual = add_rmsnorm(x, layer.post_attention_layernorm.weight, self.eps, residual)
+            h, residual = add_rmsnorm(x, layer.post_attention_layernorm.weight, self.eps, residual, pdl=fpdl)
             if "gate_up" in small:
                 gu = int8_frag_linear(h, *small["gate_up"], pdl=fpdl)       # [N, 2I]
             elif "gate_up" in entry:
