@@ -277,9 +277,9 @@ class FastQwen2Forward:
                 "o": [attn.o_proj], "down": [mlp.down_proj]}) if frags else {}
             self.layers.append(entry)
         self.int8_fragments = any(e["frag"] for e in self.layers)
-        # The fragment kernel and the RMSNorms before q/k/v and gate/up launched with PDL (the
-        # fragment kernel's weight requests overlap the norm); LLMSERVE_INT8_FRAG_PDL=0 turns
-        # that off.
+        # The fragment kernel, the RMSNorms before q/k/v and gate/up and the SiLU-and-mul before
+        # down launched with PDL (each fragment call's weight requests overlap the kernel before
+        # it); LLMSERVE_INT8_FRAG_PDL=0 turns that off.
         self.frag_pdl = (self.int8_fragments and pdl_available(w0.device)
                          and env_switch("LLMSERVE_INT8_FRAG_PDL") is not False)
         # Whether the INT8 weights are byte planes: also when an earlier FastQwen2Forward of this
@@ -342,7 +342,7 @@ class FastQwen2Forward:
         x = model.model.embed_tokens(input_ids)                             # [N, H]
         n = x.shape[0]
         residual = None
-        fpdl = self.frag_pdl
+        fpdl = self.frag_pdl and n <= FRAG_MAX_M                            # steps the fragments serve
         for entry, (k_cache, v_cache) in zip(self.layers, kv_caches):
             layer = entry["layer"]
             attn, mlp = layer.self_attn, layer.mlp
@@ -366,7 +366,7 @@ class FastQwen2Forward:
                 gu = _linear(h, *entry["gate_up"])                          # [N, 2I]
             else:
                 gu = torch.cat([mlp.gate_proj(h), mlp.up_proj(h)], dim=-1)
-            a = silu_and_mul(gu)
+            a = silu_and_mul(gu, pdl=fpdl)
             x = int8_frag_linear(a, *small["down"], pdl=fpdl) if "down" in small else mlp.down_proj(a)
         h, _ = add_rmsnorm(x, model.model.norm.weight, self.eps, residual)  # [N, H]
         return h

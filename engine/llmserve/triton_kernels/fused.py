@@ -93,7 +93,10 @@ def add_rmsnorm(x: torch.Tensor, weight: torch.Tensor, eps: float,
 
 
 @triton.jit
-def _silu_mul_kernel(gu_ptr, out_ptr, I, stride_gu, stride_o, BLOCK: tl.constexpr):
+def _silu_mul_kernel(gu_ptr, out_ptr, I, stride_gu, stride_o, BLOCK: tl.constexpr,
+                     USE_PDL: tl.constexpr = False, PDL_TRIGGER_FIRST: tl.constexpr = False):
+    pdl_start(USE_PDL, PDL_TRIGGER_FIRST)
+    pdl_wait(USE_PDL, PDL_TRIGGER_FIRST)  # nothing to read before it: every operand a kernel wrote
     row = tl.program_id(0).to(tl.int64)
     offs = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     mask = offs < I
@@ -103,8 +106,15 @@ def _silu_mul_kernel(gu_ptr, out_ptr, I, stride_gu, stride_o, BLOCK: tl.constexp
     tl.store(out_ptr + row * stride_o + offs, (a * u).to(out_ptr.dtype.element_ty), mask=mask)
 
 
-def silu_and_mul(gate_up: torch.Tensor) -> torch.Tensor:
+def silu_and_mul(gate_up: torch.Tensor, *, pdl: bool = False) -> torch.Tensor:
     """``silu(gate) * up`` for a packed ``[M, 2I]`` tensor (gate first, then up).
+
+    Args:
+        gate_up: ``[M, 2I]``, last dim contiguous.
+        pdl: launch with programmatic dependent launch (Hopper; see
+            :func:`~llmserve.triton_kernels._launch.pdl_wait`): the kernel waits for its
+            predecessor before any load, then lets the next PDL kernel (the down projection)
+            launch and request its weights while this one runs.
 
     Returns:
         ``[M, I]`` in ``gate_up.dtype``.
@@ -115,7 +125,8 @@ def silu_and_mul(gate_up: torch.Tensor) -> torch.Tensor:
     i = two_i // 2
     out = torch.empty((m, i), dtype=gate_up.dtype, device=gate_up.device)
     block = 1024
-    _silu_mul_kernel[(m, triton.cdiv(i, block))](gate_up, out, i, gate_up.stride(0), out.stride(0), BLOCK=block)
+    _silu_mul_kernel[(m, triton.cdiv(i, block))](gate_up, out, i, gate_up.stride(0), out.stride(0), BLOCK=block,
+                                                 **pdl_launch_kwargs(pdl))
     return out
 
 
