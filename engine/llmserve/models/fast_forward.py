@@ -35,7 +35,8 @@ warning) each projection also keeps a copy in the MMA-fragment layout
 ``load_state_dict`` repacks it) and steps of at most 16 tokens that do not take the
 matrix-vector path (by default steps of 2..16 tokens) call
 :func:`~llmserve.triton_kernels.int8_frag.int8_frag_linear` instead of ``int8_linear``, with
-programmatic dependent launch where available (``LLMSERVE_INT8_FRAG_PDL=0``: without). Other
+programmatic dependent launch where available for hidden sizes <= 2048
+(``LLMSERVE_INT8_FRAG_PDL=0/1`` overrides). Other
 quantized modules (the reference ``int8`` scheme, ``int4``) keep being called as modules and
 turn the matrix-vector path off. Parity with the readable path is tested in
 ``tests/test_fast_forward.py``.
@@ -279,9 +280,14 @@ class FastQwen2Forward:
         self.int8_fragments = any(e["frag"] for e in self.layers)
         # The fragment kernel, the RMSNorms before q/k/v and gate/up and the SiLU-and-mul before
         # down launched with PDL (each fragment call's weight requests overlap the kernel before
-        # it); LLMSERVE_INT8_FRAG_PDL=0 turns that off.
-        self.frag_pdl = (self.int8_fragments and pdl_available(w0.device)
-                         and env_switch("LLMSERVE_INT8_FRAG_PDL") is not False)
+        # it). Measured on the H200 (results/kernels/int8_frag/run15-run17, alternated A/B):
+        # 0.5B and 1.5B steps of 2-16 sequences 1-12% faster; 7B (hidden 3584) batch 16 7-22%
+        # slower, batch 2-8 -4% to +11%. So on for hidden sizes <= 2048 (as the gemv early
+        # epilogue's size rule); LLMSERVE_INT8_FRAG_PDL=0/1 overrides.
+        frag_pdl = env_switch("LLMSERVE_INT8_FRAG_PDL")
+        if frag_pdl is None:
+            frag_pdl = cfg.hidden_size <= 2048
+        self.frag_pdl = self.int8_fragments and frag_pdl and pdl_available(w0.device)
         # Whether the INT8 weights are byte planes: also when an earlier FastQwen2Forward of this
         # model repacked them (planes are not undone; every kernel reads both layouts).
         self.int8_planes = any(getattr(m, "planes", False) for m in model.modules()

@@ -36,12 +36,14 @@ pipeline (``cp.async``). Partial sums are reduced over the unrolled copies, then
 warps (shared memory, Triton's ``tl.sum``), then over the K splits by the last split to
 finish (a per-program arrival counter, as in ``int8_linear.py``'s fused split-K reduction).
 
-Measured (H200, ``scripts/bench_int8_frag.py --defaults 3``, ``results/kernels/int8_frag/run9``):
-1.2-1.4x faster than bf16 cuBLAS at M = 2..8 on the Qwen2.5-1.5B projections (the shipped
-``int8_linear``: 0.86-1.44x), 1.8-1.9x on the 7B gate/up and down; at M = 9..16 (two MMA
-tiles) 1.0-1.5x. ``int8_linear`` does not route here; the fused forward does, opt in
-(``LLMSERVE_INT8_FRAGMENTS=1``, ``models/fast_forward.py``): 1.5B decode steps of 2-8
-sequences 10-12% faster, 0.5B 49-55% (``results/kernels/int8_frag/run12``).
+Measured (H200, ``scripts/bench_int8_frag.py --defaults 3``, ``results/kernels/int8_frag/run9``
+and ``run17``): 1.2-1.4x faster than bf16 cuBLAS at M = 2..8 on the Qwen2.5-1.5B projections
+(the shipped ``int8_linear``: 0.86-1.44x), 1.8-1.9x on the 7B gate/up and down; at M = 9..16
+(two MMA tiles) 1.0-1.5x. Launched with PDL (``pdl=True``) back to back, 1.5B gate/up reaches
+1.51-1.54x at M = 1..3 and qkv 1.71-1.74x at M <= 8. ``int8_linear`` does not route here; the
+fused forward does, opt in (``LLMSERVE_INT8_FRAGMENTS=1``, ``models/fast_forward.py``, with PDL
+for hidden sizes <= 2048): 1.5B decode steps of 2-8 sequences 11-17% faster, 0.5B 50-58%
+(``results/kernels/int8_frag/run16``).
 
 GPU only (``sm_80`` or later): the Triton interpreter cannot run inline PTX.
 :func:`emulate_fragment_linear` is the same computation lane by lane in PyTorch, from the
