@@ -51,7 +51,7 @@ SHAPES = {"1.5b": [("gate/up", 1536, 8960), ("down", 8960, 1536), ("qkv", 1536, 
 
 
 def configs(quick: bool, l2: bool = False, pdl: bool = False) -> list[FragConfig]:
-    if pdl and not l2:  # the PDL sweep: register prefetch or not, cp.async, L2 prefetch or not
+    if pdl and not l2 and not quick:  # the PDL sweep: register prefetch or not, cp.async, L2 prefetch or not
         return [FragConfig(w, u, s, b, st == 0, max(1, st), bool(l2p)) for w, u, s, b, st, l2p in
                 itertools.product((2, 4, 8), (2, 4, 8), (1, 6), (1, 2, 4), (0, 1, 4), (0, 1))
                 if u * b <= 8 and w * u <= 32 and (st <= 1 or b * w * u <= 32)]
@@ -154,7 +154,9 @@ def main() -> int:
     ap.add_argument("--read-only", action="store_true",
                     help="also time the 3 best configurations' loads alone (no conversion, no MMA)")
     ap.add_argument("--l2", action="store_true", help="sweep configurations with the L2 prefetch")
-    ap.add_argument("--pdl", action="store_true", help="time the sweep with programmatic dependent launch")
+    ap.add_argument("--pdl", action="store_true",
+                    help="time the sweep with programmatic dependent launch (196 configurations with and without "
+                         "the L2 prefetch; split-K only where K >= 4096)")
     ap.add_argument("--defaults", type=int, default=0, metavar="ROUNDS",
                     help="instead of the sweep: the default configuration vs cuBLAS and int8_linear, "
                          "ROUNDS alternated rounds")

@@ -75,7 +75,8 @@ def main() -> int:
             continue
         fast = eng.runner.forward
         for b in args.batches:
-            row = dict(setting=setting, batch=b, preset=args.preset, context=args.context)
+            row = dict(setting=setting, batch=b, preset=args.preset, context=args.context,
+                       int8_fragments=getattr(fast, "int8_fragments", None), frag_pdl=getattr(fast, "frag_pdl", None))
             try:
                 for i in range(b):
                     eng.add_request(list(range(100 + 7 * i, 100 + 7 * i + args.context)),

@@ -338,8 +338,9 @@ def test_each_decode_kernel_gets_its_own_trigger_role(monkeypatch, role):
 
 
 def test_add_rmsnorm_pdl_launch(monkeypatch):
-    """``add_rmsnorm(pdl=True)`` launches its kernel with PDL (``launch_pdl`` and the kernel's
-    ``USE_PDL``; never trigger-first); without it, no PDL options at all."""
+    """``add_rmsnorm(pdl=True)`` launches its kernel with PDL where PDL is available
+    (``launch_pdl`` and the kernel's ``USE_PDL``; never trigger-first); without it, or where
+    PDL is unavailable, no PDL options at all."""
     from llmserve.triton_kernels import fused
     seen = []
 
@@ -348,12 +349,18 @@ def test_add_rmsnorm_pdl_launch(monkeypatch):
             return lambda *args, **kw: seen.append(kw)
 
     monkeypatch.setattr(fused, "_add_rmsnorm_kernel", Recorder())
+    monkeypatch.setattr(fused, "pdl_available", lambda device: True)   # as on an H200
     x, w = torch.randn(2, 40, device=DEVICE), torch.ones(40, device=DEVICE)
     for pdl in (True, False):
         fused.add_rmsnorm(x, w, 1e-6, pdl=pdl)
         fused.add_rmsnorm(x, w, 1e-6, x.clone(), pdl=pdl)
     assert [(k["USE_PDL"], k["PDL_TRIGGER_FIRST"], k.get("launch_pdl", False)) for k in seen] == \
         [(True, False, True)] * 2 + [(False, False, False)] * 2
+    seen.clear()
+    monkeypatch.setattr(fused, "pdl_available", lambda device: False)
+    fused.add_rmsnorm(x, w, 1e-6, pdl=True)
+    fused.silu_and_mul(torch.randn(2, 8, device=DEVICE), pdl=True)      # runs (interpreter on CPU)
+    assert [(k["USE_PDL"], k.get("launch_pdl", False)) for k in seen] == [(False, False)]
 
 
 @pytest.mark.gpu
@@ -631,19 +638,26 @@ def test_int8_fragments_serve_small_steps(seqs, monkeypatch):
     plain = FastQwen2Forward(model, use_gemv=True, gemv_max_tokens=1)
     ref = plain(ids, pos, caches, meta)
     monkeypatch.setenv("LLMSERVE_INT8_FRAGMENTS", "1")
+    monkeypatch.setenv("LLMSERVE_INT8_FRAG_PDL", "0")
+    assert not FastQwen2Forward(model, use_gemv=True, gemv_max_tokens=1).frag_pdl
+    monkeypatch.delenv("LLMSERVE_INT8_FRAG_PDL")
     fast = FastQwen2Forward(model, use_gemv=True, gemv_max_tokens=1)
     assert fast.int8_fragments and set(fast.layers[0]["frag"]) == {"qkv", "gate_up", "o", "down"}
+    # hidden 64 <= SMALL_HIDDEN_MAX: PDL on by default where the GPU and Triton have it
+    assert fast.frag_pdl == ff.pdl_available(torch.device("cuda"))
     calls = []
     real = ff.int8_frag_linear
-    monkeypatch.setattr(ff, "int8_frag_linear", lambda *a, **k: calls.append(a[1]) or real(*a, **k))
+    monkeypatch.setattr(ff, "int8_frag_linear", lambda *a, **k: calls.append((a[1], k.get("pdl")))
+                        or real(*a, **k))
     out = fast(ids, pos, caches2, meta)
     n_tok = sum(q for _, q in seqs)
     if n_tok > 16:
         assert calls == []
     else:
         fr = fast.layers
-        assert [c.data_ptr() for c in calls] == [fr[i]["frag"][k][0].data_ptr() for i in range(len(fr))
-                                                for k in ("qkv", "o", "gate_up", "down")]
+        assert [c.data_ptr() for c, _ in calls] == [fr[i]["frag"][k][0].data_ptr() for i in range(len(fr))
+                                                   for k in ("qkv", "o", "gate_up", "down")]
+        assert all(p == fast.frag_pdl for _, p in calls)
     err = ((out.float() - ref.float()).norm() / ref.float().norm()).item()
     assert err < 2e-2, err
     # an in-place load of changed weights reaches the fragment copies (and the packed row-major

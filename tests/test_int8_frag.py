@@ -241,6 +241,9 @@ def test_kernel_handles_strided_and_unaligned_inputs():
     b2 = torch.stack([bias, bias], 1).cuda()[:, 1]
     y = int8_frag_linear(x, f, s2, b2, config=FragConfig(2, 2, 2))
     assert ((y.double().cpu() - ref).norm() / ref.norm()).item() < 4e-3
+    # with pdl the copied scale / bias would be read before the wait: launched without PDL
+    y2 = int8_frag_linear(x, f, s2, b2, config=FragConfig(2, 2, 2, prefetch=True), pdl=True)
+    assert ((y2.double().cpu() - ref).norm() / ref.norm()).item() < 4e-3
     flat = torch.empty(f.numel() + 1, dtype=torch.int32, device="cuda")
     f_off = flat[1:].view(f.shape)                          # 4 bytes off
     f_off.copy_(f)

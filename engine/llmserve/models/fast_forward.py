@@ -282,11 +282,11 @@ class FastQwen2Forward:
         # down launched with PDL (each fragment call's weight requests overlap the kernel before
         # it). Measured on the H200 (results/kernels/int8_frag/run15-run17, alternated A/B):
         # 0.5B and 1.5B steps of 2-16 sequences 1-12% faster; 7B (hidden 3584) batch 16 7-22%
-        # slower, batch 2-8 -4% to +11%. So on for hidden sizes <= 2048 (as the gemv early
-        # epilogue's size rule); LLMSERVE_INT8_FRAG_PDL=0/1 overrides.
+        # slower, batch 2-8 -4% to +11%. So on for hidden sizes <= SMALL_HIDDEN_MAX (as the
+        # gemv early epilogue's size rule); LLMSERVE_INT8_FRAG_PDL=0/1 overrides.
         frag_pdl = env_switch("LLMSERVE_INT8_FRAG_PDL")
         if frag_pdl is None:
-            frag_pdl = cfg.hidden_size <= 2048
+            frag_pdl = cfg.hidden_size <= SMALL_HIDDEN_MAX
         self.frag_pdl = self.int8_fragments and frag_pdl and pdl_available(w0.device)
         # Whether the INT8 weights are byte planes: also when an earlier FastQwen2Forward of this
         # model repacked them (planes are not undone; every kernel reads both layouts).

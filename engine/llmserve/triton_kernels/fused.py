@@ -23,7 +23,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ._launch import pdl_launch_kwargs, pdl_start, pdl_wait
+from ._launch import pdl_available, pdl_launch_kwargs, pdl_start, pdl_wait
 
 
 @triton.jit
@@ -60,11 +60,12 @@ def add_rmsnorm(x: torch.Tensor, weight: torch.Tensor, eps: float,
         eps: variance epsilon.
         residual: ``[M, H]`` or ``None`` (then ``x`` itself is normalised and returned as the
             residual).
-        pdl: launch with programmatic dependent launch (Hopper; see
+        pdl: launch with programmatic dependent launch where available
+            (:func:`~llmserve.triton_kernels._launch.pdl_available`; ignored elsewhere; see
             :func:`~llmserve.triton_kernels._launch.pdl_wait`): the kernel may start while its
             predecessor drains and reads ``weight`` before waiting (so no kernel of the same
-            PDL chain may write ``weight``), and the next PDL kernel (the LM head) may launch
-            once this one passed its wait.
+            PDL chain may write ``weight``), and the next PDL kernel (the LM head, or a
+            fragment projection) may launch once this one passed its wait.
 
     Returns:
         ``(out [M, H], residual' [M, H])`` in ``x.dtype``.
@@ -76,6 +77,7 @@ def add_rmsnorm(x: torch.Tensor, weight: torch.Tensor, eps: float,
         raise ValueError(f"add_rmsnorm expects x [M, H] with a contiguous last dim and weight [H]; "
                          f"got x {tuple(x.shape)} stride {x.stride()}, weight {tuple(weight.shape)}")
     m, h = x.shape
+    pdl = pdl and pdl_available(x.device)
     out = torch.empty_like(x)
     if residual is None:
         res_out = x
@@ -111,19 +113,24 @@ def silu_and_mul(gate_up: torch.Tensor, *, pdl: bool = False) -> torch.Tensor:
 
     Args:
         gate_up: ``[M, 2I]``, last dim contiguous.
-        pdl: launch with programmatic dependent launch (Hopper; see
+        pdl: launch with programmatic dependent launch where available
+            (:func:`~llmserve.triton_kernels._launch.pdl_available`; ignored elsewhere; see
             :func:`~llmserve.triton_kernels._launch.pdl_wait`): the kernel waits for its
             predecessor before any load, then lets the next PDL kernel (the down projection)
             launch and request its weights while this one runs.
 
     Returns:
         ``[M, I]`` in ``gate_up.dtype``.
+
+    Raises:
+        ValueError: not ``[M, 2I]`` with a contiguous last dim.
     """
     if gate_up.dim() != 2 or gate_up.shape[1] % 2 or gate_up.stride(-1) != 1:
         raise ValueError(f"silu_and_mul expects [M, 2I] with a contiguous last dim, got {tuple(gate_up.shape)}")
     m, two_i = gate_up.shape
     i = two_i // 2
     out = torch.empty((m, i), dtype=gate_up.dtype, device=gate_up.device)
+    pdl = pdl and pdl_available(gate_up.device)
     block = 1024
     _silu_mul_kernel[(m, triton.cdiv(i, block))](gate_up, out, i, gate_up.stride(0), out.stride(0), BLOCK=block,
                                                  **pdl_launch_kwargs(pdl))

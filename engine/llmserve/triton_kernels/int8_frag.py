@@ -452,9 +452,11 @@ def int8_frag_linear(x: torch.Tensor, frags: torch.Tensor, scale: torch.Tensor,
         bias: optional ``[N]`` floating-point tensor.
         config: launch configuration (default :func:`choose_frag_config`).
         pdl: launch with programmatic dependent launch where the device and Triton allow it
-            (``_launch.pdl_available``; ignored elsewhere): the program's weight requests (the
-            L2 prefetch, the scales, with ``config.prefetch`` the first step's chunks) are
-            issued before it waits for the previous kernel, x is read after.
+            (``_launch.pdl_available``; ignored elsewhere): ``frags``, ``scale`` and ``bias``
+            are read before the kernel waits for the previous one (the L2 prefetch, with
+            ``config.prefetch`` the first step's chunks), so no earlier kernel of the same PDL
+            chain may write them (strided ``scale``/``bias`` are copied first, and the call
+            then launches without PDL); x is read, and y written, after the wait.
         pdl_trigger_first: with ``pdl``, let the next kernel launch before this one waits
             (``_launch.pdl_wait``).
         _read_only: diagnostic for ``scripts/bench_int8_frag.py`` (wrong results): the kernel's
@@ -465,7 +467,7 @@ def int8_frag_linear(x: torch.Tensor, frags: torch.Tensor, scale: torch.Tensor,
 
     Raises:
         ValueError: wrong dtypes, shapes, devices, alignment, ``config.blocks`` not dividing
-        ``N / 16``, or more than 16 rows; NotImplementedError on a CPU tensor (inline PTX; use
+        ``N / 16``, ``config.l2_prefetch`` before sm_90, or more than 16 rows; NotImplementedError on a CPU tensor (inline PTX; use
         :func:`emulate_fragment_linear`).
     """
     if not isinstance(x, torch.Tensor) or x.dtype != torch.bfloat16:
@@ -498,8 +500,11 @@ def int8_frag_linear(x: torch.Tensor, frags: torch.Tensor, scale: torch.Tensor,
     cfg = config or choose_frag_config(m, n, k, x.device)  # FragConfig validates its fields
     if (n // 16) % cfg.blocks:
         raise ValueError(f"config.blocks={cfg.blocks} must divide N / 16 = {n // 16}")
+    if cfg.l2_prefetch and torch.cuda.get_device_capability(x.device)[0] < 9:
+        raise ValueError("config.l2_prefetch needs sm_90 or later (cp.async.bulk.prefetch.L2)")
     if x2.stride(1) != 1 or x2.stride(0) % 8 or x2.data_ptr() % 16:
         x2 = torch.empty((m, k), dtype=x.dtype, device=x.device).copy_(x2)  # rows 16-byte aligned
+    copied = not scale.is_contiguous() or (bias is not None and not bias.is_contiguous())
     scale = scale.contiguous()
     bias = bias.contiguous() if bias is not None else None
     kb = k // 32
@@ -510,7 +515,8 @@ def int8_frag_linear(x: torch.Tensor, frags: torch.Tensor, scale: torch.Tensor,
     ws = torch.empty((split, m, n), dtype=torch.float32, device=x.device) if split > 1 else y
     cnt = zeroed_counters("int8_frag", x.device, n // 16) if split > 1 else y
     even = kb % kb_per == 0 and kb_per % (cfg.unroll * cfg.num_warps) == 0
-    pdl = bool(pdl) and pdl_available(x.device)
+    # scale and bias are read before the PDL wait: not when a copy kernel just wrote them
+    pdl = bool(pdl) and not copied and pdl_available(x.device)
     _int8_frag_kernel[(n // 16 // cfg.blocks, split)](
         x2.view(torch.int32), frags, scale, bias if bias is not None else scale, y, ws, cnt,
         m, n, kb, kb_per, x2.stride(0) // 2, y.stride(0),
