@@ -50,10 +50,10 @@ SHAPES = {"1.5b": [("gate/up", 1536, 8960), ("down", 8960, 1536), ("qkv", 1536, 
           "0.5b": [("0.5B gate/up", 896, 4864), ("0.5B down", 4864, 896), ("0.5B qkv", 896, 1152)]}
 
 
-def configs(quick: bool, l2: bool = False, pdl: bool = False) -> list[FragConfig]:
+def configs(quick: bool, l2: bool = False, pdl: bool = False, splits: tuple[int, ...] = (1, 6)) -> list[FragConfig]:
     if pdl and not l2 and not quick:  # the PDL sweep: register prefetch or not, cp.async, L2 prefetch or not
         return [FragConfig(w, u, s, b, st == 0, max(1, st), bool(l2p)) for w, u, s, b, st, l2p in
-                itertools.product((2, 4, 8), (2, 4, 8), (1, 6), (1, 2, 4), (0, 1, 4), (0, 1))
+                itertools.product((2, 4, 8), (2, 4, 8), splits, (1, 2, 4), (0, 1, 4), (0, 1))
                 if u * b <= 8 and w * u <= 32 and (st <= 1 or b * w * u <= 32)]
     if quick:
         return [FragConfig(4, 4, 1, l2_prefetch=l2), FragConfig(4, 2, 2, 2, True, l2_prefetch=l2),
@@ -154,6 +154,9 @@ def main() -> int:
     ap.add_argument("--read-only", action="store_true",
                     help="also time the 3 best configurations' loads alone (no conversion, no MMA)")
     ap.add_argument("--l2", action="store_true", help="sweep configurations with the L2 prefetch")
+    ap.add_argument("--splits", type=int, nargs="+", default=None,
+                    help="split-K values of the --pdl sweep (default 1 6, split-K only where K >= 4096; "
+                         "given: every value on every shape)")
     ap.add_argument("--pdl", action="store_true",
                     help="time the sweep with programmatic dependent launch (196 configurations with and without "
                          "the L2 prefetch; split-K only where K >= 4096)")
@@ -167,7 +170,7 @@ def main() -> int:
     if args.defaults:
         defaults(args.out, shapes, args.ms, args.defaults)
         return 0
-    cfgs = configs(args.quick, args.l2, args.pdl)
+    cfgs = configs(args.quick, args.l2, args.pdl, tuple(args.splits or (1, 6)))
     t0 = time.time()
     if args.workers > 1:
         import multiprocessing as mp
@@ -187,7 +190,7 @@ def main() -> int:
             row["shipped_err"], row["shipped_us"] = int8_us(x, q, s, ref)
             res = []
             for c in cfgs:
-                if (n // 16) % c.blocks or (args.pdl and c.split_k > 1 and k < 4096):
+                if (n // 16) % c.blocks or (args.pdl and not args.splits and c.split_k > 1 and k < 4096):
                     continue
                 r = dict(cfg=cfg_list(c), us=None, err=None, error=None, pdl=args.pdl)
                 try:
