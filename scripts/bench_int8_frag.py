@@ -34,7 +34,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from bench_int8_planes import cublas_us, int8_us, rel_err, run_header, shape_weights  # noqa: E402
+from bench_int8_planes import cublas_us, int8_us, reference, rel_err, run_header, shape_weights  # noqa: E402
 from cuda_timing import graph_time_us  # noqa: E402
 
 from llmserve.triton_kernels.int8_frag import (  # noqa: E402
@@ -104,7 +104,7 @@ def defaults(out: Path, shapes, ms: list[int], rounds: int) -> None:
         fr = torch.stack([pack_int8_fragments(q[i]) for i in range(copies)])
         for m in ms:
             x = torch.randn(m, k, device=dev, dtype=torch.bfloat16)
-            ref = x.double() @ (q[0].double() * s[0].double()[:, None]).T
+            ref = reference(x, q[0], s[0])
             c = choose_frag_config(m, n, k, dev)
             cl2 = dataclasses.replace(c, l2_prefetch=True)
             variants = {"frag": (c, False), "l2": (cl2, False), "pdl": (c, True), "l2_pdl": (cl2, True)}
@@ -183,7 +183,7 @@ def main() -> int:
         fr = torch.stack([pack_int8_fragments(q[i]) for i in range(copies)])
         for m in args.ms:
             x = torch.randn(m, k, device=dev, dtype=torch.bfloat16)
-            ref = x.double() @ (q[0].double() * s[0].double()[:, None]).T
+            ref = reference(x, q[0], s[0])
             row = dict(shape=lab, K=k, N=n, M=m, cublas_bf16_us=cublas_us(x, wb))
             cfg = choose_int8_config(m, n, k, dev)
             row["shipped_config"] = f"{cfg.kind} {cfg.block_m}x{cfg.block_n}x{cfg.block_k} split {cfg.split_k}"

@@ -14,7 +14,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from bench_int8_planes import cublas_us, int8_us, run_header, shape_weights  # noqa: E402
+from bench_int8_planes import cublas_us, int8_us, reference, run_header, shape_weights  # noqa: E402
 
 from llmserve.triton_kernels.int8_linear import Int8LinearConfig, choose_int8_config  # noqa: E402
 
@@ -35,7 +35,7 @@ def main() -> int:
         _, q, s, wb = shape_weights(k, n, dev)
         for m in args.ms:
             x = torch.randn(m, k, device=dev, dtype=torch.bfloat16)
-            ref = x.double() @ (q[0].double() * s[0].double()[:, None]).T
+            ref = reference(x, q[0], s[0])
             row = dict(shape=lab, K=k, N=n, M=m, cublas_bf16_us=cublas_us(x, wb))
             for name, cfg in (("default", None), ("dequant", Int8LinearConfig(1, 1, 1, kind="dequant"))):
                 row[f"{name}_kind"] = (cfg or choose_int8_config(m, n, k, dev)).kind

@@ -127,6 +127,11 @@ def rel_err(a, b):
     return ((a.float() - b.float()).norm() / b.float().norm().clamp_min(1e-30)).item()
 
 
+def reference(x: torch.Tensor, q: torch.Tensor, s: torch.Tensor) -> torch.Tensor:
+    """fp64 ``x @ (q * s[:, None]).T``: the result every benchmarked kernel is checked against."""
+    return x.double() @ (q.double() * s.double()[:, None]).T
+
+
 def shape_weights(k: int, n: int, dev: torch.device):
     """``(copies, q [copies, N, K] int8, s [copies, N] fp32, wb [c, N, K] bf16)``: enough
     copies of each to rotate over > 200 MB (every timed call reads HBM)."""
@@ -170,7 +175,7 @@ def library(out: Path, ms: list[int]) -> None:
         qp = torch.stack([pack_int8_planes(q[i]) for i in range(copies)])
         for m in ms:
             x = torch.randn(m, k, device=dev, dtype=torch.bfloat16)
-            ref = x.double() @ (q[0].double() * s[0].double()[:, None]).T
+            ref = reference(x, q[0], s[0])
             row = dict(shape=lab, K=k, N=n, M=m, cublas_bf16_us=cublas_us(x, wb))
             for name, w in (("rowmajor", q), ("planes", qp)):
                 cfg = choose_int8_config(m, n, k, dev, planes=name == "planes")
@@ -226,7 +231,7 @@ def main() -> int:
                          dtype=torch.bfloat16 if dev.type == "cuda" else torch.float32, device=dev).normal_(0, .02)
         for m in args.ms:
             x = torch.randn(m, k, device=dev, dtype=wb.dtype)
-            ref = (x.double() @ (q[0].double() * s[0].double()[:, None]).T)
+            ref = reference(x, q[0], s[0])
             reps = max(copies, 24)
             timed = dev.type == "cuda"
             row = dict(shape=lab, K=k, N=n, M=m, copies=copies)

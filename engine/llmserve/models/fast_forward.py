@@ -348,12 +348,13 @@ class FastQwen2Forward:
         x = model.model.embed_tokens(input_ids)                             # [N, H]
         n = x.shape[0]
         residual = None
-        fpdl = self.frag_pdl and n <= FRAG_MAX_M                            # steps the fragments serve
+        frag_step = n <= FRAG_MAX_M                                         # steps the fragments serve
+        fpdl = self.frag_pdl and frag_step
         for entry, (k_cache, v_cache) in zip(self.layers, kv_caches):
             layer = entry["layer"]
             attn, mlp = layer.self_attn, layer.mlp
             h, residual = add_rmsnorm(x, layer.input_layernorm.weight, self.eps, residual, pdl=fpdl)  # [N, H]
-            small = entry["frag"] if n <= FRAG_MAX_M else {}                # fragment copies
+            small = entry["frag"] if frag_step else {}                      # fragment copies
             if "qkv" in small:
                 qkv = int8_frag_linear(h, *small["qkv"], pdl=fpdl)          # [N, (Hq+2Hkv)*D]
             elif "qkv" in entry:
