@@ -50,7 +50,13 @@ SHAPES = {"1.5b": [("gate/up", 1536, 8960), ("down", 8960, 1536), ("qkv", 1536, 
           "0.5b": [("0.5B gate/up", 896, 4864), ("0.5B down", 4864, 896), ("0.5B qkv", 896, 1152)]}
 
 
-def configs(quick: bool, l2: bool = False, pdl: bool = False, splits: tuple[int, ...] = (1, 6)) -> list[FragConfig]:
+def configs(quick: bool, l2: bool = False, pdl: bool = False, splits: tuple[int, ...] = (1, 6),
+            fold: bool = False) -> list[FragConfig]:
+    if fold:  # the fold sweep: one accumulator a tile (more blocks and unroll fit) and, as controls, without
+        return [FragConfig(w, u, s, b, st == 0, max(1, st), bool(l2p), fo)
+                for w, u, s, b, st, l2p, fo in itertools.product((2, 4, 8), (1, 2, 4, 8), splits, (1, 2, 4), (0, 1, 4),
+                                                                 (0, 1), (False, True))
+                if w * u <= 32 and u * b <= 16 and (fo or (b == 1 and u >= 2))]
     if pdl and not l2 and not quick:  # the PDL sweep: register prefetch or not, cp.async, L2 prefetch or not
         return [FragConfig(w, u, s, b, st == 0, max(1, st), bool(l2p)) for w, u, s, b, st, l2p in
                 itertools.product((2, 4, 8), (2, 4, 8), splits, (1, 2, 4), (0, 1, 4), (0, 1))
@@ -68,8 +74,31 @@ def configs(quick: bool, l2: bool = False, pdl: bool = False, splits: tuple[int,
 
 def cfg_list(c: FragConfig) -> list[int]:
     """A configuration as the JSON rows store it: warps, unroll, split, blocks, prefetch,
-    stages, l2_prefetch."""
-    return [c.num_warps, c.unroll, c.split_k, c.blocks, int(c.prefetch), c.stages, int(c.l2_prefetch)]
+    stages, l2_prefetch, fold."""
+    return [c.num_warps, c.unroll, c.split_k, c.blocks, int(c.prefetch), c.stages, int(c.l2_prefetch), int(c.fold)]
+
+
+def cfg_from_list(v: list[int]) -> FragConfig:
+    """Inverse of :func:`cfg_list` (rows of runs before the fold flag have 7 entries)."""
+    return FragConfig(*v[:4], bool(v[4]), v[5], bool(v[6]), bool(v[7]) if len(v) > 7 else False)
+
+
+def kernel_resources() -> list[dict]:
+    """Registers and spilled bytes a thread of every compiled ``_int8_frag_kernel`` variant
+    (Triton's ``CompiledKernel.n_regs`` / ``n_spills``), keyed by its constexprs; empty where
+    this Triton keeps its caches elsewhere."""
+    from llmserve.triton_kernels.int8_frag import _int8_frag_kernel
+    out = []
+    try:
+        names = _int8_frag_kernel.arg_names
+        for caches in _int8_frag_kernel.device_caches.values():
+            for k in caches[0].values():
+                const = {names[key[0]]: v for key, v in k.src.constants.items()
+                         if isinstance(key, tuple) and names[key[0]].isupper() and not names[key[0]].startswith(("ASM", "CONS"))}
+                out.append(dict(const, n_regs=k.n_regs, n_spills=k.n_spills))
+    except Exception as ex:  # noqa: BLE001 - a diagnostic
+        out.append(dict(error=f"{type(ex).__name__}: {ex}"[:200]))
+    return out
 
 
 def _precompile(args):
@@ -160,6 +189,10 @@ def main() -> int:
     ap.add_argument("--pdl", action="store_true",
                     help="time the sweep with programmatic dependent launch (196 configurations with and without "
                          "the L2 prefetch; split-K only where K >= 4096)")
+    ap.add_argument("--fold", action="store_true",
+                    help="sweep FragConfig.fold (one accumulator a tile) over warps, unroll 1-8, blocks 1-4, the "
+                         "prefetch modes and the L2 prefetch, with unfolded one-block configurations as controls; "
+                         "writes kernels.json (registers and spills of every compiled variant)")
     ap.add_argument("--defaults", type=int, default=0, metavar="ROUNDS",
                     help="instead of the sweep: the default configuration vs cuBLAS and int8_linear, "
                          "ROUNDS alternated rounds")
@@ -170,7 +203,7 @@ def main() -> int:
     if args.defaults:
         defaults(args.out, shapes, args.ms, args.defaults)
         return 0
-    cfgs = configs(args.quick, args.l2, args.pdl, tuple(args.splits or (1, 6)))
+    cfgs = configs(args.quick, args.l2, args.pdl, tuple(args.splits or (1, 6)), args.fold)
     t0 = time.time()
     if args.workers > 1:
         import multiprocessing as mp
@@ -190,7 +223,9 @@ def main() -> int:
             row["shipped_err"], row["shipped_us"] = int8_us(x, q, s, ref)
             res = []
             for c in cfgs:
-                if (n // 16) % c.blocks or (args.pdl and not args.splits and c.split_k > 1 and k < 4096):
+                if (n // 16) % c.blocks or ((args.pdl or args.fold) and not args.splits and c.split_k > 1 and k < 4096):
+                    continue
+                if args.fold and c.split_k > 1 and n // 16 // c.blocks >= 264:  # >= 2 programs an SM unsplit
                     continue
                 r = dict(cfg=cfg_list(c), us=None, err=None, error=None, pdl=args.pdl)
                 try:
@@ -206,7 +241,7 @@ def main() -> int:
             row["frag"] = res
             if args.read_only:  # the same loads without conversion and MMAs, for the 3 best
                 for r in sorted([r for r in res if r["us"] is not None], key=lambda r: r["us"])[:3]:
-                    c = FragConfig(*r["cfg"][:4], bool(r["cfg"][4]), r["cfg"][5], bool(r["cfg"][6]))
+                    c = cfg_from_list(r["cfg"])
                     r["read_only_us"] = graph_time_us([lambda i=i: int8_frag_linear(x, fr[i], s[i], config=c,
                                                                                     pdl=args.pdl, _read_only=True)
                                                        for i in range(copies)], max(copies, 24), replays=12)
@@ -222,7 +257,9 @@ def main() -> int:
                   + (f", loads alone {b['read_only_us']:.2f}" if b and "read_only_us" in b else "")
                   + (f"; {len(bad)} failed, first: {bad[0]['cfg']} {bad[0]['error']}" if bad else ""), flush=True)
             (args.out / "frag.json").write_text(json.dumps(dict(**run_header(), rows=rows), indent=1))
-    lines = ["| shape | M | cuBLAS bf16 us | shipped int8 us | speed-up | frag us (warps, unroll, split, blocks, prefetch, stages, l2) | speed-up "
+    if args.fold:
+        (args.out / "kernels.json").write_text(json.dumps(kernel_resources(), indent=0))
+    lines = ["| shape | M | cuBLAS bf16 us | shipped int8 us | speed-up | frag us (warps, unroll, split, blocks, prefetch, stages, l2, fold) | speed-up "
              "| frag int8 GB/s |", "|---|---|---|---|---|---|---|---|"]
     for r in rows:
         c, a, b = r["cublas_bf16_us"], r["shipped_us"], r.get("frag_best")

@@ -152,6 +152,11 @@ def test_validation():
     (64, 1536, FragConfig(4, 4, 1, blocks=2, l2_prefetch=True)),
     (32, 8960, FragConfig(2, 4, 3, prefetch=True, l2_prefetch=True)),   # ragged splits of 94, 94, 92
     (32, 8960, FragConfig(4, 2, 6, stages=3, l2_prefetch=True)),
+    (48, 96, FragConfig(2, 2, 1, fold=True)),                            # fold: one accumulator a tile
+    (48, 96, FragConfig(2, 2, 1, prefetch=True, fold=True)),
+    (64, 1536, FragConfig(4, 4, 1, blocks=4, prefetch=True, fold=True)),
+    (32, 8960, FragConfig(2, 4, 3, stages=4, fold=True)),
+    (32, 8960, FragConfig(4, 2, 6, blocks=2, prefetch=True, l2_prefetch=True, fold=True)),
 ])
 def test_kernel_matches_reference(m, n, k, cfg):
     g = torch.Generator().manual_seed(m + n + k)
@@ -171,7 +176,8 @@ def test_kernel_matches_reference(m, n, k, cfg):
 
 @gpu
 @pytest.mark.parametrize("cfg", [FragConfig(4, 4, 1, prefetch=True), FragConfig(4, 4, 1, prefetch=True, l2_prefetch=True),
-                                 FragConfig(2, 2, 3, stages=3, l2_prefetch=True), FragConfig(2, 8, 2)])
+                                 FragConfig(2, 2, 3, stages=3, l2_prefetch=True), FragConfig(2, 8, 2),
+                                 FragConfig(2, 4, 1, blocks=2, prefetch=True, fold=True)])
 @pytest.mark.parametrize("m", [3, 12])
 def test_pdl_chain_reads_the_previous_output(m, cfg):
     """Eight PDL launches back to back in a CUDA graph, each reading the previous one's output

@@ -162,7 +162,8 @@ def _int8_frag_kernel(x_ptr, w_ptr, s_ptr, bias_ptr, y_ptr, ws_ptr, cnt_ptr, M, 
                       PREFETCH: tl.constexpr, ASM1: tl.constexpr, CONS1: tl.constexpr,
                       ASM2: tl.constexpr, CONS2: tl.constexpr, READ_ONLY: tl.constexpr = False,
                       STAGES: tl.constexpr = 1, L2_PREFETCH: tl.constexpr = False,
-                      USE_PDL: tl.constexpr = False, PDL_TRIGGER_FIRST: tl.constexpr = False):
+                      USE_PDL: tl.constexpr = False, PDL_TRIGGER_FIRST: tl.constexpr = False,
+                      FOLD: tl.constexpr = False):
     """One program: ``NB`` blocks of 16 output channels x K chunks ``[kb_lo, kb_lo + kb_per_split)``.
 
     ``x_ptr`` is x as int32 words (two bf16 each, ``stride_xm`` in words); ``w_ptr`` the
@@ -174,7 +175,10 @@ def _int8_frag_kernel(x_ptr, w_ptr, s_ptr, bias_ptr, y_ptr, ws_ptr, cnt_ptr, M, 
     loads with one FADD a word instead of the conversion and the MMAs. ``L2_PREFETCH``: the
     program's whole weight range is requested into L2 first (:func:`_l2_prefetch`).
     ``USE_PDL``: the L2 prefetch, the scales and (with ``PREFETCH``) the first step's weight
-    chunks are requested before the PDL wait (``_launch.pdl_wait``), x after it.
+    chunks are requested before the PDL wait (``_launch.pdl_wait``), x after it. ``FOLD``: the
+    ``UNROLL`` chunks' MMAs start from zero and are summed into one ``[NB, T*4]`` accumulator a
+    tile each step (``UNROLL`` times fewer loop-carried registers, ``4 NB UNROLL`` FADDs a tile
+    a step); otherwise each unrolled chunk keeps its own accumulator until the end.
     """
     pdl_start(USE_PDL, PDL_TRIGGER_FIRST)
     T: tl.constexpr = WARPS * 32
@@ -209,8 +213,12 @@ def _int8_frag_kernel(x_ptr, w_ptr, s_ptr, bias_ptr, y_ptr, ws_ptr, cnt_ptr, M, 
     tok_ok0 = (tok < M)[None, :]
     tok_ok1 = (tok + 8 < M)[None, :]
     STEP: tl.constexpr = UNROLL * WARPS
-    acc0 = tl.zeros([NB, UNROLL, T * 4], dtype=tl.float32)
-    acc1 = tl.zeros([NB, UNROLL, T * 4], dtype=tl.float32)
+    if FOLD:
+        acc0 = tl.zeros([NB, T * 4], dtype=tl.float32)
+        acc1 = tl.zeros([NB, T * 4], dtype=tl.float32)
+    else:
+        acc0 = tl.zeros([NB, UNROLL, T * 4], dtype=tl.float32)
+        acc1 = tl.zeros([NB, UNROLL, T * 4], dtype=tl.float32)
     if PREFETCH:
         w = _frag_w_loads(w_ptrs, chunk < kb_hi, EVEN)
         pdl_wait(USE_PDL, PDL_TRIGGER_FIRST)  # x (and y, the workspace) after the wait
@@ -221,39 +229,55 @@ def _int8_frag_kernel(x_ptr, w_ptr, s_ptr, bias_ptr, y_ptr, ws_ptr, cnt_ptr, M, 
             x1_ptrs += STEP * 16
             nxt = (chunk + (k0 + STEP - kb_lo)) < kb_hi
             wn, x0n, x1n = _frag_loads(w_ptrs, x0_ptrs, x1_ptrs, nxt, tok_ok0, tok_ok1, TILES, False)
-            acc0, acc1 = _frag_mma(w, x0, x1, acc0, acc1, TILES, ASM1, CONS1, ASM2, CONS2, READ_ONLY)
+            acc0, acc1 = _frag_mma(w, x0, x1, acc0, acc1, TILES, ASM1, CONS1, ASM2, CONS2, READ_ONLY, FOLD)
             w, x0, x1 = wn, x0n, x1n
     else:
         pdl_wait(USE_PDL, PDL_TRIGGER_FIRST)
         for k0 in tl.range(kb_lo, kb_hi, STEP, num_stages=STAGES):
             ok = (chunk + (k0 - kb_lo)) < kb_hi
             w, x0, x1 = _frag_loads(w_ptrs, x0_ptrs, x1_ptrs, ok, tok_ok0, tok_ok1, TILES, EVEN)
-            acc0, acc1 = _frag_mma(w, x0, x1, acc0, acc1, TILES, ASM1, CONS1, ASM2, CONS2, READ_ONLY)
+            acc0, acc1 = _frag_mma(w, x0, x1, acc0, acc1, TILES, ASM1, CONS1, ASM2, CONS2, READ_ONLY, FOLD)
             w_ptrs += STEP * 128
             x0_ptrs += STEP * 16
             x1_ptrs += STEP * 16
     _frag_store(acc0, ch, tk, sc, bias, pid_n, pid_k, M, N, y_ptr, ws_ptr, cnt_ptr, stride_ym,
-                HAS_BIAS, SPLIT, NB, WARPS, TILES, 0)
+                HAS_BIAS, SPLIT, NB, WARPS, TILES, 0, FOLD)
     if TILES == 2:
         _frag_store(acc1, ch, tk + 8, sc, bias, pid_n, pid_k, M, N, y_ptr, ws_ptr, cnt_ptr, stride_ym,
-                    HAS_BIAS, SPLIT, NB, WARPS, TILES, 1)
+                    HAS_BIAS, SPLIT, NB, WARPS, TILES, 1, FOLD)
 
 
 @triton.jit
 def _frag_mma(w, x0, x1, acc0, acc1, TILES: tl.constexpr, ASM1: tl.constexpr, CONS1: tl.constexpr,
-              ASM2: tl.constexpr, CONS2: tl.constexpr, READ_ONLY: tl.constexpr):
-    """``acc_t [NB, U, T*4] += `` the lane's MMAs over its weight chunks ``w`` and x words
-    ``x_t [U, T*4]`` (broadcast over the NB channel blocks: the same registers)."""
-    if READ_ONLY:
-        acc0 += (w ^ x0[None]).to(tl.float32, bitcast=True)
-        if TILES == 2:
-            acc1 += x1[None].to(tl.float32, bitcast=True)
-    elif TILES == 2:
-        acc0, acc1 = tl.inline_asm_elementwise(ASM2, CONS2, [w, x0[None], x1[None], acc0, acc1],
-                                               dtype=(tl.float32, tl.float32), is_pure=True, pack=4)
+              ASM2: tl.constexpr, CONS2: tl.constexpr, READ_ONLY: tl.constexpr, FOLD: tl.constexpr = False):
+    """``acc_t += `` the lane's MMAs over its weight chunks ``w [NB, U, T*4]`` and x words
+    ``x_t [U, T*4]`` (broadcast over the NB channel blocks: the same registers). ``acc_t`` is
+    ``[NB, U, T*4]`` (one accumulator an unrolled chunk, the MMAs chain through it) or, with
+    ``FOLD``, ``[NB, T*4]`` (the MMAs start from zero and the U results are summed into it)."""
+    if FOLD:
+        c0 = tl.zeros(w.shape, dtype=tl.float32)
+        c1 = c0
     else:
-        acc0 = tl.inline_asm_elementwise(ASM1, CONS1, [w, x0[None], acc0], dtype=tl.float32, is_pure=True,
-                                         pack=4)
+        c0 = acc0
+        c1 = acc1
+    if READ_ONLY:
+        d0 = c0 + (w ^ x0[None]).to(tl.float32, bitcast=True)
+        d1 = c1
+        if TILES == 2:
+            d1 = c1 + x1[None].to(tl.float32, bitcast=True)
+    elif TILES == 2:
+        d0, d1 = tl.inline_asm_elementwise(ASM2, CONS2, [w, x0[None], x1[None], c0, c1],
+                                           dtype=(tl.float32, tl.float32), is_pure=True, pack=4)
+    else:
+        d0 = tl.inline_asm_elementwise(ASM1, CONS1, [w, x0[None], c0], dtype=tl.float32, is_pure=True, pack=4)
+        d1 = c1
+    if FOLD:
+        acc0 += tl.sum(d0, axis=1)
+        if TILES == 2:
+            acc1 += tl.sum(d1, axis=1)
+    else:
+        acc0 = d0
+        acc1 = d1
     return acc0, acc1
 
 
@@ -323,12 +347,15 @@ def _l2_prefetch(w_ptr, pid_n, KB, kb_lo, kb_hi, NB: tl.constexpr, T: tl.constex
 @triton.jit
 def _frag_store(acc, ch, tk, sc, bias, pid_n, pid_k, M, N, y_ptr, ws_ptr, cnt_ptr, stride_ym,
                 HAS_BIAS: tl.constexpr, SPLIT: tl.constexpr, NB: tl.constexpr, WARPS: tl.constexpr,
-                TILES: tl.constexpr, TILE: tl.constexpr):
-    """Reduce one tile's ``[NB, UNROLL, WARPS * 128]`` partial sums to ``[NB, 128]`` (channel
+                TILES: tl.constexpr, TILE: tl.constexpr, FOLD: tl.constexpr = False):
+    """Reduce one tile's ``[NB, UNROLL, WARPS * 128]`` (``FOLD``: ``[NB, WARPS * 128]``) partial sums to ``[NB, 128]`` (channel
     ``ch``, token ``tk``) and store ``y`` (scaled, + bias); with ``SPLIT`` > 1 K splits the
     last split of the program's channels to arrive sums the partials in split order
     (deterministic), all ``SPLIT`` loads issued at once (one L2 round trip)."""
-    part = tl.sum(tl.reshape(tl.sum(acc, axis=1), [NB, WARPS, 128]), axis=1)
+    if FOLD:
+        part = tl.sum(tl.reshape(acc, [NB, WARPS, 128]), axis=1)
+    else:
+        part = tl.sum(tl.reshape(tl.sum(acc, axis=1), [NB, WARPS, 128]), axis=1)
     mask = (tk < M) & (ch < N)
     if SPLIT > 1:
         tl.store(ws_ptr + (pid_k * M + tk).to(tl.int64) * N + ch, part, mask=mask)
@@ -364,7 +391,10 @@ class FragConfig:
     > 1 (without ``prefetch``): Triton's software pipeline copies weights and x into shared
     memory ``stages - 1`` steps ahead (``cp.async``), then each step reads them from there.
     ``l2_prefetch``: each program first requests its whole weight range into L2 with bulk
-    prefetches (``cp.async.bulk.prefetch.L2``, sm_90 or later)."""
+    prefetches (``cp.async.bulk.prefetch.L2``, sm_90 or later). ``fold``: one accumulator a
+    16-channel block and token tile, the ``unroll`` chunks' MMA results summed into it every
+    step, instead of one accumulator an unrolled chunk (fewer registers: more programs fit on
+    an SM, and ``blocks`` > 1 with two token tiles fits at all)."""
 
     num_warps: int = 4
     unroll: int = 4
@@ -373,6 +403,7 @@ class FragConfig:
     prefetch: bool = False
     stages: int = 1
     l2_prefetch: bool = False
+    fold: bool = False
 
     def __post_init__(self) -> None:
         for name in ("num_warps", "unroll", "blocks"):
@@ -522,6 +553,6 @@ def int8_frag_linear(x: torch.Tensor, frags: torch.Tensor, scale: torch.Tensor,
         m, n, kb, kb_per, x2.stride(0) // 2, y.stride(0),
         HAS_BIAS=bias is not None, TILES=1 if m <= 8 else 2, NB=cfg.blocks, UNROLL=cfg.unroll,
         WARPS=cfg.num_warps, SPLIT=split, EVEN=even, PREFETCH=cfg.prefetch, READ_ONLY=_read_only,
-        STAGES=cfg.stages, L2_PREFETCH=cfg.l2_prefetch, ASM1=_ASM1, CONS1=_CONS1, ASM2=_ASM2,
+        STAGES=cfg.stages, L2_PREFETCH=cfg.l2_prefetch, FOLD=cfg.fold, ASM1=_ASM1, CONS1=_CONS1, ASM2=_ASM2,
         CONS2=_CONS2, num_warps=cfg.num_warps, num_stages=1, **pdl_launch_kwargs(pdl, pdl_trigger_first))
     return y.reshape(*lead, n)
