@@ -173,6 +173,50 @@ def defaults(out: Path, shapes, ms: list[int], rounds: int) -> None:
     print("\n".join(lines))
 
 
+def compare(out: Path, shapes, ms: list[int], rounds: int, cands: list[str]) -> None:
+    """Candidate configurations (``SHAPE:TILES:w,u,s,b,pf,st,l2,fold``) against the default
+    (:func:`choose_frag_config`) and bf16 cuBLAS, every call launched with PDL, alternated
+    ``rounds`` times in one process; medians. Writes ``compare.json`` / ``compare.md``."""
+    dev = torch.device("cuda")
+    by = {}
+    for c in cands:
+        lab, tiles, cfg = c.split(":")
+        by.setdefault((lab, int(tiles)), []).append(cfg_from_list([int(v) for v in cfg.split(",")]))
+    rows = []
+    for lab, k, n in shapes:
+        copies, q, s, wb = shape_weights(k, n, dev)
+        fr = torch.stack([pack_int8_fragments(q[i]) for i in range(copies)])
+        for m in ms:
+            x = torch.randn(m, k, device=dev, dtype=torch.bfloat16)
+            ref = reference(x, q[0], s[0])
+            cfgs = [choose_frag_config(m, n, k, dev)] + by.get((lab, 1 if m <= 8 else 2), [])
+            row = dict(shape=lab, K=k, N=n, M=m, configs=[cfg_list(c) for c in cfgs], cublas=[],
+                       err=[rel_err(int8_frag_linear(x, fr[0], s[0], config=c, pdl=True), ref) for c in cfgs],
+                       us=[[] for _ in cfgs])
+            for _ in range(rounds):
+                row["cublas"].append(cublas_us(x, wb))
+                for j, c in enumerate(cfgs):
+                    row["us"][j].append(graph_time_us([lambda i=i, c=c: int8_frag_linear(x, fr[i], s[i], config=c, pdl=True)
+                                                       for i in range(copies)], max(copies, 24), replays=12))
+            med = lambda v: sorted(v)[len(v) // 2]  # noqa: E731
+            row["cublas_us"] = med(row["cublas"])
+            row["median_us"] = [med(v) for v in row["us"]]
+            rows.append(row)
+            print(f"{lab} M={m}: cuBLAS {row['cublas_us']:.2f}; "
+                  + "; ".join(f"{tuple(c)} {u:.2f} ({row['cublas_us'] / u:.2f}x)"
+                              for c, u in zip(row["configs"], row["median_us"])), flush=True)
+            (out / "compare.json").write_text(json.dumps(dict(**run_header(), rows=rows), indent=1))
+    lines = ["| shape | M | cuBLAS bf16 us | default (PDL) us | speed-up | candidates (PDL): config us speed-up |",
+             "|---|---|---|---|---|---|"]
+    for r in rows:
+        c = r["cublas_us"]
+        lines.append(f"| {r['shape']} | {r['M']} | {c:.2f} | {r['median_us'][0]:.2f} | {c / r['median_us'][0]:.2f}x | "
+                     + "; ".join(f"{tuple(cf)} {u:.2f} {c / u:.2f}x" for cf, u in zip(r["configs"][1:], r["median_us"][1:]))
+                     + " |")
+    (out / "compare.md").write_text("\n".join(lines) + "\n")
+    print("\n".join(lines))
+
+
 def main() -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", type=Path, required=True)
@@ -196,12 +240,19 @@ def main() -> int:
     ap.add_argument("--defaults", type=int, default=0, metavar="ROUNDS",
                     help="instead of the sweep: the default configuration vs cuBLAS and int8_linear, "
                          "ROUNDS alternated rounds")
+    ap.add_argument("--compare", type=int, default=0, metavar="ROUNDS",
+                    help="instead of the sweep: the default and --cand configurations, all with PDL, vs cuBLAS, "
+                         "ROUNDS alternated rounds")
+    ap.add_argument("--cand", nargs="+", default=[], metavar="SHAPE:TILES:w,u,s,b,pf,st,l2,fold")
     args = ap.parse_args()
     args.out.mkdir(parents=True, exist_ok=True)
     dev = torch.device("cuda")
     shapes = [s for name in args.shapes for s in SHAPES[name]]
     if args.defaults:
         defaults(args.out, shapes, args.ms, args.defaults)
+        return 0
+    if args.compare:
+        compare(args.out, shapes, args.ms, args.compare, args.cand)
         return 0
     cfgs = configs(args.quick, args.l2, args.pdl, tuple(args.splits or (1, 6)), args.fold)
     t0 = time.time()

@@ -42,7 +42,7 @@ def main() -> int:
     args = ap.parse_args()
     args.out.mkdir(parents=True, exist_ok=True)
     dev = torch.device("cuda")
-    sms = num_sms(dev)
+    sms = num_sms(dev, cpu_default=132)
     rows = []
     for per in args.per_sm:
         nb = round(per * sms)
