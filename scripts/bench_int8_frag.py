@@ -124,7 +124,8 @@ def _precompile(args):
 def defaults(out: Path, shapes, ms: list[int], rounds: int) -> None:
     """The default configuration (:func:`choose_frag_config`) against bf16 cuBLAS and the
     shipped ``int8_linear`` (row-major int8, its own defaults), and the default with the L2
-    prefetch (``l2``), with PDL (``pdl``) and with both (``l2_pdl``), all alternated
+    prefetch (``l2``), with PDL (``pdl``), with both (``l2_pdl``), and the configuration chosen
+    for PDL calls (``pdl_table``: ``choose_frag_config(..., pdl=True)``) with PDL, all alternated
     ``rounds`` times in one process; medians. Writes ``defaults.json`` / ``defaults.md``."""
     dev = torch.device("cuda")
     rows = []
@@ -136,8 +137,10 @@ def defaults(out: Path, shapes, ms: list[int], rounds: int) -> None:
             ref = reference(x, q[0], s[0])
             c = choose_frag_config(m, n, k, dev)
             cl2 = dataclasses.replace(c, l2_prefetch=True)
-            variants = {"frag": (c, False), "l2": (cl2, False), "pdl": (c, True), "l2_pdl": (cl2, True)}
-            row = dict(shape=lab, K=k, N=n, M=m, frag_config=cfg_list(c), cublas=[], shipped=[],
+            cp = choose_frag_config(m, n, k, dev, pdl=True)
+            variants = {"frag": (c, False), "l2": (cl2, False), "pdl": (c, True), "l2_pdl": (cl2, True),
+                        "pdl_table": (cp, True)}
+            row = dict(shape=lab, K=k, N=n, M=m, frag_config=cfg_list(c), pdl_config=cfg_list(cp), cublas=[], shipped=[],
                        **{key: [] for key in variants})
             for key, (cv, pv) in variants.items():
                 row[f"{key}_err"] = rel_err(int8_frag_linear(x, fr[0], s[0], config=cv, pdl=pv), ref)
@@ -158,17 +161,18 @@ def defaults(out: Path, shapes, ms: list[int], rounds: int) -> None:
                   f"({row['shipped_config']}), frag {row['frag_us']:.2f} {row['frag_config']} "
                   f"({row['cublas_us'] / row['frag_us']:.2f}x), +l2 {row['l2_us']:.2f}, +pdl {row['pdl_us']:.2f}, "
                   f"+l2+pdl {row['l2_pdl_us']:.2f} ({row['cublas_us'] / row['l2_pdl_us']:.2f}x), "
+                  f"PDL table {row['pdl_table_us']:.2f} ({row['cublas_us'] / row['pdl_table_us']:.2f}x), "
                   f"errors {max(row[f'{v}_err'] for v in variants):.1e}", flush=True)
             (out / "defaults.json").write_text(json.dumps(dict(**run_header(), rows=rows), indent=1))
     lines = ["| shape | M | cuBLAS bf16 us | shipped int8 us | speed-up | fragments us | speed-up | fragments int8 GB/s "
-             "| + L2 prefetch us | speed-up | + PDL us | speed-up | + both us | speed-up "
-             "| config (warps, unroll, split, blocks, prefetch, stages, l2) |", "|---" * 15 + "|"]
+             "| + L2 prefetch us | speed-up | + PDL us | speed-up | + both us | speed-up | PDL table us | speed-up "
+             "| config (warps, unroll, split, blocks, prefetch, stages, l2, fold) | PDL table config |", "|---" * 18 + "|"]
     for r in rows:
         c = r["cublas_us"]
         lines.append(f"| {r['shape']} | {r['M']} | {c:.2f} | {r['shipped_us']:.2f} | {c / r['shipped_us']:.2f}x | "
                      f"{r['frag_us']:.2f} | {c / r['frag_us']:.2f}x | {r['N'] * r['K'] / r['frag_us'] / 1e3:.0f} | "
-                     + " | ".join(f"{r[f'{v}_us']:.2f} | {c / r[f'{v}_us']:.2f}x" for v in ("l2", "pdl", "l2_pdl"))
-                     + f" | {tuple(r['frag_config'])} |")
+                     + " | ".join(f"{r[f'{v}_us']:.2f} | {c / r[f'{v}_us']:.2f}x" for v in ("l2", "pdl", "l2_pdl", "pdl_table"))
+                     + f" | {tuple(r['frag_config'])} | {tuple(r['pdl_config'])} |")
     (out / "defaults.md").write_text("\n".join(lines) + "\n")
     print("\n".join(lines))
 

@@ -80,6 +80,26 @@ def test_default_configs():
     assert choose_frag_config(2, 18944, 3584, gpu_name="other") == FragConfig(4, 4, 1, prefetch=True)
 
 
+def test_default_configs_for_pdl_calls(monkeypatch):
+    """Calls launched with PDL get the PDL sweep's 1.5B winners on the H200 (L2 prefetch, fold at
+    <= 8 tokens); other shapes and GPUs, and LLMSERVE_INT8_FRAG_PDL_TABLE=0, the plain table."""
+    h200 = "NVIDIA H200"
+    monkeypatch.delenv("LLMSERVE_INT8_FRAG_PDL_TABLE", raising=False)
+    gu = choose_frag_config(3, 8960, 1536, gpu_name=h200, pdl=True)
+    assert gu == FragConfig(2, 8, 1, prefetch=True, l2_prefetch=True, fold=True)
+    assert choose_frag_config(16, 8960, 1536, gpu_name=h200, pdl=True) == FragConfig(2, 8, 1, l2_prefetch=True)
+    assert choose_frag_config(8, 1536, 8960, gpu_name=h200, pdl=True).split_k == 6
+    assert choose_frag_config(2, 2048, 1536, gpu_name=h200, pdl=True).fold
+    assert choose_frag_config(3, 8960, 1536, gpu_name=h200, pdl=False) == FragConfig(4, 4, 1, prefetch=True)
+    assert choose_frag_config(3, 8960, 1536, gpu_name="other", pdl=True) == FragConfig(4, 4, 1, prefetch=True)
+    assert choose_frag_config(2, 18944, 3584, gpu_name=h200, pdl=True) == FragConfig(2, 4, 1, prefetch=True)  # 7B
+    monkeypatch.setenv("LLMSERVE_INT8_FRAG_PDL_TABLE", "0")
+    assert choose_frag_config(3, 8960, 1536, gpu_name=h200, pdl=True) == FragConfig(4, 4, 1, prefetch=True)
+    monkeypatch.setenv("LLMSERVE_INT8_FRAG_PDL_TABLE", "yes")
+    with pytest.raises(ValueError, match="LLMSERVE_INT8_FRAG_PDL_TABLE"):
+        choose_frag_config(3, 8960, 1536, gpu_name=h200, pdl=True)
+
+
 @pytest.mark.parametrize("asm,tiles", [(_ASM1, 1), (_ASM2, 2)])
 def test_ptx_reads_the_register_table(asm, tiles):
     """The PTX converts each A register from the word and byte pair the emulation assumes,
@@ -226,8 +246,10 @@ def test_default_config_matches_reference(m, n, k):
     s = torch.rand(n, generator=g) * 1e-2 + 1e-3
     x = torch.randn(m, k, generator=g).to(torch.bfloat16)
     ref = x.double() @ (q.double() * s.double()[:, None]).T
-    y = int8_frag_linear(x.cuda(), pack_int8_fragments(q).cuda(), s.cuda())
-    assert ((y.double().cpu() - ref).norm() / ref.norm()).item() < 4e-3
+    f = pack_int8_fragments(q).cuda()
+    for pdl in (False, True):  # with PDL: the PDL table's configuration where the GPU has one
+        y = int8_frag_linear(x.cuda(), f, s.cuda(), pdl=pdl)
+        assert ((y.double().cpu() - ref).norm() / ref.norm()).item() < 4e-3, pdl
 
 
 @gpu

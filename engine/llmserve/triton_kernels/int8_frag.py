@@ -58,6 +58,7 @@ import torch
 import triton
 import triton.language as tl
 
+from ..config import env_switch
 from ..quantization import pack_int8_fragments, unpack_int8_fragments  # the layout (pure torch), re-exported
 from ._launch import num_sms, pdl_available, pdl_launch_kwargs, pdl_start, pdl_wait, zeroed_counters
 from .gemv import _gpu_name
@@ -433,10 +434,27 @@ _TUNED: dict[tuple[int, int, int], FragConfig] = {
 }
 
 
+# H200 winners for calls launched with PDL back to back (the engine's fragment decode steps for
+# hidden sizes <= 2048), Qwen2.5-1.5B shapes: run20's sweep of 468 configurations with and
+# without ``fold``, checked in run22 (3 alternated rounds, 1.5B: 3-14% faster than ``_TUNED``'s
+# configurations launched with PDL at M = 1..8, 1-6% at M = 12..16). Every entry uses the L2
+# prefetch, which is slower when calls do not overlap (session 17), hence a separate table.
+_TUNED_PDL: dict[tuple[int, int, int], FragConfig] = {
+    (8960, 1536, 1): FragConfig(2, 8, 1, prefetch=True, l2_prefetch=True, fold=True),
+    (8960, 1536, 2): FragConfig(2, 8, 1, l2_prefetch=True),
+    (1536, 8960, 1): FragConfig(2, 8, 6, prefetch=True, l2_prefetch=True, fold=True),
+    (1536, 8960, 2): FragConfig(2, 8, 6, l2_prefetch=True),
+    (2048, 1536, 1): FragConfig(4, 4, 1, stages=4, l2_prefetch=True, fold=True),
+    (2048, 1536, 2): FragConfig(2, 4, 1, stages=4, l2_prefetch=True),
+}
+
+
 def choose_frag_config(m: int, n: int, k: int, device: torch.device | None = None,
-                       gpu_name: str | None = None) -> FragConfig:
+                       gpu_name: str | None = None, pdl: bool = False) -> FragConfig:
     """Default launch configuration: the H200 sweep's winner for the Qwen2.5 0.5B / 1.5B / 7B
-    projection shapes (``_TUNED``), else a rule written from the 1.5B winners:
+    projection shapes (``_TUNED``; with ``pdl``, i.e. for a call launched with PDL, the 1.5B
+    shapes from ``_TUNED_PDL`` unless ``LLMSERVE_INT8_FRAG_PDL_TABLE=0``), else a rule written
+    from the 1.5B winners:
 
     * split K when K is long (>= 128 chunks) and there are fewer than two 16-channel blocks
       per SM, to about 4.4 programs per SM (down, K = 8960, N = 1536: 6 splits);
@@ -451,6 +469,9 @@ def choose_frag_config(m: int, n: int, k: int, device: torch.device | None = Non
     if gpu_name is None and device is not None and device.type == "cuda":
         gpu_name = _gpu_name(device)                   # cached per device
     tiles = 1 if m <= 8 else 2
+    if pdl and gpu_name == _TUNED_GPU and (n, k, tiles) in _TUNED_PDL \
+            and env_switch("LLMSERVE_INT8_FRAG_PDL_TABLE") is not False:
+        return _TUNED_PDL[(n, k, tiles)]
     if gpu_name == _TUNED_GPU and (n, k, tiles) in _TUNED:
         return _TUNED[(n, k, tiles)]
     sms = num_sms(device, cpu_default=132) if device is not None else 132
@@ -481,7 +502,8 @@ def int8_frag_linear(x: torch.Tensor, frags: torch.Tensor, scale: torch.Tensor,
             x's device.
         scale: ``[N]`` per-output-channel scales, a floating-point tensor.
         bias: optional ``[N]`` floating-point tensor.
-        config: launch configuration (default :func:`choose_frag_config`).
+        config: launch configuration (default :func:`choose_frag_config`, told whether the call
+            launches with PDL).
         pdl: launch with programmatic dependent launch where the device and Triton allow it
             (``_launch.pdl_available``; ignored elsewhere): ``frags``, ``scale`` and ``bias``
             are read before the kernel waits for the previous one (the L2 prefetch, with
@@ -528,14 +550,16 @@ def int8_frag_linear(x: torch.Tensor, frags: torch.Tensor, scale: torch.Tensor,
     m = x2.shape[0]
     if m > FRAG_MAX_M or m == 0:
         raise ValueError(f"int8_frag_linear serves 1..{FRAG_MAX_M} rows, got {m}")
-    cfg = config or choose_frag_config(m, n, k, x.device)  # FragConfig validates its fields
+    if x2.stride(1) != 1 or x2.stride(0) % 8 or x2.data_ptr() % 16:
+        x2 = torch.empty((m, k), dtype=x.dtype, device=x.device).copy_(x2)  # rows 16-byte aligned
+    copied = not scale.is_contiguous() or (bias is not None and not bias.is_contiguous())
+    # scale and bias are read before the PDL wait: not when a copy kernel just wrote them
+    pdl = bool(pdl) and not copied and pdl_available(x.device)
+    cfg = config or choose_frag_config(m, n, k, x.device, pdl=pdl)  # FragConfig validates its fields
     if (n // 16) % cfg.blocks:
         raise ValueError(f"config.blocks={cfg.blocks} must divide N / 16 = {n // 16}")
     if cfg.l2_prefetch and torch.cuda.get_device_capability(x.device)[0] < 9:
         raise ValueError("config.l2_prefetch needs sm_90 or later (cp.async.bulk.prefetch.L2)")
-    if x2.stride(1) != 1 or x2.stride(0) % 8 or x2.data_ptr() % 16:
-        x2 = torch.empty((m, k), dtype=x.dtype, device=x.device).copy_(x2)  # rows 16-byte aligned
-    copied = not scale.is_contiguous() or (bias is not None and not bias.is_contiguous())
     scale = scale.contiguous()
     bias = bias.contiguous() if bias is not None else None
     kb = k // 32
@@ -546,8 +570,6 @@ def int8_frag_linear(x: torch.Tensor, frags: torch.Tensor, scale: torch.Tensor,
     ws = torch.empty((split, m, n), dtype=torch.float32, device=x.device) if split > 1 else y
     cnt = zeroed_counters("int8_frag", x.device, n // 16) if split > 1 else y
     even = kb % kb_per == 0 and kb_per % (cfg.unroll * cfg.num_warps) == 0
-    # scale and bias are read before the PDL wait: not when a copy kernel just wrote them
-    pdl = bool(pdl) and not copied and pdl_available(x.device)
     _int8_frag_kernel[(n // 16 // cfg.blocks, split)](
         x2.view(torch.int32), frags, scale, bias if bias is not None else scale, y, ws, cnt,
         m, n, kb, kb_per, x2.stride(0) // 2, y.stride(0),
