@@ -95,7 +95,8 @@ def kernel_resources() -> list[dict]:
             for k in caches[0].values():
                 const = {names[key[0]]: v for key, v in k.src.constants.items()
                          if isinstance(key, tuple) and names[key[0]].isupper() and not names[key[0]].startswith(("ASM", "CONS"))}
-                out.append(dict(const, n_regs=k.n_regs, n_spills=k.n_spills))
+                # n_regs / n_spills exist once the binary was loaded (launched in this process)
+                out.append(dict(const, n_regs=getattr(k, "n_regs", None), n_spills=getattr(k, "n_spills", None)))
     except Exception as ex:  # noqa: BLE001 - a diagnostic
         out.append(dict(error=f"{type(ex).__name__}: {ex}"[:200]))
     return out
