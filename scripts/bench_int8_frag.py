@@ -51,7 +51,14 @@ SHAPES = {"1.5b": [("gate/up", 1536, 8960), ("down", 8960, 1536), ("qkv", 1536, 
 
 
 def configs(quick: bool, l2: bool = False, pdl: bool = False, splits: tuple[int, ...] = (1, 6),
-            fold: bool = False) -> list[FragConfig]:
+            fold: bool = False, tma: bool = False) -> list[FragConfig]:
+    if tma:  # TMA weight copies in Triton's pipeline, and as controls the PDL table's kinds of winners
+        return ([FragConfig(w, u, s, 1, False, st, False, fo, True)
+                 for w, u, s, st, fo in itertools.product((1, 2, 4, 8), (1, 2, 4, 8), splits, (1, 2, 3, 4, 6),
+                                                          (False, True))
+                 if w * u <= 32 and st * w * u <= 96]
+                + [FragConfig(2, 8, s, prefetch=True, fold=True) for s in splits]
+                + [FragConfig(4, 4, s, prefetch=True) for s in splits] + [FragConfig(2, 8, s) for s in splits])
     if fold:  # the fold sweep: one accumulator a tile (more blocks and unroll fit) and, as controls, without
         return [FragConfig(w, u, s, b, st == 0, max(1, st), bool(l2p), fo)
                 for w, u, s, b, st, l2p, fo in itertools.product((2, 4, 8), (1, 2, 4, 8), splits, (1, 2, 4), (0, 1, 4),
@@ -74,13 +81,14 @@ def configs(quick: bool, l2: bool = False, pdl: bool = False, splits: tuple[int,
 
 def cfg_list(c: FragConfig) -> list[int]:
     """A configuration as the JSON rows store it: warps, unroll, split, blocks, prefetch,
-    stages, l2_prefetch, fold."""
-    return [c.num_warps, c.unroll, c.split_k, c.blocks, int(c.prefetch), c.stages, int(c.l2_prefetch), int(c.fold)]
+    stages, l2_prefetch, fold, tma."""
+    return [c.num_warps, c.unroll, c.split_k, c.blocks, int(c.prefetch), c.stages, int(c.l2_prefetch), int(c.fold),
+            int(c.tma)]
 
 
 def cfg_from_list(v: list[int]) -> FragConfig:
-    """Inverse of :func:`cfg_list` (rows of runs before the fold flag have 7 entries)."""
-    return FragConfig(*v[:4], bool(v[4]), v[5], bool(v[6]), bool(v[7]) if len(v) > 7 else False)
+    """Inverse of :func:`cfg_list` (rows of older runs have 7 or 8 entries: no fold, no tma)."""
+    return FragConfig(*v[:4], bool(v[4]), v[5], bool(v[6]), *(bool(f) for f in v[7:9]))
 
 
 def kernel_resources() -> list[dict]:
@@ -242,6 +250,9 @@ def main() -> int:
                     help="sweep FragConfig.fold (one accumulator a tile) over warps, unroll 1-8, blocks 1-4, the "
                          "prefetch modes and the L2 prefetch, with unfolded one-block configurations as controls; "
                          "writes kernels.json (registers and spills of every compiled variant)")
+    ap.add_argument("--tma", action="store_true",
+                    help="sweep FragConfig.tma (weights by TMA into shared memory, 1-6 pipeline stages) with a few "
+                         "register-prefetch configurations as controls")
     ap.add_argument("--defaults", type=int, default=0, metavar="ROUNDS",
                     help="instead of the sweep: the default configuration vs cuBLAS and int8_linear, "
                          "ROUNDS alternated rounds")
@@ -259,7 +270,7 @@ def main() -> int:
     if args.compare:
         compare(args.out, shapes, args.ms, args.compare, args.cand)
         return 0
-    cfgs = configs(args.quick, args.l2, args.pdl, tuple(args.splits or (1, 6)), args.fold)
+    cfgs = configs(args.quick, args.l2, args.pdl, tuple(args.splits or (1, 6)), args.fold, args.tma)
     t0 = time.time()
     if args.workers > 1:
         import multiprocessing as mp
@@ -279,7 +290,7 @@ def main() -> int:
             row["shipped_err"], row["shipped_us"] = int8_us(x, q, s, ref)
             res = []
             for c in cfgs:
-                if (n // 16) % c.blocks or ((args.pdl or args.fold) and not args.splits and c.split_k > 1 and k < 4096):
+                if (n // 16) % c.blocks or ((args.pdl or args.fold or args.tma) and not args.splits and c.split_k > 1 and k < 4096):
                     continue
                 if args.fold and c.split_k > 1 and n // 16 // c.blocks >= 264:  # >= 2 programs an SM unsplit
                     continue
@@ -313,9 +324,9 @@ def main() -> int:
                   + (f", loads alone {b['read_only_us']:.2f}" if b and "read_only_us" in b else "")
                   + (f"; {len(bad)} failed, first: {bad[0]['cfg']} {bad[0]['error']}" if bad else ""), flush=True)
             (args.out / "frag.json").write_text(json.dumps(dict(**run_header(), rows=rows), indent=1))
-    if args.fold:
+    if args.fold or args.tma:
         (args.out / "kernels.json").write_text(json.dumps(kernel_resources(), indent=0))
-    lines = ["| shape | M | cuBLAS bf16 us | shipped int8 us | speed-up | frag us (warps, unroll, split, blocks, prefetch, stages, l2, fold) | speed-up "
+    lines = ["| shape | M | cuBLAS bf16 us | shipped int8 us | speed-up | frag us (warps, unroll, split, blocks, prefetch, stages, l2, fold, tma) | speed-up "
              "| frag int8 GB/s |", "|---|---|---|---|---|---|---|---|"]
     for r in rows:
         c, a, b = r["cublas_bf16_us"], r["shipped_us"], r.get("frag_best")

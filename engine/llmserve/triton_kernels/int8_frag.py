@@ -57,6 +57,7 @@ from dataclasses import dataclass
 import torch
 import triton
 import triton.language as tl
+from triton.tools.tensor_descriptor import TensorDescriptor
 
 from ..config import env_switch
 from ..quantization import pack_int8_fragments, unpack_int8_fragments  # the layout (pure torch), re-exported
@@ -157,14 +158,14 @@ _ASM2, _CONS2 = _asm(2)
 
 
 @triton.jit(do_not_specialize=["M"])
-def _int8_frag_kernel(x_ptr, w_ptr, s_ptr, bias_ptr, y_ptr, ws_ptr, cnt_ptr, M, N, KB, kb_per_split,
+def _int8_frag_kernel(x_ptr, w_ptr, w_desc, s_ptr, bias_ptr, y_ptr, ws_ptr, cnt_ptr, M, N, KB, kb_per_split,
                       stride_xm, stride_ym, HAS_BIAS: tl.constexpr, TILES: tl.constexpr, NB: tl.constexpr,
                       UNROLL: tl.constexpr, WARPS: tl.constexpr, SPLIT: tl.constexpr, EVEN: tl.constexpr,
                       PREFETCH: tl.constexpr, ASM1: tl.constexpr, CONS1: tl.constexpr,
                       ASM2: tl.constexpr, CONS2: tl.constexpr, READ_ONLY: tl.constexpr = False,
                       STAGES: tl.constexpr = 1, L2_PREFETCH: tl.constexpr = False,
                       USE_PDL: tl.constexpr = False, PDL_TRIGGER_FIRST: tl.constexpr = False,
-                      FOLD: tl.constexpr = False):
+                      FOLD: tl.constexpr = False, TMA: tl.constexpr = False):
     """One program: ``NB`` blocks of 16 output channels x K chunks ``[kb_lo, kb_lo + kb_per_split)``.
 
     ``x_ptr`` is x as int32 words (two bf16 each, ``stride_xm`` in words); ``w_ptr`` the
@@ -179,7 +180,11 @@ def _int8_frag_kernel(x_ptr, w_ptr, s_ptr, bias_ptr, y_ptr, ws_ptr, cnt_ptr, M, 
     chunks are requested before the PDL wait (``_launch.pdl_wait``), x after it. ``FOLD``: the
     ``UNROLL`` chunks' MMAs start from zero and are summed into one ``[NB, T*4]`` accumulator a
     tile each step (``UNROLL`` times fewer loop-carried registers, ``4 NB UNROLL`` FADDs a tile
-    a step); otherwise each unrolled chunk keeps its own accumulator until the end.
+    a step); otherwise each unrolled chunk keeps its own accumulator until the end. ``TMA``
+    (``NB == 1``, no ``PREFETCH``): a step's ``STEP`` weight chunks are one contiguous box of
+    ``w_desc`` (the fragments as ``[N/16 * KB, 128]`` words), copied into shared memory by the
+    Tensor Memory Accelerator in Triton's software pipeline (``STAGES - 1`` steps ahead, no
+    registers or L1 miss slots held while in flight); rows past ``kb_hi`` meet zero x words.
     """
     pdl_start(USE_PDL, PDL_TRIGGER_FIRST)
     T: tl.constexpr = WARPS * 32
@@ -220,7 +225,19 @@ def _int8_frag_kernel(x_ptr, w_ptr, s_ptr, bias_ptr, y_ptr, ws_ptr, cnt_ptr, M, 
     else:
         acc0 = tl.zeros([NB, UNROLL, T * 4], dtype=tl.float32)
         acc1 = tl.zeros([NB, UNROLL, T * 4], dtype=tl.float32)
-    if PREFETCH:
+    if TMA:
+        # the step's STEP chunks are one contiguous [STEP, 128]-word box of the [N/16 * KB, 128]
+        # view: row u * WARPS + warp is chunk u of warp `warp`, i.e. w[0, u, e] (see w_ptrs)
+        row = pid_n * KB + kb_lo
+        pdl_wait(USE_PDL, PDL_TRIGGER_FIRST)
+        for k0 in tl.range(kb_lo, kb_hi, STEP, num_stages=STAGES):
+            ok = (chunk + (k0 - kb_lo)) < kb_hi
+            w = tl.reshape(w_desc.load([row + (k0 - kb_lo), 0]), [1, UNROLL, T * 4])
+            x0, x1 = _frag_x_loads(x0_ptrs, x1_ptrs, ok, tok_ok0, tok_ok1, TILES, EVEN)
+            acc0, acc1 = _frag_mma(w, x0, x1, acc0, acc1, TILES, ASM1, CONS1, ASM2, CONS2, READ_ONLY, FOLD)
+            x0_ptrs += STEP * 16
+            x1_ptrs += STEP * 16
+    elif PREFETCH:
         w = _frag_w_loads(w_ptrs, chunk < kb_hi, EVEN)
         pdl_wait(USE_PDL, PDL_TRIGGER_FIRST)  # x (and y, the workspace) after the wait
         x0, x1 = _frag_x_loads(x0_ptrs, x1_ptrs, chunk < kb_hi, tok_ok0, tok_ok1, TILES, EVEN)
@@ -405,6 +422,7 @@ class FragConfig:
     stages: int = 1
     l2_prefetch: bool = False
     fold: bool = False
+    tma: bool = False
 
     def __post_init__(self) -> None:
         for name in ("num_warps", "unroll", "blocks"):
@@ -415,6 +433,8 @@ class FragConfig:
             v = getattr(self, name)
             if not isinstance(v, int) or v < 1:
                 raise ValueError(f"FragConfig.{name} must be an int >= 1, got {v!r}")
+        if self.tma and (self.blocks != 1 or self.prefetch or self.l2_prefetch):
+            raise ValueError("FragConfig.tma needs blocks=1, prefetch=False and l2_prefetch=False")
 
 
 # H200 sweep winners (results/kernels/int8_frag/run5: Qwen2.5-1.5B shapes; run8: 7B and
@@ -517,7 +537,7 @@ def int8_frag_linear(x: torch.Tensor, frags: torch.Tensor, scale: torch.Tensor,
 
     Raises:
         ValueError: wrong dtypes, shapes, devices, alignment, ``config.blocks`` not dividing
-        ``N / 16``, ``config.l2_prefetch`` before sm_90, or more than 16 rows; NotImplementedError on a CPU tensor (inline PTX; use
+        ``N / 16``, ``config.l2_prefetch`` or ``config.tma`` before sm_90, or more than 16 rows; NotImplementedError on a CPU tensor (inline PTX; use
         :func:`emulate_fragment_linear`).
     """
     if not isinstance(x, torch.Tensor) or x.dtype != torch.bfloat16:
@@ -555,8 +575,8 @@ def int8_frag_linear(x: torch.Tensor, frags: torch.Tensor, scale: torch.Tensor,
     cfg = config or choose_frag_config(m, n, k, x.device, pdl=pdl)  # FragConfig validates its fields
     if (n // 16) % cfg.blocks:
         raise ValueError(f"config.blocks={cfg.blocks} must divide N / 16 = {n // 16}")
-    if cfg.l2_prefetch and torch.cuda.get_device_capability(x.device)[0] < 9:
-        raise ValueError("config.l2_prefetch needs sm_90 or later (cp.async.bulk.prefetch.L2)")
+    if (cfg.l2_prefetch or cfg.tma) and torch.cuda.get_device_capability(x.device)[0] < 9:
+        raise ValueError("config.l2_prefetch and config.tma need sm_90 or later (cp.async.bulk)")
     scale = scale.contiguous()
     bias = bias.contiguous() if bias is not None else None
     kb = k // 32
@@ -567,11 +587,15 @@ def int8_frag_linear(x: torch.Tensor, frags: torch.Tensor, scale: torch.Tensor,
     ws = torch.empty((split, m, n), dtype=torch.float32, device=x.device) if split > 1 else y
     cnt = zeroed_counters("int8_frag", x.device, n // 16) if split > 1 else y
     even = kb % kb_per == 0 and kb_per % (cfg.unroll * cfg.num_warps) == 0
+    desc = None
+    if cfg.tma:  # one loop step's chunks of one split: a [unroll * num_warps, 128]-word box
+        desc = TensorDescriptor(frags.view(-1, 128), [n // 16 * kb, 128], [128, 1],
+                                [cfg.unroll * cfg.num_warps, 128])
     _int8_frag_kernel[(n // 16 // cfg.blocks, split)](
-        x2.view(torch.int32), frags, scale, bias if bias is not None else scale, y, ws, cnt,
+        x2.view(torch.int32), frags, desc, scale, bias if bias is not None else scale, y, ws, cnt,
         m, n, kb, kb_per, x2.stride(0) // 2, y.stride(0),
         HAS_BIAS=bias is not None, TILES=1 if m <= 8 else 2, NB=cfg.blocks, UNROLL=cfg.unroll,
         WARPS=cfg.num_warps, SPLIT=split, EVEN=even, PREFETCH=cfg.prefetch, READ_ONLY=_read_only,
-        STAGES=cfg.stages, L2_PREFETCH=cfg.l2_prefetch, FOLD=cfg.fold, ASM1=_ASM1, CONS1=_CONS1, ASM2=_ASM2,
+        STAGES=cfg.stages, L2_PREFETCH=cfg.l2_prefetch, FOLD=cfg.fold, TMA=cfg.tma, ASM1=_ASM1, CONS1=_CONS1, ASM2=_ASM2,
         CONS2=_CONS2, num_warps=cfg.num_warps, num_stages=1, **pdl_launch_kwargs(pdl, pdl_trigger_first))
     return y.reshape(*lead, n)
