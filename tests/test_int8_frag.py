@@ -81,14 +81,16 @@ def test_default_configs():
 
 
 def test_default_configs_for_pdl_calls(monkeypatch):
-    """Calls launched with PDL get the PDL sweep's winner where it differs (1.5B gate/up at
-    <= 8 tokens, on the H200); other shapes and GPUs, and LLMSERVE_INT8_FRAG_PDL_TABLE=0, the
+    """Calls launched with PDL get the PDL sweeps' winners where they differ (1.5B gate/up at
+    <= 8 tokens, down with TMA, on the H200); other shapes and GPUs, and LLMSERVE_INT8_FRAG_PDL_TABLE=0, the
     plain table."""
     h200 = "NVIDIA H200"
     monkeypatch.delenv("LLMSERVE_INT8_FRAG_PDL_TABLE", raising=False)
     assert choose_frag_config(3, 8960, 1536, gpu_name=h200, pdl=True) == FragConfig(2, 8, 1, prefetch=True, fold=True)
     assert choose_frag_config(16, 8960, 1536, gpu_name=h200, pdl=True) == FragConfig(2, 8, 1)
-    assert choose_frag_config(8, 1536, 8960, gpu_name=h200, pdl=True) == FragConfig(4, 4, 6, prefetch=True)
+    assert choose_frag_config(8, 1536, 8960, gpu_name=h200, pdl=True) == FragConfig(4, 8, 1, stages=3, tma=True)
+    assert choose_frag_config(12, 1536, 8960, gpu_name=h200, pdl=True).tma
+    assert choose_frag_config(8, 1536, 8960, gpu_name=h200) == FragConfig(4, 4, 6, prefetch=True)
     assert choose_frag_config(3, 8960, 1536, gpu_name=h200, pdl=False) == FragConfig(4, 4, 1, prefetch=True)
     assert choose_frag_config(3, 8960, 1536, gpu_name="other", pdl=True) == FragConfig(4, 4, 1, prefetch=True)
     assert choose_frag_config(2, 18944, 3584, gpu_name=h200, pdl=True) == FragConfig(2, 4, 1, prefetch=True)  # 7B
