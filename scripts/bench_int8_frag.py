@@ -187,8 +187,8 @@ def defaults(out: Path, shapes, ms: list[int], rounds: int) -> None:
 
 
 def compare(out: Path, shapes, ms: list[int], rounds: int, cands: list[str]) -> None:
-    """Candidate configurations (``SHAPE:TILES:w,u,s,b,pf,st,l2,fold``) against the default
-    (:func:`choose_frag_config`) and bf16 cuBLAS, every call launched with PDL, alternated
+    """Candidate configurations (``SHAPE:TILES:w,u,s,b,pf,st,l2,fold[,tma]``) against the default
+    for PDL calls (:func:`choose_frag_config` with ``pdl=True``) and bf16 cuBLAS, every call launched with PDL, alternated
     ``rounds`` times in one process; medians. Writes ``compare.json`` / ``compare.md``."""
     dev = torch.device("cuda")
     by = {}
@@ -202,7 +202,7 @@ def compare(out: Path, shapes, ms: list[int], rounds: int, cands: list[str]) -> 
         for m in ms:
             x = torch.randn(m, k, device=dev, dtype=torch.bfloat16)
             ref = reference(x, q[0], s[0])
-            cfgs = [choose_frag_config(m, n, k, dev)] + by.get((lab, 1 if m <= 8 else 2), [])
+            cfgs = [choose_frag_config(m, n, k, dev, pdl=True)] + by.get((lab, 1 if m <= 8 else 2), [])
             row = dict(shape=lab, K=k, N=n, M=m, configs=[cfg_list(c) for c in cfgs], cublas=[],
                        err=[rel_err(int8_frag_linear(x, fr[0], s[0], config=c, pdl=True), ref) for c in cfgs],
                        us=[[] for _ in cfgs])
