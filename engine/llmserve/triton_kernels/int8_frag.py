@@ -270,8 +270,7 @@ def _int8_frag_persistent_kernel(x_ptr, w_desc, s_ptr, bias_ptr, y_ptr, hand_ptr
                                  stride_xm, stride_ym, HAS_BIAS: tl.constexpr, TILES: tl.constexpr,
                                  UNROLL: tl.constexpr, WARPS: tl.constexpr, STAGES: tl.constexpr,
                                  ASM1: tl.constexpr, CONS1: tl.constexpr, ASM2: tl.constexpr,
-                                 CONS2: tl.constexpr, EMPTY: tl.constexpr, USE_PDL: tl.constexpr = False,
-                                 PDL_TRIGGER_FIRST: tl.constexpr = False):
+                                 CONS2: tl.constexpr, EMPTY: tl.constexpr, USE_PDL: tl.constexpr = False):
     """Persistent form of the TMA path: ``U = (N / 16) * S`` units (16-channel block ``b``, K step
     ``s`` of ``S``, unit ``b * S + s``) split into equal contiguous runs, one a program, walked
     by one software-pipelined loop, so the TMA copies never drain at block ends and every
@@ -281,7 +280,7 @@ def _int8_frag_persistent_kernel(x_ptr, w_desc, s_ptr, bias_ptr, y_ptr, hand_ptr
     stored; a block cut between two runs (each run has >= S units, so at most two share one)
     is finished by whichever run's part arrives second (:func:`_persist_flush`; ``hand_ptr``:
     int32 ``[16, N]``, every slot ``EMPTY`` before and after the call)."""
-    pdl_start(USE_PDL, PDL_TRIGGER_FIRST)
+    pdl_start(USE_PDL, False)
     T: tl.constexpr = WARPS * 32
     STEP: tl.constexpr = UNROLL * WARPS
     pid = tl.program_id(0)
@@ -301,7 +300,7 @@ def _int8_frag_persistent_kernel(x_ptr, w_desc, s_ptr, bias_ptr, y_ptr, hand_ptr
     tok_ok1 = (tok + 8 < M)[None, :]
     acc0 = tl.zeros([1, T * 4], dtype=tl.float32)
     acc1 = tl.zeros([1, T * 4], dtype=tl.float32)
-    pdl_wait(USE_PDL, PDL_TRIGGER_FIRST)
+    pdl_wait(USE_PDL, False)
     for t in tl.range(u_lo, u_hi, num_stages=STAGES):
         blk = t // S
         st = t - blk * S
@@ -620,7 +619,7 @@ def _persistent_call(x2, frags, scale, bias, cfg: FragConfig, m: int, n: int, kb
         x2.view(torch.int32), desc, scale, bias if bias is not None else scale, y, hand,
         m, n, kb, s_steps, nblk * s_steps, x2.stride(0) // 2, y.stride(0),
         HAS_BIAS=bias is not None, TILES=1 if m <= 8 else 2, UNROLL=cfg.unroll, WARPS=cfg.num_warps,
-        STAGES=cfg.stages, ASM1=_ASM1, CONS1=_CONS1, ASM2=_ASM2, CONS2=_CONS2, EMPTY=_EMPTY,
+        STAGES=cfg.stages, ASM1=_ASM1, CONS1=_CONS1, ASM2=_ASM2, CONS2=_CONS2, EMPTY=_EMPTY, USE_PDL=pdl,
         num_warps=cfg.num_warps, num_stages=1, **pdl_launch_kwargs(pdl, False))
     return y
 
