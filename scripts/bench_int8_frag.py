@@ -51,14 +51,7 @@ SHAPES = {"1.5b": [("gate/up", 1536, 8960), ("down", 8960, 1536), ("qkv", 1536, 
 
 
 def configs(quick: bool, l2: bool = False, pdl: bool = False, splits: tuple[int, ...] = (1, 6),
-            fold: bool = False, tma: bool = False, persistent: bool = False) -> list[FragConfig]:
-    if persistent:  # the persistent TMA kernel, and as controls run27's TMA and the PDL table's register winners
-        return ([FragConfig(w, u, 1, 1, False, st, False, True, True, per)
-                 for w, u, st, per in itertools.product((2, 4), (2, 4, 8), (2, 3, 4), (1, 2, 4)) if w * u <= 32]
-                + [FragConfig(4, 8, 1, stages=3, tma=True), FragConfig(4, 4, 1, stages=4, tma=True),
-                   FragConfig(2, 4, 1, stages=4, tma=True), FragConfig(2, 8, 1, prefetch=True, fold=True),
-                   FragConfig(4, 4, 6, prefetch=True), FragConfig(2, 8, 1), FragConfig(2, 8, 6),
-                   FragConfig(4, 2, 1, stages=5)])
+            fold: bool = False, tma: bool = False) -> list[FragConfig]:
     if tma:  # TMA weight copies in Triton's pipeline, and as controls the PDL table's kinds of winners
         return ([FragConfig(w, u, s, 1, False, st, False, fo, True)
                  for w, u, s, st, fo in itertools.product((1, 2, 4, 8), (1, 2, 4, 8), splits, (1, 2, 3, 4, 6),
@@ -88,14 +81,14 @@ def configs(quick: bool, l2: bool = False, pdl: bool = False, splits: tuple[int,
 
 def cfg_list(c: FragConfig) -> list[int]:
     """A configuration as the JSON rows store it: warps, unroll, split, blocks, prefetch,
-    stages, l2_prefetch, fold, tma, persistent."""
+    stages, l2_prefetch, fold, tma."""
     return [c.num_warps, c.unroll, c.split_k, c.blocks, int(c.prefetch), c.stages, int(c.l2_prefetch), int(c.fold),
-            int(c.tma), c.persistent]
+            int(c.tma)]
 
 
 def cfg_from_list(v: list[int]) -> FragConfig:
-    """Inverse of :func:`cfg_list` (rows of older runs have 7-9 entries: no fold, tma, persistent)."""
-    return FragConfig(*v[:4], bool(v[4]), v[5], bool(v[6]), *(bool(f) for f in v[7:9]), *v[9:10])
+    """Inverse of :func:`cfg_list` (rows of older runs have 7 or 8 entries: no fold, no tma)."""
+    return FragConfig(*v[:4], bool(v[4]), v[5], bool(v[6]), *(bool(f) for f in v[7:9]))
 
 
 def kernel_resources() -> list[dict]:
@@ -260,8 +253,6 @@ def main() -> int:
     ap.add_argument("--tma", action="store_true",
                     help="sweep FragConfig.tma (weights by TMA into shared memory, 1-6 pipeline stages) with a few "
                          "register-prefetch configurations as controls")
-    ap.add_argument("--persistent", action="store_true",
-                    help="sweep FragConfig.persistent (the persistent TMA kernel: 1-4 programs an SM) with controls")
     ap.add_argument("--defaults", type=int, default=0, metavar="ROUNDS",
                     help="instead of the sweep: the default configuration vs cuBLAS and int8_linear, "
                          "ROUNDS alternated rounds")
@@ -279,7 +270,7 @@ def main() -> int:
     if args.compare:
         compare(args.out, shapes, args.ms, args.compare, args.cand)
         return 0
-    cfgs = configs(args.quick, args.l2, args.pdl, tuple(args.splits or (1, 6)), args.fold, args.tma, args.persistent)
+    cfgs = configs(args.quick, args.l2, args.pdl, tuple(args.splits or (1, 6)), args.fold, args.tma)
     t0 = time.time()
     if args.workers > 1:
         import multiprocessing as mp
@@ -299,7 +290,7 @@ def main() -> int:
             row["shipped_err"], row["shipped_us"] = int8_us(x, q, s, ref)
             res = []
             for c in cfgs:
-                if (n // 16) % c.blocks or ((args.pdl or args.fold or args.tma or args.persistent) and not args.splits and c.split_k > 1 and k < 4096):
+                if (n // 16) % c.blocks or ((args.pdl or args.fold or args.tma) and not args.splits and c.split_k > 1 and k < 4096):
                     continue
                 if args.fold and c.split_k > 1 and n // 16 // c.blocks >= 264:  # >= 2 programs an SM unsplit
                     continue
@@ -333,9 +324,9 @@ def main() -> int:
                   + (f", loads alone {b['read_only_us']:.2f}" if b and "read_only_us" in b else "")
                   + (f"; {len(bad)} failed, first: {bad[0]['cfg']} {bad[0]['error']}" if bad else ""), flush=True)
             (args.out / "frag.json").write_text(json.dumps(dict(**run_header(), rows=rows), indent=1))
-    if args.fold or args.tma or args.persistent:
+    if args.fold or args.tma:
         (args.out / "kernels.json").write_text(json.dumps(kernel_resources(), indent=0))
-    lines = ["| shape | M | cuBLAS bf16 us | shipped int8 us | speed-up | frag us (warps, unroll, split, blocks, prefetch, stages, l2, fold, tma, persistent) | speed-up "
+    lines = ["| shape | M | cuBLAS bf16 us | shipped int8 us | speed-up | frag us (warps, unroll, split, blocks, prefetch, stages, l2, fold, tma) | speed-up "
              "| frag int8 GB/s |", "|---|---|---|---|---|---|---|---|"]
     for r in rows:
         c, a, b = r["cublas_bf16_us"], r["shipped_us"], r.get("frag_best")

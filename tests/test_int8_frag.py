@@ -153,8 +153,7 @@ def test_validation():
     with pytest.raises(NotImplementedError, match="CUDA"):
         int8_frag_linear(torch.zeros(1, 32, dtype=torch.bfloat16), f, s)
     for bad in (dict(unroll=3), dict(num_warps=0), dict(blocks=6), dict(split_k=0), dict(stages=0),
-                dict(tma=True, blocks=2), dict(tma=True, prefetch=True), dict(tma=True, l2_prefetch=True),
-                dict(persistent=1), dict(persistent=1, tma=True, split_k=2), dict(persistent=-1, tma=True)):
+                dict(tma=True, blocks=2), dict(tma=True, prefetch=True), dict(tma=True, l2_prefetch=True)):
         with pytest.raises(ValueError, match="FragConfig"):
             FragConfig(**bad)
 
@@ -185,9 +184,6 @@ def test_validation():
     (64, 1536, FragConfig(4, 4, 1, stages=3, fold=True, tma=True)),      # boxes past the tensor's end
     (32, 8960, FragConfig(2, 4, 3, stages=4, tma=True)),                 # ragged splits: rows of the next split
     (2048, 1536, FragConfig(8, 2, 3, stages=2, fold=True, tma=True)),
-    (48, 96, FragConfig(2, 2, 1, stages=2, tma=True, persistent=1)),     # persistent: one block a run
-    (2240, 320, FragConfig(2, 2, 1, stages=3, tma=True, persistent=1)),  # 140 blocks of 3 steps on <= 140 runs: cut blocks
-    (2240, 1536, FragConfig(4, 4, 1, stages=4, tma=True, persistent=1)),
 ])
 def test_kernel_matches_reference(m, n, k, cfg):
     g = torch.Generator().manual_seed(m + n + k)
@@ -209,8 +205,7 @@ def test_kernel_matches_reference(m, n, k, cfg):
 @pytest.mark.parametrize("cfg", [FragConfig(4, 4, 1, prefetch=True), FragConfig(4, 4, 1, prefetch=True, l2_prefetch=True),
                                  FragConfig(2, 2, 3, stages=3, l2_prefetch=True), FragConfig(2, 8, 2),
                                  FragConfig(2, 4, 1, blocks=2, prefetch=True, fold=True),
-                                 FragConfig(2, 4, 2, stages=3, tma=True),
-                                 FragConfig(2, 4, 1, stages=3, tma=True, persistent=1)])
+                                 FragConfig(2, 4, 2, stages=3, tma=True)])
 @pytest.mark.parametrize("m", [3, 12])
 def test_pdl_chain_reads_the_previous_output(m, cfg):
     """Eight PDL launches back to back in a CUDA graph, each reading the previous one's output
@@ -263,29 +258,6 @@ def test_default_config_matches_reference(m, n, k):
     for pdl in (False, True):  # with PDL: the PDL table's configuration where the GPU has one
         y = int8_frag_linear(x.cuda(), f, s.cuda(), pdl=pdl)
         assert ((y.double().cpu() - ref).norm() / ref.norm()).item() < 4e-3, pdl
-
-
-@gpu
-def test_persistent_hand_over_is_left_empty():
-    """Blocks cut between two runs of the persistent kernel meet in the hand-over buffer; after
-    the call every slot is empty again, and a second call gives the same bits."""
-    import llmserve.triton_kernels.int8_frag as frag
-
-    if torch.cuda.get_device_capability()[0] < 9:
-        pytest.skip("TMA needs sm_90")
-    g = torch.Generator().manual_seed(5)
-    n, k = 16 * 300, 320
-    q = torch.randint(-127, 128, (n, k), dtype=torch.int8, generator=g)
-    s = torch.rand(n, generator=g) * 1e-2 + 1e-3
-    x = torch.randn(11, k, generator=g).to(torch.bfloat16).cuda()
-    f = pack_int8_fragments(q).cuda()
-    cfg = FragConfig(2, 2, 1, stages=3, tma=True, persistent=1)
-    y = int8_frag_linear(x, f, s.cuda(), config=cfg)
-    ref = x.double().cpu() @ (q.double() * s.double()[:, None]).T
-    assert ((y.double().cpu() - ref).norm() / ref.norm()).item() < 4e-3
-    hands = [h for key, h in frag._HAND.items() if key[0] == "int8_frag_hand"]
-    assert hands and all(bool((h == frag._EMPTY).all()) for h in hands)
-    assert torch.equal(int8_frag_linear(x, f, s.cuda(), config=cfg), y)
 
 
 @gpu

@@ -265,96 +265,6 @@ def _int8_frag_kernel(x_ptr, w_ptr, w_desc, s_ptr, bias_ptr, y_ptr, ws_ptr, cnt_
                     HAS_BIAS, SPLIT, NB, WARPS, TILES, 1, FOLD)
 
 
-@triton.jit(do_not_specialize=["M"])
-def _int8_frag_persistent_kernel(x_ptr, w_desc, s_ptr, bias_ptr, y_ptr, hand_ptr, M, N, KB, S, U,
-                                 stride_xm, stride_ym, HAS_BIAS: tl.constexpr, TILES: tl.constexpr,
-                                 UNROLL: tl.constexpr, WARPS: tl.constexpr, STAGES: tl.constexpr,
-                                 ASM1: tl.constexpr, CONS1: tl.constexpr, ASM2: tl.constexpr,
-                                 CONS2: tl.constexpr, EMPTY: tl.constexpr, USE_PDL: tl.constexpr = False):
-    """Persistent form of the TMA path: ``U = (N / 16) * S`` units (16-channel block ``b``, K step
-    ``s`` of ``S``, unit ``b * S + s``) split into equal contiguous runs, one a program, walked
-    by one software-pipelined loop, so the TMA copies never drain at block ends and every
-    program streams the same bytes (a stream-K split; Osama et al., "Stream-K: Work-centric
-    Parallel Decomposition for Dense Matrix-Matrix Multiplication on the GPU", 2023). A block
-    is flushed when its last unit or the run's last unit is done: whole blocks are scaled and
-    stored; a block cut between two runs (each run has >= S units, so at most two share one)
-    is finished by whichever run's part arrives second (:func:`_persist_flush`; ``hand_ptr``:
-    int32 ``[16, N]``, every slot ``EMPTY`` before and after the call)."""
-    pdl_start(USE_PDL, False)
-    T: tl.constexpr = WARPS * 32
-    STEP: tl.constexpr = UNROLL * WARPS
-    pid = tl.program_id(0)
-    npr = tl.num_programs(0)
-    u_lo = (pid * U) // npr
-    u_hi = ((pid + 1) * U) // npr
-    e = tl.arange(0, T * 4)
-    warp = e // 128
-    lane = (e // 4) % 32
-    tok = lane // 4
-    xcol = (lane % 4) * 4 + e % 4
-    u = tl.arange(0, UNROLL)
-    f = tl.arange(0, 128)
-    chf = ((f // 16) + 8 * ((f % 4) // 2))[None, :]            # [1, 128] channel within a block
-    tk = (((f // 4) % 4) * 2 + f % 2)[None, :]
-    tok_ok0 = (tok < M)[None, :]
-    tok_ok1 = (tok + 8 < M)[None, :]
-    acc0 = tl.zeros([1, T * 4], dtype=tl.float32)
-    acc1 = tl.zeros([1, T * 4], dtype=tl.float32)
-    pdl_wait(USE_PDL, False)
-    for t in tl.range(u_lo, u_hi, num_stages=STAGES):
-        blk = t // S
-        st = t - blk * S
-        w = tl.reshape(w_desc.load([blk * KB + st * STEP, 0]), [1, UNROLL, T * 4])
-        chunk = st * STEP + u[:, None] * WARPS + warp[None, :]             # [U, T*4]
-        ok = chunk < KB
-        x0_ptrs = x_ptr + tok[None, :] * stride_xm + chunk * 16 + xcol[None, :]
-        x0, x1 = _frag_x_loads(x0_ptrs, x0_ptrs + 8 * stride_xm, ok, tok_ok0, tok_ok1, TILES, False)
-        acc0, acc1 = _frag_mma(w, x0, x1, acc0, acc1, TILES, ASM1, CONS1, ASM2, CONS2, False, True)
-        if (st == S - 1) | (t == u_hi - 1):
-            whole = (blk * S >= u_lo) & (st == S - 1)
-            ch = blk * 16 + chf
-            _persist_flush(acc0, ch, tk, whole, blk, M, N, s_ptr, bias_ptr, y_ptr, hand_ptr, stride_ym,
-                           HAS_BIAS, WARPS, EMPTY)
-            if TILES == 2:
-                _persist_flush(acc1, ch, tk + 8, whole, blk, M, N, s_ptr, bias_ptr, y_ptr, hand_ptr, stride_ym,
-                               HAS_BIAS, WARPS, EMPTY)
-            acc0 = tl.zeros([1, T * 4], dtype=tl.float32)
-            acc1 = tl.zeros([1, T * 4], dtype=tl.float32)
-
-
-# Bit pattern of an empty slot of the persistent kernel's hand-over buffer: a NaN with a payload
-# that arithmetic never produces (it makes 0x7FC00000), so no partial sum can look empty.
-_EMPTY = 0x7FC0DEAD
-
-
-@triton.jit
-def _persist_flush(acc, ch, tk, whole, blk, M, N, s_ptr, bias_ptr, y_ptr, hand_ptr, stride_ym,
-                   HAS_BIAS: tl.constexpr, WARPS: tl.constexpr, EMPTY: tl.constexpr):
-    """One token tile of a flushed block of :func:`_int8_frag_persistent_kernel`: reduce the
-    ``[1, WARPS * 128]`` partial sums over the warps to ``[1, 128]`` (channel ``ch``, token
-    ``tk``), then store y (``whole``), or hand the part over element by element: each element
-    swaps its part into the hand-over buffer (``atomic_xchg``, acquire-release); the one that
-    finds the other run's part there (not ``EMPTY``) adds the two (two operands: the order does
-    not change the sum), stores y and empties the slot. No barrier: Triton's software pipeline
-    gives up on loops with one."""
-    part = tl.sum(tl.reshape(acc, [1, WARPS, 128]), axis=1)
-    mask = (tk < M) & (ch < N)
-    if whole:
-        yv = part * tl.load(s_ptr + ch).to(tl.float32)
-        if HAS_BIAS:
-            yv += tl.load(bias_ptr + ch).to(tl.float32)
-        tl.store(y_ptr + tk.to(tl.int64) * stride_ym + ch, yv.to(y_ptr.dtype.element_ty), mask=mask)
-    else:
-        slot = hand_ptr + tk.to(tl.int64) * N + ch
-        old = tl.atomic_xchg(slot, part.to(tl.int32, bitcast=True), mask=mask)
-        second = mask & (old != EMPTY)
-        yv = (part + old.to(tl.float32, bitcast=True)) * tl.load(s_ptr + ch, mask=second, other=0).to(tl.float32)
-        if HAS_BIAS:
-            yv += tl.load(bias_ptr + ch, mask=second, other=0).to(tl.float32)
-        tl.store(y_ptr + tk.to(tl.int64) * stride_ym + ch, yv.to(y_ptr.dtype.element_ty), mask=second)
-        tl.store(slot, tl.full(part.shape, EMPTY, tl.int32), mask=second)
-
-
 @triton.jit
 def _frag_mma(w, x0, x1, acc0, acc1, TILES: tl.constexpr, ASM1: tl.constexpr, CONS1: tl.constexpr,
               ASM2: tl.constexpr, CONS2: tl.constexpr, READ_ONLY: tl.constexpr, FOLD: tl.constexpr = False):
@@ -513,7 +423,6 @@ class FragConfig:
     l2_prefetch: bool = False
     fold: bool = False
     tma: bool = False
-    persistent: int = 0
 
     def __post_init__(self) -> None:
         for name in ("num_warps", "unroll", "blocks"):
@@ -526,10 +435,6 @@ class FragConfig:
                 raise ValueError(f"FragConfig.{name} must be an int >= 1, got {v!r}")
         if self.tma and (self.blocks != 1 or self.prefetch or self.l2_prefetch):
             raise ValueError("FragConfig.tma needs blocks=1, prefetch=False and l2_prefetch=False")
-        if not isinstance(self.persistent, int) or self.persistent < 0 or (self.persistent and not (
-                self.tma and self.split_k == 1)):
-            raise ValueError("FragConfig.persistent (programs an SM, 0: off) needs tma=True and split_k=1, "
-                             f"got {self.persistent!r}")
 
 
 # H200 sweep winners (results/kernels/int8_frag/run5: Qwen2.5-1.5B shapes; run8: 7B and
@@ -601,31 +506,6 @@ def choose_frag_config(m: int, n: int, k: int, device: torch.device | None = Non
     if stages > 1:
         return FragConfig(4, 2, split, stages=stages)
     return FragConfig(4, 4, split, prefetch=True)
-
-
-def _persistent_call(x2, frags, scale, bias, cfg: FragConfig, m: int, n: int, kb: int, pdl: bool) -> torch.Tensor:
-    """Launch :func:`_int8_frag_persistent_kernel` (arguments checked by the caller)."""
-    step = cfg.unroll * cfg.num_warps
-    nblk = n // 16
-    s_steps = triton.cdiv(kb, step)
-    progs = max(1, min(nblk, cfg.persistent * num_sms(x2.device, cpu_default=132)))
-    y = torch.empty((m, n), dtype=x2.dtype, device=x2.device)
-    key = ("int8_frag_hand", x2.device.type, x2.device.index)
-    hand = _HAND.get(key)
-    if hand is None or hand.numel() < FRAG_MAX_M * n:
-        hand = _HAND[key] = torch.full((FRAG_MAX_M * n,), _EMPTY, dtype=torch.int32, device=x2.device)
-    desc = TensorDescriptor(frags.view(-1, 128), [nblk * kb, 128], [128, 1], [step, 128])
-    _int8_frag_persistent_kernel[(progs,)](
-        x2.view(torch.int32), desc, scale, bias if bias is not None else scale, y, hand,
-        m, n, kb, s_steps, nblk * s_steps, x2.stride(0) // 2, y.stride(0),
-        HAS_BIAS=bias is not None, TILES=1 if m <= 8 else 2, UNROLL=cfg.unroll, WARPS=cfg.num_warps,
-        STAGES=cfg.stages, ASM1=_ASM1, CONS1=_CONS1, ASM2=_ASM2, CONS2=_CONS2, EMPTY=_EMPTY, USE_PDL=pdl,
-        num_warps=cfg.num_warps, num_stages=1, **pdl_launch_kwargs(pdl, False))
-    return y
-
-
-# The persistent kernel's hand-over buffers (one per device; every call leaves them empty).
-_HAND: dict[tuple, torch.Tensor] = {}
 
 
 def int8_frag_linear(x: torch.Tensor, frags: torch.Tensor, scale: torch.Tensor,
@@ -704,8 +584,6 @@ def int8_frag_linear(x: torch.Tensor, frags: torch.Tensor, scale: torch.Tensor,
     scale = scale.contiguous()
     bias = bias.contiguous() if bias is not None else None
     kb = k // 32
-    if cfg.persistent:
-        return _persistent_call(x2, frags, scale, bias, cfg, m, n, kb, pdl).reshape(*lead, n)
     split = max(1, min(cfg.split_k, kb))
     kb_per = triton.cdiv(kb, split)
     split = triton.cdiv(kb, kb_per)
