@@ -39,8 +39,11 @@ finish (a per-program arrival counter, as in ``int8_linear.py``'s fused split-K 
 Measured (H200, ``scripts/bench_int8_frag.py --defaults 3``, ``results/kernels/int8_frag/run9``
 and ``run17``): 1.2-1.4x faster than bf16 cuBLAS at M = 2..8 on the Qwen2.5-1.5B projections
 (the shipped ``int8_linear``: 0.86-1.44x), 1.8-1.9x on the 7B gate/up and down; at M = 9..16
-(two MMA tiles) 1.0-1.5x. Launched with PDL (``pdl=True``) back to back, 1.5B gate/up reaches
-1.51-1.54x at M = 1..3 and qkv 1.71-1.74x at M <= 8. ``int8_linear`` does not route here; the
+(two MMA tiles) 1.0-1.5x. Launched with PDL (``pdl=True``) back to back, with the PDL-call
+table (``_TUNED_PDL``: ``fold`` for gate/up, TMA weight copies without split-K for down), 1.5B
+gate/up takes 6.3-6.6 us and down 7.6-8.0 us at M = 1..8, 1.50-1.62x cuBLAS on run29's machine
+(1.46-1.53x for gate/up where cuBLAS was faster, run25), qkv 1.70-1.75x; M = 12..16 stays at
+1.13-1.45x (``results/kernels/int8_frag/run29``). ``int8_linear`` does not route here; the
 fused forward does, opt in (``LLMSERVE_INT8_FRAGMENTS=1``, ``models/fast_forward.py``, with PDL
 for hidden sizes <= 2048): 1.5B decode steps of 2-8 sequences 11-17% faster, 0.5B 50-58%
 (``results/kernels/int8_frag/run16``).
