@@ -110,6 +110,17 @@ def kernel_resources() -> list[dict]:
     return out
 
 
+def cases(shapes, ms: list[int], dev: torch.device):
+    """For each shape and M: ``(label, K, N, M, copies, q, s, wb, frags, x, fp64 reference)``,
+    the weights (enough copies to rotate over > 200 MB) made once a shape."""
+    for lab, k, n in shapes:
+        copies, q, s, wb = shape_weights(k, n, dev)
+        fr = torch.stack([pack_int8_fragments(q[i]) for i in range(copies)])
+        for m in ms:
+            x = torch.randn(m, k, device=dev, dtype=torch.bfloat16)
+            yield lab, k, n, m, copies, q, s, wb, fr, x, reference(x, q[0], s[0])
+
+
 def _precompile(args):
     """Worker: call every (shape, tiles, config) once so the timed pass finds the binaries."""
     wid, nw, shapes, ms, cfgs, pdl = args
@@ -138,41 +149,36 @@ def defaults(out: Path, shapes, ms: list[int], rounds: int) -> None:
     ``rounds`` times in one process; medians. Writes ``defaults.json`` / ``defaults.md``."""
     dev = torch.device("cuda")
     rows = []
-    for lab, k, n in shapes:
-        copies, q, s, wb = shape_weights(k, n, dev)
-        fr = torch.stack([pack_int8_fragments(q[i]) for i in range(copies)])
-        for m in ms:
-            x = torch.randn(m, k, device=dev, dtype=torch.bfloat16)
-            ref = reference(x, q[0], s[0])
-            c = choose_frag_config(m, n, k, dev)
-            cl2 = dataclasses.replace(c, l2_prefetch=True)
-            cp = choose_frag_config(m, n, k, dev, pdl=True)
-            variants = {"frag": (c, False), "l2": (cl2, False), "pdl": (c, True), "l2_pdl": (cl2, True),
-                        "pdl_table": (cp, True)}
-            row = dict(shape=lab, K=k, N=n, M=m, frag_config=cfg_list(c), pdl_config=cfg_list(cp), cublas=[], shipped=[],
-                       **{key: [] for key in variants})
+    for lab, k, n, m, copies, q, s, wb, fr, x, ref in cases(shapes, ms, dev):
+        c = choose_frag_config(m, n, k, dev)
+        cl2 = dataclasses.replace(c, l2_prefetch=True)
+        cp = choose_frag_config(m, n, k, dev, pdl=True)
+        variants = {"frag": (c, False), "l2": (cl2, False), "pdl": (c, True), "l2_pdl": (cl2, True),
+                    "pdl_table": (cp, True)}
+        row = dict(shape=lab, K=k, N=n, M=m, frag_config=cfg_list(c), pdl_config=cfg_list(cp), cublas=[], shipped=[],
+                   **{key: [] for key in variants})
+        for key, (cv, pv) in variants.items():
+            row[f"{key}_err"] = rel_err(int8_frag_linear(x, fr[0], s[0], config=cv, pdl=pv), ref)
+        cfg = choose_int8_config(m, n, k, dev)
+        row["shipped_config"] = f"{cfg.kind} {cfg.block_m}x{cfg.block_n}x{cfg.block_k} split {cfg.split_k}"
+        row["shipped_err"] = rel_err(int8_linear(x, q[0], s[0]), ref)
+        for _ in range(rounds):
+            row["cublas"].append(cublas_us(x, wb))
+            row["shipped"].append(int8_us(x, q, s, ref)[1])
             for key, (cv, pv) in variants.items():
-                row[f"{key}_err"] = rel_err(int8_frag_linear(x, fr[0], s[0], config=cv, pdl=pv), ref)
-            cfg = choose_int8_config(m, n, k, dev)
-            row["shipped_config"] = f"{cfg.kind} {cfg.block_m}x{cfg.block_n}x{cfg.block_k} split {cfg.split_k}"
-            row["shipped_err"] = rel_err(int8_linear(x, q[0], s[0]), ref)
-            for _ in range(rounds):
-                row["cublas"].append(cublas_us(x, wb))
-                row["shipped"].append(int8_us(x, q, s, ref)[1])
-                for key, (cv, pv) in variants.items():
-                    row[key].append(graph_time_us([lambda i=i, cv=cv, pv=pv: int8_frag_linear(x, fr[i], s[i], config=cv,
-                                                                                               pdl=pv)
-                                                   for i in range(copies)], max(copies, 24), replays=12))
-            for key in ("cublas", "shipped", *variants):
-                row[f"{key}_us"] = sorted(row[key])[len(row[key]) // 2]
-            rows.append(row)
-            print(f"{lab} M={m}: cuBLAS {row['cublas_us']:.2f}, shipped {row['shipped_us']:.2f} "
-                  f"({row['shipped_config']}), frag {row['frag_us']:.2f} {row['frag_config']} "
-                  f"({row['cublas_us'] / row['frag_us']:.2f}x), +l2 {row['l2_us']:.2f}, +pdl {row['pdl_us']:.2f}, "
-                  f"+l2+pdl {row['l2_pdl_us']:.2f} ({row['cublas_us'] / row['l2_pdl_us']:.2f}x), "
-                  f"PDL table {row['pdl_table_us']:.2f} ({row['cublas_us'] / row['pdl_table_us']:.2f}x), "
-                  f"errors {max(row[f'{v}_err'] for v in variants):.1e}", flush=True)
-            (out / "defaults.json").write_text(json.dumps(dict(**run_header(), rows=rows), indent=1))
+                row[key].append(graph_time_us([lambda i=i, cv=cv, pv=pv: int8_frag_linear(x, fr[i], s[i], config=cv,
+                                                                                           pdl=pv)
+                                               for i in range(copies)], max(copies, 24), replays=12))
+        for key in ("cublas", "shipped", *variants):
+            row[f"{key}_us"] = sorted(row[key])[len(row[key]) // 2]
+        rows.append(row)
+        print(f"{lab} M={m}: cuBLAS {row['cublas_us']:.2f}, shipped {row['shipped_us']:.2f} "
+              f"({row['shipped_config']}), frag {row['frag_us']:.2f} {row['frag_config']} "
+              f"({row['cublas_us'] / row['frag_us']:.2f}x), +l2 {row['l2_us']:.2f}, +pdl {row['pdl_us']:.2f}, "
+              f"+l2+pdl {row['l2_pdl_us']:.2f} ({row['cublas_us'] / row['l2_pdl_us']:.2f}x), "
+              f"PDL table {row['pdl_table_us']:.2f} ({row['cublas_us'] / row['pdl_table_us']:.2f}x), "
+              f"errors {max(row[f'{v}_err'] for v in variants):.1e}", flush=True)
+        (out / "defaults.json").write_text(json.dumps(dict(**run_header(), rows=rows), indent=1))
     lines = ["| shape | M | cuBLAS bf16 us | shipped int8 us | speed-up | fragments us | speed-up | fragments int8 GB/s "
              "| + L2 prefetch us | speed-up | + PDL us | speed-up | + both us | speed-up | PDL table us | speed-up "
              "| config (warps, unroll, split, blocks, prefetch, stages, l2, fold) | PDL table config |", "|---" * 18 + "|"]
@@ -196,29 +202,24 @@ def compare(out: Path, shapes, ms: list[int], rounds: int, cands: list[str]) -> 
         lab, tiles, cfg = c.split(":")
         by.setdefault((lab, int(tiles)), []).append(cfg_from_list([int(v) for v in cfg.split(",")]))
     rows = []
-    for lab, k, n in shapes:
-        copies, q, s, wb = shape_weights(k, n, dev)
-        fr = torch.stack([pack_int8_fragments(q[i]) for i in range(copies)])
-        for m in ms:
-            x = torch.randn(m, k, device=dev, dtype=torch.bfloat16)
-            ref = reference(x, q[0], s[0])
-            cfgs = [choose_frag_config(m, n, k, dev, pdl=True)] + by.get((lab, 1 if m <= 8 else 2), [])
-            row = dict(shape=lab, K=k, N=n, M=m, configs=[cfg_list(c) for c in cfgs], cublas=[],
-                       err=[rel_err(int8_frag_linear(x, fr[0], s[0], config=c, pdl=True), ref) for c in cfgs],
-                       us=[[] for _ in cfgs])
-            for _ in range(rounds):
-                row["cublas"].append(cublas_us(x, wb))
-                for j, c in enumerate(cfgs):
-                    row["us"][j].append(graph_time_us([lambda i=i, c=c: int8_frag_linear(x, fr[i], s[i], config=c, pdl=True)
-                                                       for i in range(copies)], max(copies, 24), replays=12))
-            med = lambda v: sorted(v)[len(v) // 2]  # noqa: E731
-            row["cublas_us"] = med(row["cublas"])
-            row["median_us"] = [med(v) for v in row["us"]]
-            rows.append(row)
-            print(f"{lab} M={m}: cuBLAS {row['cublas_us']:.2f}; "
-                  + "; ".join(f"{tuple(c)} {u:.2f} ({row['cublas_us'] / u:.2f}x)"
-                              for c, u in zip(row["configs"], row["median_us"])), flush=True)
-            (out / "compare.json").write_text(json.dumps(dict(**run_header(), rows=rows), indent=1))
+    for lab, k, n, m, copies, q, s, wb, fr, x, ref in cases(shapes, ms, dev):
+        cfgs = [choose_frag_config(m, n, k, dev, pdl=True)] + by.get((lab, 1 if m <= 8 else 2), [])
+        row = dict(shape=lab, K=k, N=n, M=m, configs=[cfg_list(c) for c in cfgs], cublas=[],
+                   err=[rel_err(int8_frag_linear(x, fr[0], s[0], config=c, pdl=True), ref) for c in cfgs],
+                   us=[[] for _ in cfgs])
+        for _ in range(rounds):
+            row["cublas"].append(cublas_us(x, wb))
+            for j, c in enumerate(cfgs):
+                row["us"][j].append(graph_time_us([lambda i=i, c=c: int8_frag_linear(x, fr[i], s[i], config=c, pdl=True)
+                                                   for i in range(copies)], max(copies, 24), replays=12))
+        med = lambda v: sorted(v)[len(v) // 2]  # noqa: E731
+        row["cublas_us"] = med(row["cublas"])
+        row["median_us"] = [med(v) for v in row["us"]]
+        rows.append(row)
+        print(f"{lab} M={m}: cuBLAS {row['cublas_us']:.2f}; "
+              + "; ".join(f"{tuple(c)} {u:.2f} ({row['cublas_us'] / u:.2f}x)"
+                          for c, u in zip(row["configs"], row["median_us"])), flush=True)
+        (out / "compare.json").write_text(json.dumps(dict(**run_header(), rows=rows), indent=1))
     lines = ["| shape | M | cuBLAS bf16 us | default (PDL) us | speed-up | candidates (PDL): config us speed-up |",
              "|---|---|---|---|---|---|"]
     for r in rows:
@@ -278,52 +279,47 @@ def main() -> int:
             pool.map(_precompile, [(w, args.workers, shapes, args.ms, cfgs, args.pdl) for w in range(args.workers)])
         print(f"[{time.time() - t0:6.1f}s] precompiled {len(cfgs)} configurations", flush=True)
     rows = []
-    for lab, k, n in shapes:
-        copies, q, s, wb = shape_weights(k, n, dev)
-        fr = torch.stack([pack_int8_fragments(q[i]) for i in range(copies)])
-        for m in args.ms:
-            x = torch.randn(m, k, device=dev, dtype=torch.bfloat16)
-            ref = reference(x, q[0], s[0])
-            row = dict(shape=lab, K=k, N=n, M=m, cublas_bf16_us=cublas_us(x, wb))
-            cfg = choose_int8_config(m, n, k, dev)
-            row["shipped_config"] = f"{cfg.kind} {cfg.block_m}x{cfg.block_n}x{cfg.block_k} split {cfg.split_k}"
-            row["shipped_err"], row["shipped_us"] = int8_us(x, q, s, ref)
-            res = []
-            for c in cfgs:
-                if (n // 16) % c.blocks or ((args.pdl or args.fold or args.tma) and not args.splits and c.split_k > 1 and k < 4096):
-                    continue
-                if args.fold and c.split_k > 1 and n // 16 // c.blocks >= 264:  # >= 2 programs an SM unsplit
-                    continue
-                r = dict(cfg=cfg_list(c), us=None, err=None, error=None, pdl=args.pdl)
-                try:
-                    r["err"] = rel_err(int8_frag_linear(x, fr[0], s[0], config=c, pdl=args.pdl), ref)
-                    if r["err"] > 1e-2:
-                        r["error"] = f"relative error {r['err']:.2e}"
-                    else:
-                        r["us"] = graph_time_us([lambda i=i: int8_frag_linear(x, fr[i], s[i], config=c, pdl=args.pdl)
-                                                 for i in range(copies)], max(copies, 24), replays=12)
-                except Exception as ex:  # noqa: BLE001 - kept as a row
-                    r["error"] = f"{type(ex).__name__}: {ex}"[:300]
-                res.append(r)
-            row["frag"] = res
-            if args.read_only:  # the same loads without conversion and MMAs, for the 3 best
-                for r in sorted([r for r in res if r["us"] is not None], key=lambda r: r["us"])[:3]:
-                    c = cfg_from_list(r["cfg"])
-                    r["read_only_us"] = graph_time_us([lambda i=i: int8_frag_linear(x, fr[i], s[i], config=c,
-                                                                                    pdl=args.pdl, _read_only=True)
-                                                       for i in range(copies)], max(copies, 24), replays=12)
-            ok = [r for r in res if r["us"] is not None]
-            bad = [r for r in res if r["error"]]
-            if ok:
-                row["frag_best"] = min(ok, key=lambda r: r["us"])
-            rows.append(row)
-            b = row.get("frag_best")
-            print(f"[{time.time() - t0:6.1f}s] {lab} M={m}: cuBLAS {row['cublas_bf16_us']:.2f}, shipped "
-                  f"{row['shipped_us']:.2f} ({row['shipped_config']}), frag "
-                  + (f"{b['us']:.2f} {b['cfg']} ({row['cublas_bf16_us'] / b['us']:.2f}x)" if b else "none")
-                  + (f", loads alone {b['read_only_us']:.2f}" if b and "read_only_us" in b else "")
-                  + (f"; {len(bad)} failed, first: {bad[0]['cfg']} {bad[0]['error']}" if bad else ""), flush=True)
-            (args.out / "frag.json").write_text(json.dumps(dict(**run_header(), rows=rows), indent=1))
+    for lab, k, n, m, copies, q, s, wb, fr, x, ref in cases(shapes, args.ms, dev):
+        row = dict(shape=lab, K=k, N=n, M=m, cublas_bf16_us=cublas_us(x, wb))
+        cfg = choose_int8_config(m, n, k, dev)
+        row["shipped_config"] = f"{cfg.kind} {cfg.block_m}x{cfg.block_n}x{cfg.block_k} split {cfg.split_k}"
+        row["shipped_err"], row["shipped_us"] = int8_us(x, q, s, ref)
+        res = []
+        for c in cfgs:
+            if (n // 16) % c.blocks or ((args.pdl or args.fold or args.tma) and not args.splits and c.split_k > 1 and k < 4096):
+                continue
+            if args.fold and c.split_k > 1 and n // 16 // c.blocks >= 264:  # >= 2 programs an SM unsplit
+                continue
+            r = dict(cfg=cfg_list(c), us=None, err=None, error=None, pdl=args.pdl)
+            try:
+                r["err"] = rel_err(int8_frag_linear(x, fr[0], s[0], config=c, pdl=args.pdl), ref)
+                if r["err"] > 1e-2:
+                    r["error"] = f"relative error {r['err']:.2e}"
+                else:
+                    r["us"] = graph_time_us([lambda i=i: int8_frag_linear(x, fr[i], s[i], config=c, pdl=args.pdl)
+                                             for i in range(copies)], max(copies, 24), replays=12)
+            except Exception as ex:  # noqa: BLE001 - kept as a row
+                r["error"] = f"{type(ex).__name__}: {ex}"[:300]
+            res.append(r)
+        row["frag"] = res
+        if args.read_only:  # the same loads without conversion and MMAs, for the 3 best
+            for r in sorted([r for r in res if r["us"] is not None], key=lambda r: r["us"])[:3]:
+                c = cfg_from_list(r["cfg"])
+                r["read_only_us"] = graph_time_us([lambda i=i: int8_frag_linear(x, fr[i], s[i], config=c,
+                                                                                pdl=args.pdl, _read_only=True)
+                                                   for i in range(copies)], max(copies, 24), replays=12)
+        ok = [r for r in res if r["us"] is not None]
+        bad = [r for r in res if r["error"]]
+        if ok:
+            row["frag_best"] = min(ok, key=lambda r: r["us"])
+        rows.append(row)
+        b = row.get("frag_best")
+        print(f"[{time.time() - t0:6.1f}s] {lab} M={m}: cuBLAS {row['cublas_bf16_us']:.2f}, shipped "
+              f"{row['shipped_us']:.2f} ({row['shipped_config']}), frag "
+              + (f"{b['us']:.2f} {b['cfg']} ({row['cublas_bf16_us'] / b['us']:.2f}x)" if b else "none")
+              + (f", loads alone {b['read_only_us']:.2f}" if b and "read_only_us" in b else "")
+              + (f"; {len(bad)} failed, first: {bad[0]['cfg']} {bad[0]['error']}" if bad else ""), flush=True)
+        (args.out / "frag.json").write_text(json.dumps(dict(**run_header(), rows=rows), indent=1))
     if args.fold or args.tma:
         (args.out / "kernels.json").write_text(json.dumps(kernel_resources(), indent=0))
     lines = ["| shape | M | cuBLAS bf16 us | shipped int8 us | speed-up | frag us (warps, unroll, split, blocks, prefetch, stages, l2, fold, tma) | speed-up "
