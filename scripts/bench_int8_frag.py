@@ -87,7 +87,13 @@ def cfg_list(c: FragConfig) -> list[int]:
 
 
 def cfg_from_list(v: list[int]) -> FragConfig:
-    """Inverse of :func:`cfg_list` (rows of older runs have 7 or 8 entries: no fold, no tma)."""
+    """Inverse of :func:`cfg_list`. Rows of older runs have 7 or 8 entries (no fold, no tma);
+    run31/run32 rows have a 10th, ``persistent``, of a reverted kernel: refused unless 0.
+
+    Raises:
+        ValueError: fewer than 7 entries, or a nonzero 10th."""
+    if len(v) < 7 or (len(v) > 9 and v[9]):
+        raise ValueError(f"not a configuration row of this script: {v!r}")
     return FragConfig(*v[:4], bool(v[4]), v[5], bool(v[6]), *(bool(f) for f in v[7:9]))
 
 
@@ -181,7 +187,7 @@ def defaults(out: Path, shapes, ms: list[int], rounds: int) -> None:
         (out / "defaults.json").write_text(json.dumps(dict(**run_header(), rows=rows), indent=1))
     lines = ["| shape | M | cuBLAS bf16 us | shipped int8 us | speed-up | fragments us | speed-up | fragments int8 GB/s "
              "| + L2 prefetch us | speed-up | + PDL us | speed-up | + both us | speed-up | PDL table us | speed-up "
-             "| config (warps, unroll, split, blocks, prefetch, stages, l2, fold) | PDL table config |", "|---" * 18 + "|"]
+             "| config (warps, unroll, split, blocks, prefetch, stages, l2, fold, tma) | PDL table config |", "|---" * 18 + "|"]
     for r in rows:
         c = r["cublas_us"]
         lines.append(f"| {r['shape']} | {r['M']} | {c:.2f} | {r['shipped_us']:.2f} | {c / r['shipped_us']:.2f}x | "
@@ -192,10 +198,16 @@ def defaults(out: Path, shapes, ms: list[int], rounds: int) -> None:
     print("\n".join(lines))
 
 
+def _speed(cublas: float, us: float | None, sep: str = " ") -> str:
+    """``"us<sep>speed-upx"``, or ``"wrong result"`` for an untimed configuration."""
+    return f"{us:.2f}{sep}{cublas / us:.2f}x" if us is not None else f"wrong result{sep}-"
+
+
 def compare(out: Path, shapes, ms: list[int], rounds: int, cands: list[str]) -> None:
     """Candidate configurations (``SHAPE:TILES:w,u,s,b,pf,st,l2,fold[,tma]``) against the default
     for PDL calls (:func:`choose_frag_config` with ``pdl=True``) and bf16 cuBLAS, every call launched with PDL, alternated
-    ``rounds`` times in one process; medians. Writes ``compare.json`` / ``compare.md``."""
+    ``rounds`` times in one process; medians. A configuration whose result is off (relative
+    error > 1e-2) is kept untimed. Writes ``compare.json`` / ``compare.md``."""
     dev = torch.device("cuda")
     by = {}
     for c in cands:
@@ -207,25 +219,28 @@ def compare(out: Path, shapes, ms: list[int], rounds: int, cands: list[str]) -> 
         row = dict(shape=lab, K=k, N=n, M=m, configs=[cfg_list(c) for c in cfgs], cublas=[],
                    err=[rel_err(int8_frag_linear(x, fr[0], s[0], config=c, pdl=True), ref) for c in cfgs],
                    us=[[] for _ in cfgs])
+        wrong = [e > 1e-2 for e in row["err"]]  # not timed: kept with its error, us = None
         for _ in range(rounds):
             row["cublas"].append(cublas_us(x, wb))
             for j, c in enumerate(cfgs):
+                if wrong[j]:
+                    continue
                 row["us"][j].append(graph_time_us([lambda i=i, c=c: int8_frag_linear(x, fr[i], s[i], config=c, pdl=True)
                                                    for i in range(copies)], max(copies, 24), replays=12))
         med = lambda v: sorted(v)[len(v) // 2]  # noqa: E731
         row["cublas_us"] = med(row["cublas"])
-        row["median_us"] = [med(v) for v in row["us"]]
+        row["median_us"] = [med(v) if v else None for v in row["us"]]
         rows.append(row)
         print(f"{lab} M={m}: cuBLAS {row['cublas_us']:.2f}; "
-              + "; ".join(f"{tuple(c)} {u:.2f} ({row['cublas_us'] / u:.2f}x)"
+              + "; ".join(f"{tuple(c)} {_speed(row['cublas_us'], u)}"
                           for c, u in zip(row["configs"], row["median_us"])), flush=True)
         (out / "compare.json").write_text(json.dumps(dict(**run_header(), rows=rows), indent=1))
     lines = ["| shape | M | cuBLAS bf16 us | default (PDL) us | speed-up | candidates (PDL): config us speed-up |",
              "|---|---|---|---|---|---|"]
     for r in rows:
         c = r["cublas_us"]
-        lines.append(f"| {r['shape']} | {r['M']} | {c:.2f} | {r['median_us'][0]:.2f} | {c / r['median_us'][0]:.2f}x | "
-                     + "; ".join(f"{tuple(cf)} {u:.2f} {c / u:.2f}x" for cf, u in zip(r["configs"][1:], r["median_us"][1:]))
+        lines.append(f"| {r['shape']} | {r['M']} | {c:.2f} | {_speed(c, r['median_us'][0], ' | ')} | "
+                     + "; ".join(f"{tuple(cf)} {_speed(c, u)}" for cf, u in zip(r["configs"][1:], r["median_us"][1:]))
                      + " |")
     (out / "compare.md").write_text("\n".join(lines) + "\n")
     print("\n".join(lines))
@@ -260,7 +275,7 @@ def main() -> int:
     ap.add_argument("--compare", type=int, default=0, metavar="ROUNDS",
                     help="instead of the sweep: the default and --cand configurations, all with PDL, vs cuBLAS, "
                          "ROUNDS alternated rounds")
-    ap.add_argument("--cand", nargs="+", default=[], metavar="SHAPE:TILES:w,u,s,b,pf,st,l2,fold")
+    ap.add_argument("--cand", nargs="+", default=[], metavar="SHAPE:TILES:w,u,s,b,pf,st,l2,fold[,tma]")
     args = ap.parse_args()
     args.out.mkdir(parents=True, exist_ok=True)
     dev = torch.device("cuda")

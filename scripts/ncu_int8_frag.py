@@ -6,7 +6,7 @@ Usage (on the GPU machine; ncu profiles the last launch):
         --section LaunchStats --section Occupancy --section WarpStateStats \\
         python3 scripts/ncu_int8_frag.py --shape gate/up --m 16 --cfg 2 8 1 1 0 1 0 1 [--pdl]
 
-``--cfg``: warps, unroll, split, blocks, prefetch, stages, l2_prefetch, fold (as the rows of
+``--cfg``: warps, unroll, split, blocks, prefetch, stages, l2_prefetch, fold[, tma] (as the rows of
 ``bench_int8_frag.py`` store it). Random int8 weights of the Qwen2.5-1.5B shape, bf16 x.
 """
 

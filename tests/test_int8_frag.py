@@ -94,6 +94,10 @@ def test_default_configs_for_pdl_calls(monkeypatch):
     assert choose_frag_config(3, 8960, 1536, gpu_name=h200, pdl=False) == FragConfig(4, 4, 1, prefetch=True)
     assert choose_frag_config(3, 8960, 1536, gpu_name="other", pdl=True) == FragConfig(4, 4, 1, prefetch=True)
     assert choose_frag_config(2, 18944, 3584, gpu_name=h200, pdl=True) == FragConfig(2, 4, 1, prefetch=True)  # 7B
+    import llmserve.triton_kernels.int8_frag as frag
+    monkeypatch.setattr(frag, "TensorDescriptor", None)           # a Triton without TMA descriptors
+    assert choose_frag_config(8, 1536, 8960, gpu_name=h200, pdl=True) == FragConfig(4, 4, 6, prefetch=True)
+    monkeypatch.undo()
     monkeypatch.setenv("LLMSERVE_INT8_FRAG_PDL_TABLE", "0")
     assert choose_frag_config(3, 8960, 1536, gpu_name=h200, pdl=True) == FragConfig(4, 4, 1, prefetch=True)
     monkeypatch.setenv("LLMSERVE_INT8_FRAG_PDL_TABLE", "yes")
@@ -181,7 +185,8 @@ def test_validation():
     (32, 8960, FragConfig(4, 2, 6, blocks=2, prefetch=True, l2_prefetch=True, fold=True)),
     (48, 96, FragConfig(2, 2, 1, stages=2, tma=True)),                   # TMA box of 4 chunks, 3 in K
     (16, 32, FragConfig(1, 1, 1, tma=True)),                             # one chunk, no pipeline
-    (64, 1536, FragConfig(4, 4, 1, stages=3, fold=True, tma=True)),      # boxes past the tensor's end
+    (64, 1536, FragConfig(4, 4, 1, stages=3, fold=True, tma=True)),      # whole boxes, 3-step pipeline
+    (48, 1600, FragConfig(4, 4, 1, stages=4, fold=True, tma=True)),      # 50 chunks: the last box runs past the tensor
     (32, 8960, FragConfig(2, 4, 3, stages=4, tma=True)),                 # ragged splits: rows of the next split
     (2048, 1536, FragConfig(8, 2, 3, stages=2, fold=True, tma=True)),
 ])
@@ -258,6 +263,26 @@ def test_default_config_matches_reference(m, n, k):
     for pdl in (False, True):  # with PDL: the PDL table's configuration where the GPU has one
         y = int8_frag_linear(x.cuda(), f, s.cuda(), pdl=pdl)
         assert ((y.double().cpu() - ref).norm() / ref.norm()).item() < 4e-3, pdl
+
+
+@gpu
+def test_config_follows_the_effective_pdl(monkeypatch):
+    """int8_frag_linear picks its default configuration for the PDL setting it really launches
+    with: not PDL when the scale had to be copied (strided) or PDL is unavailable."""
+    import llmserve.triton_kernels.int8_frag as frag
+
+    seen = []
+    real = frag.choose_frag_config
+    monkeypatch.setattr(frag, "choose_frag_config",
+                        lambda m, n, k, device=None, gpu_name=None, pdl=False: seen.append(pdl) or real(m, n, k, device,
+                                                                                                      gpu_name, pdl))
+    q = torch.randint(-127, 128, (32, 64), dtype=torch.int8)
+    f = pack_int8_fragments(q).cuda()
+    x = torch.randn(3, 64, device="cuda").to(torch.bfloat16)
+    strided = torch.rand(64, device="cuda")[::2]
+    int8_frag_linear(x, f, strided, pdl=True)
+    int8_frag_linear(x, f, strided.contiguous(), pdl=True)
+    assert seen == [False, frag.pdl_available(x.device)]
 
 
 @gpu

@@ -285,6 +285,7 @@ class FastQwen2Forward:
         # slower, batch 2-8 -4% to +11%. So on for hidden sizes <= SMALL_HIDDEN_MAX (as the
         # gemv early epilogue's size rule); LLMSERVE_INT8_FRAG_PDL=0/1 overrides.
         frag_pdl = env_switch("LLMSERVE_INT8_FRAG_PDL")
+        env_switch("LLMSERVE_INT8_FRAG_PDL_TABLE")  # a bad value fails here, not in a captured call
         if frag_pdl is None:
             frag_pdl = cfg.hidden_size <= SMALL_HIDDEN_MAX
         self.frag_pdl = self.int8_fragments and frag_pdl and pdl_available(w0.device)

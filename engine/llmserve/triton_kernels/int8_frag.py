@@ -28,6 +28,9 @@ Fragment layout (:func:`pack_int8_fragments`): int32 ``[N/16, K/32, 32, 4]``; ch
 ``2^23`` reads as the fp32 ``2^23 + q + 128``; subtracting ``2^23 + 128`` leaves ``q``
 exactly, whose fp32 low half is zero, so its high half is the bf16 (PRMT + FADD, no ``I2F``).
 
+With ``FragConfig.tma`` (sm_90) the weights instead reach shared memory by TMA bulk-tensor
+copies in Triton's software pipeline and are read from there in the same register layout.
+
 Work split (:class:`FragConfig`): a program owns ``blocks`` x 16 output channels and
 ``1 / split_k`` of K; its ``num_warps`` warps take interleaved K chunks, ``unroll`` chunks a
 loop step each; the next step's chunks are loaded into registers before this step's MMAs
@@ -60,7 +63,10 @@ from dataclasses import dataclass
 import torch
 import triton
 import triton.language as tl
-from triton.tools.tensor_descriptor import TensorDescriptor
+try:  # host-side TMA descriptors (Triton >= 3.4); FragConfig.tma is unavailable without them
+    from triton.tools.tensor_descriptor import TensorDescriptor
+except ImportError:  # pragma: no cover - old Triton
+    TensorDescriptor = None
 
 from ..config import env_switch
 from ..quantization import pack_int8_fragments, unpack_int8_fragments  # the layout (pure torch), re-exported
@@ -415,7 +421,16 @@ class FragConfig:
     prefetches (``cp.async.bulk.prefetch.L2``, sm_90 or later). ``fold``: one accumulator a
     16-channel block and token tile, the ``unroll`` chunks' MMA results summed into it every
     step, instead of one accumulator an unrolled chunk (fewer registers: more programs fit on
-    an SM, and ``blocks`` > 1 with two token tiles fits at all)."""
+    an SM, and ``blocks`` > 1 with two token tiles fits at all). ``tma`` (sm_90 or later,
+    Triton >= 3.4; needs ``blocks == 1`` and neither ``prefetch`` nor ``l2_prefetch``): each
+    step's weight chunks, one contiguous ``[unroll * num_warps, 128]``-word box, are copied into
+    shared memory by the Tensor Memory Accelerator inside Triton's software pipeline,
+    ``stages - 1`` steps ahead; x stays as above. The box needs ``stages * unroll * num_warps
+    * 512`` bytes of shared memory (more fails at compile time).
+
+    Raises:
+        ValueError: a field out of range or a ``tma`` configuration with blocks, prefetch or
+        L2 prefetch."""
 
     num_warps: int = 4
     unroll: int = 4
@@ -460,11 +475,12 @@ _TUNED: dict[tuple[int, int, int], FragConfig] = {
 # H200 winners for calls launched with PDL back to back (the engine's fragment decode steps for
 # hidden sizes <= 2048): run20's PDL sweep of 468 configurations with and without ``fold``
 # (1.5B shapes), checked in run22 (3 alternated rounds). Only 1.5B gate/up at <= 8 tokens
-# changed: ``fold`` lets 8 chunks a warp a step fit in 132 registers, 4-14% faster than the
+# changed: ``fold`` lets 8 chunks a warp a step fit in 132 registers, 4-13% faster than the
 # plain table's configuration with PDL. The sweep's other winners add the L2 prefetch, which
 # makes engine steps 0.5-2.3% slower (run23) although it wins in chains of one kernel; without
 # it they do not beat the plain table (down, q/k/v) or equal it (two token tiles). Down
-# (K = 8960) takes TMA weight copies without split-K (run27's sweep of 98 TMA configurations:
+# (K = 8960) takes TMA weight copies without split-K (run27's sweep of 142 TMA configurations,
+# 284 with split-K on down:
 # M = 2 / 8 / 16 4% / 11% / 5% faster than the split-K register-prefetch configuration).
 _TUNED_PDL: dict[tuple[int, int, int], FragConfig] = {
     (8960, 1536, 1): FragConfig(2, 8, 1, prefetch=True, fold=True),
@@ -488,14 +504,20 @@ def choose_frag_config(m: int, n: int, k: int, device: torch.device | None = Non
     * more than 8 tokens (two MMA tiles, twice the x registers): 2 warps of 8 chunks, no
       register prefetch.
 
-    ``gpu_name`` (default: the device's) selects the table; other GPUs get the rule.
+    ``gpu_name`` (default: the device's) selects the table; other GPUs get the rule. A
+    ``tma`` entry of ``_TUNED_PDL`` is skipped where this Triton has no TMA descriptors.
+
+    Raises:
+        ValueError: ``LLMSERVE_INT8_FRAG_PDL_TABLE`` set to anything but 0 or 1 (checked on
+        every call with ``pdl``).
     """
     if gpu_name is None and device is not None and device.type == "cuda":
         gpu_name = _gpu_name(device)                   # cached per device
     tiles = 1 if m <= 8 else 2
-    if pdl and gpu_name == _TUNED_GPU and (n, k, tiles) in _TUNED_PDL \
-            and env_switch("LLMSERVE_INT8_FRAG_PDL_TABLE") is not False:
-        return _TUNED_PDL[(n, k, tiles)]
+    if pdl and env_switch("LLMSERVE_INT8_FRAG_PDL_TABLE") is not False and gpu_name == _TUNED_GPU:
+        cfg = _TUNED_PDL.get((n, k, tiles))
+        if cfg is not None and (TensorDescriptor is not None or not cfg.tma):
+            return cfg
     if gpu_name == _TUNED_GPU and (n, k, tiles) in _TUNED:
         return _TUNED[(n, k, tiles)]
     sms = num_sms(device, cpu_default=132) if device is not None else 132
@@ -544,7 +566,8 @@ def int8_frag_linear(x: torch.Tensor, frags: torch.Tensor, scale: torch.Tensor,
 
     Raises:
         ValueError: wrong dtypes, shapes, devices, alignment, ``config.blocks`` not dividing
-        ``N / 16``, ``config.l2_prefetch`` or ``config.tma`` before sm_90, or more than 16 rows; NotImplementedError on a CPU tensor (inline PTX; use
+        ``N / 16``, ``config.l2_prefetch`` or ``config.tma`` before sm_90, ``config.tma`` before
+        Triton 3.4, a bad ``LLMSERVE_INT8_FRAG_PDL_TABLE``, or more than 16 rows; NotImplementedError on a CPU tensor (inline PTX; use
         :func:`emulate_fragment_linear`).
     """
     if not isinstance(x, torch.Tensor) or x.dtype != torch.bfloat16:
@@ -574,16 +597,19 @@ def int8_frag_linear(x: torch.Tensor, frags: torch.Tensor, scale: torch.Tensor,
     m = x2.shape[0]
     if m > FRAG_MAX_M or m == 0:
         raise ValueError(f"int8_frag_linear serves 1..{FRAG_MAX_M} rows, got {m}")
-    if x2.stride(1) != 1 or x2.stride(0) % 8 or x2.data_ptr() % 16:
-        x2 = torch.empty((m, k), dtype=x.dtype, device=x.device).copy_(x2)  # rows 16-byte aligned
     copied = not scale.is_contiguous() or (bias is not None and not bias.is_contiguous())
     # scale and bias are read before the PDL wait: not when a copy kernel just wrote them
     pdl = bool(pdl) and not copied and pdl_available(x.device)
     cfg = config or choose_frag_config(m, n, k, x.device, pdl=pdl)  # FragConfig validates its fields
     if (n // 16) % cfg.blocks:
         raise ValueError(f"config.blocks={cfg.blocks} must divide N / 16 = {n // 16}")
-    if (cfg.l2_prefetch or cfg.tma) and torch.cuda.get_device_capability(x.device)[0] < 9:
-        raise ValueError("config.l2_prefetch and config.tma need sm_90 or later (cp.async.bulk)")
+    for flag in ("l2_prefetch", "tma"):
+        if getattr(cfg, flag) and torch.cuda.get_device_capability(x.device)[0] < 9:
+            raise ValueError(f"config.{flag} needs sm_90 or later (cp.async.bulk)")
+    if cfg.tma and TensorDescriptor is None:
+        raise ValueError("config.tma needs Triton >= 3.4 (triton.tools.tensor_descriptor)")
+    if x2.stride(1) != 1 or x2.stride(0) % 8 or x2.data_ptr() % 16:
+        x2 = torch.empty((m, k), dtype=x.dtype, device=x.device).copy_(x2)  # rows 16-byte aligned
     scale = scale.contiguous()
     bias = bias.contiguous() if bias is not None else None
     kb = k // 32
