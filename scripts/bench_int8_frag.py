@@ -116,15 +116,30 @@ def kernel_resources() -> list[dict]:
     return out
 
 
+def frag_us(x: torch.Tensor, fr: torch.Tensor, s: torch.Tensor, config: FragConfig, pdl: bool,
+            read_only: bool = False) -> float:
+    """Microseconds a call of ``int8_frag_linear`` with ``config``: a CUDA graph of back-to-back
+    calls rotating over the weight copies ``fr`` / ``s`` (every call reads HBM)."""
+    copies = fr.shape[0]
+    return graph_time_us([lambda i=i: int8_frag_linear(x, fr[i], s[i], config=config, pdl=pdl, _read_only=read_only)
+                          for i in range(copies)], max(copies, 24), replays=12)
+
+
+def median(v: list[float]) -> float:
+    """The middle element (upper median) of ``v``, as every table of this script reports."""
+    return sorted(v)[len(v) // 2]
+
+
 def cases(shapes, ms: list[int], dev: torch.device):
-    """For each shape and M: ``(label, K, N, M, copies, q, s, wb, frags, x, fp64 reference)``,
-    the weights (enough copies to rotate over > 200 MB) made once a shape."""
+    """For each shape and M: ``(label, K, N, M, q, s, wb, frags, x, fp64 reference)``, the
+    weights (enough copies to rotate over > 200 MB; ``frags.shape[0]`` of them) made once a
+    shape."""
     for lab, k, n in shapes:
         copies, q, s, wb = shape_weights(k, n, dev)
         fr = torch.stack([pack_int8_fragments(q[i]) for i in range(copies)])
         for m in ms:
             x = torch.randn(m, k, device=dev, dtype=torch.bfloat16)
-            yield lab, k, n, m, copies, q, s, wb, fr, x, reference(x, q[0], s[0])
+            yield lab, k, n, m, q, s, wb, fr, x, reference(x, q[0], s[0])
 
 
 def _precompile(args):
@@ -155,7 +170,7 @@ def defaults(out: Path, shapes, ms: list[int], rounds: int) -> None:
     ``rounds`` times in one process; medians. Writes ``defaults.json`` / ``defaults.md``."""
     dev = torch.device("cuda")
     rows = []
-    for lab, k, n, m, copies, q, s, wb, fr, x, ref in cases(shapes, ms, dev):
+    for lab, k, n, m, q, s, wb, fr, x, ref in cases(shapes, ms, dev):
         c = choose_frag_config(m, n, k, dev)
         cl2 = dataclasses.replace(c, l2_prefetch=True)
         cp = choose_frag_config(m, n, k, dev, pdl=True)
@@ -172,11 +187,9 @@ def defaults(out: Path, shapes, ms: list[int], rounds: int) -> None:
             row["cublas"].append(cublas_us(x, wb))
             row["shipped"].append(int8_us(x, q, s, ref)[1])
             for key, (cv, pv) in variants.items():
-                row[key].append(graph_time_us([lambda i=i, cv=cv, pv=pv: int8_frag_linear(x, fr[i], s[i], config=cv,
-                                                                                           pdl=pv)
-                                               for i in range(copies)], max(copies, 24), replays=12))
+                row[key].append(frag_us(x, fr, s, cv, pv))
         for key in ("cublas", "shipped", *variants):
-            row[f"{key}_us"] = sorted(row[key])[len(row[key]) // 2]
+            row[f"{key}_us"] = median(row[key])
         rows.append(row)
         print(f"{lab} M={m}: cuBLAS {row['cublas_us']:.2f}, shipped {row['shipped_us']:.2f} "
               f"({row['shipped_config']}), frag {row['frag_us']:.2f} {row['frag_config']} "
@@ -214,7 +227,7 @@ def compare(out: Path, shapes, ms: list[int], rounds: int, cands: list[str]) -> 
         lab, tiles, cfg = c.split(":")
         by.setdefault((lab, int(tiles)), []).append(cfg_from_list([int(v) for v in cfg.split(",")]))
     rows = []
-    for lab, k, n, m, copies, q, s, wb, fr, x, ref in cases(shapes, ms, dev):
+    for lab, k, n, m, q, s, wb, fr, x, ref in cases(shapes, ms, dev):
         cfgs = [choose_frag_config(m, n, k, dev, pdl=True)] + by.get((lab, 1 if m <= 8 else 2), [])
         row = dict(shape=lab, K=k, N=n, M=m, configs=[cfg_list(c) for c in cfgs], cublas=[],
                    err=[rel_err(int8_frag_linear(x, fr[0], s[0], config=c, pdl=True), ref) for c in cfgs],
@@ -225,11 +238,9 @@ def compare(out: Path, shapes, ms: list[int], rounds: int, cands: list[str]) -> 
             for j, c in enumerate(cfgs):
                 if wrong[j]:
                     continue
-                row["us"][j].append(graph_time_us([lambda i=i, c=c: int8_frag_linear(x, fr[i], s[i], config=c, pdl=True)
-                                                   for i in range(copies)], max(copies, 24), replays=12))
-        med = lambda v: sorted(v)[len(v) // 2]  # noqa: E731
-        row["cublas_us"] = med(row["cublas"])
-        row["median_us"] = [med(v) if v else None for v in row["us"]]
+                row["us"][j].append(frag_us(x, fr, s, c, True))
+        row["cublas_us"] = median(row["cublas"])
+        row["median_us"] = [median(v) if v else None for v in row["us"]]
         rows.append(row)
         print(f"{lab} M={m}: cuBLAS {row['cublas_us']:.2f}; "
               + "; ".join(f"{tuple(c)} {_speed(row['cublas_us'], u)}"
@@ -294,7 +305,7 @@ def main() -> int:
             pool.map(_precompile, [(w, args.workers, shapes, args.ms, cfgs, args.pdl) for w in range(args.workers)])
         print(f"[{time.time() - t0:6.1f}s] precompiled {len(cfgs)} configurations", flush=True)
     rows = []
-    for lab, k, n, m, copies, q, s, wb, fr, x, ref in cases(shapes, args.ms, dev):
+    for lab, k, n, m, q, s, wb, fr, x, ref in cases(shapes, args.ms, dev):
         row = dict(shape=lab, K=k, N=n, M=m, cublas_bf16_us=cublas_us(x, wb))
         cfg = choose_int8_config(m, n, k, dev)
         row["shipped_config"] = f"{cfg.kind} {cfg.block_m}x{cfg.block_n}x{cfg.block_k} split {cfg.split_k}"
@@ -311,8 +322,7 @@ def main() -> int:
                 if r["err"] > 1e-2:
                     r["error"] = f"relative error {r['err']:.2e}"
                 else:
-                    r["us"] = graph_time_us([lambda i=i: int8_frag_linear(x, fr[i], s[i], config=c, pdl=args.pdl)
-                                             for i in range(copies)], max(copies, 24), replays=12)
+                    r["us"] = frag_us(x, fr, s, c, args.pdl)
             except Exception as ex:  # noqa: BLE001 - kept as a row
                 r["error"] = f"{type(ex).__name__}: {ex}"[:300]
             res.append(r)
@@ -320,9 +330,7 @@ def main() -> int:
         if args.read_only:  # the same loads without conversion and MMAs, for the 3 best
             for r in sorted([r for r in res if r["us"] is not None], key=lambda r: r["us"])[:3]:
                 c = cfg_from_list(r["cfg"])
-                r["read_only_us"] = graph_time_us([lambda i=i: int8_frag_linear(x, fr[i], s[i], config=c,
-                                                                                pdl=args.pdl, _read_only=True)
-                                                   for i in range(copies)], max(copies, 24), replays=12)
+                r["read_only_us"] = frag_us(x, fr, s, c, args.pdl, read_only=True)
         ok = [r for r in res if r["us"] is not None]
         bad = [r for r in res if r["error"]]
         if ok:

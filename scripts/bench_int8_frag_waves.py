@@ -22,12 +22,11 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from bench_int8_frag import cfg_from_list  # noqa: E402
-from bench_int8_planes import cublas_us, reference, rel_err, run_header, shape_weights  # noqa: E402
-from cuda_timing import graph_time_us  # noqa: E402
+from bench_int8_frag import cases, cfg_from_list, frag_us  # noqa: E402
+from bench_int8_planes import cublas_us, rel_err, run_header  # noqa: E402
 
 from llmserve.triton_kernels._launch import num_sms  # noqa: E402
-from llmserve.triton_kernels.int8_frag import int8_frag_linear, pack_int8_fragments  # noqa: E402
+from llmserve.triton_kernels.int8_frag import int8_frag_linear  # noqa: E402
 
 CONFIGS = {8: [[2, 8, 1, 1, 1, 1, 1, 1], [4, 4, 1, 1, 1, 1, 0, 0], [4, 2, 1, 1, 1, 1, 1, 1]],
            16: [[2, 8, 1, 1, 0, 1, 1, 0], [2, 4, 1, 1, 1, 1, 1, 0]]}
@@ -44,25 +43,19 @@ def main() -> int:
     dev = torch.device("cuda")
     sms = num_sms(dev, cpu_default=132)
     rows = []
-    for per in args.per_sm:
-        nb = round(per * sms)
-        n, k = nb * 16, args.k
-        copies, q, s, wb = shape_weights(k, n, dev)
-        fr = torch.stack([pack_int8_fragments(q[i]) for i in range(copies)])
-        for m in args.ms:
-            x = torch.randn(m, k, device=dev, dtype=torch.bfloat16)
-            ref = reference(x, q[0], s[0])
-            row = dict(K=k, N=n, M=m, blocks=nb, per_sm=nb / sms, cublas_us=cublas_us(x, wb), frag=[])
-            for c in CONFIGS[8 if m <= 8 else 16]:
-                cfg = cfg_from_list(c)
-                err = rel_err(int8_frag_linear(x, fr[0], s[0], config=cfg, pdl=True), ref)
-                us = graph_time_us([lambda i=i: int8_frag_linear(x, fr[i], s[i], config=cfg, pdl=True)
-                                    for i in range(copies)], max(copies, 24), replays=12) if err < 1e-2 else None
-                row["frag"].append(dict(cfg=c, err=err, us=us))
-            rows.append(row)
-            print(f"N={n} ({nb / sms:.2f}/SM) M={m}: cuBLAS {row['cublas_us']:.2f} "
-                  + " ".join(f"{f['us']:.2f}" if f["us"] else "err" for f in row["frag"]), flush=True)
-            (args.out / "waves.json").write_text(json.dumps(dict(**run_header(), sms=sms, rows=rows), indent=1))
+    shapes = [(f"N={round(per * sms) * 16}", args.k, round(per * sms) * 16) for per in args.per_sm]
+    for _, k, n, m, q, s, wb, fr, x, ref in cases(shapes, args.ms, dev):
+        nb = n // 16
+        row = dict(K=k, N=n, M=m, blocks=nb, per_sm=nb / sms, cublas_us=cublas_us(x, wb), frag=[])
+        for c in CONFIGS[8 if m <= 8 else 16]:
+            cfg = cfg_from_list(c)
+            err = rel_err(int8_frag_linear(x, fr[0], s[0], config=cfg, pdl=True), ref)
+            us = frag_us(x, fr, s, cfg, True) if err < 1e-2 else None
+            row["frag"].append(dict(cfg=c, err=err, us=us))
+        rows.append(row)
+        print(f"N={n} ({nb / sms:.2f}/SM) M={m}: cuBLAS {row['cublas_us']:.2f} "
+              + " ".join(f"{f['us']:.2f}" if f["us"] else "err" for f in row["frag"]), flush=True)
+        (args.out / "waves.json").write_text(json.dumps(dict(**run_header(), sms=sms, rows=rows), indent=1))
     lines = ["| N | programs an SM | M | cuBLAS bf16 us | fragment us (configs of bench_int8_frag rows) | best us a block-per-SM |",
              "|---|---|---|---|---|---|"]
     for r in rows:

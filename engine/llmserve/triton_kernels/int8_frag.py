@@ -479,9 +479,9 @@ _TUNED: dict[tuple[int, int, int], FragConfig] = {
 # plain table's configuration with PDL. The sweep's other winners add the L2 prefetch, which
 # makes engine steps 0.5-2.3% slower (run23) although it wins in chains of one kernel; without
 # it they do not beat the plain table (down, q/k/v) or equal it (two token tiles). Down
-# (K = 8960) takes TMA weight copies without split-K (run27's sweep of 142 TMA configurations,
-# 284 with split-K on down:
-# M = 2 / 8 / 16 4% / 11% / 5% faster than the split-K register-prefetch configuration).
+# (K = 8960) takes TMA weight copies without split-K: in run27's sweep of 142 TMA
+# configurations (284 on down, with split 6), 4% / 11% / 5% faster at M = 2 / 8 / 16 than the
+# split-K register-prefetch configuration.
 _TUNED_PDL: dict[tuple[int, int, int], FragConfig] = {
     (8960, 1536, 1): FragConfig(2, 8, 1, prefetch=True, fold=True),
     (1536, 8960, 1): FragConfig(4, 8, 1, stages=3, tma=True),
