@@ -53,9 +53,9 @@ SHAPES = {"1.5b": [("gate/up", 1536, 8960), ("down", 8960, 1536), ("qkv", 1536, 
 def configs(quick: bool, l2: bool = False, pdl: bool = False, splits: tuple[int, ...] = (1, 6),
             fold: bool = False, tma: bool = False) -> list[FragConfig]:
     if tma:  # TMA weight copies in Triton's pipeline, and as controls the PDL table's kinds of winners
-        return ([FragConfig(w, u, s, 1, False, st, False, fo, True)
-                 for w, u, s, st, fo in itertools.product((1, 2, 4, 8), (1, 2, 4, 8), splits, (1, 2, 3, 4, 6),
-                                                          (False, True))
+        return ([FragConfig(w, u, s, 1, pf, st, False, fo, True)
+                 for w, u, s, st, fo, pf in itertools.product((1, 2, 4, 8), (1, 2, 4, 8), splits, (1, 2, 3, 4, 6),
+                                                              (False, True), (False, True))
                  if w * u <= 32 and st * w * u <= 96]
                 + [FragConfig(2, 8, s, prefetch=True, fold=True) for s in splits]
                 + [FragConfig(4, 4, s, prefetch=True) for s in splits] + [FragConfig(2, 8, s) for s in splits])
@@ -278,7 +278,8 @@ def main() -> int:
                          "prefetch modes and the L2 prefetch, with unfolded one-block configurations as controls; "
                          "writes kernels.json (registers and spills of every compiled variant)")
     ap.add_argument("--tma", action="store_true",
-                    help="sweep FragConfig.tma (weights by TMA into shared memory, 1-6 pipeline stages) with a few "
+                    help="sweep FragConfig.tma (weights by TMA into shared memory, 1-6 pipeline stages; x in the pipeline or, with "
+                         "prefetch, a step ahead in registers) with a few "
                          "register-prefetch configurations as controls")
     ap.add_argument("--defaults", type=int, default=0, metavar="ROUNDS",
                     help="instead of the sweep: the default configuration vs cuBLAS and int8_linear, "

@@ -157,7 +157,7 @@ def test_validation():
     with pytest.raises(NotImplementedError, match="CUDA"):
         int8_frag_linear(torch.zeros(1, 32, dtype=torch.bfloat16), f, s)
     for bad in (dict(unroll=3), dict(num_warps=0), dict(blocks=6), dict(split_k=0), dict(stages=0),
-                dict(tma=True, blocks=2), dict(tma=True, prefetch=True), dict(tma=True, l2_prefetch=True)):
+                dict(tma=True, blocks=2), dict(tma=True, l2_prefetch=True)):
         with pytest.raises(ValueError, match="FragConfig"):
             FragConfig(**bad)
 
@@ -189,6 +189,10 @@ def test_validation():
     (48, 1600, FragConfig(4, 4, 1, stages=4, fold=True, tma=True)),      # 50 chunks: the last box runs past the tensor
     (32, 8960, FragConfig(2, 4, 3, stages=4, tma=True)),                 # ragged splits: rows of the next split
     (2048, 1536, FragConfig(8, 2, 3, stages=2, fold=True, tma=True)),
+    (48, 96, FragConfig(2, 2, 1, prefetch=True, stages=2, tma=True)),     # TMA weights, x a step ahead in registers
+    (16, 32, FragConfig(1, 1, 1, prefetch=True, tma=True)),
+    (48, 1600, FragConfig(4, 4, 1, prefetch=True, stages=4, tma=True)),  # last box past the tensor, masked x
+    (32, 8960, FragConfig(2, 4, 3, prefetch=True, stages=3, fold=True, tma=True)),  # ragged splits
 ])
 def test_kernel_matches_reference(m, n, k, cfg):
     g = torch.Generator().manual_seed(m + n + k)
@@ -210,7 +214,8 @@ def test_kernel_matches_reference(m, n, k, cfg):
 @pytest.mark.parametrize("cfg", [FragConfig(4, 4, 1, prefetch=True), FragConfig(4, 4, 1, prefetch=True, l2_prefetch=True),
                                  FragConfig(2, 2, 3, stages=3, l2_prefetch=True), FragConfig(2, 8, 2),
                                  FragConfig(2, 4, 1, blocks=2, prefetch=True, fold=True),
-                                 FragConfig(2, 4, 2, stages=3, tma=True)])
+                                 FragConfig(2, 4, 2, stages=3, tma=True),
+                                 FragConfig(2, 4, 1, prefetch=True, stages=3, tma=True)])
 @pytest.mark.parametrize("m", [3, 12])
 def test_pdl_chain_reads_the_previous_output(m, cfg):
     """Eight PDL launches back to back in a CUDA graph, each reading the previous one's output

@@ -190,10 +190,12 @@ def _int8_frag_kernel(x_ptr, w_ptr, w_desc, s_ptr, bias_ptr, y_ptr, ws_ptr, cnt_
     ``UNROLL`` chunks' MMAs start from zero and are summed into one ``[NB, T*4]`` accumulator a
     tile each step (``UNROLL`` times fewer loop-carried registers, ``4 NB UNROLL`` FADDs a tile
     a step); otherwise each unrolled chunk keeps its own accumulator until the end. ``TMA``
-    (``NB == 1``, no ``PREFETCH``): a step's ``STEP`` weight chunks are one contiguous box of
+    (``NB == 1``): a step's ``STEP`` weight chunks are one contiguous box of
     ``w_desc`` (the fragments as ``[N/16 * KB, 128]`` words), copied into shared memory by the
     Tensor Memory Accelerator in Triton's software pipeline (``STAGES - 1`` steps ahead, no
     registers or L1 miss slots held while in flight); rows past ``kb_hi`` meet zero x words.
+    ``TMA`` with ``PREFETCH``: x by plain loads one step ahead in registers, not in the
+    pipeline (whose ``cp.async`` copies bypass L1).
     """
     pdl_start(USE_PDL, PDL_TRIGGER_FIRST)
     T: tl.constexpr = WARPS * 32
@@ -239,13 +241,24 @@ def _int8_frag_kernel(x_ptr, w_ptr, w_desc, s_ptr, bias_ptr, y_ptr, ws_ptr, cnt_
         # view: row u * WARPS + warp is chunk u of warp `warp`, i.e. w[0, u, e] (see w_ptrs)
         row = pid_n * KB + kb_lo
         pdl_wait(USE_PDL, PDL_TRIGGER_FIRST)
-        for k0 in tl.range(kb_lo, kb_hi, STEP, num_stages=STAGES):
-            ok = (chunk + (k0 - kb_lo)) < kb_hi
-            w = tl.reshape(w_desc.load([row + (k0 - kb_lo), 0]), [1, UNROLL, T * 4])
-            x0, x1 = _frag_x_loads(x0_ptrs, x1_ptrs, ok, tok_ok0, tok_ok1, TILES, EVEN)
-            acc0, acc1 = _frag_mma(w, x0, x1, acc0, acc1, TILES, ASM1, CONS1, ASM2, CONS2, READ_ONLY, FOLD)
-            x0_ptrs += STEP * 16
-            x1_ptrs += STEP * 16
+        if PREFETCH:  # x by plain loads one step ahead in registers (L1), outside the pipeline
+            x0, x1 = _frag_x_loads(x0_ptrs, x1_ptrs, chunk < kb_hi, tok_ok0, tok_ok1, TILES, EVEN)
+            for k0 in tl.range(kb_lo, kb_hi, STEP, num_stages=STAGES):
+                w = tl.reshape(w_desc.load([row + (k0 - kb_lo), 0]), [1, UNROLL, T * 4])
+                x0_ptrs += STEP * 16
+                x1_ptrs += STEP * 16
+                nxt = (chunk + (k0 + STEP - kb_lo)) < kb_hi
+                x0n, x1n = _frag_x_loads(x0_ptrs, x1_ptrs, nxt, tok_ok0, tok_ok1, TILES, False)
+                acc0, acc1 = _frag_mma(w, x0, x1, acc0, acc1, TILES, ASM1, CONS1, ASM2, CONS2, READ_ONLY, FOLD)
+                x0, x1 = x0n, x1n
+        else:
+            for k0 in tl.range(kb_lo, kb_hi, STEP, num_stages=STAGES):
+                ok = (chunk + (k0 - kb_lo)) < kb_hi
+                w = tl.reshape(w_desc.load([row + (k0 - kb_lo), 0]), [1, UNROLL, T * 4])
+                x0, x1 = _frag_x_loads(x0_ptrs, x1_ptrs, ok, tok_ok0, tok_ok1, TILES, EVEN)
+                acc0, acc1 = _frag_mma(w, x0, x1, acc0, acc1, TILES, ASM1, CONS1, ASM2, CONS2, READ_ONLY, FOLD)
+                x0_ptrs += STEP * 16
+                x1_ptrs += STEP * 16
     elif PREFETCH:
         w = _frag_w_loads(w_ptrs, chunk < kb_hi, EVEN)
         pdl_wait(USE_PDL, PDL_TRIGGER_FIRST)  # x (and y, the workspace) after the wait
@@ -422,15 +435,18 @@ class FragConfig:
     16-channel block and token tile, the ``unroll`` chunks' MMA results summed into it every
     step, instead of one accumulator an unrolled chunk (fewer registers: more programs fit on
     an SM, and ``blocks`` > 1 with two token tiles fits at all). ``tma`` (sm_90 or later,
-    Triton >= 3.4; needs ``blocks == 1`` and neither ``prefetch`` nor ``l2_prefetch``): each
-    step's weight chunks, one contiguous ``[unroll * num_warps, 128]``-word box, are copied into
-    shared memory by the Tensor Memory Accelerator inside Triton's software pipeline,
-    ``stages - 1`` steps ahead; x stays as above. The box needs ``stages * unroll * num_warps
-    * 512`` bytes of shared memory (more fails at compile time).
+    Triton >= 3.4; needs ``blocks == 1`` and no ``l2_prefetch``): each step's weight chunks,
+    one contiguous ``[unroll * num_warps, 128]``-word box, are copied into shared memory by the
+    Tensor Memory Accelerator inside Triton's software pipeline, ``stages - 1`` steps ahead.
+    Without ``prefetch`` the pipeline copies x too (``cp.async``, which bypasses L1: every
+    program's x comes from L2); with ``prefetch`` x is loaded into registers one step ahead by
+    plain loads, outside the pipeline, so the programs of an SM share it through L1. The box
+    needs ``stages * unroll * num_warps * 512`` bytes of shared memory (more fails at compile
+    time).
 
     Raises:
-        ValueError: a field out of range or a ``tma`` configuration with blocks, prefetch or
-        L2 prefetch."""
+        ValueError: a field out of range or a ``tma`` configuration with blocks or L2
+        prefetch."""
 
     num_warps: int = 4
     unroll: int = 4
@@ -451,8 +467,8 @@ class FragConfig:
             v = getattr(self, name)
             if not isinstance(v, int) or v < 1:
                 raise ValueError(f"FragConfig.{name} must be an int >= 1, got {v!r}")
-        if self.tma and (self.blocks != 1 or self.prefetch or self.l2_prefetch):
-            raise ValueError("FragConfig.tma needs blocks=1, prefetch=False and l2_prefetch=False")
+        if self.tma and (self.blocks != 1 or self.l2_prefetch):
+            raise ValueError("FragConfig.tma needs blocks=1 and l2_prefetch=False")
 
 
 # H200 sweep winners (results/kernels/int8_frag/run5: Qwen2.5-1.5B shapes; run8: 7B and
