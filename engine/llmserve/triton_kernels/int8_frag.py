@@ -174,7 +174,7 @@ def _int8_frag_kernel(x_ptr, w_ptr, w_desc, s_ptr, bias_ptr, y_ptr, ws_ptr, cnt_
                       ASM2: tl.constexpr, CONS2: tl.constexpr, READ_ONLY: tl.constexpr = False,
                       STAGES: tl.constexpr = 1, L2_PREFETCH: tl.constexpr = False,
                       USE_PDL: tl.constexpr = False, PDL_TRIGGER_FIRST: tl.constexpr = False,
-                      FOLD: tl.constexpr = False, TMA: tl.constexpr = False, X_FRAG: tl.constexpr = False):
+                      FOLD: tl.constexpr = False, TMA: tl.constexpr = False):
     """One program: ``NB`` blocks of 16 output channels x K chunks ``[kb_lo, kb_lo + kb_per_split)``.
 
     ``x_ptr`` is x as int32 words (two bf16 each, ``stride_xm`` in words); ``w_ptr`` the
@@ -225,14 +225,8 @@ def _int8_frag_kernel(x_ptr, w_ptr, w_desc, s_ptr, bias_ptr, y_ptr, ws_ptr, cnt_
     chunk = kb_lo + u[:, None] * WARPS + warp[None, :]                       # [U, T*4] at step 0
     w_ptrs = (w_ptr + ((pid_n * NB + b[:, None, None]).to(tl.int64) * KB + kb_lo) * 128
               + u[None, :, None] * (T * 4) + e[None, None, :])                # [NB, U, T*4]
-    if X_FRAG:  # x in fragment order: [tiles, KB, 32 lanes, 4 words], a chunk's 8 tokens 512 contiguous bytes
-        x0_ptrs = x_ptr + chunk * 128 + (e % 128)[None, :]
-        x1_ptrs = x0_ptrs + KB * 128
-        XSTEP: tl.constexpr = UNROLL * WARPS * 128
-    else:
-        x0_ptrs = x_ptr + tok[None, :] * stride_xm + chunk * 16 + xcol[None, :]
-        x1_ptrs = x0_ptrs + 8 * stride_xm
-        XSTEP: tl.constexpr = UNROLL * WARPS * 16
+    x0_ptrs = x_ptr + tok[None, :] * stride_xm + chunk * 16 + xcol[None, :]
+    x1_ptrs = x0_ptrs + 8 * stride_xm
     tok_ok0 = (tok < M)[None, :]
     tok_ok1 = (tok + 8 < M)[None, :]
     STEP: tl.constexpr = UNROLL * WARPS
@@ -251,8 +245,8 @@ def _int8_frag_kernel(x_ptr, w_ptr, w_desc, s_ptr, bias_ptr, y_ptr, ws_ptr, cnt_
             x0, x1 = _frag_x_loads(x0_ptrs, x1_ptrs, chunk < kb_hi, tok_ok0, tok_ok1, TILES, EVEN)
             for k0 in tl.range(kb_lo, kb_hi, STEP, num_stages=STAGES):
                 w = tl.reshape(w_desc.load([row + (k0 - kb_lo), 0]), [1, UNROLL, T * 4])
-                x0_ptrs += XSTEP
-                x1_ptrs += XSTEP
+                x0_ptrs += STEP * 16
+                x1_ptrs += STEP * 16
                 nxt = (chunk + (k0 + STEP - kb_lo)) < kb_hi
                 x0n, x1n = _frag_x_loads(x0_ptrs, x1_ptrs, nxt, tok_ok0, tok_ok1, TILES, False)
                 acc0, acc1 = _frag_mma(w, x0, x1, acc0, acc1, TILES, ASM1, CONS1, ASM2, CONS2, READ_ONLY, FOLD)
@@ -263,16 +257,16 @@ def _int8_frag_kernel(x_ptr, w_ptr, w_desc, s_ptr, bias_ptr, y_ptr, ws_ptr, cnt_
                 w = tl.reshape(w_desc.load([row + (k0 - kb_lo), 0]), [1, UNROLL, T * 4])
                 x0, x1 = _frag_x_loads(x0_ptrs, x1_ptrs, ok, tok_ok0, tok_ok1, TILES, EVEN)
                 acc0, acc1 = _frag_mma(w, x0, x1, acc0, acc1, TILES, ASM1, CONS1, ASM2, CONS2, READ_ONLY, FOLD)
-                x0_ptrs += XSTEP
-                x1_ptrs += XSTEP
+                x0_ptrs += STEP * 16
+                x1_ptrs += STEP * 16
     elif PREFETCH:
         w = _frag_w_loads(w_ptrs, chunk < kb_hi, EVEN)
         pdl_wait(USE_PDL, PDL_TRIGGER_FIRST)  # x (and y, the workspace) after the wait
         x0, x1 = _frag_x_loads(x0_ptrs, x1_ptrs, chunk < kb_hi, tok_ok0, tok_ok1, TILES, EVEN)
         for k0 in range(kb_lo, kb_hi, STEP):
             w_ptrs += STEP * 128
-            x0_ptrs += XSTEP
-            x1_ptrs += XSTEP
+            x0_ptrs += STEP * 16
+            x1_ptrs += STEP * 16
             nxt = (chunk + (k0 + STEP - kb_lo)) < kb_hi
             wn, x0n, x1n = _frag_loads(w_ptrs, x0_ptrs, x1_ptrs, nxt, tok_ok0, tok_ok1, TILES, False)
             acc0, acc1 = _frag_mma(w, x0, x1, acc0, acc1, TILES, ASM1, CONS1, ASM2, CONS2, READ_ONLY, FOLD)
@@ -284,8 +278,8 @@ def _int8_frag_kernel(x_ptr, w_ptr, w_desc, s_ptr, bias_ptr, y_ptr, ws_ptr, cnt_
             w, x0, x1 = _frag_loads(w_ptrs, x0_ptrs, x1_ptrs, ok, tok_ok0, tok_ok1, TILES, EVEN)
             acc0, acc1 = _frag_mma(w, x0, x1, acc0, acc1, TILES, ASM1, CONS1, ASM2, CONS2, READ_ONLY, FOLD)
             w_ptrs += STEP * 128
-            x0_ptrs += XSTEP
-            x1_ptrs += XSTEP
+            x0_ptrs += STEP * 16
+            x1_ptrs += STEP * 16
     _frag_store(acc0, ch, tk, sc, bias, pid_n, pid_k, M, N, y_ptr, ws_ptr, cnt_ptr, stride_ym,
                 HAS_BIAS, SPLIT, NB, WARPS, TILES, 0, FOLD)
     if TILES == 2:
@@ -558,7 +552,7 @@ def choose_frag_config(m: int, n: int, k: int, device: torch.device | None = Non
 def int8_frag_linear(x: torch.Tensor, frags: torch.Tensor, scale: torch.Tensor,
                      bias: torch.Tensor | None = None, config: FragConfig | None = None,
                      pdl: bool = False, pdl_trigger_first: bool = False,
-                     _read_only: bool = False, _x_frag: torch.Tensor | None = None) -> torch.Tensor:
+                     _read_only: bool = False) -> torch.Tensor:
     """``y = x @ (q * scale[:, None]).T + bias`` for ``M <= 16`` tokens, ``q`` given in the
     fragment layout (:func:`pack_int8_fragments`).
 
@@ -646,12 +640,11 @@ def int8_frag_linear(x: torch.Tensor, frags: torch.Tensor, scale: torch.Tensor,
     if cfg.tma:  # one loop step's chunks of one split: a [unroll * num_warps, 128]-word box
         desc = TensorDescriptor(frags.view(-1, 128), [n // 16 * kb, 128], [128, 1],
                                 [cfg.unroll * cfg.num_warps, 128])
-    xin = x2.view(torch.int32) if _x_frag is None else _x_frag.view(torch.int32)
     _int8_frag_kernel[(n // 16 // cfg.blocks, split)](
-        xin, frags, desc, scale, bias if bias is not None else scale, y, ws, cnt,
+        x2.view(torch.int32), frags, desc, scale, bias if bias is not None else scale, y, ws, cnt,
         m, n, kb, kb_per, x2.stride(0) // 2, y.stride(0),
         HAS_BIAS=bias is not None, TILES=1 if m <= 8 else 2, NB=cfg.blocks, UNROLL=cfg.unroll,
         WARPS=cfg.num_warps, SPLIT=split, EVEN=even, PREFETCH=cfg.prefetch, READ_ONLY=_read_only,
-        STAGES=cfg.stages, L2_PREFETCH=cfg.l2_prefetch, FOLD=cfg.fold, TMA=cfg.tma, X_FRAG=_x_frag is not None, ASM1=_ASM1, CONS1=_CONS1, ASM2=_ASM2,
+        STAGES=cfg.stages, L2_PREFETCH=cfg.l2_prefetch, FOLD=cfg.fold, TMA=cfg.tma, ASM1=_ASM1, CONS1=_CONS1, ASM2=_ASM2,
         CONS2=_CONS2, num_warps=cfg.num_warps, num_stages=1, **pdl_launch_kwargs(pdl, pdl_trigger_first))
     return y.reshape(*lead, n)
