@@ -89,7 +89,8 @@ def test_default_configs_for_pdl_calls(monkeypatch):
     assert choose_frag_config(3, 8960, 1536, gpu_name=h200, pdl=True) == FragConfig(2, 8, 1, prefetch=True, fold=True)
     assert choose_frag_config(16, 8960, 1536, gpu_name=h200, pdl=True) == FragConfig(2, 8, 1)
     assert choose_frag_config(8, 1536, 8960, gpu_name=h200, pdl=True) == FragConfig(4, 8, 1, stages=3, tma=True)
-    assert choose_frag_config(12, 1536, 8960, gpu_name=h200, pdl=True).tma
+    assert choose_frag_config(12, 1536, 8960, gpu_name=h200, pdl=True) == FragConfig(4, 8, 1, prefetch=True, stages=3,
+                                                                                     tma=True)
     assert choose_frag_config(8, 1536, 8960, gpu_name=h200) == FragConfig(4, 4, 6, prefetch=True)
     assert choose_frag_config(3, 8960, 1536, gpu_name=h200, pdl=False) == FragConfig(4, 4, 1, prefetch=True)
     assert choose_frag_config(3, 8960, 1536, gpu_name="other", pdl=True) == FragConfig(4, 4, 1, prefetch=True)

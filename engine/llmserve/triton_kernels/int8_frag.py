@@ -497,11 +497,13 @@ _TUNED: dict[tuple[int, int, int], FragConfig] = {
 # it they do not beat the plain table (down, q/k/v) or equal it (two token tiles). Down
 # (K = 8960) takes TMA weight copies without split-K: in run27's sweep of 142 TMA
 # configurations (284 on down, with split 6), 4% / 11% / 5% faster at M = 2 / 8 / 16 than the
-# split-K register-prefetch configuration.
+# split-K register-prefetch configuration. At 9..16 tokens down loads x a step ahead in
+# registers instead (``prefetch`` with ``tma``; run35's sweep of 284 TMA configurations, checked
+# in run36's 3 alternated rounds: M = 12 / 16 10.26 -> 9.82 / 10.71 -> 10.53 us).
 _TUNED_PDL: dict[tuple[int, int, int], FragConfig] = {
     (8960, 1536, 1): FragConfig(2, 8, 1, prefetch=True, fold=True),
     (1536, 8960, 1): FragConfig(4, 8, 1, stages=3, tma=True),
-    (1536, 8960, 2): FragConfig(4, 4, 1, stages=4, tma=True),
+    (1536, 8960, 2): FragConfig(4, 8, 1, prefetch=True, stages=3, tma=True),
 }
 
 
