@@ -25,12 +25,13 @@ def main() -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("--ms", type=int, nargs="+", default=[2, 8, 12, 16])
     ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--shapes", nargs="+", default=["1.5b"], choices=sorted(SHAPES))
     ap.add_argument("--out", type=Path, required=True)
     args = ap.parse_args()
     args.out.mkdir(parents=True, exist_ok=True)
     dev = torch.device("cuda")
     rows = []
-    for lab, k, n, m, q, s, wb, fr, x, ref in cases(SHAPES["1.5b"], args.ms, dev):
+    for lab, k, n, m, q, s, wb, fr, x, ref in cases([s for g in args.shapes for s in SHAPES[g]], args.ms, dev):
         c = choose_frag_config(m, n, k, dev, pdl=True)
         row = dict(shape=lab, K=k, N=n, M=m, cfg=str(c), cublas_bf16_us=[], modes={})
         for mode in range(4):
