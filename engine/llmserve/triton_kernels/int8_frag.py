@@ -174,7 +174,7 @@ def _int8_frag_kernel(x_ptr, w_ptr, w_desc, s_ptr, bias_ptr, y_ptr, ws_ptr, cnt_
                       ASM2: tl.constexpr, CONS2: tl.constexpr, READ_ONLY: tl.constexpr = False,
                       STAGES: tl.constexpr = 1, L2_PREFETCH: tl.constexpr = False,
                       USE_PDL: tl.constexpr = False, PDL_TRIGGER_FIRST: tl.constexpr = False,
-                      FOLD: tl.constexpr = False, TMA: tl.constexpr = False, CACHE: tl.constexpr = 0):
+                      FOLD: tl.constexpr = False, TMA: tl.constexpr = False):
     """One program: ``NB`` blocks of 16 output channels x K chunks ``[kb_lo, kb_lo + kb_per_split)``.
 
     ``x_ptr`` is x as int32 words (two bf16 each, ``stride_xm`` in words); ``w_ptr`` the
@@ -242,40 +242,40 @@ def _int8_frag_kernel(x_ptr, w_ptr, w_desc, s_ptr, bias_ptr, y_ptr, ws_ptr, cnt_
         row = pid_n * KB + kb_lo
         pdl_wait(USE_PDL, PDL_TRIGGER_FIRST)
         if PREFETCH:  # x by plain loads one step ahead in registers (L1), outside the pipeline
-            x0, x1 = _frag_x_loads(x0_ptrs, x1_ptrs, chunk < kb_hi, tok_ok0, tok_ok1, TILES, EVEN, CACHE)
+            x0, x1 = _frag_x_loads(x0_ptrs, x1_ptrs, chunk < kb_hi, tok_ok0, tok_ok1, TILES, EVEN)
             for k0 in tl.range(kb_lo, kb_hi, STEP, num_stages=STAGES):
                 w = tl.reshape(w_desc.load([row + (k0 - kb_lo), 0]), [1, UNROLL, T * 4])
                 x0_ptrs += STEP * 16
                 x1_ptrs += STEP * 16
                 nxt = (chunk + (k0 + STEP - kb_lo)) < kb_hi
-                x0n, x1n = _frag_x_loads(x0_ptrs, x1_ptrs, nxt, tok_ok0, tok_ok1, TILES, False, CACHE)
+                x0n, x1n = _frag_x_loads(x0_ptrs, x1_ptrs, nxt, tok_ok0, tok_ok1, TILES, False)
                 acc0, acc1 = _frag_mma(w, x0, x1, acc0, acc1, TILES, ASM1, CONS1, ASM2, CONS2, READ_ONLY, FOLD)
                 x0, x1 = x0n, x1n
         else:
             for k0 in tl.range(kb_lo, kb_hi, STEP, num_stages=STAGES):
                 ok = (chunk + (k0 - kb_lo)) < kb_hi
                 w = tl.reshape(w_desc.load([row + (k0 - kb_lo), 0]), [1, UNROLL, T * 4])
-                x0, x1 = _frag_x_loads(x0_ptrs, x1_ptrs, ok, tok_ok0, tok_ok1, TILES, EVEN, CACHE)
+                x0, x1 = _frag_x_loads(x0_ptrs, x1_ptrs, ok, tok_ok0, tok_ok1, TILES, EVEN)
                 acc0, acc1 = _frag_mma(w, x0, x1, acc0, acc1, TILES, ASM1, CONS1, ASM2, CONS2, READ_ONLY, FOLD)
                 x0_ptrs += STEP * 16
                 x1_ptrs += STEP * 16
     elif PREFETCH:
-        w = _frag_w_loads(w_ptrs, chunk < kb_hi, EVEN, CACHE)
+        w = _frag_w_loads(w_ptrs, chunk < kb_hi, EVEN)
         pdl_wait(USE_PDL, PDL_TRIGGER_FIRST)  # x (and y, the workspace) after the wait
-        x0, x1 = _frag_x_loads(x0_ptrs, x1_ptrs, chunk < kb_hi, tok_ok0, tok_ok1, TILES, EVEN, CACHE)
+        x0, x1 = _frag_x_loads(x0_ptrs, x1_ptrs, chunk < kb_hi, tok_ok0, tok_ok1, TILES, EVEN)
         for k0 in range(kb_lo, kb_hi, STEP):
             w_ptrs += STEP * 128
             x0_ptrs += STEP * 16
             x1_ptrs += STEP * 16
             nxt = (chunk + (k0 + STEP - kb_lo)) < kb_hi
-            wn, x0n, x1n = _frag_loads(w_ptrs, x0_ptrs, x1_ptrs, nxt, tok_ok0, tok_ok1, TILES, False, CACHE)
+            wn, x0n, x1n = _frag_loads(w_ptrs, x0_ptrs, x1_ptrs, nxt, tok_ok0, tok_ok1, TILES, False)
             acc0, acc1 = _frag_mma(w, x0, x1, acc0, acc1, TILES, ASM1, CONS1, ASM2, CONS2, READ_ONLY, FOLD)
             w, x0, x1 = wn, x0n, x1n
     else:
         pdl_wait(USE_PDL, PDL_TRIGGER_FIRST)
         for k0 in tl.range(kb_lo, kb_hi, STEP, num_stages=STAGES):
             ok = (chunk + (k0 - kb_lo)) < kb_hi
-            w, x0, x1 = _frag_loads(w_ptrs, x0_ptrs, x1_ptrs, ok, tok_ok0, tok_ok1, TILES, EVEN, CACHE)
+            w, x0, x1 = _frag_loads(w_ptrs, x0_ptrs, x1_ptrs, ok, tok_ok0, tok_ok1, TILES, EVEN)
             acc0, acc1 = _frag_mma(w, x0, x1, acc0, acc1, TILES, ASM1, CONS1, ASM2, CONS2, READ_ONLY, FOLD)
             w_ptrs += STEP * 128
             x0_ptrs += STEP * 16
@@ -322,15 +322,10 @@ def _frag_mma(w, x0, x1, acc0, acc1, TILES: tl.constexpr, ASM1: tl.constexpr, CO
 
 
 @triton.jit
-def _frag_w_loads(w_ptrs, ok, EVEN: tl.constexpr, CACHE: tl.constexpr = 0):
+def _frag_w_loads(w_ptrs, ok, EVEN: tl.constexpr):
     """One loop step's weight chunks ``[NB, U, T*4]``; chunks with ``ok`` false read as zeros
     (int8 0 is the byte 0x80 in offset binary)."""
-    if CACHE & 1:
-        if EVEN:
-            w = tl.load(w_ptrs, cache_modifier=".cg")
-        else:
-            w = tl.load(w_ptrs, mask=ok[None], other=-0x7F7F7F80, cache_modifier=".cg")
-    elif EVEN:
+    if EVEN:
         w = tl.load(w_ptrs, eviction_policy="evict_first")
     else:
         w = tl.load(w_ptrs, mask=ok[None], other=-0x7F7F7F80, eviction_policy="evict_first")
@@ -338,30 +333,27 @@ def _frag_w_loads(w_ptrs, ok, EVEN: tl.constexpr, CACHE: tl.constexpr = 0):
 
 
 @triton.jit
-def _frag_x_loads(x0_ptrs, x1_ptrs, ok, tok_ok0, tok_ok1, TILES: tl.constexpr, EVEN: tl.constexpr,
-                  CACHE: tl.constexpr = 0):
+def _frag_x_loads(x0_ptrs, x1_ptrs, ok, tok_ok0, tok_ok1, TILES: tl.constexpr, EVEN: tl.constexpr):
     """One loop step's x words ``[U, T*4]`` of tile 0 and, with ``TILES == 2``, tile 1
     (zeros outside the K range or past the last token)."""
-    EV: tl.constexpr = "evict_last" if CACHE & 2 else ""
     if EVEN:
-        x0 = tl.load(x0_ptrs, mask=tok_ok0, other=0, eviction_policy=EV)
+        x0 = tl.load(x0_ptrs, mask=tok_ok0, other=0)
         x1 = x0
         if TILES == 2:
-            x1 = tl.load(x1_ptrs, mask=tok_ok1, other=0, eviction_policy=EV)
+            x1 = tl.load(x1_ptrs, mask=tok_ok1, other=0)
     else:
-        x0 = tl.load(x0_ptrs, mask=ok & tok_ok0, other=0, eviction_policy=EV)
+        x0 = tl.load(x0_ptrs, mask=ok & tok_ok0, other=0)
         x1 = x0
         if TILES == 2:
-            x1 = tl.load(x1_ptrs, mask=ok & tok_ok1, other=0, eviction_policy=EV)
+            x1 = tl.load(x1_ptrs, mask=ok & tok_ok1, other=0)
     return x0, x1
 
 
 @triton.jit
-def _frag_loads(w_ptrs, x0_ptrs, x1_ptrs, ok, tok_ok0, tok_ok1, TILES: tl.constexpr, EVEN: tl.constexpr,
-                CACHE: tl.constexpr = 0):
+def _frag_loads(w_ptrs, x0_ptrs, x1_ptrs, ok, tok_ok0, tok_ok1, TILES: tl.constexpr, EVEN: tl.constexpr):
     """One loop step's weight chunks and x words (:func:`_frag_w_loads`, :func:`_frag_x_loads`)."""
-    w = _frag_w_loads(w_ptrs, ok, EVEN, CACHE)
-    x0, x1 = _frag_x_loads(x0_ptrs, x1_ptrs, ok, tok_ok0, tok_ok1, TILES, EVEN, CACHE)
+    w = _frag_w_loads(w_ptrs, ok, EVEN)
+    x0, x1 = _frag_x_loads(x0_ptrs, x1_ptrs, ok, tok_ok0, tok_ok1, TILES, EVEN)
     return w, x0, x1
 
 
@@ -562,7 +554,7 @@ def choose_frag_config(m: int, n: int, k: int, device: torch.device | None = Non
 def int8_frag_linear(x: torch.Tensor, frags: torch.Tensor, scale: torch.Tensor,
                      bias: torch.Tensor | None = None, config: FragConfig | None = None,
                      pdl: bool = False, pdl_trigger_first: bool = False,
-                     _read_only: bool = False, _cache: int = 0) -> torch.Tensor:
+                     _read_only: bool = False) -> torch.Tensor:
     """``y = x @ (q * scale[:, None]).T + bias`` for ``M <= 16`` tokens, ``q`` given in the
     fragment layout (:func:`pack_int8_fragments`).
 
@@ -655,6 +647,6 @@ def int8_frag_linear(x: torch.Tensor, frags: torch.Tensor, scale: torch.Tensor,
         m, n, kb, kb_per, x2.stride(0) // 2, y.stride(0),
         HAS_BIAS=bias is not None, TILES=1 if m <= 8 else 2, NB=cfg.blocks, UNROLL=cfg.unroll,
         WARPS=cfg.num_warps, SPLIT=split, EVEN=even, PREFETCH=cfg.prefetch, READ_ONLY=_read_only,
-        STAGES=cfg.stages, L2_PREFETCH=cfg.l2_prefetch, FOLD=cfg.fold, TMA=cfg.tma, CACHE=_cache, ASM1=_ASM1, CONS1=_CONS1, ASM2=_ASM2,
+        STAGES=cfg.stages, L2_PREFETCH=cfg.l2_prefetch, FOLD=cfg.fold, TMA=cfg.tma, ASM1=_ASM1, CONS1=_CONS1, ASM2=_ASM2,
         CONS2=_CONS2, num_warps=cfg.num_warps, num_stages=1, **pdl_launch_kwargs(pdl, pdl_trigger_first))
     return y.reshape(*lead, n)
