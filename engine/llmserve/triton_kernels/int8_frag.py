@@ -46,7 +46,8 @@ and ``run17``): 1.2-1.4x faster than bf16 cuBLAS at M = 2..8 on the Qwen2.5-1.5B
 table (``_TUNED_PDL``: ``fold`` for gate/up, TMA weight copies without split-K for down), 1.5B
 gate/up takes 6.3-6.6 us and down 7.6-8.0 us at M = 1..8, 1.50-1.62x cuBLAS on run29's machine
 (1.46-1.53x for gate/up where cuBLAS was faster, run25), qkv 1.70-1.75x; M = 12..16 stays at
-1.13-1.45x (``results/kernels/int8_frag/run29``). ``int8_linear`` does not route here; the
+1.12-1.45x (``results/kernels/int8_frag/run29``; down at 9..16 tokens, TMA with x prefetch:
+``run37``). ``int8_linear`` does not route here; the
 fused forward does, opt in (``LLMSERVE_INT8_FRAGMENTS=1``, ``models/fast_forward.py``, with PDL
 for hidden sizes <= 2048): 1.5B decode steps of 2-8 sequences 11-17% faster, 0.5B 50-58%
 (``results/kernels/int8_frag/run16``).
