@@ -29,7 +29,9 @@ Fragment layout (:func:`pack_int8_fragments`): int32 ``[N/16, K/32, 32, 4]``; ch
 exactly, whose fp32 low half is zero, so its high half is the bf16 (PRMT + FADD, no ``I2F``).
 
 With ``FragConfig.tma`` (sm_90) the weights instead reach shared memory by TMA bulk-tensor
-copies in Triton's software pipeline and are read from there in the same register layout.
+copies in Triton's software pipeline and are read from there in the same register layout; x
+goes through that pipeline too, or, with ``prefetch`` as well, is loaded into registers one
+step ahead by plain loads (which L1 caches for the other programs of the SM).
 
 Work split (:class:`FragConfig`): a program owns ``blocks`` x 16 output channels and
 ``1 / split_k`` of K; its ``num_warps`` warps take interleaved K chunks, ``unroll`` chunks a
@@ -186,8 +188,8 @@ def _int8_frag_kernel(x_ptr, w_ptr, w_desc, s_ptr, bias_ptr, y_ptr, ws_ptr, cnt_
     issued before this step's MMAs. ``READ_ONLY`` (a diagnostic, wrong results): the same
     loads with one FADD a word instead of the conversion and the MMAs. ``L2_PREFETCH``: the
     program's whole weight range is requested into L2 first (:func:`_l2_prefetch`).
-    ``USE_PDL``: the L2 prefetch, the scales and (with ``PREFETCH``) the first step's weight
-    chunks are requested before the PDL wait (``_launch.pdl_wait``), x after it. ``FOLD``: the
+    ``USE_PDL``: the L2 prefetch, the scales and (with ``PREFETCH``, not ``TMA``) the first
+    step's weight chunks are requested before the PDL wait (``_launch.pdl_wait``), x after it. ``FOLD``: the
     ``UNROLL`` chunks' MMAs start from zero and are summed into one ``[NB, T*4]`` accumulator a
     tile each step (``UNROLL`` times fewer loop-carried registers, ``4 NB UNROLL`` FADDs a tile
     a step); otherwise each unrolled chunk keeps its own accumulator until the end. ``TMA``
@@ -428,9 +430,10 @@ class FragConfig:
     """Launch configuration of :func:`int8_frag_linear`: ``num_warps`` warps a program,
     ``unroll`` 16-byte chunks a warp loads per loop step and 16-channel block, ``split_k``
     programs along K, ``blocks`` 16-channel blocks a program (sharing the x loads),
-    ``prefetch``: issue the next step's loads before this step's MMAs (registers); ``stages``
-    > 1 (without ``prefetch``): Triton's software pipeline copies weights and x into shared
-    memory ``stages - 1`` steps ahead (``cp.async``), then each step reads them from there.
+    ``prefetch``: issue the next step's loads before this step's MMAs (registers; with ``tma``,
+    x's only); ``stages`` > 1 (without ``prefetch`` or ``tma``): Triton's software pipeline
+    copies weights and x into shared memory ``stages - 1`` steps ahead (``cp.async``), then
+    each step reads them from there (with ``tma``: see below).
     ``l2_prefetch``: each program first requests its whole weight range into L2 with bulk
     prefetches (``cp.async.bulk.prefetch.L2``, sm_90 or later). ``fold``: one accumulator a
     16-channel block and token tile, the ``unroll`` chunks' MMA results summed into it every
@@ -499,8 +502,9 @@ _TUNED: dict[tuple[int, int, int], FragConfig] = {
 # (K = 8960) takes TMA weight copies without split-K: in run27's sweep of 142 TMA
 # configurations (284 on down, with split 6), 4% / 11% / 5% faster at M = 2 / 8 / 16 than the
 # split-K register-prefetch configuration. At 9..16 tokens down loads x a step ahead in
-# registers instead (``prefetch`` with ``tma``; run35's sweep of 284 TMA configurations, checked
-# in run36's 3 alternated rounds: M = 12 / 16 10.26 -> 9.82 / 10.71 -> 10.53 us).
+# registers instead (``prefetch`` with ``tma``; run35's sweep of 284 TMA configurations, 568 on
+# down with split 6, checked in run36's 3 alternated rounds: M = 12 / 16 10.26 -> 9.82 /
+# 10.71 -> 10.53 us).
 _TUNED_PDL: dict[tuple[int, int, int], FragConfig] = {
     (8960, 1536, 1): FragConfig(2, 8, 1, prefetch=True, fold=True),
     (1536, 8960, 1): FragConfig(4, 8, 1, stages=3, tma=True),
@@ -572,7 +576,7 @@ def int8_frag_linear(x: torch.Tensor, frags: torch.Tensor, scale: torch.Tensor,
         pdl: launch with programmatic dependent launch where the device and Triton allow it
             (``_launch.pdl_available``; ignored elsewhere): ``frags``, ``scale`` and ``bias``
             are read before the kernel waits for the previous one (the L2 prefetch, with
-            ``config.prefetch`` the first step's chunks), so no earlier kernel of the same PDL
+            ``config.prefetch`` and not ``config.tma`` the first step's chunks), so no earlier kernel of the same PDL
             chain may write them (strided ``scale``/``bias`` are copied first, and the call
             then launches without PDL); x is read, and y written, after the wait.
         pdl_trigger_first: with ``pdl``, let the next kernel launch before this one waits
