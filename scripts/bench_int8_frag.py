@@ -278,9 +278,9 @@ def main() -> int:
                          "prefetch modes and the L2 prefetch, with unfolded one-block configurations as controls; "
                          "writes kernels.json (registers and spills of every compiled variant)")
     ap.add_argument("--tma", action="store_true",
-                    help="sweep FragConfig.tma (weights by TMA into shared memory, 1-6 pipeline stages; x in the pipeline or, with "
-                         "prefetch, a step ahead in registers) with a few "
-                         "register-prefetch configurations as controls")
+                    help="sweep FragConfig.tma (weights by TMA into shared memory, 1-6 pipeline stages; x in the "
+                         "pipeline or, with prefetch, a step ahead in registers) with a few register-prefetch "
+                         "configurations as controls")
     ap.add_argument("--defaults", type=int, default=0, metavar="ROUNDS",
                     help="instead of the sweep: the default configuration vs cuBLAS and int8_linear, "
                          "ROUNDS alternated rounds")

@@ -189,8 +189,8 @@ def _int8_frag_kernel(x_ptr, w_ptr, w_desc, s_ptr, bias_ptr, y_ptr, ws_ptr, cnt_
     loads with one FADD a word instead of the conversion and the MMAs. ``L2_PREFETCH``: the
     program's whole weight range is requested into L2 first (:func:`_l2_prefetch`).
     ``USE_PDL``: the L2 prefetch, the scales and (with ``PREFETCH``, not ``TMA``) the first
-    step's weight chunks are requested before the PDL wait (``_launch.pdl_wait``), x after it. ``FOLD``: the
-    ``UNROLL`` chunks' MMAs start from zero and are summed into one ``[NB, T*4]`` accumulator a
+    step's weight chunks are requested before the PDL wait (``_launch.pdl_wait``), x after it.
+    ``FOLD``: the ``UNROLL`` chunks' MMAs start from zero and are summed into one ``[NB, T*4]`` accumulator a
     tile each step (``UNROLL`` times fewer loop-carried registers, ``4 NB UNROLL`` FADDs a tile
     a step); otherwise each unrolled chunk keeps its own accumulator until the end. ``TMA``
     (``NB == 1``): a step's ``STEP`` weight chunks are one contiguous box of
@@ -576,8 +576,8 @@ def int8_frag_linear(x: torch.Tensor, frags: torch.Tensor, scale: torch.Tensor,
         pdl: launch with programmatic dependent launch where the device and Triton allow it
             (``_launch.pdl_available``; ignored elsewhere): ``frags``, ``scale`` and ``bias``
             are read before the kernel waits for the previous one (the L2 prefetch, with
-            ``config.prefetch`` and not ``config.tma`` the first step's chunks), so no earlier kernel of the same PDL
-            chain may write them (strided ``scale``/``bias`` are copied first, and the call
+            ``config.prefetch`` and not ``config.tma`` the first step's chunks), so no earlier
+            kernel of the same PDL chain may write them (strided ``scale``/``bias`` are copied first, and the call
             then launches without PDL); x is read, and y written, after the wait.
         pdl_trigger_first: with ``pdl``, let the next kernel launch before this one waits
             (``_launch.pdl_wait``).
@@ -590,8 +590,8 @@ def int8_frag_linear(x: torch.Tensor, frags: torch.Tensor, scale: torch.Tensor,
     Raises:
         ValueError: wrong dtypes, shapes, devices, alignment, ``config.blocks`` not dividing
         ``N / 16``, ``config.l2_prefetch`` or ``config.tma`` before sm_90, ``config.tma`` before
-        Triton 3.4, a bad ``LLMSERVE_INT8_FRAG_PDL_TABLE``, or more than 16 rows; NotImplementedError on a CPU tensor (inline PTX; use
-        :func:`emulate_fragment_linear`).
+        Triton 3.4, a bad ``LLMSERVE_INT8_FRAG_PDL_TABLE``, or more than 16 rows;
+        NotImplementedError on a CPU tensor (inline PTX; use :func:`emulate_fragment_linear`).
     """
     if not isinstance(x, torch.Tensor) or x.dtype != torch.bfloat16:
         raise ValueError(f"x must be a bf16 tensor, got {getattr(x, 'dtype', type(x))}")
