@@ -3,7 +3,7 @@ CPU; the GPU in the decode graph)."""
 import pytest
 import torch
 
-from llmserve.triton_kernels.argmax import argmax_rows
+from llmserve.kernels.argmax import argmax_rows
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 

@@ -11,9 +11,9 @@ import dataclasses
 
 import pytest
 
-from llmserve.engine import LLMEngine
-from llmserve.sampling_params import SamplingParams
-from llmserve.sequence import PENDING_TOKEN
+from llmserve.engine.llm_engine import LLMEngine
+from llmserve.core.sampling_params import SamplingParams
+from llmserve.core.sequence import PENDING_TOKEN
 
 from test_engine import engine_config, make_requests, run_all
 

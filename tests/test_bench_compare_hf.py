@@ -13,7 +13,7 @@ import torch
 
 transformers = pytest.importorskip("transformers")
 
-from llmserve.bench_compare import hf_generate_batch
+from llmserve.bench.compare import hf_generate_batch
 
 
 @pytest.fixture(scope="module")

@@ -5,9 +5,14 @@ from __future__ import annotations
 
 import pytest
 
-from llmserve.benchmark.metrics import (AGGREGATE_KEYS, aggregate_records, build_request_record,
-                                        percentile, summarize)
-from llmserve.sequence import RequestMetrics
+from llmserve.bench.metrics import (
+    AGGREGATE_KEYS,
+    aggregate_records,
+    build_request_record,
+    percentile,
+    summarize,
+)
+from llmserve.core.sequence import RequestMetrics
 
 
 def _rec(i, arrival, ttft, itls, sched_delay=0.0, status="ok", prompt_len=10, **kw):

@@ -15,10 +15,10 @@ import time
 import pytest
 import yaml
 
-from llmserve.benchmark import report as report_mod
-from llmserve.benchmark import runner as runner_mod
-from llmserve.benchmark.runner import BenchmarkOptions, run_benchmark
-from llmserve.sequence import Sequence, SequenceStatus
+from llmserve.bench import report as report_mod
+from llmserve.bench import runner as runner_mod
+from llmserve.bench.runner import BenchmarkOptions, run_benchmark
+from llmserve.core.sequence import Sequence, SequenceStatus
 
 
 class _Out:
@@ -265,7 +265,7 @@ def test_cli_flags_parse():
 
 
 def test_report_schema_lists_are_consistent():
-    from llmserve.benchmark.metrics import AGGREGATE_KEYS
+    from llmserve.bench.metrics import AGGREGATE_KEYS
     assert report_mod.REQUIRED_AGGREGATE_KEYS == AGGREGATE_KEYS
     assert set(AGGREGATE_KEYS) <= set(report_mod.CSV_COLUMNS)
     assert len(set(report_mod.REQUIRED_FIELDS)) == len(report_mod.REQUIRED_FIELDS)
@@ -278,13 +278,13 @@ def test_report_schema_lists_are_consistent():
 # ---- end to end on the real tiny model -------------------------------------------------------
 def _engine_available() -> bool:
     try:
-        import llmserve.engine  # noqa: F401
+        import llmserve.engine.llm_engine  # noqa: F401
     except ImportError:
         return False
     return True
 
 
-@pytest.mark.skipif(not _engine_available(), reason="llmserve.engine is not importable yet")
+@pytest.mark.skipif(not _engine_available(), reason="llmserve.engine.llm_engine is not importable yet")
 def test_cli_smoke_tiny_model(tmp_path):
     out = tmp_path / "smoke.json"
     cmd = [sys.executable, "-m", "llmserve.cli", "benchmark", "--config", "continuous",
@@ -330,7 +330,7 @@ def test_triton_compiles_in_the_measured_phase_are_counted_and_named(tmp_path, m
     """The report counts and names the kernels added to Triton's cache during the measured
     phase only (a compile in the warm-up is not counted); a cache directory that does not
     exist yet reads as empty."""
-    from llmserve.triton_cache import triton_cache_entries, triton_kernel_names
+    from llmserve.engine.triton_cache import triton_cache_entries, triton_kernel_names
 
     cache = tmp_path / "triton-cache"
     monkeypatch.setenv("TRITON_CACHE_DIR", str(cache))

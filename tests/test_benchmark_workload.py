@@ -10,9 +10,15 @@ import numpy as np
 import pytest
 import yaml
 
-from llmserve.benchmark import sharegpt
-from llmserve.benchmark.workload import (BUILTIN_PROFILES, arrival_offsets, build_workload,
-                                         load_profile, sample_lengths, validate_profile)
+from llmserve.bench import sharegpt
+from llmserve.bench.workload import (
+    BUILTIN_PROFILES,
+    arrival_offsets,
+    build_workload,
+    load_profile,
+    sample_lengths,
+    validate_profile,
+)
 
 REPO = Path(__file__).resolve().parents[1]
 

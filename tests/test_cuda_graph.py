@@ -7,7 +7,7 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from llmserve.cuda_graph import CUDAGraphDecodeRunner
+from llmserve.worker.cuda_graph import CUDAGraphDecodeRunner
 
 V = 50
 

@@ -14,8 +14,10 @@ import pytest
 import torch
 
 from llmserve.config import CacheConfig, EngineConfig, SchedulerConfig
-from llmserve.engine import AsyncLLMEngine, LLMEngine, NaiveEngine
-from llmserve.sampling_params import SamplingParams
+from llmserve.engine.async_engine import AsyncLLMEngine
+from llmserve.engine.llm_engine import LLMEngine
+from llmserve.engine.naive import NaiveEngine
+from llmserve.core.sampling_params import SamplingParams
 
 BLOCK = 16
 
@@ -195,8 +197,8 @@ def test_step_seconds_account_for_the_steps():
     import time as _time
 
     from llmserve.config import EngineConfig
-    from llmserve.engine import LLMEngine
-    from llmserve.sampling_params import SamplingParams
+    from llmserve.engine.llm_engine import LLMEngine
+    from llmserve.core.sampling_params import SamplingParams
 
     eng = LLMEngine(EngineConfig())
     for p in ([5, 6, 7], [8, 9]):

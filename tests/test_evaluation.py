@@ -11,8 +11,8 @@ from types import SimpleNamespace
 import pytest
 import torch
 import torch.nn.functional as F
-from llmserve import quantize_eval
-from llmserve.evaluation import (
+from llmserve.bench import quantize_eval
+from llmserve.bench.evaluation import (
     HellaSwagItem,
     LogitErrorStats,
     eval_token_stream,
@@ -27,7 +27,7 @@ from llmserve.evaluation import (
     sliding_window_perplexity,
     token_agreement,
 )
-from llmserve.quantize_eval import (
+from llmserve.bench.quantize_eval import (
     QuantEvalSettings,
     evaluate_quality,
     evaluate_throughput,

@@ -16,9 +16,9 @@ pytest.importorskip("triton")
 
 from llmserve.attention.metadata import AttentionMetadata  # noqa: E402
 from llmserve.config import ModelConfig  # noqa: E402
-from llmserve.models.fast_forward import FastQwen2Forward  # noqa: E402
+from llmserve.models.fused_forward import FastQwen2Forward  # noqa: E402
 from llmserve.models.qwen2 import Qwen2ForCausalLM  # noqa: E402
-from llmserve.triton_kernels.fused import add_rmsnorm, silu_and_mul  # noqa: E402
+from llmserve.kernels.fused import add_rmsnorm, silu_and_mul  # noqa: E402
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 
@@ -172,8 +172,8 @@ def test_cuda_graph_decode_matches_eager(monkeypatch, short_context, prompt_step
     is one decode split of this model (head_dim 32: 64-token tiles); 128 tokens is two, merged
     in the decode kernel (prompts 3..98 tokens + 40 generated)."""
     from llmserve.config import CacheConfig, EngineConfig, SchedulerConfig
-    from llmserve.engine import LLMEngine
-    from llmserve.sampling_params import SamplingParams
+    from llmserve.engine.llm_engine import LLMEngine
+    from llmserve.core.sampling_params import SamplingParams
 
     monkeypatch.setenv("LLMSERVE_GRAPH_SHORT_CONTEXT", str(short_context))
 
@@ -202,8 +202,8 @@ def test_pdl_trigger_first_same_tokens(monkeypatch):
     when kernels start, not what they compute: the same greedy tokens through
     graph replays of the matrix-vector path, for contexts of one and several decode splits."""
     from llmserve.config import CacheConfig, EngineConfig, SchedulerConfig
-    from llmserve.engine import LLMEngine
-    from llmserve.sampling_params import SamplingParams
+    from llmserve.engine.llm_engine import LLMEngine
+    from llmserve.core.sampling_params import SamplingParams
 
     def run(first: str, qkv: str = "", norm: str = ""):
         monkeypatch.setenv("LLMSERVE_PDL_TRIGGER_FIRST", first)
@@ -227,7 +227,7 @@ def test_trigger_roles(monkeypatch):
     """Which decode kernels trigger their successor before their PDL wait: none without PDL;
     by default the QKV kernel only, for hidden sizes <= 2048; ``LLMSERVE_PDL_TRIGGER_QKV``
     overrides the size rule; ``LLMSERVE_PDL_TRIGGER_FIRST=1`` makes it every kernel."""
-    from llmserve.models.fast_forward import TRIGGER_ROLES, trigger_roles
+    from llmserve.models.fused_forward import TRIGGER_ROLES, trigger_roles
     for name in ("LLMSERVE_PDL_TRIGGER_QKV", "LLMSERVE_PDL_TRIGGER_FIRST"):
         monkeypatch.delenv(name, raising=False)
     only = lambda *r: {k: k in r for k in TRIGGER_ROLES}                        # noqa: E731
@@ -264,7 +264,7 @@ def record_decode_launches(monkeypatch) -> tuple[list, list]:
     """Wrap the matrix-vector path's kernel launchers in ``fast_forward``: each call appends
     ``(launcher name, pdl_trigger_first)`` to the first list (the final norm its ``pdl`` to
     the second) and runs the real launch without PDL (the interpreter has none)."""
-    import llmserve.models.fast_forward as ff
+    import llmserve.models.fused_forward as ff
     seen, norm_pdl = [], []
 
     def recorder(name, fn):
@@ -287,7 +287,7 @@ def test_gemv_path_passes_trigger_roles(monkeypatch):
     """Each kernel of the matrix-vector path is launched with its own role's
     ``pdl_trigger_first`` (recorded around the real launches, which run without PDL here):
     the QKV kernel of every layer, and no other, with the default roles."""
-    from llmserve.models.fast_forward import trigger_roles
+    from llmserve.models.fused_forward import trigger_roles
     seen, norm_pdl = record_decode_launches(monkeypatch)
     for name in ("LLMSERVE_PDL_TRIGGER_FIRST", "LLMSERVE_PDL_TRIGGER_QKV", "LLMSERVE_PDL_FINAL_NORM"):
         monkeypatch.delenv(name, raising=False)
@@ -313,7 +313,7 @@ def test_each_decode_kernel_gets_its_own_trigger_role(monkeypatch, role):
     the LM head and the greedy argmax each read their own role (recorded around the real
     launches, which run without PDL here)."""
     from llmserve.attention import get_attention_backend
-    from llmserve.models.fast_forward import TRIGGER_ROLES
+    from llmserve.models.fused_forward import TRIGGER_ROLES
     seen, norm_pdl = record_decode_launches(monkeypatch)
     monkeypatch.delenv("LLMSERVE_PDL_FINAL_NORM", raising=False)
     model = small_model(4, 2, d=32)
@@ -341,7 +341,7 @@ def test_add_rmsnorm_pdl_launch(monkeypatch):
     """``add_rmsnorm(pdl=True)`` launches its kernel with PDL where PDL is available
     (``launch_pdl`` and the kernel's ``USE_PDL``; never trigger-first); without it, or where
     PDL is unavailable, no PDL options at all."""
-    from llmserve.triton_kernels import fused
+    from llmserve.kernels import fused
     seen = []
 
     class Recorder:
@@ -371,8 +371,8 @@ def test_d2h_side_stream_same_outputs(monkeypatch):
     the same greedy tokens through many graph replays (both rows used), the same sampled tokens
     and logprobs for seeded requests."""
     from llmserve.config import CacheConfig, EngineConfig, SchedulerConfig
-    from llmserve.engine import LLMEngine
-    from llmserve.sampling_params import SamplingParams
+    from llmserve.engine.llm_engine import LLMEngine
+    from llmserve.core.sampling_params import SamplingParams
 
     def run(side: str):
         monkeypatch.setenv("LLMSERVE_D2H_SIDE_STREAM", side)
@@ -401,7 +401,7 @@ def test_engine_switches_reject_bad_values(monkeypatch):
     take 0, 1 or nothing; any other value is an error when the forward / engine is built (on
     any device)."""
     from llmserve.config import EngineConfig
-    from llmserve.engine import LLMEngine
+    from llmserve.engine.llm_engine import LLMEngine
 
     for ok in ("", "0", "1"):
         monkeypatch.setenv("LLMSERVE_PDL_TRIGGER_FIRST", ok)
@@ -444,7 +444,7 @@ def test_gemv_early_epilogue_size_rule(monkeypatch):
     """Without the variable, the switch follows the hidden size (on up to 2048, where it
     measured faster on the H200; off above, where 7B measured slower), and it reaches the
     kernel launches of the QKV, O and down projections."""
-    import llmserve.models.fast_forward as ff
+    import llmserve.models.fused_forward as ff
 
     monkeypatch.delenv("LLMSERVE_GEMV_EARLY_EPILOGUE", raising=False)
     model = small_model(6, 2)
@@ -475,7 +475,7 @@ def test_int8_projections_are_fused(seqs, planes, monkeypatch):
     the readable path calling the quantized modules one by one; state_dict unchanged (also
     with the weights repacked as byte planes, LLMSERVE_INT8_PLANES=1: state_dict unpacks them, and an
     in-place load_state_dict of the row-major checkpoint packs them again)."""
-    from llmserve.quantization import TritonInt8Linear, quantize_model
+    from llmserve.quant import TritonInt8Linear, quantize_model
 
     monkeypatch.setenv("LLMSERVE_INT8_PLANES", "1" if planes else "0")
     model = quantize_model(small_model(6, 2), "triton-int8")
@@ -533,7 +533,7 @@ def test_int8_projections_are_fused(seqs, planes, monkeypatch):
 def test_reference_int8_layers_turn_the_gemv_path_off():
     """The reference ``int8`` scheme (dequantize + F.linear) is not fused: those modules keep
     being called, and the result still matches the readable path."""
-    from llmserve.quantization import quantize_model
+    from llmserve.quant import quantize_model
 
     model = quantize_model(small_model(6, 2), "int8")
     ids, pos, caches, meta = batch(model, [(9, 1)])
@@ -548,7 +548,7 @@ def test_quantizing_after_building_the_fused_forward_raises():
     """The fused forward packs q/k/v and gate/up once; quantizing the model afterwards would
     leave those packed copies stale, so the next call refuses instead of mixing old and new
     weights."""
-    from llmserve.quantization import quantize_model
+    from llmserve.quant import quantize_model
 
     model = small_model(6, 2)
     fast = FastQwen2Forward(model, use_gemv=True, gemv_max_tokens=4)
@@ -565,7 +565,7 @@ def test_partly_quantized_models_match_the_readable_path(include):
     """Some projections Triton INT8, the rest float: groups of mixed kinds (q int8, k/v float)
     are not packed and keep calling their modules, uniform groups are fused; the one-token
     (matrix-vector) path is taken only when every group could be packed."""
-    from llmserve.quantization import quantize_model
+    from llmserve.quant import quantize_model
 
     model = quantize_model(small_model(6, 2), "triton-int8", include=include)
     for seqs in ([(9, 1)], [(9, 9), (5, 1)]):
@@ -586,7 +586,7 @@ def _fragment_sized_model(dtype):
 def test_int8_fragments_need_cuda_and_bf16(monkeypatch, caplog):
     """LLMSERVE_INT8_FRAGMENTS=1 is ignored, with a warning, where the kernel cannot run (CPU,
     or a model that is not bf16): same results as without it."""
-    from llmserve.quantization import quantize_model
+    from llmserve.quant import quantize_model
 
     monkeypatch.setenv("LLMSERVE_INT8_FRAGMENTS", "1")
     model = quantize_model(_fragment_sized_model(torch.float32), "triton-int8")
@@ -602,7 +602,8 @@ def test_int8_fragments_need_cuda_and_bf16(monkeypatch, caplog):
 def test_int8_fragment_views_follow_load_state_dict():
     """A Triton INT8 layer holding a view of a fragment copy (what the fused forward gives it
     with LLMSERVE_INT8_FRAGMENTS=1) has that view repacked in place by load_state_dict."""
-    from llmserve.quantization import TritonInt8Linear, pack_int8_fragments, quantize_model
+    from llmserve.quant import TritonInt8Linear, quantize_model
+    from llmserve.kernels.int8_layout import pack_int8_fragments
 
     model = quantize_model(_fragment_sized_model(torch.float32), "triton-int8")
     layer = model.model.layers[0]
@@ -628,8 +629,8 @@ def test_int8_fragments_serve_small_steps(seqs, monkeypatch):
     mixed) run every projection through int8_frag_linear (four calls a layer, each with its
     own weight), a 17-token step runs none, and the result is what the row-major INT8 path
     gives, also after an in-place load_state_dict of changed weights."""
-    import llmserve.models.fast_forward as ff
-    from llmserve.quantization import quantize_model
+    import llmserve.models.fused_forward as ff
+    from llmserve.quant import quantize_model
 
     model = quantize_model(_fragment_sized_model(torch.bfloat16), "triton-int8")
     ids, pos, caches, meta = batch(model, seqs)

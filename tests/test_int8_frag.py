@@ -14,7 +14,7 @@ import torch
 
 import re
 
-from llmserve.triton_kernels.int8_frag import (
+from llmserve.kernels.int8_frag import (
     _ASM1,
     _ASM2,
     FRAG_MAX_M,
@@ -95,7 +95,7 @@ def test_default_configs_for_pdl_calls(monkeypatch):
     assert choose_frag_config(3, 8960, 1536, gpu_name=h200, pdl=False) == FragConfig(4, 4, 1, prefetch=True)
     assert choose_frag_config(3, 8960, 1536, gpu_name="other", pdl=True) == FragConfig(4, 4, 1, prefetch=True)
     assert choose_frag_config(2, 18944, 3584, gpu_name=h200, pdl=True) == FragConfig(2, 4, 1, prefetch=True)  # 7B
-    import llmserve.triton_kernels.int8_frag as frag
+    import llmserve.kernels.int8_frag as frag
     monkeypatch.setattr(frag, "TensorDescriptor", None)           # a Triton without TMA descriptors
     assert choose_frag_config(8, 1536, 8960, gpu_name=h200, pdl=True) == FragConfig(4, 4, 6, prefetch=True)
     monkeypatch.undo()
@@ -166,7 +166,7 @@ def test_validation():
 
 def _skip_unsupported(cfg: FragConfig) -> None:
     """Skip configurations this GPU / Triton cannot run (they raise ValueError by design)."""
-    import llmserve.triton_kernels.int8_frag as frag
+    import llmserve.kernels.int8_frag as frag
 
     if (cfg.tma or cfg.l2_prefetch) and torch.cuda.get_device_capability()[0] < 9:
         pytest.skip("TMA and the bulk L2 prefetch need sm_90")
@@ -234,7 +234,7 @@ def test_pdl_chain_reads_the_previous_output(m, cfg):
     """Eight PDL launches back to back in a CUDA graph, each reading the previous one's output
     (a square 1536 x 1536 weight): with PDL a launch starts while its predecessor runs, and
     must read x only after its wait. Against the same chain without PDL and an fp64 chain."""
-    from llmserve.triton_kernels._launch import pdl_available
+    from llmserve.kernels._launch import pdl_available
 
     if not pdl_available(torch.device("cuda")):
         pytest.skip("no programmatic dependent launch on this GPU / Triton")
@@ -288,7 +288,7 @@ def test_default_config_matches_reference(m, n, k):
 def test_config_follows_the_effective_pdl(monkeypatch):
     """int8_frag_linear picks its default configuration for the PDL setting it really launches
     with: not PDL when the scale had to be copied (strided) or PDL is unavailable."""
-    import llmserve.triton_kernels.int8_frag as frag
+    import llmserve.kernels.int8_frag as frag
 
     seen = []
     real = frag.choose_frag_config

@@ -6,10 +6,10 @@ import pytest
 import torch
 
 from llmserve.config import CacheConfig, ModelConfig
-from llmserve.kv_cache import (BlockAllocator, BlockManager, KVCache, MemoryStats,
-                               NoFreeBlocksError)
-from llmserve.sampling_params import SamplingParams
-from llmserve.sequence import Sequence
+from llmserve.core.block_manager import BlockAllocator, BlockManager, MemoryStats, NoFreeBlocksError
+from llmserve.worker.kv_cache import KVCache
+from llmserve.core.sampling_params import SamplingParams
+from llmserve.core.sequence import Sequence
 
 
 def make_seq(rid: str, prompt_len: int, max_tokens: int = 4) -> Sequence:

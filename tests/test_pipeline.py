@@ -292,7 +292,7 @@ def test_reduced_matrix_reruns_only_what_changed(reduced_run):
     assert counts.get("aggregate") == 1 and "benchmark_cell" not in counts, counts
     # A comment in an engine file: every cell reruns (params trigger), and so it does without
     # Snakemake's metadata too (a fresh clone), through the provenance files' code hash.
-    engine_file = work / "engine" / "llmserve" / "sampling_params.py"
+    engine_file = work / "engine" / "llmserve" / "core" / "sampling_params.py"
     engine_file.write_text(engine_file.read_text() + "\n# a comment\n")
     counts = job_counts(snakemake(*dry, cwd=work, env=env).stdout)
     assert counts.get("benchmark_cell") == 2, counts

@@ -16,7 +16,7 @@ from torch import nn
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
-from llmserve.quantization import (
+from llmserve.quant import (
     DEFAULT_INCLUDE,
     Int4Linear,
     Int8Linear,
@@ -328,7 +328,7 @@ def test_quantized_model_is_smaller_by_the_expected_bytes(small_model):
 
 def test_quantized_tiny_model_close_to_16bit(tiny_model):
     """KL(p16 || pq) and top-1 agreement on the (peaked) tiny model."""
-    from llmserve.evaluation import LogitErrorStats
+    from llmserve.bench.evaluation import LogitErrorStats
 
     model, _ = tiny_model
     ids = torch.randint(0, 151643, (1, 40), generator=torch.Generator().manual_seed(0))

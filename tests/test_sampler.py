@@ -5,8 +5,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from llmserve.sampler import Sampler, apply_top_k_top_p
-from llmserve.sampling_params import SamplingParams
+from llmserve.worker.sampler import Sampler, apply_top_k_top_p
+from llmserve.core.sampling_params import SamplingParams
 
 
 def test_greedy_is_argmax():

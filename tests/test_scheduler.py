@@ -14,11 +14,11 @@ import random
 import pytest
 
 from llmserve.config import SchedulerConfig
-from llmserve.kv_cache import BlockManager
-from llmserve.policies import POLICY_REGISTRY, WaitingQueue, get_policy
-from llmserve.sampling_params import SamplingParams
-from llmserve.scheduler import RequestRejectedError, Scheduler, SchedulerOutput
-from llmserve.sequence import Sequence, SequenceStatus
+from llmserve.core.block_manager import BlockManager
+from llmserve.core.policies import POLICY_REGISTRY, WaitingQueue, get_policy
+from llmserve.core.sampling_params import SamplingParams
+from llmserve.core.scheduler import RequestRejectedError, Scheduler, SchedulerOutput
+from llmserve.core.sequence import Sequence, SequenceStatus
 
 
 # ---- helpers ----------------------------------------------------------------------------------

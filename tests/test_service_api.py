@@ -24,10 +24,11 @@ import httpx
 import pytest
 
 from llmserve.config import CacheConfig, EngineConfig, SchedulerConfig
-from llmserve.engine import AsyncLLMEngine, LLMEngine
-from llmserve.service.app import create_app
-from llmserve.service.metrics import EXPORTED_METRICS
-from llmserve.service.server import BackgroundServer
+from llmserve.engine.async_engine import AsyncLLMEngine
+from llmserve.engine.llm_engine import LLMEngine
+from llmserve.serve.app import create_app
+from llmserve.serve.metrics import EXPORTED_METRICS
+from llmserve.serve.server import BackgroundServer
 
 MAX_MODEL_LEN = 512
 FFFD = "\ufffd"

@@ -28,7 +28,7 @@ import httpx
 import pytest
 import yaml
 
-from llmserve.service.metrics import EXPORTED_METRICS, ServiceMetrics
+from llmserve.serve.metrics import EXPORTED_METRICS, ServiceMetrics
 
 ROOT = Path(__file__).resolve().parents[1]
 DEPLOY = ROOT / "deploy"
@@ -210,7 +210,7 @@ def test_k6_script_syntax_and_profile(tmp_path):
 
 # ---- the CLI -----------------------------------------------------------------------------------
 def test_serve_flags():
-    from llmserve.service.server import add_serve_subparser, run_serve_cli
+    from llmserve.serve.server import add_serve_subparser, run_serve_cli
     import argparse
 
     parser = argparse.ArgumentParser()

@@ -13,7 +13,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from llmserve.service.detokenizer import IncrementalDetokenizer, token_bytes, token_text
+from llmserve.serve.detokenizer import IncrementalDetokenizer, token_bytes, token_text
 
 FFFD = "\ufffd"
 

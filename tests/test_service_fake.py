@@ -16,10 +16,10 @@ from types import SimpleNamespace
 import httpx
 import pytest
 
-from llmserve.engine import RequestOutput
-from llmserve.sequence import RequestMetrics
-from llmserve.service.app import create_app
-from llmserve.service.server import BackgroundServer
+from llmserve.engine.llm_engine import RequestOutput
+from llmserve.core.sequence import RequestMetrics
+from llmserve.serve.app import create_app
+from llmserve.serve.server import BackgroundServer
 
 FFFD = "\ufffd"
 

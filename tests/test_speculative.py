@@ -21,16 +21,16 @@ from __future__ import annotations
 import dataclasses
 import random
 
-import llmserve.speculative as spec_mod
+import llmserve.engine.speculative as spec_mod
 import numpy as np
 import pytest
 import torch
 from llmserve.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig
-from llmserve.engine import LLMEngine
+from llmserve.engine.llm_engine import LLMEngine
 from llmserve.models.loader import save_checkpoint
 from llmserve.models.qwen2 import Qwen2ForCausalLM
-from llmserve.sampling_params import SamplingParams
-from llmserve.speculative import SpeculativeEngine, greedy_verify, rejection_sample
+from llmserve.core.sampling_params import SamplingParams
+from llmserve.engine.speculative import SpeculativeEngine, greedy_verify, rejection_sample
 
 BLOCK = 4
 KS = (1, 2, 4, 7)
@@ -469,11 +469,7 @@ def test_benchmark_speculative_section(small_models, tmp_path):
     ``speculative`` section with the counters."""
     import argparse
 
-    from llmserve.benchmark.runner import (
-        BenchmarkOptions,
-        add_benchmark_args,
-        run_benchmark,
-    )
+    from llmserve.bench.runner import BenchmarkOptions, add_benchmark_args, run_benchmark
 
     target_dir, draft_dir, _ = small_models
     prof = tmp_path / "p.yaml"

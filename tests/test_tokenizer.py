@@ -7,9 +7,16 @@ import unicodedata
 
 import pytest
 
-from llmserve.tokenizer import (CHATML_TEMPLATE, MARKER_FILE, QWEN2_PATTERN, SPECIAL_TOKENS,
-                                apply_chat_template, ensure_builtin_tokenizer_dir, load_tokenizer,
-                                qwen_tiktoken_file)
+from llmserve.tokenizer import (
+    CHATML_TEMPLATE,
+    MARKER_FILE,
+    QWEN2_PATTERN,
+    SPECIAL_TOKENS,
+    apply_chat_template,
+    ensure_builtin_tokenizer_dir,
+    load_tokenizer,
+    qwen_tiktoken_file,
+)
 
 TRICKY = [
     "Hello world",

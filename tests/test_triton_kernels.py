@@ -3,7 +3,7 @@ batches) and the INT8 weight-only linear.
 
 Without CUDA the kernels run in Triton's interpreter on CPU tensors (fp32/fp16: the
 interpreter's bf16 arithmetic is wrong). ``TRITON_INTERPRET`` must be set before the kernels are
-defined; ``llmserve.triton_kernels`` sets it itself when CUDA is unavailable, and this module
+defined; ``llmserve.kernels`` sets it itself when CUDA is unavailable, and this module
 sets it too before importing anything from Triton, so import order across test modules does not
 matter. Shapes are small but awkward (block boundaries, 1-token contexts, GQA 1/2/6/7, K not a
 multiple of the tile) to keep the interpreter fast. ``gpu``-marked tests check bf16 on CUDA.
@@ -25,7 +25,7 @@ pytest.importorskip("triton")
 from llmserve.attention import get_attention_backend  # noqa: E402
 from llmserve.attention.metadata import AttentionMetadata  # noqa: E402
 from llmserve.attention.torch_backend import paged_attention_torch, write_kv_torch  # noqa: E402
-from llmserve.triton_kernels import (  # noqa: E402
+from llmserve.kernels import (
     int8_linear,
     int8_linear_reference,
     paged_attention_decode,
@@ -34,14 +34,10 @@ from llmserve.triton_kernels import (  # noqa: E402
     quantize_int8_per_channel,
     write_kv_triton,
 )
-from llmserve.triton_kernels.fused import rope_qkv_write_kv  # noqa: E402
-from llmserve.triton_kernels.gemv import GemvConfig, gemv, gemv_qkv_rope, gemv_reference  # noqa: E402
-from llmserve.triton_kernels.int8_linear import (  # noqa: E402
-    Int8LinearConfig,
-    pack_int8_planes,
-    unpack_int8_planes,
-)
-from llmserve.triton_kernels.paged_attention import choose_num_splits  # noqa: E402
+from llmserve.kernels.fused import rope_qkv_write_kv  # noqa: E402
+from llmserve.kernels.gemv import GemvConfig, gemv, gemv_qkv_rope, gemv_reference  # noqa: E402
+from llmserve.kernels.int8_linear import Int8LinearConfig, pack_int8_planes, unpack_int8_planes
+from llmserve.kernels.paged_attention import choose_num_splits  # noqa: E402
 
 DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
 gpu = pytest.mark.gpu
@@ -137,7 +133,7 @@ def test_decode_wide_tile_matches_reference(hkv, d):
 def test_decode_wide_tile_config(monkeypatch):
     """The GPU tile choice: few (sequence, KV head) pairs and short contexts take one wide tile
     (8 warps at head_dim 128, 4 below); otherwise, or with LLMSERVE_DECODE_WIDE=0, the default."""
-    from llmserve.triton_kernels.paged_attention import _decode_config
+    from llmserve.kernels.paged_attention import _decode_config
     assert _decode_config(128, False, 2, 300) == dict(BLOCK_N=256, num_warps=8, num_stages=1, wide=True)
     assert _decode_config(64, False, 4, 512)["num_warps"] == 4
     assert "wide" not in _decode_config(128, False, 5, 300)                # more than 4 pairs
@@ -172,7 +168,7 @@ def test_decode_grid_sized_for_a_longer_context(num_splits, fused):
     ref = paged_attention_torch(q, kc, vc, meta, 0.125)
     meta.max_context_len = 4096                                   # as the graph runner does
     if num_splits is None:   # > FUSED_REDUCE_MAX_SPLITS splits: short contexts merge in the decode
-        import llmserve.triton_kernels.paged_attention as pa    # kernel, long ones in the reduction
+        import llmserve.kernels.paged_attention as pa    # kernel, long ones in the reduction
         out = paged_attention_decode(q, kc, vc, meta, 0.125, num_splits=40)
         assert_close(out, ref, torch.float32)
         assert pa.FUSED_REDUCE_INLINE < 13        # the 200-token context: 13 tiles, the reduction
@@ -199,7 +195,7 @@ def test_decode_early_pages_matches_reference(num_splits, block_n):
 def test_early_pages_default_follows_the_wide_tile(monkeypatch):
     """Early block-table reads are on by default only with the wide (batch-1) tile; the
     environment switch forces them on or off for every tile; an explicit override wins."""
-    from llmserve.triton_kernels.paged_attention import _use_early_pages
+    from llmserve.kernels.paged_attention import _use_early_pages
     monkeypatch.delenv("LLMSERVE_DECODE_EARLY_PAGES", raising=False)
     assert _use_early_pages(True) and not _use_early_pages(False)
     monkeypatch.setenv("LLMSERVE_DECODE_EARLY_PAGES", "1")
@@ -367,8 +363,8 @@ def test_int8_planes_config_rules(monkeypatch, tmp_path):
     import importlib
     import json
 
-    gemv_mod = importlib.import_module("llmserve.triton_kernels.gemv")   # the modules, not the
-    il = importlib.import_module("llmserve.triton_kernels.int8_linear")  # functions re-exported
+    gemv_mod = importlib.import_module("llmserve.kernels.gemv")   # the modules, not the
+    il = importlib.import_module("llmserve.kernels.int8_linear")  # functions re-exported
 
     monkeypatch.delenv("LLMSERVE_GEMV_CONFIG", raising=False)
     monkeypatch.delenv("LLMSERVE_GEMV_TABLE", raising=False)
@@ -764,7 +760,7 @@ def test_gemv_pre_wait_tiles(monkeypatch, kind):
     row's tile count. The launches carry ``PRE`` as configured, capped at
     the tile count, 1 on a persistent grid, ``LLMSERVE_GEMV_PRE_TILES`` overriding; bad values are
     errors."""
-    from llmserve.triton_kernels import gemv as gm
+    from llmserve.kernels import gemv as gm
     tol = dict(rtol=0, atol=0) if DEVICE == "cpu" else dict(rtol=1e-5, atol=1e-5)
     torch.manual_seed(11)
     for k in (32, 64, 72):                     # 2 tiles of 16 (pre 3, 4 capped) / 4 / 4.5 tiles
@@ -840,7 +836,7 @@ def test_gemv_launch_arguments_red_and_early(monkeypatch):
     of a sum or of loads, so comparisons of results cannot see them): the table's ``red``, the
     ``LLMSERVE_GEMV_RED`` override (capped at ``block_k``), mode 2 (1 on a persistent grid),
     in ``gemv`` and ``gemv_qkv_rope``; bad ``early_epilogue`` values are errors, even for M = 0."""
-    from llmserve.triton_kernels import gemv as gm
+    from llmserve.kernels import gemv as gm
     seen = []
 
     class Recorder:
@@ -885,7 +881,7 @@ def test_gemv_launch_arguments_red_and_early(monkeypatch):
 def test_qkv_early_mode(monkeypatch):
     """The decode QKV kernel's mode: 2 with PDL and the pre-wait (default: hidden <= 2048),
     else the other kernels' early-epilogue setting."""
-    from llmserve.models.fast_forward import qkv_early_mode
+    from llmserve.models.fused_forward import qkv_early_mode
     monkeypatch.delenv("LLMSERVE_GEMV_PRE_WAIT", raising=False)
     assert qkv_early_mode(True, 1536, True) == 2
     assert qkv_early_mode(True, 3584, False) == 0            # 7B: measured slower with it
@@ -928,7 +924,7 @@ def test_gemv_qkv_rope_shipped_combination():
 
 
 def test_gemv_config_env_and_table(monkeypatch, tmp_path):
-    from llmserve.triton_kernels import gemv as gm
+    from llmserve.kernels import gemv as gm
     monkeypatch.setenv("LLMSERVE_GEMV_CONFIG", "2,64,2,1")
     assert gm.choose_gemv_config(1, 10, 10, torch.float32, DEVICE) == GemvConfig(2, 64, 2, 1)
     monkeypatch.setenv("LLMSERVE_GEMV_CONFIG", "2,64,2,1,16")

@@ -10,7 +10,7 @@
 // lengths follow a clipped log-normal with ShareGPT-like first-turn lengths. For the exact
 // benchmark requests, export them to JSON ([{"prompt": [ids] | "text", "max_tokens": n}, ...]):
 //
-//   python -c "import json; from llmserve.benchmark.workload import load_profile, build_workload; \
+//   python -c "import json; from llmserve.bench.workload import load_profile, build_workload; \
 //     from llmserve.tokenizer import load_tokenizer; p, _ = load_profile('sharegpt'); \
 //     w = build_workload(p, tokenizer=load_tokenizer(None), num_requests=256); \
 //     json.dump([{'prompt': r.prompt_token_ids, 'max_tokens': r.max_tokens} for r in w.requests], \

@@ -24,8 +24,9 @@ def default_dtype(device: str, dtype: str | None) -> str:
 
 def _cmd_generate(args: argparse.Namespace) -> int:
     from .config import CacheConfig, EngineConfig, SchedulerConfig
-    from .engine import LLMEngine, NaiveEngine
-    from .sampling_params import SamplingParams
+    from .engine.llm_engine import LLMEngine
+    from .engine.naive import NaiveEngine
+    from .core.sampling_params import SamplingParams
 
     cfg = EngineConfig(model=args.model, device=args.device, dtype=default_dtype(args.device, args.dtype),
                        seed=args.seed, cache=CacheConfig(block_size=args.block_size),
@@ -72,10 +73,10 @@ def build_parser() -> argparse.ArgumentParser:
     # Subcommands whose modules own their flags; a missing optional dependency only disables
     # that one command.
     optional = [
-        ("benchmark", "llmserve.benchmark.runner", "add_benchmark_subparser"),
-        ("serve", "llmserve.service.server", "add_serve_subparser"),
-        ("quantize-eval", "llmserve.quantize_eval", "add_quantize_eval_subparser"),
-        ("bench-compare", "llmserve.bench_compare", "add_bench_compare_subparser"),
+        ("benchmark", "llmserve.bench.runner", "add_benchmark_subparser"),
+        ("serve", "llmserve.serve.server", "add_serve_subparser"),
+        ("quantize-eval", "llmserve.bench.quantize_eval", "add_quantize_eval_subparser"),
+        ("bench-compare", "llmserve.bench.compare", "add_bench_compare_subparser"),
     ]
     import importlib
     for name, module, fn in optional:

@@ -197,12 +197,12 @@ def write_derived_profile(base_path, overrides, output_path, log_path):
     """Write `base_path` with `overrides` applied to `output_path`, validated by the benchmark
     harness's own profile validator (a bad override fails here, before any cell runs)."""
     import yaml
-    from llmserve.benchmark.workload import validate_profile
+    from llmserve.bench.workload import validate_profile
 
     derived = deep_merge(yaml.safe_load(Path(base_path).read_text()), overrides)
     validate_profile(derived, source=output_path)
     header = (f"# Derived load profile: {base_path} with `load_profile_overrides` of the\n"
               f"# checkpoint-3 config (profile {PROFILE}). Written by the pipeline; edit the\n"
-              f"# config instead. Field reference: engine/llmserve/benchmark/workload.py.\n")
+              f"# config instead. Field reference: engine/llmserve/bench/workload.py.\n")
     Path(output_path).write_text(header + yaml.safe_dump(derived, sort_keys=False))
     Path(log_path).write_text(f"derived {output_path} from {base_path} with {overrides}\n")

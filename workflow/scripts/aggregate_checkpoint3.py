@@ -1,6 +1,6 @@
 """Aggregate checkpoint-3 benchmark runs into the summary and failure-regime tables.
 
-Input: the JSON reports of ``llmserve benchmark`` (schema: ``llmserve.benchmark.report``), one
+Input: the JSON reports of ``llmserve benchmark`` (schema: ``llmserve.bench.report``), one
 per matrix cell and repetition, each with its ``<cell>.provenance.json`` beside it (written by
 ``workflow/scripts/code_hash.py provenance``). Output, per table: a CSV (every number, full
 error text) and a Markdown page (header with the matched run conditions, the table, the output

@@ -110,10 +110,18 @@ def _crash_report(json_path: Path, csv_path: Path, exit_status: int, log: str | 
         why = f"exited with status {exit_status} without writing its report"
     error = f"BenchmarkProcessDied: llmserve benchmark {why}; see {log or 'the rule log'}"
     try:  # the real schema and writers, so the stub matches every other report
-        from llmserve.benchmark.metrics import aggregate_records
-        from llmserve.benchmark.report import (REQUIRED_FIELDS, SCHEMA_VERSION, append_csv_row,
-                                               csv_row, git_info, hardware_info,
-                                               package_versions, utc_now, write_json)
+        from llmserve.bench.metrics import aggregate_records
+        from llmserve.bench.report import (
+            REQUIRED_FIELDS,
+            SCHEMA_VERSION,
+            append_csv_row,
+            csv_row,
+            git_info,
+            hardware_info,
+            package_versions,
+            utc_now,
+            write_json,
+        )
         report = {k: None for k in REQUIRED_FIELDS}
         report.update(schema_version=SCHEMA_VERSION, status="failed", error=error,
                       created_at=utc_now(), git=git_info(), versions=package_versions(),
@@ -138,7 +146,7 @@ def write_provenance(*, json_path: Path, csv_path: Path, output: Path, cell: str
     if not json_path.exists():
         crash_error = _crash_report(json_path, csv_path, exit_status, log, device)
     elif not csv_path.exists():
-        from llmserve.benchmark.report import append_csv_row, csv_row
+        from llmserve.bench.report import append_csv_row, csv_row
         append_csv_row(csv_path, csv_row(json.loads(json_path.read_text()), json_path))
     actual = code_hash()
     prov = {

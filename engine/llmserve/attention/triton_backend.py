@@ -1,8 +1,8 @@
 """The Triton paged attention backend (``--paged-attention-backend triton``).
 
 Same interface and semantics as :class:`~llmserve.attention.torch_backend.TorchPagedAttention`;
-the kernels live in :mod:`llmserve.triton_kernels.paged_attention`. On CPU tensors it runs
-only in the Triton interpreter (``TRITON_INTERPRET=1``, which :mod:`llmserve.triton_kernels`
+the kernels live in :mod:`llmserve.kernels.paged_attention`. On CPU tensors it runs
+only in the Triton interpreter (``TRITON_INTERPRET=1``, which :mod:`llmserve.kernels`
 sets itself on machines without CUDA when the variable is unset) — slow, meant for tests.
 """
 
@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import torch
 
-from ..triton_kernels.paged_attention import paged_attention_triton, write_kv_triton
+from ..kernels.paged_attention import paged_attention_triton, write_kv_triton
 from .metadata import AttentionMetadata
 
 

@@ -1,0 +1,492 @@
+"""``llmserve bench-compare``: llmserve against the hardware floor and HF transformers, in one run.
+
+Measures, with random weights of published Qwen2.5 shapes (speed does not depend on values):
+
+a. batch-1 decode ms/step for each model against the floor (unique weight bytes / measured
+   copy bandwidth), for llmserve (CUDA graphs + fused kernels; bf16 weights, and with
+   ``--decode-linear-backends`` also the Triton INT8 weight-only projections, whose floor
+   counts their int8 bytes) and HF ``generate``;
+b. the offline workload (N requests, input and output lengths uniform in [lo, hi], EOS
+   ignored): output tok/s of llmserve continuous batching, HF ``generate_batch`` (its
+   continuous batching) and HF static ``generate``; the HF runs may use a subset of the
+   requests (``--hf-requests``) to fit a device-time budget, which the report states;
+c. open-loop ShareGPT-profile runs at several arrival rates: p50/p95 TTFT and TPOT
+   (through ``llmserve benchmark``'s runner).
+
+Each part that fails is kept as a row with its error. Output: JSON + a Markdown table.
+The copy bandwidth and matmul rate are measured at the start of the run (METHOD.md: measure
+the ceilings on the machine you report).
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import platform
+import time
+import traceback
+from pathlib import Path
+
+import numpy as np
+import torch
+
+
+# ---------------------------------------------------------------------------------------------
+# ceilings
+def measure_ceilings(device: torch.device) -> dict:
+    """Device-to-device copy bandwidth (bytes read + written per second) and bf16 matmul rate."""
+    n = 1 << 30                                                        # 1 GiB buffers
+    a = torch.empty(n, dtype=torch.uint8, device=device)
+    b = torch.empty_like(a)
+    for _ in range(3):
+        b.copy_(a)
+    torch.cuda.synchronize()
+    times = []
+    for _ in range(20):
+        s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        s.record()
+        b.copy_(a)
+        e.record()
+        e.synchronize()
+        times.append(s.elapsed_time(e) / 1e3)
+    bw = 2 * n / float(np.median(times))
+    del a, b
+    m = 8192
+    x = torch.randn(m, m, device=device, dtype=torch.bfloat16)
+    y = torch.randn(m, m, device=device, dtype=torch.bfloat16)
+    for _ in range(3):
+        x @ y
+    torch.cuda.synchronize()
+    times = []
+    for _ in range(10):
+        s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        s.record()
+        x @ y
+        e.record()
+        e.synchronize()
+        times.append(s.elapsed_time(e) / 1e3)
+    flops = 2 * m ** 3 / float(np.median(times))
+    del x, y
+    torch.cuda.empty_cache()
+    return {"copy_bandwidth_Bps": bw, "bf16_matmul_flops": flops}
+
+
+def unique_param_bytes(model: torch.nn.Module) -> int:
+    """Bytes of the weights a decode step reads: parameters and persistent buffers (the int8
+    weights and scales of quantized layers), each storage counted once (tied embeddings)."""
+    from ..quant import model_nbytes
+
+    return model_nbytes(model)
+
+
+# ---------------------------------------------------------------------------------------------
+# a. batch-1 decode
+def llmserve_engine(preset: str, max_num_seqs: int, max_model_len: int, num_blocks: int | None = None,
+                    chunk: int | None = None, budget: int = 8192, graphs: bool = True,
+                    linear_backend: str = "torch"):
+    from ..config import CacheConfig, EngineConfig, SchedulerConfig
+    from ..engine.llm_engine import LLMEngine
+
+    cfg = EngineConfig(model=f"random:{preset}", device="cuda", dtype="bfloat16",
+                       attention_backend="triton", use_cuda_graph=graphs, linear_backend=linear_backend,
+                       cache=CacheConfig(block_size=16, num_blocks=num_blocks, gpu_memory_utilization=0.6),
+                       scheduler=SchedulerConfig(max_num_seqs=max_num_seqs, max_model_len=max_model_len,
+                                                 max_num_batched_tokens=budget, prefill_chunk_size=chunk))
+    return LLMEngine(cfg)
+
+
+def decode_llmserve(preset: str, steps: int, prompt_len: int = 32, linear_backend: str = "torch") -> dict:
+    """Batch-1 greedy decode of ``steps`` tokens after a ``prompt_len``-token prompt: median and
+    p90 ms between tokens, one replay of the last decode graph (CUDA events), the weight bytes
+    of the model as built (``linear_backend`` as ``--linear-backend``)."""
+    from ..core.sampling_params import SamplingParams
+
+    eng = llmserve_engine(preset, max_num_seqs=8, max_model_len=2048, num_blocks=2048,
+                          linear_backend=linear_backend)
+    weight_bytes = unique_param_bytes(eng.model)
+    sp = SamplingParams(max_tokens=steps, ignore_eos=True)
+    eng.generate([list(range(100, 100 + prompt_len))], SamplingParams(max_tokens=16, ignore_eos=True))  # warm-up
+    seq = eng.add_request(list(range(200, 200 + prompt_len)), sp)
+    torch.cuda.synchronize()
+    before, steps0 = dict(eng.step_seconds), eng.num_steps
+    while eng.has_unfinished_requests():
+        eng.step()
+    gaps = np.diff(np.array(seq.metrics.token_times)) * 1e3
+    # where a step's wall time went, us per step ("sample" includes the wait for the device)
+    n_steps = max(1, eng.num_steps - steps0)
+    split_us = {k: (eng.step_seconds[k] - before[k]) / n_steps * 1e6 for k in before}
+    # the graph replay alone (GPU time of one decode step: the graph the last step replayed), CUDA events
+    g = eng.runner.cuda_graphs
+    graph_ms = None
+    if g is not None and g.last_graph is not None:
+        graph = g.last_graph
+        times = []
+        for _ in range(50):
+            s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            s.record()
+            graph.replay()
+            e.record()
+            e.synchronize()
+            times.append(s.elapsed_time(e))
+        graph_ms = float(np.median(times))
+    out = {"step_ms_median": float(np.median(gaps)), "step_ms_p90": float(np.percentile(gaps, 90)),
+           "graph_replay_ms": graph_ms, "weight_bytes": weight_bytes, "step_split_us": split_us,
+           "graph_steps": eng.runner.num_graph_steps, "eager_steps": eng.runner.num_eager_steps,
+           "short_context_replays": g.num_short_replays if g is not None else 0}
+    del eng
+    gc.collect()
+    torch.cuda.empty_cache()
+    return out
+
+
+def hf_model(preset: str):
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+
+    from ..models.presets import preset_config
+
+    cfg = preset_config(preset).to_hf_dict()
+    cfg.pop("architectures", None)
+    cfg.pop("model_type", None)
+    cfg.pop("torch_dtype", None)
+    hf_cfg = Qwen2Config(**cfg)
+    with torch.device("cuda"):
+        model = Qwen2ForCausalLM(hf_cfg).to(torch.bfloat16)
+    model.eval()
+    return model
+
+
+@torch.inference_mode()
+def decode_hf(preset: str, steps: int, prompt_len: int = 32) -> dict:
+    model = hf_model(preset)
+    ids = torch.arange(100, 100 + prompt_len, device="cuda")[None]
+    kw = dict(do_sample=False, eos_token_id=None, pad_token_id=0)
+    model.generate(ids, max_new_tokens=4, min_new_tokens=4, **kw)
+    torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    model.generate(ids, max_new_tokens=1, min_new_tokens=1, **kw)
+    torch.cuda.synchronize()
+    t_prefill = time.perf_counter() - t0
+    t0 = time.perf_counter()
+    model.generate(ids, max_new_tokens=steps, min_new_tokens=steps, **kw)
+    torch.cuda.synchronize()
+    total = time.perf_counter() - t0
+    out = {"step_ms": (total - t_prefill) / (steps - 1) * 1e3}
+    del model
+    gc.collect()
+    torch.cuda.empty_cache()
+    return out
+
+
+# ---------------------------------------------------------------------------------------------
+# b. offline workload
+def offline_workload(n: int, lo: int, hi: int, seed: int, vocab: int = 151643):
+    rng = np.random.default_rng(seed)
+    ins = rng.integers(lo, hi + 1, size=n)
+    outs = rng.integers(lo, hi + 1, size=n)
+    prompts = [rng.integers(10, vocab, size=int(k)).tolist() for k in ins]
+    return prompts, [int(o) for o in outs]
+
+
+def offline_llmserve(preset: str, prompts, outs, max_num_seqs: int, chunk: int, budget: int) -> dict:
+    from ..core.sampling_params import SamplingParams
+
+    max_len = max(len(p) + o for p, o in zip(prompts, outs)) + 16
+    eng = llmserve_engine(preset, max_num_seqs=max_num_seqs, max_model_len=max_len, chunk=chunk, budget=budget)
+    # Warm-up: the first 64 requests of the workload with short outputs, so Triton's
+    # per-specialisation compiles (prefill chunks, mixed prefill+decode steps, decode buckets)
+    # happen before timing. A first run on a fresh machine otherwise pays ~5 s of compiles.
+    eng.generate(prompts[:64], SamplingParams(max_tokens=32, ignore_eos=True))
+    torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    for p, o in zip(prompts, outs):
+        eng.add_request(p, SamplingParams(max_tokens=o, ignore_eos=True))
+    while eng.has_unfinished_requests():
+        eng.step()
+    torch.cuda.synchronize()
+    dt = time.perf_counter() - t0
+    total_out = sum(outs)
+    st = eng.stats()
+    out = {"requests": len(prompts), "output_tokens": total_out, "seconds": dt,
+           "output_tok_per_s": total_out / dt, "num_steps": st["num_steps"],
+           "num_preemptions": st["num_preemptions"], "graph_steps": eng.runner.num_graph_steps,
+           "eager_steps": eng.runner.num_eager_steps, "num_blocks": st["num_total_blocks"],
+           "max_num_seqs": max_num_seqs, "prefill_chunk": chunk, "max_num_batched_tokens": budget,
+           # where the wall time went (LLMEngine.step_seconds): "sample" holds the device wait
+           "step_seconds": st["step_seconds"]}
+    del eng
+    gc.collect()
+    torch.cuda.empty_cache()
+    return out
+
+
+def hf_generate_batch(model, prompts, max_new: int, cb_config=None) -> dict:
+    """HF continuous batching (``model.generate_batch``), greedy, EOS ignored, ``max_new`` tokens each.
+
+    Args:
+        model: an HF causal LM (any device; ``generate_batch`` picks its paged attention).
+        prompts: list of token-id lists (one per request).
+        max_new: new tokens asked of every request.
+        cb_config: optional ``transformers.ContinuousBatchingConfig`` (cache blocks, batch
+            tokens); None keeps transformers' own sizing, which the benchmark uses.
+
+    Returns: ``{"results", "produced", "per_request", "failed", "missing"}``: the
+    ``generate_batch`` dict, the total generated tokens, the generated-token count of each
+    returned request, ``{request_id: error}`` for the requests transformers marked failed, and
+    how many requests are absent from the results (unfinished ones are dropped there).
+
+    Runs with inference mode off. ``generate_batch`` builds its cache and static input tensors
+    in the calling thread (warm-up) and decodes in a background thread; in transformers 5.17
+    that thread only enters ``torch.no_grad`` (``_run_generation_loop``), so tensors made under
+    a caller's ``torch.inference_mode()`` are inference tensors it may not update in place
+    ("Inplace update to inference tensor outside InferenceMode"), and every request fails with
+    zero tokens. ``eos_token_id=-1`` is transformers' own "no EOS" value for this API.
+    """
+    from transformers.generation import GenerationConfig
+
+    gc_ = GenerationConfig(max_new_tokens=max_new, min_new_tokens=max_new, do_sample=False,
+                           eos_token_id=-1, pad_token_id=0)
+    kw = {} if cb_config is None else {"continuous_batching_config": cb_config}
+    with torch.inference_mode(False), torch.no_grad():
+        res = model.generate_batch(prompts, generation_config=gc_, progress_bar=False, **kw)
+    per_request = [len(r.generated_tokens) for r in res.values()]
+    failed = {k: r.error for k, r in res.items() if getattr(r, "error", None) is not None}
+    # transformers leaves requests that never finished out of the result dict: count them too
+    missing = max(0, len(prompts) - len(res))
+    return {"results": res, "produced": sum(per_request), "per_request": per_request, "failed": failed,
+            "missing": missing}
+
+
+def offline_hf_continuous(preset: str, prompts, outs) -> dict:
+    """Offline workload through HF ``generate_batch`` (its continuous batching), bf16 on CUDA.
+
+    Every request asks for ``round(mean(outs))`` new tokens (``generate_batch`` takes one
+    ``max_new_tokens``), so the total matches the workload's output tokens on average.
+    ``output_tokens`` counts the tokens actually generated; ``output_tok_per_s`` is that over
+    the wall time of the call (seconds). Raises if no token was generated.
+    """
+    model = hf_model(preset)                 # generate_batch switches sdpa to "paged|sdpa"
+    max_new = int(round(np.mean(outs)))
+    torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    out = hf_generate_batch(model, prompts, max_new)
+    torch.cuda.synchronize()
+    dt = time.perf_counter() - t0
+    produced, failed, missing = out["produced"], out["failed"], out["missing"]
+    del model, out
+    gc.collect()
+    torch.cuda.empty_cache()
+    if produced == 0:
+        first = next(iter(failed.values()), None)
+        raise RuntimeError(f"generate_batch produced no tokens for {len(prompts)} requests "
+                           f"({len(failed)} marked failed; first error: {first})")
+    return {"requests": len(prompts), "max_new_tokens_each": max_new, "output_tokens": produced,
+            "requested_output_tokens": max_new * len(prompts), "failed_requests": len(failed) + missing,
+            "seconds": dt, "output_tok_per_s": produced / dt}
+
+
+@torch.inference_mode()
+def offline_hf_static(preset: str, prompts, outs, batch: int) -> dict:
+    model = hf_model(preset)
+    prompts, outs = prompts[:batch], outs[:batch]
+    width = max(len(p) for p in prompts)
+    ids = torch.zeros(len(prompts), width, dtype=torch.long)
+    mask = torch.zeros_like(ids)
+    for i, p in enumerate(prompts):                                     # left padding
+        ids[i, width - len(p):] = torch.tensor(p)
+        mask[i, width - len(p):] = 1
+    max_new = max(outs)
+    t0 = time.perf_counter()
+    model.generate(ids.cuda(), attention_mask=mask.cuda(), max_new_tokens=max_new, min_new_tokens=max_new,
+                   do_sample=False, eos_token_id=None, pad_token_id=0)
+    torch.cuda.synchronize()
+    dt = time.perf_counter() - t0
+    useful = sum(outs)
+    del model
+    gc.collect()
+    torch.cuda.empty_cache()
+    return {"requests": len(prompts), "batch": batch, "max_new_tokens": max_new, "useful_output_tokens": useful,
+            "seconds": dt, "output_tok_per_s": useful / dt,
+            "note": "static batch runs until its longest request; only each request's own target tokens count"}
+
+
+# ---------------------------------------------------------------------------------------------
+def _row(name, fn, *a, **kw) -> dict:
+    t0 = time.perf_counter()
+    try:
+        res = fn(*a, **kw)
+        res.update(status="ok", error=None)
+    except Exception as e:  # noqa: BLE001 - a failed part is a row, never dropped
+        res = {"status": "failed", "error": f"{type(e).__name__}: {e}", "traceback": traceback.format_exc()}
+        torch.cuda.empty_cache()
+    res["name"] = name
+    res["wall_s"] = time.perf_counter() - t0
+    print(json.dumps({k: v for k, v in res.items() if k != "traceback"}), flush=True)
+    return res
+
+
+def run(args: argparse.Namespace) -> dict:
+    device = torch.device("cuda")
+    import transformers
+    try:
+        import triton
+        triton_v = triton.__version__
+    except ImportError:
+        triton_v = None
+    report = {"date": time.strftime("%Y-%m-%d %H:%M:%S"), "gpu": torch.cuda.get_device_name(device),
+              "torch": torch.__version__, "transformers": transformers.__version__, "triton": triton_v,
+              "python": platform.python_version(), "command": args.command_line, "parts": {}}
+    report["ceilings"] = measure_ceilings(device)
+    bw = report["ceilings"]["copy_bandwidth_Bps"]
+    print(json.dumps(report["ceilings"]), flush=True)
+    if "decode" in args.parts:
+        rows = []
+        for preset in args.presets:
+            for lb in args.decode_linear_backends:
+                suffix = "" if lb == "torch" else f" {lb}"
+                r = _row(f"llmserve decode {preset}{suffix}", decode_llmserve, preset, args.decode_steps,
+                         linear_backend=lb)
+                if r["status"] == "ok":
+                    r["floor_ms"] = r["weight_bytes"] / bw * 1e3
+                    r["ratio_to_floor"] = r["step_ms_median"] / r["floor_ms"]
+                r["preset"] = preset
+                r["linear_backend"] = lb
+                rows.append(r)
+            if not args.skip_hf:
+                h = _row(f"hf generate decode {preset}", decode_hf, preset, args.hf_decode_steps)
+                h["preset"] = preset
+                rows.append(h)
+        report["parts"]["decode"] = rows
+    if "offline" in args.parts:
+        prompts, outs = offline_workload(args.offline_requests, args.offline_lo, args.offline_hi, args.seed)
+        rows = [_row("llmserve continuous", offline_llmserve, args.offline_model, prompts, outs,
+                     args.max_num_seqs, args.prefill_chunk, args.max_num_batched_tokens)]
+        if not args.skip_hf:
+            k = args.hf_requests
+            rows.append(_row("hf generate_batch (continuous)", offline_hf_continuous, args.offline_model,
+                             prompts[:k], outs[:k]))
+            rows.append(_row("hf generate (static)", offline_hf_static, args.offline_model, prompts, outs,
+                             args.hf_static_batch))
+        report["parts"]["offline"] = {"model": args.offline_model, "requests": len(prompts),
+                                      "output_tokens": sum(outs), "lo": args.offline_lo,
+                                      "hi": args.offline_hi, "seed": args.seed, "rows": rows}
+    if "openloop" in args.parts:
+        rows = []
+        for rate in args.rates:
+            rows.append(_row(f"llmserve open-loop {rate} req/s", openloop, args.offline_model, rate,
+                             args.openloop_requests, args.seed))
+        report["parts"]["openloop"] = rows
+    return report
+
+
+def openloop(preset: str, rate: float, requests: int, seed: int) -> dict:
+    import tempfile
+
+    from .runner import main as benchmark_main
+
+    out = Path(tempfile.mkdtemp()) / f"openloop-{rate}.json"
+    argv = ["--config", "continuous", "--model", f"random:{preset}", "--device", "cuda",
+            "--paged-attention-backend", "triton", "--profile", "sharegpt-gpu", "--requests", str(requests),
+            "--arrival-rate", str(rate), "--seed", str(seed), "--max-batch-size", "128",
+            "--prefill-chunk-size", "512", "--max-num-batched-tokens", "2048", "--warmup-requests", "4",
+            "--output", str(out), "--no-progress"]
+    import os
+    if os.environ.get("LLMSERVE_SHAREGPT_PATH"):
+        argv += ["--dataset-path", os.environ["LLMSERVE_SHAREGPT_PATH"]]
+    benchmark_main(argv)
+    rep = json.loads(out.read_text())
+    agg = rep.get("aggregates", {})
+    keys = ["ttft_ms_p50", "ttft_ms_p95", "tpot_ms_p50", "tpot_ms_p95", "output_throughput",
+            "request_throughput", "num_requests", "num_preemptions"]
+    res = {k: agg.get(k) for k in keys}
+    res.update(rate=rate, run_status=rep.get("status"), run_error=rep.get("error"))
+    return res
+
+
+def to_markdown(rep: dict) -> str:
+    c = rep["ceilings"]
+    lines = [f"# llmserve vs the floor and HF transformers ({rep['gpu']})", "",
+             f"Date {rep['date']}; torch {rep['torch']}, transformers {rep['transformers']}, "
+             f"triton {rep['triton']}. Measured ceilings: copy {c['copy_bandwidth_Bps'] / 1e12:.2f} TB/s, "
+             f"bf16 matmul {c['bf16_matmul_flops'] / 1e12:.0f} TFLOP/s. Random weights, bf16.", "",
+             f"Command: `{rep['command']}`", ""]
+    if "decode" in rep["parts"]:
+        lines += ["## Batch-1 decode (ms/step)", "",
+                  "| model | engine | ms/step (median) | graph replay ms | floor ms | x floor | status |",
+                  "| --- | --- | ---: | ---: | ---: | ---: | --- |"]
+        for r in rep["parts"]["decode"]:
+            lb = r.get("linear_backend", "torch")
+            eng = ("HF generate" if r["name"].startswith("hf")
+                   else "llmserve" if lb == "torch" else f"llmserve, {lb} projections")
+            ms = r.get("step_ms_median", r.get("step_ms"))
+            lines.append(f"| {r.get('preset')} | {eng} | {_f(ms)} | {_f(r.get('graph_replay_ms'))} | "
+                         f"{_f(r.get('floor_ms'))} | {_f(r.get('ratio_to_floor'))} | "
+                         f"{r['status']} {r.get('error') or ''} |")
+        lines.append("")
+    if "offline" in rep["parts"]:
+        o = rep["parts"]["offline"]
+        lines += [f"## Offline workload ({o['requests']} requests, lengths uniform in [{o['lo']}, {o['hi']}], "
+                  f"{o['output_tokens']} output tokens, {o['model']})", "",
+                  "| engine | requests | output tokens | seconds | output tok/s | status |",
+                  "| --- | ---: | ---: | ---: | ---: | --- |"]
+        for r in o["rows"]:
+            toks = r.get("output_tokens", r.get("useful_output_tokens"))
+            lines.append(f"| {r['name']} | {r.get('requests', '')} | {toks or ''} | {_f(r.get('seconds'))} | "
+                         f"{_f(r.get('output_tok_per_s'))} | {r['status']} {r.get('error') or ''} |")
+        lines.append("")
+    if "openloop" in rep["parts"]:
+        lines += ["## Open-loop ShareGPT profile (llmserve continuous, Qwen2.5-1.5B shapes)", "",
+                  "| rate req/s | p50 TTFT ms | p95 TTFT ms | p50 TPOT ms | p95 TPOT ms | output tok/s | status |",
+                  "| ---: | ---: | ---: | ---: | ---: | ---: | --- |"]
+        for r in rep["parts"]["openloop"]:
+            lines.append(f"| {r.get('rate')} | {_f(r.get('ttft_ms_p50'))} | {_f(r.get('ttft_ms_p95'))} | "
+                         f"{_f(r.get('tpot_ms_p50'))} | {_f(r.get('tpot_ms_p95'))} | "
+                         f"{_f(r.get('output_throughput'))} | {r['status']} {r.get('error') or r.get('run_error') or ''} |")
+    return "\n".join(lines) + "\n"
+
+
+def _f(v) -> str:
+    return "" if v is None else (f"{v:,.2f}" if isinstance(v, float) else str(v))
+
+
+def add_bench_compare_subparser(sub) -> None:
+    p = sub.add_parser("bench-compare", help="llmserve vs floor vs HF transformers on a CUDA GPU")
+    p.add_argument("--parts", nargs="+", default=["decode", "offline", "openloop"],
+                   choices=["decode", "offline", "openloop"])
+    p.add_argument("--presets", nargs="+", default=["qwen2.5-0.5b", "qwen2.5-1.5b", "qwen2.5-7b"])
+    p.add_argument("--decode-steps", type=int, default=256)
+    p.add_argument("--decode-linear-backends", nargs="+", default=["torch", "triton-int8"],
+                   choices=["torch", "triton-int8"],
+                   help="batch-1 decode rows per linear backend (triton-int8: int8 weight-only "
+                        "projections, embeddings and LM head bf16)")
+    p.add_argument("--hf-decode-steps", type=int, default=64)
+    p.add_argument("--offline-model", default="qwen2.5-1.5b")
+    p.add_argument("--offline-requests", type=int, default=256)
+    p.add_argument("--offline-lo", type=int, default=100)
+    p.add_argument("--offline-hi", type=int, default=1024)
+    p.add_argument("--max-num-seqs", type=int, default=256)
+    p.add_argument("--prefill-chunk", type=int, default=2048)
+    p.add_argument("--max-num-batched-tokens", type=int, default=8192)
+    p.add_argument("--hf-requests", type=int, default=32, help="requests given to HF generate_batch")
+    p.add_argument("--hf-static-batch", type=int, default=64)
+    p.add_argument("--skip-hf", action="store_true")
+    p.add_argument("--rates", nargs="+", type=float, default=[4.0, 16.0, 64.0])
+    p.add_argument("--openloop-requests", type=int, default=200)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--out", default="results/h200")
+    p.set_defaults(func=_main)
+
+
+def _main(args: argparse.Namespace) -> int:
+    import sys
+    if not torch.cuda.is_available():
+        print("bench-compare needs a CUDA GPU", file=sys.stderr)
+        return 2
+    args.command_line = "llmserve " + " ".join(sys.argv[1:])
+    rep = run(args)
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "compare.json").write_text(json.dumps(rep, indent=2))
+    (out / "compare.md").write_text(to_markdown(rep))
+    print(to_markdown(rep))
+    return 0

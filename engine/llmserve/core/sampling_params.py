@@ -1,0 +1,76 @@
+"""Per-request sampling parameters (the fields of an OpenAI completion request that steer decoding)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+
+GREEDY_EPS = 1e-5
+
+
+@dataclass(slots=True)
+class SamplingParams:
+    """How to pick each next token and when to stop.
+
+    Attributes:
+        max_tokens: output tokens to generate at most, >= 1.
+        temperature: 0 means greedy (argmax); otherwise logits are divided by it. Range [0, 2].
+        top_p: nucleus sampling mass in (0, 1]; 1 disables it.
+        top_k: keep the k most likely tokens; 0 or -1 disables it.
+        seed: per-request seed for a reproducible sampled stream (``None``: engine RNG).
+        stop_token_ids: extra token ids that end the request (the stop token is kept in the output).
+        stop: stop strings (matched on detokenized text by the service layer; never emitted).
+        ignore_eos: keep generating past EOS (benchmarks with fixed output lengths).
+        logprobs: return the log-probability of each sampled token and this many top alternatives
+            (``None``: none).
+        num_speculative_tokens: draft tokens proposed per step for this request by a
+            :class:`~llmserve.engine.speculative.SpeculativeEngine` (``None``: the engine's default,
+            0: no speculation); ignored by the other engines.
+
+    Raises:
+        ValueError: on construction, for any field outside its range (the message names it).
+    """
+
+    max_tokens: int = 16
+    temperature: float = 0.0
+    top_p: float = 1.0
+    top_k: int = 0
+    seed: int | None = None
+    stop_token_ids: list[int] = field(default_factory=list)
+    stop: list[str] = field(default_factory=list)
+    ignore_eos: bool = False
+    logprobs: int | None = None
+    num_speculative_tokens: int | None = None
+
+    def __post_init__(self) -> None:
+        if isinstance(self.max_tokens, bool) or not isinstance(self.max_tokens, int) or self.max_tokens < 1:
+            raise ValueError(f"max_tokens must be an integer >= 1, got {self.max_tokens!r}")
+        if not isinstance(self.temperature, (int, float)) or not 0.0 <= float(self.temperature) <= 2.0:
+            raise ValueError(f"temperature must be in [0, 2], got {self.temperature!r}")
+        if not isinstance(self.top_p, (int, float)) or not 0.0 < float(self.top_p) <= 1.0:
+            raise ValueError(f"top_p must be in (0, 1], got {self.top_p!r}")
+        if isinstance(self.top_k, bool) or not isinstance(self.top_k, int) or self.top_k < -1:
+            raise ValueError(f"top_k must be -1, 0 (disabled) or a positive integer, got {self.top_k!r}")
+        if self.seed is not None and (isinstance(self.seed, bool) or not isinstance(self.seed, int)):
+            raise ValueError(f"seed must be an integer or None, got {self.seed!r}")
+        if self.logprobs is not None and (not isinstance(self.logprobs, int) or not 0 <= self.logprobs <= 20):
+            raise ValueError(f"logprobs must be an integer in [0, 20] or None, got {self.logprobs!r}")
+        if self.num_speculative_tokens is not None and (
+                isinstance(self.num_speculative_tokens, bool) or not isinstance(self.num_speculative_tokens, int)
+                or self.num_speculative_tokens < 0):
+            raise ValueError(f"num_speculative_tokens must be an integer >= 0 or None, "
+                             f"got {self.num_speculative_tokens!r}")
+        if isinstance(self.stop, str):
+            self.stop = [self.stop]
+        self.stop = list(self.stop)
+        if any(not isinstance(s, str) or s == "" for s in self.stop):
+            raise ValueError(f"stop must be non-empty strings, got {self.stop!r}")
+        self.stop_token_ids = [int(t) for t in self.stop_token_ids]
+        self.temperature = float(self.temperature)
+        self.top_p = float(self.top_p)
+
+    @property
+    def greedy(self) -> bool:
+        """Temperatures below 1e-5 are treated as greedy (dividing logits by a vanishing
+        temperature overflows to NaN; its limit is the argmax)."""
+        return self.temperature < GREEDY_EPS

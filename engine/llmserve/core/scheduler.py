@@ -1,0 +1,373 @@
+"""Iteration-level scheduler: which sequences run in the next step and how many tokens each.
+
+Pure CPU bookkeeping; no tensors. One rule covers prefill, chunked prefill, decode and recompute
+after preemption (docs/architecture.md): a step computes ``num_new_tokens`` of a sequence's
+not-yet-computed tokens; when ``num_computed_tokens + num_new_tokens == num_tokens`` the engine
+samples a new token for it.
+
+A step (:meth:`Scheduler.schedule`) follows the unified token-budget scheme of vLLM v1
+(``vllm/v1/core/sched/scheduler.py``) with Orca-style iteration-level batching (Yu et al., OSDI
+2022) and Sarathi-Serve-style chunked prefill (Agrawal et al., OSDI 2024):
+
+1. Budget ``B = max_num_batched_tokens`` tokens.
+2. Running sequences, in policy order: each gets
+   ``n = min(num_tokens - num_computed_tokens, prefill_chunk_size, remaining budget)``
+   (decodes: 1). Without chunking (``prefill_chunk_size=None``) a sequence's pending tokens go
+   in whole or it waits for a later step; the one exception is a recompute after preemption
+   longer than ``B`` (prompt + outputs), which is computed in budget-sized pieces.
+   If the blocks for ``n`` tokens are not free, the *last* running sequence in policy order is
+   preempted (recompute) until they are, possibly the sequence itself.
+3. If nothing was preempted this step, admit waiting sequences in policy order (preempted ones
+   first) while ``len(running) < max_num_seqs``, budget remains and the blocks for their first
+   ``n`` tokens are free. Admission stops at the first sequence that does not fit (no
+   overtaking, so the documented order holds and long requests are not starved).
+
+Static mode replaces step 3: only when nothing is running, the next batch is formed before step
+2: up to ``max_num_seqs`` waiting sequences (in policy order, while their whole pending tokens
+fit in the free blocks) become running at once, and nothing else is admitted until all of them
+finished. Their prompts are then computed by step 2 within the token budget.
+
+Preemption is by recompute (vLLM's default): the victim's blocks are freed, its
+``num_computed_tokens`` drops to 0 and it re-enters the waiting queue in a front lane, ahead of
+every request that never ran, so it is readmitted before newer requests; it then recomputes its
+prompt *and* its outputs so far. Counters: ``num_preemptions`` and ``num_recomputed_tokens``
+(the computed tokens thrown away), globally and in ``seq.metrics``.
+
+Requests that can never be served are rejected in :meth:`Scheduler.add_request`
+(:class:`RequestRejectedError`): prompt + max_tokens above ``max_model_len`` or above the whole
+cache (``blocks_needed(prompt + max_tokens) > num_total_blocks``), and, without chunked
+prefill, a prompt longer than ``max_num_batched_tokens``. Hence a sequence running alone always
+has its blocks, the first running sequence in policy order is never preempted, and every
+admitted request finishes.
+
+Costs per step: O(running) plus O(log waiting) per admission; no tensor ops.
+"""
+
+from __future__ import annotations
+
+import bisect
+import time
+from dataclasses import dataclass, field
+
+from ..config import SchedulerConfig
+from .block_manager import BlockManager
+from .policies import SchedulingPolicy, WaitingQueue, get_policy
+from .sequence import Sequence, SequenceStatus
+
+
+class RequestRejectedError(ValueError):
+    """A request that can never be served with this configuration (it is never queued)."""
+
+
+@dataclass(slots=True)
+class ScheduledSequence:
+    """One sequence's share of a step: compute ``num_new_tokens`` tokens starting at
+    ``start_position``.
+
+    ``start_position`` and the sequence length are captured when the step is scheduled, so the
+    properties stay valid after the engine advances ``seq.num_computed_tokens`` or appends a token.
+
+    Attributes:
+        seq: the sequence.
+        num_new_tokens: tokens computed this step (>= 1).
+        start_position: ``seq.num_computed_tokens`` when scheduled (first new token's position).
+        num_tokens: ``seq.num_tokens`` when scheduled.
+    """
+
+    seq: Sequence
+    num_new_tokens: int
+    start_position: int = field(init=False)
+    num_tokens: int = field(init=False)
+
+    def __post_init__(self) -> None:
+        self.start_position = self.seq.num_computed_tokens
+        self.num_tokens = self.seq.num_tokens
+
+    @property
+    def end_position(self) -> int:
+        """One past the last position computed this step (= context length after the step)."""
+        return self.start_position + self.num_new_tokens
+
+    @property
+    def is_prefill(self) -> bool:
+        """Catching up more than one token (prompt, chunk of it, or recompute); False for a
+        decode. A final prompt chunk of exactly one token counts as a decode (one query token
+        attending to the cache), even though it yields the first output token."""
+        return self.num_tokens - self.start_position > 1
+
+    @property
+    def will_sample(self) -> bool:
+        """The sequence catches up this step, so a token is sampled from its last position."""
+        return self.end_position == self.num_tokens
+
+    @property
+    def token_ids(self) -> list[int]:
+        """The ``num_new_tokens`` input ids of this step."""
+        return self.seq.token_ids_slice(self.start_position, self.end_position)
+
+
+@dataclass(slots=True)
+class SchedulerOutput:
+    """The plan of one step.
+
+    Attributes:
+        scheduled: sequences to run, running ones first (policy order), then newly admitted.
+        preempted: sequences preempted (moved back to waiting, blocks freed) in this step.
+        num_batched_tokens: sum of ``num_new_tokens`` (<= ``max_num_batched_tokens``).
+    """
+
+    scheduled: list[ScheduledSequence] = field(default_factory=list)
+    preempted: list[Sequence] = field(default_factory=list)
+    num_batched_tokens: int = 0
+
+    @property
+    def is_empty(self) -> bool:
+        return not self.scheduled
+
+    @property
+    def num_prefill_tokens(self) -> int:
+        return sum(s.num_new_tokens for s in self.scheduled if s.is_prefill)
+
+    @property
+    def num_decode_tokens(self) -> int:
+        return sum(s.num_new_tokens for s in self.scheduled if not s.is_prefill)
+
+
+class Scheduler:
+    """Continuous (or static) batching over a paged KV cache; see the module docstring.
+
+    Args:
+        config: batching limits, mode and policy.
+        block_manager: the KV block bookkeeping this scheduler allocates from.
+
+    The engine drives it: ``schedule()``, run the model on ``output.scheduled``, then for each
+    scheduled sequence ``seq.num_computed_tokens += num_new_tokens``; when it caught up, append
+    the sampled token and call :meth:`finish_request` if a stop condition holds. Aborts must be
+    applied between steps (not between ``schedule()`` and that update).
+    """
+
+    def __init__(self, config: SchedulerConfig, block_manager: BlockManager) -> None:
+        self.config = config
+        self.block_manager = block_manager
+        self.policy: SchedulingPolicy = get_policy(config.policy)
+        self.waiting = WaitingQueue(self.policy)
+        self.running: list[Sequence] = []        # kept sorted by policy key
+        self.requests: dict[str, Sequence] = {}  # unfinished requests by id
+        self.num_preemptions = 0
+        self.num_recomputed_tokens = 0
+        self._arrival_counter = 0
+
+    # ---- queries ------------------------------------------------------------------------------
+    @property
+    def num_running(self) -> int:
+        return len(self.running)
+
+    @property
+    def num_waiting(self) -> int:
+        return len(self.waiting)
+
+    def has_unfinished_requests(self) -> bool:
+        return bool(self.running) or bool(self.waiting)
+
+    def stats(self) -> dict:
+        """Counters for logs and metrics endpoints."""
+        bm = self.block_manager
+        return {
+            "num_running": self.num_running,
+            "num_waiting": self.num_waiting,
+            "num_preemptions": self.num_preemptions,
+            "num_recomputed_tokens": self.num_recomputed_tokens,
+            "kv_blocks_total": bm.num_total_blocks,
+            "kv_blocks_free": bm.num_free_blocks,
+            "kv_blocks_peak": bm.peak_used_blocks,
+            "kv_usage": bm.usage,
+        }
+
+    # ---- requests -----------------------------------------------------------------------------
+    def check_request(self, seq: Sequence) -> str | None:
+        """Why ``seq`` can never be served (a message saying what to change), or None."""
+        cfg, bm = self.config, self.block_manager
+        rid = seq.request_id
+        total = seq.max_total_tokens
+        if total > cfg.max_model_len:
+            return (f"request {rid!r}: prompt ({seq.num_prompt_tokens} tokens) + max_tokens "
+                    f"({seq.sampling_params.max_tokens}) = {total} tokens exceeds max_model_len="
+                    f"{cfg.max_model_len}; shorten the prompt or lower max_tokens")
+        need = bm.blocks_needed(total)
+        if need > bm.num_total_blocks:
+            return (f"request {rid!r}: prompt + max_tokens = {total} tokens needs {need} KV blocks "
+                    f"of {bm.block_size} tokens but the cache has only {bm.num_total_blocks}; lower "
+                    f"max_tokens, shorten the prompt or give the KV cache more memory")
+        if cfg.prefill_chunk_size is None and seq.num_prompt_tokens > cfg.max_num_batched_tokens:
+            return (f"request {rid!r}: prompt of {seq.num_prompt_tokens} tokens exceeds "
+                    f"max_num_batched_tokens={cfg.max_num_batched_tokens} with chunked prefill "
+                    f"off; set prefill_chunk_size or raise max_num_batched_tokens")
+        return None
+
+    def add_request(self, seq: Sequence) -> None:
+        """Queue a new WAITING sequence.
+
+        Raises:
+            RequestRejectedError: the request can never fit (prompt + max_tokens above
+                max_model_len or above the whole KV cache, or, without chunked prefill, a prompt
+                longer than max_num_batched_tokens) or its id is in use. Its status becomes
+                REJECTED and it is not queued. Guarantees that a sequence running alone always
+                has the blocks it needs, so admitted requests never fail for lack of memory.
+            ValueError: ``seq`` is not a fresh WAITING sequence.
+        """
+        if seq.status is not SequenceStatus.WAITING or seq.block_ids or seq.num_computed_tokens:
+            raise ValueError(f"request {seq.request_id!r} must be a new WAITING sequence with no "
+                             f"blocks, got status={seq.status.value}")
+        reason = self.check_request(seq)
+        if reason is None and seq.request_id in self.requests:
+            reason = f"request id {seq.request_id!r} is already in use; choose a unique id"
+        if reason is not None:
+            seq.status = SequenceStatus.REJECTED
+            seq.metrics.finish_time = time.perf_counter()
+            raise RequestRejectedError(reason)
+        seq._arrival_index = self._arrival_counter
+        self._arrival_counter += 1
+        self.requests[seq.request_id] = seq
+        self.waiting.push(seq)
+
+    def abort_request(self, request_id: str) -> Sequence | None:
+        """Abort an unfinished request, waiting or running; its blocks are freed at once.
+
+        Returns:
+            The aborted sequence (status FINISHED_ABORTED), or None if the id is unknown or
+            already finished.
+        """
+        seq = self.requests.get(request_id)
+        if seq is None:
+            return None
+        self.finish_request(seq, SequenceStatus.FINISHED_ABORTED)
+        return seq
+
+    def finish_request(self, seq: Sequence, status: SequenceStatus) -> None:
+        """Mark ``seq`` finished with ``status``, record its finish time and free its blocks.
+
+        Removes it from the running list or the waiting queue. A sequence that already finished
+        is left as it is.
+
+        Raises:
+            ValueError: ``status`` is not a finished status.
+        """
+        if not status.finished:
+            raise ValueError(f"finish_request needs a finished status, got {status}")
+        if seq.status.finished:
+            return  # already finished (e.g. aborted): keep its first status and time
+        if self.requests.get(seq.request_id) is seq:
+            del self.requests[seq.request_id]
+        if seq.status is SequenceStatus.RUNNING:
+            self.running.remove(seq)                      # O(running)
+        else:
+            self.waiting.remove(seq)
+        self.block_manager.free(seq)
+        seq.status = status
+        if seq.metrics.finish_time is None:
+            seq.metrics.finish_time = time.perf_counter()
+
+    # ---- the step -----------------------------------------------------------------------------
+    def schedule(self) -> SchedulerOutput:
+        """Plan one step (see the module docstring). Allocates the blocks the step writes to."""
+        out = SchedulerOutput()
+        budget = self.config.max_num_batched_tokens
+        if self.config.mode == "static" and not self.running:
+            self._form_static_batch()
+        budget = self._schedule_running(out, budget)
+        if self.config.mode == "continuous" and not out.preempted:
+            budget = self._admit_waiting(out, budget)
+        out.num_batched_tokens = self.config.max_num_batched_tokens - budget
+        return out
+
+    def _num_new_tokens(self, seq: Sequence, budget: int) -> int:
+        """Tokens ``seq`` computes this step given ``budget`` left (0: not this step)."""
+        pending = seq.num_tokens - seq.num_computed_tokens
+        chunk = self.config.prefill_chunk_size
+        if chunk is not None:
+            return min(pending, chunk, budget)
+        if pending <= budget:
+            return pending
+        if pending > self.config.max_num_batched_tokens:
+            return budget  # a recompute that can never fit one step: budget-sized pieces
+        return 0           # fits a whole step, just not this one's remainder
+
+    def _schedule_running(self, out: SchedulerOutput, budget: int) -> int:
+        bm = self.block_manager
+        i = 0
+        while i < len(self.running) and budget > 0:
+            seq = self.running[i]
+            # asynchronous scheduling: a token still on the device that ends the request by
+            # length needs no step (the engine finishes the request when it reads the token)
+            n = 0 if seq.will_finish_by_length(self.config.max_model_len) else self._num_new_tokens(seq, budget)
+            if n <= 0:
+                i += 1
+                continue
+            preempted_self = False
+            while not bm.can_append(seq, n):
+                # Victim: the last running sequence in policy order. Everything after index i
+                # is not yet scheduled this step, so no scheduled work is ever thrown away.
+                victim = self.running.pop()
+                self._preempt(victim)
+                out.preempted.append(victim)
+                if victim is seq:
+                    preempted_self = True
+                    break
+            if preempted_self:
+                break  # seq was the last one left after i: nothing more to schedule
+            bm.append_slots(seq, n)
+            self._record_scheduled(out, seq, n)
+            budget -= n
+            i += 1
+        return budget
+
+    def _admit_waiting(self, out: SchedulerOutput, budget: int) -> int:
+        bm = self.block_manager
+        while budget > 0 and len(self.running) < self.config.max_num_seqs:
+            seq = self.waiting.peek()
+            if seq is None:
+                break
+            n = self._num_new_tokens(seq, budget)
+            if n <= 0 or not bm.can_append(seq, n):
+                break  # head of line does not fit: no overtaking
+            self.waiting.pop()
+            bm.append_slots(seq, n)
+            self._start_running(seq)
+            self._record_scheduled(out, seq, n)
+            budget -= n
+        return budget
+
+    def _form_static_batch(self) -> None:
+        bm = self.block_manager
+        blocks_left = bm.num_free_blocks
+        while len(self.running) < self.config.max_num_seqs:
+            seq = self.waiting.peek()
+            if seq is None:
+                break
+            need = bm.blocks_needed(seq.num_tokens)
+            if need > blocks_left:
+                break
+            blocks_left -= need
+            self.waiting.pop()
+            self._start_running(seq)
+
+    def _start_running(self, seq: Sequence) -> None:
+        seq.status = SequenceStatus.RUNNING
+        bisect.insort(self.running, seq, key=self.policy.key)  # O(running)
+
+    def _record_scheduled(self, out: SchedulerOutput, seq: Sequence, n: int) -> None:
+        out.scheduled.append(ScheduledSequence(seq, n))
+        if seq.metrics.first_scheduled_time is None:
+            seq.metrics.first_scheduled_time = time.perf_counter()
+
+    def _preempt(self, seq: Sequence) -> None:
+        """Preempt by recompute: free all blocks, forget computed tokens, requeue at the front."""
+        recomputed = seq.num_computed_tokens
+        self.block_manager.free(seq)
+        seq.num_computed_tokens = 0
+        seq.status = SequenceStatus.WAITING
+        seq.metrics.num_preemptions += 1
+        seq.metrics.num_recomputed_tokens += recomputed
+        self.num_preemptions += 1
+        self.num_recomputed_tokens += recomputed
+        self.waiting.push(seq, front=True)

@@ -1,0 +1,11 @@
+"""The engines: :class:`LLMEngine` (paged, batched: continuous or static batching with chunked
+prefill and preemption by recompute), :class:`NaiveEngine` (the sequential control that recomputes
+the whole prefix every step), :class:`AsyncLLMEngine` (the asyncio front end the server uses) and
+:class:`~llmserve.engine.speculative.SpeculativeEngine` (draft-and-verify decoding)."""
+
+from .async_engine import AsyncLLMEngine, QueueFullError
+from .builder import build_engine
+from .llm_engine import LLMEngine, RequestOutput
+from .naive import NaiveEngine
+
+__all__ = ["AsyncLLMEngine", "LLMEngine", "NaiveEngine", "QueueFullError", "RequestOutput", "build_engine"]

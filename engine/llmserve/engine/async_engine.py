@@ -1,0 +1,178 @@
+"""The asyncio front end: ``AsyncLLMEngine`` runs an engine's step loop on a background thread and
+streams each request's outputs to an ``asyncio`` consumer (the HTTP server).
+"""
+
+from __future__ import annotations
+import asyncio
+import queue
+import threading
+import time
+import uuid
+from collections.abc import AsyncIterator
+from ..core.sampling_params import SamplingParams
+from .llm_engine import LLMEngine, RequestOutput
+from .naive import NaiveEngine
+
+
+_SENTINEL = object()
+
+
+class AsyncLLMEngine:
+    """asyncio front end: many concurrent callers, one background step loop.
+
+    The wrapped engine is owned by one background thread that alternates between applying
+    queued commands (add, abort) and calling ``step()``; new tokens reach each caller's
+    ``asyncio.Queue`` through ``loop.call_soon_threadsafe``. Validation happens in the caller
+    (``check_request``), so a request that can never fit raises ``ValueError`` at once. An abort
+    is applied before the next step, so a cancelled request frees its blocks within one step.
+
+    Args:
+        engine: an ``LLMEngine`` or ``NaiveEngine``.
+        max_waiting: bound on queued (not yet running) requests; ``None`` = unbounded.
+    """
+
+    def __init__(self, engine: LLMEngine | NaiveEngine, max_waiting: int | None = None) -> None:
+        self.engine = engine
+        self.max_waiting = max_waiting
+        self._commands: queue.SimpleQueue = queue.SimpleQueue()
+        self._wake = threading.Event()
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+        self._queues: dict[str, tuple[asyncio.AbstractEventLoop, asyncio.Queue]] = {}
+        self._pending = 0
+        self._pending_lock = threading.Lock()
+        self.errored: BaseException | None = None
+
+    # ---- lifecycle ---------------------------------------------------------------------------
+    def start(self) -> None:
+        if self._thread is None:
+            self._thread = threading.Thread(target=self._loop, name="llmserve-engine", daemon=True)
+            self._thread.start()
+
+    def shutdown(self, timeout: float = 5.0) -> None:
+        """Abort everything in flight and stop the loop (waits at most ``timeout`` seconds)."""
+        for rid in list(self._queues):
+            self._commands.put(("abort", rid))
+        self._stop.set()
+        self._wake.set()
+        if self._thread is not None:
+            self._thread.join(timeout)
+            self._thread = None
+
+    @property
+    def is_running(self) -> bool:
+        return self._thread is not None and self._thread.is_alive()
+
+    def num_in_flight(self) -> int:
+        return len(self._queues)
+
+    def stats(self) -> dict:
+        s = dict(self.engine.stats())
+        s["num_waiting"] = (s.get("num_waiting") or 0) + self._pending
+        return s
+
+    # ---- background thread ---------------------------------------------------------------------
+    def _deliver(self, rid: str, item) -> None:
+        entry = self._queues.get(rid)
+        if entry is None:
+            return
+        loop, q = entry
+        try:
+            loop.call_soon_threadsafe(q.put_nowait, item)
+        except RuntimeError:  # loop closed
+            self._queues.pop(rid, None)
+
+    def _apply_commands(self) -> None:
+        while True:
+            try:
+                cmd = self._commands.get_nowait()
+            except queue.Empty:
+                return
+            if cmd[0] == "add":
+                _, rid, prompt_ids, sp, priority, arrival = cmd
+                with self._pending_lock:
+                    self._pending -= 1
+                if rid not in self._queues:      # cancelled before it was added
+                    continue
+                try:
+                    self.engine.add_request(prompt_ids, sp, request_id=rid, arrival_time=arrival,
+                                            priority=priority)
+                except Exception as e:  # noqa: BLE001 - reported to the caller
+                    self._deliver(rid, e)
+            elif cmd[0] == "abort":
+                rid = cmd[1]
+                if self.engine.abort_request(rid):
+                    self._deliver(rid, _SENTINEL)
+
+    def _loop(self) -> None:
+        while not self._stop.is_set():
+            self._apply_commands()
+            if not self.engine.has_unfinished_requests():
+                self._wake.wait(0.05)
+                self._wake.clear()
+                continue
+            try:
+                outputs = self.engine.step()
+            except Exception as e:  # noqa: BLE001 - a failed step fails every caller, loop survives
+                self.errored = e
+                for rid in list(self._queues):
+                    self.engine.abort_request(rid)
+                    self._deliver(rid, e)
+                continue
+            for out in outputs:
+                self._deliver(out.request_id, out)
+        self._apply_commands()
+
+    # ---- public async API --------------------------------------------------------------------
+    async def generate(self, prompt: str | list[int], sampling_params: SamplingParams | None = None,
+                       request_id: str | None = None, priority: int = 0) -> AsyncIterator[RequestOutput]:
+        """Submit a request and yield a :class:`RequestOutput` after every new token.
+
+        Raises:
+            ValueError: invalid or never-fitting request (before anything is queued).
+            RuntimeError: the waiting queue is full (``max_waiting``).
+        Cancelling or closing the iterator aborts the request.
+        """
+        self.start()
+        sp = sampling_params or SamplingParams()
+        ids = self.engine.check_request(prompt, sp)
+        if self.max_waiting is not None and self.stats().get("num_waiting", 0) >= self.max_waiting:
+            raise QueueFullError(f"the waiting queue is full ({self.max_waiting} requests); retry later")
+        rid = request_id or f"req-{uuid.uuid4().hex}"
+        if rid in self._queues:
+            raise ValueError(f"request_id {rid!r} is already in use")
+        q: asyncio.Queue = asyncio.Queue()
+        self._queues[rid] = (asyncio.get_running_loop(), q)
+        with self._pending_lock:
+            self._pending += 1
+        self._commands.put(("add", rid, ids, sp, priority, time.perf_counter()))
+        self._wake.set()
+        finished = False
+        try:
+            while True:
+                item = await q.get()
+                if item is _SENTINEL:
+                    finished = True
+                    return
+                if isinstance(item, BaseException):
+                    finished = True
+                    raise item
+                if item.finished:
+                    finished = True
+                yield item
+                if finished:
+                    return
+        finally:
+            self._queues.pop(rid, None)
+            if not finished:
+                self._commands.put(("abort", rid))
+                self._wake.set()
+
+    async def abort(self, request_id: str) -> None:
+        """Abort a request (applied before the next engine step)."""
+        self._commands.put(("abort", request_id))
+        self._wake.set()
+
+
+class QueueFullError(RuntimeError):
+    """The asynchronous engine's waiting queue is at its configured bound."""

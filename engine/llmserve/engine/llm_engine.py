@@ -1,0 +1,507 @@
+"""The paged, batched engine: ``LLMEngine.step()`` is one iteration of continuous (or static)
+batching.
+
+schedule -> build tensors -> forward -> advance ``num_computed_tokens`` -> sample for the
+sequences that caught up -> stop checks. Every request keeps a timing record
+(:class:`~llmserve.core.sequence.RequestMetrics`) from which the benchmark derives TTFT, TPOT, ITL.
+"""
+
+from __future__ import annotations
+import dataclasses
+import itertools
+import os
+import time
+import uuid
+from collections.abc import Callable
+from dataclasses import dataclass, field
+import torch
+from ..config import EngineConfig, env_switch
+from ..worker.sampler import PendingSample, Sampler
+from ..core.sampling_params import SamplingParams
+from ..core.sequence import RequestMetrics, Sequence, SequenceStatus
+
+
+TokenCallback = Callable[["RequestOutput"], None]
+
+
+_FINISHED = frozenset(s for s in SequenceStatus if s.finished)
+
+
+@dataclass(slots=True)
+class RequestOutput:
+    """What a request produced so far.
+
+    Attributes:
+        request_id: the request's id.
+        prompt_token_ids: the prompt.
+        output_token_ids: all output tokens so far.
+        new_token_ids: tokens produced by the step that made this output.
+        finished: whether the request ended.
+        finish_reason: ``stop`` | ``length`` | ``abort`` | ``None``.
+        metrics: the request's timing record (shared, live object).
+        logprobs: per output token ``None`` or ``{"token_logprob", "top"}`` records.
+        stop_reason: the stop token id that ended it, if any.
+    """
+
+    request_id: str
+    prompt_token_ids: list[int]
+    output_token_ids: list[int]
+    new_token_ids: list[int]
+    finished: bool
+    finish_reason: str | None
+    metrics: RequestMetrics
+    logprobs: list[dict | None] = field(default_factory=list)
+    stop_reason: int | str | None = None
+
+    @classmethod
+    def from_seq(cls, seq: Sequence, new_token_ids: list[int]) -> "RequestOutput":
+        """Build from a sequence. ``output_token_ids`` and ``logprobs`` are the sequence's live
+        lists while it runs (no per-step copy: at batch 256 the copies cost more than the
+        rest of the step's bookkeeping); a finished request's lists no longer change. Copy
+        them to keep a snapshot of a running request."""
+        finished = seq.status in _FINISHED
+        return cls(seq.request_id, seq.prompt_token_ids, seq.output_token_ids, new_token_ids,
+                   finished, seq.status.value if finished else None, seq.metrics,
+                   seq.output_logprobs, seq.stop_reason)
+
+
+class _EngineBase:
+    """Model/tokenizer loading and request validation shared by both engines."""
+
+    def __init__(self, config: EngineConfig, *, load_model_fn=None) -> None:
+        from ..models.loader import load_model
+        from ..tokenizer import load_tokenizer
+
+        self.config = config
+        self.device = torch.device(config.device)
+        torch.manual_seed(config.seed)
+        loader = load_model_fn or load_model
+        self.model, self.model_config, self.model_path = loader(
+            config.model, device=config.device, dtype=config.dtype,
+            attention_backend=config.attention_backend)
+        if config.linear_backend != "torch":
+            from ..quant import quantize_model
+            quantize_model(self.model, config.linear_backend)
+        self.model.eval()
+        self.tokenizer = load_tokenizer(self.model_path)
+        self.max_model_len = min(config.scheduler.max_model_len, self.model_config.max_position_embeddings)
+        self.eos_token_ids = tuple(self.model_config.eos_token_ids) or (
+            (self.tokenizer.eos_token_id,) if self.tokenizer.eos_token_id is not None else ())
+        self.sampler = Sampler(self.device, seed=config.seed)
+        self._ids = itertools.count()
+
+    # ---- request intake ----------------------------------------------------------------------
+    def encode_prompt(self, prompt: str | list[int]) -> list[int]:
+        """Token ids of ``prompt`` (text is tokenized; ids are validated against the vocab).
+
+        Raises:
+            ValueError: empty prompt, or an id outside ``[0, vocab_size)``.
+        """
+        if isinstance(prompt, str):
+            if prompt == "":
+                raise ValueError("prompt must not be empty")
+            ids = self.tokenizer.encode(prompt, add_special_tokens=False)
+        else:
+            ids = [int(t) for t in prompt]
+        if not ids:
+            raise ValueError("prompt must contain at least one token")
+        vocab = self.model_config.vocab_size
+        bad = [t for t in ids if not 0 <= t < vocab]
+        if bad:
+            raise ValueError(f"prompt token ids must be in [0, {vocab}), got {bad[:5]}")
+        return ids
+
+    def _check_length(self, num_prompt_tokens: int, sp: SamplingParams) -> None:
+        total = num_prompt_tokens + sp.max_tokens
+        if total > self.max_model_len:
+            raise ValueError(
+                f"prompt ({num_prompt_tokens} tokens) + max_tokens ({sp.max_tokens}) = {total} exceeds "
+                f"the model's context of {self.max_model_len} tokens; shorten the prompt or lower max_tokens")
+
+    def _new_seq(self, prompt, sampling_params, request_id, arrival_time, priority) -> Sequence:
+        ids = self.encode_prompt(prompt)
+        sp = sampling_params or SamplingParams()
+        self._check_length(len(ids), sp)
+        rid = request_id if request_id is not None else f"req-{next(self._ids)}-{uuid.uuid4().hex[:8]}"
+        return Sequence(rid, ids, sp, arrival_time=arrival_time, priority=priority,
+                        eos_token_ids=self.eos_token_ids)
+
+    def generate(self, prompts: list[str | list[int]] | str | list[int],
+                 sampling_params: SamplingParams | list[SamplingParams] | None = None) -> list[RequestOutput]:
+        """Run prompts to completion (offline batch); outputs in prompt order."""
+        if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
+            prompts = [prompts]
+        if not isinstance(sampling_params, list):
+            sampling_params = [sampling_params or SamplingParams()] * len(prompts)
+        seqs = [self.add_request(p, sp) for p, sp in zip(prompts, sampling_params)]
+        while self.has_unfinished_requests():
+            self.step()
+        return [RequestOutput.from_seq(s, []) for s in seqs]
+
+
+@dataclass(slots=True)
+class _InFlightStep:
+    """A launched step whose sampled tokens the host has not read yet."""
+
+    seqs: list[Sequence]
+    sample: "PendingSample"
+
+    def device_source(self) -> tuple[torch.Tensor, dict[str, int]]:
+        """``(token_ids_device [S], {request_id: row})``: where the next step finds the
+        input ids of these sequences."""
+        return self.sample.token_ids_device, {s.request_id: i for i, s in enumerate(self.seqs)}
+
+
+class LLMEngine(_EngineBase):
+    """Paged KV cache + iteration-level scheduling (continuous or static batching).
+
+    Continuous batching follows Orca (Yu et al., OSDI 2022); the paged KV cache follows
+    vLLM/PagedAttention (Kwon et al., SOSP 2023); chunked prefill follows Sarathi-Serve
+    (Agrawal et al., OSDI 2024).
+
+    Args:
+        config: engine configuration (model, device, dtype, cache, scheduler, backends).
+
+    Raises:
+        ValueError/FileNotFoundError: from model loading or config validation.
+    """
+
+    def __init__(self, config: EngineConfig, **kw) -> None:
+        super().__init__(config, **kw)
+        from ..core.block_manager import BlockManager
+        from ..worker.kv_cache import KVCache
+        from ..worker.model_runner import ModelRunner
+        from ..core.scheduler import Scheduler
+
+        # the fused forward before the KV cache: the copies it may keep (LLMSERVE_INT8_FRAGMENTS)
+        # count against the free memory the cache is sized from
+        forward = self._build_fast_forward()
+        self.kv_cache = KVCache.from_config(self.model_config, config.cache, self.model.dtype
+                                            if hasattr(self.model, "dtype") else config.torch_dtype,
+                                            self.device)
+        self.block_size = config.cache.block_size
+        self.block_manager = BlockManager(self.kv_cache.num_blocks, self.block_size)
+        sched_cfg = dataclasses.replace(config.scheduler, max_model_len=self.max_model_len)
+        self.scheduler = Scheduler(sched_cfg, self.block_manager)
+        graphs = self._capture_graphs(config, forward)
+        self.runner = ModelRunner(self.model, self.kv_cache.kv_caches, self.block_size, self.device,
+                                  forward=forward, cuda_graphs=graphs)
+        self._seqs: dict[str, Sequence] = {}
+        self._callbacks: dict[str, TokenCallback] = {}
+        self.num_steps = 0
+        self.max_blocks_in_use = 0
+        # Wall seconds of each phase of step(), summed over steps. On a GPU, "execute" is host
+        # work (input preparation, kernel or graph launches; the device runs asynchronously),
+        # "sample" includes waiting for the device (the token ids come back to the host there),
+        # and "schedule" + "postprocess" are host work the device waits for at batch sizes
+        # where a step's kernels finish first.
+        self.step_seconds = {"schedule": 0.0, "execute": 0.0, "sample": 0.0, "postprocess": 0.0}
+        # Asynchronous scheduling: launch step n+1 before reading step n's tokens (default on
+        # CUDA, where the device runs while the host plans; EngineConfig.async_scheduling).
+        # LLMSERVE_ASYNC_SCHEDULING=0/1 overrides the default for A/B runs.
+        auto = os.environ.get("LLMSERVE_ASYNC_SCHEDULING", "1" if self.device.type == "cuda" else "0") != "0"
+        self.async_scheduling = auto if config.async_scheduling is None else bool(config.async_scheduling)
+        self._inflight: _InFlightStep | None = None
+
+    def _build_fast_forward(self):
+        """On CUDA: the fused forward (Triton norm/rope/silu kernels, packed QKV and gate-up
+        GEMMs); on CPU: None (the readable path)."""
+        if self.device.type != "cuda":
+            return None
+        from ..models.fused_forward import FastQwen2Forward
+
+        return FastQwen2Forward(self.model)
+
+    def _capture_graphs(self, config: EngineConfig, fast):
+        """With the fused forward ``fast``, the Triton attention backend and ``use_cuda_graph``:
+        the decode CUDA graphs over this engine's KV cache, else None."""
+        # Greedy tokens computed inside the decode graphs (one Triton argmax launch after the
+        # LM head); LLMSERVE_GRAPH_ARGMAX=0 leaves the argmax to the sampler (torch.argmax).
+        graph_argmax = env_switch("LLMSERVE_GRAPH_ARGMAX") is not False
+        if fast is None or not (config.attention_backend == "triton" and config.use_cuda_graph):
+            return None
+        from ..worker.cuda_graph import CUDAGraphDecodeRunner
+
+        graphs = CUDAGraphDecodeRunner(fast, fast.compute_logits, self.kv_cache.kv_caches,
+                                       self.block_size, config.scheduler.max_num_seqs,
+                                       self.max_model_len, self.device,
+                                       greedy=fast.greedy if graph_argmax else None)
+        graphs.capture()
+        return graphs
+
+    def warmup(self, force: bool = False) -> dict:
+        """Compile and load the GPU kernels of every kind of step before serving.
+
+        Triton compiles a kernel variant the first time it meets it (argument values that are 1
+        or multiples of 16, pointer alignments, a mixed decode + prefill batch): a fraction of a
+        second to a few seconds each, which a cold process would otherwise pay inside its first
+        requests' TTFT (H200, 1.5B open-loop at 16 req/s: p95 TTFT 717-822 ms on a cold Triton
+        cache, results/h200/notes/s7/openloop_ab). This runs synthetic requests through the
+        scheduler: a batch of prompts of 1-2 tokens, odd lengths, multiples of 16 and a prompt
+        longer than the prefill chunk (without chunking: as long as one step's token budget),
+        decoding together; then short prompts arriving one step apart next to a decoding request
+        of 24, 300 and 600 tokens of context, so decode rows mix with prefill chunks at growing
+        batch sizes and at the contexts that switch the decode attention's tile and split merge;
+        then a seeded sampled request with top-k/top-p and logprobs (no engine random stream is
+        consumed). Requests the engine cannot take (context, step budget, KV blocks) are
+        skipped. The step, KV and graph counters are reset afterwards. CUDA only (a no-op
+        elsewhere unless ``force``: the CPU tests run the same requests through the readable
+        path).
+
+        Returns:
+            ``{"seconds", "triton_compiles", "requests"}`` (``triton_compiles``: new entries in
+            Triton's on-disk cache, ``None`` when it cannot be read; ``skipped`` with the reason
+            when nothing ran).
+
+        Raises:
+            RuntimeError: requests are queued or running (warm up an idle engine). Anything a
+                step raises propagates after the warm-up's requests are aborted.
+        """
+        if self.device.type != "cuda" and not force:
+            return {"skipped": f"device {self.device.type} (no kernels to compile)", "seconds": 0.0,
+                    "triton_compiles": 0, "requests": 0}
+        if self.has_unfinished_requests():
+            raise RuntimeError("warmup() needs an idle engine (requests are queued or running)")
+        from .triton_cache import triton_cache_entries
+
+        t0, c0 = time.perf_counter(), triton_cache_entries()
+        vocab = int(self.model_config.vocab_size)
+        sched = self.config.scheduler
+        # longest prompt: one past the prefill chunk (two chunks), or without chunking the
+        # most one step takes; requests this engine cannot take (context, step budget, KV
+        # blocks) are skipped below
+        longest = sched.prefill_chunk_size + 9 if sched.prefill_chunk_size else sched.max_num_batched_tokens
+        lengths = sorted({1, 2, 7, 16, 17, 31, 64, 100, longest})
+        added: list[str] = []
+
+        def prompt(n: int, salt: int) -> list[int]:
+            return [(97 * i + 13 * salt + 11) % vocab for i in range(n)]
+
+        def add(n: int, salt: int, sp: SamplingParams, rid: str) -> Sequence | None:
+            try:
+                seq = self.add_request(prompt(n, salt), sp, request_id=rid)
+            except ValueError:            # rejected at once (nothing queued): skip it
+                return None
+            added.append(rid)
+            return seq
+
+        def drain() -> None:
+            while self.has_unfinished_requests():
+                self.step()
+
+        greedy = SamplingParams(max_tokens=3, ignore_eos=True)
+        try:
+            for i, n in enumerate(lengths):          # batched prefills (chunked), then batch decode
+                add(n, i, greedy, f"warmup-a{i}")
+            drain()
+            # Staggered arrivals next to a decoding request of a short, a medium and a long
+            # context: decode rows mixed with prefill chunks at batch 2, 3, ... (the attention
+            # kernels pick their tile, split count and merge by batch size and context, each a
+            # kernel variant).
+            small = [n for n in lengths if n <= 100]
+            for j, base in enumerate((24, 300, 600)):
+                bg = add(base, 200 + j, SamplingParams(max_tokens=len(small) + 4, ignore_eos=True),
+                         f"warmup-bg{j}")
+                if bg is None:
+                    continue
+                while bg.num_computed_tokens < base and self.has_unfinished_requests():
+                    self.step()
+                for i, n in enumerate(small):
+                    add(n, 50 + 10 * j + i, greedy, f"warmup-b{j}-{i}")
+                    self.step()
+                drain()
+            add(5, 99, SamplingParams(max_tokens=3, temperature=0.8, top_p=0.9, top_k=20, seed=0,
+                                      logprobs=2, ignore_eos=True), "warmup-c0")
+            drain()
+        except BaseException:
+            for rid in added:                        # leave nothing queued behind
+                self.abort_request(rid)
+            raise
+        count = len(added)
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+        self._reset_counters()
+        c1 = triton_cache_entries()
+        return {"seconds": time.perf_counter() - t0, "requests": count,
+                "triton_compiles": None if c0 is None or c1 is None else len(c1 - c0)}
+
+    def _reset_counters(self) -> None:
+        """Zero the step, KV, preemption and graph counters (after :meth:`warmup`)."""
+        self.num_steps = 0
+        self.max_blocks_in_use = 0
+        self.step_seconds = dict.fromkeys(self.step_seconds, 0.0)
+        self.runner.num_graph_steps = self.runner.num_eager_steps = 0
+        if self.runner.cuda_graphs is not None:
+            self.runner.cuda_graphs.num_short_replays = 0
+        self.scheduler.num_preemptions = self.scheduler.num_recomputed_tokens = 0
+
+    def check_request(self, prompt: str | list[int], sampling_params: SamplingParams | None = None) -> list[int]:
+        """Validate a request without queueing it; return its prompt ids.
+
+        Raises:
+            ValueError: empty prompt, bad token ids, context exceeded, or more KV blocks than
+                the whole cache holds.
+        """
+        ids = self.encode_prompt(prompt)
+        sp = sampling_params or SamplingParams()
+        self._check_length(len(ids), sp)
+        need = self.block_manager.blocks_needed(len(ids) + sp.max_tokens)
+        if need > self.block_manager.num_total_blocks:
+            raise ValueError(
+                f"request needs {need} KV blocks but the cache has only {self.block_manager.num_total_blocks}; "
+                "lower max_tokens or give the cache more blocks")
+        return ids
+
+    def add_request(self, prompt: str | list[int], sampling_params: SamplingParams | None = None,
+                    request_id: str | None = None, arrival_time: float | None = None,
+                    priority: int = 0, callback: TokenCallback | None = None) -> Sequence:
+        """Queue a request; it joins the batch at the next ``step()``.
+
+        Args:
+            prompt: text or token ids.
+            sampling_params: decoding rules (default greedy, 16 tokens).
+            request_id: unique id (generated when ``None``).
+            arrival_time: ``time.perf_counter()`` timestamp (default now).
+            priority: lower runs first under the priority policy.
+            callback: called with a :class:`RequestOutput` for every new token and at finish.
+
+        Raises:
+            ValueError: the request can never fit (rejected at once; nothing is queued).
+        """
+        seq = self._new_seq(prompt, sampling_params, request_id, arrival_time, priority)
+        if seq.request_id in self._seqs:
+            raise ValueError(f"request_id {seq.request_id!r} is already in use")
+        self.scheduler.add_request(seq)
+        self._seqs[seq.request_id] = seq
+        if callback is not None:
+            self._callbacks[seq.request_id] = callback
+        return seq
+
+    def abort_request(self, request_id: str) -> bool:
+        """Cancel a request; its blocks are freed at once. Returns False if unknown/finished."""
+        seq = self.scheduler.abort_request(request_id)
+        if seq is None:
+            return False
+        self._finish(seq)
+        return True
+
+    def _finish(self, seq: Sequence) -> None:
+        self._seqs.pop(seq.request_id, None)
+        self.sampler.release(seq.request_id)
+        cb = self._callbacks.pop(seq.request_id, None)
+        if cb is not None and seq.status is SequenceStatus.FINISHED_ABORTED:
+            cb(RequestOutput.from_seq(seq, []))
+
+    def has_unfinished_requests(self) -> bool:
+        return self.scheduler.has_unfinished_requests() or self._inflight is not None
+
+    def step(self) -> list[RequestOutput]:
+        """One scheduling iteration and one forward pass.
+
+        With asynchronous scheduling (:attr:`async_scheduling`, the default on CUDA) the
+        step's sampled tokens are read on the *next* call: this call plans and launches its
+        forward pass (sequences whose newest token is still on the device take it as input
+        there), then reads the previous step's tokens while the device runs, and returns
+        their outputs. A request that stops on EOS therefore costs one extra token of device
+        work, which is discarded; stops by length are known ahead and cost nothing.
+
+        Returns:
+            an output for each sequence that received a token (this step's, or with
+            asynchronous scheduling the previous step's).
+        """
+        t0 = time.perf_counter()
+        out = self.scheduler.schedule()
+        launched = None
+        if out.scheduled:
+            self.num_steps += 1
+            in_use = self.block_manager.num_total_blocks - self.block_manager.num_free_blocks
+            self.max_blocks_in_use = max(self.max_blocks_in_use, in_use)
+            t1 = time.perf_counter()
+            pending = self._inflight.device_source() if self._inflight is not None else None
+            logits, sample_idx = self.runner.execute(out.scheduled, pending)
+            for item in out.scheduled:
+                item.seq.num_computed_tokens += item.num_new_tokens
+            t2 = time.perf_counter()
+            self.step_seconds["schedule"] += t1 - t0
+            self.step_seconds["execute"] += t2 - t1
+            if sample_idx:
+                seqs = [out.scheduled[i].seq for i in sample_idx]
+                sample = self.sampler.sample_async(logits, [s.sampling_params for s in seqs],
+                                                   [s.request_id for s in seqs],
+                                                   argmax=self.runner.last_argmax)
+                for seq in seqs:
+                    seq.num_pending += 1
+                launched = _InFlightStep(seqs, sample)
+            self.step_seconds["sample"] += time.perf_counter() - t2
+        # Swap first: whatever happens while reading, the launched step stays the one in
+        # flight and the previous one is never read twice.
+        previous, self._inflight = self._inflight, (launched if self.async_scheduling else None)
+        outputs: list[RequestOutput] = []
+        if previous is not None:                # the previous step's tokens (asynchronous)
+            outputs += self._read_tokens(previous)
+        if launched is not None and not self.async_scheduling:
+            outputs += self._read_tokens(launched)
+        return outputs
+
+    def _read_tokens(self, step: "_InFlightStep") -> list[RequestOutput]:
+        """Wait for ``step``'s sampled tokens, append them, apply stop rules, emit outputs.
+        Sequences that finished (EOS, abort) while the step was in flight drop their token."""
+        t0 = time.perf_counter()
+        result = step.sample.result()
+        now = time.perf_counter()
+        outputs: list[RequestOutput] = []
+        errors: list[BaseException] = []
+        for seq, tok, lp in zip(step.seqs, result.token_ids, result.logprobs):
+            seq.num_pending -= 1
+            if seq.is_finished:
+                continue
+            seq.append_token(tok, now)
+            if seq.sampling_params.logprobs is not None:
+                seq.output_logprobs.append(lp)
+            self._emit(seq, [tok], seq.check_stop(self.max_model_len), outputs, errors)
+        self.step_seconds["sample"] += now - t0
+        self.step_seconds["postprocess"] += time.perf_counter() - now
+        if errors:  # every token is recorded first; then the first callback error propagates
+            raise errors[0]
+        return outputs
+
+    def _emit(self, seq: Sequence, new_token_ids: list[int], status: SequenceStatus | None,
+              outputs: list[RequestOutput], errors: list[BaseException] | None = None) -> None:
+        """Finish ``seq`` when ``status`` is set, record its output, call its callback (an
+        exception from the callback is appended to ``errors`` when given, else raised, after
+        the engine's own bookkeeping)."""
+        if status is not None:
+            self.scheduler.finish_request(seq, status)
+        ro = RequestOutput.from_seq(seq, new_token_ids)
+        outputs.append(ro)
+        cb = self._callbacks.get(seq.request_id)
+        try:
+            if cb is not None:
+                cb(ro)
+        except Exception as e:  # noqa: BLE001 - re-raised by the caller once the step is consistent
+            if errors is None:
+                raise
+            errors.append(e)
+        finally:
+            if status is not None:
+                self._finish(seq)
+
+    def stats(self) -> dict:
+        """Scheduler and KV cache counters (for metrics endpoints and benchmark reports)."""
+        bm = self.block_manager
+        total = bm.num_total_blocks
+        used = total - bm.num_free_blocks
+        return {
+            "num_running": self.scheduler.num_running,
+            "num_waiting": self.scheduler.num_waiting,
+            "num_free_blocks": bm.num_free_blocks,
+            "num_total_blocks": total,
+            "kv_cache_usage": used / total if total else 0.0,
+            "max_blocks_in_use": self.max_blocks_in_use,
+            "kv_cache_usage_high_water": self.max_blocks_in_use / total if total else 0.0,
+            "num_preemptions": self.scheduler.num_preemptions,
+            "num_recomputed_tokens": self.scheduler.num_recomputed_tokens,
+            "num_steps": self.num_steps,
+            "block_size": self.block_size,
+            "step_seconds": dict(self.step_seconds),
+        }

@@ -1,0 +1,290 @@
+"""The OpenAI-compatible routes: ``create_app(engine)`` builds the FastAPI app
+(``/v1/completions``, ``/v1/chat/completions``, ``/v1/models``, ``/health``, ``/metrics``).
+"""
+
+from __future__ import annotations
+import asyncio
+import contextlib
+import time
+import uuid
+from typing import Any, AsyncIterator
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, Response
+from .detokenizer import decode_tokens
+from .metrics import ServiceMetrics
+from .protocol import APIError, ChatCompletionRequest, CompletionRequest, ModelCard, ModelList
+from .errors import ClientDisconnected, _error_response, install_error_handlers, log
+from .generation import (
+    MAX_CHOICES,
+    Service,
+    _EngineView,
+    _Generation,
+    _SSEResponse,
+    _cancel_and_wait,
+    _chat_logprobs,
+    _completion_logprobs,
+    _safe_abort,
+    _sse,
+    _usage,
+    _wait_disconnect,
+)
+
+
+async def _stream_events(gen: Any, choices) -> AsyncIterator[tuple[Any, list]]:
+    """The events of ``gen`` worth a chunk (new text or a finish reason), each with the
+    logprob records its choice produced since its previous chunk (events without text, e.g.
+    a token held back by the incremental detokenizer, carry theirs forward)."""
+    pending: dict[int, list] = {ch.index: [] for ch in choices}
+    async for ev in gen.events():
+        pending[ev.index].extend(ev.logprobs)
+        if not ev.text and ev.finish_reason is None:
+            continue
+        records, pending[ev.index] = pending[ev.index], []
+        yield ev, records
+
+
+# ------------------------------------------------------------------------------------------------
+# App factory
+# ------------------------------------------------------------------------------------------------
+def create_app(engine: Any, *, tokenizer: Any = None, served_model_name: str = "tiny",
+               model_aliases: tuple[str, ...] = (), max_model_len: int | None = None,
+               vocab_size: int | None = None, max_waiting: int | None = None,
+               shutdown_timeout: float = 10.0, owns_engine: bool = False,
+               max_choices: int = MAX_CHOICES) -> FastAPI:
+    """Build the FastAPI app.
+
+    Args:
+        engine: an ``AsyncLLMEngine`` (``generate(prompt_ids, sp, request_id=, priority=)`` async
+            iterator, ``abort(request_id)``); its ``.engine`` (an ``LLMEngine``) supplies
+            ``tokenizer``, ``max_model_len``, ``model_config.vocab_size``, ``check_request`` and
+            ``stats()`` when not given here.
+        tokenizer: HF tokenizer (default: the engine's).
+        served_model_name: the ``model`` clients name; ``model_aliases`` are accepted too.
+        max_model_len: context length in tokens (default, and at most: the engine's).
+        max_waiting: answer 429 while this many requests wait (default: the engine's
+            ``max_waiting``; ``None`` = unbounded).
+        shutdown_timeout: seconds the lifespan shutdown waits for in-flight requests before
+            aborting them.
+        owns_engine: call ``engine.shutdown()`` when the app shuts down.
+        max_choices: most engine requests (prompts x ``n``) one HTTP request may start.
+    """
+    view = _EngineView(engine, tokenizer, max_model_len, vocab_size)
+    metrics = ServiceMetrics(view.stats)
+    service = Service(view, served_model_name, tuple(model_aliases), metrics,
+                      max_waiting if max_waiting is not None else view.max_waiting)
+
+    @contextlib.asynccontextmanager
+    async def lifespan(app: FastAPI):
+        start = getattr(engine, "start", None)
+        if callable(start):
+            start()
+        yield
+        service.draining = True
+        deadline = time.monotonic() + max(0.0, shutdown_timeout)
+        while service.in_flight and time.monotonic() < deadline:
+            await asyncio.sleep(0.05)
+        for rid in list(service.in_flight):
+            log.warning("shutdown: aborting in-flight request %s", rid)
+            await _safe_abort(engine, rid)
+        if owns_engine:
+            stop = getattr(engine, "shutdown", None)
+            if callable(stop):
+                await asyncio.to_thread(stop)
+
+    app = FastAPI(title="llmserve", version="0.1.0", lifespan=lifespan,
+                  description="OpenAI-compatible completions over the llmserve engine")
+    app.state.service = service
+    app.state.metrics = metrics
+    install_error_handlers(app, metrics)
+
+    @app.get("/health")
+    async def health() -> Response:
+        errored = getattr(engine, "errored", None)
+        is_running = getattr(engine, "is_running", True)
+        if errored is not None and not is_running:
+            return _error_response(503, f"engine loop failed: {errored!r}", type="service_unavailable")
+        return JSONResponse({"status": "ok"})
+
+    @app.get("/metrics")
+    async def metrics_endpoint() -> Response:
+        body, ctype = metrics.render()
+        return Response(body, media_type=ctype)
+
+    @app.get("/v1/models", response_model=ModelList)
+    async def models() -> dict:
+        card = ModelCard(id=service.served_model_name, created=service.created,
+                         root=service.served_model_name, max_model_len=view.max_model_len)
+        return {"object": "list", "data": [card.model_dump()]}
+
+    @app.post("/v1/completions", responses={400: {"description": "invalid request"},
+                                            429: {"description": "queue full"}})
+    async def completions(body: CompletionRequest, request: Request) -> Response:
+        service.check_model(body.model)
+        service.unsupported(body)
+        if body.suffix:
+            raise APIError("suffix is not supported", param="suffix", code="unsupported_parameter")
+        n = body.n or 1
+        if body.best_of is not None and body.best_of != n:
+            raise APIError("best_of must equal n (best-of sampling is not supported)", param="best_of",
+                           code="unsupported_parameter")
+        if body.echo and body.logprobs is not None:
+            raise APIError("echo with logprobs is not supported (prompt logprobs are not computed)",
+                           param="echo", code="unsupported_parameter")
+        max_tokens = 16 if body.max_tokens is None else body.max_tokens
+        prompts = [service.tokenize_prompt(p) for p in body.prompts()]
+        if len(prompts) * n > max_choices:
+            raise APIError(f"too many choices: {len(prompts)} prompts x n={n} > {max_choices} per request",
+                           param="prompt" if len(prompts) > 1 else "n")
+        for ids in prompts:
+            service.check_context(len(ids), max_tokens, "prompt")
+        service.check_capacity(len(prompts) * n)
+        choices = service.build_choices(
+            prompts, n, lambda p, i: service.sampling_params(body, max_tokens, body.logprobs, i, []),
+            body.stop_list(), body.priority or 0, "cmpl")
+        echo_texts = [decode_tokens(service.tokenizer, ids) if body.echo else "" for ids in prompts]
+        gen = _Generation(service, choices)
+        await gen.start(request)
+        service.start_tracking(choices)
+        rid, created, model = f"cmpl-{uuid.uuid4().hex}", int(time.time()), service.served_model_name
+        prompt_tokens = sum(len(p) for p in prompts)
+        want_lp = body.logprobs is not None
+
+        if body.stream:
+            include_usage = bool(body.stream_options and body.stream_options.include_usage)
+
+            async def stream() -> AsyncIterator[str]:
+                offsets = {ch.index: len(echo_texts[ch.index // n]) for ch in choices}
+                extra = {"usage": None} if include_usage else {}
+                if body.echo:
+                    for ch in choices:
+                        yield _sse({"id": rid, "object": "text_completion", "created": created, "model": model,
+                                    "choices": [{"index": ch.index, "text": echo_texts[ch.index // n],
+                                                 "logprobs": None, "finish_reason": None}], **extra})
+                async for ev, records in _stream_events(gen, choices):
+                    lp = None
+                    if want_lp:
+                        lp = _completion_logprobs(service.tokenizer, records, offsets[ev.index])
+                    offsets[ev.index] += len(ev.text)
+                    yield _sse({"id": rid, "object": "text_completion", "created": created, "model": model,
+                                "choices": [{"index": ev.index, "text": ev.text, "logprobs": lp,
+                                             "finish_reason": ev.finish_reason}], **extra})
+                if include_usage:
+                    yield _sse({"id": rid, "object": "text_completion", "created": created, "model": model,
+                                "choices": [], "usage": _usage(prompt_tokens,
+                                                               sum(c.num_output_tokens for c in choices))})
+
+            return _SSEResponse(stream(), gen, rid)
+
+        await _collect(gen, request)
+        out_choices = []
+        for ch in choices:
+            text = echo_texts[ch.index // n] + "".join(ch.text_parts)
+            lp = _completion_logprobs(service.tokenizer, ch.logprobs, len(echo_texts[ch.index // n])) \
+                if want_lp else None
+            out_choices.append({"index": ch.index, "text": text, "logprobs": lp, "finish_reason": ch.finish_reason})
+        return JSONResponse({"id": rid, "object": "text_completion", "created": created, "model": model,
+                             "choices": out_choices,
+                             "usage": _usage(prompt_tokens, sum(c.num_output_tokens for c in choices))})
+
+    @app.post("/v1/chat/completions", responses={400: {"description": "invalid request"},
+                                                 429: {"description": "queue full"}})
+    async def chat_completions(body: ChatCompletionRequest, request: Request) -> Response:
+        service.check_model(body.model)
+        service.unsupported(body)
+        n = body.n or 1
+        if body.top_logprobs is not None and not body.logprobs:
+            raise APIError("top_logprobs requires logprobs to be true", param="top_logprobs")
+        messages = [{"role": m.role, "content": m.text()} for m in body.messages]
+        ids = service.tokenize_prompt(render_chat(service.tokenizer, messages), param="messages")
+        limit = view.max_model_len
+        if body.max_completion_tokens is not None:
+            max_tokens = body.max_completion_tokens
+        elif body.max_tokens is not None:
+            max_tokens = body.max_tokens
+        else:
+            room = limit - len(ids)
+            cap = view.capacity_tokens()
+            if cap is not None:
+                room = min(room, cap - len(ids))
+            max_tokens = max(1, room)
+        service.check_context(len(ids), max_tokens, "messages")
+        service.check_capacity(n)
+        lp_k = (body.top_logprobs or 0) if body.logprobs else None
+        choices = service.build_choices(
+            [ids], n, lambda p, i: service.sampling_params(body, max_tokens, lp_k, i, service.chat_stop_ids),
+            body.stop_list(), body.priority or 0, "chat")
+        gen = _Generation(service, choices)
+        await gen.start(request)
+        service.start_tracking(choices)
+        rid, created, model = f"chatcmpl-{uuid.uuid4().hex}", int(time.time()), service.served_model_name
+        prompt_tokens = len(ids)
+
+        if body.stream:
+            include_usage = bool(body.stream_options and body.stream_options.include_usage)
+
+            async def stream() -> AsyncIterator[str]:
+                extra = {"usage": None} if include_usage else {}
+                head = {"id": rid, "object": "chat.completion.chunk", "created": created, "model": model}
+                for ch in choices:
+                    yield _sse({**head, "choices": [{"index": ch.index,
+                                                     "delta": {"role": "assistant", "content": ""},
+                                                     "logprobs": None, "finish_reason": None}], **extra})
+                async for ev, records in _stream_events(gen, choices):
+                    lp = _chat_logprobs(service.tokenizer, records) if lp_k is not None else None
+                    delta = {"content": ev.text} if ev.text else {}
+                    yield _sse({**head, "choices": [{"index": ev.index, "delta": delta, "logprobs": lp,
+                                                     "finish_reason": ev.finish_reason}], **extra})
+                if include_usage:
+                    yield _sse({**head, "choices": [],
+                                "usage": _usage(prompt_tokens, sum(c.num_output_tokens for c in choices))})
+
+            return _SSEResponse(stream(), gen, rid)
+
+        await _collect(gen, request)
+        out_choices = []
+        for ch in choices:
+            out_choices.append({
+                "index": ch.index,
+                "message": {"role": "assistant", "content": "".join(ch.text_parts)},
+                "logprobs": _chat_logprobs(service.tokenizer, ch.logprobs) if lp_k is not None else None,
+                "finish_reason": ch.finish_reason})
+        return JSONResponse({"id": rid, "object": "chat.completion", "created": created, "model": model,
+                             "choices": out_choices,
+                             "usage": _usage(prompt_tokens, sum(c.num_output_tokens for c in choices))})
+
+    return app
+
+
+async def _collect(gen: _Generation, request: Request) -> None:
+    """Run a non-streamed generation to the end; a client disconnect aborts it."""
+
+    async def consume() -> None:
+        async for _ in gen.events():
+            pass
+
+    task = asyncio.ensure_future(consume())
+    watch = asyncio.ensure_future(_wait_disconnect(request))
+    try:
+        done, _ = await asyncio.wait({task, watch}, return_when=asyncio.FIRST_COMPLETED)
+        if task not in done:
+            raise ClientDisconnected()
+        task.result()
+    finally:
+        await _cancel_and_wait([watch, task])
+        await gen.close()
+
+
+def render_chat(tokenizer: Any, messages: list[dict]) -> str:
+    """The ChatML prompt (``<|im_start|>role\\ncontent<|im_end|>\\n`` ... then the assistant
+    header), via :func:`llmserve.tokenizer.apply_chat_template` when it exists."""
+    try:
+        from ..tokenizer import apply_chat_template
+    except ImportError:
+        apply_chat_template = None
+    if apply_chat_template is not None:
+        out = apply_chat_template(tokenizer, messages)
+        if isinstance(out, str):
+            return out
+        return decode_tokens(tokenizer, list(out), skip_special_tokens=False)
+    parts = [f"<|im_start|>{m['role']}\n{m['content']}<|im_end|>\n" for m in messages]
+    return "".join(parts) + "<|im_start|>assistant\n"

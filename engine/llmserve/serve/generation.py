@@ -1,0 +1,511 @@
+"""One HTTP request's generation: the engine view, per-choice state, incremental detokenization,
+stop strings, logprobs and the SSE stream.
+"""
+
+from __future__ import annotations
+import asyncio
+import json
+import time
+import uuid
+from dataclasses import dataclass, field
+from typing import Any, AsyncIterator, Callable
+from fastapi import Request
+from fastapi.responses import StreamingResponse
+from ..core.sampling_params import SamplingParams
+from .detokenizer import IncrementalDetokenizer, token_bytes, token_text
+from .metrics import RequestTracker, ServiceMetrics
+from .protocol import APIError, error_body
+from .errors import ClientDisconnected, log
+
+
+CHATML_STOP_TOKENS = ("<|im_end|>", "<|endoftext|>")
+
+
+MAX_CHOICES = 256  # prompts x n in one HTTP request
+
+
+# ------------------------------------------------------------------------------------------------
+# Engine adapter
+# ------------------------------------------------------------------------------------------------
+class _EngineView:
+    """What the service needs from an AsyncLLMEngine (and its wrapped LLMEngine), read tolerantly
+    so a test fake implementing only the documented interface works too."""
+
+    def __init__(self, async_engine: Any, tokenizer: Any = None, max_model_len: int | None = None,
+                 vocab_size: int | None = None) -> None:
+        self.async_engine = async_engine
+        inner = getattr(async_engine, "engine", None)
+        self.inner = inner
+        self.tokenizer = tokenizer if tokenizer is not None else getattr(inner, "tokenizer", None) \
+            or getattr(async_engine, "tokenizer", None)
+        if self.tokenizer is None:
+            raise ValueError("no tokenizer: pass tokenizer= or an engine with a .tokenizer")
+        engine_len = getattr(inner, "max_model_len", None) or getattr(async_engine, "max_model_len", None)
+        lens = [int(v) for v in (max_model_len, engine_len) if v]
+        self.max_model_len = min(lens) if lens else 4096
+        mc = getattr(inner, "model_config", None) or getattr(async_engine, "model_config", None)
+        self.vocab_size = int(vocab_size or getattr(mc, "vocab_size", 0) or len(self.tokenizer))
+
+    def stats(self) -> dict:
+        for obj in (self.async_engine, self.inner):
+            fn = getattr(obj, "stats", None)
+            if callable(fn):
+                return dict(fn())
+        return {}
+
+    def capacity_tokens(self) -> int | None:
+        s = self.stats()
+        total, bs = s.get("num_total_blocks"), s.get("block_size")
+        return int(total) * int(bs) if total and bs else None
+
+    def check_request(self, prompt_ids: list[int], sp: SamplingParams) -> None:
+        fn = getattr(self.inner, "check_request", None)
+        if callable(fn):
+            fn(prompt_ids, sp)  # raises ValueError
+
+    @property
+    def max_waiting(self) -> int | None:
+        return getattr(self.async_engine, "max_waiting", None)
+
+
+# ------------------------------------------------------------------------------------------------
+# One choice = one engine request
+# ------------------------------------------------------------------------------------------------
+@dataclass
+class ChoiceEvent:
+    index: int
+    text: str
+    token_ids: list[int]
+    logprobs: list[tuple[int, float, list[tuple[int, float]]]]
+    finish_reason: str | None
+
+
+@dataclass
+class _Choice:
+    index: int
+    request_id: str
+    prompt_ids: list[int]
+    sampling_params: SamplingParams
+    priority: int
+    detok: IncrementalDetokenizer
+    tracker: RequestTracker | None
+    gen: Any = None
+    first: Any = None
+    num_seen: int = 0
+    finish_reason: str | None = None
+    done: bool = False
+    engine_finished: bool = False
+    text_parts: list[str] = field(default_factory=list)
+    logprobs: list = field(default_factory=list)
+
+    @property
+    def num_output_tokens(self) -> int:
+        return self.detok.num_tokens
+
+
+async def _safe_abort(engine: Any, request_id: str) -> None:
+    try:
+        await engine.abort(request_id)
+    except Exception:  # noqa: BLE001 - aborting an unknown/finished request is fine
+        log.debug("abort(%s) failed", request_id, exc_info=True)
+
+
+async def _cancel_and_wait(tasks) -> None:
+    tasks = [t for t in tasks if t is not None]
+    for t in tasks:
+        t.cancel()
+    if tasks:
+        await asyncio.gather(*tasks, return_exceptions=True)
+
+
+class _Generation:
+    """All choices of one HTTP request, and their lifecycle."""
+
+    def __init__(self, service: "Service", choices: list[_Choice]) -> None:
+        self.service = service
+        self.engine = service.view.async_engine
+        self.choices = choices
+        self.tasks: list[asyncio.Task] = []
+        self.closed = False
+        self._closing: asyncio.Future | None = None
+
+    async def _first(self, ch: _Choice) -> None:
+        ch.gen = self.engine.generate(ch.prompt_ids, ch.sampling_params, request_id=ch.request_id,
+                                      priority=ch.priority)
+        self.service.in_flight.add(ch.request_id)
+        try:
+            ch.first = await ch.gen.__anext__()
+        except StopAsyncIteration:
+            ch.first = None
+
+    async def start(self, request: Request | None) -> None:
+        """Submit every choice and wait for each first output (or an admission error).
+
+        Raises:
+            APIError: 400 (engine ValueError), 429 (queue full); every choice is aborted.
+            ClientDisconnected: the client went away meanwhile; every choice is aborted.
+        """
+        firsts = [asyncio.ensure_future(self._first(ch)) for ch in self.choices]
+        watch = asyncio.ensure_future(_wait_disconnect(request)) if request is not None else None
+        pending = set(firsts)
+        error: BaseException | None = None
+        try:
+            while pending and error is None:
+                done, _ = await asyncio.wait(pending | ({watch} if watch else set()),
+                                             return_when=asyncio.FIRST_COMPLETED)
+                if watch is not None and watch in done:
+                    error = ClientDisconnected()
+                    break
+                for f in done:
+                    pending.discard(f)
+                    if f.exception() is not None and error is None:
+                        error = f.exception()
+        except BaseException:
+            await _cancel_and_wait(firsts)
+            await self.close()
+            raise
+        finally:
+            await _cancel_and_wait([watch])
+        if error is None:
+            return
+        await _cancel_and_wait(firsts)
+        await self.close()
+        if isinstance(error, ValueError):
+            raise APIError(str(error)) from error
+        if type(error).__name__ == "QueueFullError":
+            raise APIError(str(error), status_code=429, type="rate_limit_exceeded", code="queue_full") from error
+        raise error
+
+    def _process(self, ch: _Choice, out: Any) -> ChoiceEvent | None:
+        """Feed one RequestOutput through the choice's detokenizer."""
+        if ch.done:
+            return None
+        ids = getattr(out, "output_token_ids", None)
+        new = list(ids[ch.num_seen:]) if ids is not None else list(getattr(out, "new_token_ids", None) or [])
+        lp_list = getattr(out, "logprobs", None) or []
+        text_parts: list[str] = []
+        used: list[int] = []
+        lps: list = []
+        for tok in new:
+            pos = ch.num_seen
+            ch.num_seen += 1
+            used.append(tok)
+            text_parts.append(ch.detok.add_token(tok))
+            if ch.sampling_params.logprobs is not None:
+                rec = lp_list[pos] if pos < len(lp_list) else None
+                lps.append(_norm_logprob(tok, rec))
+            if ch.detok.stopped:
+                break
+        if ch.tracker is not None:
+            ch.tracker.on_output(out, len(used))
+        finish = None
+        if ch.detok.stopped:
+            finish = "stop"
+        elif getattr(out, "finished", False):
+            ch.engine_finished = True
+            text_parts.append(ch.detok.finish())
+            finish = "stop" if ch.detok.stopped else (getattr(out, "finish_reason", None) or "stop")
+        if finish is not None:
+            ch.done = True
+            ch.finish_reason = finish
+            if ch.tracker is not None:
+                ch.tracker.on_finish(finish, out)
+        text = "".join(text_parts)
+        ch.text_parts.append(text)
+        ch.logprobs.extend(lps)
+        return ChoiceEvent(ch.index, text, used, lps, finish)
+
+    async def _run_choice(self, ch: _Choice, put: Callable[[Any], None]) -> None:
+        try:
+            if ch.first is not None:
+                ev = self._process(ch, ch.first)
+                if ev is not None:
+                    put(ev)
+            while not ch.done and ch.gen is not None:
+                try:
+                    out = await ch.gen.__anext__()
+                except StopAsyncIteration:
+                    break
+                ev = self._process(ch, out)
+                if ev is not None:
+                    put(ev)
+            if not ch.done:  # the iterator ended without a finished output (aborted by the engine)
+                text = ch.detok.finish()
+                ch.done = True
+                ch.finish_reason = "stop" if ch.detok.stopped else "abort"
+                ch.text_parts.append(text)
+                if ch.tracker is not None:
+                    ch.tracker.on_finish(ch.finish_reason)
+                put(ChoiceEvent(ch.index, text, [], [], ch.finish_reason))
+        except asyncio.CancelledError:
+            raise
+        except Exception as e:  # noqa: BLE001 - handed to the consumer
+            put(e)
+        finally:
+            await self._close_choice(ch)
+
+    async def _close_choice(self, ch: _Choice) -> None:
+        gen, ch.gen = ch.gen, None
+        if gen is not None:
+            try:
+                await gen.aclose()  # the engine iterator aborts the request when closed early
+            except BaseException:  # noqa: BLE001 - includes 'already running' while cancelled
+                pass
+        if not ch.engine_finished:
+            # stop string matched / cancelled / failed: make sure the engine drops it now
+            await _safe_abort(self.engine, ch.request_id)
+        if not ch.done:
+            ch.done = True
+            ch.finish_reason = ch.finish_reason or "abort"
+            if ch.tracker is not None:
+                ch.tracker.on_finish("abort")
+        self.service.in_flight.discard(ch.request_id)
+
+    async def events(self) -> AsyncIterator[ChoiceEvent]:
+        """Merge the choices' events in arrival order; closing it aborts everything left."""
+        q: asyncio.Queue = asyncio.Queue()
+        self.tasks = [asyncio.ensure_future(self._run_choice(ch, q.put_nowait)) for ch in self.choices]
+        remaining = len(self.choices)
+        try:
+            while remaining:
+                item = await q.get()
+                if isinstance(item, BaseException):
+                    raise item
+                if item.finish_reason is not None:
+                    remaining -= 1
+                yield item
+        finally:
+            await self.close()
+
+    async def close(self) -> None:
+        """Cancel the choice tasks and abort every engine request that has not finished.
+
+        Idempotent. Runs in its own task (shielded), so it completes even when the caller is
+        being cancelled, as a handler is when its client disconnects.
+        """
+        if self._closing is None:
+            self._closing = asyncio.ensure_future(self._close_impl())
+        await asyncio.shield(self._closing)
+
+    async def _close_impl(self) -> None:
+        self.closed = True
+        await _cancel_and_wait(self.tasks)
+        for ch in self.choices:
+            if ch.gen is not None or not ch.done or not ch.engine_finished:
+                await self._close_choice(ch)
+
+
+class _SSEResponse(StreamingResponse):
+    """SSE response of one generation. Frames the chunk iterator: an exception after the
+    headers went out becomes an in-band OpenAI error chunk, and the stream always ends with
+    ``data: [DONE]``. Releases the generation however the response ends, including when the
+    client disconnects before the body iterator ever started."""
+
+    def __init__(self, chunks: AsyncIterator[str], generation: _Generation, request_id: str) -> None:
+        super().__init__(self._framed(chunks, generation, request_id), media_type="text/event-stream",
+                         headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+        self._generation = generation
+
+    @staticmethod
+    async def _framed(chunks: AsyncIterator[str], generation: _Generation, request_id: str) -> AsyncIterator[str]:
+        try:
+            async for chunk in chunks:
+                yield chunk
+        except asyncio.CancelledError:
+            raise
+        except Exception as e:  # noqa: BLE001 - headers are sent: report in-band
+            log.exception("error while streaming %s", request_id)
+            yield _sse(error_body(f"internal error: {type(e).__name__}: {e}", "internal_server_error"))
+        finally:
+            await chunks.aclose()
+            await generation.close()
+        yield "data: [DONE]\n\n"
+
+    async def __call__(self, scope, receive, send) -> None:
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            await self._generation.close()
+
+
+def _norm_logprob(tok: int, rec: Any) -> tuple[int, float, list[tuple[int, float]]]:
+    """Engine logprob record -> (token id, logprob, [(id, logprob), ...])."""
+    if rec is None:
+        return (tok, float("nan"), [])
+    if isinstance(rec, dict):
+        lp = rec.get("token_logprob", rec.get("logprob"))
+        top = rec.get("top") or rec.get("top_logprobs") or []
+        if isinstance(top, dict):
+            top = list(top.items())
+        return (tok, float(lp) if lp is not None else float("nan"), [(int(i), float(v)) for i, v in top])
+    return (tok, float(rec), [])
+
+
+async def _wait_disconnect(request: Request) -> None:
+    """Return when the client disconnects (the request body has already been read)."""
+    while True:
+        message = await request.receive()
+        if message.get("type") == "http.disconnect":
+            return
+
+
+def _json_float(x: float) -> float | None:
+    return None if x != x or x in (float("inf"), float("-inf")) else x
+
+
+# ------------------------------------------------------------------------------------------------
+# The service
+# ------------------------------------------------------------------------------------------------
+class Service:
+    """State shared by the routes of one app."""
+
+    def __init__(self, view: _EngineView, served_model_name: str, aliases: tuple[str, ...],
+                 metrics: ServiceMetrics, max_waiting: int | None) -> None:
+        self.view = view
+        self.tokenizer = view.tokenizer
+        self.served_model_name = served_model_name
+        self.model_names = {served_model_name, *aliases}
+        self.metrics = metrics
+        self.max_waiting = max_waiting
+        self.in_flight: set[str] = set()
+        self.draining = False
+        self.created = int(time.time())
+        self.chat_stop_ids = self._special_ids(CHATML_STOP_TOKENS)
+
+    def _special_ids(self, tokens) -> list[int]:
+        ids = []
+        for t in tokens:
+            try:
+                i = self.tokenizer.convert_tokens_to_ids(t)
+            except Exception:  # noqa: BLE001
+                continue
+            unk = getattr(self.tokenizer, "unk_token_id", None)
+            if isinstance(i, int) and i >= 0 and i != unk:
+                ids.append(i)
+        return ids
+
+    # ---- validation ------------------------------------------------------------------------
+    def check_model(self, model: str | None) -> None:
+        if model is not None and model not in self.model_names:
+            raise APIError(f"model {model!r} does not exist; this server serves {self.served_model_name!r} "
+                           "(see GET /v1/models)", param="model", code="model_not_found")
+
+    def check_capacity(self, num_new: int) -> None:
+        if self.draining:
+            raise APIError("the server is shutting down", status_code=503, type="service_unavailable",
+                           code="shutting_down")
+        bound = self.max_waiting
+        if bound is None:
+            return
+        waiting = self.view.stats().get("num_waiting") or 0
+        if waiting >= bound:
+            raise APIError(f"the waiting queue is full ({waiting} requests waiting, bound {bound}); retry later",
+                           status_code=429, type="rate_limit_exceeded", code="queue_full")
+
+    def tokenize_prompt(self, prompt: str | list[int], param: str = "prompt") -> list[int]:
+        if isinstance(prompt, str):
+            if not prompt:
+                raise APIError("prompt must not be empty", param=param)
+            ids = list(self.tokenizer.encode(prompt, add_special_tokens=False))
+        else:
+            ids = [int(t) for t in prompt]
+            bad = [t for t in ids if not 0 <= t < self.view.vocab_size]
+            if bad:
+                raise APIError(f"prompt token ids must be in [0, {self.view.vocab_size}), got {bad[:5]}",
+                               param=param, code="invalid_token_id")
+        if not ids:
+            raise APIError("prompt must contain at least one token", param=param)
+        return ids
+
+    def check_context(self, num_prompt: int, max_tokens: int, param: str) -> None:
+        limit = self.view.max_model_len
+        if num_prompt + max_tokens > limit:
+            raise APIError(
+                f"this model's maximum context length is {limit} tokens; the request has {num_prompt} prompt "
+                f"tokens and asks for {max_tokens} completion tokens ({num_prompt + max_tokens} in total); "
+                "shorten the prompt or lower max_tokens",
+                param="max_tokens" if num_prompt < limit else param, code="context_length_exceeded")
+
+    def sampling_params(self, req, max_tokens: int, logprobs: int | None, seed_offset: int,
+                        stop_token_ids: list[int]) -> SamplingParams:
+        seed = req.seed
+        if seed is not None:
+            seed = (seed + seed_offset) % (2**63)
+        try:
+            return SamplingParams(
+                max_tokens=max_tokens,
+                temperature=1.0 if req.temperature is None else req.temperature,
+                top_p=1.0 if req.top_p is None else req.top_p,
+                top_k=0 if req.top_k is None else req.top_k,
+                seed=seed,
+                stop_token_ids=list(stop_token_ids),
+                stop=[],  # stop strings are matched here, on detokenized text
+                ignore_eos=bool(req.ignore_eos),
+                logprobs=logprobs,
+            )
+        except ValueError as e:
+            raise APIError(str(e)) from e
+
+    def unsupported(self, req) -> None:
+        for name in ("presence_penalty", "frequency_penalty"):
+            v = getattr(req, name, None)
+            if v not in (None, 0, 0.0):
+                raise APIError(f"{name} is not supported by this server (only 0)", param=name,
+                               code="unsupported_parameter")
+
+    def build_choices(self, prompts: list[list[int]], n: int, make_sp: Callable[[int, int], SamplingParams],
+                      stop: list[str], priority: int, kind: str) -> list[_Choice]:
+        base = uuid.uuid4().hex
+        choices = []
+        for p_idx, ids in enumerate(prompts):
+            for i in range(n):
+                sp = make_sp(p_idx, i)
+                try:
+                    self.view.check_request(ids, sp)
+                except ValueError as e:
+                    raise APIError(str(e)) from e
+                choices.append(_Choice(index=p_idx * n + i, request_id=f"{kind}-{base}-{p_idx * n + i}",
+                                       prompt_ids=ids, sampling_params=sp, priority=priority,
+                                       detok=IncrementalDetokenizer(self.tokenizer, stop),
+                                       tracker=None))
+        return choices
+
+    def start_tracking(self, choices: list[_Choice]) -> None:
+        for ch in choices:
+            ch.tracker = self.metrics.tracker(len(ch.prompt_ids))
+
+
+def _usage(prompt_tokens: int, completion_tokens: int) -> dict:
+    return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
+            "total_tokens": prompt_tokens + completion_tokens}
+
+
+def _sse(obj: Any) -> str:
+    return f"data: {json.dumps(obj, ensure_ascii=False, separators=(',', ':'))}\n\n"
+
+
+# ------------------------------------------------------------------------------------------------
+# Logprob formatting
+# ------------------------------------------------------------------------------------------------
+def _completion_logprobs(tokenizer, entries, start_offset: int) -> dict:
+    tokens, token_lps, tops, offsets = [], [], [], []
+    off = start_offset
+    for tok, lp, top in entries:
+        s = token_text(tokenizer, tok)
+        tokens.append(s)
+        token_lps.append(_json_float(lp))
+        tops.append({token_text(tokenizer, t): _json_float(v) for t, v in top} if top else None)
+        offsets.append(off)
+        off += len(s)
+    return {"tokens": tokens, "token_logprobs": token_lps, "top_logprobs": tops, "text_offset": offsets}
+
+
+def _chat_logprobs(tokenizer, entries) -> dict:
+    content = []
+    for tok, lp, top in entries:
+        content.append({
+            "token": token_text(tokenizer, tok), "logprob": _json_float(lp), "bytes": token_bytes(tokenizer, tok),
+            "top_logprobs": [{"token": token_text(tokenizer, t), "logprob": _json_float(v),
+                              "bytes": token_bytes(tokenizer, t)} for t, v in top],
+        })
+    return {"content": content}

@@ -1,0 +1,198 @@
+"""``llmserve serve``: build the engine, wrap it in the OpenAI-compatible app, run uvicorn.
+
+    llmserve serve                                   # tiny random model on CPU, 127.0.0.1:8000
+    llmserve serve --model Qwen/Qwen2.5-1.5B --device cuda --host 0.0.0.0
+
+Shutdown (SIGINT/SIGTERM): uvicorn stops accepting connections and waits up to
+``--shutdown-timeout`` seconds for in-flight responses; then their handlers are cancelled,
+which aborts their engine requests (freeing KV blocks), and the engine loop stops.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+from typing import Any
+
+log = logging.getLogger("llmserve.serve.server")
+
+
+def add_serve_subparser(subparsers: Any) -> argparse.ArgumentParser:
+    """Register ``serve`` on an ``argparse`` sub-parser set; ``args.func`` runs it."""
+    p = subparsers.add_parser("serve", help="OpenAI-compatible HTTP server (completions, chat, metrics)",
+                              description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--model", default="tiny",
+                   help="'tiny' (embedded random Qwen2), a local checkpoint directory, or a hub id")
+    p.add_argument("--device", default="cpu", help="cpu | cuda | cuda:N")
+    p.add_argument("--dtype", default=None, help="float32 | float16 | bfloat16 (default: fp32 on CPU, bf16 on CUDA)")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--host", default="127.0.0.1", help="bind address (0.0.0.0 in a container)")
+    p.add_argument("--port", type=int, default=8000)
+    p.add_argument("--max-batch-size", type=int, default=8, help="most sequences per engine step")
+    p.add_argument("--max-num-batched-tokens", type=int, default=4096, help="token budget of one step")
+    p.add_argument("--prefill-chunk-size", type=int, default=None, help="chunked prefill (tokens); default off")
+    p.add_argument("--max-model-len", type=int, default=4096, help="context length cap (tokens)")
+    p.add_argument("--policy", default="fcfs", choices=["fcfs", "sjf", "priority"])
+    p.add_argument("--block-size", type=int, default=16, help="tokens per KV block")
+    p.add_argument("--num-blocks", type=int, default=None,
+                   help="KV blocks (default: from the memory budget / free GPU memory)")
+    p.add_argument("--paged-attention-backend", default="torch", choices=["torch", "triton"])
+    p.add_argument("--linear-backend", default="torch", choices=["torch", "int8", "int4", "triton-int8"])
+    p.add_argument("--async-scheduling", action=argparse.BooleanOptionalAction, default=None,
+                   help="launch step n+1 before reading step n's tokens (default: on for CUDA)")
+    p.add_argument("--max-waiting", type=int, default=1024,
+                   help="answer 429 while this many requests wait for the engine (0 = unbounded)")
+    p.add_argument("--served-model-name", default=None,
+                   help="the model name clients send (default: the --model value)")
+    p.add_argument("--shutdown-timeout", type=float, default=10.0,
+                   help="seconds to drain in-flight requests on shutdown before aborting them")
+    p.add_argument("--no-kernel-warmup", dest="kernel_warmup", action="store_false",
+                   help="serve without first compiling the GPU kernels on synthetic requests (CUDA only; "
+                        "otherwise the first real requests pay for Triton compilations in their TTFT)")
+    p.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"])
+    p.set_defaults(func=run_serve_cli)
+    return p
+
+
+def build_engine_config(args: argparse.Namespace):
+    """EngineConfig from ``serve`` flags (ValueError names a bad field)."""
+    from ..config import CacheConfig, EngineConfig, SchedulerConfig
+
+    dtype = args.dtype or ("float32" if args.device == "cpu" else "bfloat16")
+    return EngineConfig(
+        model=args.model, device=args.device, dtype=dtype, seed=args.seed,
+        cache=CacheConfig(block_size=args.block_size, num_blocks=args.num_blocks),
+        scheduler=SchedulerConfig(mode="continuous", policy=args.policy, max_num_seqs=args.max_batch_size,
+                                  max_num_batched_tokens=args.max_num_batched_tokens,
+                                  prefill_chunk_size=args.prefill_chunk_size, max_model_len=args.max_model_len),
+        attention_backend=args.paged_attention_backend, linear_backend=args.linear_backend,
+        async_scheduling=getattr(args, "async_scheduling", None))
+
+
+def build_app(args: argparse.Namespace):
+    """Engine + app for the parsed flags (the app owns and stops the engine)."""
+    from ..engine.async_engine import AsyncLLMEngine
+    from ..engine.llm_engine import LLMEngine
+    from .app import create_app
+
+    if args.max_waiting is not None and args.max_waiting < 0:
+        raise ValueError(f"--max-waiting must be >= 0 (0 = unbounded), got {args.max_waiting}")
+    if args.shutdown_timeout < 0:
+        raise ValueError(f"--shutdown-timeout must be >= 0 seconds, got {args.shutdown_timeout}")
+    engine = LLMEngine(build_engine_config(args))
+    if getattr(args, "kernel_warmup", True):
+        try:
+            info = engine.warmup()
+        except Exception as e:  # noqa: BLE001 - serve anyway; the first requests then compile
+            log.warning("kernel warm-up failed (%s: %s); serving without it", type(e).__name__, e)
+        else:
+            if "skipped" not in info:
+                log.info("kernel warm-up: %d synthetic requests, %.1f s, %s Triton compilations",
+                         info["requests"], info["seconds"], info["triton_compiles"])
+    max_waiting = args.max_waiting or None
+    async_engine = AsyncLLMEngine(engine, max_waiting=max_waiting)
+    name = args.served_model_name or args.model
+    aliases = tuple(a for a in {args.model, str(getattr(engine, "model_path", "") or "")} if a and a != name)
+    return create_app(async_engine, served_model_name=name, model_aliases=aliases, max_waiting=max_waiting,
+                      shutdown_timeout=args.shutdown_timeout, owns_engine=True)
+
+
+def run_serve_cli(args: argparse.Namespace) -> int:
+    """Entry point of ``llmserve serve``; blocks until the server stops. Returns 0."""
+    import uvicorn
+
+    logging.basicConfig(level=getattr(logging, args.log_level.upper()),
+                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    app = build_app(args)
+    config = uvicorn.Config(app, host=args.host, port=args.port, log_level=args.log_level,
+                            timeout_graceful_shutdown=args.shutdown_timeout, access_log=False)
+    server = uvicorn.Server(config)
+    _exit_on_signal(server)
+    server.run()
+    return 0
+
+
+def _exit_on_signal(server: Any) -> None:
+    """SIGINT/SIGTERM ask ``server`` to shut down gracefully.
+
+    uvicorn captures these signals while it serves and, after its graceful shutdown, re-raises
+    them to the handler that was installed before; with the default handler the process would
+    then die by the signal (exit status 143) although it shut down cleanly. This handler makes
+    the re-raise a no-op (exit status 0) and also covers a signal arriving just before uvicorn
+    installs its own handlers.
+    """
+    import signal
+    import threading
+
+    if threading.current_thread() is not threading.main_thread():
+        return
+
+    def _handler(signum, frame) -> None:  # noqa: ARG001
+        server.should_exit = True
+
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, _handler)
+
+
+class BackgroundServer:
+    """Run an app under uvicorn in a background thread (tests, notebooks, benchmarks).
+
+    Binds ``host:port`` (``port=0`` picks a free port; read :attr:`port` after :meth:`start`).
+    Use as a context manager, or call :meth:`start` / :meth:`stop`.
+
+    Args:
+        app: an ASGI app (``create_app(...)``).
+        host: bind address (loopback by default).
+        port: TCP port, 0 for any free one.
+        shutdown_timeout: uvicorn's graceful-shutdown wait for open responses (seconds).
+    """
+
+    def __init__(self, app: Any, host: str = "127.0.0.1", port: int = 0, shutdown_timeout: float = 5.0,
+                 log_level: str = "warning") -> None:
+        import uvicorn
+
+        self.config = uvicorn.Config(app, host=host, port=port, log_level=log_level, access_log=False,
+                                     timeout_graceful_shutdown=shutdown_timeout, lifespan="on")
+        self.server = uvicorn.Server(self.config)
+        self.host = host
+        self.port = port
+        self._thread = None
+
+    @property
+    def url(self) -> str:
+        return f"http://{self.host}:{self.port}"
+
+    def start(self, timeout: float = 60.0) -> "BackgroundServer":
+        """Start serving; returns once the socket listens. Raises RuntimeError if it does not."""
+        import threading
+        import time
+
+        self._thread = threading.Thread(target=self.server.run, name="llmserve-uvicorn", daemon=True)
+        self._thread.start()
+        deadline = time.monotonic() + timeout
+        while not self.server.started:
+            if not self._thread.is_alive() or time.monotonic() > deadline:
+                raise RuntimeError(f"uvicorn did not start on {self.host}:{self.port}")
+            time.sleep(0.02)
+        for srv in self.server.servers:
+            for sock in srv.sockets:
+                self.port = sock.getsockname()[1]
+                break
+        return self
+
+    def stop(self, timeout: float = 30.0) -> bool:
+        """Ask uvicorn to exit (graceful: drains, then cancels); True if the thread ended."""
+        self.server.should_exit = True
+        if self._thread is not None:
+            self._thread.join(timeout)
+            alive = self._thread.is_alive()
+            if not alive:
+                self._thread = None
+            return not alive
+        return True
+
+    def __enter__(self) -> "BackgroundServer":
+        return self.start()
+
+    def __exit__(self, *exc) -> None:
+        self.stop()
