@@ -1,9 +1,16 @@
 #!/usr/bin/env python
-"""Sweep and time the matrix-vector kernel (``llmserve.triton_kernels.gemv``) on a GPU.
+"""Sweep and time the matrix-vector kernel (``llmserve.triton_kernels.gemv``) on a GPU, and
+retune its launch table ``gemv_configs.json`` for that GPU.
+
+Usage (on the GPU, from the repository root)::
+
+    python3 scripts/bench_gemv.py --out artifacts/gemv          # report only
+    python3 scripts/bench_gemv.py --table engine/llmserve/triton_kernels/gemv_configs.json
+    python3 scripts/bench_gemv.py --only 1.5b 1.5b-int8         # some models
 
 For each projection of Qwen2.5-0.5B/1.5B/7B as the engine's decode path calls it (bf16, fused
-RMSNorm prologue, SwiGLU and residual epilogues; M = 1), the LM head, and the INT8 shapes of
-the Triton-kernel issue (M = 1; set M_BF16 / M_INT8 for more): a two-phase sweep of launch
+RMSNorm prologue, SwiGLU and residual epilogues; M = 1), the LM head, and the plain INT8
+linear shapes of Qwen2.5-1.5B (M = 1; set M_BF16 / M_INT8 for more): a two-phase sweep of launch
 configurations (phase 1: tile shapes x warps without pipelining; phase 2: 2 pipeline stages
 for the three best), every configuration checked against an fp32 reference before it is
 timed, against the unfused kernels it replaces (cuBLAS ``F.linear`` plus the fused elementwise
@@ -12,9 +19,13 @@ each case in the format ``choose_gemv_config`` reads.
 
 Timing: CUDA graphs of R back-to-back calls rotating over weight copies totalling > 200 MB (so
 every call reads HBM), CUDA events per replay, median over replays / R. Bandwidth is
-weight bytes / time against the 4.24 TB/s reference copy bandwidth (DESIGN.md).
+weight bytes / time against the 4.24 TB/s copy bandwidth measured on an H200
+(docs/performance.md).
 
-Writes ``gemv.json`` and ``gemv.md`` to ``--out``.
+Writes ``gemv.json`` and ``gemv.md`` to ``--out``. A table entry is keyed by GPU name, so a
+retuned table keeps the entries of other GPUs. Kernels timed back to back can rank
+configurations differently from whole decode steps: check a retuned table with
+``llmserve bench-compare --parts decode`` before and after.
 """
 
 from __future__ import annotations
@@ -55,8 +66,8 @@ MODELS = {"0.5b": {"qkv": (896, 1152), "o": (896, 896), "gate_up": (896, 4864), 
           "7b": {"qkv": (3584, 4608), "o": (3584, 3584), "gate_up": (3584, 18944), "down": (18944, 3584)}}
 LM_HEAD = {"0.5b": (896, 151936), "1.5b": (1536, 151936), "7b": (3584, 152064)}
 INT8_SHAPES = [("int8 gate/up", 1536, 8960), ("int8 down", 8960, 1536), ("int8 qkv", 1536, 2048)]
-# M = 2, 4 were swept in run 2 (results/kernels/gemv_run2): slower than cuBLAS on the MLP
-# shapes, so the engine takes this path at M = 1 only and the default sweep covers M = 1.
+# M = 2 and 4 measured slower than cuBLAS on the MLP shapes (H200), so the engine takes this
+# path at M = 1 only and the default sweep covers M = 1.
 M_BF16: dict[str, tuple[int, ...]] = {}
 M_INT8 = (1,)
 PAIRS = [(bn, bk) for bn in (1, 2, 4, 8) for bk in (128, 256, 512, 1024, 2048, 4096)
@@ -95,7 +106,7 @@ def weights(k: int, n: int, int8: bool | str, copies: int):
 
 def cases(only=None):
     """(label, model, proj, K, N, int8, M, prologue, residual, bias, glu) of every swept case
-    (``only``: model names, "int8" (the plain INT8 shapes of the kernel issue) and/or
+    (``only``: model names, "int8" (the plain INT8 linear shapes of Qwen2.5-1.5B) and/or
     "<model>-int8" (the engine's fused decode projections with Triton INT8 weights) to keep)."""
     out = []
     for model, projs in MODELS.items():
@@ -153,7 +164,7 @@ class Case:
 
     def baseline(self):
         """The unfused kernels this call replaces in the engine (cuBLAS + fused elementwise)."""
-        if self.int8:                       # bf16 cuBLAS on the same shape (the #6 target)
+        if self.int8:                       # bf16 cuBLAS on the same shape (the 1.5x target)
             wb = torch.empty((max(1, math.ceil(ROTATE / (2 * self.n * self.k))), self.n, self.k),
                              dtype=torch.bfloat16, device=DEV).normal_(0, 0.02)
             return [lambda i=i: F.linear(self.x, wb[i]) for i in range(wb.shape[0])], wb
@@ -285,7 +296,7 @@ def markdown(res) -> str:
            "- times: median of CUDA-graph replays / calls per replay, weights rotated over > 200 MB;",
            "  TB/s = weight bytes / time (reference copy bandwidth 4.24 TB/s; a pure read stream can",
            "  exceed it). Baseline: the unfused kernels the fused call replaces in the engine, or for",
-           "  int8 rows the bf16 cuBLAS matmul of the same shape (issue target >= 1.5x).", "",
+           "  int8 rows the bf16 cuBLAS matmul of the same shape (target >= 1.5x).", "",
            "| case | M | weight | fused ops | baseline | baseline us | gemv best us | best cfg (BN,BK,warps,stages) "
            "| weight TB/s | % of 4.24 | speed-up | default cfg us | default + PDL us | int8_linear default us "
            "| error |",
@@ -307,7 +318,7 @@ def markdown(res) -> str:
 
 def main() -> int:
     p = argparse.ArgumentParser()
-    p.add_argument("--out", type=Path, default=Path("results/kernels"))
+    p.add_argument("--out", type=Path, default=Path("artifacts/gemv"))
     p.add_argument("--workers", type=int, default=14)
     p.add_argument("--no-sweep", action="store_true")
     p.add_argument("--table", type=Path, help="merge the tuned configurations into this JSON table")

@@ -1,5 +1,8 @@
-"""CUDA-graph timing shared by the GPU benchmark scripts (METHOD.md: time many back-to-back
-calls inside one graph so launch overhead and clock ramp-up do not dominate short kernels)."""
+"""CUDA-graph timing shared by ``scripts/bench_gemv.py`` and ``scripts/bench_kernels.py``.
+
+Many back-to-back calls are timed inside one CUDA graph, so launch overhead and clock ramp-up
+do not dominate short kernels (docs/benchmarking.md). Imported by those scripts from this
+directory; not a command of its own."""
 
 from __future__ import annotations
 

@@ -1,13 +1,15 @@
-# Issue #10's comparison on one GPU (`llmserve bench-compare`): batch-1 decode against the
-# weight-bandwidth floor for the Qwen2.5-0.5B/1.5B/7B shapes, the offline 256-request workload
-# against HF transformers (generate_batch and static generate), and open-loop TTFT/TPOT at
-# several arrival rates. GPU only; not part of the default target:
+# llmserve against the hardware and a peer on one GPU (`llmserve bench-compare`): batch-1 decode
+# against the weight-bandwidth floor for the Qwen2.5-0.5B/1.5B/7B shapes, the offline
+# 256-request workload against HF transformers (generate_batch and static generate), and
+# open-loop TTFT/TPOT at several arrival rates. GPU only; not part of the default target:
 #
 #   snakemake --cores 4 --resources gpu=1 results/h200
 #
 # The committed result (an H200) is results/h200/compare.{json,md}. Snakemake reruns it when
 # the engine sources change after a run it recorded (code_hash); on a fresh clone, or to
-# measure again, add `--forcerun h200_compare`.
+# measure again, add `--forcerun h200_compare`. Then refresh the checksums:
+#
+#   python3 workflow/scripts/checksums.py write --output checksums/h200.sha256 results/h200/compare.*
 
 H200_ARGS = ("--hf-requests 32 --hf-decode-steps 32 --hf-static-batch 32 --rates 4 16 64"
              " --openloop-requests 100")
