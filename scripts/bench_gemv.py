@@ -1,5 +1,5 @@
 #!/usr/bin/env python
-"""Sweep and time the matrix-vector kernel (``llmserve.triton_kernels.gemv``) on a GPU, and
+"""Sweep and time the matrix-vector kernel (``llmserve.kernels.gemv``) on a GPU, and
 retune its launch table ``gemv_configs.json`` for that GPU.
 
 Usage (on the GPU, from the repository root)::
@@ -45,10 +45,10 @@ import torch.nn.functional as F
 import triton
 from cuda_timing import graph_time_us  # scripts/, next to this file
 
-from llmserve.triton_kernels._launch import pdl_available
-from llmserve.triton_kernels.fused import add_rmsnorm, silu_and_mul
-from llmserve.triton_kernels.gemv import GemvConfig, choose_gemv_config, gemv, gemv_reference, table_key
-from llmserve.triton_kernels.int8_linear import int8_linear, pack_int8_planes, quantize_int8_per_channel
+from llmserve.kernels._launch import pdl_available
+from llmserve.kernels.fused import add_rmsnorm, silu_and_mul
+from llmserve.kernels.gemv import GemvConfig, choose_gemv_config, gemv, gemv_reference, table_key
+from llmserve.kernels.int8_linear import int8_linear, pack_int8_planes, quantize_int8_per_channel
 
 REF_BW = 4.24e12
 ROTATE = 200e6

@@ -47,7 +47,7 @@ from cuda_timing import graph_time_us  # noqa: E402  (scripts/, next to this fil
 
 from llmserve.attention.metadata import AttentionMetadata  # noqa: E402
 from llmserve.attention.torch_backend import paged_attention_torch  # noqa: E402
-from llmserve.triton_kernels.int8_linear import (  # noqa: E402
+from llmserve.kernels.int8_linear import (
     Int8LinearConfig,
     _fit_split,
     choose_int8_config,
@@ -55,7 +55,7 @@ from llmserve.triton_kernels.int8_linear import (  # noqa: E402
     int8_linear_reference,
     quantize_int8_per_channel,
 )
-from llmserve.triton_kernels.paged_attention import (  # noqa: E402
+from llmserve.kernels.paged_attention import (
     choose_num_splits,
     paged_attention_decode,
     paged_attention_prefill,

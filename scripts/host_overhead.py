@@ -20,8 +20,8 @@ import numpy as np
 import torch
 
 from llmserve.config import EngineConfig, SchedulerConfig
-from llmserve.engine import LLMEngine
-from llmserve.sampling_params import SamplingParams
+from llmserve.engine.llm_engine.llm_engine import LLMEngine
+from llmserve.core.sampling_params import SamplingParams
 
 
 class InstantGraphs:
