@@ -105,3 +105,29 @@ def test_padding_slot_goes_to_scratch_block():
 def test_unknown_backend_lists_supported():
     with pytest.raises(ValueError, match="supported"):
         get_attention_backend("cuda-magic")
+
+
+def test_mixed_step_work_is_the_sum_of_its_sequences(monkeypatch):
+    """Varlen: decode rows are padded only to the longest decode context and each prefill chunk
+    is attended at its own size, so one long prompt does not inflate its neighbours' work."""
+    import llmserve.attention.torch_backend as tb
+
+    seqs = [(9, 1), (17, 1), (3, 3), (300, 300), (33, 4)]
+    q, nk, nv, kc, vc, meta, dense = build_case(seqs, 16, 4, 2, 16, seed=5)
+    write_kv_torch(nk, nv, kc, vc, meta.slot_mapping)
+    calls = []
+    real = tb._attend_group
+
+    def spy(q_, k_, v_, bt, qs, ql, cl, max_q, max_ctx, scale):
+        calls.append((bt.shape[0], max_q, max_ctx))
+        return real(q_, k_, v_, bt, qs, ql, cl, max_q, max_ctx, scale)
+
+    monkeypatch.setattr(tb, "_attend_group", spy)
+    out = tb.paged_attention_torch(q, kc, vc, meta, 0.25)
+    # work (query rows x context positions) summed over groups: no max x max padding
+    assert sorted(calls) == sorted([(2, 1, 17), (1, 3, 3), (1, 300, 300), (1, 4, 33)])
+    start = 0
+    for (ctx, ql), (k, v) in zip(seqs, dense):
+        torch.testing.assert_close(out[start:start + ql].double(), dense_reference(q[start:start + ql], k, v, 0.25),
+                                   atol=1e-5, rtol=1e-5)
+        start += ql

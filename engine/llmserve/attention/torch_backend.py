@@ -5,12 +5,14 @@ Algorithm: each sequence's K/V blocks are gathered through its block table; for 
 sum of exponentials ``l`` and un-normalised output ``o`` — and then merge the blocks with the
 log-sum-exp rescaling of online softmax (Milakov & Gimelshein 2018, "Online normalizer
 calculation for softmax"; the same merge FlashAttention and flash-decoding's split-K reduction
-use). Every block of every sequence is processed in one batched tensor op: there is no Python
-loop over tokens, blocks or sequences. Arithmetic is fp32 whatever the cache dtype.
+use). Every block of a group is processed in one batched tensor op: there is no Python loop
+over tokens or blocks. Arithmetic is fp32 whatever the cache dtype.
 
-Mixed steps (some sequences prefilling long chunks, others decoding one token) are handled as
-two groups — query length 1 and query length > 1 — so decode rows are not padded to the
-prefill chunk length.
+Varlen, so a step costs the sum of its sequences' work: the decode rows (query length 1) form
+one batched group padded only to the longest *decode* context, and every prefill chunk is
+attended on its own, sized to its own query length and context. No row is padded to another
+sequence's prompt (co-batching short prompts with one long prompt would otherwise make the step
+cost ``max query x max context`` for every sequence).
 """
 
 from __future__ import annotations
@@ -97,23 +99,30 @@ def paged_attention_torch(query: torch.Tensor, k_cache: torch.Tensor, v_cache: t
         ``query_start_loc``) are zero.
     """
     qsl = meta.query_start_loc
-    q_lens = qsl[1:] - qsl[:-1]
-    q_start = qsl[:-1]
+    q_lens = qsl[1:] - qsl[:-1]                                          # [B]
+    q_start = qsl[:-1]                                                   # [B]
     out = torch.zeros(query.shape, dtype=torch.float32, device=query.device)
     if meta.max_query_len <= 1:
-        groups = [(None, 1)]
-    else:
-        groups = [(q_lens == 1, 1), (q_lens > 1, meta.max_query_len)]
-    for sel, max_q in groups:
-        if sel is None:
-            bt, qs, ql, cl = meta.block_tables, q_start, q_lens, meta.context_lens
-        else:
-            if not bool(sel.any()):
-                continue
-            bt, qs, ql, cl = meta.block_tables[sel], q_start[sel], q_lens[sel], meta.context_lens[sel]
-        o, rows = _attend_group(query, k_cache, v_cache, bt, qs, ql, cl, max_q,
-                                meta.max_context_len, scale)
+        o, rows = _attend_group(query, k_cache, v_cache, meta.block_tables, q_start, q_lens,
+                                meta.context_lens, 1, meta.max_context_len, scale)
         out[rows] = o
+        return out.to(query.dtype)
+    # Host copies of the lengths (one sync; this is the reference path) to size each group.
+    q_lens_h = q_lens.tolist()
+    ctx_h = meta.context_lens.tolist()
+    decode = [i for i, n in enumerate(q_lens_h) if n == 1]
+    if decode:
+        sel = torch.tensor(decode, device=query.device)
+        o, rows = _attend_group(query, k_cache, v_cache, meta.block_tables[sel], q_start[sel],
+                                q_lens[sel], meta.context_lens[sel], 1,
+                                max(ctx_h[i] for i in decode), scale)
+        out[rows] = o
+    for i, n in enumerate(q_lens_h):
+        if n > 1:
+            o, rows = _attend_group(query, k_cache, v_cache, meta.block_tables[i:i + 1],
+                                    q_start[i:i + 1], q_lens[i:i + 1], meta.context_lens[i:i + 1],
+                                    n, ctx_h[i], scale)
+            out[rows] = o
     return out.to(query.dtype)
 
 
