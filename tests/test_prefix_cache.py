@@ -338,3 +338,110 @@ def test_cache_config_flag_validated():
     assert CacheConfig().enable_prefix_caching is True
     with pytest.raises(ValueError, match="enable_prefix_caching"):
         CacheConfig(enable_prefix_caching="yes")
+
+
+# ---- the engine on the tiny model: caching on and off give the same greedy tokens -------------
+def _engine(caching: bool, num_blocks: int | None = None, **sched):
+    from llmserve.config import EngineConfig
+    from llmserve.engine.llm_engine import LLMEngine
+
+    sched.setdefault("max_num_seqs", 4)
+    sched.setdefault("max_num_batched_tokens", 1024)
+    return LLMEngine(EngineConfig(model="tiny", device="cpu", dtype="float32",
+                                  cache=CacheConfig(block_size=16, num_blocks=num_blocks, memory_bytes=32 << 20,
+                                                    enable_prefix_caching=caching),
+                                  scheduler=SchedulerConfig(**sched)))
+
+
+def _workload(kind: str, n: int):
+    from llmserve.bench.workload import build_workload, load_profile, validate_profile
+    from llmserve.tokenizer import load_tokenizer
+
+    prof, _ = load_profile("multiturn" if kind == "multi-turn" else "sharegpt")
+    prof = validate_profile({**prof, "prompt_len": {"distribution": "dataset", "min": 4, "max": 384},
+                             "output_len": {"distribution": "fixed", "value": 6},
+                             "workload": {**prof["workload"], "kind": kind, "system_prompt_len": 64}})
+    return build_workload(prof, num_requests=n, tokenizer=load_tokenizer(None))
+
+
+def _run_turns(engine, workload):
+    """Submit turn by turn: every request of turn k once turn k-1 of its conversation finished
+    (single-turn workloads: in two waves, so the second finds the first's blocks)."""
+    reqs = workload.requests
+    waves: dict[int, list] = {}
+    for i, r in enumerate(reqs):
+        waves.setdefault(r.turn if r.conversation is not None else int(i >= len(reqs) // 2), []).append(r)
+    out = {}
+    for k in sorted(waves):
+        seqs = [(r.index, engine.add_request(r.prompt_token_ids,
+                                             SamplingParams(max_tokens=r.max_tokens, ignore_eos=True)))
+                for r in waves[k]]
+        while engine.has_unfinished_requests():
+            engine.step()
+        out.update({i: s.output_token_ids for i, s in seqs})
+    return out
+
+
+@pytest.fixture(scope="module")
+def workloads():
+    return {"multi-turn": _workload("multi-turn", 14), "shared-prefix": _workload("shared-prefix", 8)}
+
+
+@pytest.mark.parametrize("kind", ["multi-turn", "shared-prefix"])
+def test_engine_outputs_identical_with_and_without_caching(kind, workloads):
+    wl = workloads[kind]
+    if kind == "multi-turn":
+        later = [r for r in wl.requests if r.turn > 0]
+        assert later, "the workload has no second turns"
+        for r in later:                            # each turn extends the previous one's prompt
+            prev = next(q for q in wl.requests if q.conversation == r.conversation and q.turn == r.turn - 1)
+            common = next((i for i, (a, b) in enumerate(zip(prev.prompt_token_ids, r.prompt_token_ids))
+                           if a != b), prev.prompt_len)
+            assert common >= prev.prompt_len - 4
+    on, off = _engine(True), _engine(False)
+    free0 = on.block_manager.num_free_blocks
+    assert _run_turns(on, wl) == _run_turns(off, wl)
+    st = on.stats()["prefix_cache"]
+    assert st["hits"] > 0 and 0 < st["hit_rate"] < 1
+    assert off.stats()["prefix_cache"]["queries"] == 0
+    assert on.block_manager.num_free_blocks == free0   # cached blocks are free (evictable)
+
+
+def test_engine_chunked_preemption_and_aborts_with_caching(workloads):
+    wl = workloads["shared-prefix"]
+    kw = dict(prefill_chunk_size=48, max_num_batched_tokens=96, num_blocks=40)
+    on, off = _engine(True, **kw), _engine(False, **kw)
+    assert _run_turns(on, wl) == _run_turns(off, wl)
+    assert on.stats()["num_preemptions"] > 0 and on.stats()["prefix_cache"]["hits"] > 0
+    free0 = on.block_manager.num_total_blocks
+    rids = [on.add_request(r.prompt_token_ids, SamplingParams(max_tokens=8, ignore_eos=True)).request_id
+            for r in wl.requests[:4]]
+    on.step()
+    on.step()
+    for rid in rids:
+        on.abort_request(rid)
+    assert on.block_manager.num_free_blocks == free0
+    assert all(on.block_manager.allocator.ref_count(b) == 0 for b in range(free0))
+
+
+def test_speculative_and_async_scheduling_with_caching(workloads):
+    from llmserve.config import EngineConfig
+    from llmserve.engine.llm_engine import LLMEngine
+    from llmserve.engine.speculative import SpeculativeEngine
+
+    wl = workloads["shared-prefix"]
+
+    def cfg(caching):
+        return EngineConfig(model="tiny", device="cpu", dtype="float32",
+                            cache=CacheConfig(block_size=16, num_blocks=256, enable_prefix_caching=caching),
+                            scheduler=SchedulerConfig(max_num_seqs=4, max_num_batched_tokens=1024))
+
+    ref = _run_turns(LLMEngine(cfg(False)), wl)
+    spec = SpeculativeEngine(cfg(True), draft_model="tiny", num_speculative_tokens=3)
+    assert _run_turns(spec, wl) == ref
+    assert spec.stats()["prefix_cache"]["hits"] > 0
+    assert spec.block_manager.num_free_blocks == spec.block_manager.num_total_blocks
+    asy = LLMEngine(EngineConfig(**{**{f: getattr(cfg(True), f) for f in ("model", "device", "dtype", "cache",
+                                                                          "scheduler")},
+                                    "async_scheduling": True}))
+    assert _run_turns(asy, wl) == ref and asy.stats()["prefix_cache"]["hits"] > 0

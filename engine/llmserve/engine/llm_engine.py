@@ -337,6 +337,10 @@ class LLMEngine(_EngineBase):
         self.scheduler.num_preemptions = self.scheduler.num_recomputed_tokens = 0
         self.block_manager.reset_prefix_cache_stats()
 
+    def reset_prefix_cache_stats(self) -> None:
+        """Zero the prefix-cache query, hit and eviction counters (the cached blocks stay)."""
+        self.block_manager.reset_prefix_cache_stats()
+
     def check_request(self, prompt: str | list[int], sampling_params: SamplingParams | None = None) -> list[int]:
         """Validate a request without queueing it; return its prompt ids.
 
