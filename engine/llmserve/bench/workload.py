@@ -40,7 +40,8 @@ Workload kinds (``workload.kind``), for prefix caching:
     turn k+1 arrives ``think_time_s`` seconds after turn k finished (closed loop within a
     conversation, so several conversations interleave). A conversation ends after
     ``max_turns`` turns, at its last reply, or before a turn whose prompt would exceed
-    ``prompt_len.max``; ``num_requests`` counts turns (the last conversation may be cut short).
+    ``prompt_len.max``; conversations with fewer than ``min_turns`` such turns are skipped;
+    ``num_requests`` counts turns (the last conversation may be cut short).
 
 Random streams: one :class:`numpy.random.SeedSequence` per purpose (arrivals, prompt lengths,
 output lengths, token ids, dataset order, priorities), spawned from ``(seed, stream)``, so
@@ -76,10 +77,10 @@ WORKLOAD_KINDS = ("single-turn", "shared-prefix", "multi-turn")
 _TOP_KEYS = {"name", "description", "seed", "num_requests", "warmup_requests", "arrival",
              "dataset", "prompt_len", "output_len", "ignore_eos", "temperature", "priorities",
              "workload"}
-_WORKLOAD_KEYS = {"kind", "system_prompt_len", "max_turns", "think_time_s"}
+_WORKLOAD_KEYS = {"kind", "system_prompt_len", "max_turns", "min_turns", "think_time_s"}
 #: Defaults of the ``workload`` section (``kind`` single-turn ignores the others).
 WORKLOAD_DEFAULTS = {"kind": "single-turn", "system_prompt_len": 256, "max_turns": 4,
-                     "think_time_s": 0.5}
+                     "min_turns": 1, "think_time_s": 0.5}
 #: Source text of the shared system prompt (repeated, then cut to ``system_prompt_len`` tokens).
 SYSTEM_PROMPT_TEXT = (
     "You are a helpful, careful and honest assistant. Answer the user's question directly and "
@@ -160,7 +161,7 @@ BUILTIN_PROFILES: dict[str, dict[str, Any]] = {
         "temperature": 0.0,
         "priorities": [0],
         "workload": {"kind": "multi-turn", "system_prompt_len": 256, "max_turns": 4,
-                     "think_time_s": 0.5},
+                     "min_turns": 1, "think_time_s": 0.5},
     },
 }
 
@@ -440,6 +441,8 @@ def validate_profile(raw: Mapping[str, Any], source: str | None = None) -> dict[
                                   "system_prompt_len", f"{where}.workload", integer=True, lo=1),
         "max_turns": _num(wl.get("max_turns", WORKLOAD_DEFAULTS["max_turns"]), "max_turns",
                           f"{where}.workload", integer=True, lo=1),
+        "min_turns": _num(wl.get("min_turns", WORKLOAD_DEFAULTS["min_turns"]), "min_turns",
+                          f"{where}.workload", integer=True, lo=1),
         "think_time_s": float(_num(wl.get("think_time_s", WORKLOAD_DEFAULTS["think_time_s"]),
                                    "think_time_s", f"{where}.workload", lo=0)),
     }
@@ -705,7 +708,7 @@ def _multi_turn_requests(prof: dict[str, Any], n: int, offsets: np.ndarray, prio
                 prompt_text=text, source_id=cid, conversation=c, turn=k,
                 think_time_s=float(wl["think_time_s"]) if k else 0.0))
             messages.append({"role": "assistant", "content": reply})
-        if conv_reqs:
+        if conv_reqs and (len(conv_reqs) >= wl["min_turns"] or len(requests) + len(conv_reqs) == n):
             requests.extend(conv_reqs)
             c += 1
     if len(requests) < n:
