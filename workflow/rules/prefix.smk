@@ -18,7 +18,8 @@ PREFIX_TABLES = [f"{PREFIX_OUT}/table.csv", f"{PREFIX_OUT}/table.md",
 PREFIX_CHECKSUMS = f"checksums/prefix-{_PREFIX_PROFILE}.sha256"
 #: Everything the sweep tracks (empty for a profile without a prefix entry).
 PREFIX_FILES = ([f"{PREFIX_OUT}/load_profile.yaml", *PREFIX_TABLES, PREFIX_CHECKSUMS]
-                + [f"{PREFIX_OUT}/raw/{c}.json" for c in PREFIX_CELLS]) if PREFIX_CFG else []
+                + [f"{PREFIX_OUT}/raw/{c}.{ext}" for c in PREFIX_CELLS for ext in ("json", "csv")]
+                ) if PREFIX_CFG else []
 
 
 def _prefix_cell_flags(wildcards):
@@ -69,7 +70,8 @@ rule prefix_report:
 
 rule prefix_checksums:
     input:
-        [f"{PREFIX_OUT}/load_profile.yaml", *PREFIX_TABLES] + [f"{PREFIX_OUT}/raw/{c}.json" for c in PREFIX_CELLS],
+        [f"{PREFIX_OUT}/load_profile.yaml", *PREFIX_TABLES]
+        + [f"{PREFIX_OUT}/raw/{c}.{ext}" for c in PREFIX_CELLS for ext in ("json", "csv")],
     output:
         PREFIX_CHECKSUMS,
     shell:
