@@ -42,6 +42,7 @@ include: "workflow/rules/aggregate.smk"
 include: "workflow/rules/checksums.smk"
 include: "workflow/rules/checkpoint4.smk"
 include: "workflow/rules/h200.smk"
+include: "workflow/rules/prefix.smk"
 
 
 rule checkpoint3:
@@ -50,6 +51,7 @@ rule checkpoint3:
         TRACKED_FILES,
         CHECKSUM_FILE,
         STALE_MARKERS,  # non-empty only when finished cells ran on other llmserve sources
+        PREFIX_FILES,  # the prefix-caching sweep (workflow/rules/prefix.smk)
     default_target: True
 
 

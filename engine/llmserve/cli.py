@@ -29,7 +29,8 @@ def _cmd_generate(args: argparse.Namespace) -> int:
     from .core.sampling_params import SamplingParams
 
     cfg = EngineConfig(model=args.model, device=args.device, dtype=default_dtype(args.device, args.dtype),
-                       seed=args.seed, cache=CacheConfig(block_size=args.block_size),
+                       seed=args.seed, cache=CacheConfig(block_size=args.block_size,
+                                                         enable_prefix_caching=args.enable_prefix_caching),
                        scheduler=SchedulerConfig(max_model_len=args.max_model_len),
                        attention_backend=args.paged_attention_backend)
     engine = NaiveEngine(cfg) if args.naive else LLMEngine(cfg)
@@ -65,6 +66,9 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--chat", action="store_true", help="wrap the prompt in the ChatML template")
     g.add_argument("--naive", action="store_true", help="use the sequential no-cache control engine")
     g.add_argument("--block-size", type=int, default=16)
+    g.add_argument("--enable-prefix-caching", dest="enable_prefix_caching", action="store_true",
+                   default=True, help="share the KV of equal prompt prefixes (default on)")
+    g.add_argument("--no-prefix-caching", dest="enable_prefix_caching", action="store_false")
     g.add_argument("--max-model-len", type=int, default=4096)
     g.add_argument("--paged-attention-backend", default="torch", choices=["torch", "triton"])
     g.add_argument("--show-ids", action="store_true")

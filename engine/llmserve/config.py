@@ -196,12 +196,16 @@ class CacheConfig:
             (or, on CUDA, from ``gpu_memory_utilization`` of free memory).
         memory_bytes: KV cache budget in bytes when ``num_blocks`` is None (CPU default 256 MiB).
         gpu_memory_utilization: fraction (0, 1] of free device memory given to the cache on CUDA.
+        enable_prefix_caching: share the K/V of full blocks between requests with equal
+            prefixes (automatic prefix caching, as vLLM V1; :mod:`llmserve.core.block_manager`);
+            on by default; outputs are unchanged.
     """
 
     block_size: int = 16
     num_blocks: int | None = None
     memory_bytes: int | None = None
     gpu_memory_utilization: float = 0.85
+    enable_prefix_caching: bool = True
 
     def __post_init__(self) -> None:
         if not isinstance(self.block_size, int) or not _is_power_of_two(self.block_size) \
@@ -214,6 +218,9 @@ class CacheConfig:
         if not 0.0 < self.gpu_memory_utilization <= 1.0:
             raise ValueError(
                 f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization!r}")
+        if not isinstance(self.enable_prefix_caching, bool):
+            raise ValueError(
+                f"enable_prefix_caching must be true or false, got {self.enable_prefix_caching!r}")
 
 
 @dataclass(frozen=True, slots=True)

@@ -42,6 +42,10 @@ AGGREGATE_KEYS: tuple[str, ...] = (
     "num_preemptions", "num_recomputed_tokens", "num_steps",
     "kv_cache_usage_peak", "kv_memory_reduction_vs_contiguous",
     "gpu_util_mean", "gpu_util_peak", "gpu_memory_peak_bytes",
+    # automatic prefix caching over the measured phase: queried / hit prompt tokens at
+    # admission, hits / queries, blocks holding a hash at the end, blocks evicted
+    "prefix_cache_queries", "prefix_cache_hits", "prefix_cache_hit_rate",
+    "prefix_cache_cached_blocks", "prefix_cache_evicted_blocks",
 )
 
 #: Request statuses: completed normally, rejected at submission, aborted, still running when the

@@ -79,7 +79,7 @@ _CSV_META: tuple[str, ...] = (
     "max_num_batched_tokens", "block_size", "num_blocks", "paged_attention_backend",
     "linear_backend", "model", "device", "dtype", "profile", "seed", "requests", "arrival_rate",
     "warmup_requests", "git_revision", "git_dirty", "hardware", "token_digest", "workload_digest",
-    "wall_time_s", "error", "output",
+    "wall_time_s", "error", "output", "enable_prefix_caching", "workload_kind",
 )
 #: Columns of the one-row-per-run CSV.
 CSV_COLUMNS: tuple[str, ...] = _CSV_META + AGGREGATE_KEYS
@@ -298,7 +298,9 @@ def csv_row(report: Mapping[str, Any], output_path: str | os.PathLike | None = N
                seed=report.get("seed"), git_revision=git.get("revision"), git_dirty=git.get("dirty"),
                hardware=hw.get("device_name"), token_digest=report.get("token_digest"),
                workload_digest=wl.get("digest"), wall_time_s=report.get("wall_time_s"),
-               error=(report.get("error") or None), output=str(output_path) if output_path else None)
+               error=(report.get("error") or None), output=str(output_path) if output_path else None,
+               enable_prefix_caching=cfg.get("enable_prefix_caching"),
+               workload_kind=((report.get("profile") or {}).get("workload") or {}).get("kind"))
     for k in AGGREGATE_KEYS:
         row[k] = agg.get(k)
     return {k: ("" if v is None else v) for k, v in json_safe(row).items()}

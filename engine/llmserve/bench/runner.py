@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import heapq
 import math
 import sys
 import time
@@ -45,7 +46,8 @@ from .report import (
     utc_now,
     write_json,
 )
-from .workload import DEFAULT_PROFILE, BenchmarkRequest, Workload, build_workload, load_profile
+from .workload import (DEFAULT_PROFILE, WORKLOAD_KINDS, BenchmarkRequest, Workload, build_workload,
+                       load_profile, validate_profile)
 
 __all__ = ["BenchmarkOptions", "BenchmarkTimeout", "add_benchmark_subparser", "run_benchmark_cli",
            "run_benchmark", "make_engine_config", "options_from_args", "main", "CONFIGS"]
@@ -76,9 +78,11 @@ class BenchmarkOptions:
     model: str = "tiny"
     device: str = "cpu"
     dtype: str | None = None
+    enable_prefix_caching: bool = True
     speculative_model: str | None = None
     num_speculative_tokens: int = 4
     profile: str | None = None
+    workload: str | None = None
     dataset_path: str | None = None
     requests: int | None = None
     arrival_rate: float | None = None
@@ -150,6 +154,15 @@ def _positive_float(s: str) -> float:
     return v
 
 
+def add_prefix_caching_args(p: Any) -> None:
+    """``--enable-prefix-caching`` / ``--no-prefix-caching`` (dest ``enable_prefix_caching``,
+    default on) on a parser or argument group; shared by generate, benchmark and serve."""
+    p.add_argument("--enable-prefix-caching", dest="enable_prefix_caching", action="store_true",
+                   default=True, help="share the KV of equal prompt prefixes (default on)")
+    p.add_argument("--no-prefix-caching", dest="enable_prefix_caching", action="store_false",
+                   help="turn automatic prefix caching off")
+
+
 def add_benchmark_args(p: argparse.ArgumentParser) -> None:
     """Add the ``benchmark`` flags to ``p``."""
     g = p.add_argument_group("engine")
@@ -174,6 +187,7 @@ def add_benchmark_args(p: argparse.ArgumentParser) -> None:
                    help="let the engine use CUDA graphs for decode (CUDA only)")
     g.add_argument("--async-scheduling", action=argparse.BooleanOptionalAction, default=None,
                    help="launch step n+1 before reading step n's tokens (default: on for CUDA)")
+    add_prefix_caching_args(g)
     g.add_argument("--model", default="tiny",
                    help="'tiny' (embedded random Qwen2), a checkpoint directory or a hub id")
     g.add_argument("--device", default="cpu", help="cpu | cuda | cuda:N (default cpu)")
@@ -190,6 +204,10 @@ def add_benchmark_args(p: argparse.ArgumentParser) -> None:
     w.add_argument("--profile", default=None, metavar="FILE",
                    help=f"load profile YAML, or a built-in name (sharegpt, lognormal, "
                         f"offline-random; default {DEFAULT_PROFILE})")
+    w.add_argument("--workload", choices=WORKLOAD_KINDS, default=None,
+                   help="single-turn | shared-prefix (a shared system prompt in front of every "
+                        "prompt) | multi-turn (ShareGPT conversations replayed turn by turn); "
+                        "overrides the profile's workload.kind")
     w.add_argument("--dataset-path", default=None,
                    help="ShareGPT JSON file for ShareGPT profiles (default: the packaged copy)")
     w.add_argument("--requests", type=_nonneg_int, default=None, help="measured requests (overrides the profile)")
@@ -288,7 +306,8 @@ def make_engine_config(opts: BenchmarkOptions, seed: int):
                             max_num_batched_tokens=budget,
                             prefill_chunk_size=opts.prefill_chunk_size,
                             max_model_len=opts.max_model_len)
-    cache = CacheConfig(block_size=opts.block_size, num_blocks=opts.num_blocks)
+    cache = CacheConfig(block_size=opts.block_size, num_blocks=opts.num_blocks,
+                        enable_prefix_caching=bool(opts.enable_prefix_caching))
     dtype = opts.dtype or ("float32" if opts.device == "cpu" else "bfloat16")
     return EngineConfig(model=opts.model, device=opts.device, dtype=dtype, seed=seed, cache=cache,
                         scheduler=sched, attention_backend=opts.paged_attention_backend,
@@ -335,6 +354,7 @@ class _Tracked:
     last_output: Any = None
     submit_time: float | None = None
     error: str | None = None
+    arrival_offset_s: float | None = None   # actual arrival (later turns: after the previous one)
 
 
 @dataclass
@@ -408,10 +428,26 @@ def _sample_kv(engine: Any, state: _RunState, block_size: int, max_model_len: in
 def _drive(engine: Any, workload: Workload, state: _RunState, *, prefix: str, temperature: float,
            seed: int, deadline: float | None, on_step: Callable[[], None] | None = None,
            progress: Any = None) -> None:
-    """Submit ``workload`` on its arrival schedule and step the engine until all finish."""
-    pending = deque(sorted(workload.requests, key=lambda r: (r.arrival_offset_s, r.index)))
+    """Submit ``workload`` on its arrival schedule and step the engine until all finish.
+
+    Multi-turn requests (``turn > 0``) are held back until the previous turn of their
+    conversation finished (or was rejected); they then arrive ``think_time_s`` later."""
+    # (arrival offset s, index, request): a heap, so released later turns slot in by time
+    pending = [(r.arrival_offset_s, r.index, r) for r in workload.requests
+               if r.conversation is None or r.turn == 0]
+    heapq.heapify(pending)
+    followups: dict[int, deque] = {}
+    for r in sorted(workload.requests, key=lambda r: r.index):
+        if r.conversation is not None and r.turn > 0:
+            followups.setdefault(r.conversation, deque()).append(r)
     state.t0 = t0 = time.perf_counter()
-    n_total = len(pending)
+    n_total = len(workload.requests)
+
+    def release_next_turn(t: _Tracked) -> None:
+        q = followups.get(t.req.conversation) if t.req.conversation is not None else None
+        if q:
+            nxt = q.popleft()
+            heapq.heappush(pending, (time.perf_counter() - t0 + nxt.think_time_s, nxt.index, nxt))
 
     def check_deadline(now: float) -> None:
         if deadline is not None and now > deadline:
@@ -422,10 +458,10 @@ def _drive(engine: Any, workload: Workload, state: _RunState, *, prefix: str, te
     while True:
         now = time.perf_counter()
         check_deadline(now)
-        while pending and t0 + pending[0].arrival_offset_s <= now:
-            req = pending.popleft()
+        while pending and t0 + pending[0][0] <= now:
+            offset, _, req = heapq.heappop(pending)
             rid = f"{prefix}-{req.index}"
-            t = _Tracked(req, rid)
+            t = _Tracked(req, rid, arrival_offset_s=offset)
             state.tracked[req.index] = t
             state.by_id[rid] = t
             t.submit_time = time.perf_counter()
@@ -433,12 +469,13 @@ def _drive(engine: Any, workload: Workload, state: _RunState, *, prefix: str, te
             try:
                 t.seq = engine.add_request(list(req.prompt_token_ids),
                                            _sampling_params(req, temperature, seed),
-                                           request_id=rid, arrival_time=t0 + req.arrival_offset_s,
+                                           request_id=rid, arrival_time=t0 + offset,
                                            priority=req.priority)
             except ValueError as e:  # never fits: a rejected request, the run goes on
                 t.error = f"{type(e).__name__}: {e}"
                 state.active.pop(rid, None)
                 state.num_finished += 1
+                release_next_turn(t)
                 if progress is not None:
                     progress.update(1)
         if engine.has_unfinished_requests():
@@ -451,12 +488,13 @@ def _drive(engine: Any, workload: Workload, state: _RunState, *, prefix: str, te
                 t.last_output = o
                 if getattr(o, "finished", False) and state.active.pop(t.request_id, None) is not None:
                     state.num_finished += 1
+                    release_next_turn(t)
                     if progress is not None:
                         progress.update(1)
             if on_step is not None:
                 on_step()
         elif pending:
-            wait = t0 + pending[0].arrival_offset_s - time.perf_counter()
+            wait = t0 + pending[0][0] - time.perf_counter()
             if deadline is not None:
                 wait = min(wait, deadline - time.perf_counter() + 1e-3)
             if wait > 0:
@@ -481,9 +519,10 @@ def _records(state: _RunState, workload: Workload | None) -> tuple[list[RequestR
             tokens.append([])
             continue
         status, reason, metrics, out_ids = _finish_status(t)
+        arrival = req.arrival_offset_s if t.arrival_offset_s is None else t.arrival_offset_s
         records.append(build_request_record(
             req.index, t.request_id, prompt_len=req.prompt_len, max_tokens=req.max_tokens,
-            priority=req.priority, arrival_offset_s=req.arrival_offset_s, metrics=metrics,
+            priority=req.priority, arrival_offset_s=arrival, metrics=metrics,
             output_len=len(out_ids), finish_reason=reason, status=status, error=t.error,
             submit_time=t.submit_time))
         tokens.append(out_ids)
@@ -580,6 +619,9 @@ def run_benchmark(opts: BenchmarkOptions, engine_factory: Callable[[Any, bool], 
         n_warm = int(profile["warmup_requests"] if opts.warmup_requests is None else opts.warmup_requests)
         if opts.burstiness is not None:
             profile["arrival"]["burstiness"] = float(opts.burstiness)
+        if opts.workload is not None:
+            profile = validate_profile({**profile, "workload": {**profile["workload"], "kind": opts.workload}},
+                                       source=ppath)
         econf = make_engine_config(opts, seed)
         report["engine_config"] = dataclasses.asdict(econf)
         if engine_factory is None and opts.speculative_model:
@@ -616,6 +658,8 @@ def run_benchmark(opts: BenchmarkOptions, engine_factory: Callable[[Any, bool], 
             engine.max_blocks_in_use = 0  # measure the KV high-water of the measured phase only
         if hasattr(engine, "reset_speculative_stats"):
             engine.reset_speculative_stats()  # speculative counters of the measured phase only
+        if hasattr(engine, "reset_prefix_cache_stats"):
+            engine.reset_prefix_cache_stats()  # prefix-cache counters of the measured phase only
 
         block_size = int(getattr(engine, "block_size", None) or opts.block_size)
         monitor = GPUMonitor(opts.device).start()
@@ -678,6 +722,12 @@ def _finish_report(report: dict[str, Any], opts: BenchmarkOptions, state: _RunSt
                  "kv_memory_reduction_vs_contiguous": kv.get("memory_reduction_vs_contiguous"),
                  "gpu_util_mean": gpu.get("util_mean"), "gpu_util_peak": gpu.get("util_peak"),
                  "gpu_memory_peak_bytes": gpu.get("memory_used_peak_bytes")}
+        pc = (kv.get("final_stats") or {}).get("prefix_cache") or {}
+        if pc:
+            extra.update(prefix_cache_queries=pc.get("queries"), prefix_cache_hits=pc.get("hits"),
+                         prefix_cache_hit_rate=pc.get("hit_rate"),
+                         prefix_cache_cached_blocks=pc.get("cached_blocks"),
+                         prefix_cache_evicted_blocks=pc.get("evicted_blocks"))
         report["kv_cache"] = kv
         if hasattr(engine, "speculative_stats"):
             report["speculative"] = engine.speculative_stats()

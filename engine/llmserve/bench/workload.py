@@ -26,6 +26,23 @@ Prompts (``dataset.kind``): ``synthetic`` draws token ids uniformly from ``[0, v
 ``sharegpt`` uses the first human turn of ShareGPT conversations (packaged copy or
 ``dataset.path``) in a seeded random order, tokenized with the engine's tokenizer.
 
+Workload kinds (``workload.kind``), for prefix caching:
+  * ``single-turn`` (default): one prompt per request, as above;
+  * ``shared-prefix``: the same system prompt of ``system_prompt_len`` tokens in front of every
+    prompt. ShareGPT prompts are rendered through the chat template as ``[system, user]``
+    (the system text is a fixed instruction paragraph cut to the first whole word that reaches
+    ``system_prompt_len`` tokens); synthetic prompts get ``system_prompt_len`` seeded random ids
+    in front. ``prompt_len.max`` applies to the user part;
+  * ``multi-turn`` (ShareGPT only): conversations replayed turn by turn through the chat
+    template; turn k's prompt is the whole conversation so far (every earlier user turn and the
+    dataset's assistant reply to it) plus the k-th user turn, and its output length is the k-th
+    reply's token count (``output_len``). ``arrival`` gives each conversation's first turn;
+    turn k+1 arrives ``think_time_s`` seconds after turn k finished (closed loop within a
+    conversation, so several conversations interleave). A conversation ends after
+    ``max_turns`` turns, at its last reply, or before a turn whose prompt would exceed
+    ``prompt_len.max``; conversations with fewer than ``min_turns`` such turns are skipped;
+    ``num_requests`` counts turns (the last conversation may be cut short).
+
 Random streams: one :class:`numpy.random.SeedSequence` per purpose (arrivals, prompt lengths,
 output lengths, token ids, dataset order, priorities), spawned from ``(seed, stream)``, so
 changing one part of a profile does not reshuffle the others. ``stream`` 0 is the measured
@@ -47,7 +64,8 @@ import numpy as np
 
 __all__ = ["BenchmarkRequest", "Workload", "BUILTIN_PROFILES", "load_profile", "validate_profile",
            "build_workload", "sample_lengths", "arrival_offsets", "find_profile_path",
-           "DEFAULT_PROFILE", "DEFAULT_VOCAB_SIZE"]
+           "DEFAULT_PROFILE", "DEFAULT_VOCAB_SIZE", "WORKLOAD_KINDS", "load_sharegpt_conversations",
+           "system_prompt_text"]
 
 #: Qwen2 base vocabulary (ids >= 151643 are special tokens); the default synthetic id range.
 DEFAULT_VOCAB_SIZE = 151_643
@@ -55,8 +73,23 @@ DEFAULT_PROFILE = "sharegpt"
 
 LENGTH_DISTRIBUTIONS = ("lognormal", "uniform", "fixed", "dataset")
 DATASET_KINDS = ("synthetic", "sharegpt")
+WORKLOAD_KINDS = ("single-turn", "shared-prefix", "multi-turn")
 _TOP_KEYS = {"name", "description", "seed", "num_requests", "warmup_requests", "arrival",
-             "dataset", "prompt_len", "output_len", "ignore_eos", "temperature", "priorities"}
+             "dataset", "prompt_len", "output_len", "ignore_eos", "temperature", "priorities",
+             "workload"}
+_WORKLOAD_KEYS = {"kind", "system_prompt_len", "max_turns", "min_turns", "think_time_s"}
+#: Defaults of the ``workload`` section (``kind`` single-turn ignores the others).
+WORKLOAD_DEFAULTS = {"kind": "single-turn", "system_prompt_len": 256, "max_turns": 4,
+                     "min_turns": 1, "think_time_s": 0.5}
+#: Source text of the shared system prompt (repeated, then cut to ``system_prompt_len`` tokens).
+SYSTEM_PROMPT_TEXT = (
+    "You are a helpful, careful and honest assistant. Answer the user's question directly and "
+    "completely, explain your reasoning step by step when it helps, say when you are not sure, "
+    "and never invent facts, names, numbers or sources. Prefer short paragraphs and plain "
+    "words; use lists for steps and tables for comparisons; show code in fenced blocks with "
+    "the language named. When a request is ambiguous, state the reading you chose. Keep a "
+    "friendly, professional tone, respect the user's time, and follow the user's formatting "
+    "instructions over these ones. ")
 _ARRIVAL_KEYS = {"rate", "burstiness"}
 _DATASET_KEYS = {"kind", "path"}
 _LENGTH_KEYS = {"distribution", "median", "sigma", "min", "max", "value", "scale"}
@@ -111,6 +144,25 @@ BUILTIN_PROFILES: dict[str, dict[str, Any]] = {
         "temperature": 0.0,
         "priorities": [0],
     },
+    "multiturn": {
+        "name": "multiturn",
+        "description": "ShareGPT V3 conversations replayed turn by turn through the chat "
+                       "template (each turn's prompt is the conversation so far), up to 4 turns, "
+                       "0.5 s think time after each reply; conversations start at 2/s Poisson; "
+                       "prompts up to 1024 tokens, output = 1/8 of the reply clipped to [4, 64].",
+        "seed": 0,
+        "num_requests": 32,
+        "warmup_requests": 1,
+        "arrival": {"rate": 2.0, "burstiness": 1.0},
+        "dataset": {"kind": "sharegpt", "path": None},
+        "prompt_len": {"distribution": "dataset", "min": 4, "max": 1024},
+        "output_len": {"distribution": "dataset", "scale": 0.125, "min": 4, "max": 64},
+        "ignore_eos": True,
+        "temperature": 0.0,
+        "priorities": [0],
+        "workload": {"kind": "multi-turn", "system_prompt_len": 256, "max_turns": 4,
+                     "min_turns": 1, "think_time_s": 0.5},
+    },
 }
 
 
@@ -128,6 +180,11 @@ class BenchmarkRequest:
         priority: lower runs first under the ``priority`` policy.
         prompt_text: the source text for ShareGPT prompts (``None`` for synthetic ones).
         source_id: the ShareGPT conversation id, if any.
+        conversation: multi-turn workloads: index of the conversation (``None`` otherwise).
+        turn: 0-based turn within the conversation; a turn > 0 is submitted only after the
+            previous turn finished, ``think_time_s`` later (``arrival_offset_s`` is then a
+            placeholder: the previous turn's).
+        think_time_s: seconds between the previous turn's end and this turn's arrival.
     """
 
     index: int
@@ -139,13 +196,20 @@ class BenchmarkRequest:
     priority: int = 0
     prompt_text: str | None = None
     source_id: str | None = None
+    conversation: int | None = None
+    turn: int = 0
+    think_time_s: float = 0.0
 
     def spec(self) -> dict[str, Any]:
         """The fields that define the request (for digests and records), without the text."""
-        return {"index": self.index, "arrival_offset_s": round(float(self.arrival_offset_s), 9),
-                "prompt_len": self.prompt_len, "max_tokens": self.max_tokens,
-                "ignore_eos": self.ignore_eos, "priority": self.priority,
-                "source_id": self.source_id}
+        d = {"index": self.index, "arrival_offset_s": round(float(self.arrival_offset_s), 9),
+             "prompt_len": self.prompt_len, "max_tokens": self.max_tokens,
+             "ignore_eos": self.ignore_eos, "priority": self.priority,
+             "source_id": self.source_id}
+        if self.conversation is not None:
+            d.update(conversation=self.conversation, turn=self.turn,
+                     think_time_s=round(float(self.think_time_s), 9))
+        return d
 
 
 @dataclass(slots=True)
@@ -186,6 +250,9 @@ class Workload:
             "arrival_rate": "inf" if self.is_offline else self.arrival_rate,
             "burstiness": self.burstiness,
             "dataset": self.profile["dataset"]["kind"],
+            "workload_kind": self.profile.get("workload", WORKLOAD_DEFAULTS)["kind"],
+            "num_conversations": len({r.conversation for r in self.requests
+                                      if r.conversation is not None}) or None,
             "vocab_size": self.vocab_size,
             "total_prompt_tokens": int(sum(p)), "total_max_tokens": int(sum(o)),
             "prompt_len_median": float(np.median(p)) if p else None,
@@ -362,6 +429,23 @@ def validate_profile(raw: Mapping[str, Any], source: str | None = None) -> dict[
     out["temperature"] = float(_num(d.get("temperature", 0.0), "temperature", where, lo=0))
     if out["temperature"] > 2.0:
         raise ValueError(f"{where}: temperature must be in [0, 2], got {out['temperature']}")
+    wl = _check_keys(d.get("workload", {}), _WORKLOAD_KEYS, f"{where}.workload")
+    wk = wl.get("kind", WORKLOAD_DEFAULTS["kind"])
+    if wk not in WORKLOAD_KINDS:
+        raise ValueError(f"{where}.workload.kind must be one of {list(WORKLOAD_KINDS)}, got {wk!r}")
+    if wk == "multi-turn" and kind != "sharegpt":
+        raise ValueError(f"{where}.workload.kind 'multi-turn' needs dataset.kind 'sharegpt', got {kind!r}")
+    out["workload"] = {
+        "kind": wk,
+        "system_prompt_len": _num(wl.get("system_prompt_len", WORKLOAD_DEFAULTS["system_prompt_len"]),
+                                  "system_prompt_len", f"{where}.workload", integer=True, lo=1),
+        "max_turns": _num(wl.get("max_turns", WORKLOAD_DEFAULTS["max_turns"]), "max_turns",
+                          f"{where}.workload", integer=True, lo=1),
+        "min_turns": _num(wl.get("min_turns", WORKLOAD_DEFAULTS["min_turns"]), "min_turns",
+                          f"{where}.workload", integer=True, lo=1),
+        "think_time_s": float(_num(wl.get("think_time_s", WORKLOAD_DEFAULTS["think_time_s"]),
+                                   "think_time_s", f"{where}.workload", lo=0)),
+    }
     pr = d.get("priorities", [0])
     if not isinstance(pr, list) or not pr or any(isinstance(x, bool) or not isinstance(x, int) for x in pr):
         raise ValueError(f"{where}: priorities must be a non-empty list of integers, got {pr!r}")
@@ -470,12 +554,19 @@ def build_workload(profile: Mapping[str, Any], *, seed: int | None = None,
     ospec = prof["output_len"]
     out_lens = sample_lengths(ospec, n, rngs["output_len"]) if ospec["distribution"] != "dataset" else None
 
+    wl = prof.setdefault("workload", dict(WORKLOAD_DEFAULTS))
     requests: list[BenchmarkRequest] = []
-    if prof["dataset"]["kind"] == "synthetic":
+    if wl["kind"] == "multi-turn":
+        requests = _multi_turn_requests(prof, n, offsets, priorities, out_lens, rngs, tokenizer)
+    elif prof["dataset"]["kind"] == "synthetic":
         plens = sample_lengths(prof["prompt_len"], n, rngs["prompt_len"])
         tok_rng = rngs["token_ids"]
+        # shared-prefix: one seeded system prefix, drawn before (and independent of) the prompts
+        system = (np.random.default_rng([seed, stream, 7]).integers(
+            0, vocab, size=wl["system_prompt_len"], dtype=np.int64).tolist()
+            if wl["kind"] == "shared-prefix" else [])
         for i in range(n):
-            ids = tok_rng.integers(0, vocab, size=int(plens[i]), dtype=np.int64).tolist()
+            ids = system + tok_rng.integers(0, vocab, size=int(plens[i]), dtype=np.int64).tolist()
             requests.append(BenchmarkRequest(i, float(offsets[i]), ids, len(ids), int(out_lens[i]),
                                              prof["ignore_eos"], int(priorities[i])))
     else:
@@ -484,6 +575,10 @@ def build_workload(profile: Mapping[str, Any], *, seed: int | None = None,
         pairs = load_sharegpt_pairs(prof["dataset"]["path"])
         enc = _encoder(tokenizer)
         pspec = prof["prompt_len"]
+        head: list[int] = []
+        tail: list[int] = []
+        if wl["kind"] == "shared-prefix":
+            head, tail = _shared_prefix_frame(tokenizer, enc, wl["system_prompt_len"])
         order = rngs["dataset_order"].permutation(len(pairs))
         for j in order:
             if len(requests) == n:
@@ -492,7 +587,7 @@ def build_workload(profile: Mapping[str, Any], *, seed: int | None = None,
             ids = enc(pair.prompt)
             if len(ids) < pspec["min"]:
                 continue
-            ids = ids[: pspec["max"]]
+            ids = head + ids[: pspec["max"]] + tail
             if out_lens is None:
                 olen = int(np.clip(round(len(enc(pair.reply)) * ospec["scale"]), ospec["min"], ospec["max"]))
             else:
@@ -508,3 +603,115 @@ def build_workload(profile: Mapping[str, Any], *, seed: int | None = None,
                     burstiness=burst, profile=prof, requests=requests,
                     vocab_size=vocab if prof["dataset"]["kind"] == "synthetic" else None)
 
+
+
+# ---------------------------------------------------------------------------------------------
+# Prefix-sharing workloads
+# ---------------------------------------------------------------------------------------------
+_USER_SENTINEL = "\u2063LLMSERVE_USER\u2063"
+_conversation_cache: dict[str, list[tuple[str, list[tuple[str, str]]]]] = {}
+
+
+def system_prompt_text(enc: Callable[[str], list[int]], num_tokens: int) -> str:
+    """The shared system prompt: :data:`SYSTEM_PROMPT_TEXT` repeated and cut at the first whole
+    word where its encoding reaches ``num_tokens`` tokens (bisection over the word count)."""
+    base = SYSTEM_PROMPT_TEXT.split()
+    words = base * max(1, -(-num_tokens // max(1, len(enc(SYSTEM_PROMPT_TEXT)))) + 1)
+    lo, hi = 1, len(words)
+    while lo < hi:
+        mid = (lo + hi) // 2
+        if len(enc(" ".join(words[:mid]))) >= num_tokens:
+            hi = mid
+        else:
+            lo = mid + 1
+    return " ".join(words[:lo])
+
+
+def _render(tokenizer: Any, messages: list[dict[str, str]]) -> str:
+    from ..tokenizer import apply_chat_template
+
+    return apply_chat_template(tokenizer, messages, add_generation_prompt=True)
+
+
+def _shared_prefix_frame(tokenizer: Any, enc: Callable[[str], list[int]], system_len: int
+                         ) -> tuple[list[int], list[int]]:
+    """Token ids before and after the user's text in ``[system, user]`` rendered by the chat
+    template (the template is rendered with a sentinel user text, split around it)."""
+    text = _render(tokenizer, [{"role": "system", "content": system_prompt_text(enc, system_len)},
+                               {"role": "user", "content": _USER_SENTINEL}])
+    before, after = text.split(_USER_SENTINEL)
+    return enc(before), enc(after)
+
+
+def load_sharegpt_conversations(path: str | None = None) -> list[tuple[str, list[tuple[str, str]]]]:
+    """ShareGPT conversations as ``(id, [(user text, assistant reply), ...])``: the leading run
+    of human -> assistant turn pairs of each record (conversations without one are skipped).
+    Memoised per file."""
+    from .sharegpt import ASSISTANT_ROLES, HUMAN_ROLES, iter_json_array_records, packaged_sharegpt_path
+
+    src = Path(path).expanduser() if path else packaged_sharegpt_path()
+    key = str(src.resolve())
+    if key not in _conversation_cache:
+        convs = []
+        for rec in iter_json_array_records(src.read_text(encoding="utf-8")):
+            msgs = rec.get("conversations") if isinstance(rec, dict) else None
+            if not isinstance(msgs, list):
+                continue
+            turns: list[tuple[str, str]] = []
+            for a, b in zip(msgs[0::2], msgs[1::2]):
+                if not (isinstance(a, dict) and isinstance(b, dict)):
+                    break
+                u, r = a.get("value"), b.get("value")
+                if (str(a.get("from", "")).lower() not in HUMAN_ROLES
+                        or str(b.get("from", "")).lower() not in ASSISTANT_ROLES
+                        or not isinstance(u, str) or not isinstance(r, str)
+                        or not u.strip() or not r.strip()):
+                    break
+                turns.append((u, r))
+            if turns:
+                convs.append((str(rec.get("id", "")), turns))
+        _conversation_cache[key] = convs
+    return _conversation_cache[key]
+
+
+def _multi_turn_requests(prof: dict[str, Any], n: int, offsets: np.ndarray, priorities: Any,
+                         out_lens: np.ndarray | None, rngs: dict[str, np.random.Generator],
+                         tokenizer: Any) -> list[BenchmarkRequest]:
+    """Requests of the ``multi-turn`` workload (see the module docstring)."""
+    wl, pspec, ospec = prof["workload"], prof["prompt_len"], prof["output_len"]
+    enc = _encoder(tokenizer)
+    convs = load_sharegpt_conversations(prof["dataset"]["path"])
+    order = rngs["dataset_order"].permutation(len(convs))
+    requests: list[BenchmarkRequest] = []
+    c = 0
+    for j in order:
+        if len(requests) == n:
+            break
+        cid, turns = convs[int(j)]
+        messages: list[dict[str, str]] = []
+        conv_reqs: list[BenchmarkRequest] = []
+        for k, (user, reply) in enumerate(turns[: wl["max_turns"]]):
+            if len(requests) + len(conv_reqs) == n:
+                break
+            messages.append({"role": "user", "content": user})
+            text = _render(tokenizer, messages)
+            ids = enc(text)
+            if len(ids) > pspec["max"] or (k == 0 and len(ids) < pspec["min"]):
+                break
+            i = len(requests) + len(conv_reqs)
+            if out_lens is None:
+                olen = int(np.clip(round(len(enc(reply)) * ospec["scale"]), ospec["min"], ospec["max"]))
+            else:
+                olen = int(out_lens[i])
+            conv_reqs.append(BenchmarkRequest(
+                i, float(offsets[c]), ids, len(ids), olen, prof["ignore_eos"], int(priorities[i]),
+                prompt_text=text, source_id=cid, conversation=c, turn=k,
+                think_time_s=float(wl["think_time_s"]) if k else 0.0))
+            messages.append({"role": "assistant", "content": reply})
+        if conv_reqs and (len(conv_reqs) >= wl["min_turns"] or len(requests) + len(conv_reqs) == n):
+            requests.extend(conv_reqs)
+            c += 1
+    if len(requests) < n:
+        raise ValueError(f"ShareGPT yields only {len(requests)} turns within prompt_len "
+                         f"[{pspec['min']}, {pspec['max']}]; {n} requested")
+    return requests

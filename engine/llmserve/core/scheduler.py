@@ -27,6 +27,16 @@ Static mode replaces step 3: only when nothing is running, the next batch is for
 fit in the free blocks) become running at once, and nothing else is admitted until all of them
 finished. Their prompts are then computed by step 2 within the token budget.
 
+Prefix caching (when the block manager has it on): at admission (step 3, or static batch
+formation) a request's longest cached prefix of full blocks is looked up and pinned, its
+``num_computed_tokens`` is set to the cached length ("num_computed_tokens catches up" then
+covers the rest: only the uncached tokens are scheduled and charged against the token budget,
+and only the uncached blocks, plus cached blocks taken out of the evictable pool, against the
+free blocks). The lookup is redone every time a request is considered, so a block evicted while
+the request waited is simply a miss. At the start of each step, the running sequences' full
+blocks computed by earlier steps are registered in the cache; a request admitted in the same
+step as another with the same prefix therefore cannot hit blocks whose K/V are not written yet.
+
 Preemption is by recompute (vLLM's default): the victim's blocks are freed, its
 ``num_computed_tokens`` drops to 0 and it re-enters the waiting queue in a front lane, ahead of
 every request that never ran, so it is readmitted before newer requests; it then recomputes its
@@ -181,6 +191,7 @@ class Scheduler:
             "kv_blocks_free": bm.num_free_blocks,
             "kv_blocks_peak": bm.peak_used_blocks,
             "kv_usage": bm.usage,
+            "prefix_cache": bm.prefix_cache_stats(),
         }
 
     # ---- requests -----------------------------------------------------------------------------
@@ -272,6 +283,8 @@ class Scheduler:
         """Plan one step (see the module docstring). Allocates the blocks the step writes to."""
         out = SchedulerOutput()
         budget = self.config.max_num_batched_tokens
+        for seq in self.running:   # K/V of earlier steps is written: offer full blocks to the cache
+            self.block_manager.cache_computed_blocks(seq)
         if self.config.mode == "static" and not self.running:
             self._form_static_batch()
         budget = self._schedule_running(out, budget)
@@ -280,9 +293,11 @@ class Scheduler:
         out.num_batched_tokens = self.config.max_num_batched_tokens - budget
         return out
 
-    def _num_new_tokens(self, seq: Sequence, budget: int) -> int:
-        """Tokens ``seq`` computes this step given ``budget`` left (0: not this step)."""
-        pending = seq.num_tokens - seq.num_computed_tokens
+    def _num_new_tokens(self, seq: Sequence, budget: int, num_computed: int | None = None) -> int:
+        """Tokens ``seq`` computes this step given ``budget`` left (0: not this step), from
+        ``num_computed`` tokens already in the cache (default ``seq.num_computed_tokens``)."""
+        done = seq.num_computed_tokens if num_computed is None else num_computed
+        pending = seq.num_tokens - done
         chunk = self.config.prefill_chunk_size
         if chunk is not None:
             return min(pending, chunk, budget)
@@ -327,10 +342,12 @@ class Scheduler:
             seq = self.waiting.peek()
             if seq is None:
                 break
-            n = self._num_new_tokens(seq, budget)
-            if n <= 0 or not bm.can_append(seq, n):
+            cached = bm.find_cached_prefix(seq)       # looked up now: never a stale count
+            n = self._num_new_tokens(seq, budget, len(cached) * bm.block_size)
+            if n <= 0 or bm.num_admission_blocks(seq, cached, n) > bm.num_free_blocks:
                 break  # head of line does not fit: no overtaking
             self.waiting.pop()
+            self._take_prefix(seq, cached)            # pin the hit before allocating
             bm.append_slots(seq, n)
             self._start_running(seq)
             self._record_scheduled(out, seq, n)
@@ -344,12 +361,20 @@ class Scheduler:
             seq = self.waiting.peek()
             if seq is None:
                 break
-            need = bm.blocks_needed(seq.num_tokens)
+            cached = bm.find_cached_prefix(seq)
+            need = bm.num_admission_blocks(seq, cached, seq.num_tokens - len(cached) * bm.block_size)
             if need > blocks_left:
                 break
             blocks_left -= need
             self.waiting.pop()
+            self._take_prefix(seq, cached)
             self._start_running(seq)
+
+    def _take_prefix(self, seq: Sequence, cached: list[int]) -> None:
+        """Admission with prefix caching: pin the cached blocks and skip their tokens."""
+        if self.block_manager.enable_prefix_caching:
+            self.block_manager.take_cached_blocks(seq, cached)
+            seq.num_computed_tokens = len(cached) * self.block_manager.block_size
 
     def _start_running(self, seq: Sequence) -> None:
         seq.status = SequenceStatus.RUNNING

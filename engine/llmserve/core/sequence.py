@@ -64,7 +64,8 @@ class Sequence:
 
     __slots__ = ("request_id", "prompt_token_ids", "output_token_ids", "sampling_params",
                  "priority", "eos_token_ids", "num_computed_tokens", "block_ids", "status",
-                 "metrics", "output_logprobs", "stop_reason", "_arrival_index", "num_pending")
+                 "metrics", "output_logprobs", "stop_reason", "_arrival_index", "num_pending",
+                 "block_hashes", "num_committed_blocks")
 
     def __init__(self, request_id: str, prompt_token_ids: list[int], sampling_params: SamplingParams,
                  arrival_time: float | None = None, priority: int = 0,
@@ -89,6 +90,11 @@ class Sequence:
         # They count in num_tokens (so the scheduler plans the step that consumes them) but
         # are not in output_token_ids; token_ids_slice shows them as PENDING_TOKEN.
         self.num_pending = 0
+        # Prefix caching (BlockManager): hashes of the full blocks of known tokens, chained
+        # (they depend on token ids only, so they survive preemption), and how many leading
+        # blocks of block_ids were already offered to the cache.
+        self.block_hashes: list[bytes] = []
+        self.num_committed_blocks = 0
 
     # ---- sizes -----------------------------------------------------------------------------
     @property

@@ -180,7 +180,8 @@ class LLMEngine(_EngineBase):
                                             if hasattr(self.model, "dtype") else config.torch_dtype,
                                             self.device)
         self.block_size = config.cache.block_size
-        self.block_manager = BlockManager(self.kv_cache.num_blocks, self.block_size)
+        self.block_manager = BlockManager(self.kv_cache.num_blocks, self.block_size,
+                                          enable_prefix_caching=config.cache.enable_prefix_caching)
         sched_cfg = dataclasses.replace(config.scheduler, max_model_len=self.max_model_len)
         self.scheduler = Scheduler(sched_cfg, self.block_manager)
         graphs = self._capture_graphs(config, forward)
@@ -334,6 +335,11 @@ class LLMEngine(_EngineBase):
         if self.runner.cuda_graphs is not None:
             self.runner.cuda_graphs.num_short_replays = 0
         self.scheduler.num_preemptions = self.scheduler.num_recomputed_tokens = 0
+        self.block_manager.reset_prefix_cache_stats()
+
+    def reset_prefix_cache_stats(self) -> None:
+        """Zero the prefix-cache query, hit and eviction counters (the cached blocks stay)."""
+        self.block_manager.reset_prefix_cache_stats()
 
     def check_request(self, prompt: str | list[int], sampling_params: SamplingParams | None = None) -> list[int]:
         """Validate a request without queueing it; return its prompt ids.
@@ -504,4 +510,6 @@ class LLMEngine(_EngineBase):
             "num_steps": self.num_steps,
             "block_size": self.block_size,
             "step_seconds": dict(self.step_seconds),
+            # prefix cache: queries/hits in tokens at admission, hit_rate = hits / queries
+            "prefix_cache": bm.prefix_cache_stats(),
         }

@@ -12,6 +12,8 @@ Exported series (``_total`` is appended to counters by the exposition format):
 | ``llmserve:kv_cache_usage_perc`` | gauge (0..1, 1 = full) | ``engine.stats()`` at scrape |
 | ``llmserve:num_free_blocks`` / ``llmserve:num_total_blocks`` | gauge | ``engine.stats()`` |
 | ``llmserve:num_preemptions_total`` | counter | ``engine.stats()`` (cumulative) |
+| ``llmserve:prefix_cache_queries_total`` | counter | prompt tokens looked up in the prefix cache |
+| ``llmserve:prefix_cache_hits_total`` | counter | of those, tokens found cached |
 | ``llmserve:prompt_tokens_total`` | counter | per admitted request |
 | ``llmserve:generation_tokens_total`` | counter | per streamed output token |
 | ``llmserve:request_success_total{finished_reason}`` | counter | stop / length / abort |
@@ -63,6 +65,8 @@ EXPORTED_METRICS = (
     "llmserve:num_free_blocks",
     "llmserve:num_total_blocks",
     "llmserve:num_preemptions_total",
+    "llmserve:prefix_cache_queries_total",
+    "llmserve:prefix_cache_hits_total",
     "llmserve:prompt_tokens_total",
     "llmserve:generation_tokens_total",
     "llmserve:request_success_total",
@@ -114,6 +118,12 @@ class _EngineStatsCollector(Collector):
         c = CounterMetricFamily(PREFIX + "num_preemptions", "Cumulative number of preemptions by the scheduler.")
         c.add_metric([], float(_first(s, "num_preemptions", "preemptions") or 0))
         yield c
+        pc = s.get("prefix_cache") if isinstance(s.get("prefix_cache"), dict) else {}
+        for key, doc in (("queries", "Prompt tokens looked up in the prefix cache at admission."),
+                         ("hits", "Prompt tokens found in the prefix cache at admission.")):
+            c = CounterMetricFamily(PREFIX + f"prefix_cache_{key}", doc)
+            c.add_metric([], float(pc.get(key) or 0))
+            yield c
 
 
 class ServiceMetrics:

@@ -36,6 +36,9 @@ def add_serve_subparser(subparsers: Any) -> argparse.ArgumentParser:
     p.add_argument("--block-size", type=int, default=16, help="tokens per KV block")
     p.add_argument("--num-blocks", type=int, default=None,
                    help="KV blocks (default: from the memory budget / free GPU memory)")
+    p.add_argument("--enable-prefix-caching", dest="enable_prefix_caching", action="store_true",
+                   default=True, help="share the KV of equal prompt prefixes (default on)")
+    p.add_argument("--no-prefix-caching", dest="enable_prefix_caching", action="store_false")
     p.add_argument("--paged-attention-backend", default="torch", choices=["torch", "triton"])
     p.add_argument("--linear-backend", default="torch", choices=["torch", "int8", "int4", "triton-int8"])
     p.add_argument("--async-scheduling", action=argparse.BooleanOptionalAction, default=None,
@@ -61,7 +64,8 @@ def build_engine_config(args: argparse.Namespace):
     dtype = args.dtype or ("float32" if args.device == "cpu" else "bfloat16")
     return EngineConfig(
         model=args.model, device=args.device, dtype=dtype, seed=args.seed,
-        cache=CacheConfig(block_size=args.block_size, num_blocks=args.num_blocks),
+        cache=CacheConfig(block_size=args.block_size, num_blocks=args.num_blocks,
+                          enable_prefix_caching=getattr(args, "enable_prefix_caching", True)),
         scheduler=SchedulerConfig(mode="continuous", policy=args.policy, max_num_seqs=args.max_batch_size,
                                   max_num_batched_tokens=args.max_num_batched_tokens,
                                   prefill_chunk_size=args.prefill_chunk_size, max_model_len=args.max_model_len),
