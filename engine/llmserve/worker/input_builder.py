@@ -183,15 +183,12 @@ class ModelInput:
     sample_seq_indices: list[int]
 
 
-def _num_logits(scheduled: _Seq, num_logits: _Seq[int] | None) -> list[int]:
-    if num_logits is None:
-        return [1 if item.will_sample else 0 for item in scheduled]
+def _check_num_logits(scheduled: _Seq, num_logits: _Seq[int]) -> None:
     if len(num_logits) != len(scheduled):
         raise ValueError(f"num_logits has {len(num_logits)} entries for {len(scheduled)} items")
     for item, m in zip(scheduled, num_logits):
         if not 0 <= m <= item.num_new_tokens:
             raise ValueError(f"num_logits must be in [0, num_new_tokens={item.num_new_tokens}], got {m}")
-    return list(num_logits)
 
 
 def batch_dims(scheduled: _Seq, num_logits: _Seq[int] | None = None) -> tuple[int, int, int, int]:
@@ -201,14 +198,18 @@ def batch_dims(scheduled: _Seq, num_logits: _Seq[int] | None = None) -> tuple[in
         ValueError: an empty step, an item with no new tokens, or bad ``num_logits``."""
     if not scheduled:
         raise ValueError("a step needs at least one scheduled sequence")
-    n = w = 0
+    n = w = r = 0
     for item in scheduled:
         if item.num_new_tokens < 1:
             raise ValueError(f"num_new_tokens must be >= 1, got {item.num_new_tokens}")
         n += item.num_new_tokens
         w = max(w, len(item.seq.block_ids))
-    counts = _num_logits(scheduled, num_logits)
-    return n, len(scheduled), w, sum(counts)
+        if num_logits is None and item.will_sample:
+            r += 1
+    if num_logits is not None:
+        _check_num_logits(scheduled, num_logits)
+        r = sum(num_logits)
+    return n, len(scheduled), w, r
 
 
 def write_host_inputs(scheduled: _Seq, block_size: int, out: HostInputs,
@@ -236,7 +237,8 @@ def write_host_inputs(scheduled: _Seq, block_size: int, out: HostInputs,
             or more than one of its tokens is pending.
     """
     bs = block_size
-    counts = _num_logits(scheduled, num_logits)
+    if num_logits is not None:
+        _check_num_logits(scheduled, num_logits)
     ids, pos, slots = out.input_ids, out.positions, out.slot_mapping
     qsl, ctx, table = out.query_start_loc, out.context_lens, out.block_tables
     lrows, fill_rows, fill_src = out.logit_rows, out.fill_rows, out.fill_src
@@ -277,7 +279,7 @@ def write_host_inputs(scheduled: _Seq, block_size: int, out: HostInputs,
         row += n
         qsl[i + 1] = row
         ctx[i] = e
-        m = counts[i]
+        m = (1 if item.will_sample else 0) if num_logits is None else num_logits[i]
         if m == 1:
             lrows[r] = row - 1
             logit_items.append(i)
@@ -335,7 +337,8 @@ class InputBuilder:
         self._cuda = self.device.type == "cuda"
         self._capacity = 0
         self._hosts: list[torch.Tensor] = []
-        self._events: list[torch.cuda.Event | None] = [None, None]
+        # the copy that last read each staging buffer (an unrecorded event is complete)
+        self._events = [torch.cuda.Event(), torch.cuda.Event()] if self._cuda else [None, None]
         self._turn = 0
         self._dev: torch.Tensor | None = None
         self._scratch = np.zeros(0, dtype=np.int64)
@@ -350,7 +353,6 @@ class InputBuilder:
             if ev is not None:
                 ev.synchronize()
         self._hosts = [torch.zeros(cap, dtype=torch.int64, pin_memory=self._cuda) for _ in range(2)]
-        self._events = [None, None]
         self._dev = torch.zeros(cap, dtype=torch.int64, device=self.device)
         self._capacity = cap
 
@@ -409,9 +411,8 @@ class InputBuilder:
         h = write_host_inputs(scheduled, self.block_size, self._host_inputs(hv), pending, num_logits)
         dev = self._dev
         dev[:lay.total].copy_(host[:lay.total], non_blocking=True)                   # one H2D copy
-        if self._cuda:
-            ev = self._events[self._turn] = torch.cuda.Event()
-            ev.record()
+        if ev is not None:
+            ev.record(torch.cuda.current_stream(self.device))
         ids, pos, slots, lrows, frows, fsrc, qsl, ctx, table = self._views(
             dev, lay, lambda t, o, k: t[o:o + k].view(torch.int32))
         nfill = len(h.fill_rows)
