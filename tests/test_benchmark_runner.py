@@ -303,6 +303,21 @@ def test_cli_smoke_tiny_model(tmp_path):
     assert rows[0]["status"] == "ok" and rows[0]["token_digest"] == data["token_digest"]
 
 
+def test_stats_are_reset_through_the_public_method_after_warmup(tmp_path):
+    """The runner resets an engine's counters with ``reset_stats()`` once the warm-up requests
+    ran (no engine attribute is written from outside), before any measured step."""
+    calls = []
+
+    class Engine(FakeEngine):
+        def reset_stats(self):
+            calls.append((self.num_steps, len(self.waiting) + len(self.running)))
+            self.max_blocks_in_use = 0
+
+    rep, _, _ = run_benchmark(_opts(tmp_path), engine_factory=lambda c, naive: Engine(c, naive))
+    assert rep["status"] == "ok", rep["error"]
+    assert len(calls) == 1 and calls[0][0] > 0 and calls[0][1] == 0     # after warm-up, idle
+
+
 def test_kernel_warmup_runs_before_the_warmup_requests(tmp_path):
     """An engine with ``warmup()`` is warmed up before the warm-up requests and its result
     lands in the report; ``--no-kernel-warmup`` skips it."""

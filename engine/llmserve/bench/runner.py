@@ -654,12 +654,9 @@ def run_benchmark(opts: BenchmarkOptions, engine_factory: Callable[[Any, bool], 
         report["warmup"] = {"num_requests": n_warm, "wall_time_s": time.perf_counter() - t_start,
                             "kernel_warmup": kernel_warmup, "triton_compiles_measured": None,
                             "triton_kernels_compiled_measured": None}
-        if isinstance(getattr(engine, "max_blocks_in_use", None), int):
-            engine.max_blocks_in_use = 0  # measure the KV high-water of the measured phase only
-        if hasattr(engine, "reset_speculative_stats"):
-            engine.reset_speculative_stats()  # speculative counters of the measured phase only
-        if hasattr(engine, "reset_prefix_cache_stats"):
-            engine.reset_prefix_cache_stats()  # prefix-cache counters of the measured phase only
+        reset_stats = getattr(engine, "reset_stats", None)
+        if callable(reset_stats):
+            reset_stats()  # engine counters (KV high-water, speculative, ...) of the measured phase only
 
         block_size = int(getattr(engine, "block_size", None) or opts.block_size)
         monitor = GPUMonitor(opts.device).start()

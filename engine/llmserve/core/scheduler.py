@@ -60,13 +60,10 @@ import time
 from dataclasses import dataclass, field
 
 from ..config import SchedulerConfig
+from .admission import RequestLimits, RequestRejectedError, request_rejection
 from .block_manager import BlockManager
 from .policies import SchedulingPolicy, WaitingQueue, get_policy
 from .sequence import Sequence, SequenceStatus
-
-
-class RequestRejectedError(ValueError):
-    """A request that can never be served with this configuration (it is never queued)."""
 
 
 @dataclass(slots=True)
@@ -195,25 +192,17 @@ class Scheduler:
         }
 
     # ---- requests -----------------------------------------------------------------------------
+    def request_limits(self) -> RequestLimits:
+        """The limits every request is checked against (:mod:`llmserve.core.admission`)."""
+        cfg, bm = self.config, self.block_manager
+        return RequestLimits(cfg.max_model_len, bm.block_size, bm.num_total_blocks,
+                             cfg.max_num_batched_tokens, cfg.prefill_chunk_size is not None)
+
     def check_request(self, seq: Sequence) -> str | None:
         """Why ``seq`` can never be served (a message saying what to change), or None."""
-        cfg, bm = self.config, self.block_manager
-        rid = seq.request_id
-        total = seq.max_total_tokens
-        if total > cfg.max_model_len:
-            return (f"request {rid!r}: prompt ({seq.num_prompt_tokens} tokens) + max_tokens "
-                    f"({seq.sampling_params.max_tokens}) = {total} tokens exceeds max_model_len="
-                    f"{cfg.max_model_len}; shorten the prompt or lower max_tokens")
-        need = bm.blocks_needed(total)
-        if need > bm.num_total_blocks:
-            return (f"request {rid!r}: prompt + max_tokens = {total} tokens needs {need} KV blocks "
-                    f"of {bm.block_size} tokens but the cache has only {bm.num_total_blocks}; lower "
-                    f"max_tokens, shorten the prompt or give the KV cache more memory")
-        if cfg.prefill_chunk_size is None and seq.num_prompt_tokens > cfg.max_num_batched_tokens:
-            return (f"request {rid!r}: prompt of {seq.num_prompt_tokens} tokens exceeds "
-                    f"max_num_batched_tokens={cfg.max_num_batched_tokens} with chunked prefill "
-                    f"off; set prefill_chunk_size or raise max_num_batched_tokens")
-        return None
+        err = request_rejection(seq.num_prompt_tokens, seq.sampling_params.max_tokens,
+                                self.request_limits(), seq.request_id)
+        return None if err is None else str(err)
 
     def add_request(self, seq: Sequence) -> None:
         """Queue a new WAITING sequence.

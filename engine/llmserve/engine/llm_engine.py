@@ -16,7 +16,9 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 import torch
 from ..config import EngineConfig, env_switch
+from ..worker.input_builder import PendingTokens
 from ..worker.sampler import PendingSample, Sampler
+from ..core.admission import RequestLimits, validate_request
 from ..core.sampling_params import SamplingParams
 from ..core.sequence import RequestMetrics, Sequence, SequenceStatus
 
@@ -111,17 +113,29 @@ class _EngineBase:
             raise ValueError(f"prompt token ids must be in [0, {vocab}), got {bad[:5]}")
         return ids
 
-    def _check_length(self, num_prompt_tokens: int, sp: SamplingParams) -> None:
-        total = num_prompt_tokens + sp.max_tokens
-        if total > self.max_model_len:
-            raise ValueError(
-                f"prompt ({num_prompt_tokens} tokens) + max_tokens ({sp.max_tokens}) = {total} exceeds "
-                f"the model's context of {self.max_model_len} tokens; shorten the prompt or lower max_tokens")
+    def request_limits(self) -> RequestLimits:
+        """What every request is checked against (:mod:`llmserve.core.admission`): here the
+        context length only; engines with a KV cache add its size and the step budget."""
+        return RequestLimits(self.max_model_len)
 
-    def _new_seq(self, prompt, sampling_params, request_id, arrival_time, priority) -> Sequence:
+    def check_request(self, prompt: str | list[int], sampling_params: SamplingParams | None = None,
+                      request_id: str | None = None) -> list[int]:
+        """Validate a request without queueing it; return its prompt ids.
+
+        Raises:
+            ValueError: empty prompt, bad token ids; a
+                :class:`~llmserve.core.admission.RequestRejectedError` when it can never be
+                served (context exceeded, more KV blocks than the whole cache holds, or without
+                chunked prefill a prompt above the step budget).
+        """
         ids = self.encode_prompt(prompt)
         sp = sampling_params or SamplingParams()
-        self._check_length(len(ids), sp)
+        validate_request(len(ids), sp.max_tokens, self.request_limits(), request_id)
+        return ids
+
+    def _new_seq(self, prompt, sampling_params, request_id, arrival_time, priority) -> Sequence:
+        ids = self.check_request(prompt, sampling_params, request_id)
+        sp = sampling_params or SamplingParams()
         rid = request_id if request_id is not None else f"req-{next(self._ids)}-{uuid.uuid4().hex[:8]}"
         return Sequence(rid, ids, sp, arrival_time=arrival_time, priority=priority,
                         eos_token_ids=self.eos_token_ids)
@@ -146,10 +160,10 @@ class _InFlightStep:
     seqs: list[Sequence]
     sample: "PendingSample"
 
-    def device_source(self) -> tuple[torch.Tensor, dict[str, int]]:
-        """``(token_ids_device [S], {request_id: row})``: where the next step finds the
-        input ids of these sequences."""
-        return self.sample.token_ids_device, {s.request_id: i for i, s in enumerate(self.seqs)}
+    def device_source(self) -> PendingTokens:
+        """Where the next step finds the input ids of these sequences (``[S]`` int64 on the
+        device, one row per sequence)."""
+        return PendingTokens(self.sample.token_ids_device, {s.request_id: i for i, s in enumerate(self.seqs)})
 
 
 class LLMEngine(_EngineBase):
@@ -321,19 +335,21 @@ class LLMEngine(_EngineBase):
         count = len(added)
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
-        self._reset_counters()
+        self.reset_stats()
         c1 = triton_cache_entries()
         return {"seconds": time.perf_counter() - t0, "requests": count,
                 "triton_compiles": None if c0 is None or c1 is None else len(c1 - c0)}
 
-    def _reset_counters(self) -> None:
-        """Zero the step, KV, preemption and graph counters (after :meth:`warmup`)."""
+    def reset_stats(self) -> None:
+        """Zero every counter :meth:`stats` reports (steps, phase seconds, KV high-water marks,
+        preemptions) and the runner's step and graph counts, so later stats cover only what
+        runs after the call (:meth:`warmup` calls it; benchmarks call it after their warm-up
+        requests). Requests and the KV cache are left as they are."""
         self.num_steps = 0
         self.max_blocks_in_use = 0
         self.step_seconds = dict.fromkeys(self.step_seconds, 0.0)
-        self.runner.num_graph_steps = self.runner.num_eager_steps = 0
-        if self.runner.cuda_graphs is not None:
-            self.runner.cuda_graphs.num_short_replays = 0
+        self.runner.reset_stats()
+        self.block_manager.reset_peak()
         self.scheduler.num_preemptions = self.scheduler.num_recomputed_tokens = 0
         self.block_manager.reset_prefix_cache_stats()
 
@@ -341,22 +357,9 @@ class LLMEngine(_EngineBase):
         """Zero the prefix-cache query, hit and eviction counters (the cached blocks stay)."""
         self.block_manager.reset_prefix_cache_stats()
 
-    def check_request(self, prompt: str | list[int], sampling_params: SamplingParams | None = None) -> list[int]:
-        """Validate a request without queueing it; return its prompt ids.
-
-        Raises:
-            ValueError: empty prompt, bad token ids, context exceeded, or more KV blocks than
-                the whole cache holds.
-        """
-        ids = self.encode_prompt(prompt)
-        sp = sampling_params or SamplingParams()
-        self._check_length(len(ids), sp)
-        need = self.block_manager.blocks_needed(len(ids) + sp.max_tokens)
-        if need > self.block_manager.num_total_blocks:
-            raise ValueError(
-                f"request needs {need} KV blocks but the cache has only {self.block_manager.num_total_blocks}; "
-                "lower max_tokens or give the cache more blocks")
-        return ids
+    def request_limits(self) -> RequestLimits:
+        """The scheduler's limits: context, the whole KV cache and the step budget."""
+        return self.scheduler.request_limits()
 
     def add_request(self, prompt: str | list[int], sampling_params: SamplingParams | None = None,
                     request_id: str | None = None, arrival_time: float | None = None,
@@ -424,17 +427,18 @@ class LLMEngine(_EngineBase):
             self.max_blocks_in_use = max(self.max_blocks_in_use, in_use)
             t1 = time.perf_counter()
             pending = self._inflight.device_source() if self._inflight is not None else None
-            logits, sample_idx = self.runner.execute(out.scheduled, pending)
+            res = self.runner.execute(out.scheduled, pending)
             for item in out.scheduled:
-                item.seq.num_computed_tokens += item.num_new_tokens
+                item.seq.num_computed_tokens = item.end_position
+            sample_idx = res.sample_indices
             t2 = time.perf_counter()
             self.step_seconds["schedule"] += t1 - t0
             self.step_seconds["execute"] += t2 - t1
             if sample_idx:
                 seqs = [out.scheduled[i].seq for i in sample_idx]
-                sample = self.sampler.sample_async(logits, [s.sampling_params for s in seqs],
+                sample = self.sampler.sample_async(res.logits, [s.sampling_params for s in seqs],
                                                    [s.request_id for s in seqs],
-                                                   argmax=self.runner.last_argmax)
+                                                   argmax=res.device_argmax)
                 for seq in seqs:
                     seq.num_pending += 1
                 launched = _InFlightStep(seqs, sample)

@@ -8,7 +8,6 @@ import threading
 import time
 import torch
 from ..config import EngineConfig
-from ..core.sampling_params import SamplingParams
 from ..core.sequence import Sequence, SequenceStatus
 from .llm_engine import RequestOutput, TokenCallback, _EngineBase
 
@@ -34,11 +33,6 @@ class NaiveEngine(_EngineBase):
         self._callbacks: dict[str, TokenCallback] = {}
         self.num_steps = 0
 
-    def check_request(self, prompt, sampling_params=None) -> list[int]:
-        ids = self.encode_prompt(prompt)
-        self._check_length(len(ids), sampling_params or SamplingParams())
-        return ids
-
     def add_request(self, prompt, sampling_params=None, request_id=None, arrival_time=None,
                     priority=0, callback=None) -> Sequence:
         seq = self._new_seq(prompt, sampling_params, request_id, arrival_time, priority)
@@ -63,6 +57,10 @@ class NaiveEngine(_EngineBase):
                         cb(RequestOutput.from_seq(seq, []))
                     return True
         return False
+
+    def reset_stats(self) -> None:
+        """Zero the step counter (what :meth:`stats` counts)."""
+        self.num_steps = 0
 
     def has_unfinished_requests(self) -> bool:
         return self._current is not None or bool(self._queue)

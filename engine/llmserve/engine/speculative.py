@@ -55,6 +55,7 @@ from ..config import EngineConfig, ModelConfig
 from .llm_engine import LLMEngine, RequestOutput
 from ..worker.kv_cache import DEFAULT_CPU_CACHE_BYTES, KVCache
 from ..core.block_manager import BlockManager
+from ..worker.input_builder import StepItem
 from ..worker.model_runner import ModelRunner
 from ..worker.sampler import apply_top_k_top_p
 from ..core.sampling_params import SamplingParams
@@ -181,23 +182,16 @@ class _DraftState:
 
 
 class _SeqView:
-    """What :class:`ModelRunner` reads from a sequence (``num_computed_tokens``,
-    ``token_ids_slice``, ``num_tokens``, ``num_pending``, ``block_ids``; its CUDA-graph path also reads
-    ``output_token_ids[-1]``), over a token list with tentative draft tokens appended and a
-    block table of either model's cache."""
+    """What the input builder reads from a sequence (``request_id``, ``block_ids``,
+    ``num_pending``, ``token_ids_slice``), over a token list with tentative draft tokens
+    appended and a block table of either model's cache."""
 
-    __slots__ = ("all_token_ids", "block_ids", "num_computed_tokens", "request_id")
+    __slots__ = ("all_token_ids", "block_ids", "request_id")
 
-    def __init__(self, request_id: str, num_computed_tokens: int, all_token_ids: list[int],
-                 block_ids: list[int]) -> None:
+    def __init__(self, request_id: str, all_token_ids: list[int], block_ids: list[int]) -> None:
         self.request_id = request_id
-        self.num_computed_tokens = num_computed_tokens
         self.all_token_ids = all_token_ids
         self.block_ids = block_ids
-
-    @property
-    def num_tokens(self) -> int:
-        return len(self.all_token_ids)
 
     @property
     def num_pending(self) -> int:   # every token id is on the host (no asynchronous scheduling)
@@ -206,19 +200,11 @@ class _SeqView:
     def token_ids_slice(self, start: int, end: int) -> list[int]:
         return self.all_token_ids[start:end]
 
-    @property
-    def output_token_ids(self) -> list[int]:   # only [-1] (the newest token) is read
-        return self.all_token_ids
 
-    @property
-    def prompt_token_ids(self) -> list[int]:
-        return self.all_token_ids
-
-
-@dataclass(slots=True)
-class _Item:
-    seq: Any
-    num_new_tokens: int
+def _view_item(request_id: str, start: int, tokens: list[int], block_ids: list[int],
+               num_new_tokens: int) -> StepItem:
+    """A pass over ``tokens`` computing ``num_new_tokens`` of them from position ``start``."""
+    return StepItem(_SeqView(request_id, tokens, block_ids), start, num_new_tokens, len(tokens))
 
 
 @dataclass(slots=True)
@@ -435,10 +421,11 @@ class SpeculativeEngine(LLMEngine):
         """Zero the counters (the benchmark calls this after warm-up)."""
         self.spec_stats = SpeculativeStats()
 
-    def _reset_counters(self) -> None:
-        """:meth:`LLMEngine._reset_counters` plus the draft runner's and the speculative ones."""
-        super()._reset_counters()
-        self.draft_runner.num_graph_steps = self.draft_runner.num_eager_steps = 0
+    def reset_stats(self) -> None:
+        """:meth:`LLMEngine.reset_stats` plus the draft runner's and the speculative counters."""
+        super().reset_stats()
+        self.draft_runner.reset_stats()
+        self.draft_block_manager.reset_peak()
         self.reset_speculative_stats()
 
     def speculative_stats(self) -> dict[str, Any]:
@@ -515,26 +502,27 @@ class SpeculativeEngine(LLMEngine):
         kmax = max((s.k for s in specs), default=0)
         st = self.spec_stats
         for j in range(1, max(kmax, 1) + 1):
-            items: list[_Item] = []
+            items: list[StepItem] = []
             owners: list[_Spec | None] = []
             if j == 1:
                 for ds, seq, n in mirrors:
-                    items.append(_Item(_SeqView(seq.request_id, ds.num_computed_tokens,
-                                                seq.all_token_ids, ds.block_ids), n))
+                    items.append(_view_item(seq.request_id, ds.num_computed_tokens, seq.all_token_ids,
+                                            ds.block_ids, n))
                     owners.append(None)
             for s in specs:
                 if s.k < j:
                     continue
                 c = s.ds.num_computed_tokens
                 tokens = s.seq.all_token_ids + s.drafts
-                items.append(_Item(_SeqView(s.seq.request_id, c, tokens, s.ds.block_ids),
-                                   len(tokens) - c))                 # 1 token after the first pass
+                items.append(_view_item(s.seq.request_id, c, tokens, s.ds.block_ids,
+                                        len(tokens) - c))            # 1 token after the first pass
                 owners.append(s)
             if not items:
                 break
             # Logits come back for every item that catches up: all spec items (their view ends
             # at the newest token) and mirrors that finish a prompt (ignored).
-            logits, idx = self.draft_runner.execute(items)                              # [R, Vd]
+            res = self.draft_runner.execute(items)
+            logits, idx = res.logits, res.sample_indices                                # [R, Vd]
             st.num_draft_passes += 1
             st.num_draft_tokens += sum(it.num_new_tokens for it in items)
             if j == 1:
@@ -631,33 +619,32 @@ class SpeculativeEngine(LLMEngine):
         nrows: list[int] = []            # their logits rows
         spec_offsets: list[int] = []     # first logits row of each spec (order of `specs`)
         if not specs:                    # the LLMEngine path (CUDA-graph replay when decode-only)
-            logits, normal = self.runner.execute(out.scheduled)                      # [S, V]
+            res = self.runner.execute(out.scheduled)
+            logits, normal = res.logits, res.sample_indices                          # [S, V]
             nrows = list(range(len(normal)))
         else:
+            # The same builder and runner; a verified sequence asks for the logits of all its
+            # 1 + k rows, the others for their last row when they sample.
             items: list[Any] = []
-            rows: list[int] = []
-            row = 0
+            num_logits: list[int] = []
+            nlog = 0                     # logits rows so far
             for idx, item in enumerate(out.scheduled):
                 s = spec_of.get(idx)
                 if s is not None:
                     seq = s.seq
-                    items.append(_Item(_SeqView(seq.request_id, s.T - 1, seq.all_token_ids + s.drafts,
-                                                seq.block_ids), 1 + s.k))
-                    spec_offsets.append(len(rows))
-                    rows.extend(range(row, row + 1 + s.k))
-                    row += 1 + s.k
+                    items.append(_view_item(seq.request_id, s.T - 1, seq.all_token_ids + s.drafts,
+                                            seq.block_ids, 1 + s.k))
+                    num_logits.append(1 + s.k)
+                    spec_offsets.append(nlog)
+                    nlog += 1 + s.k
                 else:
                     items.append(item)
-                    row += item.num_new_tokens
+                    num_logits.append(1 if item.will_sample else 0)
                     if item.will_sample:
-                        nrows.append(len(rows))
-                        rows.append(row - 1)
+                        nrows.append(nlog)
                         normal.append(idx)
-            inp = self.runner.prepare(items)
-            hidden = self.runner.forward(inp.input_ids, inp.positions, self.runner.kv_caches,
-                                         inp.attn_metadata)                              # [N, H]
-            logits = self.model.compute_logits(
-                hidden[torch.tensor(rows, dtype=torch.long, device=self.device)])    # [R, V]
+                        nlog += 1
+            logits = self.runner.execute(items, num_logits=num_logits).logits        # [R, V]
         for idx, item in enumerate(out.scheduled):
             if idx not in spec_of:
                 item.seq.num_computed_tokens += item.num_new_tokens

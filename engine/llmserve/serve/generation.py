@@ -11,6 +11,7 @@ from dataclasses import dataclass, field
 from typing import Any, AsyncIterator, Callable
 from fastapi import Request
 from fastapi.responses import StreamingResponse
+from ..core.admission import RequestLimits, request_rejection
 from ..core.sampling_params import SamplingParams
 from .detokenizer import IncrementalDetokenizer, token_bytes, token_text
 from .metrics import RequestTracker, ServiceMetrics
@@ -418,8 +419,11 @@ class Service:
         return ids
 
     def check_context(self, num_prompt: int, max_tokens: int, param: str) -> None:
+        """The served context limit (possibly below the engine's), by the engine's admission
+        rule, with OpenAI's wording and error code."""
         limit = self.view.max_model_len
-        if num_prompt + max_tokens > limit:
+        err = request_rejection(num_prompt, max_tokens, RequestLimits(limit))
+        if err is not None:
             raise APIError(
                 f"this model's maximum context length is {limit} tokens; the request has {num_prompt} prompt "
                 f"tokens and asks for {max_tokens} completion tokens ({num_prompt + max_tokens} in total); "
@@ -463,7 +467,7 @@ class Service:
                 try:
                     self.view.check_request(ids, sp)
                 except ValueError as e:
-                    raise APIError(str(e)) from e
+                    raise APIError(str(e), code=getattr(e, "code", None)) from e
                 choices.append(_Choice(index=p_idx * n + i, request_id=f"{kind}-{base}-{p_idx * n + i}",
                                        prompt_ids=ids, sampling_params=sp, priority=priority,
                                        detok=IncrementalDetokenizer(self.tokenizer, stop),
