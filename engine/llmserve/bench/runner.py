@@ -96,6 +96,7 @@ class BenchmarkOptions:
     slo_tpot_ms: float | None = None
     save_itl: bool = False
     progress: bool = True
+    torch_threads: int | None = None
     command: list[str] = field(default_factory=list)
 
     def resolved_output(self) -> Path:
@@ -157,9 +158,9 @@ def add_benchmark_args(p: argparse.ArgumentParser) -> None:
                    help="naive (sequential, no KV cache) | paged (batch 1) | static | continuous")
     g.add_argument("--policy", choices=("fcfs", "sjf", "priority"), default="fcfs",
                    help="waiting-queue order (default fcfs)")
-    g.add_argument("--max-batch-size", type=_positive_int, default=8,
+    g.add_argument("--max-num-seqs", "--max-batch-size", dest="max_batch_size", type=_positive_int, default=8,
                    help="most sequences per step (paged forces 1; default 8)")
-    g.add_argument("--prefill-chunk-size", type=_chunk, default=None,
+    g.add_argument("--prefill-chunk-size", "--prefill-chunk", dest="prefill_chunk_size", type=_chunk, default=None,
                    help="max prompt tokens per sequence per step; 0/none = chunked prefill off")
     g.add_argument("--max-num-batched-tokens", type=_positive_int, default=None,
                    help="token budget of one step (default max(4096, max-model-len))")
@@ -168,8 +169,10 @@ def add_benchmark_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--block-size", type=_positive_int, default=16, help="KV cache block size in tokens")
     g.add_argument("--num-blocks", type=_positive_int, default=None,
                    help="KV cache blocks (default: from the memory budget)")
-    g.add_argument("--paged-attention-backend", choices=("torch", "triton"), default="torch")
-    g.add_argument("--linear-backend", choices=("torch", "int8", "int4", "triton-int8"), default="torch")
+    g.add_argument("--attention-backend", "--paged-attention-backend", dest="paged_attention_backend",
+                   choices=("torch", "triton"), default="torch", help="paged attention implementation")
+    g.add_argument("--linear-backend", choices=("torch", "int8", "int4", "triton-int8"), default="torch",
+                   help="projection implementation (int8/int4: weight-only quantized)")
     g.add_argument("--cuda-graph", action=argparse.BooleanOptionalAction, default=True,
                    help="let the engine use CUDA graphs for decode (CUDA only)")
     g.add_argument("--async-scheduling", action=argparse.BooleanOptionalAction, default=None,
@@ -185,6 +188,8 @@ def add_benchmark_args(p: argparse.ArgumentParser) -> None:
                         "builds a SpeculativeEngine (not with --config naive)")
     g.add_argument("--num-speculative-tokens", type=_nonneg_int, default=4,
                    help="draft tokens proposed per step with --speculative-model (default 4)")
+    from ..cli import add_torch_threads_arg
+    add_torch_threads_arg(g)
 
     w = p.add_argument_group("workload")
     w.add_argument("--profile", default=None, metavar="FILE",
@@ -205,7 +210,7 @@ def add_benchmark_args(p: argparse.ArgumentParser) -> None:
                         "kernel variant before the warm-up requests; CUDA only)")
 
     o = p.add_argument_group("output")
-    o.add_argument("--output", default=None, metavar="X.json",
+    o.add_argument("--output", "--out", dest="output", default=None, metavar="X.json",
                    help="JSON report path (default artifacts/benchmark-<config>-<time>.json)")
     o.add_argument("--csv", default=None, help="CSV to append a row to (default: the output's stem + .csv)")
     o.add_argument("--profile-components", action="store_true",
@@ -265,7 +270,10 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="llmserve benchmark", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     add_benchmark_args(p)
-    return run_benchmark_cli(p.parse_args(argv))
+    from ..cli import resolve_torch_threads
+    args = p.parse_args(argv)
+    args.torch_threads = resolve_torch_threads(args.device, args.torch_threads)
+    return run_benchmark_cli(args)
 
 
 # ---------------------------------------------------------------------------------------------

@@ -78,6 +78,7 @@ def create_app(engine: Any, *, tokenizer: Any = None, served_model_name: str = "
     Raises:
         ValueError: ``max_request_body_bytes`` < 1 or an empty ``api_key``.
     """
+    RequestGuardMiddleware.validate(max_request_body_bytes, api_key)  # at build time, not on the first request
     view = _EngineView(engine, tokenizer, max_model_len, vocab_size)
     metrics = ServiceMetrics(view.stats)
     service = Service(view, served_model_name, tuple(model_aliases), metrics,
@@ -167,7 +168,6 @@ def create_app(engine: Any, *, tokenizer: Any = None, served_model_name: str = "
             include_usage = bool(body.stream_options and body.stream_options.include_usage)
 
             async def stream() -> AsyncIterator[str]:
-                offsets = {ch.index: len(echo_texts[ch.index // n]) for ch in choices}
                 extra = {"usage": None} if include_usage else {}
                 if body.echo:
                     for ch in choices:
@@ -177,8 +177,7 @@ def create_app(engine: Any, *, tokenizer: Any = None, served_model_name: str = "
                 async for ev, records in _stream_events(gen, choices):
                     lp = None
                     if want_lp:
-                        lp = _completion_logprobs(service.tokenizer, records, offsets[ev.index])
-                    offsets[ev.index] += len(ev.text)
+                        lp = _completion_logprobs(service.tokenizer, records, len(echo_texts[ev.index // n]))
                     yield _sse({"id": rid, "object": "text_completion", "created": created, "model": model,
                                 "choices": [{"index": ev.index, "text": ev.text, "logprobs": lp,
                                              "finish_reason": ev.finish_reason}], **extra})

@@ -55,17 +55,22 @@ class RequestGuardMiddleware:
 
     def __init__(self, app: Any, max_body_bytes: int | None = DEFAULT_MAX_REQUEST_BODY_BYTES,
                  api_key: str | None = None, protect_open_routes: bool = False, metrics: Any = None) -> None:
+        self.validate(max_body_bytes, api_key)
+        self.app = app
+        self.max_body_bytes = max_body_bytes
+        self._expected = f"Bearer {api_key}".encode() if api_key is not None else None
+        self.protect_open_routes = protect_open_routes
+        self.metrics = metrics
+
+    @staticmethod
+    def validate(max_body_bytes: int | None, api_key: str | None) -> None:
+        """Raises ValueError for a limit < 1 or an empty key (see the class)."""
         if max_body_bytes is not None and (isinstance(max_body_bytes, bool) or not isinstance(max_body_bytes, int)
                                            or max_body_bytes < 1):
             raise ValueError(f"max_request_body_bytes must be an integer >= 1 (or None for no limit), "
                              f"got {max_body_bytes!r}")
         if api_key is not None and not api_key:
             raise ValueError("api_key must not be empty (leave it unset to serve without authentication)")
-        self.app = app
-        self.max_body_bytes = max_body_bytes
-        self._expected = f"Bearer {api_key}".encode() if api_key is not None else None
-        self.protect_open_routes = protect_open_routes
-        self.metrics = metrics
 
     def _rejected(self, reason: str) -> None:
         if self.metrics is not None:
