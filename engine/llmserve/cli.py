@@ -15,7 +15,7 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
                    help="'tiny' (embedded random Qwen2), a local checkpoint directory, or a hub id")
     p.add_argument("--device", default="cpu", help="cpu | cuda | cuda:N")
     p.add_argument("--dtype", default=None, help="float32 | float16 | bfloat16 (default: fp32 on CPU, bf16 on CUDA)")
-    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--seed", type=int, default=0, help="engine seed (also the sampling seed when --temperature > 0)")
     add_torch_threads_arg(p)
 
 
@@ -79,6 +79,18 @@ def check_device(device: str | None) -> None:
     if dev.index is not None and dev.index >= torch.cuda.device_count():
         raise DeviceError(f"--device {device}: this machine has {torch.cuda.device_count()} CUDA device(s) "
                           f"(cuda:0..cuda:{torch.cuda.device_count() - 1})")
+
+
+def plain_help(text: str | None) -> str | None:
+    """A docstring as ``--help`` text: reST roles and literals become plain words
+    (:class:`~a.b.C` -> C, ``x`` -> x)."""
+    import re
+
+    if text is None:
+        return None
+    text = re.sub(r":[a-z]+:`~?([^`]*?)`", lambda m: m.group(1).rsplit(".", 1)[-1] if "~" in m.group(0)
+                  else m.group(1), text)
+    return text.replace("``", "")
 
 
 def default_dtype(device: str, dtype: str | None) -> str:

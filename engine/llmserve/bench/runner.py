@@ -158,7 +158,7 @@ def add_benchmark_args(p: argparse.ArgumentParser) -> None:
                    help="naive (sequential, no KV cache) | paged (batch 1) | static | continuous")
     g.add_argument("--policy", choices=("fcfs", "sjf", "priority"), default="fcfs",
                    help="waiting-queue order (default fcfs)")
-    g.add_argument("--max-num-seqs", "--max-batch-size", dest="max_batch_size", type=_positive_int, default=8,
+    g.add_argument("--max-num-seqs", "--max-batch-size", dest="max_batch_size", type=_positive_int, default=8, metavar="N",
                    help="most sequences per step (paged forces 1; default 8)")
     g.add_argument("--prefill-chunk-size", "--prefill-chunk", dest="prefill_chunk_size", type=_chunk, default=None,
                    help="max prompt tokens per sequence per step; 0/none = chunked prefill off")
@@ -233,7 +233,7 @@ def add_benchmark_subparser(subparsers: Any) -> argparse.ArgumentParser:
     """Register ``benchmark`` on an ``argparse`` subparsers object (``llmserve benchmark``)."""
     p = subparsers.add_parser(
         "benchmark", help="run a seeded open-loop workload and write a JSON report + CSV row",
-        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+        description=_plain_doc(), formatter_class=argparse.RawDescriptionHelpFormatter)
     add_benchmark_args(p)
     p.set_defaults(func=run_benchmark_cli)
     return p
@@ -267,7 +267,7 @@ def run_benchmark_cli(args: argparse.Namespace) -> int:
 
 def main(argv: list[str] | None = None) -> int:
     """``python -m llmserve.bench.runner ...`` (same flags as ``llmserve benchmark``)."""
-    p = argparse.ArgumentParser(prog="llmserve benchmark", description=__doc__,
+    p = argparse.ArgumentParser(prog="llmserve benchmark", description=_plain_doc(),
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     add_benchmark_args(p)
     from ..cli import resolve_torch_threads
@@ -706,3 +706,9 @@ def _finish_report(report: dict[str, Any], opts: BenchmarkOptions, state: _RunSt
 
 if __name__ == "__main__":  # pragma: no cover
     sys.exit(main())
+
+
+def _plain_doc() -> str | None:
+    """This module's docstring as --help text (reST markup removed)."""
+    from ..cli import plain_help
+    return plain_help(__doc__)

@@ -38,7 +38,7 @@ def add_serve_subparser(subparsers: Any) -> argparse.ArgumentParser:
     add_torch_threads_arg(p)
     p.add_argument("--host", default="127.0.0.1", help="bind address (0.0.0.0 in a container)")
     p.add_argument("--port", type=int, default=8000, help="TCP port")
-    p.add_argument("--max-num-seqs", "--max-batch-size", dest="max_batch_size", type=int, default=8,
+    p.add_argument("--max-num-seqs", "--max-batch-size", dest="max_batch_size", type=int, default=8, metavar="N",
                    help="most sequences per engine step")
     p.add_argument("--max-num-batched-tokens", type=int, default=4096, help="token budget of one step")
     p.add_argument("--prefill-chunk-size", "--prefill-chunk", dest="prefill_chunk_size", type=int, default=None,
