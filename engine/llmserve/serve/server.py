@@ -30,7 +30,7 @@ def add_serve_subparser(subparsers: Any) -> argparse.ArgumentParser:
                               description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("model_tag", nargs="?", default=None, metavar="MODEL",
                    help="the model to serve (as --model; vllm serve MODEL style)")
-    p.add_argument("--model", default=None,
+    p.add_argument("--model", default="tiny",
                    help="'tiny' (embedded random Qwen2, the default), a local checkpoint directory, or a hub id")
     p.add_argument("--device", default="cpu", help="cpu | cuda | cuda:N")
     p.add_argument("--dtype", default=None, help="float32 | float16 | bfloat16 (default: fp32 on CPU, bf16 on CUDA)")
@@ -124,7 +124,7 @@ def resolve_api_key(args: argparse.Namespace) -> str | None:
 
 def _model_name(args: argparse.Namespace) -> str:
     tag, flag = getattr(args, "model_tag", None), getattr(args, "model", None)
-    if tag and flag and tag != flag:
+    if tag and flag and flag != "tiny" and tag != flag:
         raise ValueError(f"the model is given twice, as {tag!r} and as --model {flag!r}; give it once")
     return tag or flag or "tiny"
 
