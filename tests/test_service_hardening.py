@@ -99,11 +99,13 @@ class HealthProbe:
     def __init__(self, url: str) -> None:
         self.url, self.latencies, self.failures = url, [], []
         self._stop = threading.Event()
+        self._ready = threading.Event()
         self._thread = threading.Thread(target=self._run, daemon=True)
 
     def _run(self) -> None:
         with httpx.Client(base_url=self.url, timeout=10) as c:
             c.get("/health")  # connect first
+            self._ready.set()
             while not self._stop.is_set():
                 t = time.perf_counter()
                 r = c.get("/health")
@@ -114,7 +116,7 @@ class HealthProbe:
 
     def __enter__(self) -> "HealthProbe":
         self._thread.start()
-        time.sleep(0.05)
+        self._ready.wait(10)
         return self
 
     def __exit__(self, *exc) -> None:
@@ -137,7 +139,11 @@ def test_oversized_body_is_413_at_once_and_health_keeps_answering(server, client
     big = json.dumps({"prompt": "word " * 2_000_000}).encode()
     assert len(big) > 10_000_000
     with HealthProbe(server.url) as probe:
-        for content in (big, (big[i:i + 65536] for i in range(0, len(big), 65536))):
+        t_end = time.monotonic() + 1.0
+        bodies = []
+        while time.monotonic() < t_end or len(bodies) < 2:   # keep the server busy for a second
+            bodies.append(None)
+            content = big if len(bodies) % 2 else (big[i:i + 65536] for i in range(0, len(big), 65536))
             try:
                 r = client.post("/v1/completions", content=content, headers={"content-type": "application/json"})
             except httpx.HTTPError:
