@@ -165,6 +165,12 @@ def build_parser() -> argparse.ArgumentParser:
         except ImportError as e:
             p = sub.add_parser(name, help=f"(unavailable: {e})")
             p.set_defaults(func=lambda a, e=e: (print(f"unavailable: {e}", file=sys.stderr), 2)[1])
+            continue
+        p = sub.choices[name]
+        if any("--device" in a.option_strings for a in p._actions):
+            add_torch_threads_arg(p)        # every command that builds an engine
+    for p in sub.choices.values():          # module docstrings as plain --help text
+        p.description = plain_help(p.description)
     return parser
 
 

@@ -567,7 +567,7 @@ def add_quantize_eval_subparser(subparsers: Any) -> argparse.ArgumentParser:
     p = subparsers.add_parser(
         "quantize-eval", help="compare fp16/int8/int4/triton-int8: bytes, perplexity, HellaSwag, "
                               "KL vs 16-bit, matched decode throughput",
-        description=_plain_doc(), formatter_class=argparse.RawDescriptionHelpFormatter)
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--model", default="tiny", help="'tiny' (random; exercises the code path only), "
                    "a checkpoint directory, or a hub id")
     p.add_argument("--device", default="cpu", help="cpu | cuda | cuda:N")
@@ -643,9 +643,3 @@ def main(argv: list[str] | None = None) -> int:
 
 if __name__ == "__main__":
     sys.exit(main())
-
-
-def _plain_doc() -> str | None:
-    """This module's docstring as --help text (reST markup removed)."""
-    from ..cli import plain_help
-    return plain_help(__doc__)

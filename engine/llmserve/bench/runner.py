@@ -188,8 +188,6 @@ def add_benchmark_args(p: argparse.ArgumentParser) -> None:
                         "builds a SpeculativeEngine (not with --config naive)")
     g.add_argument("--num-speculative-tokens", type=_nonneg_int, default=4,
                    help="draft tokens proposed per step with --speculative-model (default 4)")
-    from ..cli import add_torch_threads_arg
-    add_torch_threads_arg(g)
 
     w = p.add_argument_group("workload")
     w.add_argument("--profile", default=None, metavar="FILE",
@@ -233,7 +231,7 @@ def add_benchmark_subparser(subparsers: Any) -> argparse.ArgumentParser:
     """Register ``benchmark`` on an ``argparse`` subparsers object (``llmserve benchmark``)."""
     p = subparsers.add_parser(
         "benchmark", help="run a seeded open-loop workload and write a JSON report + CSV row",
-        description=_plain_doc(), formatter_class=argparse.RawDescriptionHelpFormatter)
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     add_benchmark_args(p)
     p.set_defaults(func=run_benchmark_cli)
     return p
@@ -243,6 +241,9 @@ def options_from_args(args: argparse.Namespace) -> BenchmarkOptions:
     names = {f.name for f in dataclasses.fields(BenchmarkOptions)}
     kw = {k: v for k, v in vars(args).items() if k in names}
     kw["command"] = list(sys.argv)
+    if kw.get("torch_threads") is None:  # record the thread count in force (llmserve sets it from --torch-threads)
+        import torch
+        kw["torch_threads"] = torch.get_num_threads()
     return BenchmarkOptions(**kw)
 
 
@@ -267,13 +268,10 @@ def run_benchmark_cli(args: argparse.Namespace) -> int:
 
 def main(argv: list[str] | None = None) -> int:
     """``python -m llmserve.bench.runner ...`` (same flags as ``llmserve benchmark``)."""
-    p = argparse.ArgumentParser(prog="llmserve benchmark", description=_plain_doc(),
+    p = argparse.ArgumentParser(prog="llmserve benchmark", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     add_benchmark_args(p)
-    from ..cli import resolve_torch_threads
-    args = p.parse_args(argv)
-    args.torch_threads = resolve_torch_threads(args.device, args.torch_threads)
-    return run_benchmark_cli(args)
+    return run_benchmark_cli(p.parse_args(argv))
 
 
 # ---------------------------------------------------------------------------------------------
@@ -706,9 +704,3 @@ def _finish_report(report: dict[str, Any], opts: BenchmarkOptions, state: _RunSt
 
 if __name__ == "__main__":  # pragma: no cover
     sys.exit(main())
-
-
-def _plain_doc() -> str | None:
-    """This module's docstring as --help text (reST markup removed)."""
-    from ..cli import plain_help
-    return plain_help(__doc__)

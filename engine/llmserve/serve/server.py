@@ -23,7 +23,6 @@ log = logging.getLogger("llmserve.serve.server")
 
 def add_serve_subparser(subparsers: Any) -> argparse.ArgumentParser:
     """Register ``serve`` on an ``argparse`` sub-parser set; ``args.func`` runs it."""
-    from ..cli import add_torch_threads_arg
     from .guard import DEFAULT_MAX_REQUEST_BODY_BYTES
 
     p = subparsers.add_parser("serve", help="OpenAI-compatible HTTP server (completions, chat, metrics)",
@@ -35,7 +34,6 @@ def add_serve_subparser(subparsers: Any) -> argparse.ArgumentParser:
     p.add_argument("--device", default="cpu", help="cpu | cuda | cuda:N")
     p.add_argument("--dtype", default=None, help="float32 | float16 | bfloat16 (default: fp32 on CPU, bf16 on CUDA)")
     p.add_argument("--seed", type=int, default=0, help="engine seed (unseeded sampling)")
-    add_torch_threads_arg(p)
     p.add_argument("--host", default="127.0.0.1", help="bind address (0.0.0.0 in a container)")
     p.add_argument("--port", type=int, default=8000, help="TCP port")
     p.add_argument("--max-num-seqs", "--max-batch-size", dest="max_batch_size", type=int, default=8, metavar="N",
