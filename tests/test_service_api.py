@@ -258,7 +258,22 @@ BAD_COMPLETIONS = [
     ({"prompt": "x", "logprobs": 21}, "logprobs", None),
     ({"prompt": "x", "seed": -1}, "seed", None),
     ({"prompt": "x", "stream_options": {"include_usage": "yes"}}, "stream_options.include_usage", None),
-    ({"prompt": "x", "presence_penalty": 0.5}, "presence_penalty", "unsupported_parameter"),
+    ({"prompt": "x", "presence_penalty": 2.5}, "presence_penalty", None),
+    ({"prompt": "x", "frequency_penalty": -2.5}, "frequency_penalty", None),
+    ({"prompt": "x", "frequency_penalty": "1"}, "frequency_penalty", None),
+    ({"prompt": "x", "repetition_penalty": 0}, "repetition_penalty", None),
+    ({"prompt": "x", "logit_bias": {"5": 101}}, "logit_bias[5]", None),
+    ({"prompt": "x", "logit_bias": {"5": "ban"}}, "logit_bias[5]", None),
+    ({"prompt": "x", "logit_bias": {"151936": 1}}, "logit_bias", "invalid_logit_bias"),
+    ({"prompt": "x", "logit_bias": {"-1": 1}}, "logit_bias", "invalid_logit_bias"),
+    ({"prompt": "x", "logit_bias": {"abc": 1}}, "logit_bias", "invalid_logit_bias"),
+    ({"prompt": "x", "logit_bias": [1]}, "logit_bias", None),
+    # text that no tokenizer or stop matcher can take: lone UTF-16 surrogates
+    ({"prompt": "\ud800"}, "prompt", None),
+    ({"prompt": ["ok", "a\udfff"]}, "prompt", None),
+    ({"prompt": "x", "stop": "\ud800"}, "stop", None),
+    ({"prompt": "x", "stop": ["ok", "\udc00"]}, "stop", None),
+    ({"prompt": "x", "model": "\ud800"}, "model", None),
 ]
 
 BAD_CHAT = [
@@ -270,7 +285,23 @@ BAD_CHAT = [
      "context_length_exceeded"),
     ({"messages": [{"role": "user", "content": "hi"}], "top_logprobs": 2}, "top_logprobs", None),
     ({"messages": [{"role": "user", "content": "hi"}], "model": "nope"}, "model", "model_not_found"),
+    ({"messages": [{"role": "user", "content": "\ud800"}], "max_tokens": 2}, "messages[0].content", None),
+    ({"messages": [{"role": "system", "content": "ok"}, {"role": "user", "content": "a\udbff b"}]},
+     "messages[1].content", None),
+    ({"messages": [{"role": "user", "content": [{"type": "text", "text": "\udc00"}]}]},
+     "messages[0].content", None),
+    ({"messages": [{"role": "user", "content": "hi", "name": "\ud800"}]}, "messages[0].name", None),
+    ({"messages": [{"role": "user", "content": "hi"}], "stop": "\ud800"}, "stop", None),
+    ({"messages": [{"role": "user", "content": "hi"}], "logit_bias": {"99999999": 1}}, "logit_bias",
+     "invalid_logit_bias"),
 ]
+
+
+def post_json(client, path, body, **kw):
+    """POST ``body`` as ASCII JSON (lone surrogates travel as ``\\udXXX`` escapes, as a client
+    in any language can send them)."""
+    return client.post(path, content=json.dumps(body).encode(), headers={"content-type": "application/json"},
+                       **kw)
 
 
 def assert_openai_error(r, status, param=None, code=None):
@@ -290,9 +321,11 @@ def test_bad_input_is_400_in_openai_shape(client, engine):
     for body, param, code in BAD_COMPLETIONS:
         for stream in (False, True):
             b = {**body, "stream": stream} if "stream" not in body else body
-            assert_openai_error(client.post("/v1/completions", json=b), 400, param, code)
+            assert_openai_error(post_json(client, "/v1/completions", b), 400, param, code)
     for body, param, code in BAD_CHAT:
-        assert_openai_error(client.post("/v1/chat/completions", json=body), 400, param, code)
+        for stream in (False, True):
+            assert_openai_error(post_json(client, "/v1/chat/completions", {**body, "stream": stream}), 400,
+                                param, code)
     raw = [b"{not json", b"", b"[1, 2]", b'"a string"', b"null", b'{"prompt": "x",}', b"\xff\xfe"]
     for content in raw:
         for path in ("/v1/completions", "/v1/chat/completions"):

@@ -1,4 +1,7 @@
-"""Command line: ``llmserve generate | benchmark | serve | quantize-eval | bench-compare``."""
+"""Command line: llmserve generate | benchmark | serve | quantize-eval | bench-compare.
+
+Every command that builds an engine takes --device, --dtype, --seed and --torch-threads; run
+'llmserve COMMAND --help' for the rest."""
 
 from __future__ import annotations
 
@@ -12,7 +15,82 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
                    help="'tiny' (embedded random Qwen2), a local checkpoint directory, or a hub id")
     p.add_argument("--device", default="cpu", help="cpu | cuda | cuda:N")
     p.add_argument("--dtype", default=None, help="float32 | float16 | bfloat16 (default: fp32 on CPU, bf16 on CUDA)")
-    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--seed", type=int, default=0, help="engine seed (also the sampling seed when --temperature > 0)")
+    add_torch_threads_arg(p)
+
+
+def _threads(value: str) -> int:
+    try:
+        n = int(value)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"must be an integer >= 0, got {value!r}") from None
+    if n < 0:
+        raise argparse.ArgumentTypeError(f"must be an integer >= 0, got {n}")
+    return n
+
+
+def add_torch_threads_arg(p: argparse.ArgumentParser) -> None:
+    """``--torch-threads`` (resolved by :func:`resolve_torch_threads`)."""
+    p.add_argument("--torch-threads", type=_threads, default=None, metavar="N",
+                   help="PyTorch intra-op CPU threads (default: 1 with --device cpu, where the tiny "
+                        "model's small matrices run several times faster on one thread than on many; "
+                        "PyTorch's own default with CUDA; 0 = PyTorch's default)")
+
+
+def resolve_torch_threads(device: str | None, requested: int | None) -> int | None:
+    """Apply ``--torch-threads``: ``None`` means 1 on CPU and PyTorch's default otherwise; 0
+    means PyTorch's default. Returns the thread count in force (``None`` if torch is unused)."""
+    import torch
+
+    n = requested
+    if n is None:
+        n = 1 if (device or "cpu") == "cpu" else 0
+    if n > 0:
+        torch.set_num_threads(n)
+    return torch.get_num_threads()
+
+
+class DeviceError(ValueError):
+    """The requested device does not exist on this machine."""
+
+
+def check_device(device: str | None) -> None:
+    """Fail early, in one line, for a device this machine lacks.
+
+    Raises:
+        DeviceError: ``cuda``/``cuda:N`` without CUDA (or without GPU ``N``), or an unknown name.
+    """
+    if device is None:
+        return
+    import torch
+
+    try:
+        dev = torch.device(device)
+    except (RuntimeError, ValueError):
+        raise DeviceError(f"--device {device!r} is not a device name; use cpu, cuda or cuda:N") from None
+    if dev.type == "cpu":
+        return
+    if dev.type != "cuda":
+        raise DeviceError(f"--device {device!r} is not supported; use cpu, cuda or cuda:N")
+    if not torch.cuda.is_available():
+        raise DeviceError(f"--device {device} was requested but CUDA is not available on this machine "
+                          f"(torch {torch.__version__}, built with CUDA {torch.version.cuda or 'none'}); "
+                          "use --device cpu")
+    if dev.index is not None and dev.index >= torch.cuda.device_count():
+        raise DeviceError(f"--device {device}: this machine has {torch.cuda.device_count()} CUDA device(s) "
+                          f"(cuda:0..cuda:{torch.cuda.device_count() - 1})")
+
+
+def plain_help(text: str | None) -> str | None:
+    """A docstring as ``--help`` text: reST roles and literals become plain words
+    (:class:`~a.b.C` -> C, ``x`` -> x)."""
+    import re
+
+    if text is None:
+        return None
+    text = re.sub(r":[a-z]+:`~?([^`]*?)`", lambda m: m.group(1).rsplit(".", 1)[-1] if "~" in m.group(0)
+                  else m.group(1), text)
+    return text.replace("``", "")
 
 
 def default_dtype(device: str, dtype: str | None) -> str:
@@ -32,7 +110,7 @@ def _cmd_generate(args: argparse.Namespace) -> int:
                        seed=args.seed, cache=CacheConfig(block_size=args.block_size,
                                                          enable_prefix_caching=args.enable_prefix_caching),
                        scheduler=SchedulerConfig(max_model_len=args.max_model_len),
-                       attention_backend=args.paged_attention_backend)
+                       attention_backend=args.attention_backend)
     engine = NaiveEngine(cfg) if args.naive else LLMEngine(cfg)
     prompt = args.prompt
     if args.chat:
@@ -52,26 +130,29 @@ def _cmd_generate(args: argparse.Namespace) -> int:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="llmserve", description=__doc__)
+    parser = argparse.ArgumentParser(prog="llmserve", description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = parser.add_subparsers(dest="command", required=True)
 
     g = sub.add_parser("generate", help="complete one prompt and print the text")
     add_engine_args(g)
-    g.add_argument("--prompt", required=True)
-    g.add_argument("--max-tokens", type=int, default=32)
-    g.add_argument("--temperature", type=float, default=0.0)
-    g.add_argument("--top-p", type=float, default=1.0)
-    g.add_argument("--top-k", type=int, default=0)
-    g.add_argument("--ignore-eos", action="store_true")
+    g.add_argument("--prompt", required=True, help="the text to complete")
+    g.add_argument("--max-tokens", type=int, default=32, help="output tokens at most (default 32)")
+    g.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
+    g.add_argument("--top-p", type=float, default=1.0, help="nucleus mass in (0, 1]; 1 disables it")
+    g.add_argument("--top-k", type=int, default=0, help="keep the k most likely tokens; 0 disables it")
+    g.add_argument("--ignore-eos", action="store_true", help="keep generating past the end-of-text token")
     g.add_argument("--chat", action="store_true", help="wrap the prompt in the ChatML template")
     g.add_argument("--naive", action="store_true", help="use the sequential no-cache control engine")
-    g.add_argument("--block-size", type=int, default=16)
+    g.add_argument("--block-size", type=int, default=16, help="tokens per KV block")
     g.add_argument("--enable-prefix-caching", dest="enable_prefix_caching", action="store_true",
                    default=True, help="share the KV of equal prompt prefixes (default on)")
-    g.add_argument("--no-prefix-caching", dest="enable_prefix_caching", action="store_false")
-    g.add_argument("--max-model-len", type=int, default=4096)
-    g.add_argument("--paged-attention-backend", default="torch", choices=["torch", "triton"])
-    g.add_argument("--show-ids", action="store_true")
+    g.add_argument("--no-prefix-caching", dest="enable_prefix_caching", action="store_false",
+                   help="turn prefix caching off")
+    g.add_argument("--max-model-len", type=int, default=4096, help="context length cap (tokens)")
+    g.add_argument("--attention-backend", "--paged-attention-backend", dest="attention_backend",
+                   default="torch", choices=["torch", "triton"], help="paged attention implementation")
+    g.add_argument("--show-ids", action="store_true", help="print prompt and output token ids to stderr")
     g.set_defaults(func=_cmd_generate)
 
     # Subcommands whose modules own their flags; a missing optional dependency only disables
@@ -89,6 +170,12 @@ def build_parser() -> argparse.ArgumentParser:
         except ImportError as e:
             p = sub.add_parser(name, help=f"(unavailable: {e})")
             p.set_defaults(func=lambda a, e=e: (print(f"unavailable: {e}", file=sys.stderr), 2)[1])
+            continue
+        p = sub.choices[name]
+        if any("--device" in a.option_strings for a in p._actions):
+            add_torch_threads_arg(p)        # every command that builds an engine
+    for p in sub.choices.values():          # module docstrings as plain --help text
+        p.description = plain_help(p.description)
     return parser
 
 
@@ -96,9 +183,13 @@ def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
     try:
+        device = getattr(args, "device", "cuda" if args.command == "bench-compare" else None)
+        check_device(device)
+        if hasattr(args, "torch_threads"):
+            args.torch_threads = resolve_torch_threads(device, args.torch_threads)
         return int(args.func(args) or 0)
     except (ValueError, FileNotFoundError) as e:
-        print(f"error: {e}", file=sys.stderr)
+        print(f"llmserve {args.command}: error: {e}", file=sys.stderr)
         return 2
 
 

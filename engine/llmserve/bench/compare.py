@@ -450,30 +450,37 @@ def _f(v) -> str:
 
 
 def add_bench_compare_subparser(sub) -> None:
-    p = sub.add_parser("bench-compare", help="llmserve vs floor vs HF transformers on a CUDA GPU")
+    p = sub.add_parser("bench-compare", help="llmserve vs floor vs HF transformers on a CUDA GPU",
+                       description="Compare llmserve with a floor and with HF transformers on one CUDA GPU: "
+                                   "batch-1 decode, offline throughput and open-loop latency; writes JSON "
+                                   "and Markdown under --output.")
     p.add_argument("--parts", nargs="+", default=["decode", "offline", "openloop"],
-                   choices=["decode", "offline", "openloop"])
-    p.add_argument("--presets", nargs="+", default=["qwen2.5-0.5b", "qwen2.5-1.5b", "qwen2.5-7b"])
-    p.add_argument("--decode-steps", type=int, default=256)
+                   choices=["decode", "offline", "openloop"], help="which comparisons to run (default: all)")
+    p.add_argument("--presets", nargs="+", default=["qwen2.5-0.5b", "qwen2.5-1.5b", "qwen2.5-7b"],
+                   help="model presets of the decode comparison (random weights of the real shapes)")
+    p.add_argument("--decode-steps", type=int, default=256, help="decode steps timed per preset")
     p.add_argument("--decode-linear-backends", nargs="+", default=["torch", "triton-int8"],
                    choices=["torch", "triton-int8"],
                    help="batch-1 decode rows per linear backend (triton-int8: int8 weight-only "
                         "projections, embeddings and LM head bf16)")
-    p.add_argument("--hf-decode-steps", type=int, default=64)
-    p.add_argument("--offline-model", default="qwen2.5-1.5b")
-    p.add_argument("--offline-requests", type=int, default=256)
-    p.add_argument("--offline-lo", type=int, default=100)
-    p.add_argument("--offline-hi", type=int, default=1024)
-    p.add_argument("--max-num-seqs", type=int, default=256)
-    p.add_argument("--prefill-chunk", type=int, default=2048)
-    p.add_argument("--max-num-batched-tokens", type=int, default=8192)
+    p.add_argument("--hf-decode-steps", type=int, default=64, help="decode steps timed for HF transformers")
+    p.add_argument("--offline-model", default="qwen2.5-1.5b",
+                   help="model preset of the offline and open-loop comparisons")
+    p.add_argument("--offline-requests", type=int, default=256, help="requests of the offline run")
+    p.add_argument("--offline-lo", type=int, default=100, help="shortest prompt/output length (tokens)")
+    p.add_argument("--offline-hi", type=int, default=1024, help="longest prompt/output length (tokens)")
+    p.add_argument("--max-num-seqs", type=int, default=256, help="llmserve: most sequences per step")
+    p.add_argument("--prefill-chunk-size", "--prefill-chunk", dest="prefill_chunk", type=int, default=2048,
+                   help="llmserve: chunked-prefill size (tokens)")
+    p.add_argument("--max-num-batched-tokens", type=int, default=8192, help="llmserve: token budget of one step")
     p.add_argument("--hf-requests", type=int, default=32, help="requests given to HF generate_batch")
-    p.add_argument("--hf-static-batch", type=int, default=64)
-    p.add_argument("--skip-hf", action="store_true")
-    p.add_argument("--rates", nargs="+", type=float, default=[4.0, 16.0, 64.0])
-    p.add_argument("--openloop-requests", type=int, default=200)
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--out", default="results/h200")
+    p.add_argument("--hf-static-batch", type=int, default=64, help="batch size of HF's static-batch baseline")
+    p.add_argument("--skip-hf", action="store_true", help="do not run HF transformers")
+    p.add_argument("--rates", nargs="+", type=float, default=[4.0, 16.0, 64.0],
+                   help="open-loop arrival rates (requests/s)")
+    p.add_argument("--openloop-requests", type=int, default=200, help="requests per open-loop rate")
+    p.add_argument("--seed", type=int, default=0, help="workload seed")
+    p.add_argument("--output", "--out", dest="out", default="results/h200", help="output directory")
     p.set_defaults(func=_main)
 
 

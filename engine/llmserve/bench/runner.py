@@ -100,6 +100,7 @@ class BenchmarkOptions:
     slo_tpot_ms: float | None = None
     save_itl: bool = False
     progress: bool = True
+    torch_threads: int | None = None
     command: list[str] = field(default_factory=list)
 
     def resolved_output(self) -> Path:
@@ -170,9 +171,9 @@ def add_benchmark_args(p: argparse.ArgumentParser) -> None:
                    help="naive (sequential, no KV cache) | paged (batch 1) | static | continuous")
     g.add_argument("--policy", choices=("fcfs", "sjf", "priority"), default="fcfs",
                    help="waiting-queue order (default fcfs)")
-    g.add_argument("--max-batch-size", type=_positive_int, default=8,
+    g.add_argument("--max-num-seqs", "--max-batch-size", dest="max_batch_size", type=_positive_int, default=8, metavar="N",
                    help="most sequences per step (paged forces 1; default 8)")
-    g.add_argument("--prefill-chunk-size", type=_chunk, default=None,
+    g.add_argument("--prefill-chunk-size", "--prefill-chunk", dest="prefill_chunk_size", type=_chunk, default=None,
                    help="max prompt tokens per sequence per step; 0/none = chunked prefill off")
     g.add_argument("--max-num-batched-tokens", type=_positive_int, default=None,
                    help="token budget of one step (default max(4096, max-model-len))")
@@ -181,8 +182,10 @@ def add_benchmark_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--block-size", type=_positive_int, default=16, help="KV cache block size in tokens")
     g.add_argument("--num-blocks", type=_positive_int, default=None,
                    help="KV cache blocks (default: from the memory budget)")
-    g.add_argument("--paged-attention-backend", choices=("torch", "triton"), default="torch")
-    g.add_argument("--linear-backend", choices=("torch", "int8", "int4", "triton-int8"), default="torch")
+    g.add_argument("--attention-backend", "--paged-attention-backend", dest="paged_attention_backend",
+                   choices=("torch", "triton"), default="torch", help="paged attention implementation")
+    g.add_argument("--linear-backend", choices=("torch", "int8", "int4", "triton-int8"), default="torch",
+                   help="projection implementation (int8/int4: weight-only quantized)")
     g.add_argument("--cuda-graph", action=argparse.BooleanOptionalAction, default=True,
                    help="let the engine use CUDA graphs for decode (CUDA only)")
     g.add_argument("--async-scheduling", action=argparse.BooleanOptionalAction, default=None,
@@ -223,7 +226,7 @@ def add_benchmark_args(p: argparse.ArgumentParser) -> None:
                         "kernel variant before the warm-up requests; CUDA only)")
 
     o = p.add_argument_group("output")
-    o.add_argument("--output", default=None, metavar="X.json",
+    o.add_argument("--output", "--out", dest="output", default=None, metavar="X.json",
                    help="JSON report path (default artifacts/benchmark-<config>-<time>.json)")
     o.add_argument("--csv", default=None, help="CSV to append a row to (default: the output's stem + .csv)")
     o.add_argument("--profile-components", action="store_true",
@@ -256,6 +259,9 @@ def options_from_args(args: argparse.Namespace) -> BenchmarkOptions:
     names = {f.name for f in dataclasses.fields(BenchmarkOptions)}
     kw = {k: v for k, v in vars(args).items() if k in names}
     kw["command"] = list(sys.argv)
+    if kw.get("torch_threads") is None:  # record the thread count in force (llmserve sets it from --torch-threads)
+        import torch
+        kw["torch_threads"] = torch.get_num_threads()
     return BenchmarkOptions(**kw)
 
 

@@ -26,6 +26,16 @@ class SamplingParams:
         num_speculative_tokens: draft tokens proposed per step for this request by a
             :class:`~llmserve.engine.speculative.SpeculativeEngine` (``None``: the engine's default,
             0: no speculation); ignored by the other engines.
+        presence_penalty: OpenAI's presence penalty in [-2, 2]: subtracted once from the logit of
+            every token that already occurs in the output (0 disables it).
+        frequency_penalty: OpenAI's frequency penalty in [-2, 2]: subtracted from a token's logit
+            once per occurrence in the output (0 disables it).
+        repetition_penalty: the HF/vLLM (CTRL, Keskar et al. 2019) penalty, > 0: the logit of every
+            token that occurs in the prompt or the output is divided by it when positive and
+            multiplied by it when negative (1 disables it).
+        logit_bias: OpenAI's logit bias, ``{token id: bias}`` with bias in [-100, 100], added to
+            the logits before any other processing (-100 effectively bans a token). Ids are
+            checked against the vocabulary by the engine/service (the model's size is not known here).
 
     Raises:
         ValueError: on construction, for any field outside its range (the message names it).
@@ -41,6 +51,10 @@ class SamplingParams:
     ignore_eos: bool = False
     logprobs: int | None = None
     num_speculative_tokens: int | None = None
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    logit_bias: dict[int, float] | None = None
 
     def __post_init__(self) -> None:
         if isinstance(self.max_tokens, bool) or not isinstance(self.max_tokens, int) or self.max_tokens < 1:
@@ -60,6 +74,26 @@ class SamplingParams:
                 or self.num_speculative_tokens < 0):
             raise ValueError(f"num_speculative_tokens must be an integer >= 0 or None, "
                              f"got {self.num_speculative_tokens!r}")
+        for name in ("presence_penalty", "frequency_penalty"):
+            v = getattr(self, name)
+            if isinstance(v, bool) or not isinstance(v, (int, float)) or not -2.0 <= float(v) <= 2.0:
+                raise ValueError(f"{name} must be a number in [-2, 2], got {v!r}")
+            setattr(self, name, float(v))
+        rp = self.repetition_penalty
+        if isinstance(rp, bool) or not isinstance(rp, (int, float)) or not (0.0 < float(rp) < float("inf")):
+            raise ValueError(f"repetition_penalty must be a finite number > 0 (1 disables it), got {rp!r}")
+        self.repetition_penalty = float(rp)
+        if self.logit_bias is not None:
+            if not isinstance(self.logit_bias, dict):
+                raise ValueError(f"logit_bias must be a mapping of token id to bias, got {self.logit_bias!r}")
+            bias: dict[int, float] = {}
+            for k, v in self.logit_bias.items():
+                if isinstance(k, bool) or not isinstance(k, int) or k < 0:
+                    raise ValueError(f"logit_bias keys must be token ids (integers >= 0), got {k!r}")
+                if isinstance(v, bool) or not isinstance(v, (int, float)) or not -100.0 <= float(v) <= 100.0:
+                    raise ValueError(f"logit_bias values must be numbers in [-100, 100], got {v!r} for token {k}")
+                bias[k] = float(v)
+            self.logit_bias = bias or None
         if isinstance(self.stop, str):
             self.stop = [self.stop]
         self.stop = list(self.stop)
@@ -74,3 +108,14 @@ class SamplingParams:
         """Temperatures below 1e-5 are treated as greedy (dividing logits by a vanishing
         temperature overflows to NaN; its limit is the argmax)."""
         return self.temperature < GREEDY_EPS
+
+    @property
+    def has_penalties(self) -> bool:
+        """Whether presence, frequency or repetition penalties change the logits."""
+        return (self.presence_penalty != 0.0 or self.frequency_penalty != 0.0
+                or self.repetition_penalty != 1.0)
+
+    @property
+    def needs_logits_processing(self) -> bool:
+        """Whether the sampler must touch this row's logits before choosing (penalties or bias)."""
+        return self.has_penalties or bool(self.logit_bias)

@@ -436,9 +436,11 @@ class LLMEngine(_EngineBase):
             self.step_seconds["execute"] += t2 - t1
             if sample_idx:
                 seqs = [out.scheduled[i].seq for i in sample_idx]
+                history, pending_ids = self._token_history(seqs, pending)
                 sample = self.sampler.sample_async(res.logits, [s.sampling_params for s in seqs],
                                                    [s.request_id for s in seqs],
-                                                   argmax=res.device_argmax)
+                                                   argmax=res.device_argmax,
+                                                   history=history, pending_token_ids=pending_ids)
                 for seq in seqs:
                     seq.num_pending += 1
                 launched = _InFlightStep(seqs, sample)
@@ -452,6 +454,21 @@ class LLMEngine(_EngineBase):
         if launched is not None and not self.async_scheduling:
             outputs += self._read_tokens(launched)
         return outputs
+
+    @staticmethod
+    def _token_history(seqs: list[Sequence], pending) -> tuple[list | None, torch.Tensor | None]:
+        """Per-row :class:`~llmserve.worker.sampler.TokenHistory` for the penalties (``None``
+        when no row has any); a token still on the device is found in the previous step's
+        sampled ids (``pending``, from :meth:`_InFlightStep.device_source`)."""
+        if not any(s.sampling_params.has_penalties for s in seqs):
+            return None, None
+        from ..worker.sampler import TokenHistory
+
+        rows = pending.index if pending is not None else {}
+        history = [TokenHistory(s.prompt_token_ids, s.output_token_ids,
+                                rows.get(s.request_id) if s.num_pending > 0 else None)
+                   if s.sampling_params.has_penalties else None for s in seqs]
+        return history, (pending.token_ids if pending is not None else None)
 
     def _read_tokens(self, step: "_InFlightStep") -> list[RequestOutput]:
         """Wait for ``step``'s sampled tokens, append them, apply stop rules, emit outputs.

@@ -9,6 +9,7 @@ import time
 import torch
 from ..config import EngineConfig
 from ..core.sequence import Sequence, SequenceStatus
+from ..worker.sampler import TokenHistory
 from .llm_engine import RequestOutput, TokenCallback, _EngineBase
 
 
@@ -84,7 +85,8 @@ class NaiveEngine(_EngineBase):
             ids = torch.tensor([seq.all_token_ids], dtype=torch.long, device=self.device)     # [1, T]
             logits = self.model.forward_reference(ids, last_only=True)[:, -1, :]                               # [1, V]
             self.num_steps += 1
-            res = self.sampler.sample(logits.float(), [seq.sampling_params], [seq.request_id])
+            res = self.sampler.sample(logits.float(), [seq.sampling_params], [seq.request_id],
+                                      history=[TokenHistory(seq.prompt_token_ids, seq.output_token_ids)])
             tok = res.token_ids[0]
             seq.append_token(tok)
             if seq.sampling_params.logprobs is not None:

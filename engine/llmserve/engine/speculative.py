@@ -57,7 +57,7 @@ from ..worker.kv_cache import DEFAULT_CPU_CACHE_BYTES, KVCache
 from ..core.block_manager import BlockManager
 from ..worker.input_builder import StepItem
 from ..worker.model_runner import ModelRunner
-from ..worker.sampler import apply_top_k_top_p
+from ..worker.sampler import TokenHistory, apply_top_k_top_p
 from ..core.sampling_params import SamplingParams
 from ..core.sequence import Sequence
 
@@ -406,6 +406,8 @@ class SpeculativeEngine(LLMEngine):
     # ---- bookkeeping ---------------------------------------------------------------------------
     def _k_for(self, seq: Sequence) -> int:
         k = seq.sampling_params.num_speculative_tokens
+        if seq.sampling_params.needs_logits_processing:
+            return 0   # penalties / logit_bias: the plain sampler path (drafts would verify unprocessed)
         return self.num_speculative_tokens if k is None else min(k, MAX_SPECULATIVE_TOKENS)
 
     def _drop_draft(self, request_id: str) -> None:
@@ -655,7 +657,9 @@ class SpeculativeEngine(LLMEngine):
         if normal:
             seqs = [out.scheduled[i].seq for i in normal]
             res = self.sampler.sample(logits[nrows], [q.sampling_params for q in seqs],
-                                      [q.request_id for q in seqs])
+                                      [q.request_id for q in seqs],
+                                      history=[TokenHistory(q.prompt_token_ids, q.output_token_ids)
+                                               for q in seqs])
             for i, tok, lp in zip(normal, res.token_ids, res.logprobs):
                 emitted[i] = ([tok], [lp])
         if specs:

@@ -14,6 +14,7 @@ from .detokenizer import decode_tokens
 from .metrics import ServiceMetrics
 from .protocol import APIError, ChatCompletionRequest, CompletionRequest, ModelCard, ModelList
 from .errors import ClientDisconnected, _error_response, install_error_handlers, log
+from .guard import DEFAULT_MAX_REQUEST_BODY_BYTES, RequestGuardMiddleware
 from .generation import (
     MAX_CHOICES,
     Service,
@@ -50,7 +51,9 @@ def create_app(engine: Any, *, tokenizer: Any = None, served_model_name: str = "
                model_aliases: tuple[str, ...] = (), max_model_len: int | None = None,
                vocab_size: int | None = None, max_waiting: int | None = None,
                shutdown_timeout: float = 10.0, owns_engine: bool = False,
-               max_choices: int = MAX_CHOICES) -> FastAPI:
+               max_choices: int = MAX_CHOICES,
+               max_request_body_bytes: int | None = DEFAULT_MAX_REQUEST_BODY_BYTES,
+               api_key: str | None = None, api_key_protects_metrics: bool = False) -> FastAPI:
     """Build the FastAPI app.
 
     Args:
@@ -67,7 +70,15 @@ def create_app(engine: Any, *, tokenizer: Any = None, served_model_name: str = "
             aborting them.
         owns_engine: call ``engine.shutdown()`` when the app shuts down.
         max_choices: most engine requests (prompts x ``n``) one HTTP request may start.
+        max_request_body_bytes: larger request bodies are answered 413 before they are read
+            (``None``: no limit).
+        api_key: when set, every ``/v1/*`` route needs ``Authorization: Bearer <api_key>``
+            (401 otherwise); ``api_key_protects_metrics`` extends that to ``/health`` and ``/metrics``.
+
+    Raises:
+        ValueError: ``max_request_body_bytes`` < 1 or an empty ``api_key``.
     """
+    RequestGuardMiddleware.validate(max_request_body_bytes, api_key)  # at build time, not on the first request
     view = _EngineView(engine, tokenizer, max_model_len, vocab_size)
     metrics = ServiceMetrics(view.stats)
     service = Service(view, served_model_name, tuple(model_aliases), metrics,
@@ -86,6 +97,7 @@ def create_app(engine: Any, *, tokenizer: Any = None, served_model_name: str = "
         for rid in list(service.in_flight):
             log.warning("shutdown: aborting in-flight request %s", rid)
             await _safe_abort(engine, rid)
+        service.close()
         if owns_engine:
             stop = getattr(engine, "shutdown", None)
             if callable(stop):
@@ -96,6 +108,8 @@ def create_app(engine: Any, *, tokenizer: Any = None, served_model_name: str = "
     app.state.service = service
     app.state.metrics = metrics
     install_error_handlers(app, metrics)
+    app.add_middleware(RequestGuardMiddleware, max_body_bytes=max_request_body_bytes, api_key=api_key,
+                       protect_open_routes=api_key_protects_metrics, metrics=metrics)
 
     @app.get("/health")
     async def health() -> Response:
@@ -131,7 +145,7 @@ def create_app(engine: Any, *, tokenizer: Any = None, served_model_name: str = "
             raise APIError("echo with logprobs is not supported (prompt logprobs are not computed)",
                            param="echo", code="unsupported_parameter")
         max_tokens = 16 if body.max_tokens is None else body.max_tokens
-        prompts = [service.tokenize_prompt(p) for p in body.prompts()]
+        prompts = [await service.run_blocking(service.tokenize_prompt, p) for p in body.prompts()]
         if len(prompts) * n > max_choices:
             raise APIError(f"too many choices: {len(prompts)} prompts x n={n} > {max_choices} per request",
                            param="prompt" if len(prompts) > 1 else "n")
@@ -141,7 +155,8 @@ def create_app(engine: Any, *, tokenizer: Any = None, served_model_name: str = "
         choices = service.build_choices(
             prompts, n, lambda p, i: service.sampling_params(body, max_tokens, body.logprobs, i, []),
             body.stop_list(), body.priority or 0, "cmpl")
-        echo_texts = [decode_tokens(service.tokenizer, ids) if body.echo else "" for ids in prompts]
+        echo_texts = [await service.run_blocking(decode_tokens, service.tokenizer, ids) if body.echo else ""
+                      for ids in prompts]
         gen = _Generation(service, choices)
         await gen.start(request)
         service.start_tracking(choices)
@@ -153,7 +168,6 @@ def create_app(engine: Any, *, tokenizer: Any = None, served_model_name: str = "
             include_usage = bool(body.stream_options and body.stream_options.include_usage)
 
             async def stream() -> AsyncIterator[str]:
-                offsets = {ch.index: len(echo_texts[ch.index // n]) for ch in choices}
                 extra = {"usage": None} if include_usage else {}
                 if body.echo:
                     for ch in choices:
@@ -163,8 +177,7 @@ def create_app(engine: Any, *, tokenizer: Any = None, served_model_name: str = "
                 async for ev, records in _stream_events(gen, choices):
                     lp = None
                     if want_lp:
-                        lp = _completion_logprobs(service.tokenizer, records, offsets[ev.index])
-                    offsets[ev.index] += len(ev.text)
+                        lp = _completion_logprobs(service.tokenizer, records, len(echo_texts[ev.index // n]))
                     yield _sse({"id": rid, "object": "text_completion", "created": created, "model": model,
                                 "choices": [{"index": ev.index, "text": ev.text, "logprobs": lp,
                                              "finish_reason": ev.finish_reason}], **extra})
@@ -195,7 +208,8 @@ def create_app(engine: Any, *, tokenizer: Any = None, served_model_name: str = "
         if body.top_logprobs is not None and not body.logprobs:
             raise APIError("top_logprobs requires logprobs to be true", param="top_logprobs")
         messages = [{"role": m.role, "content": m.text()} for m in body.messages]
-        ids = service.tokenize_prompt(render_chat(service.tokenizer, messages), param="messages")
+        ids = await service.run_blocking(
+            lambda: service.tokenize_prompt(render_chat(service.tokenizer, messages), param="messages"))
         limit = view.max_model_len
         if body.max_completion_tokens is not None:
             max_tokens = body.max_completion_tokens
@@ -212,7 +226,7 @@ def create_app(engine: Any, *, tokenizer: Any = None, served_model_name: str = "
         lp_k = (body.top_logprobs or 0) if body.logprobs else None
         choices = service.build_choices(
             [ids], n, lambda p, i: service.sampling_params(body, max_tokens, lp_k, i, service.chat_stop_ids),
-            body.stop_list(), body.priority or 0, "chat")
+            body.stop_list(), body.priority or 0, "chat", prompt_param="messages")
         gen = _Generation(service, choices)
         await gen.start(request)
         service.start_tracking(choices)

@@ -81,6 +81,12 @@ class IncrementalDetokenizer:
     def num_tokens(self) -> int:
         return len(self.token_ids)
 
+    @property
+    def num_decoded_chars(self) -> int:
+        """Characters decoded so far, emitted or held back (a split character counts once it
+        completes): where the next token's text begins."""
+        return len(self.text) + len(self._pending)
+
     def _decode(self, ids: Sequence[int]) -> str:
         return decode_tokens(self.tokenizer, ids, self.skip_special_tokens)
 

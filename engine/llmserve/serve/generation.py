@@ -7,6 +7,7 @@ import asyncio
 import json
 import time
 import uuid
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any, AsyncIterator, Callable
 from fastapi import Request
@@ -77,7 +78,7 @@ class ChoiceEvent:
     index: int
     text: str
     token_ids: list[int]
-    logprobs: list[tuple[int, float, list[tuple[int, float]]]]
+    logprobs: list[tuple[int, float, list[tuple[int, float]], int]]   # (id, logprob, top, text offset)
     finish_reason: str | None
 
 
@@ -98,6 +99,7 @@ class _Choice:
     engine_finished: bool = False
     text_parts: list[str] = field(default_factory=list)
     logprobs: list = field(default_factory=list)
+    undelivered: list = field(default_factory=list)
 
     @property
     def num_output_tokens(self) -> int:
@@ -171,8 +173,15 @@ class _Generation:
             return
         await _cancel_and_wait(firsts)
         await self.close()
+        if isinstance(error, ClientDisconnected):
+            # admitted and queued, then abandoned before the first token: an abort
+            for ch in self.choices:
+                if ch.tracker is None:
+                    ch.tracker = self.service.metrics.tracker(len(ch.prompt_ids))
+                ch.tracker.on_finish("abort")
         if isinstance(error, ValueError):
-            raise APIError(str(error)) from error
+            ch0 = self.choices[0]
+            raise self.service.engine_error(error, len(ch0.prompt_ids), "prompt") from error
         if type(error).__name__ == "QueueFullError":
             raise APIError(str(error), status_code=429, type="rate_limit_exceeded", code="queue_full") from error
         raise error
@@ -191,10 +200,11 @@ class _Generation:
             pos = ch.num_seen
             ch.num_seen += 1
             used.append(tok)
+            offset = ch.detok.num_decoded_chars   # where this token's text starts
             text_parts.append(ch.detok.add_token(tok))
             if ch.sampling_params.logprobs is not None:
                 rec = lp_list[pos] if pos < len(lp_list) else None
-                lps.append(_norm_logprob(tok, rec))
+                lps.append(_norm_logprob(tok, rec) + (offset,))
             if ch.detok.stopped:
                 break
         if ch.tracker is not None:
@@ -213,6 +223,15 @@ class _Generation:
                 ch.tracker.on_finish(finish, out)
         text = "".join(text_parts)
         ch.text_parts.append(text)
+        # Logprob records are delivered with the next event that has text or a finish reason
+        # (streamed and whole answers alike), their offsets capped at the text emitted by then:
+        # held-back text may still be cut by a stop string.
+        ch.undelivered.extend(lps)
+        lps = []
+        if text or finish is not None:
+            end = len(ch.detok.text)
+            lps = [(t, lp, top, min(off, end)) for t, lp, top, off in ch.undelivered]
+            ch.undelivered = []
         ch.logprobs.extend(lps)
         return ChoiceEvent(ch.index, text, used, lps, finish)
 
@@ -237,7 +256,11 @@ class _Generation:
                 ch.text_parts.append(text)
                 if ch.tracker is not None:
                     ch.tracker.on_finish(ch.finish_reason)
-                put(ChoiceEvent(ch.index, text, [], [], ch.finish_reason))
+                end = len(ch.detok.text)
+                lps = [(t, lp, top, min(off, end)) for t, lp, top, off in ch.undelivered]
+                ch.undelivered = []
+                ch.logprobs.extend(lps)
+                put(ChoiceEvent(ch.index, text, [], lps, ch.finish_reason))
         except asyncio.CancelledError:
             raise
         except Exception as e:  # noqa: BLE001 - handed to the consumer
@@ -372,6 +395,18 @@ class Service:
         self.draining = False
         self.created = int(time.time())
         self.chat_stop_ids = self._special_ids(CHATML_STOP_TOKENS)
+        # Tokenization, chat rendering and echo decoding run here, off the event loop (a long
+        # prompt takes seconds), one at a time: HF fast tokenizers are not safe to call from
+        # several threads at once.
+        self._tokenize_pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="llmserve-tokenize")
+
+    def close(self) -> None:
+        """Stop the tokenizer thread (after the app stopped serving)."""
+        self._tokenize_pool.shutdown(wait=False, cancel_futures=True)
+
+    async def run_blocking(self, fn: Callable, *args: Any) -> Any:
+        """``fn(*args)`` on the tokenizer thread; exceptions (APIError included) propagate."""
+        return await asyncio.get_running_loop().run_in_executor(self._tokenize_pool, fn, *args)
 
     def _special_ids(self, tokens) -> list[int]:
         ids = []
@@ -407,7 +442,11 @@ class Service:
         if isinstance(prompt, str):
             if not prompt:
                 raise APIError("prompt must not be empty", param=param)
-            ids = list(self.tokenizer.encode(prompt, add_special_tokens=False))
+            try:
+                ids = list(self.tokenizer.encode(prompt, add_special_tokens=False))
+            except (TypeError, UnicodeError, ValueError) as e:  # text the tokenizer cannot take
+                raise APIError(f"{param} could not be tokenized ({type(e).__name__}); send valid UTF-8 text",
+                               param=param) from e
         else:
             ids = [int(t) for t in prompt]
             bad = [t for t in ids if not 0 <= t < self.view.vocab_size]
@@ -446,19 +485,43 @@ class Service:
                 stop=[],  # stop strings are matched here, on detokenized text
                 ignore_eos=bool(req.ignore_eos),
                 logprobs=logprobs,
+                presence_penalty=req.presence_penalty or 0.0,
+                frequency_penalty=req.frequency_penalty or 0.0,
+                repetition_penalty=1.0 if req.repetition_penalty is None else req.repetition_penalty,
+                logit_bias=self.logit_bias(req),
             )
         except ValueError as e:
             raise APIError(str(e)) from e
 
+    def logit_bias(self, req) -> dict[int, float] | None:
+        """The request's ``logit_bias`` with integer ids inside the vocabulary (APIError otherwise)."""
+        try:
+            bias = req.logit_bias_ids()
+        except ValueError as e:
+            raise APIError(str(e), param="logit_bias", code="invalid_logit_bias") from e
+        if bias:
+            bad = sorted(t for t in bias if not 0 <= t < self.view.vocab_size)
+            if bad:
+                raise APIError(f"logit_bias token ids must be in [0, {self.view.vocab_size}), got {bad[:5]}",
+                               param="logit_bias", code="invalid_logit_bias")
+        return bias
+
     def unsupported(self, req) -> None:
-        for name in ("presence_penalty", "frequency_penalty"):
-            v = getattr(req, name, None)
-            if v not in (None, 0, 0.0):
-                raise APIError(f"{name} is not supported by this server (only 0)", param=name,
-                               code="unsupported_parameter")
+        """Parameters accepted by the schema but not implemented (none at present)."""
+
+    def engine_error(self, e: ValueError, num_prompt_tokens: int, prompt_param: str) -> APIError:
+        """An engine admission ``ValueError`` as an OpenAI error; the KV-pool capacity check
+        names ``max_tokens`` (or the prompt when it alone does not fit) and
+        ``context_length_exceeded``."""
+        msg = str(e)
+        if "KV blocks" in msg:
+            cap = self.view.capacity_tokens()
+            param = prompt_param if cap is not None and num_prompt_tokens >= cap else "max_tokens"
+            return APIError(msg, param=param, code="context_length_exceeded")
+        return APIError(msg, code=getattr(e, "code", None))
 
     def build_choices(self, prompts: list[list[int]], n: int, make_sp: Callable[[int, int], SamplingParams],
-                      stop: list[str], priority: int, kind: str) -> list[_Choice]:
+                      stop: list[str], priority: int, kind: str, prompt_param: str = "prompt") -> list[_Choice]:
         base = uuid.uuid4().hex
         choices = []
         for p_idx, ids in enumerate(prompts):
@@ -467,7 +530,7 @@ class Service:
                 try:
                     self.view.check_request(ids, sp)
                 except ValueError as e:
-                    raise APIError(str(e), code=getattr(e, "code", None)) from e
+                    raise self.engine_error(e, len(ids), prompt_param) from e
                 choices.append(_Choice(index=p_idx * n + i, request_id=f"{kind}-{base}-{p_idx * n + i}",
                                        prompt_ids=ids, sampling_params=sp, priority=priority,
                                        detok=IncrementalDetokenizer(self.tokenizer, stop),
@@ -492,21 +555,23 @@ def _sse(obj: Any) -> str:
 # Logprob formatting
 # ------------------------------------------------------------------------------------------------
 def _completion_logprobs(tokenizer, entries, start_offset: int) -> dict:
+    """OpenAI's completion ``logprobs`` object. ``text_offset`` is each token's start in the
+    returned text (``start_offset`` = the echoed prompt's length): the characters decoded before
+    it, so a token that ends inside a UTF-8 character starts where that character does; offsets
+    never decrease and never pass the end of the text, in streams and whole answers alike."""
     tokens, token_lps, tops, offsets = [], [], [], []
-    off = start_offset
-    for tok, lp, top in entries:
+    for tok, lp, top, off in entries:
         s = token_text(tokenizer, tok)
         tokens.append(s)
         token_lps.append(_json_float(lp))
         tops.append({token_text(tokenizer, t): _json_float(v) for t, v in top} if top else None)
-        offsets.append(off)
-        off += len(s)
+        offsets.append(start_offset + off)
     return {"tokens": tokens, "token_logprobs": token_lps, "top_logprobs": tops, "text_offset": offsets}
 
 
 def _chat_logprobs(tokenizer, entries) -> dict:
     content = []
-    for tok, lp, top in entries:
+    for tok, lp, top, _ in entries:
         content.append({
             "token": token_text(tokenizer, tok), "logprob": _json_float(lp), "bytes": token_bytes(tokenizer, tok),
             "top_logprobs": [{"token": token_text(tokenizer, t), "logprob": _json_float(v),

@@ -24,6 +24,14 @@ Exported series (``_total`` is appended to counters by the exposition format):
 | ``llmserve:e2e_request_latency_seconds`` | histogram | finish - arrival |
 | ``llmserve:request_queue_time_seconds`` | histogram | first scheduled - arrival |
 | ``llmserve:request_prompt_tokens`` / ``llmserve:request_generation_tokens`` | histogram | per request |
+| ``llmserve:spec_decode_num_drafts_total`` | counter | verifications (speculative engine only) |
+| ``llmserve:spec_decode_num_draft_tokens_total`` | counter | draft tokens proposed (speculative only) |
+| ``llmserve:spec_decode_num_accepted_tokens_total`` | counter | draft tokens accepted (speculative only) |
+| ``llmserve:spec_decode_num_emitted_tokens_total`` | counter | tokens appended by verifications (speculative only) |
+
+The ``spec_decode`` series (vLLM's names) come from ``engine.stats()["speculative"]`` and are
+exported only when the engine speculates (``llmserve serve --speculative-model``); acceptance
+rate = accepted / draft tokens.
 
 Timestamps come from the engine's :class:`~llmserve.core.sequence.RequestMetrics`
 (``time.perf_counter`` clock), falling back to times measured in the service when a field is
@@ -80,6 +88,14 @@ EXPORTED_METRICS = (
     "llmserve:request_generation_tokens",
 )
 
+#: Exported in addition when the engine runs speculative decoding.
+SPEC_DECODE_METRICS = (
+    "llmserve:spec_decode_num_drafts_total",
+    "llmserve:spec_decode_num_draft_tokens_total",
+    "llmserve:spec_decode_num_accepted_tokens_total",
+    "llmserve:spec_decode_num_emitted_tokens_total",
+)
+
 
 def _first(stats: dict, *keys: str) -> Any:
     for k in keys:
@@ -124,6 +140,17 @@ class _EngineStatsCollector(Collector):
             c = CounterMetricFamily(PREFIX + f"prefix_cache_{key}", doc)
             c.add_metric([], float(pc.get(key) or 0))
             yield c
+        spec = s.get("speculative")
+        if isinstance(spec, dict):
+            for name, key, doc in (
+                    ("spec_decode_num_drafts", "num_verifications", "Number of spec decoding drafts verified."),
+                    ("spec_decode_num_draft_tokens", "num_proposed_tokens", "Number of draft tokens proposed."),
+                    ("spec_decode_num_accepted_tokens", "num_accepted_tokens", "Number of draft tokens accepted."),
+                    ("spec_decode_num_emitted_tokens", "num_emitted_tokens",
+                     "Number of tokens appended by verifications (accepted plus correction or bonus).")):
+                c = CounterMetricFamily(PREFIX + name, doc)
+                c.add_metric([], float(spec.get(key) or 0))
+                yield c
 
 
 class ServiceMetrics:

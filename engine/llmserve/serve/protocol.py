@@ -13,13 +13,30 @@ from __future__ import annotations
 
 from typing import Annotated, Any, Literal, Optional, Union
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator
+from pydantic import AfterValidator, BaseModel, ConfigDict, Field, field_validator
 
 MAX_N = 16
 MAX_LOGPROBS = 20
 MAX_STOP = 4
 
 TokenIds = Annotated[list[Annotated[int, Field(ge=0)]], Field(min_length=1)]
+MAX_LOGIT_BIAS = 100.0
+
+
+def _valid_unicode(s: str) -> str:
+    """Reject text that cannot be encoded as UTF-8 (a lone UTF-16 surrogate such as ``\\ud800``,
+    which JSON can spell but no tokenizer or stop matcher can handle)."""
+    try:
+        s.encode("utf-8")
+    except UnicodeEncodeError as e:
+        raise ValueError(f"text must be valid Unicode: character {e.start} is a lone surrogate "
+                         f"(U+{ord(s[e.start]):04X}); send UTF-8 text or a paired surrogate escape") from None
+    return s
+
+
+#: Every text field that reaches the tokenizer, the chat template or the stop matcher.
+Text = Annotated[str, AfterValidator(_valid_unicode)]
+NonEmptyText = Annotated[str, Field(min_length=1), AfterValidator(_valid_unicode)]
 
 
 class _Strict(BaseModel):
@@ -33,25 +50,40 @@ class StreamOptions(_Strict):
 class _SamplingFields(_Strict):
     """Fields shared by both endpoints."""
 
-    model: Optional[str] = Field(default=None, description="served model name; omitted means the served model")
+    model: Optional[Text] = Field(default=None, description="served model name; omitted means the served model")
     temperature: Optional[Annotated[float, Field(ge=0.0, le=2.0)]] = Field(
         default=None, description="0 is greedy; default 1.0")
     top_p: Optional[Annotated[float, Field(gt=0.0, le=1.0)]] = None
     top_k: Optional[Annotated[int, Field(ge=-1, le=2**31 - 1)]] = Field(
         default=None, description="extension; 0 or -1 disables")
     n: Optional[Annotated[int, Field(ge=1, le=MAX_N)]] = 1
-    stop: Optional[Union[Annotated[str, Field(min_length=1)],
-                         Annotated[list[Annotated[str, Field(min_length=1)]], Field(max_length=MAX_STOP)]]] = None
+    stop: Optional[Union[NonEmptyText, Annotated[list[NonEmptyText], Field(max_length=MAX_STOP)]]] = None
     seed: Optional[Annotated[int, Field(ge=0, le=2**63 - 1)]] = None
     stream: Optional[bool] = False
     stream_options: Optional[StreamOptions] = None
     priority: Optional[Annotated[int, Field(ge=-(2**63), le=2**63 - 1)]] = Field(
         default=0, description="extension; lower is served first under the priority policy")
     ignore_eos: Optional[bool] = Field(default=False, description="extension; keep generating past EOS")
-    user: Optional[str] = None
-    # Accepted for compatibility; only the neutral value is supported.
-    presence_penalty: Optional[Annotated[float, Field(ge=-2.0, le=2.0)]] = None
-    frequency_penalty: Optional[Annotated[float, Field(ge=-2.0, le=2.0)]] = None
+    user: Optional[Text] = None
+    presence_penalty: Optional[Annotated[float, Field(ge=-2.0, le=2.0)]] = Field(
+        default=None, description="OpenAI: subtracted once from tokens already in the output")
+    frequency_penalty: Optional[Annotated[float, Field(ge=-2.0, le=2.0)]] = Field(
+        default=None, description="OpenAI: subtracted per occurrence in the output")
+    repetition_penalty: Optional[Annotated[float, Field(gt=0.0, allow_inf_nan=False)]] = Field(
+        default=None, description="extension (vLLM/HF): > 1 discourages tokens of the prompt and output; 1 disables")
+    logit_bias: Optional[dict[str, Annotated[float, Field(ge=-MAX_LOGIT_BIAS, le=MAX_LOGIT_BIAS)]]] = Field(
+        default=None, description="OpenAI: token id (as a string) -> bias in [-100, 100] added to its logit")
+
+    def logit_bias_ids(self) -> dict[int, float] | None:
+        """``logit_bias`` with integer keys (ValueError naming the bad key otherwise)."""
+        if not self.logit_bias:
+            return None
+        out: dict[int, float] = {}
+        for k, v in self.logit_bias.items():
+            if not (k.isascii() and k.isdigit()):
+                raise ValueError(f"logit_bias keys must be token ids written as decimal strings, got {k!r}")
+            out[int(k)] = float(v)
+        return out
 
     def stop_list(self) -> list[str]:
         if self.stop is None:
@@ -63,8 +95,8 @@ class CompletionRequest(_SamplingFields):
     """``POST /v1/completions``. ``prompt`` is a string, a list of strings, a list of token ids,
     or a list of token-id lists; each prompt yields ``n`` choices."""
 
-    prompt: Union[Annotated[str, Field(min_length=1)],
-                  Annotated[list[Annotated[str, Field(min_length=1)]], Field(min_length=1)],
+    prompt: Union[NonEmptyText,
+                  Annotated[list[NonEmptyText], Field(min_length=1)],
                   TokenIds,
                   Annotated[list[TokenIds], Field(min_length=1)]]
     max_tokens: Optional[Annotated[int, Field(ge=1)]] = 16
@@ -85,13 +117,13 @@ class CompletionRequest(_SamplingFields):
 
 class ChatContentPart(_Strict):
     type: Literal["text"]
-    text: str
+    text: Text
 
 
 class ChatMessage(_Strict):
     role: Literal["system", "developer", "user", "assistant", "tool"]
-    content: Optional[Union[str, Annotated[list[ChatContentPart], Field(min_length=1)]]] = None
-    name: Optional[str] = None
+    content: Optional[Union[Text, Annotated[list[ChatContentPart], Field(min_length=1)]]] = None
+    name: Optional[Text] = None
 
     def text(self) -> str:
         if self.content is None:

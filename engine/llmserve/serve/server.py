@@ -1,11 +1,15 @@
-"""``llmserve serve``: build the engine, wrap it in the OpenAI-compatible app, run uvicorn.
+"""llmserve serve: build the engine, wrap it in the OpenAI-compatible app, run uvicorn.
 
     llmserve serve                                   # tiny random model on CPU, 127.0.0.1:8000
-    llmserve serve --model Qwen/Qwen2.5-1.5B --device cuda --host 0.0.0.0
+    llmserve serve Qwen/Qwen2.5-1.5B --device cuda --host 0.0.0.0 --api-key-file key.txt
 
 Shutdown (SIGINT/SIGTERM): uvicorn stops accepting connections and waits up to
-``--shutdown-timeout`` seconds for in-flight responses; then their handlers are cancelled,
-which aborts their engine requests (freeing KV blocks), and the engine loop stops.
+--shutdown-timeout seconds for in-flight responses; then their handlers are cancelled, which
+aborts their engine requests (freeing KV blocks), and the engine loop stops.
+
+Authentication: with --api-key, --api-key-file or the environment variable LLMSERVE_API_KEY,
+every /v1/* route needs "Authorization: Bearer <key>" (401 otherwise); /health and /metrics
+stay open unless --api-key-protect-metrics.
 """
 
 from __future__ import annotations
@@ -19,42 +23,112 @@ log = logging.getLogger("llmserve.serve.server")
 
 def add_serve_subparser(subparsers: Any) -> argparse.ArgumentParser:
     """Register ``serve`` on an ``argparse`` sub-parser set; ``args.func`` runs it."""
+    from .guard import DEFAULT_MAX_REQUEST_BODY_BYTES
+
     p = subparsers.add_parser("serve", help="OpenAI-compatible HTTP server (completions, chat, metrics)",
                               description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("model_tag", nargs="?", default=None, metavar="MODEL",
+                   help="the model to serve (as --model; vllm serve MODEL style)")
     p.add_argument("--model", default="tiny",
-                   help="'tiny' (embedded random Qwen2), a local checkpoint directory, or a hub id")
+                   help="'tiny' (embedded random Qwen2, the default), a local checkpoint directory, or a hub id")
     p.add_argument("--device", default="cpu", help="cpu | cuda | cuda:N")
     p.add_argument("--dtype", default=None, help="float32 | float16 | bfloat16 (default: fp32 on CPU, bf16 on CUDA)")
-    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--seed", type=int, default=0, help="engine seed (unseeded sampling)")
     p.add_argument("--host", default="127.0.0.1", help="bind address (0.0.0.0 in a container)")
-    p.add_argument("--port", type=int, default=8000)
-    p.add_argument("--max-batch-size", type=int, default=8, help="most sequences per engine step")
+    p.add_argument("--port", type=int, default=8000, help="TCP port")
+    p.add_argument("--max-num-seqs", "--max-batch-size", dest="max_batch_size", type=int, default=8, metavar="N",
+                   help="most sequences per engine step")
     p.add_argument("--max-num-batched-tokens", type=int, default=4096, help="token budget of one step")
-    p.add_argument("--prefill-chunk-size", type=int, default=None, help="chunked prefill (tokens); default off")
+    p.add_argument("--prefill-chunk-size", "--prefill-chunk", dest="prefill_chunk_size", type=int, default=None,
+                   help="chunked prefill (tokens); default off")
     p.add_argument("--max-model-len", type=int, default=4096, help="context length cap (tokens)")
-    p.add_argument("--policy", default="fcfs", choices=["fcfs", "sjf", "priority"])
+    p.add_argument("--policy", default="fcfs", choices=["fcfs", "sjf", "priority"], help="waiting-queue order")
     p.add_argument("--block-size", type=int, default=16, help="tokens per KV block")
     p.add_argument("--num-blocks", type=int, default=None,
                    help="KV blocks (default: from the memory budget / free GPU memory)")
     p.add_argument("--enable-prefix-caching", dest="enable_prefix_caching", action="store_true",
                    default=True, help="share the KV of equal prompt prefixes (default on)")
-    p.add_argument("--no-prefix-caching", dest="enable_prefix_caching", action="store_false")
-    p.add_argument("--paged-attention-backend", default="torch", choices=["torch", "triton"])
-    p.add_argument("--linear-backend", default="torch", choices=["torch", "int8", "int4", "triton-int8"])
+    p.add_argument("--no-prefix-caching", dest="enable_prefix_caching", action="store_false",
+                   help="turn prefix caching off")
+    p.add_argument("--attention-backend", "--paged-attention-backend", dest="paged_attention_backend",
+                   default="torch", choices=["torch", "triton"], help="paged attention implementation")
+    p.add_argument("--linear-backend", default="torch", choices=["torch", "int8", "int4", "triton-int8"],
+                   help="projection implementation (int8/int4: weight-only quantized)")
     p.add_argument("--async-scheduling", action=argparse.BooleanOptionalAction, default=None,
                    help="launch step n+1 before reading step n's tokens (default: on for CUDA)")
+    p.add_argument("--speculative-model", default=None, metavar="PATH|tiny",
+                   help="draft model for speculative decoding ('tiny', a checkpoint directory, a hub id, "
+                        "random:<preset>, or 'target'); acceptance counters appear in /metrics")
+    p.add_argument("--num-speculative-tokens", type=int, default=4,
+                   help="draft tokens proposed per step with --speculative-model (default 4)")
     p.add_argument("--max-waiting", type=int, default=1024,
                    help="answer 429 while this many requests wait for the engine (0 = unbounded)")
+    p.add_argument("--max-request-body-bytes", type=int, default=DEFAULT_MAX_REQUEST_BODY_BYTES,
+                   help=f"answer 413 to larger request bodies before reading them (default "
+                        f"{DEFAULT_MAX_REQUEST_BODY_BYTES} = 8 MiB; 0 = no limit)")
     p.add_argument("--served-model-name", default=None,
                    help="the model name clients send (default: the --model value)")
+    p.add_argument("--api-key", default=None,
+                   help="require 'Authorization: Bearer KEY' on /v1/* (visible in the process list: "
+                        "prefer --api-key-file or LLMSERVE_API_KEY)")
+    p.add_argument("--api-key-file", default=None, metavar="FILE",
+                   help="read the API key from the first line of FILE")
+    p.add_argument("--api-key-protect-metrics", action="store_true",
+                   help="require the API key on /health and /metrics too")
     p.add_argument("--shutdown-timeout", type=float, default=10.0,
                    help="seconds to drain in-flight requests on shutdown before aborting them")
     p.add_argument("--no-kernel-warmup", dest="kernel_warmup", action="store_false",
                    help="serve without first compiling the GPU kernels on synthetic requests (CUDA only; "
                         "otherwise the first real requests pay for Triton compilations in their TTFT)")
-    p.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"])
+    p.add_argument("--disable-access-log", "--disable-uvicorn-access-log", dest="access_log",
+                   action="store_false", help="do not log one line per HTTP request (on by default)")
+    p.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"],
+                   help="log level of llmserve and uvicorn")
     p.set_defaults(func=run_serve_cli)
     return p
+
+
+def _api_key_from_env() -> str | None:
+    """The API key from the environment variable ``LLMSERVE_API_KEY`` (None when unset or empty).
+
+    The one place in ``serve`` that reads ``os.environ``."""
+    import os
+
+    return os.environ.get("LLMSERVE_API_KEY") or None
+
+
+def resolve_api_key(args: argparse.Namespace) -> str | None:
+    """The API key from ``--api-key``, ``--api-key-file`` or ``LLMSERVE_API_KEY`` (first found).
+
+    Raises:
+        ValueError: both flags given, an unreadable or empty key file, or
+            ``--api-key-protect-metrics`` without a key.
+    """
+    key, path = getattr(args, "api_key", None), getattr(args, "api_key_file", None)
+    if key is not None and path is not None:
+        raise ValueError("give --api-key or --api-key-file, not both")
+    if path is not None:
+        try:
+            with open(path, encoding="utf-8") as f:
+                key = f.readline().strip()
+        except OSError as e:
+            raise ValueError(f"--api-key-file {path!r} cannot be read: {e.strerror}") from None
+        if not key:
+            raise ValueError(f"--api-key-file {path!r} is empty; write the key on its first line")
+    elif key is not None and not key.strip():
+        raise ValueError("--api-key must not be empty")
+    if key is None:
+        key = _api_key_from_env()
+    if key is None and getattr(args, "api_key_protect_metrics", False):
+        raise ValueError("--api-key-protect-metrics needs an API key (--api-key, --api-key-file or LLMSERVE_API_KEY)")
+    return key.strip() if key else None
+
+
+def _model_name(args: argparse.Namespace) -> str:
+    tag, flag = getattr(args, "model_tag", None), getattr(args, "model", None)
+    if tag and flag and flag != "tiny" and tag != flag:
+        raise ValueError(f"the model is given twice, as {tag!r} and as --model {flag!r}; give it once")
+    return tag or flag or "tiny"
 
 
 def build_engine_config(args: argparse.Namespace):
@@ -63,7 +137,7 @@ def build_engine_config(args: argparse.Namespace):
 
     dtype = args.dtype or ("float32" if args.device == "cpu" else "bfloat16")
     return EngineConfig(
-        model=args.model, device=args.device, dtype=dtype, seed=args.seed,
+        model=_model_name(args), device=args.device, dtype=dtype, seed=args.seed,
         cache=CacheConfig(block_size=args.block_size, num_blocks=args.num_blocks,
                           enable_prefix_caching=getattr(args, "enable_prefix_caching", True)),
         scheduler=SchedulerConfig(mode="continuous", policy=args.policy, max_num_seqs=args.max_batch_size,
@@ -83,7 +157,16 @@ def build_app(args: argparse.Namespace):
         raise ValueError(f"--max-waiting must be >= 0 (0 = unbounded), got {args.max_waiting}")
     if args.shutdown_timeout < 0:
         raise ValueError(f"--shutdown-timeout must be >= 0 seconds, got {args.shutdown_timeout}")
-    engine = LLMEngine(build_engine_config(args))
+    if getattr(args, "max_request_body_bytes", 1) < 0:
+        raise ValueError(f"--max-request-body-bytes must be >= 0 (0 = no limit), got {args.max_request_body_bytes}")
+    api_key = resolve_api_key(args)
+    model = _model_name(args)
+    if getattr(args, "speculative_model", None):
+        from ..engine.speculative import SpeculativeEngine
+        engine = SpeculativeEngine(build_engine_config(args), draft_model=args.speculative_model,
+                                   num_speculative_tokens=args.num_speculative_tokens)
+    else:
+        engine = LLMEngine(build_engine_config(args))
     if getattr(args, "kernel_warmup", True):
         try:
             info = engine.warmup()
@@ -95,10 +178,12 @@ def build_app(args: argparse.Namespace):
                          info["requests"], info["seconds"], info["triton_compiles"])
     max_waiting = args.max_waiting or None
     async_engine = AsyncLLMEngine(engine, max_waiting=max_waiting)
-    name = args.served_model_name or args.model
-    aliases = tuple(a for a in {args.model, str(getattr(engine, "model_path", "") or "")} if a and a != name)
+    name = args.served_model_name or model
+    aliases = tuple(a for a in {model, str(getattr(engine, "model_path", "") or "")} if a and a != name)
     return create_app(async_engine, served_model_name=name, model_aliases=aliases, max_waiting=max_waiting,
-                      shutdown_timeout=args.shutdown_timeout, owns_engine=True)
+                      shutdown_timeout=args.shutdown_timeout, owns_engine=True,
+                      max_request_body_bytes=getattr(args, "max_request_body_bytes", None) or None,
+                      api_key=api_key, api_key_protects_metrics=getattr(args, "api_key_protect_metrics", False))
 
 
 def run_serve_cli(args: argparse.Namespace) -> int:
@@ -109,7 +194,8 @@ def run_serve_cli(args: argparse.Namespace) -> int:
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     app = build_app(args)
     config = uvicorn.Config(app, host=args.host, port=args.port, log_level=args.log_level,
-                            timeout_graceful_shutdown=args.shutdown_timeout, access_log=False)
+                            timeout_graceful_shutdown=args.shutdown_timeout,
+                            access_log=getattr(args, "access_log", True))
     server = uvicorn.Server(config)
     _exit_on_signal(server)
     server.run()
@@ -152,10 +238,10 @@ class BackgroundServer:
     """
 
     def __init__(self, app: Any, host: str = "127.0.0.1", port: int = 0, shutdown_timeout: float = 5.0,
-                 log_level: str = "warning") -> None:
+                 log_level: str = "warning", access_log: bool = False) -> None:
         import uvicorn
 
-        self.config = uvicorn.Config(app, host=host, port=port, log_level=log_level, access_log=False,
+        self.config = uvicorn.Config(app, host=host, port=port, log_level=log_level, access_log=access_log,
                                      timeout_graceful_shutdown=shutdown_timeout, lifespan="on")
         self.server = uvicorn.Server(self.config)
         self.host = host

@@ -9,12 +9,22 @@ every row draw its noise from its own generator.
 Top-p follows Holtzman et al. 2020 ("The Curious Case of Neural Text Degeneration"): keep the
 smallest set of most-likely tokens whose mass reaches ``top_p`` (the token that crosses the
 threshold is kept).
+
+Logits processing before the draw (rows that ask for it only, batched on the logits' device,
+in vLLM's order): ``logit_bias`` (OpenAI: added to the raw logits), then the repetition penalty
+(Keskar et al. 2019, "CTRL", as in HF ``RepetitionPenaltyLogitsProcessor`` and vLLM: over prompt
+and output tokens, positive logits divided, negative multiplied), then OpenAI's frequency and
+presence penalties over output tokens (``logit -= frequency * count + presence * (count > 0)``).
+Token counts are rebuilt every step from the sequence's tokens (:class:`TokenHistory`), so they
+are right after preemption and recompute; a token still on the device (asynchronous scheduling)
+is added from the previous step's id tensor, with no host synchronisation.
 """
 
 from __future__ import annotations
 
 from contextlib import nullcontext
 from dataclasses import dataclass
+from typing import NamedTuple, Sequence
 
 import torch
 
@@ -33,6 +43,114 @@ class SampleResult:
 
     token_ids: list[int]
     logprobs: list[dict | None]
+
+
+class TokenHistory(NamedTuple):
+    """The tokens of one row's sequence, for penalties.
+
+    Attributes:
+        prompt: prompt token ids.
+        output: output token ids the host knows.
+        pending_row: row in the previous step's sampled-id tensor holding one more output token
+            that the host has not read yet (asynchronous scheduling), else ``None``.
+    """
+
+    prompt: Sequence[int]
+    output: Sequence[int]
+    pending_row: int | None = None
+
+
+def _penalty_counts(rows: list[int], history: list[TokenHistory], vocab: int, device: torch.device,
+                    pending_ids: torch.Tensor | None, with_prompt: bool):
+    """Output-token counts ``[R, V]`` float32 and (``with_prompt``) a prompt-token mask ``[R, V]``
+    bool for the rows ``rows``; one host-to-device copy per tensor."""
+    r_idx, t_idx, pr_idx, pt_idx, pend_r, pend_src = [], [], [], [], [], []
+    for j, i in enumerate(rows):
+        h = history[i]
+        r_idx.extend([j] * len(h.output))
+        t_idx.extend(h.output)
+        if with_prompt:
+            pr_idx.extend([j] * len(h.prompt))
+            pt_idx.extend(h.prompt)
+        if h.pending_row is not None:
+            pend_r.append(j)
+            pend_src.append(h.pending_row)
+    counts = torch.zeros((len(rows), vocab), dtype=torch.float32, device=device)            # [R, V]
+    if t_idx:
+        idx = torch.tensor([r_idx, t_idx], dtype=torch.long).to(device, non_blocking=True)  # [2, N]
+        counts.index_put_((idx[0], idx[1]), torch.ones(idx.shape[1], device=device), accumulate=True)
+    if pend_r:
+        if pending_ids is None:
+            raise ValueError("a row has a pending token but no pending_token_ids were given")
+        src = torch.tensor(pend_src, dtype=torch.long).to(device, non_blocking=True)
+        dst = torch.tensor(pend_r, dtype=torch.long).to(device, non_blocking=True)
+        toks = pending_ids.to(device)[src]                                                  # [P]
+        counts.index_put_((dst, toks), torch.ones(len(pend_r), device=device), accumulate=True)
+    prompt_mask = None
+    if with_prompt:
+        prompt_mask = torch.zeros((len(rows), vocab), dtype=torch.bool, device=device)      # [R, V]
+        if pt_idx:
+            idx = torch.tensor([pr_idx, pt_idx], dtype=torch.long).to(device, non_blocking=True)
+            prompt_mask[idx[0], idx[1]] = True
+    return counts, prompt_mask
+
+
+def apply_logits_processing(logits: torch.Tensor, params: list[SamplingParams],
+                            history: list[TokenHistory | None] | None,
+                            pending_token_ids: torch.Tensor | None = None) -> torch.Tensor:
+    """Logit bias, repetition, frequency and presence penalties (module docstring), batched.
+
+    Args:
+        logits: ``[B, V]`` float32 raw model logits (not modified).
+        params: per row; rows with neither penalties nor bias are left as they are.
+        history: per row the sequence's tokens (needed by rows with penalties).
+        pending_token_ids: ``[S]`` int64, the previous step's sampled ids on the device, read
+            at ``history[i].pending_row``.
+
+    Returns:
+        ``logits`` itself when no row needs processing, else a processed copy ``[B, V]``.
+
+    Raises:
+        ValueError: a ``logit_bias`` token id outside ``[0, V)``; a row with penalties and no history.
+    """
+    rows = [i for i, p in enumerate(params) if p.needs_logits_processing]
+    if not rows:
+        return logits
+    vocab, dev = logits.shape[-1], logits.device
+    out = logits.clone()                                                              # [B, V]
+    b_rows, b_ids, b_vals = [], [], []
+    for i in rows:
+        for tok, v in (params[i].logit_bias or {}).items():
+            if not 0 <= tok < vocab:
+                raise ValueError(f"logit_bias token id {tok} is outside the vocabulary [0, {vocab})")
+            b_rows.append(i)
+            b_ids.append(tok)
+            b_vals.append(v)
+    if b_rows:
+        idx = torch.tensor([b_rows, b_ids], dtype=torch.long).to(dev, non_blocking=True)
+        vals = torch.tensor(b_vals, dtype=torch.float32).to(dev, non_blocking=True)
+        out.index_put_((idx[0], idx[1]), vals.to(out.dtype), accumulate=True)
+    pen = [i for i in rows if params[i].has_penalties]
+    if pen:
+        if history is None or any(history[i] is None for i in pen):
+            raise ValueError("presence/frequency/repetition penalties need the sequence's tokens "
+                             "(this engine path does not pass them)")
+        with_prompt = any(params[i].repetition_penalty != 1.0 for i in pen)
+        counts, prompt_mask = _penalty_counts(pen, history, vocab, dev, pending_token_ids, with_prompt)
+        pen_t = torch.tensor(pen, dtype=torch.long).to(dev, non_blocking=True)
+        sub = out[pen_t]                                                              # [P, V]
+        if with_prompt:
+            rep = torch.tensor([params[i].repetition_penalty for i in pen],
+                               dtype=torch.float32).to(dev, non_blocking=True)[:, None]  # [P, 1]
+            seen = prompt_mask | (counts > 0)
+            sub = torch.where(seen, torch.where(sub > 0, sub / rep, sub * rep), sub)
+        freq = torch.tensor([params[i].frequency_penalty for i in pen],
+                            dtype=torch.float32).to(dev, non_blocking=True)[:, None]       # [P, 1]
+        pres = torch.tensor([params[i].presence_penalty for i in pen],
+                            dtype=torch.float32).to(dev, non_blocking=True)[:, None]       # [P, 1]
+        sub = sub - freq * counts - pres * (counts > 0).to(sub.dtype)
+        out[pen_t] = sub
+    return out
 
 
 def apply_top_k_top_p(logits: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
@@ -92,22 +210,26 @@ class Sampler:
         return gen
 
     def sample(self, logits: torch.Tensor, params: list[SamplingParams],
-               request_ids: list[str]) -> SampleResult:
+               request_ids: list[str], history: list[TokenHistory | None] | None = None) -> SampleResult:
         """Pick the next token for each row and wait for the result (see :meth:`sample_async`).
 
         Args:
             logits: ``[B, V]`` float32 model logits, row i for ``params[i]``.
             params: sampling parameters per row.
             request_ids: request id per row (keys for per-request generators).
+            history: per row the sequence's tokens (:class:`TokenHistory`), needed by rows with
+                presence/frequency/repetition penalties.
 
         Returns:
             :class:`SampleResult` with ``B`` token ids.
         """
-        return self.sample_async(logits, params, request_ids).result()
+        return self.sample_async(logits, params, request_ids, history=history).result()
 
     @torch.inference_mode()
     def sample_async(self, logits: torch.Tensor, params: list[SamplingParams],
-                     request_ids: list[str], argmax: torch.Tensor | None = None) -> "PendingSample":
+                     request_ids: list[str], argmax: torch.Tensor | None = None,
+                     history: list[TokenHistory | None] | None = None,
+                     pending_token_ids: torch.Tensor | None = None) -> "PendingSample":
         """Queue the sampling of one step on the logits' device without waiting for it.
 
         The chosen ids stay on the device (``PendingSample.token_ids_device``, which the next
@@ -116,7 +238,11 @@ class Sampler:
         (:meth:`PendingSample.result`). No host synchronisation happens here.
 
         Args/shapes as :meth:`sample`; ``argmax``: ``logits.argmax(-1)`` ``[B]`` int64 when the
-        caller has it already (the decode graph computes it), used for the greedy rows.
+        caller has it already (the decode graph computes it), used for the greedy rows without
+        logits processing; ``history`` / ``pending_token_ids``: see :func:`apply_logits_processing`.
+
+        Raises:
+            ValueError: a bad ``argmax``; from :func:`apply_logits_processing`.
         """
         b = logits.shape[0]
         if b == 0:
@@ -127,6 +253,16 @@ class Sampler:
             raise ValueError(f"argmax must be int64 [{b}] on {logits.device}, got {argmax.dtype} "
                              f"{tuple(argmax.shape)} on {argmax.device}")
         chosen = argmax if argmax is not None else logits.argmax(dim=-1)         # [B]
+        processed = [i for i, p in enumerate(params) if p.needs_logits_processing]
+        if processed:
+            logits = apply_logits_processing(logits, params, history, pending_token_ids)   # [B, V]
+            fix = [i for i in processed if greedy[i]]
+            if fix:
+                if argmax is not None:
+                    chosen = chosen.clone()      # never write into the caller's (graph's) buffer
+                    argmax = None
+                fix_t = torch.tensor(fix, dtype=torch.long, device=logits.device)
+                chosen[fix_t] = logits[fix_t].argmax(dim=-1)
         if not all(greedy):
             if argmax is not None:
                 chosen = chosen.clone()          # never write into the caller's (graph's) buffer
