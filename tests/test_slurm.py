@@ -272,9 +272,13 @@ def test_gpu_profile_cells_ask_slurm_for_one_gpu(runs):
     """A cell of the h200 profile is submitted with --gpus=1; this node has none, so Slurm
     itself refuses it (nothing runs)."""
     work, _, env, _, _ = runs
-    cell = "scheduler~naive_policy~fcfs_batch~1_chunk~0_linear~torch_attn~triton_rate~16_blocks~auto_rep~0"
-    r = snakemake(*SLURM_ARGS, "--config", "profile=h200", "--retries", "0",
-                  f"results/checkpoint3/h200/raw/{cell}.json", cwd=work, env=env, timeout=180)
+    dry = snakemake("-n", "--forceall", "results/checkpoint3", "--config", "profile=h200",
+                    cwd=work, env=env, timeout=180)
+    cells = [p for p in re.findall(r"results/checkpoint3/h200/raw/[^\s,]+\.json", dry.stdout)
+             if not p.endswith(".provenance.json")]
+    assert cells, dry.stdout[-3000:]
+    r = snakemake(*SLURM_ARGS, "--config", "profile=h200", "--retries", "0", cells[0],
+                  cwd=work, env=env, timeout=180)
     assert r.returncode != 0
     call = next(ln for ln in r.stdout.splitlines() if ln.strip().startswith("sbatch --parsable"))
     assert " --gpus=1 " in call and "--exclusive" in call and " -t 30 " in call, call
