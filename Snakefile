@@ -4,8 +4,10 @@
 #
 # GPU profile: add `--config profile=h200` (or `--configfile config/checkpoint3-h200.yaml`).
 # Stages, one file each under workflow/rules/: workload -> benchmark -> aggregate -> checksums.
+# Report with every table and plot: snakemake --report results/checkpoint3/cpu/report.html results/checkpoint3
 # Methodology and table columns: docs/benchmarking.md.
 
+import sys
 from pathlib import Path
 
 from snakemake.exceptions import WorkflowError
@@ -15,6 +17,13 @@ min_version("8.20")
 
 
 configfile: "config/checkpoint3.yaml"
+
+
+# Every job runs this checkout's engine (engine/llmserve), never another installed copy: the
+# engine is imported through PYTHONPATH (`python -m llmserve.cli`, workflow/scripts/*.py).
+ENGINE_DIR = str(Path(workflow.basedir) / "engine")
+shell.prefix(f"set -euo pipefail; export PYTHONPATH={ENGINE_DIR}${{{{PYTHONPATH:+:$PYTHONPATH}}}}; ")
+sys.path.insert(0, ENGINE_DIR)  # the code hash and the profile validator in this process too
 
 
 # `--config profile=NAME` selects config/checkpoint3-NAME.yaml (command-line values still win).

@@ -63,10 +63,27 @@ def test_dry_run_default_target_is_the_results_folder():
     r = snakemake("-n", "--nolock", "--forceall", "results/checkpoint3")
     assert r.returncode == 0, r.stdout
     counts = job_counts(r.stdout)
-    assert counts.get("benchmark_cell", 0) >= 10, counts
+    groups = {k: v for k, v in counts.items() if k.startswith("benchmark_")}
+    assert len(groups) >= 9 and set(groups.values()) == {1}, counts  # sweeps x repetitions
+    assert {k.rsplit("_rep", 1)[1] for k in groups} == {"0", "1", "2"}, groups
     for rule in ("aggregate", "plots", "checksums", "results/checkpoint3"):
         assert counts.get(rule) == 1, (rule, counts)
     assert "results/checkpoint3/cpu/raw/scheduler~naive_policy~fcfs_batch~1_chunk~0" in r.stdout
+
+
+def test_rules_run_this_checkouts_engine():
+    r = snakemake("-n", "--nolock", "--forceall", "-p", "results/checkpoint3")
+    assert r.returncode == 0, r.stdout
+    assert "workflow/scripts/run_cells.py run" in r.stdout and "--torch-threads 1" in r.stdout
+    assert " llmserve benchmark" not in r.stdout  # never the console script of another install
+
+
+def test_checkpoint4_plot_script_is_an_input_of_the_plot_rule_only():
+    r = snakemake("-n", "--nolock", "--forceall", "--summary", "results/checkpoint4")
+    assert r.returncode == 0, r.stdout
+    text = (ROOT / "workflow" / "rules" / "checkpoint4.smk").read_text()
+    measure = text[text.index("rule quantize_eval:"):text.index("rule quantize_plot:")]
+    assert "plot_quantization.py" not in measure
 
 
 def test_lint_is_clean():
@@ -82,7 +99,12 @@ def test_gpu_profile_selected_by_config_and_configfile():
         assert "--device cuda" in r.stdout and "results/checkpoint3/h200/raw/" in r.stdout
         assert "gpu=1" in r.stdout  # benchmark jobs declare the GPU
         assert "--max-batch-size 64" in r.stdout and "--paged-attention-backend triton" in r.stdout
-        assert job_counts(r.stdout)["benchmark_cell"] > 100
+        groups = [k for k in job_counts(r.stdout) if k.startswith("benchmark_")]
+        assert len(groups) >= 15, groups
+        # the cross product scheduler x batch x chunk x linear of the main sweep
+        for want in ("scheduler~static_policy~fcfs_batch~64_chunk~512_linear~triton-int8",
+                     "scheduler~continuous_policy~fcfs_batch~8_chunk~0_linear~torch"):
+            assert want in r.stdout, want
 
 
 def test_unknown_profile_names_the_known_ones():
@@ -93,7 +115,7 @@ def test_unknown_profile_names_the_known_ones():
 
 def test_schema_rejects_a_bad_matrix(tmp_path):
     bad = tmp_path / "bad.yaml"
-    bad.write_text("sweeps:\n  main:\n    - {scheduler: [warp]}\n  failure_regimes: []\n")
+    bad.write_text("sweeps:\n  main:\n    - {scheduler: [warp]}\n")
     r = snakemake("-n", "--nolock", "--configfile", str(bad))
     assert r.returncode != 0 and "warp" in r.stdout
 
@@ -141,14 +163,16 @@ def test_checksums_write_and_verify_with_sha256sum(tmp_path):
     assert script("checksums.py", "check", "checksums/t.sha256", cwd=tmp_path).returncode == 1
 
 
-CELL = "scheduler~{s}_policy~fcfs_batch~{b}_chunk~0_linear~torch_attn~torch_rate~{r}_blocks~auto_rep~0"
+CELL = ("scheduler~{s}_policy~fcfs_batch~{b}_chunk~0_linear~torch_attn~torch_rate~{r}"
+        "_blocks~auto_load~default_rep~{rep}")
 
 
 def fake_report(path: Path, *, scheduler: str, batch: int, rate: str = "profile",
                 status: str = "ok", digest: str = "d1", throughput: float = 10.0,
-                cpu: str = "AMD EPYC", error: str | None = None) -> Path:
+                cpu: str = "AMD EPYC", error: str | None = None, rep: int = 0,
+                device: str = "cpu") -> Path:
     """A minimal report with the fields the aggregation reads, and its provenance file."""
-    cell = CELL.format(s=scheduler, b=batch, r=rate)
+    cell = CELL.format(s=scheduler, b=batch, r=rate, rep=rep)
     out = path / f"{cell}.json"
     profile = {"name": "p", "seed": 0, "num_requests": 4, "arrival": {"rate": 4.0, "burstiness": 1.0},
                "dataset": {"kind": "sharegpt"}, "temperature": 0.0}
@@ -158,7 +182,7 @@ def fake_report(path: Path, *, scheduler: str, batch: int, rate: str = "profile"
         "engine_config": {"model": "tiny", "dtype": "float32"}, "profile": profile,
         "seed": 0, "workload": {"num_requests": 4}, "warmup": {"num_requests": 1},
         "git": {"revision": "abc", "dirty": False}, "versions": {"torch": "2.13.0"},
-        "hardware": {"device": "cpu", "device_name": cpu, "cpu_model": cpu, "cpu_count": 2},
+        "hardware": {"device": device, "device_name": cpu, "cpu_model": cpu, "cpu_count": 2},
         "aggregates": {"num_requests": 4, "num_completed": 4 if status == "ok" else 1,
                        "output_throughput": throughput if status == "ok" else None,
                        "ttft_ms_p95": 100.0, "tpot_ms_p95": 5.0, "kv_cache_usage_peak": 0.1,
@@ -176,10 +200,14 @@ def fake_report(path: Path, *, scheduler: str, batch: int, rate: str = "profile"
 
 def run_aggregate(tmp_path: Path, main: list[Path], failure: list[Path]) -> subprocess.CompletedProcess:
     out = tmp_path / "out"
-    return script("aggregate_checkpoint3.py", "--profile", "t", "--main", *map(str, main),
-                  "--failure-regimes", *map(str, failure),
-                  "--summary-csv", str(out / "summary.csv"), "--summary-md", str(out / "summary.md"),
-                  "--failure-csv", str(out / "failure.csv"), "--failure-md", str(out / "failure.md"))
+    sweeps = ["--sweep", "main", *map(str, main)]
+    if failure:
+        sweeps += ["--sweep", "failure_regimes", *map(str, failure)]
+    return script("aggregate_checkpoint3.py", "--profile", "t", *sweeps,
+                  "--defaults", json.dumps({"rate": "profile", "blocks": "auto", "policy": "fcfs",
+                                            "chunk": "0", "linear": "torch", "attn": "torch",
+                                            "load": "default"}),
+                  "--out-dir", str(out))
 
 
 def test_aggregation_keeps_failures_and_checks_digests(tmp_path):
@@ -203,8 +231,75 @@ def test_aggregation_keeps_failures_and_checks_digests(tmp_path):
     assert "CUDA out of memory" in failed["error"]
     md = (tmp_path / "out" / "summary.md").read_text()
     assert "CUDA out of memory" in md and "**Hardware:** cpu — AMD EPYC" in md
-    fdf = pd.read_csv(tmp_path / "out" / "failure.csv")
+    fdf = pd.read_csv(tmp_path / "out" / "failure_regimes.csv")
     assert fdf["output_throughput_vs_baseline"].iloc[0] == pytest.approx(0.5)
+
+
+def test_two_repetitions_of_two_cells_show_median_min_max(tmp_path):
+    main = [fake_report(tmp_path, scheduler=s, batch=8, rep=rep, throughput=t)
+            for s, ts in (("static", (10.0, 14.0)), ("continuous", (30.0, 20.0)))
+            for rep, t in enumerate(ts)]
+    r = run_aggregate(tmp_path, main, [])
+    assert r.returncode == 0, r.stderr
+    head = (tmp_path / "out" / "headline.md").read_text()
+    assert "| Static batching | 12.0 [10.0–14.0] tok/s |" in head, head
+    assert "| Continuous batching | 25.0 [20.0–30.0] tok/s |" in head, head
+    assert "**Repetitions:** 2" in head and "**Requests per run:** 4" in head
+
+
+def test_gpu_digest_verdict_is_not_applicable(tmp_path):
+    import pandas as pd
+
+    main = [fake_report(tmp_path, scheduler="naive", batch=1, digest="a", device="cuda"),
+            fake_report(tmp_path, scheduler="continuous", batch=8, digest="b", device="cuda")]
+    assert run_aggregate(tmp_path, main, []).returncode == 0
+    df = pd.read_csv(tmp_path / "out" / "summary.csv")
+    assert list(df["digest_agrees_with_naive"]) == ["reference", "n/a: not batch-invariant"]
+
+
+def test_plot_scripts_raise_on_an_empty_selection(tmp_path):
+    pytest.importorskip("matplotlib")
+    import pandas as pd
+
+    sys.path.insert(0, str(SCRIPTS))
+    try:
+        import plot_checkpoint3 as pc
+    finally:
+        sys.path.remove(str(SCRIPTS))
+    main = [fake_report(tmp_path, scheduler="continuous", batch=8)]
+    assert run_aggregate(tmp_path, main, []).returncode == 0
+    df = pd.read_csv(tmp_path / "out" / "summary.csv", dtype=pc.STR_COLUMNS)
+    with pytest.raises(pc.EmptySelection):  # no cell with the GPU profile's attention backend
+        pc.plot_batch_scaling(df, {"attn": "triton"}, "t", tmp_path / "a.png")
+    with pytest.raises(pc.EmptySelection):
+        pc.plot_chunked(df.iloc[0:0], "t", tmp_path / "b.png")
+    with pytest.raises(pc.EmptySelection):
+        pc.plot_latency_throughput(df.iloc[0:0], "t", tmp_path / "c.png")
+    pc.plot_batch_scaling(df, {"attn": "torch", "rate": "profile"}, "t", tmp_path / "d.png")
+    assert (tmp_path / "d.png").read_bytes()[:4] == b"\x89PNG"
+    (tmp_path / "empty.json").write_text('{"modes": []}')
+    r = script("plot_quantization.py", str(tmp_path / "empty.json"), "--output",
+               str(tmp_path / "q.png"))
+    assert r.returncode != 0 and not (tmp_path / "q.png").exists(), r.stdout + r.stderr
+
+
+def test_readme_headline_numbers_come_from_headline_md():
+    """Every number in README.md's CPU headline section appears in the generated headline.md."""
+    import re
+
+    readme = (ROOT / "README.md").read_text()
+    start, end = "<!-- headline:cpu -->", "<!-- /headline:cpu -->"
+    assert start in readme and end in readme, "README.md lacks the headline:cpu markers"
+    section = readme[readme.index(start) + len(start):readme.index(end)]
+    headline = (ROOT / "results" / "checkpoint3" / "cpu" / "headline.md").read_text()
+    rows = [ln for ln in section.splitlines() if ln.startswith("| ") and "---" not in ln][1:]
+    assert len(rows) >= 3, section
+    numbers = re.findall(r"\d[\d,]*\.\d+", "\n".join(rows))
+    assert numbers, section
+    for n in numbers:
+        assert n in headline, f"README headline number {n} is not in headline.md"
+    for row in rows:  # whole rows, not just numbers
+        assert row.strip() in headline, row
 
 
 def test_aggregation_refuses_runs_from_different_hardware(tmp_path):
@@ -223,16 +318,22 @@ REDUCED = """\
 profile: citest
 requests: 2
 warmup_requests: 0
-repetitions: 1
+repetitions: 2
 timeout_s: 120
 load_profile_overrides:
   name: sharegpt-citest
+  arrival: {rate: inf}
   prompt_len: {max: 32}
   output_len: {scale: 0.05, max: 6}
+extra_loads: {}
 sweeps:
   main:
     - {scheduler: [naive]}
-    - {scheduler: [continuous], batch: [4]}
+    - {scheduler: [continuous], batch: [8]}
+  chunked_prefill:
+    - {scheduler: [continuous], batch: [8], chunk: [0]}
+  rates:
+    - {scheduler: [continuous], batch: [8], rate: [inf]}
   failure_regimes: []
 """
 
@@ -240,18 +341,16 @@ sweeps:
 @pytest.fixture(scope="module")
 def reduced_run(tmp_path_factory):
     pytest.importorskip("matplotlib")
-    if shutil.which("llmserve") is None:
-        pytest.skip("the llmserve CLI is not installed (pip install -e .)")
     work = tmp_path_factory.mktemp("pipeline")
     shutil.copy(ROOT / "Snakefile", work)
     for folder in ("workflow", "config", "envs"):
         shutil.copytree(ROOT / folder, work / folder)
-    # A snapshot of the engine, imported through PYTHONPATH, so that the run (whose cells fail on
-    # purpose when the llmserve sources change under them) is independent of edits to the tree.
+    # A snapshot of the engine (the Snakefile puts <workflow>/engine first on PYTHONPATH), so
+    # that the run (whose cells fail on purpose when the llmserve sources change under them) is
+    # independent of edits to the tree.
     shutil.copytree(ROOT / "engine" / "llmserve", work / "engine" / "llmserve",
                     ignore=shutil.ignore_patterns("__pycache__"))
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join(
-        [str(work / "engine"), *filter(None, [os.environ.get("PYTHONPATH")])]))
+    env = dict(os.environ)
     (work / "config" / "checkpoint3-citest.yaml").write_text(REDUCED)
     run = snakemake("--cores", "1", "results/checkpoint3", "--config", "profile=citest",
                     cwd=work, timeout=900, env=env)
@@ -266,17 +365,51 @@ def test_reduced_matrix_end_to_end(reduced_run):
     rows = [ln for ln in md.splitlines() if ln.startswith("| naive") or ln.startswith("| continuous")]
     assert len(rows) == 2, md
     assert "sharegpt-citest" in md and "**Model:** `tiny`" in md
-    for png in ("batch_scaling.png", "ttft_cdf.png"):
-        assert (out / "plots" / png).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert "**Repetitions:** 2" in md and "**Requests per run:** 2" in md, md
+    assert "torch threads 1" in md, md
+    assert "+dirty" not in md  # only engine/workflow sources can make a run dirty
+    # two repetitions of two cells: every number of the headline is median [min–max]
+    head = (out / "headline.md").read_text()
+    cont = next(ln for ln in head.splitlines() if ln.startswith("| Continuous batching"))
+    assert cont.count("[") == 3 and cont.count("–") == 3, head
+    for png in ("batch_scaling", "ttft_cdf", "chunked_prefill", "latency_throughput"):
+        assert (out / "plots" / f"{png}.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    prov = json.loads(next((out / "raw").glob("*rep~1.provenance.json")).read_text())
+    assert prov["torch_threads"] == 1 and prov["process"]["cells_in_group"] == 2, prov
+    assert prov["code_hash"] == prov["code_hash_at_dag_build"]
     checksum = work / "checksums" / "checkpoint3-citest.sha256"
     listed = [ln.split("  ", 1)[1] for ln in checksum.read_text().splitlines()]
     assert "results/checkpoint3/citest/summary.md" in listed
-    assert sum(p.endswith(".json") and "/raw/" in p for p in listed) == 4  # 2 reports + 2 provenance
+    assert sum(p.endswith(".json") and "/raw/" in p for p in listed) == 8  # 2 cells x 2 reps x 2
     assert not any("/logs/" in p for p in listed)
     if shutil.which("sha256sum"):
         ok = subprocess.run(["sha256sum", "-c", str(checksum.relative_to(work))], cwd=work,
                             capture_output=True, text=True)
         assert ok.returncode == 0, ok.stdout + ok.stderr
+
+
+def test_report_embeds_every_table_and_plot(reduced_run):
+    import base64
+    import re
+
+    work, run, env = reduced_run
+    assert run.returncode == 0
+    report = work / "results" / "checkpoint3" / "citest" / "report.html"
+    r = snakemake("--report", str(report.relative_to(work)), "results/checkpoint3",
+                  "--config", "profile=citest", cwd=work, env=env)
+    assert r.returncode == 0, r.stdout[-3000:]
+    html = report.read_text()
+    assert "<html" in html.lower()
+    plots = sorted((work / "results" / "checkpoint3" / "citest" / "plots").glob("*.png"))
+    assert len(plots) == 4
+    # self-contained: the results are embedded as data (base64), not linked files
+    for png in plots:
+        assert png.name in html, png.name
+        b64 = base64.b64encode(png.read_bytes()).decode()
+        assert b64[:200] in html or b64[:200] in re.sub(r"\\/", "/", html), png.name
+    for table in ("headline.md", "summary.md", "chunked_prefill.md", "rates.md",
+                  "failure_regimes.md"):
+        assert table in html, table
 
 
 def test_reduced_matrix_reruns_only_what_changed(reduced_run):
@@ -295,10 +428,10 @@ def test_reduced_matrix_reruns_only_what_changed(reduced_run):
     engine_file = work / "engine" / "llmserve" / "core" / "sampling_params.py"
     engine_file.write_text(engine_file.read_text() + "\n# a comment\n")
     counts = job_counts(snakemake(*dry, cwd=work, env=env).stdout)
-    assert counts.get("benchmark_cell") == 2, counts
+    assert counts.get("benchmark_main_rep0") == 1 and counts.get("benchmark_main_rep1") == 1, counts
     shutil.rmtree(work / ".snakemake")
     counts = job_counts(snakemake(*dry, cwd=work, env=env).stdout)
-    assert counts.get("benchmark_cell") == 2 and counts.get("code_changed_marker") == 2, counts
+    assert counts.get("benchmark_main_rep0") == 1 and counts.get("code_changed_marker") == 4, counts
     # Rerun for real (still without the old metadata): afterwards nothing is left to do.
     r = snakemake("--cores", "1", *dry[1:], cwd=work, env=env, timeout=900)
     assert r.returncode == 0, r.stdout[-3000:]

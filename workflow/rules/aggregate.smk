@@ -1,49 +1,63 @@
 # Stage 3: tables and plots. The scripts are inputs, so editing one reruns only its stage and
-# what follows (never the benchmark cells).
+# what follows (never the benchmark cells). Every table and plot is a `report()` output:
+#
+#   snakemake --report results/checkpoint3/<profile>/report.html results/checkpoint3
 
 rule aggregate:
     input:
         script=f"{SCRIPTS}/aggregate_checkpoint3.py",
         cell_ids=f"{SCRIPTS}/code_hash.py",  # parse_cell_id
-        main=expand(f"{RAW}/{{cell}}.json", cell=SWEEP_CELLS["main"]),
-        failure_regimes=expand(f"{RAW}/{{cell}}.json", cell=SWEEP_CELLS["failure_regimes"]),
+        reports=expand(f"{RAW}/{{cell}}.json", cell=ALL_CELLS),
         provenance=expand(f"{RAW}/{{cell}}.provenance.json", cell=ALL_CELLS),
     output:
         summary_csv=f"{OUT}/summary.csv",
-        summary_md=f"{OUT}/summary.md",
+        summary_md=_table("summary", "summary.rst"),
+        headline_csv=f"{OUT}/headline.csv",
+        headline_md=_table("headline", "headline.rst"),
+        chunked_csv=f"{OUT}/chunked_prefill.csv",
+        chunked_md=_table("chunked_prefill", "chunked_prefill.rst"),
+        rates_csv=f"{OUT}/rates.csv",
+        rates_md=_table("rates", "rates.rst"),
         failure_csv=f"{OUT}/failure_regimes.csv",
-        failure_md=f"{OUT}/failure_regimes.md",
+        failure_md=_table("failure_regimes", "failure_regimes.rst"),
     params:
         profile=PROFILE,
-        default_rate=_fmt(config["defaults"]["rate"]),
-        default_blocks=_fmt(config["defaults"]["blocks"]),
+        sweeps=_sweep_args(),
+        defaults=json.dumps({k: _fmt(v) for k, v in config["defaults"].items()}),
+        headline_batch=config.get("headline_batch", 8),
+        out=lambda wildcards, output: os.path.dirname(output.summary_csv),
     log:
         f"{LOGS}/aggregate.log",
     conda:
         ENV
     shell:
-        "python {input.script} --profile {params.profile} --default-rate {params.default_rate}"
-        " --default-blocks {params.default_blocks}"
-        " --main {input.main} --failure-regimes {input.failure_regimes}"
-        " --summary-csv {output.summary_csv} --summary-md {output.summary_md}"
-        " --failure-csv {output.failure_csv} --failure-md {output.failure_md} > {log} 2>&1"
+        "python {input.script} --profile {params.profile} {params.sweeps}"
+        " --defaults {params.defaults:q} --headline-batch {params.headline_batch}"
+        " --out-dir {params.out} > {log} 2>&1"
 
 
 rule plots:
     input:
         script=f"{SCRIPTS}/plot_checkpoint3.py",
         summary=f"{OUT}/summary.csv",
+        chunked=f"{OUT}/chunked_prefill.csv",
+        rates=f"{OUT}/rates.csv",
         main=expand(f"{RAW}/{{cell}}.json", cell=SWEEP_CELLS["main"]),
     output:
-        batch_scaling=f"{PLOTS}/batch_scaling.png",
-        ttft_cdf=f"{PLOTS}/ttft_cdf.png",
+        batch_scaling=_plot("batch_scaling", "batch_scaling.rst"),
+        ttft_cdf=_plot("ttft_cdf", "ttft_cdf.rst"),
+        chunked_prefill=_plot("chunked_prefill", "chunked_prefill_plot.rst"),
+        latency_throughput=_plot("latency_throughput", "latency_throughput.rst"),
     params:
         profile=PROFILE,
+        defaults=json.dumps({k: _fmt(v) for k, v in config["defaults"].items()}),
     log:
         f"{LOGS}/plots.log",
     conda:
         ENV
     shell:
-        "python {input.script} --profile {params.profile} --summary {input.summary}"
+        "python {input.script} --profile {params.profile} --defaults {params.defaults:q}"
+        " --summary {input.summary} --chunked {input.chunked} --rates {input.rates}"
         " --reports {input.main} --batch-scaling {output.batch_scaling}"
-        " --ttft-cdf {output.ttft_cdf} > {log} 2>&1"
+        " --ttft-cdf {output.ttft_cdf} --chunked-plot {output.chunked_prefill}"
+        " --latency-throughput {output.latency_throughput} > {log} 2>&1"

@@ -1,16 +1,18 @@
-# Stage 2: one `llmserve benchmark` run per matrix cell (x repetition).
+# Stage 2: the benchmark cells, one process per group (the cells of one sweep and repetition;
+# GROUPS in common.smk), each cell one `llmserve benchmark` run inside it
+# (workflow/scripts/run_cells.py). Rules are named benchmark_<sweep>_rep<N>.
 #
 # A failed cell is a result, not a workflow error: the harness writes a `status: failed` report
-# and exits 0, and if the process dies without a report (outer timeout, OOM kill, segfault) the
-# provenance step writes a failed report in its place. Only a broken pipeline (e.g. an unknown
-# flag) stops the workflow.
+# and the group goes on; if the process dies (outer timeout, OOM kill, segfault), `finalize`
+# writes a failed report for every cell it left without one. Only a broken pipeline (e.g. an
+# unknown flag) stops the workflow.
 #
 # Reruns: `code_hash` changes with any llmserve source file, and Snakemake's params trigger then
-# reruns every cell; `flags` changes with the cell's settings. Without Snakemake's metadata (a
-# fresh clone of committed results), stale_marker (common.smk) compares the hash each cell
-# recorded in its provenance file with the current one and reruns the stale cells. If the
-# sources change while the workflow runs, the job fails (before or after measuring) instead of
-# keeping a cell measured on code its recorded hash does not describe.
+# reruns every group; `spec` changes with a cell's settings and reruns that cell's group.
+# Without Snakemake's metadata (a fresh clone of committed results), stale_marker (common.smk)
+# compares the hash each cell recorded in its provenance file with the current one and reruns
+# the stale groups. If the sources change while a group runs, the job fails instead of keeping
+# a cell measured on code its recorded hash does not describe.
 
 rule code_changed_marker:
     output:
@@ -24,33 +26,40 @@ rule code_changed_marker:
         " > {output:q} 2> {log:q}"
 
 
-rule benchmark_cell:
-    input:
-        profile=LOAD_PROFILE,
-        code_changed=code_change_marker,
-    output:
-        json=f"{RAW}/{{cell}}.json",
-        csv=f"{RAW}/{{cell}}.csv",
-        provenance=f"{RAW}/{{cell}}.provenance.json",
-    params:
-        llmserve=config["llmserve"],
-        flags=benchmark_flags,
-        device=config["device"],
-        code_hash=CODE_HASH,
-        tool=f"{SCRIPTS}/code_hash.py",
-        outer_timeout=int(config["timeout_s"]) + 300,
-    log:
-        f"{LOGS}/benchmark/{{cell}}.log",
-    resources:
-        gpu=GPU,
-        benchmark_slot=1,
-    conda:
-        ENV
-    shell:
-        "python {params.tool} check --expected {params.code_hash} > {log:q} 2>&1; "
-        "rc=0; timeout -k 30 {params.outer_timeout} {params.llmserve} benchmark {params.flags}"
-        " --profile {input.profile:q} --output {output.json:q} --csv {output.csv:q} >> {log:q} 2>&1"
-        " || rc=$?; "
-        "python {params.tool} provenance --json {output.json:q} --csv {output.csv:q}"
-        " --output {output.provenance:q} --cell {wildcards.cell:q} --exit-status $rc"
-        " --expected-code-hash {params.code_hash} --device {params.device} --log {log:q} >> {log:q} 2>&1"
+for _group, _cells in GROUPS.items():
+
+    rule:
+        name:
+            f"benchmark_{_group}"
+        input:
+            profiles=sorted({LOAD_FILES[_cell_params(c)["load"]] for c in _cells}),
+            code_changed=code_change_markers(_cells),
+        output:
+            raw_files(_cells),
+        params:
+            spec=group_spec(_group),
+            group=_group,
+            raw=lambda wildcards, output: os.path.dirname(output[0]),
+            logs=f"{LOGS}/benchmark",
+            device=config["device"],
+            torch_threads=config["torch_threads"],
+            code_hash=CODE_HASH,
+            tool=f"{SCRIPTS}/run_cells.py",
+            outer_timeout=len(_cells) * int(config["timeout_s"]) + 300,
+        log:
+            f"{LOGS}/benchmark/{_group}.log",
+        threads: int(config["torch_threads"])
+        resources:
+            gpu=GPU,
+            benchmark_slot=1,
+        conda:
+            ENV
+        shell:
+            "rc=0; timeout -k 30 {params.outer_timeout} python {params.tool} run --spec {params.spec:q}"
+            " --raw {params.raw} --log-dir {params.logs} --code-hash {params.code_hash}"
+            " --device {params.device} --torch-threads {params.torch_threads} --group {params.group}"
+            " > {log:q} 2>&1 || rc=$?; "
+            "if [ $rc -eq 1 ] || [ $rc -eq 2 ]; then exit $rc; fi; "  # sources changed / bad flag
+            "python {params.tool} finalize --spec {params.spec:q} --raw {params.raw}"
+            " --log-dir {params.logs} --code-hash {params.code_hash} --device {params.device}"
+            " --group {params.group} --exit-status $rc >> {log:q} 2>&1"

@@ -7,6 +7,7 @@ from itertools import product
 from pathlib import Path
 
 import pandas as pd
+from snakemake.exceptions import WorkflowError
 from snakemake.utils import Paramspace
 
 # ----------------------------------------------------------------------------------------------
@@ -21,9 +22,13 @@ CHECKSUM_FILE = f"checksums/checkpoint3-{PROFILE}.sha256"
 ENV = "../../envs/llmserve.yaml"  # relative to this file, as the conda directive expects
 SCRIPTS = "workflow/scripts"
 
-# The load profile every cell runs: the file itself, or a derived copy with the overrides.
+# The load profile every cell of the `default` load runs: the file itself, or a derived copy with
+# the overrides; each extra load is a derived copy of the default load with its own changes.
 DERIVE_PROFILE = bool(config.get("load_profile_overrides"))
 LOAD_PROFILE = f"{OUT}/load_profile.yaml" if DERIVE_PROFILE else config["load_profile"]
+EXTRA_LOADS = dict(config.get("extra_loads") or {})
+LOAD_FILES = {"default": LOAD_PROFILE,
+              **{name: f"{OUT}/load_profile-{name}.yaml" for name in EXTRA_LOADS}}
 
 # Benchmarks on a GPU declare it, so `--resources gpu=1` serialises them (docs/benchmarking.md).
 GPU = 1 if str(config["device"]).startswith("cuda") else 0
@@ -40,15 +45,16 @@ def _load_code_hash_module():
 
 # Hash of every llmserve source file that `llmserve` imports. Passed to each benchmark job as a
 # param: Snakemake's params trigger reruns the cells when any engine .py file changes.
-CODE_HASH = _load_code_hash_module().code_hash()
+_CODE_HASH_MOD = _load_code_hash_module()
+CODE_HASH = _CODE_HASH_MOD.code_hash(Path(ENGINE_DIR) / "llmserve")
 
 # ----------------------------------------------------------------------------------------------
 # The matrix
 # ----------------------------------------------------------------------------------------------
 # Column order = order of the fields in a cell id, e.g.
-#   scheduler~continuous_policy~fcfs_batch~8_chunk~0_linear~torch_attn~torch_rate~profile_blocks~auto_rep~0
+#   scheduler~continuous_policy~fcfs_batch~8_chunk~0_linear~torch_attn~torch_rate~inf_blocks~auto_load~default_rep~0
 # Names and values never contain "_" or "~", so a cell id parses back unambiguously.
-COLUMNS = ["scheduler", "policy", "batch", "chunk", "linear", "attn", "rate", "blocks"]
+COLUMNS = ["scheduler", "policy", "batch", "chunk", "linear", "attn", "rate", "blocks", "load"]
 
 
 def _fmt(value):
@@ -105,17 +111,42 @@ MATRIX = Paramspace(cell_frame(_ALL, config["repetitions"]), filename_params="*"
 ALL_CELLS = list(MATRIX.instance_patterns)
 SWEEP_CELLS = {name: cell_ids(cell_frame(cells, config["repetitions"]))
                for name, cells in SWEEPS.items()}
+_unknown_loads = sorted({c["load"] for c in _ALL} - set(LOAD_FILES))
+if _unknown_loads:
+    raise WorkflowError(f"sweeps name loads {_unknown_loads} that are neither 'default' nor keys "
+                        f"of extra_loads ({sorted(EXTRA_LOADS)}): add them to extra_loads")
 
 
-def benchmark_flags(wildcards):
+def _cell_params(cell_id):
+    """Matrix values of a cell id (the `rep` included)."""
+    return dict(part.split("~", 1) for part in cell_id.split("_"))
+
+
+# Benchmark processes: the cells of one sweep and repetition run in one process (the first sweep
+# that names a cell runs it), so start-up (torch, tokenizer, prompts; CUDA context, kernels) is
+# paid once a group, while repetitions stay separate processes and an edit of one sweep reruns
+# that sweep's groups only.
+GROUPS = {}
+_owner = {}
+for _sweep, _ids in SWEEP_CELLS.items():
+    for _cell in _ids:
+        if _cell not in _owner:
+            _owner[_cell] = _sweep
+            GROUPS.setdefault(f"{_sweep}_rep{_cell_params(_cell)['rep']}", []).append(_cell)
+
+
+def cell_flags(cell_id):
     """`llmserve benchmark` flags of one cell (its params plus the profile-wide settings)."""
-    c = MATRIX.instance(wildcards)
+    c = _cell_params(cell_id)
+    load = EXTRA_LOADS.get(c["load"]) or {}
+    requests = load.get("num_requests", config["requests"])
     flags = [
         f"--config {c['scheduler']}", f"--policy {c['policy']}",
         f"--max-batch-size {c['batch']}", f"--prefill-chunk-size {c['chunk']}",
         f"--linear-backend {c['linear']}", f"--paged-attention-backend {c['attn']}",
         f"--model {config['model']}", f"--device {config['device']}", f"--dtype {config['dtype']}",
-        f"--requests {config['requests']}", f"--seed {config['seed']}",
+        f"--profile {LOAD_FILES[c['load']]}",
+        f"--requests {requests}", f"--seed {config['seed']}",
         f"--warmup-requests {config['warmup_requests']}", f"--block-size {config['block_size']}",
         f"--timeout {config['timeout_s']}", "--no-progress",
     ]
@@ -125,7 +156,17 @@ def benchmark_flags(wildcards):
         flags.append(f"--num-blocks {c['blocks']}")
     if config.get("max_num_batched_tokens"):
         flags.append(f"--max-num-batched-tokens {config['max_num_batched_tokens']}")
+    slo = config.get("slo") or {}
+    if slo.get("ttft_ms"):
+        flags.append(f"--slo-ttft-ms {slo['ttft_ms']}")
+    if slo.get("tpot_ms"):
+        flags.append(f"--slo-tpot-ms {slo['tpot_ms']}")
     return " ".join(flags)
+
+
+def group_spec(group):
+    """JSON `{cell id: flags}` of one benchmark process (a param: a changed flag reruns it)."""
+    return json.dumps({cell: cell_flags(cell) for cell in GROUPS[group]}, sort_keys=False)
 
 
 def recorded_code_hash(cell):
@@ -151,18 +192,21 @@ def stale_marker(cell):
     return None
 
 
-def code_change_marker(wildcards):
-    """Input function of the benchmark rule: the cell's markers for the current code.
+def code_change_markers(cells):
+    """Inputs of a benchmark group: its cells' markers for the current code.
 
     Besides a new marker for a stale cell, the markers that earlier reruns left for the current
-    code stay inputs, so the set of inputs Snakemake recorded for the cell does not change after
+    code stay inputs, so the set of inputs Snakemake recorded for the group does not change after
     the rerun (which its `input` rerun trigger would otherwise take for a change).
     """
-    folder = Path(f"{LOGS}/code-changed/{wildcards.cell}")
-    markers = sorted(str(p) for p in folder.glob(f"*-to-{CODE_HASH[:16]}.stamp"))
-    stale = stale_marker(wildcards.cell)
-    if stale is not None and stale not in markers:
-        markers.append(stale)
+    markers = []
+    for cell in cells:
+        folder = Path(f"{LOGS}/code-changed/{cell}")
+        found = sorted(str(p) for p in folder.glob(f"*-to-{CODE_HASH[:16]}.stamp"))
+        stale = stale_marker(cell)
+        if stale is not None and stale not in found:
+            found.append(stale)
+        markers += found
     return markers
 
 
@@ -182,11 +226,13 @@ def deep_merge(base, overrides):
     return out
 
 
-PLOT_FILES = [f"{PLOTS}/batch_scaling.png", f"{PLOTS}/ttft_cdf.png"]
-TABLE_FILES = [f"{OUT}/summary.csv", f"{OUT}/summary.md",
-               f"{OUT}/failure_regimes.csv", f"{OUT}/failure_regimes.md"]
+PLOT_NAMES = ["batch_scaling", "ttft_cdf", "chunked_prefill", "latency_throughput"]
+PLOT_FILES = [f"{PLOTS}/{name}.png" for name in PLOT_NAMES]
+TABLE_NAMES = ["summary", "headline", "chunked_prefill", "rates", "failure_regimes"]
+TABLE_FILES = [f"{OUT}/{name}.{ext}" for name in TABLE_NAMES for ext in ("csv", "md")]
 STALE_MARKERS = sorted({m for m in map(stale_marker, ALL_CELLS) if m})
-TRACKED_FILES = (([LOAD_PROFILE] if DERIVE_PROFILE else []) + raw_files(ALL_CELLS)
+TRACKED_FILES = (([LOAD_PROFILE] if DERIVE_PROFILE else [])
+                 + [LOAD_FILES[name] for name in EXTRA_LOADS] + raw_files(ALL_CELLS)
                  + TABLE_FILES + PLOT_FILES)
 
 wildcard_constraints:
@@ -199,10 +245,34 @@ def write_derived_profile(base_path, overrides, output_path, log_path):
     import yaml
     from llmserve.bench.workload import validate_profile
 
-    derived = deep_merge(yaml.safe_load(Path(base_path).read_text()), overrides)
+    derived = yaml.safe_load(Path(base_path).read_text())
+    for layer in overrides if isinstance(overrides, list) else [overrides]:
+        derived = deep_merge(derived, layer)
     validate_profile(derived, source=output_path)
-    header = (f"# Derived load profile: {base_path} with `load_profile_overrides` of the\n"
+    header = (f"# Derived load profile: {base_path} with the load overrides of the\n"
               f"# checkpoint-3 config (profile {PROFILE}). Written by the pipeline; edit the\n"
               f"# config instead. Field reference: engine/llmserve/bench/workload.py.\n")
     Path(output_path).write_text(header + yaml.safe_dump(derived, sort_keys=False))
     Path(log_path).write_text(f"derived {output_path} from {base_path} with {overrides}\n")
+
+
+# ----------------------------------------------------------------------------------------------
+# Tables and plots (aggregate.smk): arguments and report() entries
+# ----------------------------------------------------------------------------------------------
+REPORT = "../report"  # captions, relative to the rule files
+
+
+def _sweep_args(wildcards=None):
+    """`--sweep NAME REPORT...` for every sweep of the matrix."""
+    return " ".join(f"--sweep {name} " + " ".join(f"{RAW}/{c}.json" for c in cells)
+                    for name, cells in SWEEP_CELLS.items() if cells)
+
+
+def _table(name, caption):
+    return report(f"{OUT}/{name}.md", caption=f"{REPORT}/{caption}", category="Tables",
+                  labels={"profile": PROFILE, "table": name})
+
+
+def _plot(name, caption):
+    return report(f"{PLOTS}/{name}.png", caption=f"{REPORT}/{caption}", category="Plots",
+                  labels={"profile": PROFILE, "plot": name})

@@ -1,5 +1,6 @@
-# Stage 1: the load profile. With `load_profile_overrides`, a derived copy of the harness's
-# profile is written beside the results (tracked), and every cell runs that copy.
+# Stage 1: the load profiles. With `load_profile_overrides`, a derived copy of the harness's
+# profile is written beside the results (tracked), and every cell of the `default` load runs that
+# copy; each of `extra_loads` is the default load with its own changes on top, written beside it.
 
 if DERIVE_PROFILE:
 
@@ -12,5 +13,23 @@ if DERIVE_PROFILE:
             overrides=config["load_profile_overrides"],
         log:
             f"{LOGS}/derive_load_profile.log",
+        run:
+            write_derived_profile(input.profile, params.overrides, output.profile, log[0])
+
+
+if EXTRA_LOADS:
+
+    rule derive_extra_load_profile:
+        input:
+            profile=config["load_profile"],
+        output:
+            profile=f"{OUT}/load_profile-{{load}}.yaml",
+        params:
+            overrides=lambda wc: [config.get("load_profile_overrides") or {},
+                                  EXTRA_LOADS[wc.load]],
+        log:
+            f"{LOGS}/derive_load_profile-{{load}}.log",
+        wildcard_constraints:
+            load="|".join(EXTRA_LOADS),
         run:
             write_derived_profile(input.profile, params.overrides, output.profile, log[0])

@@ -1,15 +1,16 @@
-"""Aggregate checkpoint-3 benchmark runs into the summary and failure-regime tables.
+"""Aggregate checkpoint-3 benchmark runs into the summary, headline, chunked-prefill, rate and
+failure-regime tables.
 
 Input: the JSON reports of ``llmserve benchmark`` (schema: ``llmserve.bench.report``), one
 per matrix cell and repetition, each with its ``<cell>.provenance.json`` beside it (written by
-``workflow/scripts/code_hash.py provenance``). Output, per table: a CSV (every number, full
-error text) and a Markdown page (header with the matched run conditions, the table, the output
-digest groups). Usage (the pipeline's ``aggregate`` rule runs it)::
+``workflow/scripts/run_cells.py``), grouped by sweep. Output, per table: a CSV (every number,
+full error text) and a Markdown page (header with the matched run conditions: arrival rate,
+requests per run, repetitions, load, model, hardware, torch threads, software, code hash and
+git commit; the table; the output digest groups). Usage (the pipeline's ``aggregate`` rule)::
 
     python workflow/scripts/aggregate_checkpoint3.py --profile cpu \\
-        --main raw/a.json raw/b.json --failure-regimes raw/c.json \\
-        --summary-csv summary.csv --summary-md summary.md \\
-        --failure-csv failure_regimes.csv --failure-md failure_regimes.md
+        --sweep main raw/a.json raw/b.json --sweep failure_regimes raw/c.json \\
+        --defaults '{"rate": "inf", ...}' --headline-batch 8 --out-dir results/checkpoint3/cpu
 
 Rules (docs/benchmarking.md explains them):
 
@@ -22,7 +23,9 @@ Rules (docs/benchmarking.md explains them):
 * Failures stay: a failed cell is a row with its error; nothing is dropped.
 * Digests: under greedy decoding every scheduler must generate the same tokens for the same
   workload. A cell's ``token_digest`` is compared with the naive (sequential, no KV cache)
-  control that ran the same workload with the same weights (linear backend).
+  control that ran the same workload with the same weights (linear backend). On a GPU the
+  verdict is ``n/a: not batch-invariant``: random bf16 weights give near-tied logits and the
+  kernels' reduction order depends on the batch, so tokens may legitimately differ.
 """
 
 from __future__ import annotations
@@ -38,7 +41,7 @@ from typing import Any
 import pandas as pd
 from code_hash import parse_cell_id  # noqa: E402  (workflow/scripts/, next to this file)
 
-PARAM_COLUMNS = ["scheduler", "policy", "batch", "chunk", "linear", "attn", "rate", "blocks"]
+PARAM_COLUMNS = ["scheduler", "policy", "batch", "chunk", "linear", "attn", "rate", "blocks", "load"]
 
 #: Numbers aggregated over repetitions: output column stem -> key of report["aggregates"].
 METRICS = OrderedDict([
@@ -48,15 +51,21 @@ METRICS = OrderedDict([
     ("tpot_p50_ms", "tpot_ms_p50"),
     ("tpot_p95_ms", "tpot_ms_p95"),
     ("itl_p95_ms", "itl_ms_p95"),
+    ("itl_p99_ms", "itl_ms_p99"),
     ("e2e_p95_ms", "e2e_ms_p95"),
+    ("goodput", "goodput"),                           # requests/s meeting both SLOs (DistServe)
+    ("slo_attainment", "slo_attainment"),
+    ("request_throughput", "request_throughput"),
     ("kv_usage_peak", "kv_cache_usage_peak"),         # fraction of the KV blocks, high-water
     ("kv_memory_reduction", "kv_memory_reduction_vs_contiguous"),
     ("preemptions", "num_preemptions"),
     ("recomputed_tokens", "num_recomputed_tokens"),
     ("completed", "num_completed"),
 ])
-#: Metrics shown as median [min, max] in the CSV.
-RANGED = ("output_throughput", "ttft_p95_ms", "tpot_p95_ms")
+#: Metrics with min and max over repetitions in the CSV (shown as median [min–max]).
+RANGED = ("output_throughput", "ttft_p50_ms", "ttft_p95_ms", "tpot_p50_ms", "tpot_p95_ms",
+          "itl_p95_ms", "itl_p99_ms", "e2e_p95_ms", "goodput", "slo_attainment",
+          "request_throughput")
 
 
 class MatchError(ValueError):
@@ -99,7 +108,11 @@ def load_run(path: Path, sweep: str) -> dict[str, Any]:
     warm = (report.get("warmup") or {}).get("num_requests", cfg.get("warmup_requests"))
     run = {
         "path": str(path), "sweep": sweep, "cell": cell_id.rsplit("_rep~", 1)[0],
-        **{k: str(params.get(k)) for k in PARAM_COLUMNS}, "rep": str(params.get("rep", "0")),
+        **{k: str(params.get(k, "default" if k == "load" else None)) for k in PARAM_COLUMNS},
+        "rep": str(params.get("rep", "0")),
+        "slo": {"ttft_ms": agg.get("slo_ttft_ms"), "tpot_ms": agg.get("slo_tpot_ms")},
+        "arrival_rate": (profile.get("arrival") or {}).get("rate"),
+        "torch_threads": prov.get("torch_threads", hw.get("torch_threads")),
         "status": report.get("status") or "failed",
         "error": report.get("error") or None,
         "num_requests": agg.get("num_requests"),
@@ -131,16 +144,35 @@ def load_run(path: Path, sweep: str) -> dict[str, Any]:
 # ---------------------------------------------------------------------------------------------
 # Matching rules
 # ---------------------------------------------------------------------------------------------
+#: Matching fields that may differ between loads (the `load` column) but not within one.
+PER_LOAD_FIELDS = ("load profile", "load profile name", "requests")
+
+
 def check_matching(runs: list[dict[str, Any]]) -> OrderedDict:
     """The common value of every matching field; raises :class:`MatchError` naming the field.
 
-    A field that is unknown (None) in a run, e.g. the load profile of a run that failed before
-    loading it, does not count as a difference.
+    The load profile and request count must agree among the runs of one load (the `load`
+    column); everything else among all runs. A field that is unknown (None) in a run, e.g. the
+    load profile of a run that failed before loading it, does not count as a difference.
     """
     common: OrderedDict = OrderedDict()
     if not runs:
         return common
-    for field in runs[0]["match"]:
+    fields = [f for f in runs[0]["match"] if f not in PER_LOAD_FIELDS]
+    common.update(_check_fields(runs, fields))
+    by_load: OrderedDict[str, list] = OrderedDict()
+    for r in runs:
+        by_load.setdefault(r.get("load", "default"), []).append(r)
+    for load, part in by_load.items():
+        values = _check_fields(part, list(PER_LOAD_FIELDS))
+        if load == next(iter(by_load)):
+            common.update(values)
+    return common
+
+
+def _check_fields(runs: list[dict[str, Any]], fields: list[str]) -> OrderedDict:
+    common: OrderedDict = OrderedDict()
+    for field in fields:
         by_value: dict[Any, list[str]] = OrderedDict()
         for r in runs:
             v = r["match"][field]
@@ -155,10 +187,10 @@ def check_matching(runs: list[dict[str, Any]]) -> OrderedDict:
                 more = f" (+{len(cells) - 3} more)" if len(cells) > 3 else ""
                 lines.append(f"  {shown}\n    in {', '.join(cells[:3])}{more}")
             hint = ("the runs were measured on different llmserve sources: rerun them on one "
-                    "version (`snakemake --forcerun benchmark_cell`)"
+                    "version (`snakemake --forceall results/checkpoint3`)"
                     if key == "llmserve_code_hash" else
                     "rerun the differing cells under the same conditions (e.g. `snakemake "
-                    "--forcerun benchmark_cell`), or keep them in separate profiles")
+                    "--forcerun benchmark_<sweep>_rep<N>`), or keep them in separate profiles")
             raise MatchError(
                 f"refusing to put runs side by side: {field!r} differs between runs"
                 f"{f' (in {key!r})' if key else ''}:\n" + "\n".join(lines) + f"\nFix: {hint}.")
@@ -230,9 +262,16 @@ def aggregate_cells(runs: list[dict[str, Any]], all_runs: list[dict[str, Any]]) 
     return pd.DataFrame(rows)
 
 
+#: Verdict on a GPU: random bf16 weights give near-tied logits, and the kernels' reduction order
+#: depends on the batch (no batch-invariant mode yet), so greedy tokens may legitimately differ.
+NOT_BATCH_INVARIANT = "n/a: not batch-invariant"
+
+
 def _digest_verdict(first: dict, ok: list[dict], digests: list[str], naive: dict) -> str:
     if not ok:
         return "n/a (failed)"
+    if str((first.get("hardware") or {}).get("device") or "").startswith("cuda"):
+        return "reference" if first["scheduler"] == "naive" else NOT_BATCH_INVARIANT
     if len(digests) > 1:
         return "NO (repetitions differ)"
     if first["scheduler"] == "naive":
@@ -333,14 +372,23 @@ def header_lines(title: str, profile_name: str, common: OrderedDict, runs: list[
     created = sorted(r["created_at"] for r in runs if r["created_at"])
     temp = prof.get("temperature")
     sw = ", ".join(f"{k} {v}" for k, v in versions.items() if v and k != "llmserve_code_hash")
+    rates = sorted({_rate_label(r["rate"], r.get("arrival_rate")) for r in runs}, key=_rate_key)
+    reps = sorted({int(r["rep"]) for r in runs})
+    requests = sorted({int(r["match"]["requests"]) for r in runs if r["match"]["requests"] is not None})
+    threads = sorted({str(r.get("torch_threads")) for r in runs if r.get("torch_threads") is not None})
+    slo = next((r["slo"] for r in runs if r["slo"].get("ttft_ms") or r["slo"].get("tpot_ms")), {})
     lines = [
         f"# {title} — profile `{profile_name}`",
+        "",
+        f"**Arrival rate:** {', '.join(rates)} · **Requests per run:** "
+        f"{', '.join(map(str, requests)) or '?'} · **Repetitions:** {len(reps)} "
+        "(median [min–max] over them)",
         "",
         "Generated by `workflow/scripts/aggregate_checkpoint3.py` from the raw reports in `raw/`;",
         "do not edit. Columns and rules: `docs/benchmarking.md`. Every run below shares these",
         "conditions (the aggregation refuses to combine runs that differ in any of them):",
         "",
-        f"- **Load profile:** `{prof.get('name')}` — {prof.get('num_requests')} requests, "
+        f"- **Load profile:** `{prof.get('name')}` — "
         f"seed {common.get('seed')}, dataset {(prof.get('dataset') or {}).get('kind')}, "
         f"prompt_len {_lenspec(prof.get('prompt_len'))}, output_len {_lenspec(prof.get('output_len'))}, "
         f"arrival burstiness {(prof.get('arrival') or {}).get('burstiness')}, "
@@ -350,16 +398,39 @@ def header_lines(title: str, profile_name: str, common: OrderedDict, runs: list[
         f"- **Model:** `{common.get('model')}`, dtype {common.get('dtype')}",
         f"- **Hardware:** {hw.get('device')} — {hw.get('device_name')}"
         + (f", {hw.get('cpu_count')} CPU cores" if hw.get("cpu_count") else "")
-        + (f", torch threads (OMP_NUM_THREADS) {hw['thread_env'].get('OMP_NUM_THREADS')}"
-           if hw.get("thread_env") else "")
+        + (f", torch threads {', '.join(threads)}" if threads else "")
         + (f", {hw.get('gpu_count')} x {hw.get('gpu_name')}" if hw.get("gpu_name") else ""),
         f"- **Software:** {sw}",
         f"- **llmserve code hash:** `{(versions.get('llmserve_code_hash') or '?')[:16]}`; "
         f"git {', '.join(revs) or '?'}",
         f"- **Runs:** {len(runs)} ({', '.join(created[:1] + created[-1:]) if created else '?'})",
-        "",
     ]
-    return lines
+    if slo:
+        lines.append(f"- **Goodput SLOs:** TTFT <= {slo.get('ttft_ms')} ms and TPOT <= "
+                     f"{slo.get('tpot_ms')} ms (DistServe's definition: completed requests per "
+                     "second meeting both)")
+    loads = OrderedDict((r["load"], r["profile"]) for r in runs if r["profile"])
+    for name, lp in loads.items():
+        if name != "default" or len(loads) > 1:
+            lines.append(f"- **Load `{name}`:** `{lp.get('name')}` — prompt_len "
+                         f"{_lenspec(lp.get('prompt_len'))}, output_len {_lenspec(lp.get('output_len'))}")
+    return lines + [""]
+
+
+def _rate_label(cell_rate: str, profile_rate: Any) -> str:
+    rate = profile_rate if cell_rate == "profile" else cell_rate
+    if rate is None:
+        return "?"
+    if str(rate) in ("inf", "Infinity") or (isinstance(rate, float) and math.isinf(rate)):
+        return "inf (offline burst: all at t = 0)"
+    return f"{float(rate):g} req/s (Poisson)"
+
+
+def _rate_key(label: str) -> float:
+    try:
+        return float(label.split()[0])
+    except ValueError:
+        return math.inf
 
 
 def _lenspec(spec: dict | None) -> str:
@@ -446,48 +517,158 @@ def digest_group_lines(df: pd.DataFrame) -> list[str]:
 
 
 # ---------------------------------------------------------------------------------------------
+# The focused tables: headline, chunked prefill, rates
+# ---------------------------------------------------------------------------------------------
+SCHEDULER_NAMES = {"naive": "Naive (sequential, full-prefix recompute)", "paged": "Paged, batch 1",
+                   "static": "Static batching", "continuous": "Continuous batching"}
+
+
+def headline_frame(main: pd.DataFrame, batch: str, defaults: dict[str, str]) -> pd.DataFrame:
+    """The naive control plus each batching scheduler at max batch ``batch``, default settings
+    otherwise (fcfs, chunk off, default backends, rate and KV budget, the default load)."""
+    d = main.copy()
+    keep = pd.Series(True, index=d.index)
+    for col in ("policy", "chunk", "linear", "attn", "rate", "blocks", "load"):
+        if col in defaults:
+            keep &= (d[col] == defaults[col]) | ((d["scheduler"] == "naive") & (col in ("chunk", "attn", "policy")))
+    keep &= (d["batch"] == str(batch)) | d["scheduler"].isin(["naive", "paged"])
+    order = {"naive": 0, "paged": 1, "static": 2, "continuous": 3}
+    out = d[keep].copy()
+    out["_o"] = out["scheduler"].map(order)
+    return out.sort_values("_o").drop(columns="_o")
+
+
+def headline_markdown(df: pd.DataFrame, header: list[str], batch: str) -> str:
+    lines = list(header) + [
+        f"## Headline: schedulers at max batch size {batch}", "",
+        "Median [min–max] over repetitions; naive runs one request at a time (batch 1).", "",
+        "| Scheduler | Output throughput | p95 TTFT | p95 TPOT | Status |",
+        "|---|---:|---:|---:|---|"]
+    for _, r in df.iterrows():
+        lines.append(f"| {SCHEDULER_NAMES.get(r['scheduler'], r['scheduler'])} "
+                     f"| {_ranged(r, 'output_throughput')} tok/s | {_ranged(r, 'ttft_p95_ms', 0)} ms "
+                     f"| {_ranged(r, 'tpot_p95_ms', 2)} ms | {r['status']} |")
+    return "\n".join(lines) + "\n"
+
+
+def chunked_markdown(df: pd.DataFrame, header: list[str]) -> str:
+    lines = list(header) + [
+        "## Chunked prefill: inter-token latency of running decodes", "",
+        "Long prompts arrive while other requests decode. Without chunking a long prefill runs",
+        "as one step and every running decode waits for it (the ITL tail); with chunking each",
+        "step carries at most `chunk` prompt tokens per sequence. ITL pooled over all requests.",
+        "",
+        "| Scheduler | Batch | Chunk | Load | Output tok/s | p95 TTFT ms | p95 ITL ms | p99 ITL ms "
+        "| p95 TPOT ms | Requests | Status | Digest = naive | Error |",
+        "|---|---:|---|---|---:|---:|---:|---:|---:|---:|---|---|---|"]
+    for _, r in df.iterrows():
+        lines.append(
+            f"| {r['scheduler']} | {r['batch']} | {_chunk(r['chunk'], r['scheduler'])} | {r['load']} "
+            f"| {_ranged(r, 'output_throughput')} | {_ranged(r, 'ttft_p95_ms', 0)} "
+            f"| {_ranged(r, 'itl_p95_ms', 1)} | {_ranged(r, 'itl_p99_ms', 1)} "
+            f"| {_ranged(r, 'tpot_p95_ms', 2)} | {_requests(r)} | {r['status']} "
+            f"| {r['digest_agrees_with_naive']} | {_esc(r['error'])} |")
+    return "\n".join(lines) + "\n"
+
+
+def rates_markdown(df: pd.DataFrame, header: list[str]) -> str:
+    lines = list(header) + [
+        "## Latency against throughput over arrival rates, with goodput", "",
+        "Open-loop Poisson arrivals at each rate (`inf` = offline burst). Goodput: completed",
+        "requests per second that meet both SLOs above; SLO attainment: their share of all",
+        "requests.", "",
+        "| Scheduler | Batch | Rate req/s | Output tok/s | Requests/s | Goodput req/s | SLO attained "
+        "| p50 TTFT ms | p95 TTFT ms | p95 TPOT ms | Requests | Status | Error |",
+        "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---|---|"]
+    d = df.copy()
+    d["_r"] = d["rate"].map(lambda v: math.inf if v in ("inf", "profile") else float(v))
+    for _, r in d.sort_values(["scheduler", "batch", "_r"], kind="stable").iterrows():
+        lines.append(
+            f"| {r['scheduler']} | {r['batch']} | {r['rate']} | {_ranged(r, 'output_throughput')} "
+            f"| {_ranged(r, 'request_throughput', 2)} | {_ranged(r, 'goodput', 2)} "
+            f"| {_ranged_pct(r, 'slo_attainment')} | {_ranged(r, 'ttft_p50_ms', 0)} "
+            f"| {_ranged(r, 'ttft_p95_ms', 0)} | {_ranged(r, 'tpot_p95_ms', 2)} | {_requests(r)} "
+            f"| {r['status']} | {_esc(r['error'])} |")
+    return "\n".join(lines) + "\n"
+
+
+def _ranged_pct(row: pd.Series, stem: str) -> str:
+    med = row.get(f"{stem}_median")
+    if med is None or pd.isna(med):
+        return "–"
+    lo, hi = row.get(f"{stem}_min"), row.get(f"{stem}_max")
+    if row["runs_ok"] > 1 and lo is not None and hi is not None and not pd.isna(lo):
+        return f"{100 * med:.0f}% [{100 * lo:.0f}–{100 * hi:.0f}%]"
+    return f"{100 * med:.0f}%"
+
+
+# ---------------------------------------------------------------------------------------------
 # CLI
 # ---------------------------------------------------------------------------------------------
+TABLES = ("summary", "headline", "chunked_prefill", "rates", "failure_regimes")
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--profile", required=True, help="matrix profile name (for the headers)")
-    p.add_argument("--main", nargs="+", type=Path, required=True, help="reports of the main sweep")
-    p.add_argument("--failure-regimes", nargs="*", type=Path, default=[],
-                   help="reports of the failure-regime sweep")
-    p.add_argument("--default-rate", default="profile", help="the matrix's default rate value")
-    p.add_argument("--default-blocks", default="auto", help="the matrix's default blocks value")
-    p.add_argument("--summary-csv", type=Path, required=True)
-    p.add_argument("--summary-md", type=Path, required=True)
-    p.add_argument("--failure-csv", type=Path, required=True)
-    p.add_argument("--failure-md", type=Path, required=True)
+    p.add_argument("--sweep", nargs="+", action="append", required=True, metavar=("NAME", "REPORT"),
+                   help="a sweep's name then its raw JSON reports (repeat per sweep); "
+                        "main -> summary + headline, chunked_prefill, rates, failure_regimes")
+    p.add_argument("--defaults", default="{}", help="JSON of the matrix's default cell values")
+    p.add_argument("--headline-batch", default="8", help="max batch size of the headline table")
+    p.add_argument("--out-dir", type=Path, required=True,
+                   help="writes " + ", ".join(f"{t}.csv/.md" for t in TABLES))
     a = p.parse_args(argv)
-
-    main_runs = [load_run(f, "main") for f in a.main]
-    fail_runs = [load_run(f, "failure_regimes") for f in a.failure_regimes]
-    all_runs = main_runs + fail_runs
+    defaults = {k: str(v) for k, v in json.loads(a.defaults).items()}
+    sweeps: OrderedDict[str, list[dict]] = OrderedDict()
+    for name, *files in a.sweep:
+        sweeps[name] = [load_run(Path(f), name) for f in files]
+    if "main" not in sweeps or not sweeps["main"]:
+        print("error: the main sweep has no reports (--sweep main FILE...)", file=sys.stderr)
+        return 1
+    unique = OrderedDict((r["path"], r) for runs in sweeps.values() for r in runs)
+    all_runs = list(unique.values())
     try:
         common = check_matching(all_runs)
     except MatchError as e:
         print(f"error: {e}", file=sys.stderr)
         return 1
 
-    main_df = aggregate_cells(main_runs, all_runs)
-    fail_df = aggregate_cells(fail_runs, all_runs) if fail_runs else pd.DataFrame(columns=main_df.columns)
-    fail_df = add_baselines(fail_df, main_df, a.default_rate, a.default_blocks)
+    frames = {name: aggregate_cells(runs, all_runs) for name, runs in sweeps.items() if runs}
+    main_df = frames["main"]
+    empty = pd.DataFrame(columns=main_df.columns)
+    fail_df = frames.get("failure_regimes", empty)
+    fail_df = add_baselines(fail_df, main_df, defaults.get("rate", "profile"),
+                            defaults.get("blocks", "auto"))
+    head_df = headline_frame(main_df, a.headline_batch, defaults)
+    out = a.out_dir
+    out.mkdir(parents=True, exist_ok=True)
 
-    for path in (a.summary_csv, a.summary_md, a.failure_csv, a.failure_md):
-        path.parent.mkdir(parents=True, exist_ok=True)
-    main_df.to_csv(a.summary_csv, index=False, float_format="%.6g")
-    fail_df.to_csv(a.failure_csv, index=False, float_format="%.6g")
-    a.summary_md.write_text(summary_markdown(
-        main_df, header_lines("Checkpoint 3: batching, scheduling, chunked prefill", a.profile,
-                              common, all_runs), digest_group_lines(main_df)))
-    a.failure_md.write_text(failure_markdown(
-        fail_df, header_lines("Checkpoint 3: failure regimes", a.profile, common, all_runs),
-        digest_group_lines(fail_df) if len(fail_df) else []))
-    n_failed = int((main_df["status"] != "ok").sum()) + int((fail_df["status"] != "ok").sum())
-    print(f"aggregated {len(all_runs)} runs into {len(main_df)} + {len(fail_df)} cells "
-          f"({n_failed} not ok) -> {a.summary_md}, {a.failure_md}")
+    def header(title: str, name: str) -> list[str]:
+        runs = sweeps.get(name) or []
+        return header_lines(title, a.profile, common, runs or all_runs)
+
+    pages = {
+        "summary": (main_df, summary_markdown(
+            main_df, header("Checkpoint 3: batching, scheduling, batch size", "main"),
+            digest_group_lines(main_df))),
+        "headline": (head_df, headline_markdown(
+            head_df, header("Checkpoint 3: headline", "main"), a.headline_batch)),
+        "chunked_prefill": (frames.get("chunked_prefill", empty), chunked_markdown(
+            frames.get("chunked_prefill", empty),
+            header("Checkpoint 3: chunked prefill", "chunked_prefill"))),
+        "rates": (frames.get("rates", empty), rates_markdown(
+            frames.get("rates", empty), header("Checkpoint 3: arrival rates and goodput", "rates"))),
+        "failure_regimes": (fail_df, failure_markdown(
+            fail_df, header("Checkpoint 3: failure regimes", "failure_regimes"),
+            digest_group_lines(fail_df) if len(fail_df) else [])),
+    }
+    for name, (df, md) in pages.items():
+        df.to_csv(out / f"{name}.csv", index=False, float_format="%.6g")
+        (out / f"{name}.md").write_text(md)
+    n_failed = sum(int((df["status"] != "ok").sum()) for df in frames.values())
+    print(f"aggregated {len(all_runs)} runs into {sum(len(df) for df in frames.values())} cells "
+          f"({n_failed} not ok) -> {', '.join(f'{out}/{n}.md' for n in pages)}")
     return 0
 
 

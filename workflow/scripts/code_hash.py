@@ -18,8 +18,7 @@ Usage::
 ``check`` runs before ``llmserve benchmark`` in the benchmark rule and ``provenance`` after it;
 both fail the job when the sources no longer match the hash the workflow started with (an
 engine edited mid-run), so no cell is ever kept that was measured on other code than its
-recorded parameters say. ``provenance`` It records the cell
-parameters, the code hash at run time and how the benchmark process ended. If the process died
+recorded parameters say. ``provenance`` records the cell parameters, the code hash at run time and how the benchmark process ended. If the process died
 without writing its report (killed by the outer ``timeout``, the OOM killer, a segfault), it
 writes a schema-complete ``status: failed`` report and CSV row in its place, so a crashed cell is
 a failed row in the tables instead of a hole that stops the workflow.
@@ -140,8 +139,11 @@ def _crash_report(json_path: Path, csv_path: Path, exit_status: int, log: str | 
 
 def write_provenance(*, json_path: Path, csv_path: Path, output: Path, cell: str,
                      exit_status: int, expected_code_hash: str | None, log: str | None,
-                     device: str = "cpu") -> dict:
-    """Record a benchmark cell's parameters, code hash and process outcome (see module doc)."""
+                     device: str = "cpu", extra: dict | None = None) -> dict:
+    """Record a benchmark cell's parameters, code hash and process outcome (see module doc).
+
+    ``extra`` (JSON-able) is merged into the record, e.g. the process that ran the cell.
+    """
     crash_error = None
     if not json_path.exists():
         crash_error = _crash_report(json_path, csv_path, exit_status, log, device)
@@ -159,6 +161,7 @@ def write_provenance(*, json_path: Path, csv_path: Path, output: Path, cell: str
         "crash_report_written": crash_error is not None,
         # Snakemake sets these to the job's `threads`; torch's intra-op pool follows them.
         "thread_env": {k: os.environ.get(k) for k in ("OMP_NUM_THREADS", "MKL_NUM_THREADS")},
+        **(extra or {}),
     }
     output.parent.mkdir(parents=True, exist_ok=True)
     output.write_text(json.dumps(prov, indent=2, sort_keys=True) + "\n")

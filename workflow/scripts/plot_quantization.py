@@ -61,13 +61,16 @@ def plot_quantization(report: dict[str, Any] | str | Path, output: str | Path,
     """Draw the report (dict or JSON path) into ``output`` (PNG); returns the path.
 
     Raises:
-        ValueError: unknown ``metric`` (supported: ``kl``, ``ppl``).
+        ValueError: unknown ``metric`` (supported: ``kl``, ``ppl``), or the report has no modes
+            (an empty plot would hide a broken evaluation).
     """
     if metric not in METRICS:
         raise ValueError(f"metric must be one of {sorted(METRICS)}, got {metric!r}")
     rep = report if isinstance(report, dict) else load_report(report)
     key, ylabel = METRICS[metric]
     rows = rep["modes"]
+    if not rows:
+        raise ValueError("the quantize-eval report lists no modes: nothing to plot")
     fig, (ax, axb) = plt.subplots(1, 2, figsize=(12, 5), gridspec_kw={"width_ratios": [3, 2]})
 
     max_bytes = max((_num(r.get("stored_bytes")) or 0.0) for r in rows) or 1.0
@@ -94,6 +97,8 @@ def plot_quantization(report: dict[str, Any] | str | Path, output: str | Path,
     ax.set_ylabel(ylabel)
     ax.grid(True, alpha=0.3, which="both")
     ax.margins(0.25)
+    ax.set_xlim(left=0)
+    ax.set_ylim(bottom=0)
     ax.set_title("quality vs throughput (bubble area ~ stored bytes)", fontsize=10)
 
     names = [r["mode"] for r in rows]
@@ -106,6 +111,7 @@ def plot_quantization(report: dict[str, Any] | str | Path, output: str | Path,
         if r.get("stored_bytes") is None:
             axb.annotate("n/a", (bar.get_x() + bar.get_width() / 2, 0), ha="center",
                          va="bottom", fontsize=8)
+    axb.set_ylim(bottom=0)
     axb.set_ylabel("stored MB (params + persistent buffers)")
     axb.set_title("model size per mode (hatched = failed)", fontsize=10)
     axb.grid(True, axis="y", alpha=0.3)

@@ -136,6 +136,11 @@ def _git(args: list[str], cwd: Path) -> str | None:
     return r.stdout if r.returncode == 0 else None
 
 
+#: Paths (relative to the checkout root) whose tracked changes make a run "dirty": the engine and
+#: the pipeline that drives it. Results, docs and checksums are outputs, never sources.
+SOURCE_PATHS = ("engine", "workflow", "Snakefile", "config", "pyproject.toml")
+
+
 @lru_cache(maxsize=1)
 def _git_info_cached() -> tuple[str | None, bool | None, int | None]:
     here = Path(__file__).resolve().parent
@@ -146,7 +151,9 @@ def _git_info_cached() -> tuple[str | None, bool | None, int | None]:
         rev = _git(["rev-parse", "HEAD"], cwd)
     if rev is None:
         return None, None, None
-    status = _git(["status", "--porcelain"], cwd) or ""
+    top = (_git(["rev-parse", "--show-toplevel"], cwd) or "").strip() or str(cwd)
+    # Only the sources count: results/ (which a pipeline run rewrites), docs and checksums do not.
+    status = _git(["status", "--porcelain", "--", *SOURCE_PATHS], Path(top)) or ""
     lines = [ln for ln in status.splitlines() if ln.strip()]
     dirty = any(not ln.startswith("??") for ln in lines)
     untracked = sum(1 for ln in lines if ln.startswith("??"))
@@ -155,8 +162,9 @@ def _git_info_cached() -> tuple[str | None, bool | None, int | None]:
 
 def git_info() -> dict[str, Any]:
     """``{"revision", "dirty", "untracked"}`` of the llmserve source checkout (or the cwd's);
-    null fields outside a git checkout. ``dirty`` counts tracked changes only; ``untracked`` is
-    the number of untracked, non-ignored files."""
+    null fields outside a git checkout. ``dirty`` is True when a tracked file under
+    :data:`SOURCE_PATHS` (engine, workflow, Snakefile, config) differs from ``revision``;
+    ``untracked`` is the number of untracked, non-ignored files there."""
     rev, dirty, untracked = _git_info_cached()
     return {"revision": rev, "dirty": dirty, "untracked": untracked}
 
@@ -233,6 +241,11 @@ def hardware_info(device: str) -> dict[str, Any]:
     except Exception:  # noqa: BLE001 - a broken CUDA setup still gets a report
         pass
     info["device_name"] = info["gpu_name"] if device.startswith("cuda") else info["cpu_model"]
+    try:  # torch's intra-op thread count (torch.set_num_threads / OMP_NUM_THREADS)
+        import torch
+        info["torch_threads"] = int(torch.get_num_threads())
+    except Exception:  # noqa: BLE001
+        info["torch_threads"] = None
     return info
 
 

@@ -1,0 +1,143 @@
+"""Run a group of checkpoint-3 benchmark cells in one Python process.
+
+Each cell is one ``llmserve benchmark`` run (same flags, same report and CSV, via
+:func:`llmserve.bench.runner.run_benchmark`), but the cells of a group share one process: torch,
+the tokenizer and the parsed ShareGPT prompts are loaded once instead of once per cell (on a
+2-core CPU that start-up is 10-15 s a process; on a GPU it also keeps the CUDA context and the
+compiled Triton kernels). A group never mixes repetitions, so repetitions stay independent
+processes. The pipeline groups cells by (sweep, repetition): editing one sweep reruns that
+sweep's groups only.
+
+Usage (the pipeline's benchmark rules run it)::
+
+    python workflow/scripts/run_cells.py run --spec SPEC.json|'{...}' --raw results/.../raw \\
+        --log-dir results/.../logs/benchmark --code-hash H --device cpu --torch-threads 1
+    python workflow/scripts/run_cells.py finalize --spec ... --raw ... --exit-status RC ...
+
+``spec`` maps cell id -> the cell's ``llmserve benchmark`` flags (without ``--output``/``--csv``).
+``run`` writes ``<raw>/<cell>.json``, ``.csv`` and ``.provenance.json`` per cell, in order. A cell
+that fails is a ``status: failed`` report (the harness writes it) and the group goes on.
+``finalize`` runs after ``run`` whatever its exit status: a cell left without a provenance file
+(the process was killed, ran out of memory, segfaulted) gets a failed report in its place, so a
+crash is a failed row, never a hole. Only a broken pipeline (an unknown flag, sources edited
+while the group runs) fails the job.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import os
+import shlex
+import sys
+import time
+from pathlib import Path
+
+import code_hash as ch  # noqa: E402  (workflow/scripts/, next to this file)
+
+
+def load_spec(text: str) -> dict[str, str]:
+    """``{cell id: flags}`` from inline JSON or a JSON file path."""
+    raw = text if text.lstrip().startswith("{") else Path(text).read_text()
+    spec = json.loads(raw)
+    if not isinstance(spec, dict) or not all(isinstance(v, str) for v in spec.values()):
+        raise ValueError("spec must be a JSON object mapping cell id -> flags string")
+    return spec
+
+
+def set_threads(n: int) -> int:
+    """Fix torch's intra-op threads to ``n`` (before torch is used) and return what torch reports."""
+    if n < 1:
+        raise ValueError(f"--torch-threads must be >= 1, got {n}")
+    for var in ("OMP_NUM_THREADS", "MKL_NUM_THREADS"):
+        os.environ[var] = str(n)
+    import torch
+
+    torch.set_num_threads(n)
+    return int(torch.get_num_threads())
+
+
+def run_group(spec: dict[str, str], raw: Path, log_dir: Path, expected_hash: str, device: str,
+              torch_threads: int, group: str) -> int:
+    """Run every cell of ``spec`` in order; return 1 if the sources changed mid-group, else 0."""
+    t_process = time.perf_counter()
+    threads = set_threads(torch_threads)
+    from llmserve.bench.runner import add_benchmark_args, options_from_args, run_benchmark
+
+    t_ready = time.perf_counter()
+    raw.mkdir(parents=True, exist_ok=True)
+    log_dir.mkdir(parents=True, exist_ok=True)
+    for i, (cell, flags) in enumerate(spec.items()):
+        try:
+            ch.check_unchanged(expected_hash, "since the workflow started")
+        except ch.SourcesChanged as e:
+            print(f"error: {e}", file=sys.stderr)
+            return 1
+        out, csv, prov = raw / f"{cell}.json", raw / f"{cell}.csv", raw / f"{cell}.provenance.json"
+        for p in (out, csv, prov):
+            p.unlink(missing_ok=True)
+        log = log_dir / f"{cell}.log"
+        parser = argparse.ArgumentParser(prog="llmserve benchmark")
+        add_benchmark_args(parser)
+        argv = shlex.split(flags) + ["--output", str(out), "--csv", str(csv)]
+        args = parser.parse_args(argv)  # an unknown flag exits 2: a broken pipeline stops
+        opts = options_from_args(args)
+        opts.command = ["llmserve", "benchmark", *argv]
+        t0 = time.perf_counter()
+        with open(log, "w") as f, contextlib.redirect_stdout(f), contextlib.redirect_stderr(f):
+            report, _, _ = run_benchmark(opts)
+        took = time.perf_counter() - t0
+        ch.write_provenance(
+            json_path=out, csv_path=csv, output=prov, cell=cell, exit_status=0,
+            expected_code_hash=expected_hash, log=str(log), device=device,
+            extra={"torch_threads": threads,
+                   "process": {"group": group, "position": i, "cells_in_group": len(spec),
+                               "process_startup_s": round(t_ready - t_process, 3),
+                               "cell_wall_s": round(took, 3)}})
+        agg = report.get("aggregates") or {}
+        print(f"[{i + 1}/{len(spec)}] {cell}: {report['status']}, "
+              f"{agg.get('output_throughput') or 0:.1f} output tok/s, {took:.1f} s", flush=True)
+    try:
+        ch.check_unchanged(expected_hash, "while the group ran")
+    except ch.SourcesChanged as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 1
+    return 0
+
+
+def finalize(spec: dict[str, str], raw: Path, log_dir: Path, expected_hash: str, device: str,
+             exit_status: int, group: str) -> int:
+    """Failed reports for the cells the ``run`` step left without a provenance file."""
+    missing = [c for c in spec if not (raw / f"{c}.provenance.json").exists()]
+    for cell in missing:
+        ch.write_provenance(
+            json_path=raw / f"{cell}.json", csv_path=raw / f"{cell}.csv",
+            output=raw / f"{cell}.provenance.json", cell=cell, exit_status=exit_status or 1,
+            expected_code_hash=expected_hash, log=str(log_dir / f"{cell}.log"), device=device,
+            extra={"process": {"group": group, "died": True}})
+        print(f"{cell}: no report from the group process (exit status {exit_status}); "
+              "failed report written")
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("cmd", choices=("run", "finalize"))
+    p.add_argument("--spec", required=True, help="JSON {cell: flags}, inline or a file")
+    p.add_argument("--raw", type=Path, required=True, help="folder of the raw reports")
+    p.add_argument("--log-dir", type=Path, required=True, help="folder of the per-cell logs")
+    p.add_argument("--code-hash", required=True, help="llmserve code hash the DAG was built with")
+    p.add_argument("--device", default="cpu")
+    p.add_argument("--torch-threads", type=int, default=1, help="torch intra-op threads")
+    p.add_argument("--group", default="", help="group name (recorded in provenance)")
+    p.add_argument("--exit-status", type=int, default=0, help="finalize: the run step's status")
+    a = p.parse_args(argv)
+    spec = load_spec(a.spec)
+    if a.cmd == "run":
+        return run_group(spec, a.raw, a.log_dir, a.code_hash, a.device, a.torch_threads, a.group)
+    return finalize(spec, a.raw, a.log_dir, a.code_hash, a.device, a.exit_status, a.group)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
