@@ -29,7 +29,10 @@ def _prefix_cell_flags(wildcards):
             f" --block-size {p['block_size']} --requests {p['requests']}"
             f" --warmup-requests {p['warmup_requests']} --seed {p['seed']} --timeout {p['timeout_s']}"
             f" --workload {w} --arrival-rate {r}"
-            f" {'--enable-prefix-caching' if c == 'on' else '--no-prefix-caching'} --no-progress")
+            f" {'--enable-prefix-caching' if c == 'on' else '--no-prefix-caching'} --no-progress"
+            f" --attention-backend {p.get('attention_backend', 'torch')}"
+            + "".join(f" --{k.replace('_', '-')} {p[k]}" for k in ("max_num_seqs", "max_num_batched_tokens",
+                                                                    "prefill_chunk_size") if k in p))
 
 
 rule prefix_profile:
@@ -52,10 +55,13 @@ rule prefix_cell:
         caching="on|off",
     params:
         flags=_prefix_cell_flags,
+        llmserve=config["llmserve"],
+    resources:
+        gpu=1 if PREFIX_CFG and str(PREFIX_CFG["device"]).startswith("cuda") else 0,
     log:
         f"{PREFIX_OUT}/logs/{{workload}}_{{caching}}_r{{rate}}.log",
     shell:
-        "rm -f {output.csv:q}; llmserve benchmark {params.flags} --profile {input.profile:q}"
+        "rm -f {output.csv:q}; {params.llmserve} benchmark {params.flags} --profile {input.profile:q}"
         " --output {output.json:q} --csv {output.csv:q} > {log:q} 2>&1"
 
 
