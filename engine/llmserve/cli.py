@@ -23,7 +23,7 @@ def default_dtype(device: str, dtype: str | None) -> str:
 
 
 def _cmd_generate(args: argparse.Namespace) -> int:
-    from .config import CacheConfig, EngineConfig, SchedulerConfig
+    from .config import CacheConfig, EngineConfig, SchedulerConfig, fast_path_from_args
     from .engine.llm_engine import LLMEngine
     from .engine.naive import NaiveEngine
     from .core.sampling_params import SamplingParams
@@ -31,7 +31,8 @@ def _cmd_generate(args: argparse.Namespace) -> int:
     cfg = EngineConfig(model=args.model, device=args.device, dtype=default_dtype(args.device, args.dtype),
                        seed=args.seed, cache=CacheConfig(block_size=args.block_size),
                        scheduler=SchedulerConfig(max_model_len=args.max_model_len),
-                       attention_backend=args.paged_attention_backend)
+                       attention_backend=args.paged_attention_backend,
+                       use_cuda_graph=args.cuda_graph, fast_path=fast_path_from_args(args))
     engine = NaiveEngine(cfg) if args.naive else LLMEngine(cfg)
     prompt = args.prompt
     if args.chat:
@@ -67,6 +68,10 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--block-size", type=int, default=16)
     g.add_argument("--max-model-len", type=int, default=4096)
     g.add_argument("--paged-attention-backend", default="torch", choices=["torch", "triton"])
+    g.add_argument("--cuda-graph", action=argparse.BooleanOptionalAction, default=True,
+                   help="replay decode steps from CUDA graphs (CUDA, Triton attention backend; default on)")
+    from .config import add_fast_path_args
+    add_fast_path_args(g)
     g.add_argument("--show-ids", action="store_true")
     g.set_defaults(func=_cmd_generate)
 

@@ -38,6 +38,10 @@ def add_serve_subparser(subparsers: Any) -> argparse.ArgumentParser:
                    help="KV blocks (default: from the memory budget / free GPU memory)")
     p.add_argument("--paged-attention-backend", default="torch", choices=["torch", "triton"])
     p.add_argument("--linear-backend", default="torch", choices=["torch", "int8", "int4", "triton-int8"])
+    p.add_argument("--cuda-graph", action=argparse.BooleanOptionalAction, default=True,
+                   help="replay decode steps from CUDA graphs (CUDA, Triton attention backend; default on)")
+    from ..config import add_fast_path_args
+    add_fast_path_args(p)
     p.add_argument("--async-scheduling", action=argparse.BooleanOptionalAction, default=None,
                    help="launch step n+1 before reading step n's tokens (default: on for CUDA)")
     p.add_argument("--max-waiting", type=int, default=1024,
@@ -56,7 +60,7 @@ def add_serve_subparser(subparsers: Any) -> argparse.ArgumentParser:
 
 def build_engine_config(args: argparse.Namespace):
     """EngineConfig from ``serve`` flags (ValueError names a bad field)."""
-    from ..config import CacheConfig, EngineConfig, SchedulerConfig
+    from ..config import CacheConfig, EngineConfig, SchedulerConfig, fast_path_from_args
 
     dtype = args.dtype or ("float32" if args.device == "cpu" else "bfloat16")
     return EngineConfig(
@@ -66,7 +70,8 @@ def build_engine_config(args: argparse.Namespace):
                                   max_num_batched_tokens=args.max_num_batched_tokens,
                                   prefill_chunk_size=args.prefill_chunk_size, max_model_len=args.max_model_len),
         attention_backend=args.paged_attention_backend, linear_backend=args.linear_backend,
-        async_scheduling=getattr(args, "async_scheduling", None))
+        use_cuda_graph=getattr(args, "cuda_graph", True),
+        async_scheduling=getattr(args, "async_scheduling", None), fast_path=fast_path_from_args(args))
 
 
 def build_app(args: argparse.Namespace):
