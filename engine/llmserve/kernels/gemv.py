@@ -493,14 +493,15 @@ _TABLES: dict[str, dict[str, GemvConfig]] = {}
 _DEFAULT_TABLE = os.path.join(os.path.dirname(__file__), "gemv_configs.json")
 
 
-def _table(path: str = _DEFAULT_TABLE) -> dict[str, GemvConfig]:
-    """Tuned configurations: ``gemv_configs.json`` next to this file (``path``: another table,
-    for tests), written by ``scripts/bench_gemv.py --table`` from a device sweep. Keys are
+def _table(path: str | None = None) -> dict[str, GemvConfig]:
+    """Tuned configurations: ``gemv_configs.json`` next to this file (``path``, default
+    ``_DEFAULT_TABLE``: another table, for tests), written by ``scripts/bench_gemv.py --table`` from a device sweep. Keys are
     ``"<gpu name>|<float|int8|int8p>|<prologue>|<M>|<K>|<N>"`` (:func:`weight_kind`; ``K`` in
     columns), values ``[block_n, block_k, num_warps, stages]``, with ``programs_per_sm`` fifth and
     ``red`` sixth and ``pre`` seventh (:class:`GemvConfig`); malformed entries are ignored, and
     a missing or unreadable table gives no entries (the rules of :func:`choose_gemv_config`
     apply). Each file is read once per process."""
+    path = path or _DEFAULT_TABLE
     if path not in _TABLES:
         try:
             with open(path) as f:
