@@ -7,17 +7,25 @@
 * :func:`build_attn_metadata`: hand-built :class:`AttentionMetadata` for a step of
   ``(num_computed, num_new)`` sequences over given block tables, plus positions.
 * GPU tests are marked ``gpu`` and skipped when CUDA is unavailable.
+* Without CUDA, ``TRITON_INTERPRET=1`` is set here, before llmserve is imported, so the Triton
+  kernels run on CPU tensors in the interpreter.
 """
 
 from __future__ import annotations
 
 import math
+import os
 from pathlib import Path
 
 import pytest
 import torch
 
-from llmserve.attention import AttentionMetadata
+# Triton picks its interpreter when a kernel is defined: without CUDA, set it before any
+# llmserve module is imported (llmserve itself never writes the environment).
+if "TRITON_INTERPRET" not in os.environ and not torch.cuda.is_available():
+    os.environ["TRITON_INTERPRET"] = "1"
+
+from llmserve.attention import AttentionMetadata  # noqa: E402
 
 
 def pytest_collection_modifyitems(config, items):

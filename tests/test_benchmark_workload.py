@@ -165,7 +165,7 @@ def test_sharegpt_packaged_file_yields_over_10k_conversations():
 
 
 def test_sharegpt_loader_truncated_user_file(tmp_path, monkeypatch):
-    monkeypatch.setenv("LLMSERVE_CACHE_DIR", str(tmp_path / "cache"))
+    monkeypatch.setenv("LLMSERVE_CACHE", str(tmp_path / "cache"))
     recs = [
         {"id": "a", "conversations": [{"from": "human", "value": "hi there"},
                                       {"from": "gpt", "value": "hello you"}]},

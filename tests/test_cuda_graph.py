@@ -58,3 +58,23 @@ def test_graph_runner_alternates_greedy_rows():
             prev, prev_want = held[-2]
             assert np.array_equal(prev.numpy(), prev_want), step
     assert r._replays == 14
+
+
+def test_short_context_argument():
+    """The short-context graphs' length is a constructor argument (``FastPathConfig.
+    graph_short_context``): default 512 tokens, none when 0 or not below ``max_model_len``;
+    a negative or non-integer length is a ValueError naming it."""
+    import pytest
+
+    from llmserve.worker.cuda_graph import SHORT_CONTEXT
+
+    def make(max_model_len, **kw):
+        return CUDAGraphDecodeRunner(lambda *a: None, lambda h: h, [], 4, 2, max_model_len,
+                                     torch.device("cpu"), **kw)
+
+    assert SHORT_CONTEXT == 512 and make(1024).short_context == 512
+    assert make(64).short_context == 0 and make(1024, short_context=0).short_context == 0
+    assert make(1024, short_context=128).short_context == 128
+    for bad in (-1, 1.5, None):
+        with pytest.raises(ValueError, match="short_context"):
+            make(1024, short_context=bad)

@@ -15,12 +15,17 @@ import pytest  # noqa: E402
 pytest.importorskip("triton")
 
 from llmserve.attention.metadata import AttentionMetadata  # noqa: E402
-from llmserve.config import ModelConfig  # noqa: E402
+from llmserve.config import FastPathConfig, ModelConfig  # noqa: E402
 from llmserve.models.fused_forward import FastQwen2Forward  # noqa: E402
 from llmserve.models.qwen2 import Qwen2ForCausalLM  # noqa: E402
 from llmserve.kernels.fused import add_rmsnorm, silu_and_mul  # noqa: E402
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+
+
+def opts(model, **fields):
+    """``FastPathConfig(**fields)`` resolved for ``model`` (its size rules included)."""
+    return FastPathConfig(**fields).resolve(model.config, DEVICE)
 
 
 def small_model(hq=4, hkv=2, d=16, dtype=torch.float32, hidden=48, intermediate=80):
@@ -103,7 +108,7 @@ def test_gemv_path_matches_readable_path(seqs):
     caches2 = clone_caches(caches)
     caches3 = clone_caches(caches)
     ref = model(ids, pos, caches, meta)
-    fast = FastQwen2Forward(model, use_gemv=True, gemv_max_tokens=4)
+    fast = FastQwen2Forward(model, opts(model, gemv_max_tokens=4))
     assert fast.use_gemv
     out = fast(ids, pos, caches2, meta)
     torch.testing.assert_close(out, ref, atol=5e-5, rtol=5e-5)
@@ -113,7 +118,7 @@ def test_gemv_path_matches_readable_path(seqs):
     logits = fast.compute_logits(out)                       # the LM head as a gemv, fp32 out
     assert logits.dtype == torch.float32
     torch.testing.assert_close(logits, model.compute_logits(ref), atol=2e-4, rtol=2e-4)
-    off = FastQwen2Forward(model, use_gemv=False)(ids, pos, caches3, meta)
+    off = FastQwen2Forward(model, opts(model, gemv_max_tokens=0))(ids, pos, caches3, meta)
     torch.testing.assert_close(off, ref, atol=2e-5, rtol=2e-5)
 
 
@@ -122,7 +127,7 @@ def test_gemv_path_embedding_gather(monkeypatch, seqs):
     """The first layer's kernels read the embedding rows straight from the table
     (``embed_gather``, on by default): the same hidden states and cache writes as the lookup
     kernel (fp32 in the interpreter: bit for bit) and as the readable path, with a token id
-    repeated in one step; ``LLMSERVE_DECODE_EMBED_GATHER=0`` keeps the lookup."""
+    repeated in one step (``embed_gather`` off: the lookup kernel, as for non-contiguous ids)."""
     model = small_model(6, 2)
     ids, pos, caches, meta = batch(model, seqs)
     if ids.numel() > 1:
@@ -130,13 +135,12 @@ def test_gemv_path_embedding_gather(monkeypatch, seqs):
     caches2 = clone_caches(caches)
     caches3 = clone_caches(caches)
     ref = model(ids, pos, caches, meta)
-    fast = FastQwen2Forward(model, use_gemv=True, gemv_max_tokens=4)
+    fast = FastQwen2Forward(model, opts(model, gemv_max_tokens=4))
     assert fast.embed_gather
     out = fast(ids, pos, caches2, meta)
     torch.testing.assert_close(out, ref, atol=5e-5, rtol=5e-5)
-    monkeypatch.setenv("LLMSERVE_DECODE_EMBED_GATHER", "0")
-    off = FastQwen2Forward(model, use_gemv=True, gemv_max_tokens=4)
-    assert not off.embed_gather
+    off = FastQwen2Forward(model, opts(model, gemv_max_tokens=4))
+    off.embed_gather = False
     tol = dict(atol=0, rtol=0) if DEVICE == "cpu" else dict(atol=1e-5, rtol=1e-5)  # GPU: FMA contraction
     torch.testing.assert_close(off(ids, pos, caches3, meta), out, **tol)
     for (k1, v1), (k2, v2), (k3, v3) in zip(caches, caches2, caches3):
@@ -175,11 +179,10 @@ def test_cuda_graph_decode_matches_eager(monkeypatch, short_context, prompt_step
     from llmserve.engine.llm_engine import LLMEngine
     from llmserve.core.sampling_params import SamplingParams
 
-    monkeypatch.setenv("LLMSERVE_GRAPH_SHORT_CONTEXT", str(short_context))
-
     def run(graph: bool):
         cfg = EngineConfig(model="tiny", device="cuda", dtype="float32", attention_backend="triton",
                            use_cuda_graph=graph, cache=CacheConfig(num_blocks=512),
+                           fast_path=FastPathConfig(graph_short_context=short_context),
                            scheduler=SchedulerConfig(max_num_seqs=8, max_model_len=512))
         eng = LLMEngine(cfg)
         prompts = [[10 + i] * (3 + prompt_step * i) for i in range(6)]
@@ -196,68 +199,44 @@ def test_cuda_graph_decode_matches_eager(monkeypatch, short_context, prompt_step
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
-def test_pdl_trigger_first_same_tokens(monkeypatch):
-    """``LLMSERVE_PDL_TRIGGER_FIRST=1`` (kernels let their successors launch before they wait),
-    the default (the QKV kernel only) and ``LLMSERVE_PDL_TRIGGER_QKV=0`` (none) change only
-    when kernels start, not what they compute: the same greedy tokens through
-    graph replays of the matrix-vector path, for contexts of one and several decode splits."""
+def test_pdl_choices_same_tokens():
+    """The QKV kernel triggering its successor first (the default for this size), not
+    triggering, and no PDL at all change only when kernels start, not what they compute: the
+    same greedy tokens through graph replays of the matrix-vector path, for contexts of one
+    and several decode splits."""
     from llmserve.config import CacheConfig, EngineConfig, SchedulerConfig
     from llmserve.engine.llm_engine import LLMEngine
     from llmserve.core.sampling_params import SamplingParams
 
-    def run(first: str, qkv: str = "", norm: str = ""):
-        monkeypatch.setenv("LLMSERVE_PDL_TRIGGER_FIRST", first)
-        monkeypatch.setenv("LLMSERVE_PDL_TRIGGER_QKV", qkv)
-        monkeypatch.setenv("LLMSERVE_PDL_FINAL_NORM", norm)
+    def run(**fields):
         cfg = EngineConfig(model="tiny", device="cuda", dtype="bfloat16", attention_backend="triton",
                            use_cuda_graph=True, cache=CacheConfig(num_blocks=512),
-                           scheduler=SchedulerConfig(max_num_seqs=8, max_model_len=512))
+                           scheduler=SchedulerConfig(max_num_seqs=8, max_model_len=512),
+                           fast_path=FastPathConfig(**fields))
         eng = LLMEngine(cfg)
         fast = eng.runner.forward
-        assert fast.pdl_trigger_first == (first == "1" and fast.pdl)
-        assert fast.trigger_roles["qkv"] == (qkv != "0" and fast.pdl)
+        assert fast.trigger_roles["qkv"] == (fields.get("pdl_trigger_qkv", True) and fast.pdl)
+        if fields.get("pdl") is False:
+            assert not fast.pdl and not any(fast.trigger_roles.values())
         return [eng.generate([[10 + i] * (3 + 60 * i)], SamplingParams(max_tokens=60, ignore_eos=True))[0]
                 .output_token_ids for i in range(4)]
 
-    # cascade, QKV only (default), none, none and the final norm without PDL
-    assert run("1") == run("0") == run("0", "0") == run("0", "0", "0")
+    assert run() == run(pdl_trigger_qkv=False) == run(pdl=False)
 
 
-def test_trigger_roles(monkeypatch):
+def test_trigger_roles():
     """Which decode kernels trigger their successor before their PDL wait: none without PDL;
-    by default the QKV kernel only, for hidden sizes <= 2048; ``LLMSERVE_PDL_TRIGGER_QKV``
-    overrides the size rule; ``LLMSERVE_PDL_TRIGGER_FIRST=1`` makes it every kernel."""
+    else the QKV kernel only, when ``pdl_trigger_qkv`` (its size rule: hidden <= 2048)."""
     from llmserve.models.fused_forward import TRIGGER_ROLES, trigger_roles
-    for name in ("LLMSERVE_PDL_TRIGGER_QKV", "LLMSERVE_PDL_TRIGGER_FIRST"):
-        monkeypatch.delenv(name, raising=False)
     only = lambda *r: {k: k in r for k in TRIGGER_ROLES}                        # noqa: E731
-    assert trigger_roles(False, 1536) == only()
-    assert trigger_roles(True, 1536) == only("qkv") and trigger_roles(True, 2048) == only("qkv")
-    assert trigger_roles(True, 3584) == only()                                 # 7B: measured slower
-    monkeypatch.setenv("LLMSERVE_PDL_TRIGGER_QKV", "0")
-    assert trigger_roles(True, 1536) == only()
-    monkeypatch.setenv("LLMSERVE_PDL_TRIGGER_QKV", "1")
-    assert trigger_roles(True, 3584) == only("qkv") and trigger_roles(False, 3584) == only()
-    monkeypatch.setenv("LLMSERVE_PDL_TRIGGER_FIRST", "1")
-    assert trigger_roles(True, 3584) == only(*TRIGGER_ROLES) and trigger_roles(False, 3584) == only()
-    monkeypatch.setenv("LLMSERVE_PDL_TRIGGER_FIRST", "0")
-    monkeypatch.setenv("LLMSERVE_PDL_TRIGGER_QKV", "on")
-    for pdl in (True, False):                                  # validated with and without PDL
-        with pytest.raises(ValueError, match="LLMSERVE_PDL_TRIGGER_QKV"):
-            trigger_roles(pdl, 1536)
-    monkeypatch.setenv("LLMSERVE_PDL_TRIGGER_FIRST", "1")
-    with pytest.raises(ValueError, match="LLMSERVE_PDL_TRIGGER_QKV"):
-        trigger_roles(True, 1536)
-    with pytest.raises(ValueError, match="LLMSERVE_PDL_TRIGGER_QKV"):
-        FastQwen2Forward(small_model(6, 2), use_gemv=True)     # no PDL on CPU: still rejected
-    monkeypatch.delenv("LLMSERVE_PDL_TRIGGER_QKV")
-    monkeypatch.setenv("LLMSERVE_PDL_TRIGGER_FIRST", "0")
-    monkeypatch.setenv("LLMSERVE_PDL_FINAL_NORM", "yes")
-    with pytest.raises(ValueError, match="LLMSERVE_PDL_FINAL_NORM"):
-        FastQwen2Forward(small_model(6, 2), use_gemv=True)
-    monkeypatch.delenv("LLMSERVE_PDL_FINAL_NORM")
-    fast = FastQwen2Forward(small_model(6, 2), use_gemv=True)             # hidden size 48
+    assert trigger_roles(False, True) == trigger_roles(False, False) == only()
+    assert trigger_roles(True, True) == only("qkv")
+    assert trigger_roles(True, False) == only()
+    model = small_model(6, 2)                                                 # hidden size 48
+    assert opts(model).pdl_trigger_qkv and not opts(model, pdl_trigger_qkv=False).pdl_trigger_qkv
+    fast = FastQwen2Forward(model)
     assert fast.trigger_roles == (only("qkv") if fast.pdl else only())       # no PDL on CPU
+    assert FastQwen2Forward(model, opts(model, pdl=False)).pdl is False
 
 
 def record_decode_launches(monkeypatch) -> tuple[list, list]:
@@ -289,12 +268,10 @@ def test_gemv_path_passes_trigger_roles(monkeypatch):
     the QKV kernel of every layer, and no other, with the default roles."""
     from llmserve.models.fused_forward import trigger_roles
     seen, norm_pdl = record_decode_launches(monkeypatch)
-    for name in ("LLMSERVE_PDL_TRIGGER_FIRST", "LLMSERVE_PDL_TRIGGER_QKV", "LLMSERVE_PDL_FINAL_NORM"):
-        monkeypatch.delenv(name, raising=False)
     model = small_model(6, 2)
     ids, pos, caches, meta = batch(model, [(5, 1)])
-    fast = FastQwen2Forward(model, use_gemv=True, gemv_max_tokens=4)
-    fast.pdl, fast.trigger_roles = True, trigger_roles(True, model.config.hidden_size)
+    fast = FastQwen2Forward(model, opts(model, gemv_max_tokens=4))
+    fast.pdl, fast.trigger_roles = True, trigger_roles(True, opts(model).pdl_trigger_qkv)
     ref = model(ids, pos, clone_caches(caches), meta)
     out = fast(ids, pos, caches, meta)
     fast.compute_logits(out)
@@ -315,11 +292,10 @@ def test_each_decode_kernel_gets_its_own_trigger_role(monkeypatch, role):
     from llmserve.attention import get_attention_backend
     from llmserve.models.fused_forward import TRIGGER_ROLES
     seen, norm_pdl = record_decode_launches(monkeypatch)
-    monkeypatch.delenv("LLMSERVE_PDL_FINAL_NORM", raising=False)
     model = small_model(4, 2, d=32)
     model.attention_backend = get_attention_backend("triton")       # the direct decode kernel
     ids, pos, caches, meta = batch(model, [(5, 1)])
-    fast = FastQwen2Forward(model, use_gemv=True, gemv_max_tokens=4)
+    fast = FastQwen2Forward(model, opts(model, gemv_max_tokens=4))
     fast.pdl, fast.trigger_roles = True, {k: k == role for k in TRIGGER_ROLES}
     ref = model(ids, pos, clone_caches(caches), meta)
     out = fast(ids, pos, caches, meta)
@@ -365,30 +341,32 @@ def test_add_rmsnorm_pdl_launch(monkeypatch):
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
-def test_d2h_side_stream_same_outputs(monkeypatch):
-    """Sampled ids copied to the host on a side stream (default; ``LLMSERVE_D2H_SIDE_STREAM=0``
-    copies on the compute stream) with the decode graphs alternating their greedy output row:
+def test_d2h_side_stream_same_outputs():
+    """Sampled ids copied to the host on a side stream (the CUDA sampler's ``copy_stream``; set
+    to ``None`` here: copies on the compute stream) with the decode graphs alternating their
+    greedy output row:
     the same greedy tokens through many graph replays (both rows used), the same sampled tokens
     and logprobs for seeded requests."""
     from llmserve.config import CacheConfig, EngineConfig, SchedulerConfig
     from llmserve.engine.llm_engine import LLMEngine
     from llmserve.core.sampling_params import SamplingParams
 
-    def run(side: str):
-        monkeypatch.setenv("LLMSERVE_D2H_SIDE_STREAM", side)
+    def run(side: bool):
         cfg = EngineConfig(model="tiny", device="cuda", dtype="bfloat16", attention_backend="triton",
                            use_cuda_graph=True, cache=CacheConfig(num_blocks=512),
                            scheduler=SchedulerConfig(max_num_seqs=8, max_model_len=512))
         eng = LLMEngine(cfg)
-        assert eng.async_scheduling
+        assert eng.async_scheduling and eng.sampler.copy_stream is not None
+        if not side:
+            eng.sampler.copy_stream = None
         greedy = [eng.generate([[10 + i] * (3 + 60 * i)], SamplingParams(max_tokens=40, ignore_eos=True))[0]
                   .output_token_ids for i in range(3)]
         outs = eng.generate([[5] * 7, [9] * 30, [11] * 3],
                             SamplingParams(max_tokens=30, ignore_eos=True, temperature=0.8, seed=3, logprobs=2))
         return greedy, [(list(o.output_token_ids), o.logprobs) for o in outs], eng.runner.cuda_graphs._replays
 
-    g1, s1, n1 = run("1")
-    g0, s0, n0 = run("0")
+    g1, s1, n1 = run(True)
+    g0, s0, n0 = run(False)
     assert n1 > 2 and n0 > 2
     assert g1 == g0
     assert [t for t, _ in s1] == [t for t, _ in s0]
@@ -396,64 +374,111 @@ def test_d2h_side_stream_same_outputs(monkeypatch):
         assert len(a) == 30 and [r["top"] for r in a] == [r["top"] for r in b]
 
 
-def test_engine_switches_reject_bad_values(monkeypatch):
-    """``LLMSERVE_PDL_TRIGGER_FIRST``, ``LLMSERVE_GRAPH_ARGMAX`` and ``LLMSERVE_D2H_SIDE_STREAM``
-    take 0, 1 or nothing; any other value is an error when the forward / engine is built (on
-    any device)."""
+def test_fast_path_config_rejects_bad_values():
+    """Every FastPathConfig field is validated once, at construction: a ValueError naming the
+    field and its allowed values; EngineConfig takes only a FastPathConfig."""
     from llmserve.config import EngineConfig
+
+    bad = {"fused_forward": "yes", "gemv_max_tokens": 5, "pdl": None, "gemv_early_epilogue": 1,
+           "gemv_pre_wait": "0", "pdl_trigger_qkv": 2, "graph_short_context": -1, "graph_argmax": "on",
+           "decode_splits": "fast", "decode_stages": 0, "decode_min_tiles": 0,
+           "decode_fused_max_splits": 129, "decode_wide_tile": 1, "decode_early_pages": "1",
+           "decode_prefetch_kv": None, "int8_layout": "col", "int8_fragments": "1", "int8_frag_pdl": 0.5}
+    assert set(bad) == set(FastPathConfig.__dataclass_fields__)               # every field covered
+    for name, value in bad.items():
+        with pytest.raises(ValueError, match=rf"^{name} must be"):
+            FastPathConfig(**{name: value})
+    for name in ("gemv_max_tokens", "decode_stages"):
+        with pytest.raises(ValueError, match=r"integer in \["):
+            FastPathConfig(**{name: True})                                     # a bool is no count
+    with pytest.raises(ValueError, match="int8_fragments needs int8_layout='row'"):
+        FastPathConfig(int8_layout="planes", int8_fragments=True)
+    with pytest.raises(ValueError, match="fast_path must be a FastPathConfig"):
+        EngineConfig(fast_path={"pdl": False})
+    with pytest.raises(AttributeError):
+        FastPathConfig().pdl = False                                            # frozen
+    FastPathConfig(gemv_max_tokens=0, graph_short_context=0, decode_splits="waves", int8_layout="planes")
+
+
+def test_size_rules_resolve_per_model():
+    """``None`` fields resolve by hidden size once per model, at the Qwen2.5 presets' shapes: on
+    for 0.5B (hidden 896), 1.5B (1536) and 3B (2048), off for 7B (3584), as the environment-free
+    defaults were; explicit values win; ``fused_forward`` follows the device."""
+    from llmserve.models.presets import preset_config
+
+    rules = ("gemv_early_epilogue", "gemv_pre_wait", "pdl_trigger_qkv", "int8_frag_pdl")
+    for name, on in (("qwen2.5-0.5b", True), ("qwen2.5-1.5b", True), ("qwen2.5-3b", True),
+                     ("qwen2.5-7b", False)):
+        mc = preset_config(name)
+        r = FastPathConfig().resolve(mc, "cuda")
+        assert all(getattr(r, f) is on for f in rules), name
+        assert (r.fused_forward, r.gemv_max_tokens, r.pdl, r.graph_short_context, r.graph_argmax) == \
+            (True, 1, True, 512, True)
+        assert r.decode_options() == dict(split_policy="legacy", stages=3, min_tiles=1, fused_max_splits=8,
+                                          wide_tile=True, early_pages=None, prefetch_kv=True)
+        assert (r.int8_layout, r.int8_fragments) == ("row", False)
+        forced = FastPathConfig(**dict.fromkeys(rules, not on)).resolve(mc, "cuda")
+        assert all(getattr(forced, f) is (not on) for f in rules)
+    mc = preset_config("qwen2.5-1.5b")
+    assert FastPathConfig().resolve(mc, "cpu").fused_forward is False
+    assert FastPathConfig(fused_forward=True).resolve(mc, "cpu").fused_forward is True
+    assert FastPathConfig(fused_forward=False).resolve(mc, "cuda:0").fused_forward is False
+
+
+def test_readable_forward_when_fused_forward_is_false(tiny_path):
+    """``fused_forward=False`` keeps the readable forward (no FastQwen2Forward, no graphs) even
+    where the fused one would be the default; the default on CPU is the readable one too, and
+    ``fused_forward=True`` on CPU (Triton interpreter; without the matrix-vector path, whose
+    LM head over the tiny model's 151,936-token vocabulary is slow there) gives the same greedy
+    tokens."""
+    from llmserve.config import EngineConfig, SchedulerConfig
+    from llmserve.core.sampling_params import SamplingParams
     from llmserve.engine.llm_engine import LLMEngine
 
-    for ok in ("", "0", "1"):
-        monkeypatch.setenv("LLMSERVE_PDL_TRIGGER_FIRST", ok)
-        fast = FastQwen2Forward(small_model(6, 2), use_gemv=True)
-        assert fast.pdl_trigger_first is (ok == "1" and fast.pdl)             # no PDL on CPU
-    monkeypatch.setenv("LLMSERVE_PDL_TRIGGER_FIRST", "yes")
-    with pytest.raises(ValueError, match="LLMSERVE_PDL_TRIGGER_FIRST"):
-        FastQwen2Forward(small_model(6, 2), use_gemv=True)
-    monkeypatch.delenv("LLMSERVE_PDL_TRIGGER_FIRST")
-    monkeypatch.setenv("LLMSERVE_GRAPH_ARGMAX", "on")
-    with pytest.raises(ValueError, match="LLMSERVE_GRAPH_ARGMAX"):
-        LLMEngine(EngineConfig())
-    monkeypatch.setenv("LLMSERVE_GRAPH_ARGMAX", "0")
-    LLMEngine(EngineConfig())
-    monkeypatch.setenv("LLMSERVE_D2H_SIDE_STREAM", "yes")          # read when the sampler is built
-    with pytest.raises(ValueError, match="LLMSERVE_D2H_SIDE_STREAM"):
-        LLMEngine(EngineConfig())
-    monkeypatch.setenv("LLMSERVE_D2H_SIDE_STREAM", "0")
-    assert LLMEngine(EngineConfig()).sampler.copy_stream is None     # CPU: never a side stream
+    def engine(**fields):
+        return LLMEngine(EngineConfig(model=str(tiny_path), device=DEVICE, attention_backend="triton",
+                                      scheduler=SchedulerConfig(max_num_seqs=2, max_model_len=64),
+                                      fast_path=FastPathConfig(**fields)))
+
+    readable = engine(fused_forward=False)
+    assert not isinstance(readable.runner.forward, FastQwen2Forward) and readable.runner.cuda_graphs is None
+    assert readable.fast_path.fused_forward is False
+    sp = SamplingParams(max_tokens=3, ignore_eos=True)
+    want = [o.output_token_ids for o in readable.generate([[5, 6, 7], [9] * 5], sp)]
+    fused = engine(fused_forward=True, gemv_max_tokens=0 if DEVICE == "cpu" else 1)
+    assert isinstance(fused.runner.forward, FastQwen2Forward)
+    assert fused.model.attention_backend.decode_options == fused.fast_path.decode_options()
+    assert [o.output_token_ids for o in fused.generate([[5, 6, 7], [9] * 5], sp)] == want
+    if DEVICE == "cpu":
+        assert not isinstance(engine().runner.forward, FastQwen2Forward)
 
 
-@pytest.mark.parametrize("env,expected", [("", True), ("0", False), ("1", True)])
-def test_gemv_path_early_epilogue_switch(monkeypatch, env, expected):
-    """``LLMSERVE_GEMV_EARLY_EPILOGUE`` (default: on for hidden sizes <= 2048) changes where the
+@pytest.mark.parametrize("value,expected", [(None, True), (False, False), (True, True)])
+def test_gemv_path_early_epilogue_choice(value, expected):
+    """``gemv_early_epilogue`` (``None``: on for hidden sizes <= 2048) changes where the
     epilogue's operands are loaded, not the result."""
-    monkeypatch.setenv("LLMSERVE_GEMV_EARLY_EPILOGUE", env)
     model = small_model(6, 2)
     ids, pos, caches, meta = batch(model, [(9, 1), (4, 1)])
     caches2 = clone_caches(caches)
     ref = model(ids, pos, caches, meta)
-    fast = FastQwen2Forward(model, use_gemv=True, gemv_max_tokens=4)
+    fast = FastQwen2Forward(model, opts(model, gemv_max_tokens=4, gemv_early_epilogue=value))
     assert fast.early_epilogue is expected
     torch.testing.assert_close(fast(ids, pos, caches2, meta), ref, atol=5e-5, rtol=5e-5)
-    monkeypatch.setenv("LLMSERVE_GEMV_EARLY_EPILOGUE", "yes")
-    with pytest.raises(ValueError, match="LLMSERVE_GEMV_EARLY_EPILOGUE"):
-        FastQwen2Forward(model, use_gemv=True)
 
 
 def test_gemv_early_epilogue_size_rule(monkeypatch):
-    """Without the variable, the switch follows the hidden size (on up to 2048, where it
-    measured faster on the H200; off above, where 7B measured slower), and it reaches the
-    kernel launches of the QKV, O and down projections."""
+    """Unset, the choice follows the hidden size (on up to 2048, where it measured faster on
+    the H200; off above, where 7B measured slower), and it reaches the kernel launches of the
+    QKV, O and down projections."""
     import llmserve.models.fused_forward as ff
 
-    monkeypatch.delenv("LLMSERVE_GEMV_EARLY_EPILOGUE", raising=False)
     model = small_model(6, 2)
-    assert FastQwen2Forward(model, use_gemv=True).early_epilogue is True
+    assert FastQwen2Forward(model).early_epilogue is True
     import dataclasses
 
     cfg = model.config
     model.config = dataclasses.replace(cfg, hidden_size=3584)   # only the rule reads it here
-    fast = FastQwen2Forward(model, use_gemv=True)
+    fast = FastQwen2Forward(model)
     model.config = cfg
     assert fast.early_epilogue is False
     seen = []
@@ -473,17 +498,17 @@ def test_int8_projections_are_fused(seqs, planes, monkeypatch):
     the fused kernels: the matrix-vector path for steps of <= 4 tokens (int8 rows, scale in the
     epilogue), the packed INT8 GEMM otherwise. Same hidden states, cache writes and logits as
     the readable path calling the quantized modules one by one; state_dict unchanged (also
-    with the weights repacked as byte planes, LLMSERVE_INT8_PLANES=1: state_dict unpacks them, and an
+    with the weights repacked as byte planes, int8_layout="planes": state_dict unpacks them, and an
     in-place load_state_dict of the row-major checkpoint packs them again)."""
     from llmserve.quant import TritonInt8Linear, quantize_model
 
-    monkeypatch.setenv("LLMSERVE_INT8_PLANES", "1" if planes else "0")
+    layout = "planes" if planes else "row"
     model = quantize_model(small_model(6, 2), "triton-int8")
     ids, pos, caches, meta = batch(model, seqs)
     caches2 = clone_caches(caches)
     ref = model(ids, pos, caches, meta)
     sd_before = {k: v.clone() for k, v in model.state_dict().items()}
-    fast = FastQwen2Forward(model, use_gemv=True, gemv_max_tokens=4)
+    fast = FastQwen2Forward(model, opts(model, gemv_max_tokens=4, int8_layout=layout))
     assert fast.use_gemv
     assert all(e["qkv"][2] is not None and e["gate_up"][2] is not None for e in fast.layers)
     q_proj = model.model.layers[0].self_attn.q_proj
@@ -526,8 +551,7 @@ def test_int8_projections_are_fused(seqs, planes, monkeypatch):
         with pytest.raises(RuntimeError, match="size/dtype mismatch"):
             model.load_state_dict(bad)
         # a second fused forward on the same model keeps (and reports) the planes
-        monkeypatch.setenv("LLMSERVE_INT8_PLANES", "0")
-        assert FastQwen2Forward(model, use_gemv=True, gemv_max_tokens=4).int8_planes
+        assert FastQwen2Forward(model, opts(model, gemv_max_tokens=4)).int8_planes   # row asked
 
 
 def test_reference_int8_layers_turn_the_gemv_path_off():
@@ -539,7 +563,7 @@ def test_reference_int8_layers_turn_the_gemv_path_off():
     ids, pos, caches, meta = batch(model, [(9, 1)])
     caches2 = clone_caches(caches)
     ref = model(ids, pos, caches, meta)
-    fast = FastQwen2Forward(model, use_gemv=True, gemv_max_tokens=4)
+    fast = FastQwen2Forward(model, opts(model, gemv_max_tokens=4))
     assert not fast.use_gemv and "qkv" not in fast.layers[0]
     torch.testing.assert_close(fast(ids, pos, caches2, meta), ref, atol=2e-5, rtol=2e-5)
 
@@ -551,7 +575,7 @@ def test_quantizing_after_building_the_fused_forward_raises():
     from llmserve.quant import quantize_model
 
     model = small_model(6, 2)
-    fast = FastQwen2Forward(model, use_gemv=True, gemv_max_tokens=4)
+    fast = FastQwen2Forward(model, opts(model, gemv_max_tokens=4))
     quantize_model(model, "triton-int8")
     ids, pos, caches, meta = batch(model, [(9, 1)])
     with pytest.raises(RuntimeError, match="quantized after"):
@@ -572,7 +596,7 @@ def test_partly_quantized_models_match_the_readable_path(include):
         ids, pos, caches, meta = batch(model, seqs)
         caches2 = clone_caches(caches)
         ref = model(ids, pos, caches, meta)
-        fast = FastQwen2Forward(model, use_gemv=True, gemv_max_tokens=4)
+        fast = FastQwen2Forward(model, opts(model, gemv_max_tokens=4))
         torch.testing.assert_close(fast(ids, pos, caches2, meta), ref, atol=5e-5, rtol=5e-5)
     assert fast.use_gemv == ("q_proj" not in include)
 
@@ -584,24 +608,23 @@ def _fragment_sized_model(dtype):
 
 
 def test_int8_fragments_need_cuda_and_bf16(monkeypatch, caplog):
-    """LLMSERVE_INT8_FRAGMENTS=1 is ignored, with a warning, where the kernel cannot run (CPU,
+    """``int8_fragments=True`` is ignored, with a warning, where the kernel cannot run (CPU,
     or a model that is not bf16): same results as without it."""
     from llmserve.quant import quantize_model
 
-    monkeypatch.setenv("LLMSERVE_INT8_FRAGMENTS", "1")
     model = quantize_model(_fragment_sized_model(torch.float32), "triton-int8")
     ids, pos, caches, meta = batch(model, [(9, 1), (4, 1), (17, 1)])
     caches2 = clone_caches(caches)
     ref = model(ids, pos, caches, meta)
     with caplog.at_level("WARNING"):
-        fast = FastQwen2Forward(model, use_gemv=True, gemv_max_tokens=1)
-    assert not fast.int8_fragments and "LLMSERVE_INT8_FRAGMENTS=1 ignored" in caplog.text
+        fast = FastQwen2Forward(model, opts(model, int8_fragments=True))
+    assert not fast.int8_fragments and "int8_fragments=True ignored" in caplog.text
     torch.testing.assert_close(fast(ids, pos, caches2, meta), ref, atol=5e-5, rtol=5e-5)
 
 
 def test_int8_fragment_views_follow_load_state_dict():
     """A Triton INT8 layer holding a view of a fragment copy (what the fused forward gives it
-    with LLMSERVE_INT8_FRAGMENTS=1) has that view repacked in place by load_state_dict."""
+    with int8_fragments=True) has that view repacked in place by load_state_dict."""
     from llmserve.quant import TritonInt8Linear, quantize_model
     from llmserve.kernels.int8_layout import pack_int8_fragments
 
@@ -625,7 +648,7 @@ def test_int8_fragment_views_follow_load_state_dict():
 @pytest.mark.parametrize("seqs", [[(9, 1), (4, 1), (17, 1)], [(5, 1)] * 9, [(9, 1)] * 16,
                                   [(7, 7), (12, 1), (5, 3)], [(9, 9), (8, 8)]])
 def test_int8_fragments_serve_small_steps(seqs, monkeypatch):
-    """With LLMSERVE_INT8_FRAGMENTS=1 (bf16, CUDA) steps of 2..16 tokens (decode, prefill and
+    """With int8_fragments=True (bf16, CUDA) steps of 2..16 tokens (decode, prefill and
     mixed) run every projection through int8_frag_linear (four calls a layer, each with its
     own weight), a 17-token step runs none, and the result is what the row-major INT8 path
     gives, also after an in-place load_state_dict of changed weights."""
@@ -635,16 +658,12 @@ def test_int8_fragments_serve_small_steps(seqs, monkeypatch):
     model = quantize_model(_fragment_sized_model(torch.bfloat16), "triton-int8")
     ids, pos, caches, meta = batch(model, seqs)
     caches2, caches3, caches4 = clone_caches(caches), clone_caches(caches), clone_caches(caches)
-    monkeypatch.setenv("LLMSERVE_INT8_FRAGMENTS", "0")
-    plain = FastQwen2Forward(model, use_gemv=True, gemv_max_tokens=1)
+    plain = FastQwen2Forward(model, opts(model))
     ref = plain(ids, pos, caches, meta)
-    monkeypatch.setenv("LLMSERVE_INT8_FRAGMENTS", "1")
-    monkeypatch.setenv("LLMSERVE_INT8_FRAG_PDL", "0")
-    assert not FastQwen2Forward(model, use_gemv=True, gemv_max_tokens=1).frag_pdl
-    monkeypatch.delenv("LLMSERVE_INT8_FRAG_PDL")
-    fast = FastQwen2Forward(model, use_gemv=True, gemv_max_tokens=1)
+    assert not FastQwen2Forward(model, opts(model, int8_fragments=True, int8_frag_pdl=False)).frag_pdl
+    fast = FastQwen2Forward(model, opts(model, int8_fragments=True))
     assert fast.int8_fragments and set(fast.layers[0]["frag"]) == {"qkv", "gate_up", "o", "down"}
-    # hidden 64 <= SMALL_HIDDEN_MAX: PDL on by default where the GPU and Triton have it
+    # hidden 64 <= config.SMALL_HIDDEN_MAX: PDL on by default where the GPU and Triton have it
     assert fast.frag_pdl == ff.pdl_available(torch.device("cuda"))
     calls = []
     real = ff.int8_frag_linear
@@ -671,8 +690,7 @@ def test_int8_fragments_serve_small_steps(seqs, monkeypatch):
     # first forward's packed q/k/v and gate/up are stale: the second one re-pointed the modules)
     fresh = quantize_model(_fragment_sized_model(model.dtype), "triton-int8")
     fresh.load_state_dict(sd)
-    monkeypatch.setenv("LLMSERVE_INT8_FRAGMENTS", "0")
-    ref2 = FastQwen2Forward(fresh, use_gemv=True, gemv_max_tokens=1)(ids, pos, caches3, meta)
+    ref2 = FastQwen2Forward(fresh, opts(fresh))(ids, pos, caches3, meta)
     out2 = fast(ids, pos, caches4, meta)
     assert ((ref2.float() - ref.float()).norm() / ref.float().norm()).item() > 0.1   # the load mattered
     err2 = ((out2.float() - ref2.float()).norm() / ref2.float().norm()).item()

@@ -66,7 +66,7 @@ def test_emulation_sees_a_wrong_layout():
 
 def test_default_configs():
     """On the H200 the table's sweep winners; elsewhere the rule, which reproduces the 1.5B
-    winners (run 5) without the table."""
+    winners without the table."""
     h200 = "NVIDIA H200"
     assert choose_frag_config(2, 18944, 3584, gpu_name=h200) == FragConfig(2, 4, 1, prefetch=True)  # 7B
     assert choose_frag_config(12, 3584, 18944, gpu_name=h200) == FragConfig(4, 4, 1, 2, stages=4)
@@ -82,10 +82,8 @@ def test_default_configs():
 
 def test_default_configs_for_pdl_calls(monkeypatch):
     """Calls launched with PDL get the PDL sweeps' winners where they differ (1.5B gate/up at
-    <= 8 tokens, down with TMA, on the H200); other shapes and GPUs, and LLMSERVE_INT8_FRAG_PDL_TABLE=0, the
-    plain table."""
+    <= 8 tokens, down with TMA, on the H200); other shapes and GPUs the plain table."""
     h200 = "NVIDIA H200"
-    monkeypatch.delenv("LLMSERVE_INT8_FRAG_PDL_TABLE", raising=False)
     assert choose_frag_config(3, 8960, 1536, gpu_name=h200, pdl=True) == FragConfig(2, 8, 1, prefetch=True, fold=True)
     assert choose_frag_config(16, 8960, 1536, gpu_name=h200, pdl=True) == FragConfig(2, 8, 1)
     assert choose_frag_config(8, 1536, 8960, gpu_name=h200, pdl=True) == FragConfig(4, 8, 1, stages=3, tma=True)
@@ -99,11 +97,6 @@ def test_default_configs_for_pdl_calls(monkeypatch):
     monkeypatch.setattr(frag, "TensorDescriptor", None)           # a Triton without TMA descriptors
     assert choose_frag_config(8, 1536, 8960, gpu_name=h200, pdl=True) == FragConfig(4, 4, 6, prefetch=True)
     monkeypatch.undo()
-    monkeypatch.setenv("LLMSERVE_INT8_FRAG_PDL_TABLE", "0")
-    assert choose_frag_config(3, 8960, 1536, gpu_name=h200, pdl=True) == FragConfig(4, 4, 1, prefetch=True)
-    monkeypatch.setenv("LLMSERVE_INT8_FRAG_PDL_TABLE", "yes")
-    with pytest.raises(ValueError, match="LLMSERVE_INT8_FRAG_PDL_TABLE"):
-        choose_frag_config(3, 8960, 1536, gpu_name=h200, pdl=True)
 
 
 @pytest.mark.parametrize("asm,tiles", [(_ASM1, 1), (_ASM2, 2)])

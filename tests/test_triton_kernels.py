@@ -3,9 +3,8 @@ batches) and the INT8 weight-only linear.
 
 Without CUDA the kernels run in Triton's interpreter on CPU tensors (fp32/fp16: the
 interpreter's bf16 arithmetic is wrong). ``TRITON_INTERPRET`` must be set before the kernels are
-defined; ``llmserve.kernels`` sets it itself when CUDA is unavailable, and this module
-sets it too before importing anything from Triton, so import order across test modules does not
-matter. Shapes are small but awkward (block boundaries, 1-token contexts, GQA 1/2/6/7, K not a
+defined; ``conftest.py`` sets it when CUDA is unavailable, and this module sets it too before
+importing anything from Triton, so import order across test modules does not matter. Shapes are small but awkward (block boundaries, 1-token contexts, GQA 1/2/6/7, K not a
 multiple of the tile) to keep the interpreter fast. ``gpu``-marked tests check bf16 on CUDA.
 """
 
@@ -130,9 +129,10 @@ def test_decode_wide_tile_matches_reference(hkv, d):
         assert_close(out, ref, dtype)
 
 
-def test_decode_wide_tile_config(monkeypatch):
+def test_decode_wide_tile_config():
     """The GPU tile choice: few (sequence, KV head) pairs and short contexts take one wide tile
-    (8 warps at head_dim 128, 4 below); otherwise, or with LLMSERVE_DECODE_WIDE=0, the default."""
+    (8 warps at head_dim 128, 4 below); otherwise, or with ``wide_tile=False``, the default tile
+    with ``stages`` pipeline stages (3 by default)."""
     from llmserve.kernels.paged_attention import _decode_config
     assert _decode_config(128, False, 2, 300) == dict(BLOCK_N=256, num_warps=8, num_stages=1, wide=True)
     assert _decode_config(64, False, 4, 512)["num_warps"] == 4
@@ -142,8 +142,23 @@ def test_decode_wide_tile_config(monkeypatch):
     assert "wide" not in _decode_config(128, False, 2, 2048)
     assert "wide" not in _decode_config(128, False, 2, 300, elt=4)         # fp32 cache: too much smem
     assert _decode_config(128, True, 2, 300)["BLOCK_N"] == 16               # interpreter: small tiles
-    monkeypatch.setenv("LLMSERVE_DECODE_WIDE", "0")
-    assert "wide" not in _decode_config(128, False, 2, 300)
+    assert _decode_config(128, False, 2, 300, wide_tile=False) == dict(BLOCK_N=64, num_warps=4, num_stages=3)
+    assert _decode_config(128, False, 8, 300, stages=2)["num_stages"] == 2
+    assert _decode_config(256, False, 8, 300)["BLOCK_N"] == 32
+
+
+def test_decode_options_validated_and_same_results():
+    """The decode kernel's options (FastPathConfig's decode_* fields) change only how the work
+    is split, never the result; values outside their range raise ValueError naming the option."""
+    q, kc, vc, meta = make_batch([(1, 1), (40, 1), (129, 1)], 16, 4, 2, 32, torch.float32)
+    ref = paged_attention_torch(q, kc, vc, meta, 0.2)
+    for kw in (dict(split_policy="waves"), dict(min_tiles=4), dict(fused_max_splits=1),
+               dict(wide_tile=False, early_pages=True, prefetch_kv=False), dict(stages=1)):
+        assert_close(paged_attention_decode(q, kc, vc, meta, 0.2, **kw), ref, torch.float32)
+    for kw, name in ((dict(split_policy="fast"), "split_policy"), (dict(stages=0), "stages"),
+                     (dict(min_tiles=0), "min_tiles"), (dict(fused_max_splits=200), "fused_max_splits")):
+        with pytest.raises(ValueError, match=name):
+            paged_attention_decode(q, kc, vc, meta, 0.2, **kw)
 
 
 @pytest.mark.parametrize("fused", [False, True])
@@ -162,12 +177,12 @@ def test_decode_grid_sized_for_a_longer_context(num_splits, fused):
     over the splits (1-token, block-boundary and one-tile contexts use one split and skip the
     partials; longer ones several), and empty splits exit without writing partials. Run twice
     so the fused merge's counters must have been re-armed. ``None``: the default split count
-    and at least ``_DECODE_MIN_TILES`` tiles a split."""
+    and at least ``min_tiles`` (1) tiles a split."""
     q, kc, vc, meta = make_batch([(1, 1), (16, 1), (17, 1), (33, 1), (200, 1), (129, 1)], 16, 6, 2, 64,
                                  torch.float32)
     ref = paged_attention_torch(q, kc, vc, meta, 0.125)
     meta.max_context_len = 4096                                   # as the graph runner does
-    if num_splits is None:   # > FUSED_REDUCE_MAX_SPLITS splits: short contexts merge in the decode
+    if num_splits is None:   # > fused_max_splits splits: short contexts merge in the decode
         import llmserve.kernels.paged_attention as pa    # kernel, long ones in the reduction
         out = paged_attention_decode(q, kc, vc, meta, 0.125, num_splits=40)
         assert_close(out, ref, torch.float32)
@@ -188,23 +203,17 @@ def test_decode_early_pages_matches_reference(num_splits, block_n):
     meta.max_context_len = 1024
     for _ in range(2):
         out = paged_attention_decode(q, kc, vc, meta, 0.125, num_splits=num_splits, block_n=block_n,
-                                     early_pages_override=True)
+                                     early_pages=True)
         assert_close(out, ref, torch.float32)
 
 
-def test_early_pages_default_follows_the_wide_tile(monkeypatch):
-    """Early block-table reads are on by default only with the wide (batch-1) tile; the
-    environment switch forces them on or off for every tile; an explicit override wins."""
+def test_early_pages_default_follows_the_wide_tile():
+    """Early block-table reads are on by default (``early_pages=None``) only with the wide
+    (batch-1) tile; ``True``/``False`` force them on or off for every tile."""
     from llmserve.kernels.paged_attention import _use_early_pages
-    monkeypatch.delenv("LLMSERVE_DECODE_EARLY_PAGES", raising=False)
     assert _use_early_pages(True) and not _use_early_pages(False)
-    monkeypatch.setenv("LLMSERVE_DECODE_EARLY_PAGES", "1")
-    assert _use_early_pages(False)
-    monkeypatch.setenv("LLMSERVE_DECODE_EARLY_PAGES", "0")
-    assert not _use_early_pages(True) and _use_early_pages(True, override=True)
-    monkeypatch.setenv("LLMSERVE_DECODE_EARLY_PAGES", "yes")
-    with pytest.raises(ValueError, match="LLMSERVE_DECODE_EARLY_PAGES"):
-        _use_early_pages(True)
+    assert _use_early_pages(False, True)
+    assert not _use_early_pages(True, False)
 
 
 def test_choose_num_splits_fills_the_gpu():
@@ -366,8 +375,6 @@ def test_int8_planes_config_rules(monkeypatch, tmp_path):
     gemv_mod = importlib.import_module("llmserve.kernels.gemv")   # the modules, not the
     il = importlib.import_module("llmserve.kernels.int8_linear")  # functions re-exported
 
-    monkeypatch.delenv("LLMSERVE_GEMV_CONFIG", raising=False)
-    monkeypatch.delenv("LLMSERVE_GEMV_TABLE", raising=False)
     monkeypatch.setattr(gemv_mod, "_gpu_name", lambda device: "no such GPU")
     monkeypatch.setattr(il, "_num_sms", lambda device: 132)
     cuda = torch.device("cuda")
@@ -410,7 +417,7 @@ def test_int8_planes_config_rules(monkeypatch, tmp_path):
     # the M = 3 fallback is M = 4's entry, for M = 3 only (a table with nothing else)
     table = tmp_path / "t.json"
     table.write_text(json.dumps({"configs": {"NVIDIA H200|int8|none|4|1024|512": [2, 256, 2, 1, 0, 4]}}))
-    monkeypatch.setenv("LLMSERVE_GEMV_TABLE", str(table))
+    monkeypatch.setattr(gemv_mod, "_DEFAULT_TABLE", str(table))
     assert gemv_mod.tuned_gemv_config(3, 512, 1024, torch.int8, cuda).as_list() == [2, 256, 2, 1, 0, 4]
     assert gemv_mod.tuned_gemv_config(4, 512, 1024, torch.int8, cuda).red == 4
     assert all(gemv_mod.tuned_gemv_config(m, 512, 1024, torch.int8, cuda) is None for m in (1, 2))
@@ -758,7 +765,7 @@ def test_gemv_pre_wait_tiles(monkeypatch, kind):
     H200 run of the bit-exact version failed at K = 32, pre 2, so the GPU compares to 1e-5) for plain, RMSNorm + residual,
     SwiGLU and QKV+RoPE launches, K a multiple of the tile or not, and a ``pre`` above the
     row's tile count. The launches carry ``PRE`` as configured, capped at
-    the tile count, 1 on a persistent grid, ``LLMSERVE_GEMV_PRE_TILES`` overriding; bad values are
+    the tile count, 1 on a persistent grid; bad values are
     errors."""
     from llmserve.kernels import gemv as gm
     tol = dict(rtol=0, atol=0) if DEVICE == "cpu" else dict(rtol=1e-5, atol=1e-5)
@@ -810,20 +817,14 @@ def test_gemv_pre_wait_tiles(monkeypatch, kind):
             return lambda *args, **kw: seen.append(kw["PRE"])
 
     monkeypatch.setattr(gm, "_gemv_kernel", Recorder())
-    monkeypatch.delenv("LLMSERVE_GEMV_PRE_TILES", raising=False)
     x, w = torch.randn(1, 40, device=DEVICE), torch.randn(24, 40, device=DEVICE)
     sms = gm.num_sms(x.device, cpu_default=2)
     wp = torch.randn(2 * (sms + 4), 40, device=DEVICE)
     gm.gemv(x, w, config=GemvConfig(2, 16, 1, 1, 0, 1, 2))          # 3 tiles of 16: 2
     gm.gemv(x, w, config=GemvConfig(2, 16, 1, 1, 0, 1, 4))          # capped at 3
     gm.gemv(x, wp, config=GemvConfig(2, 16, 1, 1, 1, 1, 3))         # persistent: 1
-    monkeypatch.setenv("LLMSERVE_GEMV_PRE_TILES", "2")
-    gm.gemv(x, w, config=GemvConfig(2, 32, 1, 1))                   # override: 2 (2 tiles of 32)
+    gm.gemv(x, w, config=GemvConfig(2, 32, 1, 1, 0, 1, 2))          # 2 (2 tiles of 32)
     assert seen == [2, 3, 1, 2]
-    for bad in ("0", "5", "x"):
-        monkeypatch.setenv("LLMSERVE_GEMV_PRE_TILES", bad)
-        with pytest.raises(ValueError, match="LLMSERVE_GEMV_PRE_TILES"):
-            gm.gemv(x, w, config=GemvConfig(2, 32, 1, 1))
     for bad in (0, 5, 2.0):
         with pytest.raises(ValueError, match="GemvConfig.pre"):
             GemvConfig(2, 32, 1, 1, 0, 1, bad)
@@ -833,8 +834,8 @@ def test_gemv_pre_wait_tiles(monkeypatch, kind):
 
 def test_gemv_launch_arguments_red_and_early(monkeypatch):
     """``red`` and ``early_epilogue`` reach the kernel as launched (both change only the order
-    of a sum or of loads, so comparisons of results cannot see them): the table's ``red``, the
-    ``LLMSERVE_GEMV_RED`` override (capped at ``block_k``), mode 2 (1 on a persistent grid),
+    of a sum or of loads, so comparisons of results cannot see them): the config's ``red``,
+    mode 2 (1 on a persistent grid),
     in ``gemv`` and ``gemv_qkv_rope``; bad ``early_epilogue`` values are errors, even for M = 0."""
     from llmserve.kernels import gemv as gm
     seen = []
@@ -844,16 +845,13 @@ def test_gemv_launch_arguments_red_and_early(monkeypatch):
             return lambda *args, **kw: seen.append(kw)
 
     monkeypatch.setattr(gm, "_gemv_kernel", Recorder())
-    monkeypatch.delenv("LLMSERVE_GEMV_RED", raising=False)
     x, w = torch.randn(1, 40, device=DEVICE), torch.randn(24, 40, device=DEVICE)
     gm.gemv(x, w, config=GemvConfig(2, 32, 1, 1, 0, 8), early_epilogue=2)
     sms = gm.num_sms(x.device, cpu_default=2)
     wp = torch.randn(2 * (sms + 4), 40, device=DEVICE)                          # sms + 4 row blocks
     gm.gemv(x, wp, config=GemvConfig(2, 32, 1, 1, 1, 4), early_epilogue=2)     # persistent: > 1 a SM
     gm.gemv(x, w, config=GemvConfig(2, 32, 1, 1), early_epilogue=True)
-    monkeypatch.setenv("LLMSERVE_GEMV_RED", "64")
-    gm.gemv(x, w, config=GemvConfig(2, 32, 1, 1), early_epilogue=False)
-    monkeypatch.delenv("LLMSERVE_GEMV_RED")
+    gm.gemv(x, w, config=GemvConfig(2, 32, 1, 1, 0, 32), early_epilogue=False)
     assert [(k["RED"], k["EARLY_EPI"], k["PERSISTENT"]) for k in seen] == \
         [(8, 2, False), (4, 1, True), (1, 1, False), (32, 0, False)]
     seen.clear()
@@ -878,21 +876,14 @@ def test_gemv_launch_arguments_red_and_early(monkeypatch):
     assert gm._early_mode(True, persistent=True) == 1 and gm._early_mode(False, persistent=False) == 0
 
 
-def test_qkv_early_mode(monkeypatch):
-    """The decode QKV kernel's mode: 2 with PDL and the pre-wait (default: hidden <= 2048),
-    else the other kernels' early-epilogue setting."""
+def test_qkv_early_mode():
+    """The decode QKV kernel's mode: 2 with PDL and the pre-wait (FastPathConfig.gemv_pre_wait;
+    its size rule: hidden <= 2048), else the other kernels' early-epilogue setting."""
     from llmserve.models.fused_forward import qkv_early_mode
-    monkeypatch.delenv("LLMSERVE_GEMV_PRE_WAIT", raising=False)
-    assert qkv_early_mode(True, 1536, True) == 2
-    assert qkv_early_mode(True, 3584, False) == 0            # 7B: measured slower with it
-    assert qkv_early_mode(False, 1536, True) == 1            # no PDL: no wait to read before
-    monkeypatch.setenv("LLMSERVE_GEMV_PRE_WAIT", "0")
-    assert qkv_early_mode(True, 1536, True) == 1
-    monkeypatch.setenv("LLMSERVE_GEMV_PRE_WAIT", "1")
-    assert qkv_early_mode(True, 3584, False) == 2
-    monkeypatch.setenv("LLMSERVE_GEMV_PRE_WAIT", "yes")
-    with pytest.raises(ValueError, match="LLMSERVE_GEMV_PRE_WAIT"):
-        qkv_early_mode(True, 1536, True)
+    assert qkv_early_mode(True, True, True) == 2
+    assert qkv_early_mode(True, False, False) == 0           # 7B's rule: measured slower with it
+    assert qkv_early_mode(False, True, True) == 1            # no PDL: no wait to read before
+    assert qkv_early_mode(True, False, True) == 1
 
 
 def test_gemv_qkv_rope_shipped_combination():
@@ -923,60 +914,34 @@ def test_gemv_qkv_rope_shipped_combination():
         torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-4)
 
 
-def test_gemv_config_env_and_table(monkeypatch, tmp_path):
+def test_gemv_config_table(monkeypatch, tmp_path):
+    """Tuned tables: malformed entries are skipped, good ones kept (``programs_per_sm`` fifth,
+    ``red`` sixth, ``pre`` seventh); an untuned ``+rope`` key takes the plain projection's tile
+    with half the rows; each file is its own table; an unreadable one gives no entries (the
+    rules apply); the package's own table parses completely."""
     from llmserve.kernels import gemv as gm
-    monkeypatch.setenv("LLMSERVE_GEMV_CONFIG", "2,64,2,1")
-    assert gm.choose_gemv_config(1, 10, 10, torch.float32, DEVICE) == GemvConfig(2, 64, 2, 1)
-    monkeypatch.setenv("LLMSERVE_GEMV_CONFIG", "2,64,2,1,16")
-    assert gm.choose_gemv_config(1, 10, 10, torch.float32, DEVICE).programs_per_sm == 16
-    monkeypatch.setenv("LLMSERVE_GEMV_CONFIG", "2,64,2,1,0,1,3")
-    assert gm.choose_gemv_config(1, 10, 10, torch.float32, DEVICE).pre == 3
-    for bad in ("8,32,4", "8,48,4,1", "a,b,c,d"):
-        monkeypatch.setenv("LLMSERVE_GEMV_CONFIG", bad)
-        with pytest.raises(ValueError, match="LLMSERVE_GEMV_CONFIG"):
-            gm.choose_gemv_config(1, 10, 10, torch.float32, DEVICE)
-    monkeypatch.delenv("LLMSERVE_GEMV_CONFIG")
-    table = tmp_path / "t.json"                  # malformed entries are skipped, good ones kept
+    monkeypatch.setattr(gm, "_TABLES", {})
+    table = tmp_path / "t.json"
     table.write_text('{"configs": {"a": [1, 2], "b": [2, 48, 4, 1], "c": [2, 256, 4, 1], '
                      '"d": [1, 512, 2, 1, 8], "e": [1, 512, 2, 1, -1]}}')
-    monkeypatch.setenv("LLMSERVE_GEMV_TABLE", str(table))
-    monkeypatch.setattr(gm, "_TABLES", {})
-    assert gm._table() == {"c": GemvConfig(2, 256, 4, 1), "d": GemvConfig(1, 512, 2, 1, 8)}
-    assert gm._table()["d"].as_list() == [1, 512, 2, 1, 8]
+    assert gm._table(str(table)) == {"c": GemvConfig(2, 256, 4, 1), "d": GemvConfig(1, 512, 2, 1, 8)}
+    assert gm._table(str(table))["d"].as_list() == [1, 512, 2, 1, 8]
     table_r = tmp_path / "tr.json"              # a sixth value: red (with programs_per_sm 0 fifth)
     table_r.write_text('{"configs": {"r": [2, 256, 2, 1, 0, 8], "bad": [2, 256, 2, 1, 0, 512], '
                        '"p": [2, 256, 2, 1, 0, 1, 3], "badp": [2, 256, 2, 1, 0, 1, 7]}}')   # seventh: pre
-    monkeypatch.setenv("LLMSERVE_GEMV_TABLE", str(table_r))
-    assert gm._table() == {"r": GemvConfig(2, 256, 2, 1, 0, 8), "p": GemvConfig(2, 256, 2, 1, 0, 1, 3)}
-    assert gm._table()["r"].as_list() == [2, 256, 2, 1, 0, 8]
-    monkeypatch.setenv("LLMSERVE_GEMV_RED", "8")       # the A/B override, capped at block_k
-    assert gm._red_override(GemvConfig(2, 4, 1, 1)) == 4
-    assert gm._red_override(GemvConfig(2, 256, 1, 1)) == 8
-    for bad in ("3", "0", "x"):
-        monkeypatch.setenv("LLMSERVE_GEMV_RED", bad)
-        with pytest.raises(ValueError, match="LLMSERVE_GEMV_RED"):
-            gm._red_override(GemvConfig(2, 256, 1, 1))
-    monkeypatch.delenv("LLMSERVE_GEMV_RED")
-    assert gm._red_override(GemvConfig(2, 256, 1, 1, 0, 4)) == 4
+    assert gm._table(str(table_r)) == {"r": GemvConfig(2, 256, 2, 1, 0, 8), "p": GemvConfig(2, 256, 2, 1, 0, 1, 3)}
+    assert gm._table(str(table_r))["r"].as_list() == [2, 256, 2, 1, 0, 8]
     table_rope = tmp_path / "trope.json"         # an untuned "+rope" key: half the rows, red kept
     table_rope.write_text('{"configs": {"G|float|rmsnorm|1|40|64": [4, 2048, 2, 1, 0, 8], '
                           '"G|float|rmsnorm|1|40|128": [4, 512, 2, 1, 0, 8, 2]}}')
-    monkeypatch.setenv("LLMSERVE_GEMV_TABLE", str(table_rope))
+    monkeypatch.setattr(gm, "_DEFAULT_TABLE", str(table_rope))
     assert gm._tuned("G", "float", "rmsnorm+rope", 1, 40, 32) == GemvConfig(2, 2048, 2, 1, 0, 8)
     assert gm._tuned("G", "float", "rmsnorm+rope", 1, 40, 64) == GemvConfig(2, 512, 2, 1, 0, 8, 2)  # pre kept
-    table2 = tmp_path / "t2.json"                # another file is its own table (A/B in one process)
-    table2.write_text('{"configs": {"c": [4, 128, 2, 1]}}')
-    monkeypatch.setenv("LLMSERVE_GEMV_TABLE", str(table2))
-    assert gm._table() == {"c": GemvConfig(4, 128, 2, 1)}
-    monkeypatch.setenv("LLMSERVE_GEMV_TABLE", str(table))
-    assert gm._table()["c"] == GemvConfig(2, 256, 4, 1)
     for bad, text in (("t3.json", "[1, 2, 3]"), ("t4.json", "{not json"), ("missing.json", None)):
-        if text is not None:                     # a named table that is not one is an error
+        if text is not None:
             (tmp_path / bad).write_text(text)
-        monkeypatch.setenv("LLMSERVE_GEMV_TABLE", str(tmp_path / bad))
-        with pytest.raises(ValueError, match="LLMSERVE_GEMV_TABLE"):
-            gm._table()
-    monkeypatch.delenv("LLMSERVE_GEMV_TABLE")
+        assert gm._table(str(tmp_path / bad)) == {}
+    monkeypatch.undo()
     shipped = gm._table()                         # the package's own table parses completely
     import json
     import os

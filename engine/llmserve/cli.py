@@ -101,7 +101,7 @@ def default_dtype(device: str, dtype: str | None) -> str:
 
 
 def _cmd_generate(args: argparse.Namespace) -> int:
-    from .config import CacheConfig, EngineConfig, SchedulerConfig
+    from .config import CacheConfig, EngineConfig, SchedulerConfig, fast_path_from_args
     from .engine.llm_engine import LLMEngine
     from .engine.naive import NaiveEngine
     from .core.sampling_params import SamplingParams
@@ -110,7 +110,8 @@ def _cmd_generate(args: argparse.Namespace) -> int:
                        seed=args.seed, cache=CacheConfig(block_size=args.block_size,
                                                          enable_prefix_caching=args.enable_prefix_caching),
                        scheduler=SchedulerConfig(max_model_len=args.max_model_len),
-                       attention_backend=args.attention_backend)
+                       attention_backend=args.attention_backend,
+                       use_cuda_graph=args.cuda_graph, fast_path=fast_path_from_args(args))
     engine = NaiveEngine(cfg) if args.naive else LLMEngine(cfg)
     prompt = args.prompt
     if args.chat:
@@ -153,6 +154,10 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--attention-backend", "--paged-attention-backend", dest="attention_backend",
                    default="torch", choices=["torch", "triton"], help="paged attention implementation")
     g.add_argument("--show-ids", action="store_true", help="print prompt and output token ids to stderr")
+    g.add_argument("--cuda-graph", action=argparse.BooleanOptionalAction, default=True,
+                   help="replay decode steps from CUDA graphs (CUDA, Triton attention backend; default on)")
+    from .config import add_fast_path_args
+    add_fast_path_args(g)
     g.set_defaults(func=_cmd_generate)
 
     # Subcommands whose modules own their flags; a missing optional dependency only disables

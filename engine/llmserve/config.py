@@ -6,7 +6,7 @@ received, so a CLI flag or a JSON body can be reported back to the user verbatim
 
 from __future__ import annotations
 
-import os
+import argparse
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -18,6 +18,15 @@ SCHEDULER_MODES = ("static", "continuous")
 POLICIES = ("fcfs", "sjf", "priority")
 ATTENTION_BACKENDS = ("torch", "triton")
 LINEAR_BACKENDS = ("torch", "int8", "int4", "triton-int8")
+DECODE_SPLIT_POLICIES = ("legacy", "waves")
+INT8_LAYOUTS = ("row", "planes")
+#: Largest hidden size for which the size-ruled fast-path options (``None`` fields of
+#: :class:`FastPathConfig`) resolve to on: each was measured faster on the H200 for
+#: Qwen2.5-0.5B / 1.5B shapes (hidden 896 / 1536) and slower for 7B (hidden 3584); hidden
+#: 2048 was not measured (docs/performance.md).
+SMALL_HIDDEN_MAX = 2048
+#: Most tokens a step may have to take the matrix-vector path (``kernels/gemv.py``).
+GEMV_MAX_TOKENS = 4
 DTYPES = {
     "float32": torch.float32,
     "fp32": torch.float32,
@@ -27,19 +36,6 @@ DTYPES = {
     "bfloat16": torch.bfloat16,
     "bf16": torch.bfloat16,
 }
-
-
-def env_switch(name: str) -> bool | None:
-    """An on/off environment switch of the engine's A/B knobs: ``"1"`` -> True, ``"0"`` ->
-    False, unset or empty -> None (the caller's default).
-
-    Raises:
-        ValueError: any other value, naming the variable.
-    """
-    value = os.environ.get(name, "")
-    if value not in ("", "0", "1"):
-        raise ValueError(f"{name} must be 0 or 1, got {value!r}")
-    return None if value == "" else value == "1"
 
 
 def resolve_dtype(dtype: str | torch.dtype) -> torch.dtype:
@@ -266,6 +262,183 @@ class SchedulerConfig:
 
 
 @dataclass(frozen=True, slots=True)
+class FastPathConfig:
+    """Every choice of the fast GPU path, one field each; the defaults are the tuned behaviour
+    on the H200 (numbers: docs/performance.md). Fields whose value is ``None`` follow a size
+    rule, resolved once per model by :meth:`resolve` (``hidden_size <=``
+    :data:`SMALL_HIDDEN_MAX` unless said otherwise).
+
+    Attributes:
+        fused_forward: run the fused forward (:mod:`llmserve.models.fused_forward`: packed
+            projections and Triton kernels) instead of the readable one
+            (:mod:`llmserve.models.qwen2`). ``None``: fused on CUDA, readable on CPU. ``True``
+            on CPU runs the kernels in the Triton interpreter (``TRITON_INTERPRET=1``).
+        gemv_max_tokens: largest step (tokens) that takes the fused matrix-vector path, in
+            [0, :data:`GEMV_MAX_TOKENS`]; ``0`` turns it off. 1: on the H200 the kernel beats
+            cuBLAS at one token but not yet at 2..4 on the MLP shapes.
+        pdl: launch the fast-path kernels with programmatic dependent launch where the device
+            has it (Hopper or later, a Triton with ``launch_pdl``): each kernel starts while
+            the previous one drains and reads its first weight tile before waiting for it.
+        gemv_early_epilogue: the matrix-vector kernels request their epilogue operands
+            (scales, bias, residual) before the K loop. ``None``: the size rule.
+        gemv_pre_wait: with PDL, the QKV kernel reads its RoPE operands (positions, slots,
+            cos/sin rows, bias, int8 scales) before its PDL wait. ``None``: the size rule.
+        pdl_trigger_qkv: with PDL, the decode QKV kernel lets the attention kernel launch
+            before its own wait, so the attention reads its block table and asks L2 for its
+            K/V rows earlier. ``None``: the size rule.
+        graph_short_context: context length (tokens) of the second, short-context decode
+            graphs captured for small batches (their attention grid has fewer splits, merged
+            inside the decode kernel); ``0`` captures only full-length graphs. In [0, 1 << 20].
+        graph_argmax: compute greedy tokens inside the decode graphs (one Triton argmax after
+            the LM head) rather than in the sampler.
+        decode_splits: split-count policy of the decode attention kernel, ``legacy`` (about
+            4 programs per SM) or ``waves`` (whole waves of programs).
+        decode_stages: pipeline depth of the decode attention's default tile, in [1, 8].
+        decode_min_tiles: fewest K/V tiles a decode split takes, in [1, 1024].
+        decode_fused_max_splits: most splits the decode kernel merges itself (more: a
+            separate reduction kernel), in [1, 128].
+        decode_wide_tile: one 256-position tile a program for few sequences and short
+            contexts.
+        decode_early_pages: the decode kernel reads its first tile's block-table entries
+            before the PDL wait. ``None``: with the wide tile only.
+        decode_prefetch_kv: with early pages, also ask L2 for that tile's K/V rows before the
+            wait (NVIDIA GPUs, 16-bit caches).
+        int8_layout: how the fused forward keeps Triton INT8 weights: ``row`` (row-major int8)
+            or ``planes`` (byte planes, four a 32-bit word: faster batch-1 decode of 1.5B/7B
+            shapes, slower for 0.5B and for steps of 2..64 tokens). ``state_dict`` stays
+            row-major either way.
+        int8_fragments: also keep Triton INT8 weights in the MMA-fragment layout (twice the
+            int8 weight memory) for steps of 2..16 tokens (bf16 on CUDA, ``int8_layout="row"``).
+        int8_frag_pdl: launch the fragment kernel and its neighbours with PDL. ``None``: the
+            size rule.
+
+    Raises:
+        ValueError: a field outside its range, naming it.
+    """
+
+    fused_forward: bool | None = None
+    gemv_max_tokens: int = 1
+    pdl: bool = True
+    gemv_early_epilogue: bool | None = None
+    gemv_pre_wait: bool | None = None
+    pdl_trigger_qkv: bool | None = None
+    graph_short_context: int = 512
+    graph_argmax: bool = True
+    decode_splits: str = "legacy"
+    decode_stages: int = 3
+    decode_min_tiles: int = 1
+    decode_fused_max_splits: int = 8
+    decode_wide_tile: bool = True
+    decode_early_pages: bool | None = None
+    decode_prefetch_kv: bool = True
+    int8_layout: str = "row"
+    int8_fragments: bool = False
+    int8_frag_pdl: bool | None = None
+
+    def __post_init__(self) -> None:
+        for name in ("fused_forward", "gemv_early_epilogue", "gemv_pre_wait", "pdl_trigger_qkv",
+                     "decode_early_pages", "int8_frag_pdl"):
+            v = getattr(self, name)
+            if v is not None and not isinstance(v, bool):
+                raise ValueError(f"{name} must be True, False or None (the size rule), got {v!r}")
+        for name in ("pdl", "graph_argmax", "decode_wide_tile", "decode_prefetch_kv", "int8_fragments"):
+            v = getattr(self, name)
+            if not isinstance(v, bool):
+                raise ValueError(f"{name} must be True or False, got {v!r}")
+        for name, lo, hi in (("gemv_max_tokens", 0, GEMV_MAX_TOKENS), ("graph_short_context", 0, 1 << 20),
+                             ("decode_stages", 1, 8), ("decode_min_tiles", 1, 1024),
+                             ("decode_fused_max_splits", 1, 128)):
+            v = getattr(self, name)
+            if type(v) is not int or not lo <= v <= hi:
+                raise ValueError(f"{name} must be an integer in [{lo}, {hi}], got {v!r}")
+        if self.decode_splits not in DECODE_SPLIT_POLICIES:
+            raise ValueError(f"decode_splits must be one of {list(DECODE_SPLIT_POLICIES)}, "
+                             f"got {self.decode_splits!r}")
+        if self.int8_layout not in INT8_LAYOUTS:
+            raise ValueError(f"int8_layout must be one of {list(INT8_LAYOUTS)}, got {self.int8_layout!r}")
+        if self.int8_fragments and self.int8_layout != "row":
+            raise ValueError("int8_fragments needs int8_layout='row' (the fragment copy is packed "
+                             f"from row-major int8), got int8_layout={self.int8_layout!r}")
+
+    def resolve(self, model: "ModelConfig", device: "str | torch.device") -> "ResolvedFastPath":
+        """The plain values for one model on one device: ``None`` fields replaced by their
+        size rule (``model.hidden_size <= SMALL_HIDDEN_MAX``), ``fused_forward`` by whether
+        ``device`` is CUDA. Called once per model at engine build."""
+        small = model.hidden_size <= SMALL_HIDDEN_MAX
+
+        def rule(v: bool | None) -> bool:
+            return small if v is None else v
+
+        return ResolvedFastPath(
+            fused_forward=(torch.device(device).type == "cuda") if self.fused_forward is None
+            else self.fused_forward,
+            gemv_max_tokens=self.gemv_max_tokens, pdl=self.pdl,
+            gemv_early_epilogue=rule(self.gemv_early_epilogue), gemv_pre_wait=rule(self.gemv_pre_wait),
+            pdl_trigger_qkv=rule(self.pdl_trigger_qkv), graph_short_context=self.graph_short_context,
+            graph_argmax=self.graph_argmax, decode_splits=self.decode_splits,
+            decode_stages=self.decode_stages, decode_min_tiles=self.decode_min_tiles,
+            decode_fused_max_splits=self.decode_fused_max_splits, decode_wide_tile=self.decode_wide_tile,
+            decode_early_pages=self.decode_early_pages, decode_prefetch_kv=self.decode_prefetch_kv,
+            int8_layout=self.int8_layout, int8_fragments=self.int8_fragments,
+            int8_frag_pdl=rule(self.int8_frag_pdl))
+
+
+@dataclass(frozen=True, slots=True)
+class ResolvedFastPath:
+    """:class:`FastPathConfig` resolved for one model and device (:meth:`FastPathConfig.resolve`):
+    the same fields with every size rule decided. ``decode_early_pages`` stays ``None`` when
+    unset: the decode kernel decides it per launch (with its wide tile)."""
+
+    fused_forward: bool
+    gemv_max_tokens: int
+    pdl: bool
+    gemv_early_epilogue: bool
+    gemv_pre_wait: bool
+    pdl_trigger_qkv: bool
+    graph_short_context: int
+    graph_argmax: bool
+    decode_splits: str
+    decode_stages: int
+    decode_min_tiles: int
+    decode_fused_max_splits: int
+    decode_wide_tile: bool
+    decode_early_pages: bool | None
+    decode_prefetch_kv: bool
+    int8_layout: str
+    int8_fragments: bool
+    int8_frag_pdl: bool
+
+    def decode_options(self) -> dict[str, Any]:
+        """Keyword arguments of :func:`llmserve.kernels.paged_attention.paged_attention_decode`."""
+        return {"split_policy": self.decode_splits, "stages": self.decode_stages,
+                "min_tiles": self.decode_min_tiles, "fused_max_splits": self.decode_fused_max_splits,
+                "wide_tile": self.decode_wide_tile, "early_pages": self.decode_early_pages,
+                "prefetch_kv": self.decode_prefetch_kv}
+
+
+def add_fast_path_args(parser: argparse.ArgumentParser | Any) -> None:
+    """Add the command-line flags of the most used :class:`FastPathConfig` fields to ``parser``
+    (or an argument group): ``--fused-forward/--no-fused-forward``, ``--pdl/--no-pdl``,
+    ``--int8-layout``."""
+    parser.add_argument("--fused-forward", action=argparse.BooleanOptionalAction, default=None,
+                        help="fused forward (Triton kernels, packed projections) or the readable "
+                             "one (default: fused on CUDA)")
+    parser.add_argument("--pdl", action=argparse.BooleanOptionalAction, default=True,
+                        help="programmatic dependent launch of the fast-path kernels where the GPU "
+                             "has it (default on)")
+    parser.add_argument("--int8-layout", choices=INT8_LAYOUTS, default="row",
+                        help="Triton INT8 weights in the fused forward: row-major int8 or byte planes")
+
+
+def fast_path_from_args(args: Any) -> FastPathConfig:
+    """The :class:`FastPathConfig` of parsed :func:`add_fast_path_args` flags (an object with
+    those attributes; missing ones take the defaults). Raises ``ValueError`` as the config."""
+    return FastPathConfig(fused_forward=getattr(args, "fused_forward", None),
+                          pdl=getattr(args, "pdl", True),
+                          int8_layout=getattr(args, "int8_layout", "row"))
+
+
+@dataclass(frozen=True, slots=True)
 class EngineConfig:
     """Everything an engine needs besides the model weights.
 
@@ -277,9 +450,11 @@ class EngineConfig:
         attention_backend: ``torch`` (reference paged attention) or ``triton``.
         linear_backend: ``torch`` (16-bit), ``int8``/``int4`` (reference dequantize-then-matmul)
             or ``triton-int8`` (fused kernel).
-        use_cuda_graph: replay decode steps from CUDA graphs (CUDA, Triton attention backend).
+        use_cuda_graph: replay decode steps from CUDA graphs (CUDA, Triton attention backend,
+            fused forward).
         async_scheduling: launch step n+1 before reading step n's sampled tokens, so host
             work overlaps the device (``None``: on for CUDA devices, off on CPU).
+        fast_path: the fast GPU path's choices (:class:`FastPathConfig`).
     """
 
     model: str = "tiny"
@@ -292,9 +467,12 @@ class EngineConfig:
     linear_backend: str = "torch"
     use_cuda_graph: bool = True
     async_scheduling: bool | None = None
+    fast_path: FastPathConfig = field(default_factory=FastPathConfig)
 
     def __post_init__(self) -> None:
         resolve_dtype(self.dtype)
+        if not isinstance(self.fast_path, FastPathConfig):
+            raise ValueError(f"fast_path must be a FastPathConfig, got {type(self.fast_path).__name__}")
         if self.attention_backend not in ATTENTION_BACKENDS:
             raise ValueError(
                 f"attention_backend must be one of {list(ATTENTION_BACKENDS)}, got {self.attention_backend!r}")

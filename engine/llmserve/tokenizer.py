@@ -45,9 +45,10 @@ _memo: dict[str, object] = {}
 
 
 def cache_root() -> Path:
-    """``$LLMSERVE_CACHE`` or ``~/.cache/llmserve``: where generated artefacts are kept."""
-    env = os.environ.get("LLMSERVE_CACHE")
-    return Path(env).expanduser() if env else Path.home() / ".cache" / "llmserve"
+    """``$LLMSERVE_CACHE`` or ``~/.cache/llmserve``: where generated artefacts are kept
+    (:func:`llmserve.envs.cache_root`)."""
+    from .envs import cache_root as _root
+    return _root()
 
 
 def qwen_tiktoken_file() -> Path:

@@ -2,8 +2,8 @@
 
 Same interface and semantics as :class:`~llmserve.attention.torch_backend.TorchPagedAttention`;
 the kernels live in :mod:`llmserve.kernels.paged_attention`. On CPU tensors it runs
-only in the Triton interpreter (``TRITON_INTERPRET=1``, which :mod:`llmserve.kernels`
-sets itself on machines without CUDA when the variable is unset) — slow, meant for tests.
+only in the Triton interpreter (``TRITON_INTERPRET=1`` set before start-up) — slow, meant for
+tests.
 """
 
 from __future__ import annotations
@@ -15,9 +15,20 @@ from .metadata import AttentionMetadata
 
 
 class TritonPagedAttention:
-    """Paged attention with Triton kernels: split-K decode and varlen chunked prefill."""
+    """Paged attention with Triton kernels: split-K decode and varlen chunked prefill.
+
+    Args:
+        decode_options: keyword options of
+            :func:`~llmserve.kernels.paged_attention.paged_attention_decode` (``split_policy``,
+            ``stages``, ``min_tiles``, ``fused_max_splits``, ``wide_tile``, ``early_pages``,
+            ``prefetch_kv``; see :meth:`llmserve.config.ResolvedFastPath.decode_options`);
+            default: the kernel's defaults.
+    """
 
     name = "triton"
+
+    def __init__(self, decode_options: dict | None = None) -> None:
+        self.decode_options = dict(decode_options or {})
 
     def write_kv(self, key: torch.Tensor, value: torch.Tensor, k_cache: torch.Tensor,
                  v_cache: torch.Tensor, slot_mapping: torch.Tensor) -> None:
@@ -29,4 +40,4 @@ class TritonPagedAttention:
                 meta: AttentionMetadata, scale: float) -> torch.Tensor:
         """Attend ``query`` ``[N, Hq, D]`` to the paged cache; ``[N, Hq, D]`` in the query
         dtype (padding rows zero). Raises ``ValueError`` on bad inputs."""
-        return paged_attention_triton(query, k_cache, v_cache, meta, scale)
+        return paged_attention_triton(query, k_cache, v_cache, meta, scale, **self.decode_options)

@@ -390,9 +390,9 @@ def openloop(preset: str, rate: float, requests: int, seed: int) -> dict:
             "--arrival-rate", str(rate), "--seed", str(seed), "--max-batch-size", "128",
             "--prefill-chunk-size", "512", "--max-num-batched-tokens", "2048", "--warmup-requests", "4",
             "--output", str(out), "--no-progress"]
-    import os
-    if os.environ.get("LLMSERVE_SHAREGPT_PATH"):
-        argv += ["--dataset-path", os.environ["LLMSERVE_SHAREGPT_PATH"]]
+    from ..envs import sharegpt_path
+    if sharegpt_path():
+        argv += ["--dataset-path", sharegpt_path()]
     benchmark_main(argv)
     rep = json.loads(out.read_text())
     agg = rep.get("aggregates", {})

@@ -74,8 +74,8 @@ class GPUMonitor:
             pynvml.nvmlInit()
             self._index = self._cuda_index()
             # Map the CUDA ordinal through CUDA_VISIBLE_DEVICES to the NVML index when possible.
-            import os
-            vis = os.environ.get("CUDA_VISIBLE_DEVICES")
+            from ..envs import cuda_visible_devices
+            vis = cuda_visible_devices()
             nvml_index = self._index
             if vis:
                 parts = [p.strip() for p in vis.split(",") if p.strip()]

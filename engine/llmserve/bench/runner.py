@@ -75,6 +75,9 @@ class BenchmarkOptions:
     linear_backend: str = "torch"
     cuda_graph: bool = True
     async_scheduling: bool | None = None
+    fused_forward: bool | None = None
+    pdl: bool = True
+    int8_layout: str = "row"
     model: str = "tiny"
     device: str = "cpu"
     dtype: str | None = None
@@ -191,6 +194,8 @@ def add_benchmark_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--async-scheduling", action=argparse.BooleanOptionalAction, default=None,
                    help="launch step n+1 before reading step n's tokens (default: on for CUDA)")
     add_prefix_caching_args(g)
+    from ..config import add_fast_path_args
+    add_fast_path_args(g)
     g.add_argument("--model", default="tiny",
                    help="'tiny' (embedded random Qwen2), a checkpoint directory or a hub id")
     g.add_argument("--device", default="cpu", help="cpu | cuda | cuda:N (default cpu)")
@@ -301,7 +306,7 @@ def make_engine_config(opts: BenchmarkOptions, seed: int):
     Raises:
         ValueError: invalid values (from the config dataclasses, naming the field).
     """
-    from ..config import CacheConfig, EngineConfig, SchedulerConfig
+    from ..config import CacheConfig, EngineConfig, SchedulerConfig, fast_path_from_args
 
     if opts.config not in CONFIGS:
         raise ValueError(f"config must be one of {list(CONFIGS)}, got {opts.config!r}")
@@ -318,7 +323,7 @@ def make_engine_config(opts: BenchmarkOptions, seed: int):
     return EngineConfig(model=opts.model, device=opts.device, dtype=dtype, seed=seed, cache=cache,
                         scheduler=sched, attention_backend=opts.paged_attention_backend,
                         linear_backend=opts.linear_backend, use_cuda_graph=opts.cuda_graph,
-                        async_scheduling=opts.async_scheduling)
+                        async_scheduling=opts.async_scheduling, fast_path=fast_path_from_args(opts))
 
 
 def default_engine_factory(config, naive: bool):

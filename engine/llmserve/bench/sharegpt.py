@@ -12,7 +12,7 @@ the prompt, that assistant turn is the reply (its token count is the target outp
 vLLM's ``sample_sharegpt_requests``). Conversations without such a pair are skipped.
 
 Parsing the 125 MB file takes about a second; the pairs are cached in memory per process and, in
-a compact JSON form, on disk under ``$LLMSERVE_CACHE_DIR`` (default ``~/.cache/llmserve``)
+a compact JSON form, on disk under ``$LLMSERVE_CACHE/sharegpt`` (:mod:`llmserve.envs`; default ``~/.cache/llmserve``)
 keyed by the source file's path, size and modification time.
 """
 
@@ -110,7 +110,8 @@ def extract_pair(record: object) -> ShareGPTPair | None:
 
 
 def _cache_dir() -> Path:
-    return Path(os.environ.get("LLMSERVE_CACHE_DIR") or Path.home() / ".cache" / "llmserve") / "sharegpt"
+    from ..envs import cache_root
+    return cache_root() / "sharegpt"
 
 
 def _cache_key(path: Path) -> str:
@@ -148,7 +149,7 @@ def load_sharegpt_pairs(path: str | os.PathLike | None = None, *, disk_cache: bo
 
     Args:
         path: a ShareGPT JSON file; ``None`` uses the packaged copy (see module docstring).
-        disk_cache: read/write the compact cache under ``$LLMSERVE_CACHE_DIR``.
+        disk_cache: read/write the compact cache under ``$LLMSERVE_CACHE/sharegpt``.
 
     Returns:
         The pairs (about 17k for the packaged file). Cached per process: do not mutate.

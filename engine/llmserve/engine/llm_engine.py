@@ -9,13 +9,13 @@ sequences that caught up -> stop checks. Every request keeps a timing record
 from __future__ import annotations
 import dataclasses
 import itertools
-import os
 import time
 import uuid
 from collections.abc import Callable
 from dataclasses import dataclass, field
 import torch
-from ..config import EngineConfig, env_switch
+from ..config import EngineConfig, ResolvedFastPath
+from ..envs import triton_interpret
 from ..worker.input_builder import PendingTokens
 from ..worker.sampler import PendingSample, Sampler
 from ..core.admission import RequestLimits, validate_request
@@ -67,6 +67,32 @@ class RequestOutput:
                    seq.output_logprobs, seq.stop_reason)
 
 
+def _check_interpreter(config: EngineConfig, device: torch.device) -> None:
+    """``ValueError`` when Triton kernels would run on a CPU without Triton's interpreter: the
+    Triton attention backend, or an explicitly requested fused forward."""
+    if device.type != "cpu" or triton_interpret():
+        return
+    if config.attention_backend == "triton":
+        raise ValueError("the Triton backend on a CPU needs TRITON_INTERPRET=1 set before start-up "
+                         "(slow; meant for tests), or use --paged-attention-backend torch")
+    if config.fast_path.fused_forward:
+        raise ValueError("fast_path.fused_forward=True on a CPU needs TRITON_INTERPRET=1 set before "
+                         "start-up (the fused forward's kernels run in Triton's interpreter), or "
+                         "leave fused_forward unset (the readable forward on CPU)")
+
+
+def _apply_decode_options(model, fast_path: ResolvedFastPath) -> None:
+    """Give the model's Triton attention backend the decode kernel's options (a fresh backend
+    object, so models loaded elsewhere keep theirs)."""
+    backend = getattr(model, "attention_backend", None)
+    if getattr(backend, "name", None) != "triton":
+        return
+    from ..attention.triton_backend import TritonPagedAttention
+
+    if isinstance(backend, TritonPagedAttention):
+        model.attention_backend = TritonPagedAttention(fast_path.decode_options())
+
+
 class _EngineBase:
     """Model/tokenizer loading and request validation shared by both engines."""
 
@@ -76,11 +102,15 @@ class _EngineBase:
 
         self.config = config
         self.device = torch.device(config.device)
+        _check_interpreter(config, self.device)
         torch.manual_seed(config.seed)
         loader = load_model_fn or load_model
         self.model, self.model_config, self.model_path = loader(
             config.model, device=config.device, dtype=config.dtype,
             attention_backend=config.attention_backend)
+        # the fast-path choices for this model, decided once (size rules included)
+        self.fast_path: ResolvedFastPath = config.fast_path.resolve(self.model_config, self.device)
+        _apply_decode_options(self.model, self.fast_path)
         if config.linear_backend != "torch":
             from ..quant import quantize_model
             quantize_model(self.model, config.linear_backend)
@@ -187,7 +217,7 @@ class LLMEngine(_EngineBase):
         from ..worker.model_runner import ModelRunner
         from ..core.scheduler import Scheduler
 
-        # the fused forward before the KV cache: the copies it may keep (LLMSERVE_INT8_FRAGMENTS)
+        # the fused forward before the KV cache: the copies it may keep (fast_path.int8_fragments)
         # count against the free memory the cache is sized from
         forward = self._build_fast_forward()
         self.kv_cache = KVCache.from_config(self.model_config, config.cache, self.model.dtype
@@ -213,34 +243,32 @@ class LLMEngine(_EngineBase):
         self.step_seconds = {"schedule": 0.0, "execute": 0.0, "sample": 0.0, "postprocess": 0.0}
         # Asynchronous scheduling: launch step n+1 before reading step n's tokens (default on
         # CUDA, where the device runs while the host plans; EngineConfig.async_scheduling).
-        # LLMSERVE_ASYNC_SCHEDULING=0/1 overrides the default for A/B runs.
-        auto = os.environ.get("LLMSERVE_ASYNC_SCHEDULING", "1" if self.device.type == "cuda" else "0") != "0"
+        auto = self.device.type == "cuda"
         self.async_scheduling = auto if config.async_scheduling is None else bool(config.async_scheduling)
         self._inflight: _InFlightStep | None = None
 
     def _build_fast_forward(self):
-        """On CUDA: the fused forward (Triton norm/rope/silu kernels, packed QKV and gate-up
-        GEMMs); on CPU: None (the readable path)."""
-        if self.device.type != "cuda":
+        """With ``fast_path.fused_forward`` (by default: on CUDA) the fused forward (Triton
+        norm/rope/silu kernels, packed QKV and gate-up GEMMs), else None (the readable path)."""
+        if not self.fast_path.fused_forward:
             return None
         from ..models.fused_forward import FastQwen2Forward
 
-        return FastQwen2Forward(self.model)
+        return FastQwen2Forward(self.model, self.fast_path)
 
     def _capture_graphs(self, config: EngineConfig, fast):
-        """With the fused forward ``fast``, the Triton attention backend and ``use_cuda_graph``:
-        the decode CUDA graphs over this engine's KV cache, else None."""
-        # Greedy tokens computed inside the decode graphs (one Triton argmax launch after the
-        # LM head); LLMSERVE_GRAPH_ARGMAX=0 leaves the argmax to the sampler (torch.argmax).
-        graph_argmax = env_switch("LLMSERVE_GRAPH_ARGMAX") is not False
-        if fast is None or not (config.attention_backend == "triton" and config.use_cuda_graph):
+        """With the fused forward ``fast`` on CUDA, the Triton attention backend and
+        ``use_cuda_graph``: the decode CUDA graphs over this engine's KV cache, else None."""
+        if fast is None or self.device.type != "cuda" or not (
+                config.attention_backend == "triton" and config.use_cuda_graph):
             return None
         from ..worker.cuda_graph import CUDAGraphDecodeRunner
 
         graphs = CUDAGraphDecodeRunner(fast, fast.compute_logits, self.kv_cache.kv_caches,
                                        self.block_size, config.scheduler.max_num_seqs,
                                        self.max_model_len, self.device,
-                                       greedy=fast.greedy if graph_argmax else None)
+                                       short_context=self.fast_path.graph_short_context,
+                                       greedy=fast.greedy if self.fast_path.graph_argmax else None)
         graphs.capture()
         return graphs
 
@@ -251,7 +279,7 @@ class LLMEngine(_EngineBase):
         or multiples of 16, pointer alignments, a mixed decode + prefill batch): a fraction of a
         second to a few seconds each, which a cold process would otherwise pay inside its first
         requests' TTFT (H200, 1.5B open-loop at 16 req/s: p95 TTFT 717-822 ms on a cold Triton
-        cache, results/h200/notes/s7/openloop_ab). This runs synthetic requests through the
+        cache). This runs synthetic requests through the
         scheduler: a batch of prompts of 1-2 tokens, odd lengths, multiples of 16 and a prompt
         longer than the prefill chunk (without chunking: as long as one step's token budget),
         decoding together; then short prompts arriving one step apart next to a decoding request

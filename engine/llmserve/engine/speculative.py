@@ -387,19 +387,23 @@ class SpeculativeEngine(LLMEngine):
         """On CUDA the draft runs the fused forward too (the target's own one when shared) and,
         with the Triton backend and ``use_cuda_graph``, replays captured graphs for its 1-token
         passes (passes 2..k are always decode-only). On CPU: the readable path."""
-        if self.device.type != "cuda":
+        if self.device.type != "cuda" or not self.fast_path.fused_forward:
             return None, None
         if share:
             fast = self.runner.forward
         else:
+            from .llm_engine import _apply_decode_options
             from ..models.fused_forward import FastQwen2Forward
-            fast = FastQwen2Forward(self.draft_model)
+            draft_path = config.fast_path.resolve(self.draft_config, self.device)   # its own size rules
+            _apply_decode_options(self.draft_model, draft_path)
+            fast = FastQwen2Forward(self.draft_model, draft_path)
         graphs = None
         if config.attention_backend == "triton" and config.use_cuda_graph:
             from ..worker.cuda_graph import CUDAGraphDecodeRunner
             graphs = CUDAGraphDecodeRunner(fast, fast.compute_logits,
                                            self.draft_kv_cache.kv_caches, self.block_size,
-                                           config.scheduler.max_num_seqs, self.max_model_len, self.device)
+                                           config.scheduler.max_num_seqs, self.max_model_len, self.device,
+                                           short_context=fast.options.graph_short_context)
             graphs.capture()
         return fast, graphs
 

@@ -19,7 +19,8 @@ def _triton_cache_dir() -> str:
 
         return knobs.cache.dir
     except Exception:  # noqa: BLE001 - older Triton: the documented default
-        return os.environ.get("TRITON_CACHE_DIR") or os.path.join(os.path.expanduser("~"), ".triton", "cache")
+        from ..envs import triton_cache_dir
+        return triton_cache_dir()
 
 
 def triton_cache_entries() -> set[str] | None:

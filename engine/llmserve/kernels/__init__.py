@@ -3,9 +3,9 @@ linear, and fused elementwise ops.
 
 On a machine without CUDA the kernels can only run in Triton's interpreter, on CPU tensors.
 Triton decides between the compiler and the interpreter when a kernel is *defined* (at
-``@triton.jit`` time, reading ``TRITON_INTERPRET``), so this package sets
-``TRITON_INTERPRET=1`` before defining its kernels when CUDA is unavailable and the variable
-is unset. A user who wants something else sets the variable before importing this package.
+``@triton.jit`` time, reading ``TRITON_INTERPRET``), so ``TRITON_INTERPRET=1`` must be set
+before this package is imported (the test suite's ``conftest.py`` does it on machines without
+CUDA). This package never reads or writes the environment: launch options are arguments.
 
 Interpreter caveat: bf16 arithmetic is wrong there (numpy has no bf16), so the kernels cast
 loaded tiles to fp32 before any math whenever they run on CPU tensors; test in fp32/fp16 on CPU
@@ -14,14 +14,7 @@ and in bf16 on the GPU.
 
 from __future__ import annotations
 
-import os
-
-import torch
-
-if "TRITON_INTERPRET" not in os.environ and not torch.cuda.is_available():
-    os.environ["TRITON_INTERPRET"] = "1"
-
-from .int8_linear import int8_linear, int8_linear_reference, quantize_int8_per_channel  # noqa: E402
+from .int8_linear import int8_linear, int8_linear_reference, quantize_int8_per_channel
 from .paged_attention import (
     paged_attention_decode,
     paged_attention_prefill,

@@ -1,10 +1,11 @@
-"""Launch helpers shared by the Triton kernels: the device's SM count, the zeroed arrival
-counters of the in-kernel ("last program reduces") split merges, and programmatic dependent
-launch (PDL)."""
+"""Launch helpers shared by the Triton kernels: whether Triton runs them in its interpreter,
+the device's SM count, the zeroed arrival counters of the in-kernel ("last program reduces")
+split merges, and programmatic dependent launch (PDL).
+
+Nothing here (or anywhere in ``kernels/``) reads the environment: every choice arrives as an
+argument of a launcher."""
 
 from __future__ import annotations
-
-import os
 
 import torch
 import triton
@@ -12,6 +13,28 @@ import triton.language as tl
 
 _NUM_SMS: dict[int, int] = {}
 _COUNTERS: dict[tuple[str, str, int | None], torch.Tensor] = {}
+
+
+@triton.jit
+def _probe():
+    pass
+
+
+def interpreting() -> bool:
+    """Whether Triton runs this package's kernels in its interpreter (on CPU tensors). Triton
+    decides when a kernel is defined, from ``TRITON_INTERPRET`` at that moment, so this asks
+    a kernel defined with the others rather than the environment."""
+    return type(_probe).__name__ == "InterpretedFunction"
+
+
+def check_cpu_launch(what: str) -> None:
+    """``ValueError`` for a launch on CPU tensors when Triton compiled the kernels for a GPU.
+
+    Args:
+        what: the launcher's name, for the message."""
+    if not interpreting():
+        raise ValueError(f"{what} needs CUDA tensors, or (CPU tensors) the Triton interpreter: "
+                         "set TRITON_INTERPRET=1 before starting Python")
 
 
 def num_sms(device: torch.device, cpu_default: int) -> int:
@@ -65,10 +88,9 @@ def _triton_has_pdl() -> bool:
 
 def pdl_available(device: torch.device) -> bool:
     """Whether kernels on ``device`` can be launched with PDL: a CUDA device of compute
-    capability >= 9.0, a Triton that has ``launch_pdl``, and ``LLMSERVE_PDL`` not ``0``."""
-    if device.type != "cuda" or os.environ.get("LLMSERVE_PDL", "1") == "0":
-        return False
-    if os.environ.get("TRITON_INTERPRET", "0") == "1":
+    capability >= 9.0, a Triton that has ``launch_pdl``, kernels not interpreted. Whether
+    they are is the caller's choice (``FastPathConfig.pdl``)."""
+    if device.type != "cuda" or interpreting():
         return False
     idx = device.index if device.index is not None else torch.cuda.current_device()
     if idx not in _PDL_OK:

@@ -1,7 +1,7 @@
 """Row-wise argmax of fp32 logits in one launch, for greedy decoding inside the decode graph.
 
 Why: ``torch.argmax`` over one 151,936-entry row took 7.5 us on the H200 plus a memset and a
-launch gap after the LM head (``scripts/profile_decode.py --engine-steps``), about 1% of a
+launch gap after the LM head (an engine-step profile), about 1% of a
 Qwen2.5-1.5B decode step. Here ``S`` programs per row each reduce a contiguous chunk, write
 a partial ``(value, index)``, and the last program of the row to finish (an arrival counter,
 as in the split-K decode attention's in-kernel merge) reduces the ``S`` partials in order;

@@ -46,7 +46,7 @@ the algebra above.
 from __future__ import annotations
 
 import json
-import os
+import os.path
 from dataclasses import dataclass
 
 import torch
@@ -54,7 +54,7 @@ import triton
 import triton.language as tl
 
 from .int8_layout import unpack_int8_planes
-from ._launch import num_sms, pdl_launch_kwargs, pdl_start, pdl_wait
+from ._launch import check_cpu_launch, num_sms, pdl_launch_kwargs, pdl_start, pdl_wait
 
 __all__ = ["GemvConfig", "choose_gemv_config", "gemv", "gemv_qkv_rope", "gemv_reference", "GEMV_MAX_M",
            "tuned_gemv_config", "weight_kind"]
@@ -453,7 +453,7 @@ class GemvConfig:
     before they reach the fp32 accumulators, which then hold ``block_k / red`` columns; with
     ``red`` = the elements one thread loads as one 16-byte vector the sum needs no shuffles, and
     the freed registers let more programs share an SM. H200, Qwen2.5-1.5B gate-up: 15.4 ->
-    14.3 us with ``[1, 512, 1 warp]`` and red 8, results/h200/notes/s12/red_sweep), ``pre``
+    14.3 us with ``[1, 512, 1 warp]`` and red 8, ``scripts/bench_gemv.py``), ``pre``
     (1-4: weight tiles a program requests before its PDL wait; capped at the row's tile count,
     and 1 on a persistent grid)."""
 
@@ -493,34 +493,22 @@ _TABLES: dict[str, dict[str, GemvConfig]] = {}
 _DEFAULT_TABLE = os.path.join(os.path.dirname(__file__), "gemv_configs.json")
 
 
-def _table() -> dict[str, GemvConfig]:
-    """Tuned configurations: ``gemv_configs.json`` next to this file, or the file named by
-    ``LLMSERVE_GEMV_TABLE``; written by ``scripts/bench_gemv.py`` from a device sweep (or
-    ``scripts/gemv_table_variant.py`` for A/B runs). Keys are
+def _table(path: str | None = None) -> dict[str, GemvConfig]:
+    """Tuned configurations: ``gemv_configs.json`` next to this file (``path``, default
+    ``_DEFAULT_TABLE``: another table, for tests), written by ``scripts/bench_gemv.py --table`` from a device sweep. Keys are
     ``"<gpu name>|<float|int8|int8p>|<prologue>|<M>|<K>|<N>"`` (:func:`weight_kind`; ``K`` in
     columns), values ``[block_n, block_k, num_warps, stages]``, with ``programs_per_sm`` fifth and
-    ``red`` sixth and ``pre`` seventh (:class:`GemvConfig`); malformed entries are ignored.
-    Each file is read once per process (so ``LLMSERVE_GEMV_TABLE`` can change between engine
-    builds, for A/B runs).
-
-    Raises:
-        ValueError: ``LLMSERVE_GEMV_TABLE`` names a file that cannot be read or is not a
-            ``{"configs": {...}}`` table (an A/B run must not silently measure the rules
-            instead). A missing or broken packaged table falls back to the rules.
-    """
-    env = os.environ.get("LLMSERVE_GEMV_TABLE")
-    path = env or _DEFAULT_TABLE
+    ``red`` sixth and ``pre`` seventh (:class:`GemvConfig`); malformed entries are ignored, and
+    a missing or unreadable table gives no entries (the rules of :func:`choose_gemv_config`
+    apply). Each file is read once per process."""
+    path = path or _DEFAULT_TABLE
     if path not in _TABLES:
         try:
             with open(path) as f:
                 data = json.load(f)
-        except (OSError, ValueError) as e:
-            if env:
-                raise ValueError(f"LLMSERVE_GEMV_TABLE={env!r} cannot be read as JSON: {e}") from None
+        except (OSError, ValueError):
             data = {}
         configs = data.get("configs") if isinstance(data, dict) else None
-        if env and not isinstance(configs, dict):
-            raise ValueError(f"LLMSERVE_GEMV_TABLE={env!r} is not a gemv table (no \"configs\" object)")
         table = {}
         for key, v in (configs.items() if isinstance(configs, dict) else ()):
             if isinstance(v, list) and len(v) in (4, 5, 6, 7):
@@ -549,24 +537,14 @@ def choose_gemv_config(m: int, n: int, k: int, w_dtype: torch.dtype, device: tor
                        prologue: str = "none") -> GemvConfig:
     """Shape-keyed configuration (deterministic, CUDA-graph safe; no autotuning at run time).
 
-    Order: ``LLMSERVE_GEMV_CONFIG="bn,bk,warps,stages[,programs_per_sm[,red[,pre]]]"`` (A/B
-    runs), then the tuned table (exact GPU name, weight kind, prologue, M, K, N; for M = 3 the
-    M = 4 entry), then a rule from the H200 sweeps in ``results/kernels/gemv_*.md``: no software pipelining (``stages=1`` beat 2-4 on every
+    Order: the tuned table (exact GPU name, weight kind, prologue, M, K, N; for M = 3 the
+    M = 4 entry), then a rule from the H200 sweeps of ``scripts/bench_gemv.py``: no software
+    pipelining (``stages=1`` beat 2-4 on every
     shape: with one or two rows a program, many programs per SM keep enough loads in flight
     without it), 512-1024 weight elements a program and step, one or two rows a program; for
     int8 byte planes (``w_dtype`` int32) the same 2 KB a row and step in words. ``k`` counts
     columns for every weight kind. CPU (Triton interpreter): small tiles.
     """
-    env = os.environ.get("LLMSERVE_GEMV_CONFIG")
-    if env:
-        try:
-            vals = [int(v) for v in env.split(",")]
-            if len(vals) not in (4, 5, 6, 7):
-                raise ValueError(f"{len(vals)} values")
-            return GemvConfig(*vals)
-        except (TypeError, ValueError) as e:
-            raise ValueError(f"LLMSERVE_GEMV_CONFIG must be 'block_n,block_k,num_warps,stages[,programs_per_sm[,red[,pre]]]' "
-                             f"(powers of two; stages >= 1), got {env!r}: {e}") from None
     if device.type != "cuda":
         return GemvConfig(block_n=8, block_k=32, num_warps=1, stages=1)
     hit = tuned_gemv_config(m, n, k, w_dtype, device, prologue)
@@ -586,8 +564,7 @@ def tuned_gemv_config(m: int, n: int, k: int, w_dtype: torch.dtype, device: torc
     """The tuned table's configuration for this GPU and shape (see :func:`_table`), or None
     (CPU devices, untuned shapes). M = 3 runs the kernel compiled for 4 rows (``BLOCK_M`` is
     the next power of two), so without an entry of its own it takes M = 4's (Qwen2.5-1.5B qkv
-    int8 at M = 3: 8.33 us on the rule tile, 4.68 with M = 4's;
-    ``results/h200/notes/s14/run3_tests/lib/``, ``run4_lib/lib/``)."""
+    int8 at M = 3: 8.33 us on the rule tile, 4.68 with M = 4's, on the H200)."""
     if device.type != "cuda":
         return None
     gpu, kind = _gpu_name(device), weight_kind(w_dtype)
@@ -683,9 +660,8 @@ def _check_gemv_inputs(x, weight, scale, bias, residual, prologue, norm_weight, 
                     ("norm_weight", norm_weight), ("out", out)):
         if t is not None and t.device != x.device:
             raise ValueError(f"{name} is on {t.device} but x is on {x.device}")
-    if x.device.type == "cpu" and os.environ.get("TRITON_INTERPRET", "0") != "1":
-        raise ValueError("gemv needs CUDA tensors, or (CPU tensors) TRITON_INTERPRET=1 set before "
-                         "importing llmserve.kernels")
+    if x.device.type == "cpu":
+        check_cpu_launch("gemv")
     return m, n, k
 
 
@@ -725,8 +701,8 @@ def _launch(x, weight, out, cfg: GemvConfig, n: int, *, scale=None, bias=None, r
         BLOCK_M=triton.next_power_of_2(m), BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
         EVEN_K=k % cfg.block_k == 0, STAGES=cfg.stages, PERSISTENT=persistent,
         EARLY_EPI=_early_mode(early_epilogue, persistent), X_GATHER=x_rows is not None,
-        RES_GATHER=residual_rows is not None, RED=_red_override(cfg),
-        PRE=1 if persistent else min(_pre_override(cfg), triton.cdiv(k, cfg.block_k)), num_warps=cfg.num_warps,
+        RES_GATHER=residual_rows is not None, RED=min(cfg.red, cfg.block_k),
+        PRE=1 if persistent else min(cfg.pre, triton.cdiv(k, cfg.block_k)), num_warps=cfg.num_warps,
         **pdl_launch_kwargs(pdl, pdl_trigger_first))
 
 
@@ -742,34 +718,6 @@ def _early_mode(early_epilogue, persistent: bool) -> int:
     PDL wait, the residual before the K loop); a persistent grid, whose programs serve several
     row blocks, uses 1 for 2."""
     return 1 if early_epilogue == 2 and persistent else int(early_epilogue)
-
-
-def _env_int(name: str, default: int, valid, what: str) -> int:
-    """The integer in environment variable ``name`` (an A/B override of every launch), or
-    ``default`` when it is unset or empty. ``ValueError`` naming it and ``what`` it must be when
-    it is not an integer or ``valid(value)`` is false."""
-    env = os.environ.get(name)
-    if not env:
-        return default
-    try:
-        value = int(env)
-    except ValueError:
-        value = None
-    if value is None or not valid(value):
-        raise ValueError(f"{name} must be {what}, got {env!r}")
-    return value
-
-
-def _pre_override(cfg: GemvConfig) -> int:
-    """``cfg.pre``, or ``LLMSERVE_GEMV_PRE_TILES`` (A/B runs: every launch; the launcher caps it at the
-    row's tile count, and a persistent grid uses 1)."""
-    return _env_int("LLMSERVE_GEMV_PRE_TILES", cfg.pre, lambda v: 1 <= v <= 4, "an integer in [1, 4]")
-
-
-def _red_override(cfg: GemvConfig) -> int:
-    """``cfg.red``, or ``LLMSERVE_GEMV_RED`` (A/B runs: every launch; capped at ``block_k``)."""
-    red = _env_int("LLMSERVE_GEMV_RED", cfg.red, lambda v: v >= 1 and not v & (v - 1), "a power of two >= 1")
-    return min(red, cfg.block_k)
 
 
 def gemv_qkv_rope(x: torch.Tensor, weight: torch.Tensor, *, bias: torch.Tensor | None,
@@ -896,7 +844,8 @@ def gemv(x: torch.Tensor, weight: torch.Tensor, *, scale: torch.Tensor | None = 
 
     Raises:
         ValueError: shapes, dtypes, strides or devices that do not fit, ``M > GEMV_MAX_M``, an
-            unknown prologue, CPU tensors without ``TRITON_INTERPRET=1``; ``x_rows`` /
+            unknown prologue, CPU tensors while the kernels are not interpreted
+            (``TRITON_INTERPRET=1`` set before start-up); ``x_rows`` /
             ``residual_rows`` that are not contiguous 1-D int32/int64 on x's device, differ from
             each other, or come without a residual table; ``out`` sharing memory with a
             residual table.

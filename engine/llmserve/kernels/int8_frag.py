@@ -3,7 +3,7 @@ ready-made MMA fragments: ``y = x @ (q * scale[:, None]).T + bias``.
 
 Why a separate kernel. The ``"mma"`` kind of ``int8_linear.py`` lets Triton stage int8 tiles
 in shared memory, convert them and feed ``tl.dot``; on the H200 it streams about 1.5 TB/s of
-int8 at M = 2..16, so it is only 1.1-1.3x faster than cuBLAS bf16 (``results/kernels/NOTES.md``).
+int8 at M = 2..16, so it is only 1.1-1.3x faster than cuBLAS bf16.
 Here every thread's 16-byte load *is* its share of the MMA operand, as in Marlin (Frantar et
 al., "MARLIN: Mixed-Precision Auto-Regressive Parallel Inference on Large Language Models",
 2024), whose idea this follows (not its code): no shared memory, no layout conversion; the
@@ -41,18 +41,13 @@ pipeline (``cp.async``). Partial sums are reduced over the unrolled copies, then
 warps (shared memory, Triton's ``tl.sum``), then over the K splits by the last split to
 finish (a per-program arrival counter, as in ``int8_linear.py``'s fused split-K reduction).
 
-Measured (H200, ``scripts/bench_int8_frag.py --defaults 3``, ``results/kernels/int8_frag/run9``
-and ``run17``): 1.2-1.4x faster than bf16 cuBLAS at M = 2..8 on the Qwen2.5-1.5B projections
-(the shipped ``int8_linear``: 0.86-1.44x), 1.8-1.9x on the 7B gate/up and down; at M = 9..16
-(two MMA tiles) 1.0-1.5x. Launched with PDL (``pdl=True``) back to back, with the PDL-call
-table (``_TUNED_PDL``: ``fold`` for gate/up, TMA weight copies without split-K for down), 1.5B
-gate/up takes 6.3-6.6 us and down 7.6-8.0 us at M = 1..8, 1.50-1.62x cuBLAS on run29's machine
-(1.46-1.53x for gate/up where cuBLAS was faster, run25), qkv 1.70-1.75x; M = 12..16 stays at
-1.12-1.45x (``results/kernels/int8_frag/run29``; down at 9..16 tokens, TMA with x prefetch:
-``run37``). ``int8_linear`` does not route here; the
-fused forward does, opt in (``LLMSERVE_INT8_FRAGMENTS=1``, ``models/fast_forward.py``, with PDL
-for hidden sizes <= 2048): 1.5B decode steps of 2-8 sequences 11-17% faster, 0.5B 50-58%
-(``results/kernels/int8_frag/run16``).
+Measured on the H200: 1.2-1.4x faster than bf16 cuBLAS at M = 2..8 on the Qwen2.5-1.5B
+projections (the ``mma`` kind of ``int8_linear``: 0.86-1.44x), 1.8-1.9x on the 7B gate/up and
+down; at M = 9..16 (two MMA tiles) 1.0-1.5x; launched with PDL back to back with the PDL-call
+table (``_TUNED_PDL``), 1.5-1.75x on the 1.5B projections at M = 1..8 (docs/performance.md).
+``int8_linear`` does not route here; the fused forward does, opt in
+(``FastPathConfig.int8_fragments``, :mod:`llmserve.models.fused_forward`, with PDL for hidden
+sizes <= 2048 by default): faster decode steps of 2-8 sequences for 0.5B and 1.5B shapes.
 
 GPU only (``sm_80`` or later): the Triton interpreter cannot run inline PTX.
 :func:`emulate_fragment_linear` is the same computation lane by lane in PyTorch, from the
@@ -71,7 +66,6 @@ try:  # host-side TMA descriptors (Triton >= 3.4); FragConfig.tma is unavailable
 except ImportError:  # pragma: no cover - old Triton
     TensorDescriptor = None
 
-from ..config import env_switch
 from .int8_layout import pack_int8_fragments, unpack_int8_fragments  # the layout (pure torch), re-exported
 from ._launch import num_sms, pdl_available, pdl_launch_kwargs, pdl_start, pdl_wait, zeroed_counters
 from .gemv import _gpu_name
@@ -475,8 +469,7 @@ class FragConfig:
             raise ValueError("FragConfig.tma needs blocks=1 and l2_prefetch=False")
 
 
-# H200 sweep winners (results/kernels/int8_frag/run5: Qwen2.5-1.5B shapes; run8: 7B and
-# 0.5B), keyed by (N, K, MMA tiles: 1 for M <= 8, 2 for M = 9..16); the configuration with the
+# H200 sweep winners (Qwen2.5-0.5B / 1.5B / 7B shapes), keyed by (N, K, MMA tiles: 1 for M <= 8, 2 for M = 9..16); the configuration with the
 # lowest summed time over the swept M of that tile count (M = 2, 4, 8 / 2, 8; M = 16).
 _TUNED_GPU = "NVIDIA H200"
 _TUNED: dict[tuple[int, int, int], FragConfig] = {
@@ -493,18 +486,13 @@ _TUNED: dict[tuple[int, int, int], FragConfig] = {
 
 
 # H200 winners for calls launched with PDL back to back (the engine's fragment decode steps for
-# hidden sizes <= 2048): run20's PDL sweep of 468 configurations with and without ``fold``
-# (1.5B shapes), checked in run22 (3 alternated rounds). Only 1.5B gate/up at <= 8 tokens
-# changed: ``fold`` lets 8 chunks a warp a step fit in 132 registers, 4-13% faster than the
-# plain table's configuration with PDL. The sweep's other winners add the L2 prefetch, which
-# makes engine steps 0.5-2.3% slower (run23) although it wins in chains of one kernel; without
-# it they do not beat the plain table (down, q/k/v) or equal it (two token tiles). Down
-# (K = 8960) takes TMA weight copies without split-K: in run27's sweep of 142 TMA
-# configurations (284 on down, with split 6), 4% / 11% / 5% faster at M = 2 / 8 / 16 than the
-# split-K register-prefetch configuration. At 9..16 tokens down loads x a step ahead in
-# registers instead (``prefetch`` with ``tma``; run35's sweep of 284 TMA configurations, 568 on
-# down with split 6, checked in run36's 3 alternated rounds: M = 12 / 16 10.26 -> 9.82 /
-# 10.71 -> 10.53 us).
+# hidden sizes <= 2048), from a PDL sweep with and without ``fold`` on the 1.5B shapes, checked
+# in alternated rounds of whole steps. Only 1.5B gate/up at <= 8 tokens changed: ``fold`` lets
+# 8 chunks a warp a step fit in 132 registers, 4-13% faster than the plain table's
+# configuration with PDL. The sweep's other winners add the L2 prefetch, which made engine
+# steps slower although it wins in chains of one kernel. Down (K = 8960) takes TMA weight
+# copies without split-K (4-11% faster than the split-K register-prefetch configuration at
+# M = 2..16); at 9..16 tokens it loads x a step ahead in registers (``prefetch`` with ``tma``).
 _TUNED_PDL: dict[tuple[int, int, int], FragConfig] = {
     (8960, 1536, 1): FragConfig(2, 8, 1, prefetch=True, fold=True),
     (1536, 8960, 1): FragConfig(4, 8, 1, stages=3, tma=True),
@@ -516,8 +504,7 @@ def choose_frag_config(m: int, n: int, k: int, device: torch.device | None = Non
                        gpu_name: str | None = None, pdl: bool = False) -> FragConfig:
     """Default launch configuration: the H200 sweep's winner for the Qwen2.5 0.5B / 1.5B / 7B
     projection shapes (``_TUNED``; with ``pdl``, i.e. for a call launched with PDL, the 1.5B
-    shapes from ``_TUNED_PDL`` unless ``LLMSERVE_INT8_FRAG_PDL_TABLE=0``), else a rule written
-    from the 1.5B winners:
+    shapes from ``_TUNED_PDL``), else a rule written from the 1.5B winners:
 
     * split K when K is long (>= 128 chunks) and there are fewer than two 16-channel blocks
       per SM, to about 4.4 programs per SM (down, K = 8960, N = 1536: 6 splits);
@@ -529,15 +516,11 @@ def choose_frag_config(m: int, n: int, k: int, device: torch.device | None = Non
 
     ``gpu_name`` (default: the device's) selects the table; other GPUs get the rule. A
     ``tma`` entry of ``_TUNED_PDL`` is skipped where this Triton has no TMA descriptors.
-
-    Raises:
-        ValueError: ``LLMSERVE_INT8_FRAG_PDL_TABLE`` set to anything but 0 or 1 (checked on
-        every call with ``pdl``).
     """
     if gpu_name is None and device is not None and device.type == "cuda":
         gpu_name = _gpu_name(device)                   # cached per device
     tiles = 1 if m <= 8 else 2
-    if pdl and env_switch("LLMSERVE_INT8_FRAG_PDL_TABLE") is not False and gpu_name == _TUNED_GPU:
+    if pdl and gpu_name == _TUNED_GPU:
         cfg = _TUNED_PDL.get((n, k, tiles))
         if cfg is not None and (TensorDescriptor is not None or not cfg.tma):
             return cfg
@@ -581,7 +564,7 @@ def int8_frag_linear(x: torch.Tensor, frags: torch.Tensor, scale: torch.Tensor,
             then launches without PDL); x is read, and y written, after the wait.
         pdl_trigger_first: with ``pdl``, let the next kernel launch before this one waits
             (``_launch.pdl_wait``).
-        _read_only: diagnostic for ``scripts/bench_int8_frag.py`` (wrong results): the kernel's
+        _read_only: diagnostic for benchmarks (wrong results): the kernel's
             loads without the conversion and MMAs.
 
     Returns:
@@ -590,7 +573,7 @@ def int8_frag_linear(x: torch.Tensor, frags: torch.Tensor, scale: torch.Tensor,
     Raises:
         ValueError: wrong dtypes, shapes, devices, alignment, ``config.blocks`` not dividing
         ``N / 16``, ``config.l2_prefetch`` or ``config.tma`` before sm_90, ``config.tma`` before
-        Triton 3.4, a bad ``LLMSERVE_INT8_FRAG_PDL_TABLE``, or more than 16 rows;
+        Triton 3.4, or more than 16 rows;
         NotImplementedError on a CPU tensor (inline PTX; use :func:`emulate_fragment_linear`).
     """
     if not isinstance(x, torch.Tensor) or x.dtype != torch.bfloat16:

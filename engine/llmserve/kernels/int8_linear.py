@@ -11,13 +11,13 @@ bf16/fp16), accumulate in fp32 and apply the per-channel scale (and bias) once i
 the scale factors out of the K sum: ``sum_k x[m,k] * q[n,k] * s[n] = s[n] * sum_k x[m,k] * q[n,k]``.
 
 Three kernel kinds (:class:`Int8LinearConfig.kind`), chosen per shape by
-:func:`choose_int8_config` from H200 measurements (``results/kernels/NOTES.md``):
+:func:`choose_int8_config` from H200 measurements (``scripts/bench_kernels.py``; docs/performance.md):
 
 * ``"vec"`` (decode, M <= 4; the default at M = 1): the matrix-vector kernel of ``gemv.py``
   (one or two weight rows a program, fp32 element-wise accumulation reduced over K once, the
   per-channel scale in the epilogue); 1.42-1.60x faster than bf16 cuBLAS on Qwen2.5-1.5B
   shapes at M = 1. It replaced an earlier CUDA-core kernel of this file (8 rows a program,
-  split-K; 1.15-1.32x), whose measurements stay in ``results/kernels/h200_run*``.
+  split-K; 1.15-1.32x).
 * ``"mma"`` (decode, M <= 64): tensor-core tiles (``BLOCK_M`` >= 16) with the int8 tile
   converted in registers; split-K over K when there are few output tiles, with the partials
   summed by the last split to finish (``fused_reduce``) or by a small reduction kernel. An
@@ -33,7 +33,6 @@ configurations of the same kinds are chosen, so CPU tests reach every kind.
 
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass
 
 import torch
@@ -41,7 +40,7 @@ import triton
 import triton.language as tl
 
 from .int8_layout import pack_int8_planes, unpack_int8_planes  # the layout (pure torch), re-exported
-from ._launch import num_sms, zeroed_counters
+from ._launch import check_cpu_launch, num_sms, zeroed_counters
 from .gemv import GEMV_MAX_M, GemvConfig, _plane_bytes, choose_gemv_config, gemv, tuned_gemv_config
 
 __all__ = ["Int8LinearConfig", "choose_int8_config", "int8_linear", "int8_linear_reference",
@@ -115,10 +114,9 @@ def _int8_linear_kernel(x_ptr, w_ptr, s_ptr, bias_ptr, y_ptr, ws_ptr, cnt_ptr, M
     """Tensor-core tile kernel (``kind="mma"``). With ``PLANES`` the weight is int8 byte planes
     (int32 words; ``K``, ``k_per_split`` and ``BLOCK_K`` count words) and each K step makes
     four products, one a plane. On the H200 this is 15-25% slower than row-major int8 at
-    M = 2..16 (``results/kernels/int8_planes_run2/lib``); reading the planes' bytes as a
-    permuted row-major matrix with x gathered in that order was 2-5x slower still
-    (``int8_planes_run3/lib``), and one product a step over the four planes reordered
-    plane-major in registers 1.3x slower (``int8_planes_run4/lib_cat``), so byte planes pay
+    M = 2..16; reading the planes' bytes as a permuted row-major matrix with x gathered in
+    that order was 2-5x slower still, and one product a step over the four planes reordered
+    plane-major in registers 1.3x slower, so byte planes pay
     off only where the matrix-vector kind serves the call."""
     pid = tl.program_id(0)
     pid_k = tl.program_id(1)
@@ -251,14 +249,14 @@ def _fit_split(m: int, n: int, k: int, bm: int, bn: int, bk: int, target: int,
 def choose_int8_config(m: int, n: int, k: int, device: torch.device, planes: bool = False) -> Int8LinearConfig:
     """Shape-keyed configuration (no autotuning: deterministic and CUDA-graph safe).
 
-    Picked from the H200 sweep in ``results/kernels/`` (Qwen2.5-1.5B shapes, bf16; speed-ups
+    Picked from an H200 sweep (Qwen2.5-1.5B shapes, bf16; speed-ups
     over cuBLAS bf16 in parentheses):
 
     * ``m == 1``: the ``gemv.py`` matrix-vector kernel (``"vec"``) with its tuned or rule-based
       configuration (gate/up 7.1 us, 1.42x; down 7.8 us, 1.56x; qkv 3.5 us, 1.57x).
     * ``2 <= m <= 4`` where the gemv table has a tuned entry for the shape (M = 3 takes M = 4's):
       the matrix-vector kernel too, with that tile (``red`` included). The entries come from
-      ``results/kernels/int8_vec_red_run1`` (Qwen2.5-1.5B shapes; row-major int8 against the
+      a sweep of ``scripts/bench_gemv.py`` (Qwen2.5-1.5B shapes; row-major int8 against the
       tensor-core kind in the same run: qkv M = 2 3.8 vs 6.3 us, M = 4 4.6 vs 6.3; gate/up
       M = 2 9.4 vs 9.4, down M = 2 9.3 vs 9.5; byte planes: down M = 2 10.5 vs 11.2). Only
       measured winners are entries: at M = 4 the larger shapes stay on tensor cores (gate/up
@@ -266,7 +264,7 @@ def choose_int8_config(m: int, n: int, k: int, device: torch.device, planes: boo
       tile, which the same sweep measured slower than the tensor-core kind (gate/up M = 2
       15.7 vs 9.4 us, down M = 2 13.3 vs 9.5, qkv M = 4 8.3 vs 6.3).
     * byte planes, untuned shapes: the matrix-vector kind also for ``m = 2`` with ``k <= 4096``
-      and ``m <= 4`` with up to 4 Mi weights (``results/kernels/int8_planes_run1``: qkv M = 2
+      and ``m <= 4`` with up to 4 Mi weights (H200: qkv M = 2
       4.3 vs 6.5 us, M = 4 5.5 vs 6.4; gate/up M = 2 9.4 vs 10.8).
     * ``m <= 64`` otherwise: tensor-core tiles ``BLOCK_M = max(16, next_pow2(m))`` with the
       weight tile as the MMA's B operand (plain orientation measured faster than swap-AB):
@@ -299,7 +297,7 @@ def choose_int8_config(m: int, n: int, k: int, device: torch.device, planes: boo
     sms = _num_sms(device)
     # k <= 4096 at M = 64: dequantize + cuBLAS measured faster than the 64-row tensor-core tile
     # (gate/up 18.4 vs 21.3 us, qkv 8.9 vs 11.1; at M = 32 the tiles win, 12.5 vs 18.1 and 7.7
-    # vs 8.8; results/kernels/int8_mid_m_run1); k > 4096 (down) keeps the tiles (18.9 vs 20.9).
+    # vs 8.8); k > 4096 (down) keeps the tiles (18.9 vs 20.9).
     if m < 64 or (m == 64 and k > 4096):
         bm = max(16, triton.next_power_of_2(m))
         if k <= 4096:
@@ -376,9 +374,8 @@ def int8_linear(x: torch.Tensor, w_int8: torch.Tensor, scale: torch.Tensor,
     if m == 0:
         return y.reshape(*lead, n)
     on_cpu = x.device.type == "cpu"
-    if on_cpu and os.environ.get("TRITON_INTERPRET", "0") != "1":
-        raise ValueError("int8_linear needs CUDA tensors, or (CPU tensors) the Triton interpreter: "
-                         "set TRITON_INTERPRET=1 before importing llmserve.kernels")
+    if on_cpu:
+        check_cpu_launch("int8_linear")
     cfg = config or choose_int8_config(m, n, k, x.device, planes=planes)
     if cfg.kind not in ("mma", "vec", "dequant"):
         raise ValueError(f"Int8LinearConfig.kind must be 'mma', 'vec' or 'dequant', got {cfg.kind!r}")

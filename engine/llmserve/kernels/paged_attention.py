@@ -43,16 +43,15 @@ before any arithmetic, because the interpreter's bf16 arithmetic is wrong.
 from __future__ import annotations
 
 import math
-import os
 
 import torch
 import triton
 import triton.language as tl
 
-from ..config import env_switch
-from ._launch import num_sms, pdl_launch_kwargs, pdl_start, pdl_wait, zeroed_counters
+from ._launch import check_cpu_launch, num_sms, pdl_launch_kwargs, pdl_start, pdl_wait, zeroed_counters
 
 __all__ = [
+    "SPLIT_POLICIES",
     "SUPPORTED_HEAD_DIMS",
     "choose_num_splits",
     "paged_attention_decode",
@@ -63,51 +62,36 @@ __all__ = [
 
 SUPPORTED_HEAD_DIMS = (32, 64, 128, 256)
 #: Default for merging decode splits inside the decode kernel (last split to finish) rather
-#: than in a second launch; chosen from the H200 measurements in results/kernels/.
+#: than in a second launch.
 DECODE_FUSED_REDUCE = True
-#: Above this many splits the separate (parallel) reduction kernel is used. On the H200 the
-#: in-kernel merge (one split at a time) saved ~1-2 us at 2-5 splits but cost ~5 us at 32
-#: (batch 1, context 2048). It merges only the non-empty splits, so in a CUDA graph sized for
-#: ``max_model_len`` (32 splits at 2,048) a two-tile context merges two: H200, Qwen2.5-1.5B
-#: layout, batch 1, context 128: 5.5 us against 7.2-7.4 us for kernel + reduction; but at
-#: context 2,048 (32 non-empty splits) 14.1 us against 7.4-7.6 (scripts/ab_decode_versions.py,
-#: results/h200/notes/s3). Hence the split by *non-empty* splits below.
-#: ``LLMSERVE_DECODE_FUSED_MAX`` overrides (A/B runs).
-FUSED_REDUCE_MAX_SPLITS = int(os.environ.get("LLMSERVE_DECODE_FUSED_MAX", "8"))
+#: Default of ``fused_max_splits``: above this many splits the separate (parallel) reduction
+#: kernel is used. On the H200 the in-kernel merge (one split at a time) saved ~1-2 us at 2-5
+#: splits but cost ~5 us at 32 (batch 1, context 2048). It merges only the non-empty splits, so
+#: in a CUDA graph sized for ``max_model_len`` (32 splits at 2,048) a two-tile context merges
+#: two and stays cheaper than kernel + reduction, while 32 non-empty splits do not. Hence the
+#: split by *non-empty* splits below (numbers: docs/performance.md).
+FUSED_REDUCE_MAX_SPLITS = 8
 #: With more splits than that, sequences with at most this many non-empty splits are still
 #: merged in the decode kernel (the reduction kernel skips them).
 FUSED_REDUCE_INLINE = 8
-# Experiment knobs (A/B runs on the GPU; defaults = the tuned choices above):
-# LLMSERVE_DECODE_SPLITS=legacy uses the first heuristic (about 4 programs per SM);
-# LLMSERVE_DECODE_STAGES=N overrides the decode kernel's pipeline depth.
-# Defaults from the engine-level A/B on the H200 (offline workload, 256 requests, CUDA-graph
-# decode with max_context_len fixed to max_model_len, so most splits of short sequences are
-# empty): "legacy" + 3 stages gave the fastest decode kernel at batch 256 (12.5 us vs 17.5 us
-# for "waves" + 2 stages per layer, results/h200/notes/). The kernel-level sweep, where every
-# sequence has the full context, preferred "waves"; pass LLMSERVE_DECODE_SPLITS=waves for it.
-_SPLIT_POLICY = os.environ.get("LLMSERVE_DECODE_SPLITS", "legacy")
-_DECODE_STAGES = int(os.environ.get("LLMSERVE_DECODE_STAGES", "3") or 0)
-# Fewest K/V tiles (BLOCK_N positions each) a decode split takes; contexts up to this many
-# tiles are one split, written without partials or a merge. 1 by default: at batch 1 and a
-# two-tile context, 4 measured 6.6 us a layer against 5.6 us for two splits and a merge
-# (H200, Qwen2.5-1.5B, results/h200/notes/s3). LLMSERVE_DECODE_MIN_TILES overrides; an
-# explicit ``num_splits`` argument uses 1.
-_DECODE_MIN_TILES = max(1, int(os.environ.get("LLMSERVE_DECODE_MIN_TILES", "1") or 1))
+#: Split-count policies of :func:`paged_attention_decode`: ``"legacy"`` (about 4 programs per
+#: SM; the default: with CUDA-graph decode and ``max_context_len`` fixed to ``max_model_len``
+#: most splits of short sequences are empty, and it gave the fastest decode kernel at batch
+#: 256 with 3 pipeline stages on the H200) or ``"waves"`` (:func:`choose_num_splits`: whole
+#: waves of programs, preferred when every sequence has the full context).
+SPLIT_POLICIES = ("legacy", "waves")
+#: Default pipeline depth of the default (64-position) decode tile on a GPU.
+DECODE_STAGES = 3
 _LOG2E = 1.4426950408889634
 #: Few (sequence, KV head) pairs and a short context: one wide tile a program. At batch 1 the
 #: decode kernel's time is a chain of dependent round trips (block table -> K/V -> scores ->
 #: store, plus the split merge); a 256-position tile loads the whole context of most short
-#: sequences at once and needs no merge. H200, batch-1 decode in short-context CUDA graphs
-#: (contexts 33-288), ms/step against the default tile (64 positions, 4 warps, 3 stages):
-#: Qwen2.5-1.5B 1.196 -> 1.150-1.155 with 256 positions / 8 warps (4 warps: 1.189);
-#: Qwen2.5-0.5B (head_dim 64) 0.647 -> 0.598-0.603 with 256 / 4 warps (8 warps: 0.608-0.613);
-#: Qwen2.5-7B 3.911 -> 3.871 (results/h200/notes/s5/ab_short_decode.json, ab_wide_fused.json).
-#: At batch 4 (8 pairs) it was faster at context 200 (attention 6.59 vs 7.09 us a layer) but
-#: slower at 300 (8.98 vs 7.98: two tiles and a merge), hence at most 4 pairs (timeline_b4_*).
-#: Reading the old K/V rows of the tile before the PDL wait (only the newest after it) measured
-#: slower: 1.5B 1.15 -> 1.30 ms/step (ab_preload.json; the code is in git history). Used when
-#: ``batch * num_kv_heads <= WIDE_MAX_PAIRS`` and ``max_context_len <= WIDE_MAX_CONTEXT``;
-#: ``LLMSERVE_DECODE_WIDE=0`` turns it off (read at every launch, for A/B runs).
+#: sequences at once and needs no merge. On the H200, batch-1 decode in short-context CUDA
+#: graphs was faster for Qwen2.5-0.5B/1.5B/7B shapes with 256 positions (8 warps at head_dim
+#: 128, 4 at 64); at batch 4 (8 pairs) faster at context 200 but slower at 300 (two tiles and
+#: a merge), hence at most 4 pairs. Reading the old K/V rows of the tile before the PDL wait
+#: (only the newest after it) measured slower. Used when ``batch * num_kv_heads <=
+#: WIDE_MAX_PAIRS`` and ``max_context_len <= WIDE_MAX_CONTEXT`` unless ``wide_tile=False``.
 WIDE_MAX_PAIRS = 4
 WIDE_MAX_CONTEXT = 512
 
@@ -489,14 +473,11 @@ def _on_cpu(t: torch.Tensor) -> bool:
     """True when ``t`` lives on the CPU, i.e. the kernels must run in the Triton interpreter.
 
     Raises:
-        ValueError: CPU tensors while ``TRITON_INTERPRET`` is not ``1`` (the kernels were
-            compiled for a GPU and cannot read host memory).
+        ValueError: CPU tensors while Triton compiled the kernels for a GPU (``TRITON_INTERPRET``
+            was not ``1`` when they were defined): they cannot read host memory.
     """
     if t.device.type == "cpu":
-        if os.environ.get("TRITON_INTERPRET", "0") != "1":
-            raise ValueError("Triton kernels need CUDA tensors, or (CPU tensors) the Triton "
-                             "interpreter: set TRITON_INTERPRET=1 before importing "
-                             "llmserve.kernels")
+        check_cpu_launch("the paged attention kernels")
         return True
     return False
 
@@ -626,7 +607,7 @@ def choose_num_splits(batch: int, num_kv_heads: int, max_context_len: int, block
     Measured on the H200 (132 SMs, slots 396), 12/2 heads, D=128, bf16: batch 64, context 2048
     (128 programs a split): 3 splits (0.97 of a wave) 39-40 us, 4 (1.29 waves) 40-48 us, 5
     (1.62) 45 us, 1 58 us; batch 256 (512 a split): 1 split (1.29 waves) 161 us, 2 splits
-    (2.59) 135 us (results/kernels/). Returns the count actually used after rounding the tiles
+    (2.59) 135 us (``scripts/bench_kernels.py``; docs/performance.md). Returns the count actually used after rounding the tiles
     per split.
     """
     tiles = max(1, triton.cdiv(max_context_len, block_n))
@@ -642,27 +623,34 @@ def choose_num_splits(batch: int, num_kv_heads: int, max_context_len: int, block
 
 
 def _decode_config(d: int, on_cpu: bool, pairs: int = 1 << 30, max_ctx: int = 1 << 30,
-                   elt: int = 2) -> dict:
+                   elt: int = 2, *, wide_tile: bool = True, stages: int = DECODE_STAGES) -> dict:
     """Tile of the decode kernel: ``pairs`` = sequences x KV heads, ``max_ctx`` = the context
     bound (see :data:`WIDE_MAX_PAIRS`), ``elt`` = bytes per cache element (the wide tile is for
     16-bit caches: with fp32 K/V at head_dim 128 it needs 264 KB of shared memory, more than
-    an H200 SM has)."""
+    an H200 SM has); ``wide_tile``: allow the wide tile; ``stages``: pipeline depth of the
+    default tile (the wide tile keeps 1)."""
     if on_cpu:
         return dict(BLOCK_N=16, num_warps=1, num_stages=1)
-    if (pairs <= WIDE_MAX_PAIRS and max_ctx <= WIDE_MAX_CONTEXT and d <= 128 and elt <= 2
-            and os.environ.get("LLMSERVE_DECODE_WIDE", "1") != "0"):
+    if wide_tile and pairs <= WIDE_MAX_PAIRS and max_ctx <= WIDE_MAX_CONTEXT and d <= 128 and elt <= 2:
         return dict(BLOCK_N=256, num_warps=8 if d >= 128 else 4, num_stages=1, wide=True)
-    return dict(BLOCK_N=64 if d <= 128 else 32, num_warps=4, num_stages=2)
+    return dict(BLOCK_N=64 if d <= 128 else 32, num_warps=4, num_stages=stages)
 
 
-def _use_early_pages(wide: bool, override: bool | None = None) -> bool:
+def _use_early_pages(wide: bool, early_pages: bool | None = None) -> bool:
     """Whether the decode kernel reads its first tile's block-table entries before the PDL
-    wait: ``override`` if given, else ``LLMSERVE_DECODE_EARLY_PAGES`` if set, else only with
-    the wide tile (``wide``: the heuristic chose it; the regime the H200 A/B measured)."""
-    if override is not None:
-        return bool(override)
-    env = env_switch("LLMSERVE_DECODE_EARLY_PAGES")
-    return bool(wide) if env is None else env
+    wait: ``early_pages`` if given, else only with the wide tile (``wide``: the heuristic
+    chose it; the regime where it was measured faster)."""
+    return bool(wide) if early_pages is None else bool(early_pages)
+
+
+def _check_decode_options(split_policy, stages, min_tiles, fused_max_splits) -> None:
+    """``ValueError`` naming the first decode option outside its range."""
+    if split_policy not in SPLIT_POLICIES:
+        raise ValueError(f"split_policy must be one of {list(SPLIT_POLICIES)}, got {split_policy!r}")
+    for name, v, lo, hi in (("stages", stages, 1, 8), ("min_tiles", min_tiles, 1, 1024),
+                            ("fused_max_splits", fused_max_splits, 1, 128)):
+        if type(v) is not int or not lo <= v <= hi:
+            raise ValueError(f"{name} must be an integer in [{lo}, {hi}], got {v!r}")
 
 
 def paged_attention_decode(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
@@ -671,7 +659,10 @@ def paged_attention_decode(query: torch.Tensor, k_cache: torch.Tensor, v_cache: 
                            block_n: int | None = None, num_warps: int | None = None,
                            num_stages: int | None = None, fused_reduce: bool | None = None,
                            pdl: bool = False, pdl_trigger_first: bool = False,
-                           early_pages_override: bool | None = None) -> torch.Tensor:
+                           split_policy: str = "legacy", stages: int = DECODE_STAGES,
+                           min_tiles: int = 1, fused_max_splits: int = FUSED_REDUCE_MAX_SPLITS,
+                           wide_tile: bool = True, early_pages: bool | None = None,
+                           prefetch_kv: bool = True) -> torch.Tensor:
     """Split-K decode attention: one query token per sequence (row ``query_start_loc[i]``).
 
     The grid has ``num_splits`` programs per (sequence, KV head), sized for
@@ -689,22 +680,39 @@ def paged_attention_decode(query: torch.Tensor, k_cache: torch.Tensor, v_cache: 
         num_splits, block_n, num_warps, num_stages: overrides of the heuristics (benchmarks).
         fused_reduce: merge the splits in the last-finishing split program (one launch)
             instead of a separate reduction kernel (default: :data:`DECODE_FUSED_REDUCE` when
-            ``num_splits <= FUSED_REDUCE_MAX_SPLITS``).
+            ``num_splits <= fused_max_splits``).
         pdl: launch with programmatic dependent launch (Hopper+): the step's metadata
             (``query_start_loc``, ``context_lens``) is read before waiting for the previous
             kernel, so no kernel of the PDL chain before this one may write it (the engine
             writes it before the forward pass); q and the K/V cache are read after the wait.
         pdl_trigger_first: with ``pdl``, let the next kernel launch before this one waits
             (see :func:`~llmserve.kernels.gemv.gemv`).
-        early_pages_override: read the first tile's block-table entries before the PDL wait
-            (tests; default :func:`_use_early_pages`). Same results.
+        split_policy: how many splits the grid has (:data:`SPLIT_POLICIES`; ignored with
+            ``num_splits``).
+        stages: pipeline depth of the default 64-position tile on a GPU, in [1, 8].
+        min_tiles: fewest K/V tiles a split takes (contexts up to this many tiles are one
+            split, written without partials or a merge), >= 1; an explicit ``num_splits``
+            uses 1. At 1 (the default) a two-tile context at batch 1 takes two splits and a
+            merge, which measured faster than one split of two tiles on the H200.
+        fused_max_splits: most splits merged inside the decode kernel (more: the reduction
+            kernel, except for sequences with at most :data:`FUSED_REDUCE_INLINE` non-empty
+            splits), in [1, 128].
+        wide_tile: allow the wide tile for few sequences and short contexts
+            (:data:`WIDE_MAX_PAIRS`).
+        early_pages: read the first tile's block-table entries before the PDL wait
+            (``None``: with the wide tile only). Same results.
+        prefetch_kv: with ``early_pages``, on an NVIDIA GPU and a 16-bit cache whose head_dim
+            is a multiple of 64, ask L2 for the first tile's K/V rows before the PDL wait
+            (``prefetch.global.L2``). Same results.
 
     Returns:
         ``out`` (allocated when not given; rows not written are zero when allocated here).
 
     Raises:
-        ValueError: inconsistent shapes, dtypes, devices or strides.
+        ValueError: inconsistent shapes, dtypes, devices or strides; a decode option outside
+            its range.
     """
+    _check_decode_options(split_policy, stages, min_tiles, fused_max_splits)
     n, hq, hkv, d, bs, b = _check_attention_inputs(query, k_cache, v_cache, meta)
     on_cpu = _on_cpu(query)
     if out is None:
@@ -712,10 +720,9 @@ def paged_attention_decode(query: torch.Tensor, k_cache: torch.Tensor, v_cache: 
     if b == 0 or n == 0:
         return out
     max_ctx = max(int(meta.max_context_len), 1)
-    cfg = _decode_config(d, on_cpu, b * hkv, max_ctx, k_cache.element_size())
+    cfg = _decode_config(d, on_cpu, b * hkv, max_ctx, k_cache.element_size(), wide_tile=wide_tile,
+                         stages=stages)
     wide = cfg.pop("wide", False)      # the wide tile keeps its own stage count (1)
-    if _DECODE_STAGES and not on_cpu and not wide:
-        cfg["num_stages"] = _DECODE_STAGES
     if block_n is not None:
         cfg["BLOCK_N"] = block_n
     if num_warps is not None:
@@ -725,12 +732,12 @@ def paged_attention_decode(query: torch.Tensor, k_cache: torch.Tensor, v_cache: 
     bn = cfg["BLOCK_N"]
     tiles = triton.cdiv(max_ctx, bn)
     num_splits_override = num_splits is not None
-    if num_splits is None and _SPLIT_POLICY == "legacy":
+    if num_splits is None and split_policy == "legacy":
         num_splits = min(tiles, max(1, triton.cdiv(4 * _num_sms(query.device), max(1, b * hkv))), 128)
     if num_splits is None:
         num_splits = choose_num_splits(b, hkv, max_ctx, bn, _num_sms(query.device), d)
     num_splits = max(1, min(int(num_splits), tiles))
-    min_tiles = 1 if num_splits_override else _DECODE_MIN_TILES
+    min_tiles = 1 if num_splits_override else min_tiles
     num_splits = max(1, min(num_splits, triton.cdiv(tiles, min_tiles)))
     num_splits = triton.cdiv(tiles, triton.cdiv(tiles, num_splits))  # whole tiles a split
     g = hq // hkv
@@ -738,7 +745,7 @@ def paged_attention_decode(query: torch.Tensor, k_cache: torch.Tensor, v_cache: 
     direct = num_splits == 1
     fused_reduce_default = fused_reduce is None and DECODE_FUSED_REDUCE
     if fused_reduce is None:  # the in-kernel merge runs in one program: not too many splits
-        fused_reduce = DECODE_FUSED_REDUCE and num_splits <= FUSED_REDUCE_MAX_SPLITS
+        fused_reduce = DECODE_FUSED_REDUCE and num_splits <= fused_max_splits
     fused = fused_reduce and not direct
     # Splits merged inside the decode kernel (last split to finish): all of them when fused;
     # otherwise sequences with at most FUSED_REDUCE_INLINE non-empty splits (short contexts in a
@@ -754,13 +761,11 @@ def paged_attention_decode(query: torch.Tensor, k_cache: torch.Tensor, v_cache: 
     fp32_math = on_cpu or query.dtype == torch.float32
     # With the wide tile (few sequences, short contexts): the block-table entries of the first
     # tile read before the PDL wait, and (16-bit caches on a GPU) an L2 prefetch of its K/V
-    # rows. H200, batch-1 decode (results/h200/notes/s9): 1.5B 1.066 -> 1.050 ms/step, 0.5B
-    # 0.504 -> 0.492, 7B 3.74 -> 3.66. Not measured with the default tile (larger batches),
-    # whose empty splits would also run the peeled tile's (masked) arithmetic: kept off there.
-    # A/B knobs, read at every launch: LLMSERVE_DECODE_EARLY_PAGES=0/1 (1: every tile),
-    # LLMSERVE_DECODE_PREFETCH_KV=0.
-    early_pages = _use_early_pages(wide, early_pages_override)
-    prefetch = (env_switch("LLMSERVE_DECODE_PREFETCH_KV") is not False and k_cache.element_size() == 2
+    # rows; faster batch-1 decode for Qwen2.5-0.5B/1.5B/7B shapes on the H200. Not measured
+    # with the default tile (larger batches), whose empty splits would also run the peeled
+    # tile's (masked) arithmetic: kept off there unless early_pages=True.
+    early_pages = _use_early_pages(wide, early_pages)
+    prefetch = (prefetch_kv and k_cache.element_size() == 2
                 and d % 64 == 0 and torch.version.hip is None)       # inline PTX: NVIDIA only
     _decode_kernel[(b, hkv, num_splits)](
         query, k_cache, v_cache, out, m_buf, l_buf, acc_buf, cnt,
@@ -841,7 +846,7 @@ def paged_attention_prefill(query: torch.Tensor, k_cache: torch.Tensor, v_cache:
 
 
 def paged_attention_triton(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-                           meta, scale: float) -> torch.Tensor:
+                           meta, scale: float, **decode_options) -> torch.Tensor:
     """Causal paged attention of a flat varlen batch (same contract as
     :func:`llmserve.attention.torch_backend.paged_attention_torch`).
 
@@ -855,6 +860,9 @@ def paged_attention_triton(query: torch.Tensor, k_cache: torch.Tensor, v_cache: 
             step's K/V.
         meta: :class:`~llmserve.attention.metadata.AttentionMetadata`.
         scale: softmax scale (usually ``D ** -0.5``).
+        decode_options: keyword options of :func:`paged_attention_decode` (``split_policy``,
+            ``stages``, ``min_tiles``, ``fused_max_splits``, ``wide_tile``, ``early_pages``,
+            ``prefetch_kv``) for the decode kernel.
 
     Returns:
         ``[N, Hq, D]`` in ``query.dtype``; rows not covered by ``query_start_loc`` are zero.
@@ -864,9 +872,9 @@ def paged_attention_triton(query: torch.Tensor, k_cache: torch.Tensor, v_cache: 
             :data:`SUPPORTED_HEAD_DIMS`.
     """
     if meta.is_decode_only:
-        return paged_attention_decode(query, k_cache, v_cache, meta, scale)
+        return paged_attention_decode(query, k_cache, v_cache, meta, scale, **decode_options)
     out = torch.zeros_like(query)
-    paged_attention_decode(query, k_cache, v_cache, meta, scale, out, skip_non_decode=True)
+    paged_attention_decode(query, k_cache, v_cache, meta, scale, out, skip_non_decode=True, **decode_options)
     paged_attention_prefill(query, k_cache, v_cache, meta, scale, out, skip_decode=True)
     return out
 

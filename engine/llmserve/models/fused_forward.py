@@ -8,44 +8,42 @@ What changes against the readable path (``models/qwen2.py``):
   ``q_proj.weight`` etc. become *views* into them, so HF parameter names and
   ``state_dict()`` are unchanged and no memory is duplicated.
 * RMSNorm and the residual add are one kernel; RoPE, the QKV split and the K/V cache write are
-  one kernel; SiLU-and-mul is one kernel (``triton_kernels/fused.py``).
-* Steps of one token (batch-1 decode; up to ``GEMV_MAX_M`` = 4 on request) take a matrix-vector path
-  (``triton_kernels/gemv.py``) with the norms and SiLU-and-mul folded into the projections,
-  RoPE and the K/V cache write into the QKV projection's epilogue and the residual adds into
-  the O and down projections' epilogues: four projection kernels and the attention kernel a
-  layer. The residual stream is updated in place; the LM head is a matrix-vector kernel that
-  writes fp32 logits (:meth:`FastQwen2Forward.compute_logits`). ``LLMSERVE_DECODE_GEMV=0``
-  turns this path off (A/B runs).
+  one kernel; SiLU-and-mul is one kernel (``kernels/fused.py``).
+* Steps of at most ``gemv_max_tokens`` tokens (batch-1 decode by default; up to
+  ``GEMV_MAX_M`` = 4 on request) take a matrix-vector path (``kernels/gemv.py``) with the
+  norms and SiLU-and-mul folded into the projections, RoPE and the K/V cache write into the
+  QKV projection's epilogue and the residual adds into the O and down projections'
+  epilogues: four projection kernels and the attention kernel a layer. The residual stream is
+  updated in place; the first layer's QKV and O kernels read the token embeddings straight
+  from the table (no lookup kernel); the LM head is a matrix-vector kernel that writes fp32
+  logits (:meth:`FastQwen2Forward.compute_logits`).
 * On Hopper these kernels are launched with programmatic dependent launch (PDL,
-  ``triton_kernels/_launch.py``): each starts while the previous one drains and reads its
-  first weight tile before waiting for it. ``LLMSERVE_PDL=0`` turns it off.
+  ``kernels/_launch.py``): each starts while the previous one drains and reads its first
+  weight tile before waiting for it (``FastPathConfig.pdl``).
 
 Projections quantized with the Triton INT8 scheme (``--linear-backend triton-int8``,
 :class:`~llmserve.quant.TritonInt8Linear`) are packed and fused the same way: the int8
 rows and their per-row scales go to the same kernels (the matrix-vector kernel reads int8
 rows and applies the scale in its epilogue; larger steps call
-:func:`~llmserve.kernels.int8_linear.int8_linear` on the packed weight). Their int8
-rows can be repacked once as *byte planes* (four a 32-bit word,
-:func:`~llmserve.kernels.int8_layout.pack_int8_planes`), which the matrix-vector kernel
-streams faster, when ``LLMSERVE_INT8_PLANES=1`` (off by default: faster batch-1 decode for
-1.5B/7B shapes, slower steps of 2..64 tokens); ``state_dict`` still gives row-major int8. With
-``LLMSERVE_INT8_FRAGMENTS=1`` (a bf16 model on CUDA, row-major int8; otherwise ignored with a
-warning) each projection also keeps a copy in the MMA-fragment layout
-(:func:`~llmserve.kernels.int8_layout.pack_int8_fragments`, twice the int8 weight memory; an in-place
-``load_state_dict`` repacks it) and steps of at most 16 tokens that do not take the
-matrix-vector path (by default steps of 2..16 tokens) call
-:func:`~llmserve.kernels.int8_frag.int8_frag_linear` instead of ``int8_linear``, with
-programmatic dependent launch where available for hidden sizes <= 2048
-(``LLMSERVE_INT8_FRAG_PDL=0/1`` overrides). Other
+:func:`~llmserve.kernels.int8_linear.int8_linear` on the packed weight). With
+``FastPathConfig.int8_layout="planes"`` their int8 rows are repacked once as *byte planes*
+(four a 32-bit word, :func:`~llmserve.kernels.int8_layout.pack_int8_planes`), which the
+matrix-vector kernel streams faster (faster batch-1 decode for 1.5B/7B shapes, slower steps
+of 2..64 tokens); ``state_dict`` still gives row-major int8. With
+``FastPathConfig.int8_fragments`` (a bf16 model on CUDA, row-major int8; otherwise ignored
+with a warning) each projection also keeps a copy in the MMA-fragment layout
+(:func:`~llmserve.kernels.int8_layout.pack_int8_fragments`, twice the int8 weight memory; an
+in-place ``load_state_dict`` repacks it) and steps of at most 16 tokens that do not take the
+matrix-vector path call :func:`~llmserve.kernels.int8_frag.int8_frag_linear` instead of
+``int8_linear``, with PDL by the size rule of ``FastPathConfig.int8_frag_pdl``. Other
 quantized modules (the reference ``int8`` scheme, ``int4``) keep being called as modules and
 turn the matrix-vector path off. Parity with the readable path is tested in
-``tests/test_fast_forward.py``.
+``tests/test_fast_forward.py``; the numbers behind each default are in docs/performance.md.
 """
 
 from __future__ import annotations
 
 import logging
-import os
 
 import torch
 import torch.nn.functional as F
@@ -53,7 +51,7 @@ from torch import nn
 
 from ..attention import AttentionMetadata
 from ..attention.triton_backend import TritonPagedAttention
-from ..config import env_switch
+from ..config import FastPathConfig, ResolvedFastPath
 from ..quant import TritonInt8Linear
 from ..kernels.int8_layout import pack_int8_fragments, pack_int8_planes
 from ..kernels._launch import pdl_available
@@ -161,48 +159,27 @@ def _linear(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None, s: torch.T
     return int8_linear(x, w, s, b)
 
 
-# Largest hidden size for which the size-ruled decode options default on (the early
-# epilogue, the QKV kernel's pre-wait operands, the QKV kernel triggering first): each was
-# measured faster on Qwen2.5-0.5B / 1.5B and slower on 7B (hidden 3584).
-SMALL_HIDDEN_MAX = 2048
-
-
-def qkv_early_mode(pdl: bool, hidden_size: int, early_epilogue: bool) -> int:
+def qkv_early_mode(pdl: bool, pre_wait: bool, early_epilogue: bool) -> int:
     """The decode QKV kernel's ``early_epilogue`` (see :func:`~llmserve.kernels.gemv.gemv`):
-    2 (its RoPE operands read before the PDL wait) with PDL and either
-    ``LLMSERVE_GEMV_PRE_WAIT=1`` or, unset, ``hidden_size <= 2048``; otherwise the other
-    kernels' ``early_epilogue`` (so ``LLMSERVE_GEMV_EARLY_EPILOGUE`` governs the QKV kernel only
-    when the pre-wait is off). ``ValueError`` for a switch value other than 0/1."""
-    pre = env_switch("LLMSERVE_GEMV_PRE_WAIT")
-    pre = hidden_size <= SMALL_HIDDEN_MAX if pre is None else pre
-    return 2 if (pdl and pre) else int(early_epilogue)
+    2 (its RoPE operands read before the PDL wait) with ``pdl`` and ``pre_wait``
+    (``FastPathConfig.gemv_pre_wait``); otherwise the other kernels' ``early_epilogue``."""
+    return 2 if (pdl and pre_wait) else int(early_epilogue)
 
 
 TRIGGER_ROLES = ("qkv", "attn", "o", "gate_up", "down", "head", "argmax")
 
 
-def trigger_roles(pdl: bool, hidden_size: int) -> dict[str, bool]:
+def trigger_roles(pdl: bool, qkv: bool) -> dict[str, bool]:
     """Per decode kernel of the matrix-vector path (keys :data:`TRIGGER_ROLES`: QKV+RoPE,
     decode attention, O, gate-up, down, LM head, greedy argmax), whether it is launched with
     ``pdl_trigger_first`` (its successor may launch before this kernel's own PDL wait; see
-    :func:`~llmserve.kernels._launch.pdl_wait`). All False without PDL; all True with
-    ``LLMSERVE_PDL_TRIGGER_FIRST=1`` (the full cascade, measured no better in session 7).
-    (The final RMSNorm, also a PDL kernel, always triggers after its wait.)
-    Otherwise only the QKV kernel, where ``LLMSERVE_PDL_TRIGGER_QKV=1`` or, unset,
-    ``hidden_size <= 2048``: the decode attention then launches while QKV streams its weights
-    and reads its block-table entries and asks L2 for its K/V rows earlier. H200, batch-1
-    decode, alternated A/Bs (results/h200/notes/s15/): Qwen2.5-1.5B 1.0040 -> 1.0001 and
-    1.0107 -> 1.0051 ms/step, 0.5B 0.4680 -> 0.4666, 7B 3.5945 -> 3.5980 (slower, hence the
-    size rule; hidden size 2048 is not measured); triggering first in the attention (+9.5
-    us a step), O (+2.4), down (+1.2) or LM head (level) measured no better. ``ValueError`` for a switch value other than 0/1."""
-    first = env_switch("LLMSERVE_PDL_TRIGGER_FIRST")      # both validated on every device
-    qkv = env_switch("LLMSERVE_PDL_TRIGGER_QKV")
-    if not pdl:
-        return dict.fromkeys(TRIGGER_ROLES, False)
-    if first:
-        return dict.fromkeys(TRIGGER_ROLES, True)
+    :func:`~llmserve.kernels._launch.pdl_wait`). Only the QKV kernel, with ``pdl`` and ``qkv``
+    (``FastPathConfig.pdl_trigger_qkv``): the decode attention then launches while QKV
+    streams its weights, reads its block-table entries and asks L2 for its K/V rows earlier.
+    Triggering first in the other kernels measured no better on the H200. (The final RMSNorm,
+    also a PDL kernel, always triggers after its wait.)"""
     roles = dict.fromkeys(TRIGGER_ROLES, False)
-    roles["qkv"] = hidden_size <= SMALL_HIDDEN_MAX if qkv is None else qkv
+    roles["qkv"] = bool(pdl and qkv)
     return roles
 
 
@@ -220,45 +197,51 @@ class FastQwen2Forward:
 
     Args:
         model: the model (weights already on their device and dtype).
-        use_gemv: take the matrix-vector path for steps of ``N <= gemv_max_tokens`` tokens
-            when every projection is a plain ``nn.Linear`` or a
-            :class:`~llmserve.quant.TritonInt8Linear` (default: on unless the environment
-            sets ``LLMSERVE_DECODE_GEMV=0``).
-        gemv_max_tokens: largest step (tokens) that takes it, at most ``GEMV_MAX_M``. Default 1
-            (``LLMSERVE_DECODE_GEMV_MAX`` overrides): on the H200 the kernel beats cuBLAS at
-            M = 1 but not yet at M = 2..4 on the MLP shapes (``results/kernels/``).
+        options: the resolved fast-path choices (:meth:`~llmserve.config.FastPathConfig.resolve`
+            for this model); default: :class:`~llmserve.config.FastPathConfig` ``()`` resolved
+            for ``model.config`` on the LM head's device. The matrix-vector path serves steps
+            of ``N <= options.gemv_max_tokens`` tokens when every projection is a plain
+            ``nn.Linear`` or a :class:`~llmserve.quant.TritonInt8Linear`; PDL is used where
+            ``options.pdl`` and the device allow it.
+
+    Raises:
+        ValueError: ``options`` is not a :class:`~llmserve.config.ResolvedFastPath`.
     """
 
-    def __init__(self, model: nn.Module, use_gemv: bool | None = None,
-                 gemv_max_tokens: int | None = None) -> None:
+    def __init__(self, model: nn.Module, options: ResolvedFastPath | None = None) -> None:
+        cfg = model.config
+        w0 = model.lm_head.weight
+        if options is None:
+            options = FastPathConfig().resolve(cfg, w0.device)
+        if not isinstance(options, ResolvedFastPath):
+            raise ValueError("options must be a ResolvedFastPath (FastPathConfig(...).resolve(model_config, "
+                             f"device)), got {type(options).__name__}")
+        self.options = options
         self.model = model
         self._quantization = getattr(model, "quantization_config", None)  # see __call__
-        cfg = model.config
         self.num_heads = cfg.num_attention_heads
         self.num_kv_heads = cfg.num_key_value_heads
         self.head_dim = cfg.head_dim
         self.eps = cfg.rms_norm_eps
         self.scale = cfg.head_dim ** -0.5
-        # Triton INT8 weights as byte planes, opt in (LLMSERVE_INT8_PLANES=1); every kernel that
-        # reads them accepts both layouts, and the modules' state_dict stays row-major. H200,
-        # batch-1 decode (results/kernels/int8_planes_run3/ab_planes.json): 1.5B 1.000 -> 0.931
-        # ms/step, 7B 3.05 -> 2.71, but 0.5B 0.474 -> 0.512, and steps of 2..64 tokens run the
-        # tensor-core kind 15-25% slower on planes than on row-major int8, so not by default.
-        planes = env_switch("LLMSERVE_INT8_PLANES") is True
+        self.decode_options = options.decode_options()
+        # Triton INT8 weights as byte planes (int8_layout="planes"); every kernel that reads
+        # them accepts both layouts, and the modules' state_dict stays row-major. Faster
+        # batch-1 decode for 1.5B/7B shapes on the H200 but slower for 0.5B, and steps of
+        # 2..64 tokens run the tensor-core kind 15-25% slower on planes, so not by default.
+        planes = options.int8_layout == "planes"
         if planes and not (cfg.hidden_size % 4 == 0 and cfg.intermediate_size % 4 == 0
                            and cfg.num_attention_heads * cfg.head_dim % 4 == 0):
-            _log.warning("LLMSERVE_INT8_PLANES=1 ignored: byte planes need every projection's "
+            _log.warning("int8_layout='planes' ignored: byte planes need every projection's "
                          "input size divisible by 4 (hidden %d, intermediate %d, heads x head_dim %d)",
                          cfg.hidden_size, cfg.intermediate_size, cfg.num_attention_heads * cfg.head_dim)
             planes = False
         # INT8 weights also in the MMA-fragment layout for steps of <= 16 tokens off the
-        # matrix-vector path, opt in (LLMSERVE_INT8_FRAGMENTS=1): a second copy of every int8
-        # projection (results/kernels/int8_frag/run11: 1.5B batch 2-8 steps -11 to -12%).
-        frags = env_switch("LLMSERVE_INT8_FRAGMENTS") is True
-        w0 = model.lm_head.weight
+        # matrix-vector path (int8_fragments): a second copy of every int8 projection.
+        frags = options.int8_fragments
         if frags and (planes or w0.device.type != "cuda" or w0.dtype != torch.bfloat16):
-            _log.warning("LLMSERVE_INT8_FRAGMENTS=1 ignored: it needs a bf16 model on CUDA and "
-                         "row-major int8 (not LLMSERVE_INT8_PLANES=1)")
+            _log.warning("int8_fragments=True ignored: it needs a bf16 model on CUDA and "
+                         "row-major int8 (int8_layout='row')")
             frags = False
         self.layers = []
         for layer in model.model.layers:
@@ -281,60 +264,37 @@ class FastQwen2Forward:
         self.int8_fragments = any(e["frag"] for e in self.layers)
         # The fragment kernel, the RMSNorms before q/k/v and gate/up and the SiLU-and-mul before
         # down launched with PDL (each fragment call's weight requests overlap the kernel before
-        # it). Measured on the H200 (results/kernels/int8_frag/run15-run17, alternated A/B):
-        # 0.5B and 1.5B steps of 2-16 sequences 1-12% faster; 7B (hidden 3584) batch 16 7-22%
-        # slower, batch 2-8 -4% to +11%. So on for hidden sizes <= SMALL_HIDDEN_MAX (as the
-        # gemv early epilogue's size rule); LLMSERVE_INT8_FRAG_PDL=0/1 overrides.
-        frag_pdl = env_switch("LLMSERVE_INT8_FRAG_PDL")
-        env_switch("LLMSERVE_INT8_FRAG_PDL_TABLE")  # a bad value fails here, not in a captured call
-        if frag_pdl is None:
-            frag_pdl = cfg.hidden_size <= SMALL_HIDDEN_MAX
-        self.frag_pdl = self.int8_fragments and frag_pdl and pdl_available(w0.device)
+        # it): on the H200 faster for 0.5B and 1.5B steps of 2-16 sequences, slower for 7B
+        # (hidden 3584), hence int8_frag_pdl's size rule.
+        self.frag_pdl = (self.int8_fragments and options.int8_frag_pdl and options.pdl
+                         and pdl_available(w0.device))
         # Whether the INT8 weights are byte planes: also when an earlier FastQwen2Forward of this
         # model repacked them (planes are not undone; every kernel reads both layouts).
         self.int8_planes = any(getattr(m, "planes", False) for m in model.modules()
                                if type(m) is TritonInt8Linear)
-        if use_gemv is None:
-            use_gemv = os.environ.get("LLMSERVE_DECODE_GEMV", "1") != "0"
         fusable = all("qkv" in e and "gate_up" in e and _kind(e["layer"].self_attn.o_proj) is not None
                       and _kind(e["layer"].mlp.down_proj) is not None for e in self.layers)
-        self.use_gemv = bool(use_gemv) and fusable
-        if gemv_max_tokens is None:
-            gemv_max_tokens = int(os.environ.get("LLMSERVE_DECODE_GEMV_MAX", "1"))
-        if not 1 <= gemv_max_tokens <= GEMV_MAX_M:  # noqa: SIM300
-            raise ValueError(f"gemv_max_tokens must be in [1, {GEMV_MAX_M}], got {gemv_max_tokens}")
-        self.gemv_max_tokens = gemv_max_tokens
-        self.pdl = self.use_gemv and pdl_available(model.lm_head.weight.device)
+        assert options.gemv_max_tokens <= GEMV_MAX_M   # FastPathConfig's range matches the kernel's
+        self.gemv_max_tokens = options.gemv_max_tokens
+        self.use_gemv = options.gemv_max_tokens > 0 and fusable
+        self.pdl = self.use_gemv and options.pdl and pdl_available(w0.device)
         self._plain_head = type(model.lm_head) is nn.Linear and model.lm_head.bias is None
-        # Epilogue operands requested before the gemv K loop (gemv's early_epilogue): measured
-        # faster on the H200 for hidden sizes 896 and 1536 (Qwen2.5-0.5B/1.5B: 1.5B 1.146 ->
-        # 1.079 ms/step), slower for 3584 (7B: 3.82 -> 4.11); results/h200/notes/s6/ab_epi*.json.
-        # LLMSERVE_GEMV_EARLY_EPILOGUE=0/1 overrides the size rule (for the QKV kernel only when
-        # its pre-wait is off, see qkv_early_mode).
-        early = env_switch("LLMSERVE_GEMV_EARLY_EPILOGUE")
-        self.early_epilogue = cfg.hidden_size <= SMALL_HIDDEN_MAX if early is None else early
+        # Epilogue operands requested before the gemv K loop (gemv's early_epilogue); by the
+        # size rule of gemv_early_epilogue (faster for hidden 896 and 1536 on the H200, slower
+        # for 3584). Governs the QKV kernel only when its pre-wait is off (qkv_early_mode).
+        self.early_epilogue = options.gemv_early_epilogue
         # The QKV kernel's RoPE operands (positions, slots, the cos/sin rows; bias, int8
         # scales) read before its PDL wait (gemv's early_epilogue=2), so the dependent
-        # position -> cos/sin load is off the critical path. H200, batch-1 decode, four
-        # alternated rounds: Qwen2.5-1.5B 1.0109 -> 1.0084 ms/step (tuned table), 0.5B
-        # 0.484 / 0.479 -> 0.475 / 0.480, 7B 3.592 -> 3.758 (slower, like the early epilogue
-        # there), hence the same size rule; results/h200/notes/s12/. LLMSERVE_GEMV_PRE_WAIT=0/1.
-        self.qkv_early = qkv_early_mode(self.pdl, cfg.hidden_size, self.early_epilogue)
+        # position -> cos/sin load is off the critical path; gemv_pre_wait's size rule (slower
+        # for 7B, like the early epilogue there).
+        self.qkv_early = qkv_early_mode(self.pdl, options.gemv_pre_wait, self.early_epilogue)
         # Which decode kernels let their successor launch before their own PDL wait (by
-        # default only the QKV kernel of models with hidden size <= 2048, see trigger_roles);
-        # pdl_trigger_first: all of them (LLMSERVE_PDL_TRIGGER_FIRST=1 with PDL, a cascade).
-        self.trigger_roles = trigger_roles(self.pdl, cfg.hidden_size)
-        self.pdl_trigger_first = all(self.trigger_roles.values())
-        # The final RMSNorm of the matrix-vector path is launched with PDL too (it reads its
-        # weight before the wait; the LM head may launch once it passed the wait): H200, 1.5B,
-        # its marginal time 1.53 -> 0.80 us a step, 0.9994 -> 0.9982 ms/step over 4 alternated
-        # rounds (results/h200/notes/s15/). LLMSERVE_PDL_FINAL_NORM=0 launches it plainly.
-        self.norm_pdl = env_switch("LLMSERVE_PDL_FINAL_NORM") is not False
+        # default only the QKV kernel of models with hidden size <= 2048, see trigger_roles).
+        self.trigger_roles = trigger_roles(self.pdl, options.pdl_trigger_qkv)
         # Matrix-vector path: the first layer's QKV and O kernels read the token embeddings
-        # straight from the table (gemv's x_rows / residual_rows), so the lookup is no kernel of
-        # its own; LLMSERVE_DECODE_EMBED_GATHER=0 keeps the lookup kernel (A/B runs).
-        gather = env_switch("LLMSERVE_DECODE_EMBED_GATHER")
-        self.embed_gather = (gather is not False and type(model.model.embed_tokens) is nn.Embedding
+        # straight from the table (gemv's x_rows / residual_rows), so the lookup is no kernel
+        # of its own.
+        self.embed_gather = (type(model.model.embed_tokens) is nn.Embedding
                              and model.model.embed_tokens.weight.stride(-1) == 1)
 
     def __call__(self, input_ids: torch.Tensor, positions: torch.Tensor,
@@ -436,7 +396,7 @@ class FastQwen2Forward:
                               x_rows=input_ids if gather else None)         # [N, Hq, D]
             if direct_decode:
                 o = paged_attention_decode(q, k_cache, v_cache, meta, self.scale, pdl=pdl,
-                                           pdl_trigger_first=tf["attn"])
+                                           pdl_trigger_first=tf["attn"], **self.decode_options)
             else:
                 o = backend.forward(q, k_cache, v_cache, meta, self.scale)  # [N, Hq, D]
             w_o, b_o, s_o = _proj(layer.self_attn.o_proj)
@@ -451,5 +411,5 @@ class FastQwen2Forward:
             w_d, b_d, s_d = _proj(layer.mlp.down_proj)
             gemv(act, w_d, scale=s_d, bias=b_d, residual=r, out=r, pdl=pdl,
                  early_epilogue=early, pdl_trigger_first=tf["down"])        # r += act @ Wd.T
-        h, _ = add_rmsnorm(r, model.model.norm.weight, self.eps, pdl=pdl and self.norm_pdl)  # [N, H]
+        h, _ = add_rmsnorm(r, model.model.norm.weight, self.eps, pdl=pdl)  # [N, H]
         return h

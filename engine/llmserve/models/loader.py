@@ -35,8 +35,8 @@ _HUB_ID = re.compile(r"^[A-Za-z0-9][\w.\-]*(/[A-Za-z0-9][\w.\-]*)?$")
 
 def _hf_offline() -> bool:
     """True when ``HF_HUB_OFFLINE`` is set truthy (read at call time, not import time)."""
-    v = os.environ.get("HF_HUB_OFFLINE", "")
-    if v.strip().lower() in ("1", "true", "yes", "on"):
+    from ..envs import hf_hub_offline
+    if hf_hub_offline():
         return True
     try:
         from huggingface_hub import constants

@@ -28,7 +28,7 @@ paged path vs the reference path (different summation order) differ by at most 4
 argmax never equals the input token and greedy continuations are varied. Softmax at
 temperature 1 is peaked but not one-hot (median top-2/top-1 probability ratio ~ 0.2).
 
-The checkpoint is written once into ``$LLMSERVE_CACHE`` (default ``~/.cache/llmserve``) under a
+The checkpoint is written once into ``$LLMSERVE_CACHE`` (:mod:`llmserve.envs`; default ``~/.cache/llmserve``) under a
 name hashing the config, seed and init version, and then loaded through the normal loader.
 """
 
@@ -106,8 +106,8 @@ def tiny_state_dict(config: ModelConfig = TINY_CONFIG, seed: int = TINY_SEED) ->
 
 
 def _cache_root() -> Path:
-    env = os.environ.get("LLMSERVE_CACHE")
-    return Path(env).expanduser() if env else Path.home() / ".cache" / "llmserve"
+    from ..envs import cache_root
+    return cache_root()
 
 
 def tiny_checkpoint_name(config: ModelConfig = TINY_CONFIG, seed: int = TINY_SEED) -> str:

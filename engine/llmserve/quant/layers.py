@@ -3,7 +3,6 @@ and ``TritonInt8Linear`` (the fused Triton INT8 kernel, int8 tiles dequantized i
 """
 
 from __future__ import annotations
-import os
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -16,6 +15,7 @@ from .schemes import (
     quantize_int4,
     quantize_int8,
 )
+from ..envs import triton_interpret
 from ..kernels.int8_layout import pack_int8_fragments, pack_int8_planes, unpack_int8_planes
 
 
@@ -77,7 +77,7 @@ class TritonInt8Linear(Int8Linear):
     ``[out_features, in_features / 4]`` (see :attr:`planes`), while ``state_dict`` and
     ``load_state_dict`` keep the row-major int8 checkpoint format). The fused forward may also
     give it :attr:`fragments`, a view of its rows in an MMA-fragment copy of the weight
-    (``LLMSERVE_INT8_FRAGMENTS=1``); ``load_state_dict`` repacks that copy in place too.
+    (``FastPathConfig.int8_fragments``); ``load_state_dict`` repacks that copy in place too.
 
     ``forward`` flattens ``x [..., K]`` to ``[M, K]`` and calls
     ``llmserve.kernels.int8_linear.int8_linear(x, weight, weight_scale, bias)``, which
@@ -142,7 +142,7 @@ class TritonInt8Linear(Int8Linear):
             self.fragments.copy_(pack_int8_fragments(self.weight.detach()))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if not x.is_cuda and os.environ.get("TRITON_INTERPRET") != "1":
+        if not x.is_cuda and not triton_interpret():
             raise RuntimeError(
                 "the triton-int8 linear backend needs a CUDA device (got an input on "
                 f"{x.device}); set TRITON_INTERPRET=1 before starting Python to run the kernel "

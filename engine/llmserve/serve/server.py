@@ -54,6 +54,10 @@ def add_serve_subparser(subparsers: Any) -> argparse.ArgumentParser:
                    default="torch", choices=["torch", "triton"], help="paged attention implementation")
     p.add_argument("--linear-backend", default="torch", choices=["torch", "int8", "int4", "triton-int8"],
                    help="projection implementation (int8/int4: weight-only quantized)")
+    p.add_argument("--cuda-graph", action=argparse.BooleanOptionalAction, default=True,
+                   help="replay decode steps from CUDA graphs (CUDA, Triton attention backend; default on)")
+    from ..config import add_fast_path_args
+    add_fast_path_args(p)
     p.add_argument("--async-scheduling", action=argparse.BooleanOptionalAction, default=None,
                    help="launch step n+1 before reading step n's tokens (default: on for CUDA)")
     p.add_argument("--speculative-model", default=None, metavar="PATH|tiny",
@@ -88,15 +92,6 @@ def add_serve_subparser(subparsers: Any) -> argparse.ArgumentParser:
     return p
 
 
-def _api_key_from_env() -> str | None:
-    """The API key from the environment variable ``LLMSERVE_API_KEY`` (None when unset or empty).
-
-    The one place in ``serve`` that reads ``os.environ``."""
-    import os
-
-    return os.environ.get("LLMSERVE_API_KEY") or None
-
-
 def resolve_api_key(args: argparse.Namespace) -> str | None:
     """The API key from ``--api-key``, ``--api-key-file`` or ``LLMSERVE_API_KEY`` (first found).
 
@@ -118,7 +113,9 @@ def resolve_api_key(args: argparse.Namespace) -> str | None:
     elif key is not None and not key.strip():
         raise ValueError("--api-key must not be empty")
     if key is None:
-        key = _api_key_from_env()
+        from ..envs import api_key as _env_api_key
+
+        key = _env_api_key()
     if key is None and getattr(args, "api_key_protect_metrics", False):
         raise ValueError("--api-key-protect-metrics needs an API key (--api-key, --api-key-file or LLMSERVE_API_KEY)")
     return key.strip() if key else None
@@ -133,7 +130,7 @@ def _model_name(args: argparse.Namespace) -> str:
 
 def build_engine_config(args: argparse.Namespace):
     """EngineConfig from ``serve`` flags (ValueError names a bad field)."""
-    from ..config import CacheConfig, EngineConfig, SchedulerConfig
+    from ..config import CacheConfig, EngineConfig, SchedulerConfig, fast_path_from_args
 
     dtype = args.dtype or ("float32" if args.device == "cpu" else "bfloat16")
     return EngineConfig(
@@ -144,7 +141,8 @@ def build_engine_config(args: argparse.Namespace):
                                   max_num_batched_tokens=args.max_num_batched_tokens,
                                   prefill_chunk_size=args.prefill_chunk_size, max_model_len=args.max_model_len),
         attention_backend=args.paged_attention_backend, linear_backend=args.linear_backend,
-        async_scheduling=getattr(args, "async_scheduling", None))
+        use_cuda_graph=getattr(args, "cuda_graph", True),
+        async_scheduling=getattr(args, "async_scheduling", None), fast_path=fast_path_from_args(args))
 
 
 def build_app(args: argparse.Namespace):

@@ -16,14 +16,13 @@ whose longest context fits replay instead. The decode attention kernel sizes its
 from ``max_context_len``; at batch 1 a grid sized for 2,048 tokens has 32 splits (64-token
 tiles, head_dim <= 128), more than the kernel merges itself, so that graph also holds a
 reduction kernel a layer, which a 512-token graph (at most 8 splits, merged in the decode
-kernel) does not. ``LLMSERVE_GRAPH_SHORT_CONTEXT=0`` captures only the full-length graphs.
+kernel) does not. ``short_context=0`` (``FastPathConfig.graph_short_context``) captures only
+the full-length graphs.
 Correctness never depends on the choice: every sequence's tiles come from its own context
 length; ``max_context_len`` only sets the split count and the partial buffers.
 """
 
 from __future__ import annotations
-
-import os
 
 import numpy as np
 import torch
@@ -34,24 +33,6 @@ from ..attention.metadata import AttentionMetadata
 SHORT_CONTEXT = 512     # tokens: 8 tiles of 64 (head_dim <= 128), or 2 of 256 for <= 4 (sequence,
                         # KV head) pairs, merged in the decode kernel
 SHORT_MAX_BATCH = 16    # short-context graphs for batch buckets up to this size
-
-
-def short_context_default() -> int:
-    """The short-context graph length: ``LLMSERVE_GRAPH_SHORT_CONTEXT`` (tokens; ``0`` disables
-    the short-context graphs) or :data:`SHORT_CONTEXT`.
-
-    Raises:
-        ValueError: a value that is not a non-negative integer."""
-    env = os.environ.get("LLMSERVE_GRAPH_SHORT_CONTEXT", "").strip()
-    if not env:
-        return SHORT_CONTEXT
-    try:
-        val = int(env)
-    except ValueError:
-        val = -1
-    if val < 0:
-        raise ValueError(f"LLMSERVE_GRAPH_SHORT_CONTEXT must be a non-negative integer, got {env!r}")
-    return val
 
 
 def default_buckets(max_batch: int) -> list[int]:
@@ -76,18 +57,23 @@ class CUDAGraphDecodeRunner:
             the full-length graphs.
         device: a CUDA device.
         short_context: context length of the second, short-context graph captured for batch
-            buckets up to :data:`SHORT_MAX_BATCH` (default :func:`short_context_default`;
+            buckets up to :data:`SHORT_MAX_BATCH`, tokens (default :data:`SHORT_CONTEXT`;
             ``0`` or ``>= max_model_len``: none).
         greedy: optional ``(logits [N, V], out=[2, N] int64, out_row=[1] int64)`` writing the
             argmax of each row to ``out[out_row[0]]`` (e.g.
             :meth:`~llmserve.models.fused_forward.FastQwen2Forward.greedy`), captured after the
             logits so the step's greedy tokens come out of the graph (:attr:`last_argmax`);
             replays alternate between the two rows.
+
+    Raises:
+        ValueError: ``short_context`` is not an integer >= 0.
     """
 
     def __init__(self, forward, compute_logits, kv_caches, block_size: int, max_batch: int,
-                 max_model_len: int, device: torch.device, short_context: int | None = None,
+                 max_model_len: int, device: torch.device, short_context: int = SHORT_CONTEXT,
                  greedy=None) -> None:
+        if type(short_context) is not int or short_context < 0:
+            raise ValueError(f"short_context must be an integer >= 0 (tokens; 0: none), got {short_context!r}")
         self.forward = forward
         self.compute_logits = compute_logits
         self.greedy = greedy
@@ -138,8 +124,7 @@ class CUDAGraphDecodeRunner:
         self.ctx_lens = self._dev[o[3]:o[4]].view(torch.int32)[:b]                 # [b] int32
         self.block_tables = self._dev[o[4]:o[5]].view(torch.int32)[:b * nb].view(b, nb)
         self.query_start_loc = torch.arange(b + 1, dtype=torch.int32, device=device)
-        short = short_context_default() if short_context is None else short_context
-        self.short_context = short if 0 < short < max_model_len else 0
+        self.short_context = short_context if 0 < short_context < max_model_len else 0
         # keyed (bucket, short): short=False sized for max_model_len, True for short_context
         self.graphs: dict[tuple[int, bool], torch.cuda.CUDAGraph] = {}
         self.outputs: dict[tuple[int, bool], torch.Tensor] = {}              # static logits [b, V]

@@ -28,7 +28,6 @@ from typing import NamedTuple, Sequence
 
 import torch
 
-from ..config import env_switch
 from ..core.sampling_params import SamplingParams
 
 
@@ -187,10 +186,8 @@ class Sampler:
 
     def __init__(self, device: torch.device | str, seed: int = 0) -> None:
         self.device = torch.device(device)
-        # Copies of sampled ids to the host on a side stream (CUDA): LLMSERVE_D2H_SIDE_STREAM=0
-        # keeps them on the compute stream (A/B runs); read, and validated, here.
-        side = env_switch("LLMSERVE_D2H_SIDE_STREAM")
-        self.copy_stream = _copy_stream(self.device) if side is not False and self.device.type == "cuda" else None
+        # Copies of sampled ids to the host on a side stream (CUDA; see _copy_stream).
+        self.copy_stream = _copy_stream(self.device) if self.device.type == "cuda" else None
         self._engine_gen = torch.Generator(device=self.device)
         self._engine_gen.manual_seed(seed)
         self._generators: dict[str, torch.Generator] = {}
