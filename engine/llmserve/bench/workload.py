@@ -608,7 +608,7 @@ def build_workload(profile: Mapping[str, Any], *, seed: int | None = None,
 # ---------------------------------------------------------------------------------------------
 # Prefix-sharing workloads
 # ---------------------------------------------------------------------------------------------
-_USER_SENTINEL = "\u2063LLMSERVE_USER\u2063"
+_USER_SENTINEL = "\u2063USER_TURN\u2063"
 _conversation_cache: dict[str, list[tuple[str, list[tuple[str, str]]]]] = {}
 
 
