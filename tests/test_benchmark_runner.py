@@ -140,6 +140,8 @@ def test_fake_run_writes_valid_report_and_csv(tmp_path):
     assert len(data["token_digest"]) == 64 and len(data["workload"]["digest"]) == 64
     assert data["kv_cache"]["available"] and 0 < agg["kv_memory_reduction_vs_contiguous"] < 1
     assert data["gpu"]["available"] is False and "cpu" in data["gpu"]["reason"]
+    host = data["host"]                                  # collector passes of the measured phase
+    assert host["gc_collections"] >= 0 and host["gc_max_pause_ms"] <= host["gc_total_pause_ms"] + 1e-9
     assert data["versions"]["torch"] and data["hardware"]["cpu_count"]
     assert "hostname" not in json.dumps(data["hardware"]).lower()
     comp = data["component_profile"]

@@ -308,3 +308,25 @@ def test_warmup_on_cuda_with_graphs_leaves_no_trace():
     sp = SamplingParams(max_tokens=24, ignore_eos=True)
     after = [o.output_token_ids for o in eng.generate(prompts, sp)]
     assert after == [o.output_token_ids for o in LLMEngine(cfg).generate(prompts, sp)]
+
+
+def test_freeze_gc_moves_live_objects_to_the_permanent_generation():
+    """``EngineConfig.freeze_gc``: warm-up (a no-op on CPU apart from this) freezes what is alive,
+    so later collector passes skip the model and buffers; off leaves the collector alone."""
+    import gc
+
+    from llmserve.config import EngineConfig
+    from llmserve.engine import LLMEngine
+
+    gc.unfreeze()
+    try:
+        eng = LLMEngine(EngineConfig(freeze_gc=False))
+        eng.warmup()
+        assert gc.get_freeze_count() == 0
+        eng = LLMEngine(EngineConfig())
+        eng.warmup()
+        assert gc.get_freeze_count() > 0
+    finally:
+        gc.unfreeze()
+    with pytest.raises(ValueError, match="freeze_gc"):
+        EngineConfig(freeze_gc=1)

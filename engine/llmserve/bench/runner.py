@@ -593,6 +593,39 @@ def _kv_section(engine: Any, state: _RunState, opts: BenchmarkOptions, max_model
     return base
 
 
+class _GCPauses:
+    """Python garbage-collector passes during the measured phase (``gc.callbacks``): how many,
+    the longest and the total, in ms. Each pass stops the step loop, so its longest pause is
+    the longest host pause the collector adds to an inter-token latency."""
+
+    def __init__(self) -> None:
+        self.count, self.max_ms, self.total_ms, self._t0 = 0, 0.0, 0.0, None
+
+    def _cb(self, phase: str, info: dict) -> None:
+        if phase == "start":
+            self._t0 = time.perf_counter()
+        elif self._t0 is not None:
+            dt = (time.perf_counter() - self._t0) * 1e3
+            self.count += 1
+            self.max_ms = max(self.max_ms, dt)
+            self.total_ms += dt
+            self._t0 = None
+
+    def start(self) -> "_GCPauses":
+        import gc
+
+        gc.callbacks.append(self._cb)
+        return self
+
+    def stop(self) -> dict:
+        import gc
+
+        if self._cb in gc.callbacks:
+            gc.callbacks.remove(self._cb)
+        return {"gc_collections": self.count, "gc_max_pause_ms": round(self.max_ms, 3),
+                "gc_total_pause_ms": round(self.total_ms, 3)}
+
+
 def run_benchmark(opts: BenchmarkOptions, engine_factory: Callable[[Any, bool], Any] | None = None
                   ) -> tuple[dict[str, Any], Path, Path]:
     """Run one benchmark and write its JSON report and CSV row (also on failure).
@@ -665,11 +698,15 @@ def run_benchmark(opts: BenchmarkOptions, engine_factory: Callable[[Any, bool], 
         report["warmup"] = {"num_requests": n_warm, "wall_time_s": time.perf_counter() - t_start,
                             "kernel_warmup": kernel_warmup, "triton_compiles_measured": None,
                             "triton_kernels_compiled_measured": None}
+        freeze_gc = getattr(engine, "freeze_gc", None)
+        if callable(freeze_gc):
+            freeze_gc()  # the warm-up's survivors out of the collector's way (EngineConfig.freeze_gc)
         reset_stats = getattr(engine, "reset_stats", None)
         if callable(reset_stats):
             reset_stats()  # engine counters (KV high-water, speculative, ...) of the measured phase only
 
         block_size = int(getattr(engine, "block_size", None) or opts.block_size)
+        gc_pauses = _GCPauses().start()
         monitor = GPUMonitor(opts.device).start()
         progress = None
         if opts.progress and sys.stderr.isatty():
@@ -688,6 +725,7 @@ def run_benchmark(opts: BenchmarkOptions, engine_factory: Callable[[Any, bool], 
                 progress.close()
             report["gpu"] = monitor.stop()
             monitor = None
+            report["host"] = gc_pauses.stop()
         cache1 = triton_cache_entries()
         if cache0 is not None and cache1 is not None:
             # kernels compiled inside the measured phase (each one a stall of every running request)

@@ -301,6 +301,7 @@ class LLMEngine(_EngineBase):
                 step raises propagates after the warm-up's requests are aborted.
         """
         if self.device.type != "cuda" and not force:
+            self.freeze_gc()
             return {"skipped": f"device {self.device.type} (no kernels to compile)", "seconds": 0.0,
                     "triton_compiles": 0, "requests": 0}
         if self.has_unfinished_requests():
@@ -364,9 +365,21 @@ class LLMEngine(_EngineBase):
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
         self.reset_stats()
+        self.freeze_gc()
         c1 = triton_cache_entries()
         return {"seconds": time.perf_counter() - t0, "requests": count,
                 "triton_compiles": None if c0 is None or c1 is None else len(c1 - c0)}
+
+    def freeze_gc(self) -> None:
+        """Collect once and freeze every live object (``gc.freeze()``), when
+        ``config.freeze_gc``: the collector's later passes skip the long-lived model, tokenizer
+        and buffers, so no step waits on a full pass over them (Python's ``gc`` documentation
+        recommends freezing after start-up for the same reason)."""
+        if self.config.freeze_gc:
+            import gc
+
+            gc.collect()
+            gc.freeze()
 
     def reset_stats(self) -> None:
         """Zero every counter :meth:`stats` reports (steps, phase seconds, KV high-water marks,
