@@ -112,7 +112,7 @@ def test_mixed_step_work_is_the_sum_of_its_sequences(monkeypatch):
     is attended at its own size, so one long prompt does not inflate its neighbours' work."""
     import llmserve.attention.torch_backend as tb
 
-    seqs = [(9, 1), (17, 1), (3, 3), (300, 300), (33, 4)]
+    seqs = [(9, 1), (17, 1), (3, 3), (300, 300), (33, 4), (2000, 1), (1500, 1)]
     q, nk, nv, kc, vc, meta, dense = build_case(seqs, 16, 4, 2, 16, seed=5)
     write_kv_torch(nk, nv, kc, vc, meta.slot_mapping)
     calls = []
@@ -125,7 +125,7 @@ def test_mixed_step_work_is_the_sum_of_its_sequences(monkeypatch):
     monkeypatch.setattr(tb, "_attend_group", spy)
     out = tb.paged_attention_torch(q, kc, vc, meta, 0.25)
     # work (query rows x context positions) summed over groups: no max x max padding
-    assert sorted(calls) == sorted([(2, 1, 17), (1, 3, 3), (1, 300, 300), (1, 4, 33)])
+    assert sorted(calls) == sorted([(1, 1, 9), (1, 1, 17), (2, 1, 2000), (1, 3, 3), (1, 300, 300), (1, 4, 33)])
     start = 0
     for (ctx, ql), (k, v) in zip(seqs, dense):
         torch.testing.assert_close(out[start:start + ql].double(), dense_reference(q[start:start + ql], k, v, 0.25),

@@ -159,3 +159,20 @@ def test_serve_process_access_log_and_api_key_never_logged(tmp_path):
     assert '"POST /v1/completions HTTP/1.1" 401' in text and '"POST /v1/completions HTTP/1.1" 200' in text, \
         text[-3000:]
     assert key not in text
+
+
+def test_serve_defaults_to_chunked_prefill_with_a_step_budget():
+    """`llmserve serve` chunks prompts by default (vLLM V1's behaviour): on a CPU 64-token chunks
+    in a budget of one chunk plus one token per sequence; 512 / 2048 on CUDA; 0 turns it off."""
+    from llmserve.cli import build_parser
+    from llmserve.serve.server import build_engine_config, serving_token_budget
+
+    cfg = build_engine_config(build_parser().parse_args(["serve"]))
+    assert cfg.scheduler.prefill_chunk_size == 64
+    assert cfg.scheduler.max_num_batched_tokens == 64 + cfg.scheduler.max_num_seqs
+    assert serving_token_budget("cuda", None, None, 256) == (512, 2048)
+    off = build_engine_config(build_parser().parse_args(["serve", "--prefill-chunk-size", "0"]))
+    assert off.scheduler.prefill_chunk_size is None and off.scheduler.max_num_batched_tokens == 4096
+    mine = build_engine_config(build_parser().parse_args(["serve", "--prefill-chunk-size", "256",
+                                                          "--max-num-batched-tokens", "300"]))
+    assert (mine.scheduler.prefill_chunk_size, mine.scheduler.max_num_batched_tokens) == (256, 300)

@@ -8,9 +8,10 @@ calculation for softmax"; the same merge FlashAttention and flash-decoding's spl
 use). Every block of a group is processed in one batched tensor op: there is no Python loop
 over tokens or blocks. Arithmetic is fp32 whatever the cache dtype.
 
-Varlen, so a step costs the sum of its sequences' work: the decode rows (query length 1) form
-one batched group padded only to the longest *decode* context, and every prefill chunk is
-attended on its own, sized to its own query length and context. No row is padded to another
+Varlen, so a step costs about the sum of its sequences' work: the decode rows (query length 1)
+form batched groups of similar context (powers of two), each padded only to its own longest
+context, and every prefill chunk is attended on its own, sized to its own query length and
+context. No row is padded to another
 sequence's prompt (co-batching short prompts with one long prompt would otherwise make the step
 cost ``max query x max context`` for every sequence).
 """
@@ -110,12 +111,17 @@ def paged_attention_torch(query: torch.Tensor, k_cache: torch.Tensor, v_cache: t
     # Host copies of the lengths (one sync; this is the reference path) to size each group.
     q_lens_h = q_lens.tolist()
     ctx_h = meta.context_lens.tolist()
-    decode = [i for i, n in enumerate(q_lens_h) if n == 1]
-    if decode:
-        sel = torch.tensor(decode, device=query.device)
+    # Decode rows grouped by context length in powers of two, each group padded to its own
+    # longest context: a decode at 2,000 tokens does not pad four decodes at 70 to 2,000.
+    buckets: dict[int, list[int]] = {}
+    for i, n in enumerate(q_lens_h):
+        if n == 1:
+            buckets.setdefault(max(ctx_h[i] - 1, 0).bit_length(), []).append(i)
+    for rows_i in buckets.values():
+        sel = torch.tensor(rows_i, device=query.device)
         o, rows = _attend_group(query, k_cache, v_cache, meta.block_tables[sel], q_start[sel],
                                 q_lens[sel], meta.context_lens[sel], 1,
-                                max(ctx_h[i] for i in decode), scale)
+                                max(ctx_h[i] for i in rows_i), scale)
         out[rows] = o
     for i, n in enumerate(q_lens_h):
         if n > 1:

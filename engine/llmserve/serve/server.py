@@ -38,9 +38,12 @@ def add_serve_subparser(subparsers: Any) -> argparse.ArgumentParser:
     p.add_argument("--port", type=int, default=8000, help="TCP port")
     p.add_argument("--max-num-seqs", "--max-batch-size", dest="max_batch_size", type=int, default=8, metavar="N",
                    help="most sequences per engine step")
-    p.add_argument("--max-num-batched-tokens", type=int, default=4096, help="token budget of one step")
+    p.add_argument("--max-num-batched-tokens", type=int, default=None,
+                   help="token budget of one step (default: 2048 on CUDA; on a CPU one prefill chunk "
+                        "plus one token per sequence, so a long prompt never stalls running decodes)")
     p.add_argument("--prefill-chunk-size", "--prefill-chunk", dest="prefill_chunk_size", type=int, default=None,
-                   help="chunked prefill (tokens); default off")
+                   help="most prompt tokens of one sequence in a step (default: 512 on CUDA, 64 on a CPU; "
+                        "0 turns chunked prefill off)")
     p.add_argument("--max-model-len", type=int, default=4096, help="context length cap (tokens)")
     p.add_argument("--policy", default="fcfs", choices=["fcfs", "sjf", "priority"], help="waiting-queue order")
     p.add_argument("--block-size", type=int, default=16, help="tokens per KV block")
@@ -128,18 +131,42 @@ def _model_name(args: argparse.Namespace) -> str:
     return tag or flag or "tiny"
 
 
+def serving_token_budget(device: str, chunk: int | None, budget: int | None,
+                         max_num_seqs: int) -> tuple[int | None, int]:
+    """The server's chunked-prefill defaults: ``(prefill_chunk_size, max_num_batched_tokens)``.
+
+    Chunked prefill is on by default, as in vLLM V1, and running sequences (decodes first) are
+    scheduled before new prompts, so a long prompt arriving costs each running decode at most one
+    chunk of work per step (Sarathi-Serve, Agrawal et al., OSDI 2024). Defaults: on CUDA chunks of
+    512 tokens in a 2,048-token step (vLLM's budget for online serving); on a CPU, where a step's
+    time grows with its tokens, chunks of 64 and a budget of one chunk plus one token per
+    sequence. ``chunk=0`` turns chunking off (a prompt is prefilled whole, so the budget then
+    defaults to 4,096 tokens). Explicit values win.
+    """
+    on_cpu = str(device) == "cpu"
+    if chunk is None:
+        chunk = 64 if on_cpu else 512
+    if chunk == 0:
+        return None, budget if budget is not None else 4096
+    if budget is None:
+        budget = chunk + max_num_seqs if on_cpu else max(2048, chunk)
+    return chunk, budget
+
+
 def build_engine_config(args: argparse.Namespace):
     """EngineConfig from ``serve`` flags (ValueError names a bad field)."""
     from ..config import CacheConfig, EngineConfig, SchedulerConfig, fast_path_from_args
 
     dtype = args.dtype or ("float32" if args.device == "cpu" else "bfloat16")
+    chunk, budget = serving_token_budget(args.device, args.prefill_chunk_size, args.max_num_batched_tokens,
+                                         args.max_batch_size)
     return EngineConfig(
         model=_model_name(args), device=args.device, dtype=dtype, seed=args.seed,
         cache=CacheConfig(block_size=args.block_size, num_blocks=args.num_blocks,
                           enable_prefix_caching=getattr(args, "enable_prefix_caching", True)),
         scheduler=SchedulerConfig(mode="continuous", policy=args.policy, max_num_seqs=args.max_batch_size,
-                                  max_num_batched_tokens=args.max_num_batched_tokens,
-                                  prefill_chunk_size=args.prefill_chunk_size, max_model_len=args.max_model_len),
+                                  max_num_batched_tokens=budget,
+                                  prefill_chunk_size=chunk, max_model_len=args.max_model_len),
         attention_backend=args.paged_attention_backend, linear_backend=args.linear_backend,
         use_cuda_graph=getattr(args, "cuda_graph", True),
         async_scheduling=getattr(args, "async_scheduling", None), fast_path=fast_path_from_args(args))
