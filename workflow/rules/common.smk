@@ -276,3 +276,36 @@ def _table(name, caption):
 def _plot(name, caption):
     return report(f"{PLOTS}/{name}.png", caption=f"{REPORT}/{caption}", category="Plots",
                   labels={"profile": PROFILE, "plot": name})
+
+
+# ---- the prefix-caching sweep (workflow/rules/prefix.smk) ----
+import yaml as _prefix_yaml
+
+_PREFIX_ALL = _prefix_yaml.safe_load(open("config/prefix.yaml"))
+_PREFIX_PROFILE = config.get("profile", "cpu")
+PREFIX_CFG = _PREFIX_ALL.get(_PREFIX_PROFILE)
+PREFIX_OUT = f"results/prefix/{_PREFIX_PROFILE}"
+PREFIX_CELLS = ([f"{w}_{c}_r{r:g}" for w in PREFIX_CFG["workloads"] for c in PREFIX_CFG["caching"]
+                 for r in PREFIX_CFG["arrival_rates"]] if PREFIX_CFG else [])
+PREFIX_TABLES = [f"{PREFIX_OUT}/table.csv", f"{PREFIX_OUT}/table.md",
+                 f"{PREFIX_OUT}/plots/ttft_cdf.png", f"{PREFIX_OUT}/plots/hit_rate.png"]
+PREFIX_CHECKSUMS = f"checksums/prefix-{_PREFIX_PROFILE}.sha256"
+#: Everything the sweep tracks (empty for a profile without a prefix entry).
+PREFIX_FILES = ([f"{PREFIX_OUT}/load_profile.yaml", *PREFIX_TABLES, PREFIX_CHECKSUMS]
+                + [f"{PREFIX_OUT}/raw/{c}.{ext}" for c in PREFIX_CELLS for ext in ("json", "csv")]
+                ) if PREFIX_CFG else []
+
+
+def _prefix_cell_flags(wildcards):
+    w, c, r = wildcards.workload, wildcards.caching, wildcards.rate
+    p = PREFIX_CFG
+    return (f"--model {p['model']} --device {p['device']} --dtype {p['dtype']}"
+            f" --block-size {p['block_size']} --requests {p['requests']}"
+            f" --warmup-requests {p['warmup_requests']} --seed {p['seed']} --timeout {p['timeout_s']}"
+            f" --workload {w} --arrival-rate {r}"
+            f" {'--enable-prefix-caching' if c == 'on' else '--no-prefix-caching'} --no-progress"
+            f" --attention-backend {p.get('attention_backend', 'torch')}"
+            + "".join(f" --{k.replace('_', '-')} {p[k]}" for k in ("max_num_seqs", "max_num_batched_tokens",
+                                                                    "prefill_chunk_size") if k in p))
+
+
