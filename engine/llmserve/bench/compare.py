@@ -9,7 +9,7 @@ a. batch-1 decode ms/step for each model against the floor (unique weight bytes 
 b. the offline workload (N requests, input and output lengths uniform in [lo, hi], EOS
    ignored): output tok/s of llmserve continuous batching, HF ``generate_batch`` (its
    continuous batching) and HF static ``generate``; the HF runs may use a subset of the
-   requests (``--hf-requests``) to fit a device-time budget, which the report states;
+   requests (``--hf-requests``) to keep the run short, which the report states;
 c. open-loop ShareGPT-profile runs at several arrival rates: p50/p95 TTFT and TPOT
    (through ``llmserve benchmark``'s runner).
 
