@@ -99,7 +99,8 @@ class CompletionRequest(_SamplingFields):
                   Annotated[list[NonEmptyText], Field(min_length=1)],
                   TokenIds,
                   Annotated[list[TokenIds], Field(min_length=1)]]
-    max_tokens: Optional[Annotated[int, Field(ge=1)]] = 16
+    max_tokens: Optional[Annotated[int, Field(ge=0)]] = Field(
+        default=16, description="0 (with echo) scores the prompt only")
     logprobs: Optional[Annotated[int, Field(ge=0, le=MAX_LOGPROBS)]] = None
     echo: Optional[bool] = False
     suffix: Optional[str] = None
@@ -148,6 +149,24 @@ class ChatCompletionRequest(_SamplingFields):
         if not any(m.text() for m in v):
             raise ValueError("messages must contain some text")
         return v
+
+
+class TokenizeRequest(_Strict):
+    """``POST /tokenize`` (vLLM): ``prompt`` text, or chat ``messages`` rendered by the template."""
+
+    model: Optional[Text] = None
+    prompt: Optional[Text] = None
+    messages: Optional[Annotated[list[ChatMessage], Field(min_length=1)]] = None
+    add_special_tokens: Optional[bool] = None
+    add_generation_prompt: Optional[bool] = True
+    return_token_strs: Optional[bool] = False
+
+
+class DetokenizeRequest(_Strict):
+    """``POST /detokenize`` (vLLM): token ids -> ``{"prompt": text}``."""
+
+    model: Optional[Text] = None
+    tokens: list[Annotated[int, Field(ge=0)]]
 
 
 class ErrorInfo(BaseModel):
