@@ -229,6 +229,7 @@ def create_app(engine: Any, *, tokenizer: Any = None, served_model_name: str = "
 
         if body.stream:
             include_usage = bool(body.stream_options and body.stream_options.include_usage)
+            continuous = include_usage and bool(body.stream_options.continuous_usage_stats)
 
             async def stream() -> AsyncIterator[str]:
                 extra = {"usage": None} if include_usage else {}
@@ -247,6 +248,8 @@ def create_app(engine: Any, *, tokenizer: Any = None, served_model_name: str = "
                     lp = None
                     if want_lp:
                         lp = _completion_logprobs(service.tokenizer, records, len(echo_texts[ev.index // n]))
+                    if continuous:
+                        extra = {"usage": _usage(prompt_tokens, completion_tokens())}
                     yield _sse({"id": rid, "object": "text_completion", "created": created, "model": model,
                                 "choices": [{"index": ev.index, "text": ev.text, "logprobs": lp,
                                              "finish_reason": ev.finish_reason}], **extra})
@@ -307,6 +310,7 @@ def create_app(engine: Any, *, tokenizer: Any = None, served_model_name: str = "
 
         if body.stream:
             include_usage = bool(body.stream_options and body.stream_options.include_usage)
+            continuous = include_usage and bool(body.stream_options.continuous_usage_stats)
 
             async def stream() -> AsyncIterator[str]:
                 extra = {"usage": None} if include_usage else {}
@@ -318,6 +322,8 @@ def create_app(engine: Any, *, tokenizer: Any = None, served_model_name: str = "
                 async for ev, records in _stream_events(gen, choices):
                     lp = _chat_logprobs(service.tokenizer, records) if lp_k is not None else None
                     delta = {"content": ev.text} if ev.text else {}
+                    if continuous:
+                        extra = {"usage": _usage(prompt_tokens, sum(c.num_output_tokens for c in choices))}
                     yield _sse({**head, "choices": [{"index": ev.index, "delta": delta, "logprobs": lp,
                                                      "finish_reason": ev.finish_reason}], **extra})
                 if include_usage:
