@@ -246,7 +246,11 @@ def test_echo_and_logprobs_shapes(h):
     content = r.json()["choices"][0]["logprobs"]["content"]
     assert [c["token"] for c in content] == ["Hello", " world"]
     assert content[1]["bytes"] == list(b" world") and len(content[1]["top_logprobs"]) == 2
-    assert_error(h.client.post("/v1/completions", json={"prompt": "x", "echo": True, "logprobs": 1}), 400, "echo")
+    # echo with logprobs: the prompt's entries come first (the first token's logprob is null)
+    r = h.client.post("/v1/completions", json={"prompt": "x", "max_tokens": 3, "echo": True, "logprobs": 1})
+    lp = r.json()["choices"][0]["logprobs"]
+    assert r.status_code == 200 and lp["tokens"] == ["x", "Hello", " world", ","]
+    assert lp["token_logprobs"] == [None, -0.5, -0.5, -0.5] and lp["text_offset"] == [0, 1, 6, 12]
 
 
 def test_n_and_prompt_lists_count_usage(h):

@@ -388,6 +388,8 @@ class BlockManager:
         if not self.enable_prefix_caching or seq.block_ids:
             return []
         limit = (seq.num_tokens - 1) // self.block_size
+        if seq.needs_prompt_logprobs:     # unscored prompt positions must be computed
+            limit = min(limit, len(seq.prompt_logprobs) // self.block_size)
         hit: list[int] = []
         for h in self.block_hashes(seq)[:limit]:
             block_id = self.allocator.lookup(h)

@@ -23,6 +23,10 @@ class SamplingParams:
         ignore_eos: keep generating past EOS (benchmarks with fixed output lengths).
         logprobs: return the log-probability of each sampled token and this many top alternatives
             (``None``: none).
+        prompt_logprobs: return the log-probability of every prompt token after the first
+            (given the tokens before it) and this many top alternatives at each position
+            (``None``: none; as vLLM's ``SamplingParams.prompt_logprobs``). Costs the LM head
+            over every prompt position of the request.
         num_speculative_tokens: draft tokens proposed per step for this request by a
             :class:`~llmserve.engine.speculative.SpeculativeEngine` (``None``: the engine's default,
             0: no speculation); ignored by the other engines.
@@ -50,6 +54,7 @@ class SamplingParams:
     stop: list[str] = field(default_factory=list)
     ignore_eos: bool = False
     logprobs: int | None = None
+    prompt_logprobs: int | None = None
     num_speculative_tokens: int | None = None
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
@@ -69,6 +74,10 @@ class SamplingParams:
             raise ValueError(f"seed must be an integer or None, got {self.seed!r}")
         if self.logprobs is not None and (not isinstance(self.logprobs, int) or not 0 <= self.logprobs <= 20):
             raise ValueError(f"logprobs must be an integer in [0, 20] or None, got {self.logprobs!r}")
+        if self.prompt_logprobs is not None and (
+                isinstance(self.prompt_logprobs, bool) or not isinstance(self.prompt_logprobs, int)
+                or not 0 <= self.prompt_logprobs <= 20):
+            raise ValueError(f"prompt_logprobs must be an integer in [0, 20] or None, got {self.prompt_logprobs!r}")
         if self.num_speculative_tokens is not None and (
                 isinstance(self.num_speculative_tokens, bool) or not isinstance(self.num_speculative_tokens, int)
                 or self.num_speculative_tokens < 0):

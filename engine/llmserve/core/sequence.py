@@ -65,7 +65,7 @@ class Sequence:
     __slots__ = ("request_id", "prompt_token_ids", "output_token_ids", "sampling_params",
                  "priority", "eos_token_ids", "num_computed_tokens", "block_ids", "status",
                  "metrics", "output_logprobs", "stop_reason", "_arrival_index", "num_pending",
-                 "block_hashes", "num_committed_blocks")
+                 "block_hashes", "num_committed_blocks", "prompt_logprobs")
 
     def __init__(self, request_id: str, prompt_token_ids: list[int], sampling_params: SamplingParams,
                  arrival_time: float | None = None, priority: int = 0,
@@ -95,6 +95,11 @@ class Sequence:
         # blocks of block_ids were already offered to the cache.
         self.block_hashes: list[bytes] = []
         self.num_committed_blocks = 0
+        # Prompt logprobs (sampling_params.prompt_logprobs): entry p is the record of prompt
+        # token p + 1 ({"token_logprob", "top"}), scored by the logits row at position p. Rows
+        # are scored once: a recompute after preemption skips positions already recorded, and
+        # the prefix cache is not used past them (BlockManager.find_cached_prefix).
+        self.prompt_logprobs: list[dict] = []
 
     # ---- sizes -----------------------------------------------------------------------------
     @property
@@ -121,6 +126,24 @@ class Sequence:
         """The length stop rule for a sequence with ``num_outputs`` output tokens."""
         return (num_outputs >= self.sampling_params.max_tokens
                 or self.num_prompt_tokens + num_outputs >= max_model_len)
+
+    @property
+    def needs_prompt_logprobs(self) -> bool:
+        """Prompt logprobs were asked for and some prompt position is not scored yet."""
+        return (self.sampling_params.prompt_logprobs is not None
+                and len(self.prompt_logprobs) < len(self.prompt_token_ids) - 1)
+
+    def prompt_logprob_rows(self, start: int, end: int) -> tuple[int, int]:
+        """The positions ``[lo, hi)`` of a step computing positions ``[start, end)`` whose
+        logits score a prompt token not recorded yet (``lo == hi``: none). Position ``p``
+        scores prompt token ``p + 1``, so at most positions ``0 .. num_prompt_tokens - 2``."""
+        if self.sampling_params.prompt_logprobs is None:
+            return start, start
+        lo = max(start, len(self.prompt_logprobs))
+        hi = min(end, len(self.prompt_token_ids) - 1)
+        if lo > len(self.prompt_logprobs) or lo >= hi:   # a gap would misplace records
+            return start, start
+        return lo, hi
 
     @property
     def all_token_ids(self) -> list[int]:

@@ -43,6 +43,9 @@ class RequestOutput:
         metrics: the request's timing record (shared, live object).
         logprobs: per output token ``None`` or ``{"token_logprob", "top"}`` records.
         stop_reason: the stop token id that ended it, if any.
+        prompt_logprobs: with ``SamplingParams.prompt_logprobs``, one entry per prompt token:
+            ``None`` for the first, then ``{"token_logprob", "top"}`` records (vLLM's layout);
+            ``None`` when not asked for or not complete yet.
     """
 
     request_id: str
@@ -54,6 +57,7 @@ class RequestOutput:
     metrics: RequestMetrics
     logprobs: list[dict | None] = field(default_factory=list)
     stop_reason: int | str | None = None
+    prompt_logprobs: list[dict | None] | None = None
 
     @classmethod
     def from_seq(cls, seq: Sequence, new_token_ids: list[int]) -> "RequestOutput":
@@ -62,9 +66,12 @@ class RequestOutput:
         rest of the step's bookkeeping); a finished request's lists no longer change. Copy
         them to keep a snapshot of a running request."""
         finished = seq.status in _FINISHED
+        plp = None
+        if seq.sampling_params.prompt_logprobs is not None and not seq.needs_prompt_logprobs:
+            plp = [None, *seq.prompt_logprobs]
         return cls(seq.request_id, seq.prompt_token_ids, seq.output_token_ids, new_token_ids,
                    finished, seq.status.value if finished else None, seq.metrics,
-                   seq.output_logprobs, seq.stop_reason)
+                   seq.output_logprobs, seq.stop_reason, plp)
 
 
 def _check_interpreter(config: EngineConfig, device: torch.device) -> None:
@@ -95,6 +102,9 @@ def _apply_decode_options(model, fast_path: ResolvedFastPath) -> None:
 
 class _EngineBase:
     """Model/tokenizer loading and request validation shared by both engines."""
+
+    #: whether ``SamplingParams.prompt_logprobs`` is computed (else such requests are refused)
+    supports_prompt_logprobs = False
 
     def __init__(self, config: EngineConfig, *, load_model_fn=None) -> None:
         from ..models.loader import load_model
@@ -160,6 +170,9 @@ class _EngineBase:
         """
         ids = self.encode_prompt(prompt)
         sp = sampling_params or SamplingParams()
+        if sp.prompt_logprobs is not None and not self.supports_prompt_logprobs:
+            raise ValueError(f"prompt_logprobs is not supported by {type(self).__name__}; "
+                             "use the paged LLMEngine without speculative decoding")
         validate_request(len(ids), sp.max_tokens, self.request_limits(), request_id)
         return ids
 
@@ -210,6 +223,8 @@ class LLMEngine(_EngineBase):
         ValueError/FileNotFoundError: from model loading or config validation.
     """
 
+    supports_prompt_logprobs = True
+
     def __init__(self, config: EngineConfig, **kw) -> None:
         super().__init__(config, **kw)
         from ..core.block_manager import BlockManager
@@ -241,6 +256,10 @@ class LLMEngine(_EngineBase):
         # and "schedule" + "postprocess" are host work the device waits for at batch sizes
         # where a step's kernels finish first.
         self.step_seconds = {"schedule": 0.0, "execute": 0.0, "sample": 0.0, "postprocess": 0.0}
+        # Prompt logprobs: logits rows computed for them (beyond the sampled rows) and the wall
+        # seconds of their log-softmax, top-k and host read (part of "execute"), summed over steps.
+        self.num_prompt_logprob_rows = 0
+        self.prompt_logprob_seconds = 0.0
         # Asynchronous scheduling: launch step n+1 before reading step n's tokens (default on
         # CUDA, where the device runs while the host plans; EngineConfig.async_scheduling).
         auto = self.device.type == "cuda"
@@ -389,6 +408,8 @@ class LLMEngine(_EngineBase):
         self.num_steps = 0
         self.max_blocks_in_use = 0
         self.step_seconds = dict.fromkeys(self.step_seconds, 0.0)
+        self.num_prompt_logprob_rows = 0
+        self.prompt_logprob_seconds = 0.0
         self.runner.reset_stats()
         self.block_manager.reset_peak()
         self.scheduler.num_preemptions = self.scheduler.num_recomputed_tokens = 0
@@ -468,17 +489,20 @@ class LLMEngine(_EngineBase):
             self.max_blocks_in_use = max(self.max_blocks_in_use, in_use)
             t1 = time.perf_counter()
             pending = self._inflight.device_source() if self._inflight is not None else None
-            res = self.runner.execute(out.scheduled, pending)
+            plp = self._plan_prompt_logprobs(out.scheduled)
+            res = self.runner.execute(out.scheduled, pending, plp[0] if plp is not None else None)
             for item in out.scheduled:
                 item.seq.num_computed_tokens = item.end_position
-            sample_idx = res.sample_indices
+            logits, sample_idx = res.logits, res.sample_indices
+            if plp is not None:
+                logits, sample_idx = self._record_prompt_logprobs(out.scheduled, res, *plp)
             t2 = time.perf_counter()
             self.step_seconds["schedule"] += t1 - t0
             self.step_seconds["execute"] += t2 - t1
             if sample_idx:
                 seqs = [out.scheduled[i].seq for i in sample_idx]
                 history, pending_ids = self._token_history(seqs, pending)
-                sample = self.sampler.sample_async(res.logits, [s.sampling_params for s in seqs],
+                sample = self.sampler.sample_async(logits, [s.sampling_params for s in seqs],
                                                    [s.request_id for s in seqs],
                                                    argmax=res.device_argmax,
                                                    history=history, pending_token_ids=pending_ids)
@@ -495,6 +519,76 @@ class LLMEngine(_EngineBase):
         if launched is not None and not self.async_scheduling:
             outputs += self._read_tokens(launched)
         return outputs
+
+    @staticmethod
+    def _plan_prompt_logprobs(scheduled) -> tuple[list[int], list[tuple[int, int]]] | None:
+        """Logits rows per item when some item scores prompt tokens this step: ``(num_logits,
+        spans)`` with ``spans[i] = (lo, hi)`` the prompt-scoring positions of item ``i``
+        (:meth:`Sequence.prompt_logprob_rows`); ``None`` (the default rows) otherwise."""
+        spans = None
+        for i, item in enumerate(scheduled):
+            seq = item.seq
+            if seq.sampling_params.prompt_logprobs is None or not seq.needs_prompt_logprobs:
+                continue
+            lo, hi = seq.prompt_logprob_rows(item.start_position, item.end_position)
+            if lo < hi:
+                if spans is None:
+                    spans = [(0, 0)] * len(scheduled)
+                spans[i] = (lo, hi)
+        if spans is None:
+            return None
+        num_logits = []
+        for item, (lo, hi) in zip(scheduled, spans):
+            if lo < hi:   # rows lo .. end-1: prompt rows lo .. hi-1, then (hi == end - 1) the sampled row
+                num_logits.append(item.end_position - lo)
+            else:
+                num_logits.append(1 if item.will_sample else 0)
+        return num_logits, spans
+
+    def _record_prompt_logprobs(self, scheduled, res, num_logits: list[int],
+                                spans: list[tuple[int, int]]) -> tuple[torch.Tensor, list[int]]:
+        """Append the prompt logprob records of this step's prompt rows to their sequences
+        (log-softmax of the fp32 logits, the prompt token's logprob and the top
+        ``prompt_logprobs`` alternatives) and return the sampled rows' logits ``[S, V]`` and
+        their item indices. The prompt rows are read on the host at once (synchronous; only
+        steps holding such rows pay it)."""
+        t0 = time.perf_counter()
+        logits = res.logits                                                     # [R, V]
+        prompt_rows: list[int] = []
+        targets: list[int] = []
+        sample_rows: list[int] = []
+        sample_idx: list[int] = []
+        row = 0
+        for i, (item, m, (lo, hi)) in enumerate(zip(scheduled, num_logits, spans)):
+            if lo < hi:
+                prompt_rows.extend(range(row, row + hi - lo))
+                targets.extend(item.seq.prompt_token_ids[lo + 1:hi + 1])
+            if item.will_sample and m:
+                sample_rows.append(row + m - 1)
+                sample_idx.append(i)
+            row += m
+        dev = logits.device
+        rows_t = torch.tensor(prompt_rows, dtype=torch.long, device=dev)
+        lp = torch.log_softmax(logits.index_select(0, rows_t).float(), dim=-1)  # [P, V]
+        tok_lp = lp.gather(1, torch.tensor(targets, dtype=torch.long, device=dev)[:, None])[:, 0]
+        k = max(item.seq.sampling_params.prompt_logprobs for item, (lo, hi) in zip(scheduled, spans) if lo < hi)
+        top_v, top_i = (lp.topk(k, dim=-1) if k else (lp[:, :0], lp[:, :0].long()))
+        tok_lp, top_v, top_i = tok_lp.tolist(), top_v.tolist(), top_i.tolist()
+        j = 0
+        for item, (lo, hi) in zip(scheduled, spans):
+            if lo >= hi:
+                continue
+            seq = item.seq
+            kk = seq.sampling_params.prompt_logprobs
+            for _ in range(hi - lo):
+                seq.prompt_logprobs.append({"token_logprob": tok_lp[j],
+                                            "top": list(zip(top_i[j][:kk], top_v[j][:kk]))})
+                j += 1
+        self.num_prompt_logprob_rows += len(prompt_rows)
+        if sample_rows != list(range(len(sample_rows))) or len(sample_rows) != logits.shape[0]:
+            logits = logits.index_select(0, torch.tensor(sample_rows, dtype=torch.long, device=dev))
+        self.prompt_logprob_seconds += time.perf_counter() - t0
+        return logits, sample_idx
 
     @staticmethod
     def _token_history(seqs: list[Sequence], pending) -> tuple[list | None, torch.Tensor | None]:
@@ -572,6 +666,8 @@ class LLMEngine(_EngineBase):
             "num_steps": self.num_steps,
             "block_size": self.block_size,
             "step_seconds": dict(self.step_seconds),
+            "prompt_logprobs": {"rows": self.num_prompt_logprob_rows,
+                                "seconds": self.prompt_logprob_seconds},
             # prefix cache: queries/hits in tokens at admission, hit_rate = hits / queries
             "prefix_cache": bm.prefix_cache_stats(),
         }

@@ -346,6 +346,9 @@ class SpeculativeEngine(LLMEngine):
         ValueError: ``num_speculative_tokens`` out of range; loader errors for either model.
     """
 
+    supports_prompt_logprobs = False   # the speculative step scores no prompt rows
+
+
     def __init__(self, config: EngineConfig, draft_model: str | os.PathLike = "tiny",
                  num_speculative_tokens: int = 4, *, draft_load_model_fn: Callable | None = None,
                  **kw) -> None:

@@ -12,7 +12,8 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
 from .detokenizer import decode_tokens
 from .metrics import ServiceMetrics
-from .protocol import APIError, ChatCompletionRequest, CompletionRequest, ModelCard, ModelList
+from .protocol import (APIError, ChatCompletionRequest, CompletionRequest, DetokenizeRequest, ModelCard,
+                       ModelList, TokenizeRequest)
 from .errors import ClientDisconnected, _error_response, install_error_handlers, log
 from .guard import DEFAULT_MAX_REQUEST_BODY_BYTES, RequestGuardMiddleware
 from .generation import (
@@ -24,6 +25,8 @@ from .generation import (
     _cancel_and_wait,
     _chat_logprobs,
     _completion_logprobs,
+    _merge_logprobs,
+    _prompt_logprobs,
     _safe_abort,
     _sse,
     _usage,
@@ -130,6 +133,52 @@ def create_app(engine: Any, *, tokenizer: Any = None, served_model_name: str = "
                          root=service.served_model_name, max_model_len=view.max_model_len)
         return {"object": "list", "data": [card.model_dump()]}
 
+    @app.get("/v1/models/{model_id:path}")
+    async def model_card(model_id: str) -> Response:
+        if model_id not in service.model_names:
+            return _error_response(404, f"model {model_id!r} does not exist; this server serves "
+                                   f"{service.served_model_name!r} (see GET /v1/models)",
+                                   type="invalid_request_error", param="model", code="model_not_found")
+        card = ModelCard(id=model_id, created=service.created, root=service.served_model_name,
+                         max_model_len=view.max_model_len)
+        return JSONResponse(card.model_dump())
+
+    @app.get("/tokenizer_info")
+    async def tokenizer_info() -> dict:
+        return _tokenizer_info(service.tokenizer, view.max_model_len)
+
+    @app.post("/tokenize")
+    async def tokenize(body: TokenizeRequest) -> dict:
+        service.check_model(body.model)
+        tok = service.tokenizer
+        if body.messages is not None:
+            if body.prompt is not None:
+                raise APIError("send either prompt or messages, not both", param="messages")
+            from ..tokenizer import apply_chat_template
+            msgs = [{"role": m.role, "content": m.text()} for m in body.messages]
+            text = await service.run_blocking(apply_chat_template, tok, msgs, bool(body.add_generation_prompt))
+            add_special = bool(body.add_special_tokens) if body.add_special_tokens is not None else False
+        elif body.prompt is not None:
+            text = body.prompt
+            add_special = True if body.add_special_tokens is None else bool(body.add_special_tokens)
+        else:
+            raise APIError("prompt or messages is required", param="prompt")
+        ids = await service.run_blocking(lambda: list(tok.encode(text, add_special_tokens=add_special)))
+        out = {"count": len(ids), "max_model_len": view.max_model_len, "tokens": ids, "token_strs": None}
+        if body.return_token_strs:
+            out["token_strs"] = tok.convert_ids_to_tokens(ids)
+        return out
+
+    @app.post("/detokenize")
+    async def detokenize(body: DetokenizeRequest) -> dict:
+        service.check_model(body.model)
+        bad = [t for t in body.tokens if not 0 <= t < view.vocab_size]
+        if bad:
+            raise APIError(f"token ids must be in [0, {view.vocab_size}), got {bad[:5]}", param="tokens",
+                           code="invalid_token_id")
+        text = await service.run_blocking(decode_tokens, service.tokenizer, list(body.tokens))
+        return {"prompt": text}
+
     @app.post("/v1/completions", responses={400: {"description": "invalid request"},
                                             429: {"description": "queue full"}})
     async def completions(body: CompletionRequest, request: Request) -> Response:
@@ -141,10 +190,14 @@ def create_app(engine: Any, *, tokenizer: Any = None, served_model_name: str = "
         if body.best_of is not None and body.best_of != n:
             raise APIError("best_of must equal n (best-of sampling is not supported)", param="best_of",
                            code="unsupported_parameter")
-        if body.echo and body.logprobs is not None:
-            raise APIError("echo with logprobs is not supported (prompt logprobs are not computed)",
-                           param="echo", code="unsupported_parameter")
         max_tokens = 16 if body.max_tokens is None else body.max_tokens
+        # max_tokens 0 with echo scores the prompt only: the engine samples one token, dropped here
+        score_only = max_tokens == 0
+        if score_only and not body.echo:
+            raise APIError("max_tokens must be >= 1 (0 is accepted with echo, to score the prompt only)",
+                           param="max_tokens")
+        max_tokens = max(1, max_tokens)
+        prompt_lp = body.logprobs if body.echo and body.logprobs is not None else None
         prompts = [await service.run_blocking(service.tokenize_prompt, p) for p in body.prompts()]
         if len(prompts) * n > max_choices:
             raise APIError(f"too many choices: {len(prompts)} prompts x n={n} > {max_choices} per request",
@@ -153,7 +206,8 @@ def create_app(engine: Any, *, tokenizer: Any = None, served_model_name: str = "
             service.check_context(len(ids), max_tokens, "prompt")
         service.check_capacity(len(prompts) * n)
         choices = service.build_choices(
-            prompts, n, lambda p, i: service.sampling_params(body, max_tokens, body.logprobs, i, []),
+            prompts, n, lambda p, i: service.sampling_params(body, max_tokens, body.logprobs, i, [],
+                                                             prompt_logprobs=prompt_lp),
             body.stop_list(), body.priority or 0, "cmpl")
         echo_texts = [await service.run_blocking(decode_tokens, service.tokenizer, ids) if body.echo else ""
                       for ids in prompts]
@@ -164,40 +218,61 @@ def create_app(engine: Any, *, tokenizer: Any = None, served_model_name: str = "
         prompt_tokens = sum(len(p) for p in prompts)
         want_lp = body.logprobs is not None
 
+        def echo_lp(ch) -> dict | None:
+            if prompt_lp is None:
+                return None
+            return _prompt_logprobs(service.tokenizer, ch.prompt_ids, ch.prompt_logprobs,
+                                    len(echo_texts[ch.index // n]))
+
+        def completion_tokens() -> int:
+            return 0 if score_only else sum(c.num_output_tokens for c in choices)
+
         if body.stream:
             include_usage = bool(body.stream_options and body.stream_options.include_usage)
+            continuous = include_usage and bool(body.stream_options.continuous_usage_stats)
 
             async def stream() -> AsyncIterator[str]:
                 extra = {"usage": None} if include_usage else {}
                 if body.echo:
                     for ch in choices:
+                        if prompt_lp is not None and ch.prompt_logprobs is None and ch.first is not None:
+                            ch.prompt_logprobs = getattr(ch.first, "prompt_logprobs", None)
                         yield _sse({"id": rid, "object": "text_completion", "created": created, "model": model,
                                     "choices": [{"index": ch.index, "text": echo_texts[ch.index // n],
-                                                 "logprobs": None, "finish_reason": None}], **extra})
+                                                 "logprobs": echo_lp(ch), "finish_reason": None}], **extra})
                 async for ev, records in _stream_events(gen, choices):
+                    if score_only:
+                        if ev.finish_reason is None:
+                            continue
+                        ev.text, records, ev.finish_reason = "", [], "length"
                     lp = None
                     if want_lp:
                         lp = _completion_logprobs(service.tokenizer, records, len(echo_texts[ev.index // n]))
+                    if continuous:
+                        extra = {"usage": _usage(prompt_tokens, completion_tokens())}
                     yield _sse({"id": rid, "object": "text_completion", "created": created, "model": model,
                                 "choices": [{"index": ev.index, "text": ev.text, "logprobs": lp,
                                              "finish_reason": ev.finish_reason}], **extra})
                 if include_usage:
                     yield _sse({"id": rid, "object": "text_completion", "created": created, "model": model,
-                                "choices": [], "usage": _usage(prompt_tokens,
-                                                               sum(c.num_output_tokens for c in choices))})
+                                "choices": [], "usage": _usage(prompt_tokens, completion_tokens())})
 
             return _SSEResponse(stream(), gen, rid)
 
         await _collect(gen, request)
         out_choices = []
         for ch in choices:
-            text = echo_texts[ch.index // n] + "".join(ch.text_parts)
-            lp = _completion_logprobs(service.tokenizer, ch.logprobs, len(echo_texts[ch.index // n])) \
-                if want_lp else None
-            out_choices.append({"index": ch.index, "text": text, "logprobs": lp, "finish_reason": ch.finish_reason})
+            echo = echo_texts[ch.index // n]
+            if score_only:
+                text, lp, finish = echo, echo_lp(ch), "length"
+            else:
+                text, finish = echo + "".join(ch.text_parts), ch.finish_reason
+                lp = _merge_logprobs(echo_lp(ch), _completion_logprobs(service.tokenizer, ch.logprobs, len(echo))) \
+                    if want_lp else None
+            out_choices.append({"index": ch.index, "text": text, "logprobs": lp, "finish_reason": finish})
         return JSONResponse({"id": rid, "object": "text_completion", "created": created, "model": model,
                              "choices": out_choices,
-                             "usage": _usage(prompt_tokens, sum(c.num_output_tokens for c in choices))})
+                             "usage": _usage(prompt_tokens, completion_tokens())})
 
     @app.post("/v1/chat/completions", responses={400: {"description": "invalid request"},
                                                  429: {"description": "queue full"}})
@@ -235,6 +310,7 @@ def create_app(engine: Any, *, tokenizer: Any = None, served_model_name: str = "
 
         if body.stream:
             include_usage = bool(body.stream_options and body.stream_options.include_usage)
+            continuous = include_usage and bool(body.stream_options.continuous_usage_stats)
 
             async def stream() -> AsyncIterator[str]:
                 extra = {"usage": None} if include_usage else {}
@@ -246,6 +322,8 @@ def create_app(engine: Any, *, tokenizer: Any = None, served_model_name: str = "
                 async for ev, records in _stream_events(gen, choices):
                     lp = _chat_logprobs(service.tokenizer, records) if lp_k is not None else None
                     delta = {"content": ev.text} if ev.text else {}
+                    if continuous:
+                        extra = {"usage": _usage(prompt_tokens, sum(c.num_output_tokens for c in choices))}
                     yield _sse({**head, "choices": [{"index": ev.index, "delta": delta, "logprobs": lp,
                                                      "finish_reason": ev.finish_reason}], **extra})
                 if include_usage:
@@ -267,6 +345,33 @@ def create_app(engine: Any, *, tokenizer: Any = None, served_model_name: str = "
                              "usage": _usage(prompt_tokens, sum(c.num_output_tokens for c in choices))})
 
     return app
+
+
+def _tokenizer_info(tokenizer: Any, max_model_len: int) -> dict:
+    """``GET /tokenizer_info`` as vLLM serves it: the tokenizer's class, special tokens, length
+    limit, chat template and added tokens (what remote-tokenizer clients such as lm-eval's
+    ``tokenizer_backend=remote`` read: ``eos_token``, ``bos_token``, ``pad_token``,
+    ``chat_template``)."""
+    from ..tokenizer import CHATML_TEMPLATE
+
+    def tok_str(name: str) -> str | None:
+        v = getattr(tokenizer, name, None)
+        return v if isinstance(v, str) or v is None else str(v)
+
+    added = {}
+    decoder = getattr(tokenizer, "added_tokens_decoder", None) or {}
+    for i, t in decoder.items():
+        added[str(i)] = {"content": str(getattr(t, "content", t)), "special": bool(getattr(t, "special", False))}
+    return {
+        "tokenizer_class": type(tokenizer).__name__,
+        "bos_token": tok_str("bos_token"),
+        "eos_token": tok_str("eos_token"),
+        "pad_token": tok_str("pad_token"),
+        "unk_token": tok_str("unk_token"),
+        "model_max_length": max_model_len,
+        "chat_template": getattr(tokenizer, "chat_template", None) or CHATML_TEMPLATE,
+        "added_tokens_decoder": added,
+    }
 
 
 async def _collect(gen: _Generation, request: Request) -> None:

@@ -49,9 +49,34 @@ _FIELD_HINTS = {
 }
 
 
+#: OpenAI fields that need grammar-constrained decoding, which this server does not implement
+_STRUCTURED_FIELDS = ("response_format", "tools", "tool_choice", "functions", "function_call",
+                      "parallel_tool_calls")
+
+
+def _unsupported(errors: list[dict]) -> tuple[str, str] | None:
+    """The first field the request models do not declare (pydantic ``extra_forbidden``), as
+    ``(message, param)``."""
+    for e in errors:
+        if e.get("type") == "extra_forbidden":
+            loc = tuple(e.get("loc", ()))
+            param = _param_of(loc) or str(loc[-1])
+            name = str(loc[-1])
+            if name in _STRUCTURED_FIELDS and param == name:
+                why = ("structured output and tool calling (grammar-constrained decoding) are not "
+                       "supported by this server; remove it")
+            else:
+                why = "this server does not support it; remove it (see the API reference for the accepted fields)"
+            return f"unsupported parameter {param!r}: {why}", param
+    return None
+
+
 def _validation_message(errors: list[dict]) -> tuple[str, str | None]:
     if not errors:
         return "invalid request body", None
+    # an explicit refusal from a validator (e.g. an image content part) beats the type errors
+    # of the other branches of a union
+    errors = sorted(errors, key=lambda e: e.get("type") != "value_error")
     first = errors[0]
     param = _param_of(tuple(first.get("loc", ())))
     msg = first.get("msg", "invalid value")
@@ -86,7 +111,13 @@ def install_error_handlers(app: FastAPI, metrics: ServiceMetrics | None = None) 
 
     @app.exception_handler(RequestValidationError)
     async def _validation_error(_: Request, exc: RequestValidationError) -> JSONResponse:
-        msg, param = _validation_message(list(exc.errors()))
+        errors = list(exc.errors())
+        unsupported = _unsupported(errors)
+        if unsupported is not None:
+            if metrics is not None:
+                metrics.on_rejected("unsupported_parameter")
+            return _error_response(400, unsupported[0], param=unsupported[1], code="unsupported_parameter")
+        msg, param = _validation_message(errors)
         if metrics is not None:
             metrics.on_rejected("invalid_request")
         return _error_response(400, msg, param=param)

@@ -100,6 +100,7 @@ class _Choice:
     text_parts: list[str] = field(default_factory=list)
     logprobs: list = field(default_factory=list)
     undelivered: list = field(default_factory=list)
+    prompt_logprobs: list | None = None
 
     @property
     def num_output_tokens(self) -> int:
@@ -190,6 +191,9 @@ class _Generation:
         """Feed one RequestOutput through the choice's detokenizer."""
         if ch.done:
             return None
+        plp = getattr(out, "prompt_logprobs", None)
+        if plp is not None and ch.prompt_logprobs is None:
+            ch.prompt_logprobs = list(plp)
         ids = getattr(out, "output_token_ids", None)
         new = list(ids[ch.num_seen:]) if ids is not None else list(getattr(out, "new_token_ids", None) or [])
         lp_list = getattr(out, "logprobs", None) or []
@@ -470,7 +474,7 @@ class Service:
                 param="max_tokens" if num_prompt < limit else param, code="context_length_exceeded")
 
     def sampling_params(self, req, max_tokens: int, logprobs: int | None, seed_offset: int,
-                        stop_token_ids: list[int]) -> SamplingParams:
+                        stop_token_ids: list[int], prompt_logprobs: int | None = None) -> SamplingParams:
         seed = req.seed
         if seed is not None:
             seed = (seed + seed_offset) % (2**63)
@@ -485,6 +489,7 @@ class Service:
                 stop=[],  # stop strings are matched here, on detokenized text
                 ignore_eos=bool(req.ignore_eos),
                 logprobs=logprobs,
+                prompt_logprobs=prompt_logprobs,
                 presence_penalty=req.presence_penalty or 0.0,
                 frequency_penalty=req.frequency_penalty or 0.0,
                 repetition_penalty=1.0 if req.repetition_penalty is None else req.repetition_penalty,
@@ -567,6 +572,36 @@ def _completion_logprobs(tokenizer, entries, start_offset: int) -> dict:
         tops.append({token_text(tokenizer, t): _json_float(v) for t, v in top} if top else None)
         offsets.append(start_offset + off)
     return {"tokens": tokens, "token_logprobs": token_lps, "top_logprobs": tops, "text_offset": offsets}
+
+
+def _prompt_logprobs(tokenizer, prompt_ids: list[int], records: list | None, text_len: int) -> dict:
+    """OpenAI's legacy completion ``logprobs`` of an echoed prompt: one entry per prompt token,
+    the first token's logprob and top alternatives ``null`` (nothing precedes it), offsets into
+    the echoed text (characters decoded before each token, capped at ``text_len``)."""
+    from .detokenizer import IncrementalDetokenizer
+
+    detok = IncrementalDetokenizer(tokenizer, [])
+    tokens, token_lps, tops, offsets = [], [], [], []
+    for i, tok in enumerate(prompt_ids):
+        offsets.append(min(detok.num_decoded_chars, text_len))
+        detok.add_token(tok)
+        tokens.append(token_text(tokenizer, tok))
+        rec = records[i] if records is not None and i < len(records) else None
+        if i == 0 or rec is None:
+            token_lps.append(None)
+            tops.append(None)
+            continue
+        _, lp, top = _norm_logprob(tok, rec)
+        token_lps.append(_json_float(lp))
+        tops.append({token_text(tokenizer, t): _json_float(v) for t, v in top} if top else None)
+    return {"tokens": tokens, "token_logprobs": token_lps, "top_logprobs": tops, "text_offset": offsets}
+
+
+def _merge_logprobs(first: dict | None, second: dict | None) -> dict | None:
+    """Concatenate two completion ``logprobs`` objects (echoed prompt, then the output)."""
+    if first is None or second is None:
+        return first or second
+    return {k: first[k] + second[k] for k in first}
 
 
 def _chat_logprobs(tokenizer, entries) -> dict:

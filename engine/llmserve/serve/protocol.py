@@ -3,8 +3,10 @@
 Field names and defaults follow OpenAI's Completions and Chat Completions APIs; ``top_k``,
 ``priority`` and ``ignore_eos`` are extensions (as in vLLM). Models are *strict*: a string where
 a number belongs, a boolean where an integer belongs, or a float for ``n`` is a wrong type and
-answers HTTP 400 (OpenAI rejects them too), never a silent coercion. Unknown fields are ignored
-(clients send vendor-specific extras).
+answers HTTP 400 (OpenAI rejects them too), never a silent coercion. A field the server does not
+implement is never dropped silently: unknown fields answer 400 ``unsupported_parameter`` naming
+the field (the fields the openai client, litellm, langchain-openai, lm-eval and guidellm send are
+all declared here).
 
 Ranges that depend on the served model (context length, vocabulary) are checked by the app.
 """
@@ -13,7 +15,7 @@ from __future__ import annotations
 
 from typing import Annotated, Any, Literal, Optional, Union
 
-from pydantic import AfterValidator, BaseModel, ConfigDict, Field, field_validator
+from pydantic import AfterValidator, BaseModel, ConfigDict, Field, field_validator, model_validator
 
 MAX_N = 16
 MAX_LOGPROBS = 20
@@ -40,11 +42,13 @@ NonEmptyText = Annotated[str, Field(min_length=1), AfterValidator(_valid_unicode
 
 
 class _Strict(BaseModel):
-    model_config = ConfigDict(strict=True, extra="ignore")
+    model_config = ConfigDict(strict=True, extra="forbid")
 
 
 class StreamOptions(_Strict):
     include_usage: bool = False
+    continuous_usage_stats: bool = Field(
+        default=False, description="extension (vLLM): with include_usage, every chunk carries the usage so far")
 
 
 class _SamplingFields(_Strict):
@@ -99,7 +103,8 @@ class CompletionRequest(_SamplingFields):
                   Annotated[list[NonEmptyText], Field(min_length=1)],
                   TokenIds,
                   Annotated[list[TokenIds], Field(min_length=1)]]
-    max_tokens: Optional[Annotated[int, Field(ge=1)]] = 16
+    max_tokens: Optional[Annotated[int, Field(ge=0)]] = Field(
+        default=16, description="0 (with echo) scores the prompt only")
     logprobs: Optional[Annotated[int, Field(ge=0, le=MAX_LOGPROBS)]] = None
     echo: Optional[bool] = False
     suffix: Optional[str] = None
@@ -116,8 +121,29 @@ class CompletionRequest(_SamplingFields):
 
 
 class ChatContentPart(_Strict):
-    type: Literal["text"]
-    text: Text
+    """A text content part. Other part types (``image_url``, ``input_audio``, ``file``) answer
+    400: the served model reads text only."""
+
+    type: str
+    text: Optional[Text] = None
+    # declared so that the part's type, not an unknown field, is named in the answer
+    image_url: Optional[Any] = None
+    input_audio: Optional[Any] = None
+    file: Optional[Any] = None
+
+    @field_validator("type")
+    @classmethod
+    def _text_only(cls, v: str) -> str:
+        if v != "text":
+            raise ValueError(f"content parts of type {v!r} are not supported: the served model reads text "
+                             "only; send {\"type\": \"text\", \"text\": ...} parts or a string")
+        return v
+
+    @model_validator(mode="after")
+    def _has_text(self) -> "ChatContentPart":
+        if self.text is None:
+            raise ValueError("a text content part needs a text string")
+        return self
 
 
 class ChatMessage(_Strict):
@@ -130,7 +156,7 @@ class ChatMessage(_Strict):
             return ""
         if isinstance(self.content, str):
             return self.content
-        return "".join(part.text for part in self.content)
+        return "".join(part.text or "" for part in self.content)
 
 
 class ChatCompletionRequest(_SamplingFields):
@@ -148,6 +174,24 @@ class ChatCompletionRequest(_SamplingFields):
         if not any(m.text() for m in v):
             raise ValueError("messages must contain some text")
         return v
+
+
+class TokenizeRequest(_Strict):
+    """``POST /tokenize`` (vLLM): ``prompt`` text, or chat ``messages`` rendered by the template."""
+
+    model: Optional[Text] = None
+    prompt: Optional[Text] = None
+    messages: Optional[Annotated[list[ChatMessage], Field(min_length=1)]] = None
+    add_special_tokens: Optional[bool] = None
+    add_generation_prompt: Optional[bool] = True
+    return_token_strs: Optional[bool] = False
+
+
+class DetokenizeRequest(_Strict):
+    """``POST /detokenize`` (vLLM): token ids -> ``{"prompt": text}``."""
+
+    model: Optional[Text] = None
+    tokens: list[Annotated[int, Field(ge=0)]]
 
 
 class ErrorInfo(BaseModel):
