@@ -418,7 +418,7 @@ def bench_decode(cfg, bw_meas) -> tuple[list[dict], list[dict]]:
                 for ns in cfg.decode_sweep_splits:
                     for fused in (False, True):
                         if (ns == 1 and fused) or not mine(("dec", bn, warps, stages, ns > 1, fused)) \
-                                or time.time() - t_sec > cfg.budget['decode']:
+                                or time.time() - t_sec > cfg.sweep_seconds['decode']:
                             continue
                         f2 = [lambda q=q, m=m, kc=kc, vc=vc, ns=ns, bn=bn, warps=warps, stages=stages,
                               fused=fused: paged_attention_decode(
@@ -455,7 +455,7 @@ def bench_prefill(cfg) -> tuple[list[dict], list[dict]]:
             log(f"prefill {name}: triton {us:.1f} us, {flops / us / 1e6:.0f} TFLOP/s")
         if cfg.sweep and pi == 0:
             for bm, bn, warps, stages in cfg.prefill_sweep_cfgs:
-                if not mine(("pf", bm, bn, warps, stages)) or time.time() - t_sec > cfg.budget['prefill']:
+                if not mine(("pf", bm, bn, warps, stages)) or time.time() - t_sec > cfg.sweep_seconds['prefill']:
                     continue
                 f2 = [lambda q=q, m=m, kc=kc, vc=vc, bm=bm, bn=bn, warps=warps, stages=stages:
                       paged_attention_prefill(q, kc, vc, m, scale, block_m=bm, block_n=bn,
@@ -567,7 +567,7 @@ def bench_int8(cfg, bw_meas) -> tuple[list[dict], list[dict]]:
                     if cc in seen:
                         continue
                     seen.add(cc)
-                    if not mine(_i8key(m, cc)) or time.time() - t_sec > cfg.budget['int8']:
+                    if not mine(_i8key(m, cc)) or time.time() - t_sec > cfg.sweep_seconds['int8']:
                         continue
                     f2 = [lambda i=i, cc=cc, x=x, w_q=w_q, sc=sc: int8_linear(x, w_q[i], sc[i], config=cc)
                           for i in range(copies_q)]
@@ -738,7 +738,7 @@ class Cfg:
         self.sweep = sweep
         self.decode_options = decode_options
         # seconds of each section after which no further sweep point is started
-        self.budget = dict(decode=0.3 * deadline, int8=0.55 * deadline, prefill=0.15 * deadline)
+        self.sweep_seconds = dict(decode=0.3 * deadline, int8=0.55 * deadline, prefill=0.15 * deadline)
         if quick:
             self.dtype = torch.float16 if cpu else torch.bfloat16
             self.min_reps, self.prefill_reps = 2, 1
