@@ -43,8 +43,8 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 import triton
-from cuda_timing import graph_time_us  # scripts/, next to this file
 
+from llmserve.bench.kernels import graph_time_us
 from llmserve.kernels._launch import pdl_available
 from llmserve.kernels.fused import add_rmsnorm, silu_and_mul
 from llmserve.kernels.gemv import GemvConfig, choose_gemv_config, gemv, gemv_reference, table_key

@@ -7,7 +7,6 @@ and greedy ``generate``; llmserve loads the safetensors without any transformers
 from __future__ import annotations
 
 import hashlib
-import importlib.util
 import json
 from pathlib import Path
 
@@ -232,11 +231,9 @@ def test_tiny_logits_are_peaked_and_varied(tiny_model):
 
 @pytest.mark.gpu
 def test_gpu_bf16_parity_qwen25_05b_shapes(tmp_path):
-    script = Path(__file__).resolve().parents[1] / "scripts" / "gpu_parity.py"
-    spec = importlib.util.spec_from_file_location("gpu_parity", script)
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    res = mod.run_parity(tmp_path, device="cuda", dtype="bfloat16")
+    from gpu_parity_helper import run_parity  # tests/, next to this file
+
+    res = run_parity(tmp_path, device="cuda", dtype="bfloat16")
     print(json.dumps(res, indent=2))
     assert not res["failures"], res["failures"]
     assert res["reference"]["top1_agreement_vs_hf"] >= 0.99 and res["paged"]["top1_agreement_vs_hf"] >= 0.99

@@ -1,4 +1,4 @@
-"""Command line: llmserve generate | benchmark | serve | quantize-eval | bench-compare.
+"""Command line: llmserve generate | benchmark | serve | quantize-eval | bench-compare | bench-kernels.
 
 Every command that builds an engine takes --device, --dtype, --seed and --torch-threads; run
 'llmserve COMMAND --help' for the rest."""
@@ -167,6 +167,7 @@ def build_parser() -> argparse.ArgumentParser:
         ("serve", "llmserve.serve.server", "add_serve_subparser"),
         ("quantize-eval", "llmserve.bench.quantize_eval", "add_quantize_eval_subparser"),
         ("bench-compare", "llmserve.bench.compare", "add_bench_compare_subparser"),
+        ("bench-kernels", "llmserve.bench.kernels", "add_bench_kernels_subparser"),
     ]
     import importlib
     for name, module, fn in optional:

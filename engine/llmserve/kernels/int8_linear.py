@@ -11,7 +11,7 @@ bf16/fp16), accumulate in fp32 and apply the per-channel scale (and bias) once i
 the scale factors out of the K sum: ``sum_k x[m,k] * q[n,k] * s[n] = s[n] * sum_k x[m,k] * q[n,k]``.
 
 Three kernel kinds (:class:`Int8LinearConfig.kind`), chosen per shape by
-:func:`choose_int8_config` from H200 measurements (``scripts/bench_kernels.py``; docs/performance.md):
+:func:`choose_int8_config` from H200 measurements (``llmserve bench-kernels``; docs/performance.md):
 
 * ``"vec"`` (decode, M <= 4; the default at M = 1): the matrix-vector kernel of ``gemv.py``
   (one or two weight rows a program, fp32 element-wise accumulation reduced over K once, the

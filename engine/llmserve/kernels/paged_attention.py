@@ -607,7 +607,7 @@ def choose_num_splits(batch: int, num_kv_heads: int, max_context_len: int, block
     Measured on the H200 (132 SMs, slots 396), 12/2 heads, D=128, bf16: batch 64, context 2048
     (128 programs a split): 3 splits (0.97 of a wave) 39-40 us, 4 (1.29 waves) 40-48 us, 5
     (1.62) 45 us, 1 58 us; batch 256 (512 a split): 1 split (1.29 waves) 161 us, 2 splits
-    (2.59) 135 us (``scripts/bench_kernels.py``; docs/performance.md). Returns the count actually used after rounding the tiles
+    (2.59) 135 us (``llmserve bench-kernels``; docs/performance.md). Returns the count actually used after rounding the tiles
     per split.
     """
     tiles = max(1, triton.cdiv(max_context_len, block_n))

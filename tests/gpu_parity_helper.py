@@ -1,5 +1,6 @@
-#!/usr/bin/env python3
 """bf16 parity of llmserve's Qwen2 against transformers at Qwen2.5-0.5B shapes (random weights).
+
+Helper module of ``tests/test_model.py``'s GPU test (``run_parity``); also runnable on its own.
 
 Writes a random checkpoint with ``transformers`` (hidden 896, 24 layers, 14 heads, 2 K/V heads,
 intermediate 4864, vocab 151936, tied embeddings; weights rounded to bf16 so both sides use
@@ -26,8 +27,8 @@ HF bf16 vs HF fp32 rel_err 1.28e-2 (so bf16 itself is the error floor).
 
 Usage (prints JSON)::
 
-    python3 scripts/gpu_parity.py [--device cuda] [--dtype bfloat16] [--batch 4] [--seq-len 128]
-                                  [--layers 24] [--attention-backend torch|triton] [--out result.json]
+    python3 tests/gpu_parity_helper.py [--device cuda] [--dtype bfloat16] [--batch 4] [--seq-len 128]
+                                          [--layers 24] [--attention-backend torch|triton] [--out result.json]
 """
 
 from __future__ import annotations

@@ -1,27 +1,31 @@
-#!/usr/bin/env python
-"""Parity checks and timings of llmserve's Triton kernels on a GPU.
+"""``llmserve bench-kernels``: parity checks and timings of llmserve's Triton kernels.
 
-Order: environment, measured copy bandwidth, bf16 parity (paged attention decode / prefill /
-mixed against the PyTorch reference, INT8 linear against an fp32 dequantized matmul), then
+Order: environment, measured copy bandwidth, parity (paged attention decode / prefill / mixed
+against the PyTorch reference in fp32, INT8 linear against an fp32 dequantized matmul), then
 timings:
 
-* decode paged attention (Triton split-K vs the PyTorch reference) at Qwen2.5-1.5B's head
-  layout (12 query heads, 2 KV heads, head_dim 128, bf16, block_size 16), reported as achieved
-  GB/s of the bytes that must move (K/V of every context position once, q and out) over the
-  measured 4.24 TB/s copy bandwidth (DESIGN.md) and the copy bandwidth measured in this run;
+* decode paged attention (Triton split-K with the engine's default decode options,
+  ``FastPathConfig``, vs the PyTorch reference) at Qwen2.5-1.5B's head layout (12 query
+  heads, 2 KV heads, head_dim 128, bf16, block_size 16), reported as achieved GB/s of the
+  bytes that must move (K/V of every context position once, q and out), the floor (those
+  bytes over the copy bandwidth) and the ratio to it, against the H200 reference bandwidth
+  (4.24 TB/s) and the copy bandwidth measured in this run;
 * prefill/chunk attention (Triton varlen vs the PyTorch reference and SDPA on contiguous
   tensors as a FlashAttention-class peer), in TFLOP/s;
-* INT8 weight-only linear vs bf16 cuBLAS (``torch.nn.functional.linear``) at Qwen2.5-1.5B's
-  MLP and QKV shapes for M = 1 .. 2048.
+* INT8 weight-only linear vs cuBLAS bf16 (``torch.nn.functional.linear``) at Qwen2.5-1.5B's
+  MLP and QKV shapes for M = 1 .. 2048, with config sweeps of both kernels.
 
 Timing: CUDA graphs of R back-to-back calls rotating over C input sets whose total size is
 > 2x the L2 (so every call reads from HBM), timed with CUDA events per replay after warm-up;
-the median over replays divided by R is reported (METHOD.md). Eager (no graph) medians via
-``triton.testing.do_bench`` are reported beside the main points: they include Python launch
-overhead.
+the median over replays divided by R is reported. Eager (no graph) medians are reported beside
+the main points: they include Python launch overhead.
 
-Writes ``kernels.json`` and ``kernels.md`` to ``--out``; prints the Markdown table last.
-``--device cpu`` runs a tiny smoke version under ``TRITON_INTERPRET=1`` (no timings of value).
+Writes ``kernels.json`` and ``kernels.md`` to ``results/kernels/<gpu>/`` (``--output``
+overrides) and prints the Markdown last. ``--device cpu --quick`` is a smoke run of tiny shapes
+in the Triton interpreter (start Python with ``TRITON_INTERPRET=1``): it checks parity and
+exercises every code path; its timings are of no value, and the report says so.
+
+Exit status: 0 when every parity check passed, 1 otherwise, 2 for bad arguments.
 """
 
 from __future__ import annotations
@@ -31,23 +35,22 @@ import datetime as _dt
 import json
 import math
 import os
+import re
 import sys
 import time
 import zlib
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
+import torch.nn.functional as F
+import triton
 
-if not torch.cuda.is_available():
-    os.environ.setdefault("TRITON_INTERPRET", "1")
-
-import torch.nn.functional as F  # noqa: E402
-import triton  # noqa: E402
-from cuda_timing import graph_time_us  # noqa: E402  (scripts/, next to this file)
-
-from llmserve.attention.metadata import AttentionMetadata  # noqa: E402
-from llmserve.attention.torch_backend import paged_attention_torch  # noqa: E402
-from llmserve.kernels.int8_linear import (
+from ..attention.metadata import AttentionMetadata
+from ..attention.torch_backend import paged_attention_torch
+from ..config import DECODE_SPLIT_POLICIES, FastPathConfig
+from ..kernels._launch import interpreting
+from ..kernels.int8_linear import (
     Int8LinearConfig,
     _fit_split,
     choose_int8_config,
@@ -55,24 +58,49 @@ from llmserve.kernels.int8_linear import (
     int8_linear_reference,
     quantize_int8_per_channel,
 )
-from llmserve.kernels.paged_attention import (
+from ..kernels.paged_attention import (
+    _decode_config,
     choose_num_splits,
     paged_attention_decode,
     paged_attention_prefill,
     paged_attention_triton,
 )
+from ..kernels.paged_attention import (
+    _num_sms as _attention_num_sms,
+)
 
-REF_BW = 4.24e12        # B/s, measured copy bandwidth on the H200 (DESIGN.md)
-REF_FLOPS = 780e12      # FLOP/s, measured bf16 matmul (DESIGN.md)
-ROTATE_BYTES = 200e6    # > 2x the 50-60 MB L2
+REF_BW = 4.24e12        # B/s, copy bandwidth of an H200 (torch copy of a 1 GiB bf16 buffer)
+REF_FLOPS = 780e12      # FLOP/s, bf16 matmul on an H200 (8192^3 torch.matmul)
+ROTATE_BYTES = 200e6    # input bytes rotated over: > 2x the 50-60 MB L2 of an H100/H200
+QUICK_ROTATE_BYTES = 1e4
+SECTIONS = ("decode", "int8", "prefill")
+
+# Process-wide state of one run: the device, the pre-compile worker this process is (None in
+# the main process), the launch counter that shares launches out between workers, the rotation
+# size and the start time of the log.
+DEVICE = torch.device("cpu")
+WARM: tuple[int, int] | None = None
+_UNIT = 0
+_ROTATE = ROTATE_BYTES
 T0 = time.time()
 
 
-WARM: tuple[int, int] | None = None  # (worker id, workers) inside pre-compile workers
-_UNIT = 0
+def gpu_slug(name: str) -> str:
+    """Directory name of a GPU: ``name`` lowercased, every run of characters other than
+    letters and digits replaced by ``-``, a leading ``nvidia-`` dropped.
+
+    >>> gpu_slug("NVIDIA H200")
+    'h200'
+    >>> gpu_slug("NVIDIA H100 80GB HBM3")
+    'h100-80gb-hbm3'
+    """
+    s = re.sub(r"[^a-z0-9]+", "-", name.lower()).strip("-")
+    if s.startswith("nvidia-"):
+        s = s[len("nvidia-"):]
+    return s or "unknown"
 
 
-def log(*a):
+def log(*a) -> None:
     if WARM is None:
         print(f"[{time.time() - T0:6.1f}s]", *a, flush=True)
 
@@ -91,8 +119,45 @@ def mine(key=None) -> bool:
 
 
 # ---------------------------------------------------------------------------------------------
-# timing helpers
+# timing
 # ---------------------------------------------------------------------------------------------
+
+def graph_time_us(fns, reps: int, replays: int = 15, warm_replays: int = 3) -> float:
+    """Median microseconds per call of ``fns[i % len(fns)]()`` captured ``reps`` times in one
+    CUDA graph (CUDA only).
+
+    Many back-to-back calls are timed inside one graph, so launch overhead and clock ramp-up do
+    not dominate short kernels. Every fn runs once on a side stream first (compiles, allocator
+    warm-up), outside the capture; then the graph is replayed ``warm_replays`` times untimed
+    and ``replays`` times timed with CUDA events. Rotate ``fns`` over input copies larger than
+    the L2 so each call reads HBM. Also used by ``scripts/bench_gemv.py``.
+    """
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s):
+        for f in fns:
+            f()
+    torch.cuda.current_stream().wait_stream(s)
+    torch.cuda.synchronize()
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        for i in range(reps):
+            fns[i % len(fns)]()
+    for _ in range(warm_replays):
+        g.replay()
+    torch.cuda.synchronize()
+    times = []
+    for _ in range(replays):
+        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        a.record()
+        g.replay()
+        b.record()
+        b.synchronize()
+        times.append(a.elapsed_time(b) * 1e3 / reps)
+    del g
+    times.sort()
+    return times[len(times) // 2]
+
 
 def _sync() -> None:
     if DEVICE.type == "cuda":
@@ -100,8 +165,8 @@ def _sync() -> None:
 
 
 def time_graph(fns, reps: int, replays: int = 15) -> float:
-    """Median microseconds per call of ``fns[i % len(fns)]()`` captured ``reps`` times in one
-    CUDA graph (all fns warmed up first, outside the capture)."""
+    """Median microseconds per call (:func:`graph_time_us`); on CPU one wall-clock pass of
+    ``reps`` calls; NaN in pre-compile workers (one call, untimed)."""
     if WARM is not None:
         fns[0]()
         _sync()
@@ -136,6 +201,7 @@ def time_eager(fns, iters: int = 50) -> float:
 
 
 def do_bench_us(fn) -> float:
+    """Median microseconds of ``fn`` by ``triton.testing.do_bench`` (CUDA; eager)."""
     if WARM is not None:
         return float("nan")
     if DEVICE.type != "cuda":
@@ -144,14 +210,14 @@ def do_bench_us(fn) -> float:
 
 
 def copy_bandwidth() -> float:
-    """Measured device-to-device copy bandwidth (bytes read + written per second)."""
+    """Measured device-to-device copy bandwidth in B/s (bytes read + written); NaN on CPU."""
     if DEVICE.type != "cuda":
         return float("nan")
-    n = 1 << 29  # 1 GiB of bf16... 512 Mi elements * 2 B
+    n = 1 << 29  # 512 Mi bf16 elements, 1 GiB
     a = torch.empty(n, dtype=torch.bfloat16, device=DEVICE).normal_()
     b = torch.empty_like(a)
     t = time.time()
-    while time.time() - t < 0.3:  # let the clocks ramp before timing (run 1/2 read too low)
+    while time.time() - t < 0.3:  # let the clocks ramp up first (a cold GPU reads too low)
         b.copy_(a)
     torch.cuda.synchronize()
     us = time_graph([lambda a=a, b=b: b.copy_(a)], 5, 20)
@@ -160,6 +226,7 @@ def copy_bandwidth() -> float:
 
 
 def rel_err(out: torch.Tensor, ref: torch.Tensor) -> float:
+    """Relative L2 error ``||out - ref|| / ||ref||`` in fp32."""
     return ((out.float() - ref.float()).norm() / ref.float().norm().clamp_min(1e-30)).item()
 
 
@@ -231,12 +298,12 @@ def parity(cfg) -> list[dict]:
     for name, seqs in cases.items():
         kc, vc, sets = paged_inputs(seqs, bs, hq, hkv, d, dtype)
         q, meta = sets[0]
-        variants = [("default", lambda q=q, kc=kc, vc=vc, meta=meta: paged_attention_triton(q, kc, vc, meta,
-                                                                                           d ** -0.5))]
+        variants = [("default", lambda q=q, kc=kc, vc=vc, meta=meta: paged_attention_triton(
+            q, kc, vc, meta, d ** -0.5, **cfg.decode_options))]
         if name == "decode":
             variants += [(f"splits={ns} fused_reduce={fu}",
                           lambda ns=ns, fu=fu, q=q, kc=kc, vc=vc, meta=meta: paged_attention_decode(
-                              q, kc, vc, meta, d ** -0.5, num_splits=ns, fused_reduce=fu))
+                              q, kc, vc, meta, d ** -0.5, num_splits=ns, fused_reduce=fu, **cfg.decode_options))
                          for ns in (1, 5) for fu in (False, True) if not (ns == 1 and fu)]
         if name == "mixed":
             variants.append(("prefill kernel only", lambda q=q, kc=kc, vc=vc, meta=meta: paged_attention_prefill(
@@ -253,7 +320,6 @@ def parity(cfg) -> list[dict]:
                 e_torch = rel_err(paged_attention_torch(q, kc, vc, meta, d ** -0.5), ref)
             errs = []
             for _ in range(2):  # twice: fused reductions must leave their counters re-armed
-                out = torch.full_like(q, float("nan"))
                 out = fn()
                 errs.append(rel_err(out, ref) if bool(torch.isfinite(out).all()) else float("inf"))
             e = max(errs)
@@ -273,7 +339,6 @@ def parity(cfg) -> list[dict]:
                 variants.append(("fused_reduce toggled",
                                  Int8LinearConfig(**{**_cfg_dict(c0), "fused_reduce": not c0.fused_reduce})))
             if m <= 16:
-                bm = triton.next_power_of_2(m)
                 if m <= 4:
                     variants.append(("vec", Int8LinearConfig(1, 2, 256, num_warps=4, num_stages=1, kind="vec")))
                 variants.append(("mma plain BM=16 split", Int8LinearConfig(16, 64, 128, split_k=3, fused_reduce=True)))
@@ -326,17 +391,17 @@ def bench_decode(cfg, bw_meas) -> tuple[list[dict], list[dict]]:
     for (b, ctx) in cfg.decode_points:
         seqs = [(ctx, 1)] * b
         nbytes = attn_bytes(seqs, hq, hkv, d, elt)
-        copies = max(1, math.ceil(ROTATE_BYTES / nbytes))
+        copies = max(1, math.ceil(_ROTATE / nbytes))
         kc, vc, sets = paged_inputs(seqs, bs, hq, hkv, d, dtype, copies=copies)
-        reps = max(copies, 20)
-        fns = [lambda q=q, m=m, kc=kc, vc=vc: paged_attention_decode(q, kc, vc, m, scale) for q, m in sets]
-        if mine(("dec-default", choose_num_splits(b, hkv, ctx, 64, _sms(), d) > 1)):
+        reps = max(copies, cfg.min_reps)
+        opts = cfg.decode_options
+        fns = [lambda q=q, m=m, kc=kc, vc=vc: paged_attention_decode(q, kc, vc, m, scale, **opts)
+               for q, m in sets]
+        splits = decode_splits_used(b, hkv, ctx, d, elt, opts)
+        if mine(("dec-default", b, ctx, splits > 1)):
             us = time_graph(fns, reps)
-            splits = choose_num_splits(b, hkv, ctx, 64, _sms(), d)
-            row = dict(batch=b, context=ctx, impl="triton", num_splits=splits, us=us,
-                       gbps=nbytes / us / 1e3, frac_ref_bw=nbytes / (us * 1e-6) / REF_BW,
-                       frac_meas_bw=nbytes / (us * 1e-6) / bw_meas, bytes=nbytes,
-                       floor_us=nbytes / REF_BW * 1e6)
+            row = dict(batch=b, context=ctx, impl="triton", num_splits=splits,
+                       split_policy=opts["split_policy"], us=us, **_bw_fields(nbytes, us, bw_meas))
             if (b, ctx) == cfg.decode_main:
                 row["eager_us"] = time_eager(fns)
             rows.append(row)
@@ -346,20 +411,19 @@ def bench_decode(cfg, bw_meas) -> tuple[list[dict], list[dict]]:
             tfns = [lambda q=q, m=m, kc=kc, vc=vc: paged_attention_torch(q, kc, vc, m, scale) for q, m in sets[:2]]
             tus = time_eager(tfns, iters=10)
             rows.append(dict(batch=b, context=ctx, impl="torch_reference", us=tus,
-                             gbps=nbytes / tus / 1e3, frac_ref_bw=nbytes / (tus * 1e-6) / REF_BW,
-                             bytes=nbytes))
+                             **_bw_fields(nbytes, tus, bw_meas)))
             log(f"decode B={b} ctx={ctx}: torch reference {tus:.1f} us ({nbytes / tus / 1e3:.0f} GB/s)")
         if (b, ctx) == cfg.decode_main and cfg.sweep:
             for bn, warps, stages in cfg.decode_sweep_cfgs:
                 for ns in cfg.decode_sweep_splits:
                     for fused in (False, True):
                         if (ns == 1 and fused) or not mine(("dec", bn, warps, stages, ns > 1, fused)) \
-                                or time.time() - t_sec > cfg.budget['decode']:
+                                or time.time() - t_sec > cfg.sweep_seconds['decode']:
                             continue
                         f2 = [lambda q=q, m=m, kc=kc, vc=vc, ns=ns, bn=bn, warps=warps, stages=stages,
                               fused=fused: paged_attention_decode(
                             q, kc, vc, m, scale, num_splits=ns, block_n=bn, num_warps=warps,
-                            num_stages=stages, fused_reduce=fused) for q, m in sets]
+                            num_stages=stages, fused_reduce=fused, **opts) for q, m in sets]
                         rec = dict(block_n=bn, num_warps=warps, num_stages=stages, num_splits=ns,
                                    fused_reduce=fused)
                         try:
@@ -367,8 +431,7 @@ def bench_decode(cfg, bw_meas) -> tuple[list[dict], list[dict]]:
                         except Exception as e:  # noqa: BLE001 - a config that fails to compile
                             sweep.append(dict(rec, error=str(e)[:200]))
                             continue
-                        sweep.append(dict(rec, us=us2, gbps=nbytes / us2 / 1e3,
-                                          frac_ref_bw=nbytes / (us2 * 1e-6) / REF_BW))
+                        sweep.append(dict(rec, us=us2, **_bw_fields(nbytes, us2, bw_meas)))
             best = min((s for s in sweep if "us" in s), key=lambda s: s["us"], default=None)
             log(f"decode sweep best: {best}")
         del kc, vc, sets, fns
@@ -383,15 +446,16 @@ def bench_prefill(cfg) -> tuple[list[dict], list[dict]]:
     for pi, (name, seqs) in enumerate(cfg.prefill_points):
         flops = attn_flops(seqs, hq, d)
         kc, vc, sets = paged_inputs(seqs, bs, hq, hkv, d, dtype, copies=2)
-        fns = [lambda q=q, m=m, kc=kc, vc=vc: paged_attention_triton(q, kc, vc, m, scale) for q, m in sets]
+        fns = [lambda q=q, m=m, kc=kc, vc=vc: paged_attention_triton(q, kc, vc, m, scale, **cfg.decode_options)
+               for q, m in sets]
         if mine(("prefill-default", name)):
-            us = time_graph(fns, 4, 10)
+            us = time_graph(fns, cfg.prefill_reps, 10)
             rows.append(dict(case=name, impl="triton", us=us, tflops=flops / us / 1e6,
                              frac_ref_flops=flops / (us * 1e-6) / REF_FLOPS))
             log(f"prefill {name}: triton {us:.1f} us, {flops / us / 1e6:.0f} TFLOP/s")
         if cfg.sweep and pi == 0:
             for bm, bn, warps, stages in cfg.prefill_sweep_cfgs:
-                if not mine(("pf", bm, bn, warps, stages)) or time.time() - t_sec > cfg.budget['prefill']:
+                if not mine(("pf", bm, bn, warps, stages)) or time.time() - t_sec > cfg.sweep_seconds['prefill']:
                     continue
                 f2 = [lambda q=q, m=m, kc=kc, vc=vc, bm=bm, bn=bn, warps=warps, stages=stages:
                       paged_attention_prefill(q, kc, vc, m, scale, block_m=bm, block_n=bn,
@@ -399,7 +463,7 @@ def bench_prefill(cfg) -> tuple[list[dict], list[dict]]:
                       for q, m in sets]
                 rec = dict(case=name, block_m=bm, block_n=bn, num_warps=warps, num_stages=stages)
                 try:
-                    u = time_graph(f2, 4, 10)
+                    u = time_graph(f2, cfg.prefill_reps, 10)
                 except Exception as e:  # noqa: BLE001
                     sweep.append(dict(rec, error=str(e)[:200]))
                     continue
@@ -453,34 +517,38 @@ def int8_candidates(cfg, m: int, n: int, k: int, sms: int) -> list[Int8LinearCon
     return out
 
 
-def bench_int8(cfg) -> tuple[list[dict], list[dict]]:
+def bench_int8(cfg, bw_meas) -> tuple[list[dict], list[dict]]:
     rows, sweep = [], []
     t_sec = time.time()
     dtype = cfg.dtype
     sms = _sms()
     for (k, n) in cfg.int8_shapes:
-        copies_q = max(1, math.ceil(ROTATE_BYTES / (n * k)))
-        copies_b = max(1, math.ceil(ROTATE_BYTES / (2 * n * k)))
+        copies_q = max(1, math.ceil(_ROTATE / (n * k)))
+        copies_b = max(1, math.ceil(_ROTATE / (2 * n * k)))
         w_q = torch.randint(-127, 128, (copies_q, n, k), dtype=torch.int8, device=DEVICE)
         sc = torch.rand(copies_q, n, device=DEVICE) * 1e-3 + 1e-4
         w_b = torch.empty((copies_b, n, k), dtype=dtype, device=DEVICE).normal_(0, 0.02)
         for m in cfg.int8_m:
             x = torch.empty((m, k), dtype=dtype, device=DEVICE).normal_()
             c = choose_int8_config(m, n, k, DEVICE)
-            reps = max(copies_q, 20) if m <= 64 else max(copies_q, 8)
+            reps = max(copies_q, cfg.min_reps) if m <= 64 else max(copies_q, min(8, cfg.min_reps))
             q_fns = [lambda i=i, x=x, w_q=w_q, sc=sc: int8_linear(x, w_q[i], sc[i]) for i in range(copies_q)]
             b_fns = [lambda i=i, x=x, w_b=w_b: F.linear(x, w_b[i]) for i in range(copies_b)]
             if mine(_i8key(m, c)):
                 us_q = time_graph(q_fns, reps)
-                us_b = time_graph(b_fns, max(copies_b, 20) if m <= 64 else max(copies_b, 8))
+                us_b = time_graph(b_fns, max(copies_b, cfg.min_reps) if m <= 64
+                                  else max(copies_b, min(8, cfg.min_reps)))
                 bytes_q = n * k + 2 * m * k + 2 * m * n + 4 * n
                 bytes_b = 2 * n * k + 2 * m * k + 2 * m * n
                 flops = 2.0 * m * n * k
                 floor_q = max(bytes_q / REF_BW, flops / REF_FLOPS) * 1e6
+                floor_meas = max(bytes_q / bw_meas, flops / REF_FLOPS) * 1e6
                 row = dict(M=m, K=k, N=n, int8_us=us_q, cublas_bf16_us=us_b, speedup=us_b / us_q,
                            int8_gbps=bytes_q / us_q / 1e3, int8_frac_ref_bw=bytes_q / (us_q * 1e-6) / REF_BW,
                            cublas_gbps=bytes_b / us_b / 1e3, int8_tflops=flops / us_q / 1e6,
-                           cublas_tflops=flops / us_b / 1e6, int8_floor_us=floor_q, config=_cfg_dict(c))
+                           cublas_tflops=flops / us_b / 1e6, int8_floor_us=floor_q,
+                           int8_floor_meas_us=floor_meas, int8_x_floor=us_q / floor_meas,
+                           int8_frac_meas_bw=bytes_q / (us_q * 1e-6) / bw_meas, config=_cfg_dict(c))
                 if m in (1, 2048):
                     row["int8_eager_us"] = time_eager(q_fns)
                     row["cublas_eager_us"] = time_eager(b_fns)
@@ -491,7 +559,7 @@ def bench_int8(cfg) -> tuple[list[dict], list[dict]]:
                 us_b = float("nan")
             if cfg.sweep and m in cfg.int8_sweep_m and (k, n) in cfg.int8_sweep_shapes:
                 if WARM is None and math.isnan(us_b):
-                    us_b = time_graph(b_fns, max(copies_b, 20))
+                    us_b = time_graph(b_fns, max(copies_b, cfg.min_reps))
                 cands = int8_candidates(cfg, m, n, k, sms)
                 seen = set()
                 ref0 = None
@@ -499,7 +567,7 @@ def bench_int8(cfg) -> tuple[list[dict], list[dict]]:
                     if cc in seen:
                         continue
                     seen.add(cc)
-                    if not mine(_i8key(m, cc)) or time.time() - t_sec > cfg.budget['int8']:
+                    if not mine(_i8key(m, cc)) or time.time() - t_sec > cfg.sweep_seconds['int8']:
                         continue
                     f2 = [lambda i=i, cc=cc, x=x, w_q=w_q, sc=sc: int8_linear(x, w_q[i], sc[i], config=cc)
                           for i in range(copies_q)]
@@ -526,63 +594,120 @@ def bench_int8(cfg) -> tuple[list[dict], list[dict]]:
 # report
 # ---------------------------------------------------------------------------------------------
 
-def markdown(res) -> str:
+# ---------------------------------------------------------------------------------------------
+# bandwidth and split bookkeeping
+# ---------------------------------------------------------------------------------------------
+
+def _bw_fields(nbytes: int, us: float, bw_meas: float) -> dict:
+    """Achieved GB/s of ``nbytes`` in ``us`` microseconds, the fractions of the reference
+    (:data:`REF_BW`) and measured copy bandwidths, the floors (``nbytes`` over each bandwidth,
+    us) and the ratio of the time to the measured-bandwidth floor (``x_floor``)."""
+    floor_meas = nbytes / bw_meas * 1e6
+    return dict(gbps=nbytes / us / 1e3, frac_ref_bw=nbytes / (us * 1e-6) / REF_BW,
+                frac_meas_bw=nbytes / (us * 1e-6) / bw_meas, bytes=nbytes,
+                floor_us=nbytes / REF_BW * 1e6, floor_meas_us=floor_meas, x_floor=us / floor_meas)
+
+
+def decode_splits_used(batch: int, hkv: int, ctx: int, d: int, elt: int, opts: dict) -> int:
+    """Split count :func:`paged_attention_decode` launches for ``batch`` sequences of context
+    ``ctx`` with the decode options ``opts`` and no explicit ``num_splits`` (the launcher's own
+    rule, restated for the report)."""
+    on_cpu = DEVICE.type != "cuda"
+    sms = _attention_num_sms(DEVICE)
+    bn = _decode_config(d, on_cpu, batch * hkv, ctx, elt, wide_tile=opts["wide_tile"],
+                        stages=opts["stages"])["BLOCK_N"]
+    tiles = triton.cdiv(max(ctx, 1), bn)
+    if opts["split_policy"] == "legacy":
+        ns = min(tiles, max(1, triton.cdiv(4 * sms, max(1, batch * hkv))), 128)
+    else:
+        ns = choose_num_splits(batch, hkv, ctx, bn, sms, d)
+    ns = max(1, min(ns, tiles, triton.cdiv(tiles, opts["min_tiles"])))
+    return triton.cdiv(tiles, triton.cdiv(tiles, ns))
+
+
+# ---------------------------------------------------------------------------------------------
+# report
+# ---------------------------------------------------------------------------------------------
+
+def _f(v: float, spec: str) -> str:
+    return "n/a" if v is None or (isinstance(v, float) and math.isnan(v)) else format(v, spec)
+
+
+def markdown(res: dict) -> str:
+    """The Markdown report of a result dict (the content of ``kernels.json``)."""
     e = res["env"]
-    out = ["# llmserve Triton kernel benchmark", "",
-           f"- GPU: {e['gpu']} ({e['sms']} SMs), torch {e['torch']}, triton {e['triton']}, {e['date']}",
-           f"- measured copy bandwidth this run: {e['copy_bw_tbps']:.2f} TB/s "
-           f"(reference 4.24 TB/s, DESIGN.md); timings are medians of CUDA-graph replays with inputs "
-           f"rotated over >= 200 MB; compile warm-up {e.get('precompile_s', 0):.0f} s", ""]
-    out += ["## Parity (bf16 vs fp32 reference, relative L2 error)", "", "| kernel | case | rel err | ok |",
+    out = ["# llmserve Triton kernel benchmark", ""]
+    if e["quick"] or e["device"] == "cpu":
+        out += [f"> Smoke run ({'Triton interpreter on CPU' if e['device'] == 'cpu' else 'tiny shapes'}, "
+                "`--quick`): the parity rows are checks; the timings, bandwidths and ratios are of no "
+                "value as performance numbers.", ""]
+    out += [f"- device: {e['gpu']} ({e['sms']} SMs), torch {e['torch']}, triton {e['triton']}, "
+            f"python {e['python']}, {e['date']}",
+            f"- command: `{e['command']}`",
+            f"- copy bandwidth measured in this run: {_f(e['copy_bw_tbps'], '.2f')} TB/s (reference: "
+            f"{REF_BW / 1e12:.2f} TB/s, an H200); timings are medians of CUDA-graph replays with inputs "
+            f"rotated over >= {e['rotate_bytes'] / 1e6:.0f} MB; compile warm-up "
+            f"{e.get('precompile_s', 0):.0f} s",
+            f"- decode options (FastPathConfig): {e['decode_options']}", ""]
+    out += ["## Parity (against the fp32 reference, relative L2 error)", "", "| kernel | case | rel err | ok |",
             "| --- | --- | --- | --- |"]
     for r in res["parity"]:
         out.append(f"| {r['kernel']} | {r['case']} | {r['rel_err']:.2e} | {'yes' if r['ok'] else 'NO'} |")
-    out += ["", "## Decode paged attention (12 q heads, 2 KV heads, D=128, bf16, block 16)", "",
-            "| batch | context | impl | splits | us | GB/s | % of 4.24 TB/s |",
-            "| --- | --- | --- | --- | --- | --- | --- |"]
+    c = res["shapes"]
+    out += ["", f"## Decode paged attention ({c['hq']} q heads, {c['hkv']} KV heads, D={c['d']}, {c['dtype']}, "
+            "block 16)", "",
+            "| batch | context | impl | splits | us | GB/s | % of ref BW | floor us (measured BW) | x floor |",
+            "| --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
     for r in res["decode"]:
         out.append(f"| {r['batch']} | {r['context']} | {r['impl']} | {r.get('num_splits', '')} | {r['us']:.1f} | "
-                   f"{r['gbps']:.0f} | {100 * r['frac_ref_bw']:.1f} |")
+                   f"{r['gbps']:.0f} | {100 * r['frac_ref_bw']:.1f} | {_f(r['floor_meas_us'], '.2f')} | "
+                   f"{_f(r['x_floor'], '.2f')} |")
     ds = sorted((s for s in res.get("decode_sweep", []) if "us" in s), key=lambda s: s["us"])[:5]
     if ds:
         out += ["", "Decode sweep at the main point, best 5:", ""]
         for s in ds:
             out.append(f"- BLOCK_N={s['block_n']} warps={s['num_warps']} stages={s['num_stages']} "
                        f"splits={s['num_splits']} fused={s['fused_reduce']}: {s['us']:.1f} us "
-                       f"({100 * s['frac_ref_bw']:.1f}%)")
+                       f"({100 * s['frac_ref_bw']:.1f}% of ref BW)")
     if res.get("prefill"):
         out += ["", "## Prefill / chunk attention", "", "| case | impl | us | TFLOP/s |", "| --- | --- | --- | --- |"]
         for r in res["prefill"]:
             out.append(f"| {r['case']} | {r['impl']} | {r['us']:.1f} | {r['tflops']:.0f} |")
-    out += ["", "## INT8 weight-only linear vs cuBLAS bf16", "",
-            "| M | K | N | int8 us | cuBLAS bf16 us | speedup | int8 GB/s | % of 4.24 TB/s | config |",
-            "| --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
-    for r in res["int8"]:
-        c = r["config"]
-        cs = (f"{c.get('kind', 'mma')} {c['block_m']}x{c['block_n']}x{c['block_k']} s{c['split_k']}"
-              f"{' swap' if c['swap_ab'] else ''}"
-              f"{' fused' if c.get('fused_reduce') else ''}")
-        out.append(f"| {r['M']} | {r['K']} | {r['N']} | {r['int8_us']:.2f} | {r['cublas_bf16_us']:.2f} | "
-                   f"{r['speedup']:.2f}x | {r['int8_gbps']:.0f} | {100 * r['int8_frac_ref_bw']:.1f} | {cs} |")
+    if res.get("int8"):
+        out += ["", "## INT8 weight-only linear vs cuBLAS bf16", "",
+                "| M | K | N | int8 us | cuBLAS bf16 us | speedup | int8 GB/s | % of ref BW | x floor | config |",
+                "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
+        for r in res["int8"]:
+            cc = r["config"]
+            cs = (f"{cc.get('kind', 'mma')} {cc['block_m']}x{cc['block_n']}x{cc['block_k']} s{cc['split_k']}"
+                  f"{' swap' if cc['swap_ab'] else ''}{' fused' if cc.get('fused_reduce') else ''}")
+            out.append(f"| {r['M']} | {r['K']} | {r['N']} | {r['int8_us']:.2f} | {r['cublas_bf16_us']:.2f} | "
+                       f"{r['speedup']:.2f}x | {r['int8_gbps']:.0f} | {100 * r['int8_frac_ref_bw']:.1f} | "
+                       f"{_f(r['int8_x_floor'], '.2f')} | {cs} |")
     isw = [s for s in res.get("int8_sweep", []) if "us" in s and s.get("ok", True)]
     bad = [s for s in res.get("int8_sweep", []) if "error" in s or not s.get("ok", True)]
     if bad:
         out += ["", f"INT8 sweep: {len(bad)} candidates failed or were wrong (see kernels.json)"]
     if isw:
         out += ["", "INT8 sweep, best per shape:", ""]
-        keys = sorted({(s["M"], s["K"], s["N"]) for s in isw})
-        for key in keys:
+        for key in sorted({(s["M"], s["K"], s["N"]) for s in isw}):
             b = min((s for s in isw if (s["M"], s["K"], s["N"]) == key), key=lambda s: s["us"])
             out.append(f"- M={key[0]} K={key[1]} N={key[2]}: {b['us']:.2f} us ({b['speedup']:.2f}x) {b['config']}")
-    t = res["targets"]
     out += ["", "## Targets", ""]
-    for k, v in t.items():
+    for k, v in res["targets"].items():
         out.append(f"- {k}: {v}")
+    out += ["", "Floors: the bytes that must move over the copy bandwidth (INT8: or the FLOPs over "
+            f"{REF_FLOPS / 1e12:.0f} TFLOP/s, whichever is longer); x floor = time / floor at the bandwidth "
+            "measured in this run."]
     return "\n".join(out) + "\n"
 
 
 def targets(res) -> dict:
+    """Pass/miss of the kernel targets (full runs only; a quick run reports parity alone)."""
     t = {}
+    if res["env"]["quick"]:
+        t["parity"] = "all ok" if all(r["ok"] for r in res["parity"]) else "FAILURES"
+        return t
     main = [r for r in res["decode"] if r["impl"] == "triton" and r["batch"] == 64 and r["context"] == 2048]
     if main:
         f = main[0]["frac_ref_bw"]
@@ -603,13 +728,20 @@ def targets(res) -> dict:
     return t
 
 
+
 class Cfg:
-    def __init__(self, smoke: bool, sweep: bool, deadline: float):
+    """Shapes, sweep candidates and repetitions of one run: the full set (Qwen2.5-1.5B's
+    attention head layout and linear shapes, bf16) or, ``quick``, tiny shapes (fp16 on CPU,
+    where the interpreter's bf16 arithmetic is wrong) with 2 calls a timing."""
+
+    def __init__(self, quick: bool, sweep: bool, deadline: float, decode_options: dict, cpu: bool):
         self.sweep = sweep
+        self.decode_options = decode_options
         # seconds of each section after which no further sweep point is started
-        self.budget = dict(decode=0.3 * deadline, int8=0.55 * deadline, prefill=0.15 * deadline)
-        if smoke:  # CPU interpreter smoke test: tiny shapes, fp16
-            self.dtype = torch.float16
+        self.sweep_seconds = dict(decode=0.3 * deadline, int8=0.55 * deadline, prefill=0.15 * deadline)
+        if quick:
+            self.dtype = torch.float16 if cpu else torch.bfloat16
+            self.min_reps, self.prefill_reps = 2, 1
             self.hq, self.hkv, self.d = 12, 2, 32
             self.parity_decode_ctx = [1, 16, 17]
             self.parity_prefill = [(20, 20), (40, 9)]
@@ -620,7 +752,7 @@ class Cfg:
             self.decode_main = (2, 40)
             self.decode_torch_points = [(2, 40)]
             self.decode_sweep_cfgs = [(16, 1, 1)]
-            self.decode_sweep_splits = [1, 2]
+            self.decode_sweep_splits = [2]
             self.prefill_points = [("fresh 1x32", [(32, 32)])]
             self.prefill_sweep_cfgs = [(16, 16, 1, 1)]
             self.prefill_torch = True
@@ -632,6 +764,7 @@ class Cfg:
             self.int8_large_cfgs = []
             return
         self.dtype = torch.bfloat16
+        self.min_reps, self.prefill_reps = 20, 4
         self.hq, self.hkv, self.d = 12, 2, 128
         self.parity_decode_ctx = [1, 15, 16, 17, 255, 256, 257, 2048, 3001]
         self.parity_prefill = [(512, 512), (1000, 211), (300, 300), (17, 17)]
@@ -661,7 +794,71 @@ class Cfg:
                                 (True, 128, 256, 64, 8, 3)]
 
 
-def run_all(cfg, bw_meas, res, skip, save):
+@dataclass(frozen=True, slots=True)
+class KernelBenchOptions:
+    """Options of one ``llmserve bench-kernels`` run.
+
+    Attributes:
+        device: ``cuda``, ``cuda:N`` or ``cpu`` (``cpu`` needs ``quick`` and the Triton
+            interpreter, ``TRITON_INTERPRET=1`` set before Python starts).
+        quick: tiny shapes, 2 calls a timing (a smoke run; its timings mean nothing).
+        sweep: also sweep launch configurations (decode, prefill, INT8).
+        sweep_deadline: seconds of sweeping in all (30% decode, 55% INT8, 15% prefill), > 0.
+        workers: processes that pre-compile the kernels in parallel on a GPU, in [0, 64]
+            (0: none).
+        skip: sections left out, a subset of :data:`SECTIONS`.
+        decode_splits: split policy of the decode kernel (``FastPathConfig.decode_splits``).
+        output: directory of ``kernels.json`` / ``kernels.md``; ``None``:
+            ``results/kernels/<gpu_slug>`` (``cpu`` on CPU).
+
+    Raises:
+        ValueError: an option outside its range, naming it.
+    """
+
+    device: str = "cuda"
+    quick: bool = False
+    sweep: bool = True
+    sweep_deadline: float = 150.0
+    workers: int = 0
+    skip: frozenset = frozenset()
+    decode_splits: str = FastPathConfig().decode_splits
+    output: str | None = None
+
+    def __post_init__(self) -> None:
+        try:
+            dev = torch.device(self.device)
+        except (RuntimeError, ValueError):
+            raise ValueError(f"device must be cpu, cuda or cuda:N, got {self.device!r}") from None
+        if dev.type not in ("cpu", "cuda"):
+            raise ValueError(f"device must be cpu, cuda or cuda:N, got {self.device!r}")
+        if dev.type == "cpu" and not self.quick:
+            raise ValueError("device cpu runs only the smoke shapes: add --quick (the full shapes take "
+                             "hours in the Triton interpreter)")
+        if dev.type == "cuda" and not torch.cuda.is_available():
+            raise ValueError(f"device {self.device} was requested but CUDA is not available; use "
+                             "--device cpu --quick for the smoke run")
+        if not (isinstance(self.sweep_deadline, (int, float)) and self.sweep_deadline > 0):
+            raise ValueError(f"sweep_deadline must be > 0 seconds, got {self.sweep_deadline!r}")
+        if type(self.workers) is not int or not 0 <= self.workers <= 64:
+            raise ValueError(f"workers must be an integer in [0, 64], got {self.workers!r}")
+        unknown = set(self.skip) - set(SECTIONS)
+        if unknown:
+            raise ValueError(f"skip must name sections among {list(SECTIONS)}, got {sorted(unknown)}")
+        if self.decode_splits not in DECODE_SPLIT_POLICIES:
+            raise ValueError(f"decode_splits must be one of {list(DECODE_SPLIT_POLICIES)}, "
+                             f"got {self.decode_splits!r}")
+
+    def decode_options(self) -> dict:
+        """Keyword options of the decode kernel: the engine's defaults (``FastPathConfig``)
+        with this run's split policy."""
+        fp = FastPathConfig(decode_splits=self.decode_splits)
+        return {"split_policy": fp.decode_splits, "stages": fp.decode_stages,
+                "min_tiles": fp.decode_min_tiles, "fused_max_splits": fp.decode_fused_max_splits,
+                "wide_tile": fp.decode_wide_tile, "early_pages": fp.decode_early_pages,
+                "prefetch_kv": fp.decode_prefetch_kv}
+
+
+def run_all(cfg: Cfg, bw_meas: float, res: dict, skip, save) -> None:
     """The whole measurement sequence (also what each pre-compile worker walks through)."""
     global _UNIT
     _UNIT = 0
@@ -671,7 +868,7 @@ def run_all(cfg, bw_meas, res, skip, save):
         res["decode"], res["decode_sweep"] = bench_decode(cfg, bw_meas)
         save()
     if "int8" not in skip:
-        res["int8"], res["int8_sweep"] = bench_int8(cfg)
+        res["int8"], res["int8_sweep"] = bench_int8(cfg, bw_meas)
         save()
     if "prefill" not in skip:
         res["prefill"], res["prefill_sweep"] = bench_prefill(cfg)
@@ -680,71 +877,137 @@ def run_all(cfg, bw_meas, res, skip, save):
 
 def _warm_worker(args) -> str:
     """Pre-compile worker: walk the run, launching only this worker's units once."""
-    global WARM, DEVICE, ROTATE_BYTES
-    wid, nw, device, smoke, sweep, deadline, skip = args
+    global WARM, DEVICE, _ROTATE
+    wid, nw, device, quick, sweep, skip, decode_options = args
     WARM = (wid, nw)
     DEVICE = torch.device(device)
-    ROTATE_BYTES = 0
+    _ROTATE = 0
     try:
-        run_all(Cfg(smoke, sweep, 1e9), REF_BW, {}, skip, lambda: None)
+        run_all(Cfg(quick, sweep, 1e9, decode_options, cpu=False), REF_BW, {}, skip, lambda: None)
         _sync()
         return f"worker {wid}: ok"
     except Exception as e:  # noqa: BLE001 - reported, the main run compiles what is missing
         return f"worker {wid}: {type(e).__name__}: {e}"[:300]
 
 
-def main(argv=None) -> int:
-    global DEVICE, ROTATE_BYTES
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--out", type=Path, default=Path("results/kernels"))
-    p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
-    p.add_argument("--no-sweep", action="store_true", help="skip the config sweeps")
-    p.add_argument("--sweep-deadline", type=float, default=150.0,
-                   help="seconds of sweeping in all (30%% decode, 55%% int8, 15%% prefill)")
-    p.add_argument("--workers", type=int, default=min(12, max(1, (os.cpu_count() or 2) - 2)),
-                   help="processes that pre-compile the kernels in parallel (0: none)")
-    p.add_argument("--skip", default="", help="comma list of sections to skip: prefill,int8,decode")
-    a = p.parse_args(argv)
-    DEVICE = torch.device(a.device)
-    smoke = DEVICE.type != "cuda"
-    if smoke:
-        ROTATE_BYTES = 1e4
-    cfg = Cfg(smoke, not a.no_sweep, a.sweep_deadline)
-    skip = set(filter(None, a.skip.split(",")))
-    a.out.mkdir(parents=True, exist_ok=True)
+def default_output(device: torch.device) -> Path:
+    """``results/kernels/<gpu_slug>`` for a CUDA device, ``results/kernels/cpu`` otherwise."""
+    return Path("results/kernels") / (gpu_slug(torch.cuda.get_device_name(device))
+                                      if device.type == "cuda" else "cpu")
+
+
+def run(opts: KernelBenchOptions, command: str = "llmserve bench-kernels") -> tuple[dict, Path]:
+    """Run the checks and timings of ``opts``, writing ``kernels.json`` and ``kernels.md`` after
+    every section (a crash keeps what was measured).
+
+    Returns:
+        ``(result dict, output directory)``; the dict has ``env``, ``shapes``, ``parity``,
+        ``decode``, ``decode_sweep``, ``prefill``, ``prefill_sweep``, ``int8``, ``int8_sweep``,
+        ``targets`` (times in us, bandwidths in GB/s or TB/s as named).
+
+    Raises:
+        ValueError: CPU tensors without the Triton interpreter.
+    """
+    global DEVICE, WARM, _ROTATE, T0
+    DEVICE = torch.device(opts.device)
+    WARM = None
+    cpu = DEVICE.type == "cpu"
+    if cpu and not interpreting():
+        raise ValueError("--device cpu runs the kernels in the Triton interpreter: start Python with "
+                         "TRITON_INTERPRET=1 (e.g. TRITON_INTERPRET=1 llmserve bench-kernels --device cpu "
+                         "--quick)")
+    if DEVICE.type == "cuda" and DEVICE.index is not None:
+        torch.cuda.set_device(DEVICE)
+    _ROTATE = QUICK_ROTATE_BYTES if opts.quick else ROTATE_BYTES
+    T0 = time.time()
+    decode_options = opts.decode_options()
+    cfg = Cfg(opts.quick, opts.sweep, opts.sweep_deadline, decode_options, cpu)
+    out = Path(opts.output) if opts.output else default_output(DEVICE)
+    out.mkdir(parents=True, exist_ok=True)
     torch.manual_seed(0)
-    env = dict(gpu=torch.cuda.get_device_name(DEVICE) if not smoke else "cpu (TRITON_INTERPRET smoke)",
-               sms=_sms() if not smoke else 0, torch=torch.__version__, triton=triton.__version__,
+    env = dict(device=DEVICE.type, quick=opts.quick,
+               gpu="cpu (Triton interpreter)" if cpu else torch.cuda.get_device_name(DEVICE),
+               sms=0 if cpu else _sms(), torch=torch.__version__, triton=triton.__version__,
                date=_dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
-               python=sys.version.split()[0])
-    if not smoke and a.workers > 0:
+               python=sys.version.split()[0], command=command, rotate_bytes=_ROTATE,
+               decode_options=decode_options, sweep=opts.sweep)
+    if not cpu and opts.workers > 0:
         import multiprocessing as mp
         t = time.time()
-        with mp.get_context("spawn").Pool(a.workers) as pool:
-            for msg in pool.imap_unordered(_warm_worker, [(i, a.workers, a.device, smoke, cfg.sweep, 0, skip)
-                                                          for i in range(a.workers)]):
+        with mp.get_context("spawn").Pool(opts.workers) as pool:
+            work = [(i, opts.workers, opts.device, opts.quick, cfg.sweep, set(opts.skip), decode_options)
+                    for i in range(opts.workers)]
+            for msg in pool.imap_unordered(_warm_worker, work):
                 log(msg)
         env["precompile_s"] = time.time() - t
-        log(f"pre-compiled in {env['precompile_s']:.1f} s with {a.workers} workers")
-    global T0
+        log(f"pre-compiled in {env['precompile_s']:.1f} s with {opts.workers} workers")
     T0 = time.time()  # sweep deadlines count from here
     env["copy_bw_tbps"] = copy_bandwidth() / 1e12
-    bw_meas = env["copy_bw_tbps"] * 1e12 if not smoke else REF_BW
+    bw_meas = REF_BW if cpu else env["copy_bw_tbps"] * 1e12
     log(f"env: {env}")
-    res = dict(env=env, parity=[], decode=[], decode_sweep=[], prefill=[], prefill_sweep=[], int8=[],
-               int8_sweep=[])
+    res = dict(env=env, shapes=dict(hq=cfg.hq, hkv=cfg.hkv, d=cfg.d, dtype=str(cfg.dtype).replace("torch.", ""),
+                                    block_size=16),
+               parity=[], decode=[], decode_sweep=[], prefill=[], prefill_sweep=[], int8=[], int8_sweep=[])
 
-    def save():
+    def save() -> None:
         res["targets"] = targets(res)
-        (a.out / "kernels.json").write_text(json.dumps(res, indent=1))
-        (a.out / "kernels.md").write_text(markdown(res))
+        (out / "kernels.json").write_text(json.dumps(res, indent=1, default=str))
+        (out / "kernels.md").write_text(markdown(res))
 
-    run_all(cfg, bw_meas, res, skip, save)
+    run_all(cfg, bw_meas, res, set(opts.skip), save)
+    save()
+    return res, out
+
+
+# ---------------------------------------------------------------------------------------------
+# command line
+# ---------------------------------------------------------------------------------------------
+
+def add_bench_kernels_subparser(sub) -> None:
+    """Register ``llmserve bench-kernels`` on an ``argparse`` subparsers object."""
+    p = sub.add_parser("bench-kernels", help="parity checks and timings of the Triton kernels on a GPU",
+                       description=__doc__)
+    p.add_argument("--device", default="cuda", help="cuda | cuda:N | cpu (cpu: with --quick, in the "
+                   "Triton interpreter; start with TRITON_INTERPRET=1)")
+    p.add_argument("--quick", action="store_true",
+                   help="tiny shapes, 2 calls a timing: a smoke run whose timings mean nothing")
+    p.add_argument("--no-sweep", dest="sweep", action="store_false", help="skip the config sweeps")
+    p.add_argument("--sweep-deadline", type=float, default=150.0,
+                   help="seconds of sweeping in all (30%% decode, 55%% int8, 15%% prefill; default 150)")
+    p.add_argument("--workers", type=int, default=min(12, max(1, (os.cpu_count() or 2) - 2)),
+                   help="processes that pre-compile the kernels in parallel on a GPU (0: none)")
+    p.add_argument("--skip", default="", help=f"comma list of sections to skip: {','.join(SECTIONS)}")
+    p.add_argument("--decode-splits", default=FastPathConfig().decode_splits, choices=list(DECODE_SPLIT_POLICIES),
+                   help="split policy of the decode attention kernel (FastPathConfig.decode_splits)")
+    p.add_argument("--output", "--out", dest="output", default=None,
+                   help="output directory (default: results/kernels/<gpu>, e.g. results/kernels/h200)")
+    p.set_defaults(func=_main)
+
+
+def _command_line(o: KernelBenchOptions) -> str:
+    """The command that repeats a run of ``o`` (default flags left out)."""
+    parts = ["llmserve bench-kernels", f"--device {o.device}"]
+    if o.quick:
+        parts.append("--quick")
+    if not o.sweep:
+        parts.append("--no-sweep")
+    if o.sweep_deadline != 150.0:
+        parts.append(f"--sweep-deadline {o.sweep_deadline:g}")
+    if o.skip:
+        parts.append("--skip " + ",".join(sorted(o.skip)))
+    if o.decode_splits != FastPathConfig().decode_splits:
+        parts.append(f"--decode-splits {o.decode_splits}")
+    if o.output:
+        parts.append(f"--output {o.output}")
+    return " ".join(parts)
+
+
+def _main(args: argparse.Namespace) -> int:
+    opts = KernelBenchOptions(device=args.device, quick=args.quick, sweep=args.sweep,
+                              sweep_deadline=args.sweep_deadline, workers=args.workers,
+                              skip=frozenset(filter(None, args.skip.split(","))),
+                              decode_splits=args.decode_splits, output=args.output)
+    res, out = run(opts, command=_command_line(opts))
     print(markdown(res))
+    print(f"wrote {out / 'kernels.json'} and {out / 'kernels.md'}")
     return 0 if all(r["ok"] for r in res["parity"]) else 1
-
-
-DEVICE = torch.device("cpu")
-
-if __name__ == "__main__":
-    sys.exit(main())
