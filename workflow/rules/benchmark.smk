@@ -34,12 +34,6 @@ BENCHMARK_PARTITION = (os.environ.get("LLMSERVE_SLURM_GPU_PARTITION")
                        or os.environ.get("LLMSERVE_SLURM_PARTITION", ""))
 
 
-def benchmark_runtime_min(n_cells):
-    """Cluster time limit in minutes of a group of `n_cells` cells (outer timeout + 10 min)."""
-    outer_s = n_cells * int(config["timeout_s"]) + 300 + 30
-    return -(-outer_s // 60) + 10
-
-
 rule code_changed_marker:
     output:
         f"{LOGS}/code-changed/{{cell}}/{{old}}-to-{{new}}.stamp",
@@ -78,7 +72,7 @@ for _group, _cells in GROUPS.items():
         resources:
             gpu=GPU,
             benchmark_slot=1,
-            runtime=benchmark_runtime_min(len(_cells)),
+            runtime=-(-(len(_cells) * int(config["timeout_s"]) + 300 + 30) // 60) + 10,  # minutes
             mem_mb=BENCHMARK_MEM_MB,
             cpus_per_task=BENCHMARK_CPUS,
             slurm_partition=BENCHMARK_PARTITION,
