@@ -2,21 +2,22 @@
 
 `workflow/scripts/local_slurm.sh start` brings up a single-node cluster on this machine (munged,
 slurmctld, slurmd from Debian's packages; the node is what `slurmd -C` sees). The reduced matrix
-of tests/test_pipeline.py, with two repetitions (2 cells x 2 = 4 benchmark jobs), then runs
-twice from two copies of the workflow: through the Slurm executor with the profile as it is,
-and locally with `--cores 1`, at the same time. Mid-run, one benchmark cell's Slurm job is
-killed with `scancel` while its `llmserve benchmark` process runs.
+of tests/test_pipeline.py, with two repetitions (2 cells x 2 = 4 runs in 2 benchmark jobs,
+`benchmark_main_rep0` and `benchmark_main_rep1`: one process runs the cells of one sweep and
+repetition), then runs twice from two copies of the workflow: through the Slurm executor with
+the profile as it is, and locally with `--cores 1`, at the same time. Mid-run, one benchmark
+job is killed with `scancel` while its benchmark process (workflow/scripts/run_cells.py) runs.
 
 Checked: every job was a Slurm job (its job id in Snakemake's output, in the name of its log
 under results/checkpoint3/logs/slurm/ and known to `scontrol`), CPU cells asked Slurm for no
-GPU while a GPU-profile cell asks for one, the killed cell was submitted again and is in the
-table, the tables, token digests and provenance equal the local run's (timings aside), the
-checksum file verifies, and a dry run afterwards has nothing to do.
+GPU while a GPU-profile benchmark job asks for one (with a time limit that follows its group's
+size), the killed job was submitted again and its cells are in the table, the tables, token
+digests and provenance equal the local run's (timings aside), the checksum file verifies, and
+a dry run afterwards has nothing to do.
 
 Skipped only when Slurm is not installed or this is not root (the script's exit code 2).
-Measured on 2 cores: 147-168 s when the machine was otherwise idle, 260 s while other test suites
-ran. Most of that is the cells running one after another (`--exclusive`) plus the executor's
-status polling.
+Measured on 2 cores shared with other test suites: 141 s. Most of that is the benchmark jobs
+running one after another (`--exclusive`) plus the executor's status polling.
 """
 
 from __future__ import annotations
@@ -41,13 +42,21 @@ LOCAL_SLURM = ROOT / "workflow" / "scripts" / "local_slurm.sh"
 NAME = "slurmci"  # the reduced matrix's profile name (results/checkpoint3/slurmci/)
 OUT = f"results/checkpoint3/{NAME}"
 SLURM_LOGS = "results/checkpoint3/logs/slurm"  # the profile's slurm-logdir
-CELLS = [f"scheduler~{s}_policy~fcfs_batch~{b}_chunk~0_linear~torch_attn~torch_rate~profile"
-         f"_blocks~auto_rep~{r}" for s, b in (("naive", 1), ("continuous", 4)) for r in (0, 1)]
+# The reduced matrix's cells: every sweep's cell is one of main's, so main owns them all and the
+# benchmark jobs are main's two repetitions (rules benchmark_<sweep>_rep<N>, benchmark.smk).
+GROUPS = {f"main_rep{r}": [f"scheduler~{s}_policy~fcfs_batch~{b}_chunk~0_linear~torch_attn~torch"
+                           f"_rate~inf_blocks~auto_load~default_rep~{r}"
+                           for s, b in (("naive", 1), ("continuous", 8))] for r in (0, 1)}
+CELLS = [cell for cells in GROUPS.values() for cell in cells]
+RULES = {f"benchmark_{group}": group for group in GROUPS}  # rule name -> group
 # The profile as a user runs it; this cluster has no slurmdbd, so sacct cannot answer and job
 # states come from squeue. Status checks start after 2 s instead of 40 (a test, not a cluster).
 SLURM_ARGS = ("--workflow-profile", "workflow/profiles/slurm", "--slurm-status-command", "squeue",
               "--slurm-init-seconds-before-status-checks", "2")
-TIMING = re.compile(r"throughput|_ms_")  # summary.csv columns that measure time
+# Table columns that measure time: throughputs, latencies, goodput (SLO-meeting requests per
+# second) and latency/throughput ratios to the baseline cell (failure_regimes.csv)
+TIMING = re.compile(r"throughput|_ms_|goodput|_vs_baseline")
+PROCESS_TIMING = ("process_startup_s", "cell_wall_s")  # provenance["process"] keys that do
 
 pytestmark = pytest.mark.slow
 
@@ -95,37 +104,38 @@ def scontrol_job(job_id: str) -> dict[str, str]:
     return dict(m.groups() for m in re.finditer(r"(\w+)=(\S*)", r.stdout))
 
 
-def benchmark_running(work: Path, cell: str) -> bool:
-    """Whether an `llmserve benchmark` process of this cell runs, in the given workflow copy."""
+def benchmark_running(work: Path, group: str) -> bool:
+    """Whether the benchmark process of this group (`run_cells.py run ... --group GROUP`) runs,
+    in the given workflow copy."""
     for pid in filter(str.isdigit, os.listdir("/proc")):
         try:
             argv = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")
             cwd = os.readlink(f"/proc/{pid}/cwd")
         except OSError:
             continue
-        if (cwd == str(work) and b"benchmark" in argv
-                and f"{OUT}/raw/{cell}.json".encode() in argv and any(b"llmserve" in a for a in argv)):
+        if (cwd == str(work) and any(a.endswith(b"run_cells.py") for a in argv)
+                and b"run" in argv and b"--group" in argv
+                and argv[argv.index(b"--group") + 1] == group.encode()):
             return True
     return False
 
 
-def kill_one_cell_mid_run(work: Path, run: subprocess.Popen, victim: dict) -> None:
-    """scancel the first benchmark cell whose engine process is seen running (once)."""
-    prefix = "rule_benchmark_cell_wildcards_"
+def kill_one_group_mid_run(work: Path, run: subprocess.Popen, victim: dict) -> None:
+    """scancel the first benchmark job whose benchmark process is seen running (once)."""
     deadline = time.monotonic() + 400
     while run.poll() is None and time.monotonic() < deadline:
         for job_id, _, comment in squeue("RUNNING"):
-            cell = comment.removeprefix(prefix)
-            if comment.startswith(prefix) and benchmark_running(work, cell):
+            rule = comment.removeprefix("rule_")
+            if rule in RULES and benchmark_running(work, RULES[rule]):
                 subprocess.run(["scancel", job_id], timeout=30)
-                # The cell may have finished in between: then try the next one.
+                # The group may have finished in between: then try the next one.
                 for _ in range(50):
                     state = next((st for j, st, _ in squeue() if j == job_id), "")
                     if state not in ("RUNNING", "COMPLETING"):
                         break
                     time.sleep(0.2)
                 if state == "CANCELLED":
-                    victim.update(job_id=job_id, cell=cell)
+                    victim.update(job_id=job_id, rule=rule, group=RULES[rule])
                     return
         time.sleep(0.2)
 
@@ -159,7 +169,7 @@ def runs(local_slurm, tmp_path_factory):
     run = smk_popen([*SLURM_ARGS, "results/checkpoint3", "--config", f"profile={NAME}"],
                     slurm_work, env, tmp / "slurm.log")
     victim: dict = {}
-    killer = threading.Thread(target=kill_one_cell_mid_run, args=(slurm_work, run, victim))
+    killer = threading.Thread(target=kill_one_group_mid_run, args=(slurm_work, run, victim))
     killer.start()
     try:
         run.wait(timeout=480)
@@ -186,43 +196,50 @@ def test_every_job_ran_as_a_slurm_job(runs):
     work, out, _, victim, _ = runs
     subs = submissions(out)
     logdir = work / SLURM_LOGS
-    by_cell: dict[str, list[str]] = {}
+    by_rule: dict[str, list[str]] = {}
     for job_id, log in subs:
         assert log.is_file() and log.name == f"{job_id}.log" and logdir in log.parents, log
-        if log.parent.parent.name == "rule_benchmark_cell":
-            by_cell.setdefault(log.parent.name, []).append(job_id)
-    assert sorted(by_cell) == sorted(CELLS), by_cell
+        if log.parent.name.removeprefix("rule_") in RULES:
+            by_rule.setdefault(log.parent.name.removeprefix("rule_"), []).append(job_id)
+    assert sorted(by_rule) == sorted(RULES), by_rule
+    assert not [p for p in logdir.iterdir() if p.name.startswith("rule_benchmark_")
+                and p.name.removeprefix("rule_") not in RULES], sorted(logdir.iterdir())
     for rule in ("derive_load_profile", "aggregate", "plots", "checksums"):
         assert len(list((logdir / f"rule_{rule}").glob("*.log"))) == 1, rule
-    for cell, job_ids in by_cell.items():
+    for rule, job_ids in by_rule.items():
         states = [scontrol_job(j)["JobState"] for j in job_ids]
-        # one job per cell; the killed cell has a cancelled job and the one that replaced it
-        assert states == (["CANCELLED", "COMPLETED"] if cell == victim.get("cell")
-                          else ["COMPLETED"]), (cell, job_ids, states)
+        # one job per group; the killed group has a cancelled job and the one that replaced it
+        assert states == (["CANCELLED", "COMPLETED"] if rule == victim.get("rule")
+                          else ["COMPLETED"]), (rule, job_ids, states)
         for j in job_ids:
             info = scontrol_job(j)
             # the CPU matrix asks Slurm for no GPU (the rule declares gpu=0 on CPU profiles)
             assert "gpu" not in info.get("TRES", "") + info.get("TresPerJob", "") \
                 + info.get("TresPerNode", ""), info
-            assert info["Comment"] == f"rule_benchmark_cell_wildcards_{cell}", info
+            assert info["Comment"] == f"rule_{rule}", info
             assert info["WorkDir"] == str(work)
-            assert info["StdOut"] == str(logdir / "rule_benchmark_cell" / cell / f"{j}.log")
+            assert info["StdOut"] == str(logdir / f"rule_{rule}" / f"{j}.log")
+            # the rule's own sizing (benchmark.smk): 2 cells x 120 s + 330 s -> 10 + 10 min
+            assert info["TimeLimit"] == "00:20:00" and info["OverSubscribe"] == "NO", info
 
 
 def test_killed_cell_was_resubmitted_and_is_in_the_table(runs):
     work, out, _, victim, _ = runs
-    assert victim, "no benchmark cell was seen running, so none was killed: " + out[-3000:]
-    job_id, cell = victim["job_id"], victim["cell"]
+    assert victim, "no benchmark job was seen running, so none was killed: " + out[-3000:]
+    job_id, rule, group = victim["job_id"], victim["rule"], victim["group"]
     assert f"SLURM-job '{job_id}' failed, SLURM status is: 'CANCELLED'" in out, out[-5000:]
-    jobs = [j for j, log in submissions(out) if log.parent.name == cell]
+    jobs = [j for j, log in submissions(out) if log.parent.name == f"rule_{rule}"]
     assert len(jobs) == 2 and jobs[0] == job_id, jobs
-    report = json.loads((work / OUT / "raw" / f"{cell}.json").read_text())
-    assert report["status"] == "ok" and report["token_digest"], report.get("error")
     import pandas as pd
 
     summary = pd.read_csv(work / OUT / "summary.csv", dtype=str, keep_default_na=False)
-    row = summary[summary["cell"] == cell.rsplit("_rep~", 1)[0]]
-    assert len(row) == 1 and row["runs_ok"].iloc[0] == "2", summary.to_string()
+    for cell in GROUPS[group]:  # the whole group ran again, in the second job
+        report = json.loads((work / OUT / "raw" / f"{cell}.json").read_text())
+        assert report["status"] == "ok" and report["token_digest"], report.get("error")
+        prov = json.loads((work / OUT / "raw" / f"{cell}.provenance.json").read_text())
+        assert prov["benchmark_exit_status"] == 0 and "died" not in prov["process"], prov
+        row = summary[summary["cell"] == cell.rsplit("_rep~", 1)[0]]
+        assert len(row) == 1 and row["runs_ok"].iloc[0] == "2", summary.to_string()
 
 
 def test_same_tables_digests_and_files_as_the_local_run(runs):
@@ -244,8 +261,13 @@ def test_same_tables_digests_and_files_as_the_local_run(runs):
         assert s["token_digest"] == t["token_digest"] and s["token_digest"], cell
         for key in ("status", "config", "engine_config", "profile", "hardware"):
             assert s[key] == t[key], (cell, key)
-        prov = f"{OUT}/raw/{cell}.provenance.json"  # code hash, thread environment
-        assert (work / prov).read_text() == (local / prov).read_text(), prov
+        # code hash, thread environment, the process's group and position (timings aside)
+        provs = [json.loads((d / OUT / "raw" / f"{cell}.provenance.json").read_text())
+                 for d in (work, local)]
+        for prov in provs:
+            for key in PROCESS_TIMING:
+                prov["process"].pop(key)
+        assert provs[0] == provs[1] and provs[0]["process"]["group"] in GROUPS, cell
     # the same run conditions in the Markdown table (only the run timestamps differ)
     conditions = [[ln for ln in (d / OUT / "summary.md").read_text().splitlines()
                    if ln.startswith("- **") and not ln.startswith("- **Runs:**")]
@@ -255,7 +277,9 @@ def test_same_tables_digests_and_files_as_the_local_run(runs):
     checksum = f"checksums/checkpoint3-{NAME}.sha256"
     listed = [[ln.split("  ", 1)[1] for ln in (d / checksum).read_text().splitlines()]
               for d in (work, local)]
-    assert listed[0] == listed[1] and len(listed[0]) == 4 * 3 + 4 + 2 + 1
+    # raw files (report, CSV, provenance) of every run, 5 tables (CSV + Markdown), 4 plots,
+    # the derived load profiles (default and `long`)
+    assert listed[0] == listed[1] and len(listed[0]) == len(CELLS) * 3 + 5 * 2 + 4 + 2, listed[0]
     ok = subprocess.run(["sha256sum", "-c", checksum], cwd=work, capture_output=True, text=True)
     assert ok.returncode == 0, ok.stdout + ok.stderr
 
@@ -269,17 +293,32 @@ def test_nothing_to_do_afterwards(runs):
 
 
 def test_gpu_profile_cells_ask_slurm_for_one_gpu(runs):
-    """A cell of the h200 profile is submitted with --gpus=1; this node has none, so Slurm
-    itself refuses it (nothing runs)."""
+    """A benchmark job of the h200 profile is submitted with --gpus=1 and a time limit that
+    covers its group's own timeout; this node has no GPU, so Slurm itself refuses it (nothing
+    runs)."""
     work, _, env, _, _ = runs
     dry = snakemake("-n", "--forceall", "results/checkpoint3", "--config", "profile=h200",
                     cwd=work, env=env, timeout=180)
-    cells = [p for p in re.findall(r"results/checkpoint3/h200/raw/[^\s,]+\.json", dry.stdout)
+    jobs = [block for block in re.split(r"\n(?=(?:local)?rule |\[)", dry.stdout)
+            if block.startswith("rule benchmark_")]
+    assert jobs, dry.stdout[-3000:]
+    job = jobs[0]
+    rule = re.match(r"rule (\S+):", job)[1]
+    cells = [p for p in re.findall(r"results/checkpoint3/h200/raw/[^\s,]+\.json", job)
              if not p.endswith(".provenance.json")]
-    assert cells, dry.stdout[-3000:]
+    timeout_s = yaml.safe_load((work / "config" / "checkpoint3-h200.yaml").read_text())["timeout_s"]
+    minutes = -(-(len(cells) * timeout_s + 330) // 60) + 10  # benchmark.smk's runtime
+    assert cells and f"runtime={minutes}" in job, job
+    # Slurm refuses the job, so it never reads its load profiles: they only have to exist, and
+    # then the benchmark job is the only one to run (no derivation job before it)
+    h200 = yaml.safe_load((work / "config" / "checkpoint3-h200.yaml").read_text())
+    for profile in set(re.findall(r"results/checkpoint3/h200/load_profile[^\s,]*\.yaml", job)):
+        (work / profile).parent.mkdir(parents=True, exist_ok=True)
+        shutil.copy(work / h200["load_profile"], work / profile)
     r = snakemake(*SLURM_ARGS, "--config", "profile=h200", "--retries", "0", cells[0],
                   cwd=work, env=env, timeout=180)
     assert r.returncode != 0
     call = next(ln for ln in r.stdout.splitlines() if ln.strip().startswith("sbatch --parsable"))
-    assert " --gpus=1 " in call and "--exclusive" in call and " -t 30 " in call, call
+    assert re.search(rf"--comment '?rule_{rule}'?( |$)", call), call  # the job of that group
+    assert " --gpus=1 " in call and "--exclusive" in call and f" -t {minutes} " in call, call
     assert "SLURM sbatch failed" in r.stdout and "gres" in r.stdout, r.stdout[-3000:]

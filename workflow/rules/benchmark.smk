@@ -14,6 +14,26 @@
 # the stale groups. If the sources change while a group runs, the job fails instead of keeping
 # a cell measured on code its recorded hash does not describe.
 
+# Cluster sizing of a benchmark process, read by cluster executors (workflow/profiles/slurm);
+# local runs ignore it. The rule names are generated (one per sweep and repetition), so a
+# profile's set-resources cannot list them: the rules carry their own sizing, and
+# `--set-resources benchmark_<sweep>_rep<N>:KEY=VALUE` still overrides it for one group.
+#   runtime          minutes: the process's own limit (outer_timeout below), the 30 s kill grace
+#                    and `finalize`, plus 10 min for the job's start-up
+#   mem_mb           host memory (random weights are built on the device; a tiny-model CPU
+#                    group peaks below 1 GB)
+#   cpus_per_task    torch_threads + 1: torch keeps `torch_threads` intra-op threads (the
+#                    tables record them), the extra core is spare room beside them
+#   slurm_partition  LLMSERVE_SLURM_GPU_PARTITION, else LLMSERVE_SLURM_PARTITION, else the
+#                    cluster's default (site names come from the environment)
+#   slurm_extra      --exclusive: no neighbour on the node disturbs the latency numbers
+# The GPU request is the `gpu` resource (1 on CUDA profiles: sbatch --gpus=1; 0: none).
+BENCHMARK_MEM_MB = 12000
+BENCHMARK_CPUS = int(config["torch_threads"]) + 1
+BENCHMARK_PARTITION = (os.environ.get("LLMSERVE_SLURM_GPU_PARTITION")
+                       or os.environ.get("LLMSERVE_SLURM_PARTITION", ""))
+
+
 rule code_changed_marker:
     output:
         f"{LOGS}/code-changed/{{cell}}/{{old}}-to-{{new}}.stamp",
@@ -52,6 +72,11 @@ for _group, _cells in GROUPS.items():
         resources:
             gpu=GPU,
             benchmark_slot=1,
+            runtime=-(-(len(_cells) * int(config["timeout_s"]) + 300 + 30) // 60) + 10,  # minutes
+            mem_mb=BENCHMARK_MEM_MB,
+            cpus_per_task=BENCHMARK_CPUS,
+            slurm_partition=BENCHMARK_PARTITION,
+            slurm_extra="--exclusive",
         conda:
             ENV
         shell:
