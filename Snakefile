@@ -33,6 +33,20 @@ if config.get("profile", "cpu") != "cpu":
 
         configfile: f"config/checkpoint3-{config['profile']}.yaml"
 
+        # Snakemake merges config files key by key; a profile's mappings (load overrides, extra
+        # loads, sweeps, ...) replace the default profile's whole, so a GPU matrix inherits no
+        # CPU load limit or sweep. Command-line --config values are applied again on top.
+        import yaml as _yaml
+        from snakemake.utils import update_config as _update_config
+
+        _profile_cfg = _yaml.safe_load(Path(f"config/checkpoint3-{config['profile']}.yaml").read_text())
+        for _key, _value in _profile_cfg.items():
+            if isinstance(_value, dict):
+                config[_key] = _value
+        _cli = getattr(getattr(workflow, "config_settings", None), "overwrite_config", None)
+        if _cli:
+            _update_config(config, _cli)
+
     elif not workflow.overwrite_configfiles:
         raise WorkflowError(
             f"profile {config['profile']!r}: no config/checkpoint3-{config['profile']}.yaml; "
