@@ -226,12 +226,12 @@ def test_warmup_runs_every_step_kind_and_leaves_no_trace():
     steps = []
     original = eng.runner.execute
 
-    def spy(scheduled, pending=None):
+    def spy(scheduled, pending=None, *rest, **kw):
         news = [item.num_new_tokens for item in scheduled]
         ids = {item.seq.request_id for item in scheduled}
         steps.append((max(news) > 1 and min(news) == 1, any(r.startswith("warmup-bg") for r in ids),
                       {len(item.seq.prompt_token_ids) for item in scheduled}))
-        return original(scheduled, pending)
+        return original(scheduled, pending, *rest, **kw)
 
     eng.runner.execute = spy
     info = eng.warmup(force=True)
