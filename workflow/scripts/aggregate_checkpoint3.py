@@ -551,13 +551,16 @@ def headline_markdown(df: pd.DataFrame, header: list[str], batch: str) -> str:
     return "\n".join(lines) + "\n"
 
 
-def chunked_markdown(df: pd.DataFrame, header: list[str]) -> str:
+def chunked_markdown(df: pd.DataFrame, header: list[str], sweep: str = "chunked_prefill") -> str:
+    source = ("Rows: the `chunked_prefill` sweep." if sweep == "chunked_prefill" else
+              f"Rows: the chunk factor of the `{sweep}` sweep at the default linear backend "
+              "(this profile has no separate chunked-prefill sweep).")
     lines = list(header) + [
         "## Chunked prefill: inter-token latency of running decodes", "",
         "Long prompts arrive while other requests decode. Without chunking a long prefill runs",
         "as one step and every running decode waits for it (the ITL tail); with chunking each",
         "step carries at most `chunk` prompt tokens per sequence. ITL pooled over all requests.",
-        "",
+        source, "",
         "| Scheduler | Batch | Chunk | Load | Output tok/s | p95 TTFT ms | p95 ITL ms | p99 ITL ms "
         "| p95 TPOT ms | Requests | Status | Digest = naive | Error |",
         "|---|---:|---|---|---:|---:|---:|---:|---:|---:|---|---|---|"]
@@ -641,6 +644,14 @@ def main(argv: list[str] | None = None) -> int:
     fail_df = add_baselines(fail_df, main_df, defaults.get("rate", "profile"),
                             defaults.get("blocks", "auto"))
     head_df = headline_frame(main_df, a.headline_batch, defaults)
+    # The chunked-prefill table comes from its own sweep (long prompts arriving among decodes);
+    # a profile without one (the GPU profile crosses chunk sizes in its main sweep) gets the
+    # main sweep's chunk factor at the default linear backend instead.
+    chunk_df, chunk_sweep = frames.get("chunked_prefill", empty), "chunked_prefill"
+    if chunk_df.empty:
+        lin = defaults.get("linear")
+        chunk_df = main_df[main_df["linear"].astype(str) == lin] if lin else main_df
+        chunk_sweep = "main"
     out = a.out_dir
     out.mkdir(parents=True, exist_ok=True)
 
@@ -654,9 +665,8 @@ def main(argv: list[str] | None = None) -> int:
             digest_group_lines(main_df))),
         "headline": (head_df, headline_markdown(
             head_df, header("Checkpoint 3: headline", "main"), a.headline_batch)),
-        "chunked_prefill": (frames.get("chunked_prefill", empty), chunked_markdown(
-            frames.get("chunked_prefill", empty),
-            header("Checkpoint 3: chunked prefill", "chunked_prefill"))),
+        "chunked_prefill": (chunk_df, chunked_markdown(
+            chunk_df, header("Checkpoint 3: chunked prefill", chunk_sweep), chunk_sweep)),
         "rates": (frames.get("rates", empty), rates_markdown(
             frames.get("rates", empty), header("Checkpoint 3: arrival rates and goodput", "rates"))),
         "failure_regimes": (fail_df, failure_markdown(

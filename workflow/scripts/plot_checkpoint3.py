@@ -181,7 +181,7 @@ def plot_ttft_cdf(df: pd.DataFrame, defaults: dict[str, str], reports: list[Path
 
 
 def plot_chunked(df: pd.DataFrame, profile: str, out: Path) -> None:
-    d = _require(df.copy(), "the chunked-prefill plot (sweep chunked_prefill)")
+    d = _require(df.copy(), "the chunked-prefill plot (chunked_prefill.csv)")
     d["_c"] = d["chunk"].astype(int)
     d = d.sort_values(["scheduler", "batch", "_c"], kind="stable")
     labels = [f"{r['scheduler']} b{r['batch']}\nchunk {'off' if r['_c'] == 0 else r['_c']}"
