@@ -110,7 +110,7 @@ def finish_reasons(chunks) -> dict[int, str]:
 
 # ---- basics ----------------------------------------------------------------------------------
 def test_health_models_and_shapes(client):
-    assert client.get("/health").json() == {"status": "ok"}
+    assert client.get("/health").json() == {"status": "ok", "batch_invariant": False}
     models = client.get("/v1/models").json()
     assert models["object"] == "list"
     assert models["data"][0]["id"] == "tiny" and models["data"][0]["max_model_len"] == MAX_MODEL_LEN
@@ -334,7 +334,7 @@ def test_bad_input_is_400_in_openai_shape(client, engine):
     assert_openai_error(client.post("/v1/completions", content=b'{"prompt": "x"}',
                                     headers={"content-type": "text/plain"}), 400)
     assert_openai_error(client.get("/v1/nothing-here"), 404)
-    assert client.get("/health").json() == {"status": "ok"}
+    assert client.get("/health").json() == {"status": "ok", "batch_invariant": False}
     assert client.post("/v1/completions", json={"prompt": "still serving", "max_tokens": 2}).status_code == 200
     assert_idle(engine)
 

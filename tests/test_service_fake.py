@@ -279,7 +279,7 @@ def test_full_queue_answers_429(h):
     h.engine.waiting = 0
     h.engine.fail = QueueFullError("the waiting queue is full (4 requests); retry later")
     assert_error(h.client.post("/v1/completions", json={"prompt": "x", "stream": True}), 429, code="queue_full")
-    assert h.client.get("/health").json() == {"status": "ok"}
+    assert h.client.get("/health").json() == {"status": "ok", "batch_invariant": False}
 
 
 def test_engine_value_error_is_400_even_when_streaming(h):

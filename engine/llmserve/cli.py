@@ -111,7 +111,8 @@ def _cmd_generate(args: argparse.Namespace) -> int:
                                                          enable_prefix_caching=args.enable_prefix_caching),
                        scheduler=SchedulerConfig(max_model_len=args.max_model_len),
                        attention_backend=args.attention_backend,
-                       use_cuda_graph=args.cuda_graph, fast_path=fast_path_from_args(args))
+                       use_cuda_graph=args.cuda_graph, fast_path=fast_path_from_args(args),
+                       batch_invariant=args.batch_invariant)
     engine = NaiveEngine(cfg) if args.naive else LLMEngine(cfg)
     prompt = args.prompt
     if args.chat:

@@ -311,6 +311,10 @@ class FastPathConfig:
             int8 weight memory) for steps of 2..16 tokens (bf16 on CUDA, ``int8_layout="row"``).
         int8_frag_pdl: launch the fragment kernel and its neighbours with PDL. ``None``: the
             size rule.
+        invariant_block_rows: rows per fixed-shape matrix product in the batch-invariant mode
+            (``EngineConfig.batch_invariant``); every projection and the LM head run as blocks
+            of this many rows, the last zero-padded. Smaller wastes less work on padding at
+            small batches, larger makes fewer calls at large ones. In ``[1, 1024]``.
 
     Raises:
         ValueError: a field outside its range, naming it.
@@ -334,6 +338,7 @@ class FastPathConfig:
     int8_layout: str = "row"
     int8_fragments: bool = False
     int8_frag_pdl: bool | None = None
+    invariant_block_rows: int = 16
 
     def __post_init__(self) -> None:
         for name in ("fused_forward", "gemv_early_epilogue", "gemv_pre_wait", "pdl_trigger_qkv",
@@ -347,7 +352,7 @@ class FastPathConfig:
                 raise ValueError(f"{name} must be True or False, got {v!r}")
         for name, lo, hi in (("gemv_max_tokens", 0, GEMV_MAX_TOKENS), ("graph_short_context", 0, 1 << 20),
                              ("decode_stages", 1, 8), ("decode_min_tiles", 1, 1024),
-                             ("decode_fused_max_splits", 1, 128)):
+                             ("decode_fused_max_splits", 1, 128), ("invariant_block_rows", 1, 1024)):
             v = getattr(self, name)
             if type(v) is not int or not lo <= v <= hi:
                 raise ValueError(f"{name} must be an integer in [{lo}, {hi}], got {v!r}")
@@ -380,7 +385,7 @@ class FastPathConfig:
             decode_fused_max_splits=self.decode_fused_max_splits, decode_wide_tile=self.decode_wide_tile,
             decode_early_pages=self.decode_early_pages, decode_prefetch_kv=self.decode_prefetch_kv,
             int8_layout=self.int8_layout, int8_fragments=self.int8_fragments,
-            int8_frag_pdl=rule(self.int8_frag_pdl))
+            int8_frag_pdl=rule(self.int8_frag_pdl), invariant_block_rows=self.invariant_block_rows)
 
 
 @dataclass(frozen=True, slots=True)
@@ -407,6 +412,7 @@ class ResolvedFastPath:
     int8_layout: str
     int8_fragments: bool
     int8_frag_pdl: bool
+    invariant_block_rows: int
 
     def decode_options(self) -> dict[str, Any]:
         """Keyword arguments of :func:`llmserve.kernels.paged_attention.paged_attention_decode`."""
@@ -419,7 +425,8 @@ class ResolvedFastPath:
 def add_fast_path_args(parser: argparse.ArgumentParser | Any) -> None:
     """Add the command-line flags of the most used :class:`FastPathConfig` fields to ``parser``
     (or an argument group): ``--fused-forward/--no-fused-forward``, ``--pdl/--no-pdl``,
-    ``--int8-layout``."""
+    ``--int8-layout``, ``--invariant-block-rows``; and ``--batch-invariant``, which sets
+    ``EngineConfig.batch_invariant`` (read by each command with the rest of its engine flags)."""
     parser.add_argument("--fused-forward", action=argparse.BooleanOptionalAction, default=None,
                         help="fused forward (Triton kernels, packed projections) or the readable "
                              "one (default: fused on CUDA)")
@@ -428,6 +435,11 @@ def add_fast_path_args(parser: argparse.ArgumentParser | Any) -> None:
                              "has it (default on)")
     parser.add_argument("--int8-layout", choices=INT8_LAYOUTS, default="row",
                         help="Triton INT8 weights in the fused forward: row-major int8 or byte planes")
+    parser.add_argument("--batch-invariant", action="store_true", default=False,
+                        help="batch-invariant mode: a request's logits are bitwise the same whatever "
+                             "it is batched with (CPU, torch backends; EngineConfig.batch_invariant)")
+    parser.add_argument("--invariant-block-rows", type=int, default=16, metavar="N",
+                        help="rows per fixed-shape matrix product in the batch-invariant mode (default 16)")
 
 
 def fast_path_from_args(args: Any) -> FastPathConfig:
@@ -435,7 +447,8 @@ def fast_path_from_args(args: Any) -> FastPathConfig:
     those attributes; missing ones take the defaults). Raises ``ValueError`` as the config."""
     return FastPathConfig(fused_forward=getattr(args, "fused_forward", None),
                           pdl=getattr(args, "pdl", True),
-                          int8_layout=getattr(args, "int8_layout", "row"))
+                          int8_layout=getattr(args, "int8_layout", "row"),
+                          invariant_block_rows=getattr(args, "invariant_block_rows", 16))
 
 
 @dataclass(frozen=True, slots=True)
@@ -455,6 +468,15 @@ class EngineConfig:
         async_scheduling: launch step n+1 before reading step n's sampled tokens, so host
             work overlaps the device (``None``: on for CUDA devices, off on CPU).
         fast_path: the fast GPU path's choices (:class:`FastPathConfig`).
+        batch_invariant: the batch-invariant mode: a sequence's logits are bitwise the same
+            whatever it is batched with (batch size, co-scheduled requests, prefill chunk size
+            and step token budget, preemption and recompute, prefix-cache hits), so greedy
+            outputs, and seeded sampled ones, rerun exactly. Linear layers run in fixed-shape
+            row blocks (``fast_path.invariant_block_rows``) and attention in one fixed tile
+            order per row (:mod:`llmserve.models.batch_invariant`,
+            :mod:`llmserve.attention.invariant`). Needs the readable path: ``device='cpu'``,
+            ``attention_backend='torch'``, ``linear_backend='torch'``; the GPU kernels have no
+            fixed-order form yet, so ``cuda`` is refused. Default off.
         freeze_gc: at the end of :meth:`LLMEngine.warmup` (which the server and the benchmark
             run before serving or measuring; on a CPU it only does this), collect once
             and move every live object into Python's permanent generation (``gc.freeze()``),
@@ -475,11 +497,13 @@ class EngineConfig:
     async_scheduling: bool | None = None
     fast_path: FastPathConfig = field(default_factory=FastPathConfig)
     freeze_gc: bool = True
+    batch_invariant: bool = False
 
     def __post_init__(self) -> None:
         resolve_dtype(self.dtype)
-        if not isinstance(self.freeze_gc, bool):
-            raise ValueError(f"freeze_gc must be True or False, got {self.freeze_gc!r}")
+        for name in ("freeze_gc", "batch_invariant"):
+            if not isinstance(getattr(self, name), bool):
+                raise ValueError(f"{name} must be True or False, got {getattr(self, name)!r}")
         if not isinstance(self.fast_path, FastPathConfig):
             raise ValueError(f"fast_path must be a FastPathConfig, got {type(self.fast_path).__name__}")
         if self.attention_backend not in ATTENTION_BACKENDS:
@@ -490,6 +514,17 @@ class EngineConfig:
                 f"linear_backend must be one of {list(LINEAR_BACKENDS)}, got {self.linear_backend!r}")
         if not (self.device == "cpu" or self.device.startswith("cuda")):
             raise ValueError(f"device must be 'cpu' or 'cuda[:N]', got {self.device!r}")
+        if self.batch_invariant:
+            wrong = [f"{k}={v!r}" for k, v, ok in (
+                ("device", self.device, "cpu"), ("attention_backend", self.attention_backend, "torch"),
+                ("linear_backend", self.linear_backend, "torch")) if v != ok]
+            if self.fast_path.fused_forward:
+                wrong.append("fast_path.fused_forward=True")
+            if wrong:
+                raise ValueError("batch_invariant=True runs on the readable path only (device 'cpu', "
+                                 "attention_backend 'torch', linear_backend 'torch', no fused "
+                                 "forward; the GPU kernels have no fixed-order form yet); got "
+                                 + ", ".join(wrong))
 
     @property
     def torch_dtype(self) -> torch.dtype:

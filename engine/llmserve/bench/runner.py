@@ -78,6 +78,8 @@ class BenchmarkOptions:
     fused_forward: bool | None = None
     pdl: bool = True
     int8_layout: str = "row"
+    batch_invariant: bool = False
+    invariant_block_rows: int = 16
     model: str = "tiny"
     device: str = "cpu"
     dtype: str | None = None
@@ -323,7 +325,8 @@ def make_engine_config(opts: BenchmarkOptions, seed: int):
     return EngineConfig(model=opts.model, device=opts.device, dtype=dtype, seed=seed, cache=cache,
                         scheduler=sched, attention_backend=opts.paged_attention_backend,
                         linear_backend=opts.linear_backend, use_cuda_graph=opts.cuda_graph,
-                        async_scheduling=opts.async_scheduling, fast_path=fast_path_from_args(opts))
+                        async_scheduling=opts.async_scheduling, fast_path=fast_path_from_args(opts),
+                        batch_invariant=bool(opts.batch_invariant))
 
 
 def default_engine_factory(config, naive: bool):

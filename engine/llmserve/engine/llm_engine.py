@@ -121,6 +121,12 @@ class _EngineBase:
         # the fast-path choices for this model, decided once (size rules included)
         self.fast_path: ResolvedFastPath = config.fast_path.resolve(self.model_config, self.device)
         _apply_decode_options(self.model, self.fast_path)
+        if config.batch_invariant:
+            from ..attention.invariant import InvariantPagedAttention
+            from ..models.batch_invariant import make_batch_invariant
+
+            make_batch_invariant(self.model, self.fast_path.invariant_block_rows, config.cache.block_size)
+            self.model.attention_backend = InvariantPagedAttention()
         if config.linear_backend != "torch":
             from ..quant import quantize_model
             quantize_model(self.model, config.linear_backend)

@@ -35,6 +35,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from ..attention import AttentionMetadata, get_attention_backend
+from ..attention.invariant import invariant_dense_attention
 from ..config import ModelConfig
 
 
@@ -88,7 +89,14 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
 
 
 class Qwen2Attention(nn.Module):
-    """Multi-head attention with GQA, q/k/v bias and RoPE (HF ``Qwen2Attention``)."""
+    """Multi-head attention with GQA, q/k/v bias and RoPE (HF ``Qwen2Attention``).
+
+    ``invariant_tile``: ``None``, or the key-tile size of the batch-invariant mode (set by
+    :func:`llmserve.models.batch_invariant.make_batch_invariant`), with which the reference
+    forward attends through :func:`llmserve.attention.invariant.invariant_dense_attention`.
+    """
+
+    invariant_tile: int | None = None
 
     def __init__(self, config: ModelConfig) -> None:
         super().__init__()
@@ -127,6 +135,10 @@ class Qwen2Attention(nn.Module):
         v = self.v_proj(x).view(b, t, self.num_kv_heads, self.head_dim)   # [B, T, Hkv, D]
         q = apply_rope(q, cos, sin).transpose(1, 2)                       # [B, Hq, T, D]
         k = apply_rope(k, cos, sin).transpose(1, 2)                       # [B, Hkv, T, D]
+        if self.invariant_tile is not None:
+            o = invariant_dense_attention(q.transpose(1, 2), k.transpose(1, 2), v, self.scale,
+                                          self.invariant_tile).to(x.dtype)  # [B, T, Hq, D]
+            return self.o_proj(o.reshape(b, t, self.num_heads * self.head_dim))
         v = v.transpose(1, 2)                                             # [B, Hkv, T, D]
         g = self.num_heads // self.num_kv_heads
         if g > 1:  # GQA: each K/V head serves g consecutive query heads (HF repeat_kv)
@@ -138,7 +150,10 @@ class Qwen2Attention(nn.Module):
 
 
 class Qwen2MLP(nn.Module):
-    """SwiGLU feed-forward: ``down(silu(gate(x)) * up(x))`` (Shazeer 2020)."""
+    """SwiGLU feed-forward: ``down(silu(gate(x)) * up(x))`` (Shazeer 2020). ``act`` is the SiLU
+    (the batch-invariant mode swaps in one formula for every code path)."""
+
+    act = staticmethod(F.silu)
 
     def __init__(self, config: ModelConfig) -> None:
         super().__init__()
@@ -149,7 +164,7 @@ class Qwen2MLP(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """``[..., H]`` -> ``[..., H]`` (via ``[..., intermediate]``)."""
-        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+        return self.down_proj(self.act(self.gate_proj(x)) * self.up_proj(x))
 
 
 class Qwen2DecoderLayer(nn.Module):

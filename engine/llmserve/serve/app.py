@@ -120,7 +120,7 @@ def create_app(engine: Any, *, tokenizer: Any = None, served_model_name: str = "
         is_running = getattr(engine, "is_running", True)
         if errored is not None and not is_running:
             return _error_response(503, f"engine loop failed: {errored!r}", type="service_unavailable")
-        return JSONResponse({"status": "ok"})
+        return JSONResponse({"status": "ok", "batch_invariant": view.batch_invariant})
 
     @app.get("/metrics")
     async def metrics_endpoint() -> Response:
@@ -130,7 +130,8 @@ def create_app(engine: Any, *, tokenizer: Any = None, served_model_name: str = "
     @app.get("/v1/models", response_model=ModelList)
     async def models() -> dict:
         card = ModelCard(id=service.served_model_name, created=service.created,
-                         root=service.served_model_name, max_model_len=view.max_model_len)
+                         root=service.served_model_name, max_model_len=view.max_model_len,
+                         batch_invariant=view.batch_invariant)
         return {"object": "list", "data": [card.model_dump()]}
 
     @app.get("/v1/models/{model_id:path}")
@@ -140,7 +141,7 @@ def create_app(engine: Any, *, tokenizer: Any = None, served_model_name: str = "
                                    f"{service.served_model_name!r} (see GET /v1/models)",
                                    type="invalid_request_error", param="model", code="model_not_found")
         card = ModelCard(id=model_id, created=service.created, root=service.served_model_name,
-                         max_model_len=view.max_model_len)
+                         max_model_len=view.max_model_len, batch_invariant=view.batch_invariant)
         return JSONResponse(card.model_dump())
 
     @app.get("/tokenizer_info")

@@ -47,6 +47,9 @@ class _EngineView:
         self.max_model_len = min(lens) if lens else 4096
         mc = getattr(inner, "model_config", None) or getattr(async_engine, "model_config", None)
         self.vocab_size = int(vocab_size or getattr(mc, "vocab_size", 0) or len(self.tokenizer))
+        cfg = getattr(inner, "config", None) or getattr(async_engine, "config", None)
+        #: whether outputs carry the batch-invariant guarantee (EngineConfig.batch_invariant)
+        self.batch_invariant = bool(getattr(cfg, "batch_invariant", False))
 
     def stats(self) -> dict:
         for obj in (self.async_engine, self.inner):

@@ -235,6 +235,8 @@ class ModelCard(BaseModel):
     owned_by: str = "llmserve"
     root: Optional[str] = None
     max_model_len: int
+    batch_invariant: bool = Field(default=False, description="extension: outputs are bitwise the "
+                                  "same whatever a request is batched with (--batch-invariant)")
 
 
 class ModelList(BaseModel):

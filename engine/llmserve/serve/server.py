@@ -169,7 +169,8 @@ def build_engine_config(args: argparse.Namespace):
                                   prefill_chunk_size=chunk, max_model_len=args.max_model_len),
         attention_backend=args.paged_attention_backend, linear_backend=args.linear_backend,
         use_cuda_graph=getattr(args, "cuda_graph", True),
-        async_scheduling=getattr(args, "async_scheduling", None), fast_path=fast_path_from_args(args))
+        async_scheduling=getattr(args, "async_scheduling", None), fast_path=fast_path_from_args(args),
+        batch_invariant=getattr(args, "batch_invariant", False))
 
 
 def build_app(args: argparse.Namespace):
