@@ -113,6 +113,7 @@ def load_run(path: Path, sweep: str) -> dict[str, Any]:
         "slo": {"ttft_ms": agg.get("slo_ttft_ms"), "tpot_ms": agg.get("slo_tpot_ms")},
         "arrival_rate": (profile.get("arrival") or {}).get("rate"),
         "torch_threads": prov.get("torch_threads", hw.get("torch_threads")),
+        "batch_invariant": bool(econf.get("batch_invariant", cfg.get("batch_invariant", False))),
         "status": report.get("status") or "failed",
         "error": report.get("error") or None,
         "num_requests": agg.get("num_requests"),
@@ -262,15 +263,16 @@ def aggregate_cells(runs: list[dict[str, Any]], all_runs: list[dict[str, Any]]) 
     return pd.DataFrame(rows)
 
 
-#: Verdict on a GPU: random bf16 weights give near-tied logits, and the kernels' reduction order
-#: depends on the batch (no batch-invariant mode yet), so greedy tokens may legitimately differ.
+#: Verdict on a GPU without the batch-invariant mode: random bf16 weights give near-tied logits,
+#: and the kernels' reduction order depends on the batch, so greedy tokens may legitimately differ.
 NOT_BATCH_INVARIANT = "n/a: not batch-invariant"
 
 
 def _digest_verdict(first: dict, ok: list[dict], digests: list[str], naive: dict) -> str:
     if not ok:
         return "n/a (failed)"
-    if str((first.get("hardware") or {}).get("device") or "").startswith("cuda"):
+    if str((first.get("hardware") or {}).get("device") or "").startswith("cuda") \
+            and not first.get("batch_invariant"):
         return "reference" if first["scheduler"] == "naive" else NOT_BATCH_INVARIANT
     if len(digests) > 1:
         return "NO (repetitions differ)"
@@ -361,6 +363,16 @@ def _attn(row: pd.Series) -> str:
     return "–" if row["scheduler"] == "naive" else str(row["attn"])  # naive: no paged attention
 
 
+def _invariant_label(runs: list[dict]) -> str:
+    """Whether the runs carry the batch-invariant guarantee (``--batch-invariant``)."""
+    on = sum(bool(r.get("batch_invariant")) for r in runs)
+    if on == 0:
+        return "off (a request's tokens may depend on what it was batched with)"
+    if on == len(runs):
+        return "on in every run (logits independent of batching)"
+    return f"on in {on} of {len(runs)} runs"
+
+
 def header_lines(title: str, profile_name: str, common: OrderedDict, runs: list[dict]) -> list[str]:
     """The run conditions every row shares (the matching fields), for the page header."""
     any_run = next((r for r in runs if r["profile"]), runs[0] if runs else None)
@@ -404,6 +416,7 @@ def header_lines(title: str, profile_name: str, common: OrderedDict, runs: list[
         f"- **llmserve code hash:** `{(versions.get('llmserve_code_hash') or '?')[:16]}`; "
         f"git {', '.join(revs) or '?'}",
         f"- **Runs:** {len(runs)} ({', '.join(created[:1] + created[-1:]) if created else '?'})",
+        f"- **Batch-invariant mode:** {_invariant_label(runs)}",
     ]
     if slo:
         lines.append(f"- **Goodput SLOs:** TTFT <= {slo.get('ttft_ms')} ms and TPOT <= "
