@@ -741,4 +741,6 @@ class LLMEngine(_EngineBase):
                                 "seconds": self.prompt_logprob_seconds},
             # prefix cache: queries/hits in tokens at admission, hit_rate = hits / queries
             "prefix_cache": bm.prefix_cache_stats(),
+            # grammar-constrained requests: bitmask rows and their host seconds, grammar compilations
+            "structured_output": self.structured.stats() if self.structured is not None else None,
         }

@@ -116,16 +116,35 @@ def apply_token_bitmask(logits: torch.Tensor, mask: TokenBitmask) -> torch.Tenso
         raise ValueError(f"token bitmask rows must be distinct and in [0, {b}), got {rows[:8]}")
     dev = logits.device
     words = min(bm.shape[1], (vocab + 31) // 32)
-    bm = bm[:, :words].to(dev, non_blocking=True)                                      # [R, W]
-    allowed = (bm[:, :, None] & _bit_values(dev)) != 0                                 # [R, W, 32]
-    allowed = allowed.view(len(rows), words * 32)[:, :vocab]                           # [R, V'] (V' <= V)
-    if allowed.shape[1] < vocab:     # ids past the mask: never allowed
-        allowed = torch.nn.functional.pad(allowed, (0, vocab - allowed.shape[1]), value=False)
+    disallowed = _unpack_disallowed(bm[:, :words], dev)                                # [R, 32 W]
+    disallowed = disallowed[:, :vocab]                                                 # [R, V'] (V' <= V)
+    if disallowed.shape[1] < vocab:     # ids past the mask: never allowed
+        disallowed = torch.nn.functional.pad(disallowed, (0, vocab - disallowed.shape[1]), value=True)
     if rows == list(range(b)):
-        return logits.masked_fill_(~allowed, float("-inf"))
+        return logits.masked_fill_(disallowed, float("-inf"))
     idx = torch.tensor(rows, dtype=torch.long).to(dev, non_blocking=True)
-    sub = logits.index_select(0, idx).masked_fill_(~allowed, float("-inf"))            # [R, V]
+    sub = logits.index_select(0, idx).masked_fill_(disallowed, float("-inf"))          # [R, V]
     return logits.index_copy_(0, idx, sub)
+
+
+def _unpack_disallowed(bitmask: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """``[R, W]`` int32 host bitmask -> ``[R, 32 W]`` bool on ``device``, True where a token is
+    NOT allowed. On a CPU numpy's ``unpackbits`` of the inverted bytes (little-endian bit order:
+    bit ``i`` of a word is token ``32 w + i``) makes it without an int32 temporary; elsewhere
+    the words are copied to the device and unpacked there (:func:`_unpack_disallowed_torch`)."""
+    if device.type == "cpu" and bitmask.device.type == "cpu":
+        import numpy as np
+
+        words = np.ascontiguousarray((~bitmask).numpy())                                # [R, W] int32
+        bits = np.unpackbits(words.view(np.uint8), axis=1, bitorder="little")           # [R, 32 W] uint8
+        return torch.from_numpy(bits).view(torch.bool)
+    return _unpack_disallowed_torch(bitmask.to(device, non_blocking=True))
+
+
+def _unpack_disallowed_torch(bitmask: torch.Tensor) -> torch.Tensor:
+    """``[R, W]`` int32 -> ``[R, 32 W]`` bool, True where a bit is 0 (on the bitmask's device)."""
+    r, w = bitmask.shape
+    return ((bitmask[:, :, None] & _bit_values(bitmask.device)) == 0).view(r, w * 32)   # [R, 32 W]
 
 
 def _penalty_counts(rows: list[int], history: list[TokenHistory], vocab: int, device: torch.device,
@@ -326,23 +345,26 @@ class Sampler:
                                    or argmax.device != logits.device):
             raise ValueError(f"argmax must be int64 [{b}] on {logits.device}, got {argmax.dtype} "
                              f"{tuple(argmax.shape)} on {argmax.device}")
-        chosen = argmax if argmax is not None else logits.argmax(dim=-1)         # [B]
         processed = [i for i, p in enumerate(params) if p.needs_logits_processing]
-        if token_bitmask is not None and token_bitmask.rows:
-            if processed:
-                logits = apply_logits_processing(logits, params, history, pending_token_ids)   # [B, V]
+        masked = token_bitmask is not None and bool(token_bitmask.rows)
+        if processed:
+            logits = apply_logits_processing(logits, params, history, pending_token_ids)   # [B, V]
+        if masked:
             logits = apply_token_bitmask(logits, token_bitmask)                             # [B, V]
             processed = sorted(set(processed) | set(token_bitmask.rows))
-        elif processed:
-            logits = apply_logits_processing(logits, params, history, pending_token_ids)   # [B, V]
-        if processed:
+        if argmax is None:
+            chosen = logits.argmax(dim=-1)      # [B], after processing: right for every row
+        else:
+            chosen = argmax
             fix = [i for i in processed if greedy[i]]
             if fix:
-                if argmax is not None:
-                    chosen = chosen.clone()      # never write into the caller's (graph's) buffer
-                    argmax = None
-                fix_t = torch.tensor(fix, dtype=torch.long, device=logits.device)
-                chosen[fix_t] = logits[fix_t].argmax(dim=-1)
+                chosen = chosen.clone()          # never write into the caller's (graph's) buffer
+                argmax = None
+                if len(fix) == b:
+                    chosen = logits.argmax(dim=-1)
+                else:
+                    fix_t = torch.tensor(fix, dtype=torch.long, device=logits.device)
+                    chosen[fix_t] = logits[fix_t].argmax(dim=-1)
         if not all(greedy):
             if argmax is not None:
                 chosen = chosen.clone()          # never write into the caller's (graph's) buffer
