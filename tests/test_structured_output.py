@@ -392,3 +392,22 @@ def test_speculative_decoding_goes_through_the_grammar(reference, workload):
         assert s.finish_reason == "stop"
         validate(json.loads(_text(eng, s.output_token_ids)), SCHEMA)
     assert eng.stats()["structured_output"]["rejected_tokens"] == 0 and len(eng.structured) == 0
+
+
+def test_a_token_outside_the_grammar_aborts_the_request_once(monkeypatch, caplog):
+    """Should a constrained row ever be sampled without its mask (an engine bug), the grammar
+    refuses the token: the request is aborted (logged, its callback told once), never
+    reported as a valid stop."""
+    from llmserve.engine.llm_engine import LLMEngine
+
+    eng = LLMEngine(_config())
+    monkeypatch.setattr(eng, "_constrain", lambda seqs, logits, argmax: (seqs, logits, argmax, None))
+    seen = []
+    spec = StructuredOutput("json_schema", {"enum": ["yes", "no"]})
+    seq = eng.add_request([5, 6, 7], SamplingParams(max_tokens=8, structured_output=spec), callback=seen.append)
+    with caplog.at_level("ERROR", logger="llmserve.engine"):
+        while eng.has_unfinished_requests():
+            eng.step()
+    assert seq.finish_reason == "abort" and len(seq.output_token_ids) == 1
+    assert [o.finished for o in seen] == [True] and "not allowed by its grammar" in caplog.text
+    assert eng.stats()["structured_output"]["rejected_tokens"] == 1 and len(eng.structured) == 0

@@ -529,6 +529,7 @@ class LLMEngine(_EngineBase):
         out = self.scheduler.schedule()
         launched = None
         outputs: list[RequestOutput] = []
+        early_error: Exception | None = None
         if out.scheduled:
             self.num_steps += 1
             in_use = self.block_manager.num_total_blocks - self.block_manager.num_free_blocks
@@ -552,7 +553,10 @@ class LLMEngine(_EngineBase):
                         s.request_id in self.structured for s in seqs):
                     if self._inflight is not None:   # the constrained rows' previous tokens first
                         previous, self._inflight = self._inflight, None
-                        outputs += self._read_tokens(previous)
+                        try:
+                            outputs += self._read_tokens(previous)
+                        except Exception as e:  # noqa: BLE001 - a callback's; raised once this step is launched
+                            early_error = e
                     seqs, logits, argmax, mask = self._constrain(seqs, logits, argmax)
                 history, pending_ids = self._token_history(seqs, pending)
                 sample = self.sampler.sample_async(logits, [s.sampling_params for s in seqs],
@@ -570,6 +574,8 @@ class LLMEngine(_EngineBase):
             outputs += self._read_tokens(previous)
         if launched is not None and not self.async_scheduling:
             outputs += self._read_tokens(launched)
+        if early_error is not None:
+            raise early_error
         return outputs
 
     def _constrain(self, seqs: list[Sequence], logits: torch.Tensor, argmax: torch.Tensor | None
@@ -717,6 +723,7 @@ class LLMEngine(_EngineBase):
             errors.append(e)
         finally:
             if status is not None:
+                self._callbacks.pop(seq.request_id, None)   # told above: _finish must not repeat it
                 self._finish(seq)
 
     def stats(self) -> dict:
