@@ -257,9 +257,10 @@ def test_cli_flags_parse():
                       "lognormal", "--requests", "8", "--arrival-rate", "inf", "--seed", "5",
                       "--warmup-requests", "0", "--output", "x.json", "--csv", "y.csv",
                       "--profile-components", "--fail-on-error", "--timeout", "30",
-                      "--slo-ttft-ms", "500", "--slo-tpot-ms", "50"])
+                      "--slo-ttft-ms", "500", "--slo-tpot-ms", "50", "--json-schema", "s.json"])
     o = runner_mod.options_from_args(a)
     assert o.config == "paged" and o.prefill_chunk_size is None and o.arrival_rate == float("inf")
+    assert o.json_schema == "s.json"
     assert o.linear_backend == "int8" and o.slo_tpot_ms == 50 and o.fail_on_error
     assert a.func is runner_mod.run_benchmark_cli
     with pytest.raises(SystemExit):
@@ -374,3 +375,30 @@ def test_triton_compiles_in_the_measured_phase_are_counted_and_named(tmp_path, m
     assert triton_cache_entries() == {"w0", "b0", "b1"}
     (cache / "odd").mkdir()
     assert triton_kernel_names({"odd", "w0"}) == ["?", "_prefill_kernel"]
+
+
+def test_json_schema_option_constrains_every_request_and_is_recorded(tmp_path):
+    """``--json-schema``: every request (warm-up included) follows the schema on the tiny model;
+    the report records the schema, its digest and the engine's grammar counters; the token
+    stream differs from the free run of the same seeded workload. A bad file is a failed run."""
+    pytest.importorskip("xgrammar")
+    schema = {"type": "array", "minItems": 50, "items": {"enum": ["x", "y"]}}
+    f = tmp_path / "s.json"
+    f.write_text(json.dumps(schema))
+    prof = _profile(tmp_path, n=3, rate=float("inf"), prompt=8, out=6, warmup=1)
+    free, _, _ = run_benchmark(_opts(tmp_path, profile=prof, output=str(tmp_path / "free.json")))
+    rep, out, _ = run_benchmark(_opts(tmp_path, profile=prof, json_schema=str(f),
+                                      output=str(tmp_path / "schema.json")))
+    assert free["status"] == rep["status"] == "ok", rep["error"]
+    data = json.loads(out.read_text())
+    so = data["structured_output"]
+    assert so["json_schema"] == schema and so["json_schema_path"] == str(f) and len(so["json_schema_sha256"]) == 64
+    assert data["config"]["json_schema"] == str(f) and free["structured_output"] is None
+    eng = so["engine"]
+    assert eng["requests"] == 3 and eng["grammar_cache"]["compiles"] == 1     # counters of the measured phase
+    assert eng["mask_rows"] == data["aggregates"]["total_output_tokens"]      # one bitmask row per token
+    assert data["aggregates"]["total_output_tokens"] == free["aggregates"]["total_output_tokens"]
+    assert data["token_digest"] != free["token_digest"]
+    f.write_text("{not json")
+    bad, _, _ = run_benchmark(_opts(tmp_path, profile=prof, json_schema=str(f), output=str(tmp_path / "bad.json")))
+    assert bad["status"] == "failed" and "--json-schema" in bad["error"]

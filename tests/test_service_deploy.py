@@ -89,7 +89,7 @@ def test_dockerfile():
              if ln.strip() and not ln.strip().startswith("#")]
     assert re.match(r"FROM python:3\.1[0-3]-slim", lines[0])
     text = "\n".join(lines)
-    assert re.search(r'pip install .*"\.\[serve\]"', text)
+    assert re.search(r'pip install .*"\.\[serve,structured\]"', text)
     assert "EXPOSE 8000" in text and "HEALTHCHECK" in text
     for ln in lines:
         if ln.startswith("COPY"):

@@ -483,6 +483,8 @@ class EngineConfig:
             so the collector's full passes during serving scan only objects made per request
             instead of the model, tokenizer and buffers (a full pass over those held one
             decode step for over 100 ms at batch 256). Default on.
+        grammar_cache_size: compiled grammars of structured-output requests kept for reuse
+            (one per distinct schema; least recently used ones are dropped), >= 1.
     """
 
     model: str = "tiny"
@@ -498,9 +500,13 @@ class EngineConfig:
     fast_path: FastPathConfig = field(default_factory=FastPathConfig)
     freeze_gc: bool = True
     batch_invariant: bool = False
+    grammar_cache_size: int = 256
 
     def __post_init__(self) -> None:
         resolve_dtype(self.dtype)
+        g = self.grammar_cache_size
+        if isinstance(g, bool) or not isinstance(g, int) or g < 1:
+            raise ValueError(f"grammar_cache_size must be an integer >= 1, got {g!r}")
         for name in ("freeze_gc", "batch_invariant"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"{name} must be True or False, got {getattr(self, name)!r}")

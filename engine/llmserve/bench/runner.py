@@ -13,6 +13,13 @@ Configurations (``--config``), matching the reference harness:
   static      ``LLMEngine``, ``SchedulerConfig(mode="static")``
   continuous  ``LLMEngine``, ``SchedulerConfig(mode="continuous")``
 
+``--json-schema FILE`` gives every request (warm-up ones too) that JSON schema as a structured
+output (grammar-constrained decoding, :class:`~llmserve.core.sampling_params.StructuredOutput`),
+to measure what constraining costs against the same seeded workload without it; the report's
+``structured_output`` section records the schema (and its sha256) and the engine's grammar
+counters (compilations, bitmask rows, their host seconds). With ``ignore_eos`` a request still
+ends when its grammar is complete.
+
 Every run writes one JSON report (schema: :mod:`llmserve.bench.report`) and appends one
 CSV row, also when it fails (exception, CUDA OOM, ``--timeout``): status ``failed`` plus the
 error. The exit status is non-zero for a failed run only with ``--fail-on-error``.
@@ -94,6 +101,7 @@ class BenchmarkOptions:
     burstiness: float | None = None
     seed: int | None = None
     warmup_requests: int | None = None
+    json_schema: str | None = None
     kernel_warmup: bool = True
     output: str | None = None
     csv: str | None = None
@@ -228,6 +236,9 @@ def add_benchmark_args(p: argparse.ArgumentParser) -> None:
     w.add_argument("--seed", type=_nonneg_int, default=None, help="workload and engine seed (default: the profile's)")
     w.add_argument("--warmup-requests", type=_nonneg_int, default=None,
                    help="requests run before measuring, excluded from statistics (default: the profile's)")
+    w.add_argument("--json-schema", default=None, metavar="FILE",
+                   help="JSON Schema file every request's output must follow (grammar-constrained "
+                        "decoding; the report records it)")
     w.add_argument("--no-kernel-warmup", dest="kernel_warmup", action="store_false",
                    help="skip the engine's kernel warm-up (synthetic requests that compile every GPU "
                         "kernel variant before the warm-up requests; CUDA only)")
@@ -387,12 +398,41 @@ class _RunState:
     num_finished: int = 0
 
 
-def _sampling_params(req: BenchmarkRequest, temperature: float, seed: int):
+def _sampling_params(req: BenchmarkRequest, temperature: float, seed: int, structured_output: Any = None):
     from ..core.sampling_params import SamplingParams
 
     return SamplingParams(max_tokens=req.max_tokens, ignore_eos=req.ignore_eos,
                           temperature=temperature,
-                          seed=(seed * 1_000_003 + req.index) % (2**31) if temperature > 0 else None)
+                          seed=(seed * 1_000_003 + req.index) % (2**31) if temperature > 0 else None,
+                          structured_output=structured_output)
+
+
+def load_json_schema(path: str | Path):
+    """``--json-schema``: the file's schema as a compact-whitespace
+    :class:`~llmserve.core.sampling_params.StructuredOutput` and the report's description of it.
+
+    Raises:
+        ValueError: the file cannot be read, is not JSON, or is not a JSON Schema object.
+    """
+    import hashlib
+    import json
+
+    from ..core.sampling_params import StructuredOutput
+
+    p = Path(path)
+    try:
+        raw = p.read_bytes()
+        schema = json.loads(raw)
+    except OSError as e:
+        raise ValueError(f"--json-schema {str(p)!r} cannot be read: {e}") from None
+    except ValueError as e:
+        raise ValueError(f"--json-schema {str(p)!r} is not valid JSON: {e}") from None
+    try:
+        spec = StructuredOutput("json_schema", schema)
+    except ValueError as e:
+        raise ValueError(f"--json-schema {str(p)!r}: {e}") from None
+    return spec, {"json_schema_path": str(p), "json_schema_sha256": hashlib.sha256(raw).hexdigest(),
+                  "json_schema": schema, "whitespace": spec.whitespace, "engine": None}
 
 
 def _finish_status(t: _Tracked) -> tuple[str, str | None, Any, list[int]]:
@@ -441,7 +481,7 @@ def _sample_kv(engine: Any, state: _RunState, block_size: int, max_model_len: in
 
 def _drive(engine: Any, workload: Workload, state: _RunState, *, prefix: str, temperature: float,
            seed: int, deadline: float | None, on_step: Callable[[], None] | None = None,
-           progress: Any = None) -> None:
+           progress: Any = None, structured_output: Any = None) -> None:
     """Submit ``workload`` on its arrival schedule and step the engine until all finish.
 
     Multi-turn requests (``turn > 0``) are held back until the previous turn of their
@@ -482,7 +522,7 @@ def _drive(engine: Any, workload: Workload, state: _RunState, *, prefix: str, te
             state.active[rid] = t
             try:
                 t.seq = engine.add_request(list(req.prompt_token_ids),
-                                           _sampling_params(req, temperature, seed),
+                                           _sampling_params(req, temperature, seed, structured_output),
                                            request_id=rid, arrival_time=t0 + offset,
                                            priority=req.priority)
             except ValueError as e:  # never fits: a rejected request, the run goes on
@@ -651,7 +691,7 @@ def run_benchmark(opts: BenchmarkOptions, engine_factory: Callable[[Any, bool], 
         "workload": None, "warmup": None, "git": git_info(), "versions": package_versions(),
         "hardware": hardware_info(opts.device), "requests": [], "aggregates": None,
         "kv_cache": None, "gpu": empty_gpu_summary("run did not reach the measured phase"),
-        "component_profile": None, "token_digest": None, "speculative": None,
+        "component_profile": None, "token_digest": None, "speculative": None, "structured_output": None,
     }
     engine = None
     workload: Workload | None = None
@@ -669,6 +709,9 @@ def run_benchmark(opts: BenchmarkOptions, engine_factory: Callable[[Any, bool], 
         if opts.workload is not None:
             profile = validate_profile({**profile, "workload": {**profile["workload"], "kind": opts.workload}},
                                        source=ppath)
+        structured = None
+        if opts.json_schema:
+            structured, report["structured_output"] = load_json_schema(opts.json_schema)
         econf = make_engine_config(opts, seed)
         report["engine_config"] = dataclasses.asdict(econf)
         if engine_factory is None and opts.speculative_model:
@@ -694,7 +737,7 @@ def run_benchmark(opts: BenchmarkOptions, engine_factory: Callable[[Any, bool], 
                                   tokenizer=tok, vocab_size=vocab, stream=1,
                                   sharegpt_path=opts.dataset_path)
             _drive(engine, warm, _RunState(), prefix="warmup", temperature=temperature, seed=seed + 1,
-                   deadline=deadline)
+                   deadline=deadline, structured_output=structured)
         from ..engine.triton_cache import triton_cache_entries, triton_kernel_names
 
         cache0 = triton_cache_entries()
@@ -721,7 +764,7 @@ def run_benchmark(opts: BenchmarkOptions, engine_factory: Callable[[Any, bool], 
                 progress = None
         try:
             _drive(engine, workload, state, prefix="bench", temperature=temperature, seed=seed,
-                   deadline=deadline, progress=progress,
+                   deadline=deadline, progress=progress, structured_output=structured,
                    on_step=lambda: _sample_kv(engine, state, block_size, max_model_len))
         finally:
             if progress is not None:
@@ -738,7 +781,7 @@ def run_benchmark(opts: BenchmarkOptions, engine_factory: Callable[[Any, bool], 
 
         if opts.profile_components:
             k = max(1, min(len(workload), opts.max_batch_size))
-            prompts = [(r.prompt_token_ids, _sampling_params(r, temperature, seed), r.priority)
+            prompts = [(r.prompt_token_ids, _sampling_params(r, temperature, seed, structured), r.priority)
                        for r in workload.requests[:k]]
             report["component_profile"] = (
                 run_component_profile(engine, prompts, device=opts.device, max_steps=opts.profile_steps)
@@ -780,6 +823,8 @@ def _finish_report(report: dict[str, Any], opts: BenchmarkOptions, state: _RunSt
         report["kv_cache"] = kv
         if hasattr(engine, "speculative_stats"):
             report["speculative"] = engine.speculative_stats()
+        if report.get("structured_output") is not None:
+            report["structured_output"]["engine"] = (kv.get("final_stats") or {}).get("structured_output")
         report["aggregates"] = aggregate_records(records, duration, slo_ttft_ms=opts.slo_ttft_ms,
                                                  slo_tpot_ms=opts.slo_tpot_ms, extra=extra)
         report["aggregates"]["num_steps"] = state.num_steps

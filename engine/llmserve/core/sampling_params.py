@@ -2,10 +2,83 @@
 
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass, field
+from typing import Any
 
 
 GREEDY_EPS = 1e-5
+
+#: The constraint kinds of :class:`StructuredOutput`.
+STRUCTURED_KINDS = ("json_object", "json_schema")
+#: How a constrained JSON output may use whitespace (:attr:`StructuredOutput.whitespace`).
+WHITESPACE_MODES = ("compact", "any")
+
+
+@dataclass(frozen=True, slots=True)
+class StructuredOutput:
+    """A grammar the output must follow (grammar-constrained decoding).
+
+    Attributes:
+        kind: ``json_object`` (any JSON object) or ``json_schema`` (a JSON value valid under
+            :attr:`json_schema`).
+        json_schema: for ``json_schema``, the schema as JSON text (a ``dict`` or ``bool`` given
+            here is serialised, key order kept: objects are generated in the schema's property
+            order). ``None`` for ``json_object``.
+        whitespace: ``compact`` (one line, ``json.dumps``' default separators ``", "`` and
+            ``": "``; bounded output) or ``any`` (any JSON whitespace between tokens, which a
+            weak model can fill without end).
+
+    The engine compiles the grammar (once per :attr:`key`) and masks every sampled token to
+    the ones the grammar allows; the request finishes (``stop``) when the grammar is complete
+    and a stop token is sampled. Properties a schema does not declare are not generated
+    (strict), and unsupported schema keywords are those of the grammar library (xgrammar).
+
+    Raises:
+        ValueError: on construction, an unknown kind or whitespace mode, a missing schema for
+            ``json_schema`` (or one given for ``json_object``), or a schema that is not a JSON
+            object or boolean.
+    """
+
+    kind: str
+    json_schema: str | None = None
+    whitespace: str = "compact"
+
+    def __post_init__(self) -> None:
+        if self.kind not in STRUCTURED_KINDS:
+            raise ValueError(f"structured_output.kind must be one of {list(STRUCTURED_KINDS)}, got {self.kind!r}")
+        if self.whitespace not in WHITESPACE_MODES:
+            raise ValueError(f"structured_output.whitespace must be one of {list(WHITESPACE_MODES)}, "
+                             f"got {self.whitespace!r}")
+        schema: Any = self.json_schema
+        if self.kind == "json_object":
+            if schema is not None:
+                raise ValueError("structured_output.json_schema must be None for kind 'json_object' "
+                                 "(use kind 'json_schema' to give a schema)")
+            return
+        if schema is None:
+            raise ValueError("structured_output.json_schema is required for kind 'json_schema'")
+        if isinstance(schema, str):
+            try:
+                parsed = json.loads(schema)
+            except ValueError as e:
+                raise ValueError(f"structured_output.json_schema is not valid JSON: {e}") from None
+        else:
+            parsed = schema
+        if not isinstance(parsed, (dict, bool)):
+            raise ValueError(f"structured_output.json_schema must be a JSON object (or a boolean), "
+                             f"got {type(parsed).__name__}")
+        if not isinstance(schema, str):
+            try:
+                text = json.dumps(schema, ensure_ascii=False, separators=(",", ":"), allow_nan=False)
+            except (TypeError, ValueError) as e:
+                raise ValueError(f"structured_output.json_schema cannot be written as JSON: {e}") from None
+            object.__setattr__(self, "json_schema", text)
+
+    @property
+    def key(self) -> tuple[str, str | None, str]:
+        """What identifies the compiled grammar (equal keys share one compilation)."""
+        return (self.kind, self.json_schema, self.whitespace)
 
 
 @dataclass(slots=True)
@@ -40,6 +113,8 @@ class SamplingParams:
         logit_bias: OpenAI's logit bias, ``{token id: bias}`` with bias in [-100, 100], added to
             the logits before any other processing (-100 effectively bans a token). Ids are
             checked against the vocabulary by the engine/service (the model's size is not known here).
+        structured_output: a grammar every output token must follow (:class:`StructuredOutput`;
+            ``None``: free text). Engines without it refuse such requests.
 
     Raises:
         ValueError: on construction, for any field outside its range (the message names it).
@@ -60,6 +135,7 @@ class SamplingParams:
     frequency_penalty: float = 0.0
     repetition_penalty: float = 1.0
     logit_bias: dict[int, float] | None = None
+    structured_output: StructuredOutput | None = None
 
     def __post_init__(self) -> None:
         if isinstance(self.max_tokens, bool) or not isinstance(self.max_tokens, int) or self.max_tokens < 1:
@@ -109,6 +185,9 @@ class SamplingParams:
         if any(not isinstance(s, str) or s == "" for s in self.stop):
             raise ValueError(f"stop must be non-empty strings, got {self.stop!r}")
         self.stop_token_ids = [int(t) for t in self.stop_token_ids]
+        if self.structured_output is not None and not isinstance(self.structured_output, StructuredOutput):
+            raise ValueError(f"structured_output must be a StructuredOutput or None, "
+                             f"got {type(self.structured_output).__name__}")
         self.temperature = float(self.temperature)
         self.top_p = float(self.top_p)
 

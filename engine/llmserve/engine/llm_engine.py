@@ -17,7 +17,7 @@ import torch
 from ..config import EngineConfig, ResolvedFastPath
 from ..envs import triton_interpret
 from ..worker.input_builder import PendingTokens
-from ..worker.sampler import PendingSample, Sampler
+from ..worker.sampler import PendingSample, Sampler, TokenBitmask
 from ..core.admission import RequestLimits, validate_request
 from ..core.sampling_params import SamplingParams
 from ..core.sequence import RequestMetrics, Sequence, SequenceStatus
@@ -105,6 +105,8 @@ class _EngineBase:
 
     #: whether ``SamplingParams.prompt_logprobs`` is computed (else such requests are refused)
     supports_prompt_logprobs = False
+    #: whether ``SamplingParams.structured_output`` is enforced (else such requests are refused)
+    supports_structured_output = False
 
     def __init__(self, config: EngineConfig, *, load_model_fn=None) -> None:
         from ..models.loader import load_model
@@ -137,6 +139,13 @@ class _EngineBase:
             (self.tokenizer.eos_token_id,) if self.tokenizer.eos_token_id is not None else ())
         self.sampler = Sampler(self.device, seed=config.seed)
         self._ids = itertools.count()
+        self.structured = None
+        if self.supports_structured_output:
+            from .structured import StructuredOutputManager
+
+            self.structured = StructuredOutputManager(
+                self.tokenizer, self.model_config.vocab_size, self.eos_token_ids,
+                max_entries=config.grammar_cache_size, pin_memory=self.device.type == "cuda")
 
     # ---- request intake ----------------------------------------------------------------------
     def encode_prompt(self, prompt: str | list[int]) -> list[int]:
@@ -169,7 +178,9 @@ class _EngineBase:
         """Validate a request without queueing it; return its prompt ids.
 
         Raises:
-            ValueError: empty prompt, bad token ids; a
+            ValueError: empty prompt, bad token ids, a structured output this engine does not
+                support or whose schema cannot be compiled (compiled grammars are cached, so
+                the request's own submission reuses it); a
                 :class:`~llmserve.core.admission.RequestRejectedError` when it can never be
                 served (context exceeded, more KV blocks than the whole cache holds, or without
                 chunked prefill a prompt above the step budget).
@@ -180,7 +191,22 @@ class _EngineBase:
             raise ValueError(f"prompt_logprobs is not supported by {type(self).__name__}; "
                              "use the paged LLMEngine without speculative decoding")
         validate_request(len(ids), sp.max_tokens, self.request_limits(), request_id)
+        if sp.structured_output is not None:
+            self.check_structured_output(sp.structured_output)
         return ids
+
+    def check_structured_output(self, spec) -> None:
+        """Compile a :class:`~llmserve.core.sampling_params.StructuredOutput` (cached), so a bad
+        schema is refused before anything is queued. Safe to call from any thread.
+
+        Raises:
+            ValueError: this engine does not enforce structured output, the schema cannot be
+                compiled (the message says why), or xgrammar is not installed.
+        """
+        if self.structured is None:
+            raise ValueError(f"structured output is not supported by {type(self).__name__}; "
+                             "use the paged LLMEngine")
+        self.structured.check(spec)
 
     def _new_seq(self, prompt, sampling_params, request_id, arrival_time, priority) -> Sequence:
         ids = self.check_request(prompt, sampling_params, request_id)
@@ -230,6 +256,7 @@ class LLMEngine(_EngineBase):
     """
 
     supports_prompt_logprobs = True
+    supports_structured_output = True
 
     def __init__(self, config: EngineConfig, **kw) -> None:
         super().__init__(config, **kw)
@@ -420,6 +447,8 @@ class LLMEngine(_EngineBase):
         self.block_manager.reset_peak()
         self.scheduler.num_preemptions = self.scheduler.num_recomputed_tokens = 0
         self.block_manager.reset_prefix_cache_stats()
+        if self.structured is not None:
+            self.structured.reset_stats()
 
     def reset_prefix_cache_stats(self) -> None:
         """Zero the prefix-cache query, hit and eviction counters (the cached blocks stay)."""
@@ -448,7 +477,14 @@ class LLMEngine(_EngineBase):
         seq = self._new_seq(prompt, sampling_params, request_id, arrival_time, priority)
         if seq.request_id in self._seqs:
             raise ValueError(f"request_id {seq.request_id!r} is already in use")
-        self.scheduler.add_request(seq)
+        if seq.sampling_params.structured_output is not None:
+            self.structured.add(seq)                  # compiled in check_request: a cache hit
+        try:
+            self.scheduler.add_request(seq)
+        except BaseException:
+            if self.structured is not None:
+                self.structured.remove(seq.request_id)
+            raise
         self._seqs[seq.request_id] = seq
         if callback is not None:
             self._callbacks[seq.request_id] = callback
@@ -465,6 +501,8 @@ class LLMEngine(_EngineBase):
     def _finish(self, seq: Sequence) -> None:
         self._seqs.pop(seq.request_id, None)
         self.sampler.release(seq.request_id)
+        if self.structured is not None:
+            self.structured.remove(seq.request_id)
         cb = self._callbacks.pop(seq.request_id, None)
         if cb is not None and seq.status is SequenceStatus.FINISHED_ABORTED:
             cb(RequestOutput.from_seq(seq, []))
@@ -482,6 +520,13 @@ class LLMEngine(_EngineBase):
         their outputs. A request that stops on EOS therefore costs one extra token of device
         work, which is discarded; stops by length are known ahead and cost nothing.
 
+        Grammar-constrained rows (structured output) need every earlier token accepted by
+        their matcher before their bitmask can be filled, so a step that samples for one reads
+        the previous step's tokens *before* it samples (after its forward pass was launched:
+        the device computes it meanwhile, so the overlap of planning with the previous step
+        is kept). A constrained request therefore never runs ahead of its grammar; steps
+        without constrained rows are unchanged.
+
         Returns:
             an output for each sequence that received a token (this step's, or with
             asynchronous scheduling the previous step's).
@@ -489,6 +534,8 @@ class LLMEngine(_EngineBase):
         t0 = time.perf_counter()
         out = self.scheduler.schedule()
         launched = None
+        outputs: list[RequestOutput] = []
+        early_error: Exception | None = None
         if out.scheduled:
             self.num_steps += 1
             in_use = self.block_manager.num_total_blocks - self.block_manager.num_free_blocks
@@ -507,11 +554,21 @@ class LLMEngine(_EngineBase):
             self.step_seconds["execute"] += t2 - t1
             if sample_idx:
                 seqs = [out.scheduled[i].seq for i in sample_idx]
+                argmax, mask = res.device_argmax, None
+                if self.structured is not None and len(self.structured) and any(
+                        s.request_id in self.structured for s in seqs):
+                    if self._inflight is not None:   # the constrained rows' previous tokens first
+                        previous, self._inflight = self._inflight, None
+                        try:
+                            outputs += self._read_tokens(previous)
+                        except Exception as e:  # noqa: BLE001 - a callback's; raised once this step is launched
+                            early_error = e
+                    seqs, logits, argmax, mask = self._constrain(seqs, logits, argmax)
                 history, pending_ids = self._token_history(seqs, pending)
                 sample = self.sampler.sample_async(logits, [s.sampling_params for s in seqs],
                                                    [s.request_id for s in seqs],
-                                                   argmax=res.device_argmax,
-                                                   history=history, pending_token_ids=pending_ids)
+                                                   argmax=argmax, history=history,
+                                                   pending_token_ids=pending_ids, token_bitmask=mask)
                 for seq in seqs:
                     seq.num_pending += 1
                 launched = _InFlightStep(seqs, sample)
@@ -519,12 +576,30 @@ class LLMEngine(_EngineBase):
         # Swap first: whatever happens while reading, the launched step stays the one in
         # flight and the previous one is never read twice.
         previous, self._inflight = self._inflight, (launched if self.async_scheduling else None)
-        outputs: list[RequestOutput] = []
         if previous is not None:                # the previous step's tokens (asynchronous)
             outputs += self._read_tokens(previous)
         if launched is not None and not self.async_scheduling:
             outputs += self._read_tokens(launched)
+        if early_error is not None:
+            raise early_error
         return outputs
+
+    def _constrain(self, seqs: list[Sequence], logits: torch.Tensor, argmax: torch.Tensor | None
+                   ) -> tuple[list[Sequence], torch.Tensor, torch.Tensor | None, TokenBitmask | None]:
+        """The bitmask of this step's constrained rows, once their matchers hold every earlier
+        token. Rows whose sequence finished meanwhile (a stop read just now) are dropped from
+        the sampled rows (``logits`` ``[S, V]`` -> ``[S', V]``, ``argmax`` likewise)."""
+        keep = [j for j, s in enumerate(seqs) if not s.is_finished]
+        if len(keep) < len(seqs):
+            idx = torch.tensor(keep, dtype=torch.long, device=logits.device)
+            seqs = [seqs[j] for j in keep]
+            logits = logits.index_select(0, idx)                                      # [S', V]
+            argmax = argmax.index_select(0, idx) if argmax is not None else None
+        rows = [j for j, s in enumerate(seqs) if s.request_id in self.structured]
+        if not rows:
+            return seqs, logits, argmax, None
+        bitmask = self.structured.fill_bitmask([seqs[j].request_id for j in rows])
+        return seqs, logits, argmax, TokenBitmask(rows, bitmask)
 
     @staticmethod
     def _plan_prompt_logprobs(scheduled) -> tuple[list[int], list[tuple[int, int]]] | None:
@@ -619,6 +694,7 @@ class LLMEngine(_EngineBase):
         now = time.perf_counter()
         outputs: list[RequestOutput] = []
         errors: list[BaseException] = []
+        constrained = self.structured is not None and len(self.structured) > 0
         for seq, tok, lp in zip(step.seqs, result.token_ids, result.logprobs):
             seq.num_pending -= 1
             if seq.is_finished:
@@ -626,7 +702,8 @@ class LLMEngine(_EngineBase):
             seq.append_token(tok, now)
             if seq.sampling_params.logprobs is not None:
                 seq.output_logprobs.append(lp)
-            self._emit(seq, [tok], seq.check_stop(self.max_model_len), outputs, errors)
+            status = self.structured.accept(seq, tok) if constrained else None
+            self._emit(seq, [tok], status or seq.check_stop(self.max_model_len), outputs, errors)
         self.step_seconds["sample"] += now - t0
         self.step_seconds["postprocess"] += time.perf_counter() - now
         if errors:  # every token is recorded first; then the first callback error propagates
@@ -652,6 +729,7 @@ class LLMEngine(_EngineBase):
             errors.append(e)
         finally:
             if status is not None:
+                self._callbacks.pop(seq.request_id, None)   # told above: _finish must not repeat it
                 self._finish(seq)
 
     def stats(self) -> dict:
@@ -676,4 +754,6 @@ class LLMEngine(_EngineBase):
                                 "seconds": self.prompt_logprob_seconds},
             # prefix cache: queries/hits in tokens at admission, hit_rate = hits / queries
             "prefix_cache": bm.prefix_cache_stats(),
+            # grammar-constrained requests: bitmask rows and their host seconds, grammar compilations
+            "structured_output": self.structured.stats() if self.structured is not None else None,
         }

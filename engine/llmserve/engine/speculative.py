@@ -38,6 +38,15 @@ speculation off for it). Sampled requests draw every random number (draft sample
 uniforms, the final token) from their own seeded generator, in a fixed order, so a seeded request
 is reproducible. ``max_tokens``, EOS and stop tokens reached inside an accepted run stop the
 request exactly there: the rest of the run is dropped.
+
+Structured output (grammar-constrained requests) goes through the grammar on both sides:
+draft ``j`` is drawn from the draft's logits masked by the request's matcher after drafts
+``1..j-1`` (the matcher accepts each draft tentatively; ``q`` is that masked distribution), the
+mask after all ``k`` drafts is kept too, and the matcher is rolled back. The same ``k + 1``
+masks are applied to the target's verified rows before verification, so every emitted token is
+allowed and the output follows constrained target-only decoding exactly (greedy: the same
+tokens); the emitted tokens then advance the matcher for real. A grammar that ends inside an
+accepted run (its stop token) stops the request there.
 """
 
 from __future__ import annotations
@@ -57,7 +66,7 @@ from ..worker.kv_cache import DEFAULT_CPU_CACHE_BYTES, KVCache
 from ..core.block_manager import BlockManager
 from ..worker.input_builder import StepItem
 from ..worker.model_runner import ModelRunner
-from ..worker.sampler import TokenHistory, apply_top_k_top_p
+from ..worker.sampler import TokenBitmask, TokenHistory, apply_token_bitmask, apply_top_k_top_p
 from ..core.sampling_params import SamplingParams
 from ..core.sequence import Sequence
 
@@ -221,6 +230,9 @@ class _Spec:
     drafts: list[int] = field(default_factory=list)
     q: list[torch.Tensor] = field(default_factory=list)   # sampled only: [V] per draft
     n_acc: int = 0                                          # drafts accepted by the target
+    masks: torch.Tensor | None = None   # constrained only: [k + 1, W] int32 bitmasks, row i after i drafts
+    grammar_steps: int = 0              # drafts the matcher accepted tentatively
+    grammar_done: bool = False          # the matcher terminated (or refused a draft)
 
 
 @dataclass(slots=True)
@@ -492,7 +504,10 @@ class SpeculativeEngine(LLMEngine):
                 dbm.append_slots(ds, T + k - 1 - ds.num_computed_tokens)
                 budget -= k
                 gen = None if sp.greedy else self.sampler._generator(seq.request_id, sp.seed)
-                specs.append(_Spec(idx, seq, ds, k, T, sp.greedy, gen))
+                spec = _Spec(idx, seq, ds, k, T, sp.greedy, gen)
+                if seq.request_id in self.structured:
+                    spec.masks = self.structured.new_bitmask(k + 1)            # [k + 1, W]
+                specs.append(spec)
             else:
                 end = seq.num_computed_tokens + item.num_new_tokens
                 n = end - ds.num_computed_tokens
@@ -543,7 +558,45 @@ class SpeculativeEngine(LLMEngine):
             rows = [r for r, i in enumerate(idx) if owners[i] is not None]
             active = [owners[idx[r]] for r in rows]
             if active:
-                self._sample_drafts(self._align_vocab(logits[rows]), active)
+                dl = self._align_vocab(logits[rows])                                     # [A, V]
+                self._mask_drafts(dl, active, j)
+                self._sample_drafts(dl, active)
+                self._advance_grammar(active)
+        self._finish_draft_masks(specs)
+
+    def _mask_drafts(self, logits: torch.Tensor, active: list[_Spec], j: int) -> None:
+        """Mask the draft logits ``[A, V]`` of constrained specs by their grammar after drafts
+        ``1..j-1`` (kept as row ``j - 1`` of their verification masks)."""
+        rows = [r for r, s in enumerate(active) if s.masks is not None and not s.grammar_done]
+        if not rows:
+            return
+        for r in rows:
+            self.structured.fill_bitmask([active[r].seq.request_id], out=active[r].masks, start=j - 1)
+        bitmask = torch.stack([active[r].masks[j - 1] for r in rows])                   # [C, W]
+        apply_token_bitmask(logits, TokenBitmask(rows, bitmask))
+
+    def _advance_grammar(self, active: list[_Spec]) -> None:
+        """The matcher of each constrained spec accepts its newest draft (tentatively)."""
+        for s in active:
+            if s.masks is None or s.grammar_done:
+                continue
+            rid = s.seq.request_id
+            if self.structured.accept_draft(rid, s.drafts[-1]):
+                s.grammar_steps += 1
+                s.grammar_done = self.structured.is_terminated(rid)
+            else:
+                s.grammar_done = True
+
+    def _finish_draft_masks(self, specs: list[_Spec]) -> None:
+        """Fill the mask after the last draft, then roll every matcher back to its request's
+        real output."""
+        for s in specs:
+            if s.masks is None:
+                continue
+            rid = s.seq.request_id
+            if not s.grammar_done and s.grammar_steps == s.k:
+                self.structured.fill_bitmask([rid], out=s.masks, start=s.k)
+            self.structured.rollback(rid, s.grammar_steps)
 
     def _sample_drafts(self, logits: torch.Tensor, active: list[_Spec]) -> None:
         chosen = logits.argmax(dim=-1)                                                 # [R]
@@ -598,6 +651,25 @@ class SpeculativeEngine(LLMEngine):
                 s = sub[r]
                 results[sampled[r]] = (nn, s.drafts[:nn] + [t])
         return results  # type: ignore[return-value]
+
+    def _mask_constrained(self, logits: torch.Tensor, scheduled: list, normal: list[int], nrows: list[int],
+                          specs: list[_Spec], spec_offsets: list[int]) -> None:
+        """Mask the target's logits ``[R, V]`` of constrained requests in place: the sampled
+        row of a plain one, every verified row of a speculated one (module docstring)."""
+        sc = self.structured
+        if not len(sc):
+            return
+        plain = [(r, scheduled[i].seq.request_id) for r, i in zip(nrows, normal)
+                 if scheduled[i].seq.request_id in sc]
+        spec = [(o, s) for o, s in zip(spec_offsets, specs) if s.masks is not None]
+        if not plain and not spec:
+            return
+        rows = [r for r, _ in plain]
+        parts = [sc.fill_bitmask([rid for _, rid in plain])] if plain else []
+        for o, s in spec:                  # the masks built while drafting (_propose)
+            rows.extend(range(o, o + s.k + 1))
+            parts.append(s.masks)
+        apply_token_bitmask(logits, TokenBitmask(rows, torch.cat(parts) if len(parts) > 1 else parts[0]))
 
     # ---- the step --------------------------------------------------------------------------------
     @torch.inference_mode()
@@ -659,6 +731,7 @@ class SpeculativeEngine(LLMEngine):
                 item.seq.num_computed_tokens += item.num_new_tokens
         if not normal and not specs:
             return []
+        self._mask_constrained(logits, out.scheduled, normal, nrows, specs, spec_offsets)
 
         emitted: dict[int, tuple[list[int], list[dict | None]]] = {}
         if normal:
@@ -689,12 +762,14 @@ class SpeculativeEngine(LLMEngine):
             s = spec_of.get(idx)
             new: list[int] = []
             status = None
+            constrained = seq.request_id in self.structured
             for tok, lp in zip(toks, lps):
                 seq.append_token(tok, now)
                 new.append(tok)
                 if seq.sampling_params.logprobs is not None:
                     seq.output_logprobs.append(lp)
-                status = seq.check_stop(self.max_model_len)
+                status = (self.structured.accept(seq, tok) if constrained else None) \
+                    or seq.check_stop(self.max_model_len)
                 if status is not None:
                     break
             st.num_output_tokens += len(new)

@@ -5,6 +5,7 @@
 from __future__ import annotations
 import asyncio
 import contextlib
+import json
 import time
 import uuid
 from typing import Any, AsyncIterator
@@ -15,6 +16,7 @@ from .metrics import ServiceMetrics
 from .protocol import (APIError, ChatCompletionRequest, CompletionRequest, DetokenizeRequest, ModelCard,
                        ModelList, TokenizeRequest)
 from .errors import ClientDisconnected, _error_response, install_error_handlers, log
+from .structured import ChatPlan, chat_messages, new_call_id, plan_chat, render_messages, tool_calls_of
 from .guard import DEFAULT_MAX_REQUEST_BODY_BYTES, RequestGuardMiddleware
 from .generation import (
     MAX_CHOICES,
@@ -156,7 +158,7 @@ def create_app(engine: Any, *, tokenizer: Any = None, served_model_name: str = "
             if body.prompt is not None:
                 raise APIError("send either prompt or messages, not both", param="messages")
             from ..tokenizer import apply_chat_template
-            msgs = [{"role": m.role, "content": m.text()} for m in body.messages]
+            msgs = render_messages(body.messages)       # earlier tool calls included, as in chat
             text = await service.run_blocking(apply_chat_template, tok, msgs, bool(body.add_generation_prompt))
             add_special = bool(body.add_special_tokens) if body.add_special_tokens is not None else False
         elif body.prompt is not None:
@@ -283,7 +285,10 @@ def create_app(engine: Any, *, tokenizer: Any = None, served_model_name: str = "
         n = body.n or 1
         if body.top_logprobs is not None and not body.logprobs:
             raise APIError("top_logprobs requires logprobs to be true", param="top_logprobs")
-        messages = [{"role": m.role, "content": m.text()} for m in body.messages]
+        plan = plan_chat(body)
+        if plan.spec is not None:
+            await service.run_blocking(service.check_structured, plan)   # compiled off the event loop
+        messages = chat_messages(body, plan)
         ids = await service.run_blocking(
             lambda: service.tokenize_prompt(render_chat(service.tokenizer, messages), param="messages"))
         limit = view.max_model_len
@@ -301,7 +306,8 @@ def create_app(engine: Any, *, tokenizer: Any = None, served_model_name: str = "
         service.check_capacity(n)
         lp_k = (body.top_logprobs or 0) if body.logprobs else None
         choices = service.build_choices(
-            [ids], n, lambda p, i: service.sampling_params(body, max_tokens, lp_k, i, service.chat_stop_ids),
+            [ids], n, lambda p, i: service.sampling_params(body, max_tokens, lp_k, i, service.chat_stop_ids,
+                                                           structured_output=plan.spec),
             body.stop_list(), body.priority or 0, "chat", prompt_param="messages")
         gen = _Generation(service, choices)
         await gen.start(request)
@@ -312,21 +318,24 @@ def create_app(engine: Any, *, tokenizer: Any = None, served_model_name: str = "
         if body.stream:
             include_usage = bool(body.stream_options and body.stream_options.include_usage)
             continuous = include_usage and bool(body.stream_options.continuous_usage_stats)
+            calls = _StreamedCalls(plan, choices)
 
             async def stream() -> AsyncIterator[str]:
                 extra = {"usage": None} if include_usage else {}
                 head = {"id": rid, "object": "chat.completion.chunk", "created": created, "model": model}
                 for ch in choices:
-                    yield _sse({**head, "choices": [{"index": ch.index,
-                                                     "delta": {"role": "assistant", "content": ""},
+                    yield _sse({**head, "choices": [{"index": ch.index, "delta": calls.first_delta(ch.index),
                                                      "logprobs": None, "finish_reason": None}], **extra})
                 async for ev, records in _stream_events(gen, choices):
+                    records = calls.records(ev, records)
+                    if records is None:
+                        continue                 # a buffered call: sent whole at its end
                     lp = _chat_logprobs(service.tokenizer, records) if lp_k is not None else None
-                    delta = {"content": ev.text} if ev.text else {}
+                    delta, finish = calls.delta(ev, choices[ev.index].text_parts)
                     if continuous:
                         extra = {"usage": _usage(prompt_tokens, sum(c.num_output_tokens for c in choices))}
                     yield _sse({**head, "choices": [{"index": ev.index, "delta": delta, "logprobs": lp,
-                                                     "finish_reason": ev.finish_reason}], **extra})
+                                                     "finish_reason": finish}], **extra})
                 if include_usage:
                     yield _sse({**head, "choices": [],
                                 "usage": _usage(prompt_tokens, sum(c.num_output_tokens for c in choices))})
@@ -336,16 +345,98 @@ def create_app(engine: Any, *, tokenizer: Any = None, served_model_name: str = "
         await _collect(gen, request)
         out_choices = []
         for ch in choices:
+            message, finish = _chat_message(plan, "".join(ch.text_parts), ch.finish_reason)
             out_choices.append({
                 "index": ch.index,
-                "message": {"role": "assistant", "content": "".join(ch.text_parts)},
+                "message": message,
                 "logprobs": _chat_logprobs(service.tokenizer, ch.logprobs) if lp_k is not None else None,
-                "finish_reason": ch.finish_reason})
+                "finish_reason": finish})
         return JSONResponse({"id": rid, "object": "chat.completion", "created": created, "model": model,
                              "choices": out_choices,
                              "usage": _usage(prompt_tokens, sum(c.num_output_tokens for c in choices))})
 
     return app
+
+
+def _complete_json(text: str) -> bool:
+    try:
+        json.loads(text)
+    except ValueError:
+        return False
+    return True
+
+
+def _chat_message(plan: ChatPlan, text: str, finish: str | None) -> tuple[dict, str | None]:
+    """A whole answer's ``message`` and ``finish_reason``: a forced call becomes
+    ``tool_calls`` (legacy: ``function_call``) with ``content: null`` and finish reason
+    ``tool_calls`` (``function_call``) once its JSON is complete; a call cut short by
+    ``max_tokens`` or a stop string keeps its finish reason (a named call its partial arguments,
+    a ``required`` one its text as ``content``)."""
+    if not plan.calls_tools:
+        return {"role": "assistant", "content": text}, finish
+    done = finish != "abort" and _complete_json(text)
+    if plan.mode == "function":
+        return ({"role": "assistant", "content": None,
+                 "function_call": {"name": plan.function, "arguments": text}},
+                "function_call" if done else finish)
+    calls = tool_calls_of(plan, text)
+    if calls is None:
+        return {"role": "assistant", "content": text}, finish
+    return {"role": "assistant", "content": None, "tool_calls": calls}, ("tool_calls" if done else finish)
+
+
+class _StreamedCalls:
+    """The chunks of streamed forced calls. A named tool (or legacy function) streams its
+    arguments as they come (the first chunk names the call); a ``required`` call, whose
+    function is only known once its JSON is complete, is buffered and sent whole with the
+    choice's last chunk (with its logprobs). Free text streams as ``content``."""
+
+    def __init__(self, plan: ChatPlan, choices) -> None:
+        self.plan = plan
+        self.ids = {ch.index: new_call_id() for ch in choices}
+        self.buffered: dict[int, list] = {ch.index: [] for ch in choices}
+
+    def first_delta(self, index: int) -> dict:
+        mode = self.plan.mode
+        if mode == "tool":
+            return {"role": "assistant", "content": None,
+                    "tool_calls": [{"index": 0, "id": self.ids[index], "type": "function",
+                                    "function": {"name": self.plan.function, "arguments": ""}}]}
+        if mode == "function":
+            return {"role": "assistant", "content": None,
+                    "function_call": {"name": self.plan.function, "arguments": ""}}
+        if mode == "tools":
+            return {"role": "assistant", "content": None}
+        return {"role": "assistant", "content": ""}
+
+    def records(self, ev, records: list) -> list | None:
+        """The logprob records to send with ``ev``'s chunk; ``None``: send no chunk yet."""
+        if self.plan.mode != "tools":
+            return records
+        self.buffered[ev.index].extend(records)
+        if ev.finish_reason is None:
+            return None
+        out, self.buffered[ev.index] = self.buffered[ev.index], []
+        return out
+
+    def delta(self, ev, text_parts: list[str]) -> tuple[dict, str | None]:
+        """``ev``'s chunk ``delta`` and ``finish_reason``."""
+        mode = self.plan.mode
+        if mode in ("text", "json"):
+            return ({"content": ev.text} if ev.text else {}), ev.finish_reason
+        finish = ev.finish_reason
+        if mode == "tools":
+            message, finish = _chat_message(self.plan, "".join(text_parts), finish)
+            if message.get("tool_calls"):
+                return {"tool_calls": [{"index": i, **c} for i, c in enumerate(message["tool_calls"])]}, finish
+            return {"content": message["content"]}, finish
+        if finish is not None and finish != "abort" and _complete_json("".join(text_parts)):
+            finish = "function_call" if mode == "function" else "tool_calls"
+        if not ev.text:
+            return {}, finish
+        if mode == "function":
+            return {"function_call": {"arguments": ev.text}}, finish
+        return {"tool_calls": [{"index": 0, "function": {"arguments": ev.text}}]}, finish
 
 
 def _tokenizer_info(tokenizer: Any, max_model_len: int) -> dict:

@@ -26,10 +26,13 @@ def _error_response(status: int, message: str, type: str = "invalid_request_erro
 
 def _param_of(loc: tuple) -> str | None:
     """``('body', 'stream_options', 'include_usage')`` -> ``stream_options.include_usage``;
-    pydantic's union-branch tags (``constrained-str``, ``list[int]``) end the path."""
+    pydantic's union-branch tags (``constrained-str``, ``list[int]``) end the path, and those
+    naming a model class (``NamedFunction``: no field is capitalised) are skipped."""
     out = ""
     for p in loc:
         if p == "body" and not out:
+            continue
+        if isinstance(p, str) and p[:1].isupper() and p.isidentifier():
             continue
         if isinstance(p, int) or (isinstance(p, str) and p.isdigit()):
             if not out:
@@ -49,11 +52,6 @@ _FIELD_HINTS = {
 }
 
 
-#: OpenAI fields that need grammar-constrained decoding, which this server does not implement
-_STRUCTURED_FIELDS = ("response_format", "tools", "tool_choice", "functions", "function_call",
-                      "parallel_tool_calls")
-
-
 def _unsupported(errors: list[dict]) -> tuple[str, str] | None:
     """The first field the request models do not declare (pydantic ``extra_forbidden``), as
     ``(message, param)``."""
@@ -61,12 +59,7 @@ def _unsupported(errors: list[dict]) -> tuple[str, str] | None:
         if e.get("type") == "extra_forbidden":
             loc = tuple(e.get("loc", ()))
             param = _param_of(loc) or str(loc[-1])
-            name = str(loc[-1])
-            if name in _STRUCTURED_FIELDS and param == name:
-                why = ("structured output and tool calling (grammar-constrained decoding) are not "
-                       "supported by this server; remove it")
-            else:
-                why = "this server does not support it; remove it (see the API reference for the accepted fields)"
+            why = "this server does not support it; remove it (see the API reference for the accepted fields)"
             return f"unsupported parameter {param!r}: {why}", param
     return None
 

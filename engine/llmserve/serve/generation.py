@@ -13,7 +13,7 @@ from typing import Any, AsyncIterator, Callable
 from fastapi import Request
 from fastapi.responses import StreamingResponse
 from ..core.admission import RequestLimits, request_rejection
-from ..core.sampling_params import SamplingParams
+from ..core.sampling_params import SamplingParams, StructuredOutput
 from .detokenizer import IncrementalDetokenizer, token_bytes, token_text
 from .metrics import RequestTracker, ServiceMetrics
 from .protocol import APIError, error_body
@@ -67,6 +67,20 @@ class _EngineView:
         fn = getattr(self.inner, "check_request", None)
         if callable(fn):
             fn(prompt_ids, sp)  # raises ValueError
+
+    def check_structured(self, spec: StructuredOutput) -> None:
+        """Compile ``spec`` in the engine (cached there).
+
+        Raises:
+            NotImplementedError: the engine does not enforce structured output.
+            ValueError: the schema cannot be compiled.
+        """
+        fn = getattr(self.inner, "check_structured_output", None)
+        if not callable(fn) or getattr(self.inner, "structured", True) is None:
+            name = type(self.inner if self.inner is not None else self.async_engine).__name__
+            raise NotImplementedError(f"structured output and forced tool calls are not supported by the "
+                                      f"served engine ({name}); serve with the paged engine")
+        fn(spec)
 
     @property
     def max_waiting(self) -> int | None:
@@ -477,7 +491,8 @@ class Service:
                 param="max_tokens" if num_prompt < limit else param, code="context_length_exceeded")
 
     def sampling_params(self, req, max_tokens: int, logprobs: int | None, seed_offset: int,
-                        stop_token_ids: list[int], prompt_logprobs: int | None = None) -> SamplingParams:
+                        stop_token_ids: list[int], prompt_logprobs: int | None = None,
+                        structured_output: StructuredOutput | None = None) -> SamplingParams:
         seed = req.seed
         if seed is not None:
             seed = (seed + seed_offset) % (2**63)
@@ -497,6 +512,7 @@ class Service:
                 frequency_penalty=req.frequency_penalty or 0.0,
                 repetition_penalty=1.0 if req.repetition_penalty is None else req.repetition_penalty,
                 logit_bias=self.logit_bias(req),
+                structured_output=structured_output,
             )
         except ValueError as e:
             raise APIError(str(e)) from e
@@ -513,6 +529,27 @@ class Service:
                 raise APIError(f"logit_bias token ids must be in [0, {self.view.vocab_size}), got {bad[:5]}",
                                param="logit_bias", code="invalid_logit_bias")
         return bias
+
+    def check_structured(self, plan) -> None:
+        """Compile the grammars of a chat request's :class:`~llmserve.serve.structured.ChatPlan`
+        (each function's parameters alone first, so an error names its field); runs on the
+        tokenizer thread. Compiled grammars are cached by the engine.
+
+        Raises:
+            APIError: 400: the served engine does not enforce structured output, or a schema
+                cannot be compiled (``param`` names it, code ``invalid_schema``).
+        """
+        checks = list(plan.checks)
+        if plan.spec is not None and all(spec is not plan.spec for _, spec in checks):
+            checks.append(("tools" if plan.mode == "tools" else "response_format", plan.spec))
+        for param, spec in checks:
+            try:
+                self.view.check_structured(spec)
+            except NotImplementedError as e:
+                raise APIError(str(e), param=param.split(".")[0].split("[")[0],
+                               code="unsupported_parameter") from None
+            except ValueError as e:
+                raise APIError(f"{param}: {e}", param=param, code="invalid_schema") from None
 
     def unsupported(self, req) -> None:
         """Parameters accepted by the schema but not implemented (none at present)."""

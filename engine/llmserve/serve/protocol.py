@@ -8,6 +8,10 @@ implement is never dropped silently: unknown fields answer 400 ``unsupported_par
 the field (the fields the openai client, litellm, langchain-openai, lm-eval and guidellm send are
 all declared here).
 
+Structured output (``response_format``) and forced tool calls (``tools`` with ``tool_choice``
+``"required"`` or a named function; the legacy ``functions`` / ``function_call``) are declared
+here and enforced by grammar-constrained decoding (:mod:`llmserve.serve.structured`).
+
 Ranges that depend on the served model (context length, vocabulary) are checked by the app.
 """
 
@@ -146,10 +150,38 @@ class ChatContentPart(_Strict):
         return self
 
 
+FunctionName = Annotated[str, Field(min_length=1, max_length=64, pattern=r"^[A-Za-z0-9_-]+$")]
+MAX_TOOLS = 128
+
+
+class ToolCallFunction(_Strict):
+    """A function call in an assistant message of the history: name and JSON arguments text."""
+
+    name: Text
+    arguments: Text
+
+
+class MessageToolCall(_Strict):
+    id: Text
+    type: Literal["function"] = "function"
+    function: ToolCallFunction
+
+
 class ChatMessage(_Strict):
-    role: Literal["system", "developer", "user", "assistant", "tool"]
+    role: Literal["system", "developer", "user", "assistant", "tool", "function"]
     content: Optional[Union[Text, Annotated[list[ChatContentPart], Field(min_length=1)]]] = None
     name: Optional[Text] = None
+    tool_calls: Optional[list[MessageToolCall]] = Field(
+        default=None, description="an assistant message's tool calls (the history of a tool-call turn)")
+    tool_call_id: Optional[Text] = Field(default=None, description="a tool message: the call it answers")
+    function_call: Optional[ToolCallFunction] = Field(
+        default=None, description="legacy: an assistant message's function call")
+
+    @model_validator(mode="after")
+    def _calls_from_the_assistant(self) -> "ChatMessage":
+        if (self.tool_calls or self.function_call) and self.role != "assistant":
+            raise ValueError(f"tool_calls and function_call belong to assistant messages, not {self.role!r} ones")
+        return self
 
     def text(self) -> str:
         if self.content is None:
@@ -157,6 +189,62 @@ class ChatMessage(_Strict):
         if isinstance(self.content, str):
             return self.content
         return "".join(part.text or "" for part in self.content)
+
+
+class JSONSchemaFormat(BaseModel):
+    """``response_format.json_schema`` (OpenAI's shape): ``name``, ``description``, ``schema``,
+    ``strict``. The schema is always enforced (as with ``strict: true``)."""
+
+    model_config = ConfigDict(strict=True, extra="forbid", populate_by_name=True)
+
+    name: FunctionName
+    description: Optional[Text] = None
+    schema_: Optional[dict[str, Any]] = Field(default=None, alias="schema")
+    strict: Optional[bool] = None
+
+
+class ResponseFormat(_Strict):
+    """``{"type": "text"}`` (free text), ``{"type": "json_object"}`` (any JSON object) or
+    ``{"type": "json_schema", "json_schema": {...}}``."""
+
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: Optional[JSONSchemaFormat] = None
+
+    @model_validator(mode="after")
+    def _schema_iff_json_schema(self) -> "ResponseFormat":
+        if self.type == "json_schema":
+            if self.json_schema is None:
+                raise ValueError("response_format of type 'json_schema' needs a json_schema object "
+                                 "({\"name\": ..., \"schema\": {...}})")
+            if self.json_schema.schema_ is None:
+                raise ValueError("response_format.json_schema needs a schema (a JSON Schema object)")
+        elif self.json_schema is not None:
+            raise ValueError(f"json_schema is only allowed with type 'json_schema', not {self.type!r}")
+        return self
+
+
+class FunctionDefinition(_Strict):
+    """A function the model may call: ``parameters`` is a JSON Schema object (omitted: no
+    parameters, ``{}`` arguments)."""
+
+    name: FunctionName
+    description: Optional[Text] = None
+    parameters: Optional[dict[str, Any]] = None
+    strict: Optional[bool] = None
+
+
+class ToolDefinition(_Strict):
+    type: Literal["function"]
+    function: FunctionDefinition
+
+
+class NamedFunction(_Strict):
+    name: FunctionName
+
+
+class NamedToolChoice(_Strict):
+    type: Literal["function"]
+    function: NamedFunction
 
 
 class ChatCompletionRequest(_SamplingFields):
@@ -167,6 +255,17 @@ class ChatCompletionRequest(_SamplingFields):
     max_completion_tokens: Optional[Annotated[int, Field(ge=1)]] = None
     logprobs: Optional[bool] = False
     top_logprobs: Optional[Annotated[int, Field(ge=0, le=MAX_LOGPROBS)]] = None
+    response_format: Optional[ResponseFormat] = None
+    tools: Optional[Annotated[list[ToolDefinition], Field(min_length=1, max_length=MAX_TOOLS)]] = None
+    tool_choice: Optional[Union[Literal["none", "auto", "required"], NamedToolChoice]] = Field(
+        default=None, description="'required' or a named function (forced, grammar-constrained calls) or "
+                                  "'none'; 'auto' is not supported")
+    parallel_tool_calls: Optional[bool] = Field(
+        default=None, description="with tool_choice 'required': allow several calls (default true)")
+    functions: Optional[Annotated[list[FunctionDefinition], Field(min_length=1, max_length=MAX_TOOLS)]] = Field(
+        default=None, description="legacy form of tools")
+    function_call: Optional[Union[Literal["none", "auto"], NamedFunction]] = Field(
+        default=None, description="legacy form of tool_choice: a named function or 'none'")
 
     @field_validator("messages")
     @classmethod
@@ -266,9 +365,17 @@ class CompletionResponse(BaseModel):
     usage: Optional[Usage] = None
 
 
+class ResponseToolCall(BaseModel):
+    id: str
+    type: Literal["function"] = "function"
+    function: dict[str, str]   # {"name", "arguments" (JSON text)}
+
+
 class ChatResponseMessage(BaseModel):
     role: Literal["assistant"] = "assistant"
     content: Optional[str] = None
+    tool_calls: Optional[list[ResponseToolCall]] = None
+    function_call: Optional[dict[str, str]] = None
 
 
 class ChatCompletionChoice(BaseModel):

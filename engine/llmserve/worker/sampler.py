@@ -18,6 +18,12 @@ presence penalties over output tokens (``logit -= frequency * count + presence *
 Token counts are rebuilt every step from the sequence's tokens (:class:`TokenHistory`), so they
 are right after preemption and recompute; a token still on the device (asynchronous scheduling)
 is added from the previous step's id tensor, with no host synchronisation.
+
+Grammar-constrained rows (structured output) come with a token bitmask (:class:`TokenBitmask`,
+filled on the host by the engine's grammar matchers): after the penalties, every token the
+grammar does not allow gets logit ``-inf`` in those rows only, so temperature, top-k/top-p,
+the draw and the logprobs all see the constrained distribution (vLLM and SGLang apply
+xgrammar's bitmasks at the same point). A batch without constrained rows pays nothing.
 """
 
 from __future__ import annotations
@@ -57,6 +63,88 @@ class TokenHistory(NamedTuple):
     prompt: Sequence[int]
     output: Sequence[int]
     pending_row: int | None = None
+
+
+class TokenBitmask(NamedTuple):
+    """Allowed tokens of some rows of a step, one bit per token.
+
+    Attributes:
+        rows: the logits rows the masks belong to (distinct, ascending or not).
+        bitmask: ``[len(rows), ceil(V / 32)]`` int32 on the host (pinned for a CUDA sampler, so
+            the copy is asynchronous); bit ``t % 32`` of word ``t // 32`` of row ``j`` is 1 when
+            token ``t`` is allowed in ``rows[j]`` (xgrammar's layout). Bits past the logits'
+            vocabulary are ignored; a vocabulary wider than the mask leaves the extra ids
+            disallowed.
+    """
+
+    rows: list[int]
+    bitmask: torch.Tensor
+
+
+_BIT_VALUES: dict[torch.device, torch.Tensor] = {}
+
+
+def _bit_values(device: torch.device) -> torch.Tensor:
+    """``[32]`` int32 ``1 << i`` (bit 31 as the int32 minimum), cached per device."""
+    t = _BIT_VALUES.get(device)
+    if t is None:
+        t = torch.tensor([1 << i if i < 31 else -(1 << 31) for i in range(32)], dtype=torch.int32, device=device)
+        _BIT_VALUES[device] = t
+    return t
+
+
+def apply_token_bitmask(logits: torch.Tensor, mask: TokenBitmask) -> torch.Tensor:
+    """Set the logits of disallowed tokens to ``-inf`` in the rows ``mask.rows``, in place.
+
+    Args:
+        logits: ``[B, V]`` float logits (any device); rows not in ``mask.rows`` are untouched.
+        mask: :class:`TokenBitmask`, bitmask ``[R, W]`` int32 with ``R = len(mask.rows)``.
+
+    Returns:
+        ``logits`` (modified in place).
+
+    Raises:
+        ValueError: a bitmask of the wrong dtype or shape, or a row outside ``[0, B)``.
+    """
+    rows, bm = list(mask.rows), mask.bitmask
+    b, vocab = logits.shape
+    if bm.dtype != torch.int32 or bm.dim() != 2 or bm.shape[0] != len(rows):
+        raise ValueError(f"the token bitmask must be int32 [{len(rows)}, W], got {bm.dtype} {tuple(bm.shape)}")
+    if not rows:
+        return logits
+    if min(rows) < 0 or max(rows) >= b or len(set(rows)) != len(rows):
+        raise ValueError(f"token bitmask rows must be distinct and in [0, {b}), got {rows[:8]}")
+    dev = logits.device
+    words = min(bm.shape[1], (vocab + 31) // 32)
+    disallowed = _unpack_disallowed(bm[:, :words], dev)                                # [R, 32 W]
+    disallowed = disallowed[:, :vocab]                                                 # [R, V'] (V' <= V)
+    if disallowed.shape[1] < vocab:     # ids past the mask: never allowed
+        disallowed = torch.nn.functional.pad(disallowed, (0, vocab - disallowed.shape[1]), value=True)
+    if rows == list(range(b)):
+        return logits.masked_fill_(disallowed, float("-inf"))
+    idx = torch.tensor(rows, dtype=torch.long).to(dev, non_blocking=True)
+    sub = logits.index_select(0, idx).masked_fill_(disallowed, float("-inf"))          # [R, V]
+    return logits.index_copy_(0, idx, sub)
+
+
+def _unpack_disallowed(bitmask: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """``[R, W]`` int32 host bitmask -> ``[R, 32 W]`` bool on ``device``, True where a token is
+    NOT allowed. On a CPU numpy's ``unpackbits`` of the inverted bytes (little-endian bit order:
+    bit ``i`` of a word is token ``32 w + i``) makes it without an int32 temporary; elsewhere
+    the words are copied to the device and unpacked there (:func:`_unpack_disallowed_torch`)."""
+    if device.type == "cpu" and bitmask.device.type == "cpu":
+        import numpy as np
+
+        words = np.ascontiguousarray((~bitmask).numpy())                                # [R, W] int32
+        bits = np.unpackbits(words.view(np.uint8), axis=1, bitorder="little")           # [R, 32 W] uint8
+        return torch.from_numpy(bits).view(torch.bool)
+    return _unpack_disallowed_torch(bitmask.to(device, non_blocking=True))
+
+
+def _unpack_disallowed_torch(bitmask: torch.Tensor) -> torch.Tensor:
+    """``[R, W]`` int32 -> ``[R, 32 W]`` bool, True where a bit is 0 (on the bitmask's device)."""
+    r, w = bitmask.shape
+    return ((bitmask[:, :, None] & _bit_values(bitmask.device)) == 0).view(r, w * 32)   # [R, 32 W]
 
 
 def _penalty_counts(rows: list[int], history: list[TokenHistory], vocab: int, device: torch.device,
@@ -207,7 +295,8 @@ class Sampler:
         return gen
 
     def sample(self, logits: torch.Tensor, params: list[SamplingParams],
-               request_ids: list[str], history: list[TokenHistory | None] | None = None) -> SampleResult:
+               request_ids: list[str], history: list[TokenHistory | None] | None = None,
+               token_bitmask: TokenBitmask | None = None) -> SampleResult:
         """Pick the next token for each row and wait for the result (see :meth:`sample_async`).
 
         Args:
@@ -216,17 +305,21 @@ class Sampler:
             request_ids: request id per row (keys for per-request generators).
             history: per row the sequence's tokens (:class:`TokenHistory`), needed by rows with
                 presence/frequency/repetition penalties.
+            token_bitmask: the allowed tokens of grammar-constrained rows (:class:`TokenBitmask`);
+                those rows of ``logits`` are masked in place.
 
         Returns:
             :class:`SampleResult` with ``B`` token ids.
         """
-        return self.sample_async(logits, params, request_ids, history=history).result()
+        return self.sample_async(logits, params, request_ids, history=history,
+                                 token_bitmask=token_bitmask).result()
 
     @torch.inference_mode()
     def sample_async(self, logits: torch.Tensor, params: list[SamplingParams],
                      request_ids: list[str], argmax: torch.Tensor | None = None,
                      history: list[TokenHistory | None] | None = None,
-                     pending_token_ids: torch.Tensor | None = None) -> "PendingSample":
+                     pending_token_ids: torch.Tensor | None = None,
+                     token_bitmask: TokenBitmask | None = None) -> "PendingSample":
         """Queue the sampling of one step on the logits' device without waiting for it.
 
         The chosen ids stay on the device (``PendingSample.token_ids_device``, which the next
@@ -236,10 +329,13 @@ class Sampler:
 
         Args/shapes as :meth:`sample`; ``argmax``: ``logits.argmax(-1)`` ``[B]`` int64 when the
         caller has it already (the decode graph computes it), used for the greedy rows without
-        logits processing; ``history`` / ``pending_token_ids``: see :func:`apply_logits_processing`.
+        logits processing; ``history`` / ``pending_token_ids``: see :func:`apply_logits_processing`;
+        ``token_bitmask``: grammar masks of some rows (:func:`apply_token_bitmask`, after the
+        logits processing; the rows of ``logits`` it names are overwritten when no processing
+        copied them first).
 
         Raises:
-            ValueError: a bad ``argmax``; from :func:`apply_logits_processing`.
+            ValueError: a bad ``argmax`` or bitmask; from :func:`apply_logits_processing`.
         """
         b = logits.shape[0]
         if b == 0:
@@ -249,17 +345,26 @@ class Sampler:
                                    or argmax.device != logits.device):
             raise ValueError(f"argmax must be int64 [{b}] on {logits.device}, got {argmax.dtype} "
                              f"{tuple(argmax.shape)} on {argmax.device}")
-        chosen = argmax if argmax is not None else logits.argmax(dim=-1)         # [B]
         processed = [i for i, p in enumerate(params) if p.needs_logits_processing]
+        masked = token_bitmask is not None and bool(token_bitmask.rows)
         if processed:
             logits = apply_logits_processing(logits, params, history, pending_token_ids)   # [B, V]
+        if masked:
+            logits = apply_token_bitmask(logits, token_bitmask)                             # [B, V]
+            processed = sorted(set(processed) | set(token_bitmask.rows))
+        if argmax is None:
+            chosen = logits.argmax(dim=-1)      # [B], after processing: right for every row
+        else:
+            chosen = argmax
             fix = [i for i in processed if greedy[i]]
             if fix:
-                if argmax is not None:
-                    chosen = chosen.clone()      # never write into the caller's (graph's) buffer
-                    argmax = None
-                fix_t = torch.tensor(fix, dtype=torch.long, device=logits.device)
-                chosen[fix_t] = logits[fix_t].argmax(dim=-1)
+                chosen = chosen.clone()          # never write into the caller's (graph's) buffer
+                argmax = None
+                if len(fix) == b:
+                    chosen = logits.argmax(dim=-1)
+                else:
+                    fix_t = torch.tensor(fix, dtype=torch.long, device=logits.device)
+                    chosen[fix_t] = logits[fix_t].argmax(dim=-1)
         if not all(greedy):
             if argmax is not None:
                 chosen = chosen.clone()          # never write into the caller's (graph's) buffer
@@ -363,7 +468,8 @@ class PendingSample:
             tok = tok_lp.tolist()
             for j, i in enumerate(want):
                 top = []
-                if ks[j]:
-                    top = list(zip(top_ids[j, :ks[j]].tolist(), top_vals[j, :ks[j]].tolist()))
+                if ks[j]:   # tokens a grammar disallowed (-inf) are not alternatives
+                    top = [(t, v) for t, v in zip(top_ids[j, :ks[j]].tolist(), top_vals[j, :ks[j]].tolist())
+                           if v != float("-inf")]
                 records[i] = {"token_logprob": tok[j], "top": top}
         return SampleResult(ids, records)
