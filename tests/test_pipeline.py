@@ -283,17 +283,19 @@ def test_plot_scripts_raise_on_an_empty_selection(tmp_path):
     assert r.returncode != 0 and not (tmp_path / "q.png").exists(), r.stdout + r.stderr
 
 
-def test_readme_headline_numbers_come_from_headline_md():
-    """Every number in README.md's CPU headline section appears in the generated headline.md."""
+@pytest.mark.parametrize("profile,min_rows", [("cpu", 3), ("h200", 2)])
+def test_readme_headline_numbers_come_from_headline_md(profile, min_rows):
+    """Every number in README.md's headline section of a profile appears in that profile's
+    generated headline.md."""
     import re
 
     readme = (ROOT / "README.md").read_text()
-    start, end = "<!-- headline:cpu -->", "<!-- /headline:cpu -->"
-    assert start in readme and end in readme, "README.md lacks the headline:cpu markers"
+    start, end = f"<!-- headline:{profile} -->", f"<!-- /headline:{profile} -->"
+    assert start in readme and end in readme, f"README.md lacks the headline:{profile} markers"
     section = readme[readme.index(start) + len(start):readme.index(end)]
-    headline = (ROOT / "results" / "checkpoint3" / "cpu" / "headline.md").read_text()
+    headline = (ROOT / "results" / "checkpoint3" / profile / "headline.md").read_text()
     rows = [ln for ln in section.splitlines() if ln.startswith("| ") and "---" not in ln][1:]
-    assert len(rows) >= 3, section
+    assert len(rows) >= min_rows, section
     numbers = re.findall(r"\d[\d,]*\.\d+", "\n".join(rows))
     assert numbers, section
     for n in numbers:
