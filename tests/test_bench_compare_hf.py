@@ -52,3 +52,32 @@ def test_generate_batch_under_inference_mode_produces_all_tokens(tiny_hf):
     assert out["per_request"] == [8] * len(PROMPTS)  # EOS ignored: exactly max_new each
     assert out["produced"] == 8 * len(PROMPTS)
     assert len(out["results"]) == len(PROMPTS)
+
+
+def test_decode_sweep_mechanics(hf_qwen2, tmp_path):
+    """The decode sweep's cells on a CPU engine: every (context, batch) a row with a step time
+    and the KV bytes it read; the table and the plot render; a sweep with nothing to draw raises."""
+    from llmserve.bench.compare import decode_sweep, kv_bytes_per_token, plot_decode_sweep, to_markdown
+    from llmserve.config import CacheConfig, EngineConfig, SchedulerConfig
+    from llmserve.engine.llm_engine import LLMEngine
+
+    path = str(hf_qwen2("gqa_tied")[0])
+    eng = LLMEngine(EngineConfig(model=path, cache=CacheConfig(num_blocks=64),
+                                 scheduler=SchedulerConfig(max_num_seqs=3)))
+    rows = decode_sweep(eng, [1, 3], [16, 40], steps=4, warm=2)
+    assert [(r["context"], r["batch"]) for r in rows] == [(16, 1), (16, 3), (40, 1), (40, 3)]
+    assert all(r["status"] == "ok" and r["ms_per_step"] > 0 for r in rows), rows
+    per_token = kv_bytes_per_token(eng.model_config, 4)
+    assert rows[1]["kv_bytes"] == 3 * (16 + 2 + 2) * per_token
+    assert not eng.has_unfinished_requests()
+    for r in rows:
+        r["floor_ms"], r["ratio_to_floor"] = 0.01, r["ms_per_step"] / 0.01
+    rep = {"ceilings": {"copy_bandwidth_Bps": 1e12, "bf16_matmul_flops": 1e15}, "gpu": "cpu",
+           "date": "d", "torch": "t", "transformers": "x", "triton": "y", "command": "c",
+           "parts": {"decode-sweep": {"model": "m", "weight_bytes": 1, "rows": rows}}}
+    md = to_markdown(rep)
+    assert "| 40: ms/step |" in md and "| 16: x floor |" in md
+    plot_decode_sweep(rows, tmp_path / "s.png", "t")
+    assert (tmp_path / "s.png").stat().st_size > 1000
+    with pytest.raises(ValueError, match="no successful cell"):
+        plot_decode_sweep([dict(rows[0], status="failed")], tmp_path / "e.png", "t")

@@ -11,7 +11,10 @@ b. the offline workload (N requests, input and output lengths uniform in [lo, hi
    continuous batching) and HF static ``generate``; the HF runs may use a subset of the
    requests (``--hf-requests``) to keep the run short, which the report states;
 c. open-loop ShareGPT-profile runs at several arrival rates: p50/p95 TTFT and TPOT
-   (through ``llmserve benchmark``'s runner).
+   (through ``llmserve benchmark``'s runner);
+d. the decode sweep (``--parts decode-sweep``): ms per decode step at batch 1..256 and contexts
+   128 and 1024 against the floor (weight bytes plus the step's KV bytes over the copy
+   bandwidth), with a plot.
 
 Each part that fails is kept as a row with its error. Output: JSON + a Markdown table.
 The copy bandwidth and matmul rate are measured at the start of the run (METHOD.md: measure
@@ -325,6 +328,93 @@ def _row(name, fn, *a, **kw) -> dict:
     return res
 
 
+def kv_bytes_per_token(model_config, dtype_bytes: int = 2) -> int:
+    """Bytes of K and V one cached token occupies over all layers."""
+    mc = model_config
+    return mc.num_hidden_layers * 2 * mc.num_key_value_heads * mc.head_dim * dtype_bytes
+
+
+def decode_sweep(engine, batches: list[int], contexts: list[int], steps: int, warm: int = 8,
+                 seed: int = 0, sync=None) -> list[dict]:
+    """Steady-state decode step time of ``engine`` at each batch size and context length.
+
+    For each ``(context, batch)``: ``batch`` requests with distinct random prompts of
+    ``context`` tokens (no shared prefix, so every sequence reads its own KV) and ``warm +
+    steps + 1`` output tokens; once every request has ``warm`` tokens the next ``steps`` engine
+    steps are timed on the wall clock (``sync`` waits for the device before reading it), then
+    the requests finish. The engine must admit ``max(batches)`` sequences and hold their KV.
+
+    Returns:
+        One row per cell: ``batch``, ``context``, ``ms_per_step``, ``kv_bytes`` (KV read per
+        step at the timed steps' mean context), ``status`` and ``error`` (a failed cell stays a
+        row).
+    """
+    from ..core.sampling_params import SamplingParams
+
+    sync = sync or (lambda: None)
+    rng = np.random.default_rng(seed)
+    vocab = engine.model_config.vocab_size
+    per_token = kv_bytes_per_token(engine.model_config, torch.finfo(engine.model.dtype).bits // 8)
+    rows = []
+    for ctx in contexts:
+        for b in batches:
+            row = {"batch": b, "context": ctx, "steps": steps, "status": "ok", "error": None}
+            try:
+                sp = SamplingParams(max_tokens=warm + steps + 1, ignore_eos=True)
+                seqs = [engine.add_request(rng.integers(0, vocab, ctx).tolist(), sp) for _ in range(b)]
+                while min(len(q.output_token_ids) for q in seqs) < warm:
+                    engine.step()
+                sync()
+                t0 = time.perf_counter()
+                for _ in range(steps):
+                    engine.step()
+                sync()
+                row["ms_per_step"] = (time.perf_counter() - t0) / steps * 1e3
+                row["kv_bytes"] = b * (ctx + warm + steps // 2) * per_token
+                while engine.has_unfinished_requests():
+                    engine.step()
+            except Exception as e:  # noqa: BLE001 - the cell stays a row with its error
+                row.update(status="failed", error=f"{type(e).__name__}: {e}")
+                for q in list(getattr(engine, "_seqs", {}).values()):
+                    engine.abort_request(q.request_id)
+            rows.append(row)
+            print(json.dumps(row), flush=True)
+    return rows
+
+
+def plot_decode_sweep(rows: list[dict], out: Path, title: str) -> None:
+    """ms/step against batch size, one line per context, with each context's floor dashed.
+
+    Raises:
+        ValueError: no successful row (nothing to draw).
+    """
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    ok = [r for r in rows if r["status"] == "ok"]
+    if not ok:
+        raise ValueError("decode sweep: no successful cell to plot")
+    fig, ax = plt.subplots(figsize=(7, 4.2))
+    for ctx in sorted({r["context"] for r in ok}):
+        rs = sorted((r for r in ok if r["context"] == ctx), key=lambda r: r["batch"])
+        line, = ax.plot([r["batch"] for r in rs], [r["ms_per_step"] for r in rs], marker="o",
+                        label=f"context {ctx}")
+        if all(r.get("floor_ms") is not None for r in rs):
+            ax.plot([r["batch"] for r in rs], [r["floor_ms"] for r in rs], linestyle="--",
+                    color=line.get_color(), label=f"floor, context {ctx}")
+    ax.set_xscale("log", base=2)
+    ax.set_xlabel("sequences per decode step")
+    ax.set_ylabel("ms per step")
+    ax.set_ylim(bottom=0)
+    ax.grid(True, alpha=0.3)
+    ax.legend(fontsize=8)
+    ax.set_title(title, fontsize=9)
+    fig.tight_layout()
+    fig.savefig(out, dpi=120)
+    plt.close(fig)
+
+
 def run(args: argparse.Namespace) -> dict:
     device = torch.device("cuda")
     import transformers
@@ -357,6 +447,22 @@ def run(args: argparse.Namespace) -> dict:
                 h["preset"] = preset
                 rows.append(h)
         report["parts"]["decode"] = rows
+    if "decode-sweep" in args.parts:
+        preset = args.offline_model
+        batches, contexts = args.sweep_batches, args.sweep_contexts
+        eng = llmserve_engine(preset, max_num_seqs=max(batches),
+                              max_model_len=max(contexts) + args.sweep_steps + 64)
+        weight_bytes = unique_param_bytes(eng.model)
+        rows = decode_sweep(eng, batches, contexts, args.sweep_steps, seed=args.seed,
+                            sync=torch.cuda.synchronize)
+        for r in rows:
+            if r["status"] == "ok":
+                r["floor_ms"] = (weight_bytes + r["kv_bytes"]) / bw * 1e3
+                r["ratio_to_floor"] = r["ms_per_step"] / r["floor_ms"]
+        report["parts"]["decode-sweep"] = {"model": preset, "weight_bytes": weight_bytes, "rows": rows}
+        del eng
+        gc.collect()
+        torch.cuda.empty_cache()
     if "offline" in args.parts:
         prompts, outs = offline_workload(args.offline_requests, args.offline_lo, args.offline_hi, args.seed)
         rows = [_row("llmserve continuous", offline_llmserve, args.offline_model, prompts, outs,
@@ -434,6 +540,24 @@ def to_markdown(rep: dict) -> str:
             lines.append(f"| {r['name']} | {r.get('requests', '')} | {toks or ''} | {_f(r.get('seconds'))} | "
                          f"{_f(r.get('output_tok_per_s'))} | {r['status']} {r.get('error') or ''} |")
         lines.append("")
+    if "decode-sweep" in rep["parts"]:
+        d = rep["parts"]["decode-sweep"]
+        rows = d["rows"]
+        batches = sorted({r["batch"] for r in rows})
+        lines += [f"## Decode step at batch 1..{max(batches)} ({d['model']}, ms/step; x floor = over "
+                  "(weight + KV bytes) / copy bandwidth)", "",
+                  "| context | " + " | ".join(str(b) for b in batches) + " |",
+                  "| --- |" + " ---: |" * len(batches)]
+        for ctx in sorted({r["context"] for r in rows}):
+            cells = {r["batch"]: r for r in rows if r["context"] == ctx}
+            ms = [(_f(cells[b].get("ms_per_step")) if cells[b]["status"] == "ok" else "failed")
+                  if b in cells else "" for b in batches]
+            xf = [_f(cells[b].get("ratio_to_floor")) if b in cells else "" for b in batches]
+            lines.append(f"| {ctx}: ms/step | " + " | ".join(ms) + " |")
+            lines.append(f"| {ctx}: x floor | " + " | ".join(xf) + " |")
+        errors = [r for r in rows if r["status"] != "ok"]
+        lines += [f"- batch {r['batch']} context {r['context']}: {r['error']}" for r in errors]
+        lines.append("")
     if "openloop" in rep["parts"]:
         lines += ["## Open-loop ShareGPT profile (llmserve continuous, Qwen2.5-1.5B shapes)", "",
                   "| rate req/s | p50 TTFT ms | p95 TTFT ms | p50 TPOT ms | p95 TPOT ms | output tok/s | status |",
@@ -454,8 +578,14 @@ def add_bench_compare_subparser(sub) -> None:
                        description="Compare llmserve with a floor and with HF transformers on one CUDA GPU: "
                                    "batch-1 decode, offline throughput and open-loop latency; writes JSON "
                                    "and Markdown under --output.")
-    p.add_argument("--parts", nargs="+", default=["decode", "offline", "openloop"],
-                   choices=["decode", "offline", "openloop"], help="which comparisons to run (default: all)")
+    p.add_argument("--parts", nargs="+", default=["decode", "offline", "openloop", "decode-sweep"],
+                   choices=["decode", "offline", "openloop", "decode-sweep"],
+                   help="which comparisons to run (default: all)")
+    p.add_argument("--sweep-batches", nargs="+", type=int, default=[1, 2, 4, 8, 16, 32, 64, 128, 256],
+                   help="decode sweep: sequences per step (model: --offline-model)")
+    p.add_argument("--sweep-contexts", nargs="+", type=int, default=[128, 1024],
+                   help="decode sweep: prompt length of every sequence (tokens)")
+    p.add_argument("--sweep-steps", type=int, default=100, help="decode sweep: steps timed per cell")
     p.add_argument("--presets", nargs="+", default=["qwen2.5-0.5b", "qwen2.5-1.5b", "qwen2.5-7b"],
                    help="model presets of the decode comparison (random weights of the real shapes)")
     p.add_argument("--decode-steps", type=int, default=256, help="decode steps timed per preset")
@@ -495,5 +625,9 @@ def _main(args: argparse.Namespace) -> int:
     out.mkdir(parents=True, exist_ok=True)
     (out / "compare.json").write_text(json.dumps(rep, indent=2))
     (out / "compare.md").write_text(to_markdown(rep))
+    if "decode-sweep" in rep["parts"]:
+        d = rep["parts"]["decode-sweep"]
+        plot_decode_sweep(d["rows"], out / "decode_sweep.png",
+                          f"decode step vs batch, {d['model']} shapes, {rep['gpu']}")
     print(to_markdown(rep))
     return 0
