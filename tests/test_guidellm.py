@@ -1,0 +1,72 @@
+"""The real guidellm (``guidellm==0.8.1``, its ``openai_http`` backend) against a real uvicorn
+server on 127.0.0.1 serving the tiny model: synchronous, constant-rate and concurrent profiles,
+on both ``/v1/completions`` and ``/v1/chat/completions``, a few requests each. Every request
+must succeed (guidellm counts errored and incomplete requests in its JSON report) and the
+engine must have run the steps."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+
+import pytest
+
+pytest.importorskip("guidellm")
+
+from llmserve.config import CacheConfig, EngineConfig, SchedulerConfig  # noqa: E402
+from llmserve.engine.async_engine import AsyncLLMEngine  # noqa: E402
+from llmserve.engine.llm_engine import LLMEngine  # noqa: E402
+from llmserve.serve.app import create_app  # noqa: E402
+from llmserve.serve.server import BackgroundServer  # noqa: E402
+
+REQUESTS = 4
+
+
+@pytest.fixture(scope="module")
+def server():
+    from llmserve.models.tiny import ensure_tiny_checkpoint
+
+    cfg = EngineConfig(model="tiny", device="cpu", dtype="float32",
+                       cache=CacheConfig(block_size=16, num_blocks=256),
+                       scheduler=SchedulerConfig(max_num_seqs=8, max_num_batched_tokens=128,
+                                                 prefill_chunk_size=64, max_model_len=512))
+    eng = AsyncLLMEngine(LLMEngine(cfg))
+    srv = BackgroundServer(create_app(eng, served_model_name="tiny", shutdown_timeout=2.0),
+                           shutdown_timeout=2.0).start()
+    srv.engine = eng
+    srv.checkpoint = ensure_tiny_checkpoint()
+    yield srv
+    srv.stop()
+    eng.shutdown()
+
+
+def _guidellm() -> list[str]:
+    exe = shutil.which("guidellm")
+    return [exe] if exe else [sys.executable, "-m", "guidellm"]
+
+
+@pytest.mark.parametrize("route", ["/v1/completions", "/v1/chat/completions"])
+@pytest.mark.parametrize("profile", ["kind=synchronous", "kind=constant,rate=4", "kind=concurrent,streams=2"])
+def test_guidellm_profiles(server, tmp_path, route, profile):
+    out = tmp_path / "report.json"
+    steps_before = server.engine.stats()["num_steps"]
+    cmd = [*_guidellm(), "run",
+           "--backend", f"kind=openai_http,target={server.url},model=tiny,request_format={route}",
+           "--profile", profile,
+           "--constraint", f"kind=max_requests,count={REQUESTS}",
+           "--data", "kind=synthetic_text,prompt_tokens=24,output_tokens=8",
+           "--tokenizer", f"kind=huggingface_auto,model={server.checkpoint}",
+           "--output", f"kind=json,path={out}", "--disable-console-interactive"]
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1"}
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=240, env=env, cwd=tmp_path)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    bench = json.loads(out.read_text())["benchmarks"][0]
+    totals = bench["metrics"]["request_totals"]
+    assert totals["successful"] >= REQUESTS, totals
+    assert totals["errored"] == 0 and totals["incomplete"] == 0, totals
+    assert bench["scheduler_state"]["errored_requests"] == 0
+    # the engine really ran them: at least one step per output token of the slowest request
+    assert server.engine.stats()["num_steps"] - steps_before >= 8
