@@ -430,6 +430,17 @@ def add_fast_path_args(parser: argparse.ArgumentParser | Any) -> None:
                         help="Triton INT8 weights in the fused forward: row-major int8 or byte planes")
 
 
+def add_parallel_args(parser: argparse.ArgumentParser | Any) -> None:
+    """Add ``--tensor-parallel-size`` and ``--distributed-timeout`` (:class:`EngineConfig`'s
+    ``tensor_parallel_size`` and ``distributed_timeout_s``) to ``parser`` or an argument group."""
+    parser.add_argument("--tensor-parallel-size", "-tp", dest="tensor_parallel_size", type=int, default=1,
+                        metavar="N", help="shard the model over N ranks of this host (one process a "
+                                          "rank; GPUs cuda:0..N-1 with --device cuda; default 1)")
+    parser.add_argument("--distributed-timeout", dest="distributed_timeout_s", type=float, default=300.0,
+                        metavar="SECONDS", help="with --tensor-parallel-size > 1: how long a rank "
+                                                "waits on the others before the engine fails (default 300)")
+
+
 def fast_path_from_args(args: Any) -> FastPathConfig:
     """The :class:`FastPathConfig` of parsed :func:`add_fast_path_args` flags (an object with
     those attributes; missing ones take the defaults). Raises ``ValueError`` as the config."""
@@ -461,6 +472,14 @@ class EngineConfig:
             so the collector's full passes during serving scan only objects made per request
             instead of the model, tokenizer and buffers (a full pass over those held one
             decode step for over 100 ms at batch 256). Default on.
+        tensor_parallel_size: ranks the model is sharded over (Megatron-style, one process a
+            rank on one host: :mod:`llmserve.engine.tensor_parallel`), >= 1. With ``N > 1`` the
+            engine spawns ``N - 1`` worker processes (or joins the ranks ``torchrun`` started);
+            it must divide the model's query heads and intermediate size (checked when the
+            model's config is read). CUDA graphs are not supported with it.
+        distributed_timeout_s: seconds a rank waits on the others (start-up, every collective)
+            before the engine raises; > 0. A rank that dies is noticed at once; this bounds a
+            rank that hangs.
     """
 
     model: str = "tiny"
@@ -475,9 +494,17 @@ class EngineConfig:
     async_scheduling: bool | None = None
     fast_path: FastPathConfig = field(default_factory=FastPathConfig)
     freeze_gc: bool = True
+    tensor_parallel_size: int = 1
+    distributed_timeout_s: float = 300.0
 
     def __post_init__(self) -> None:
         resolve_dtype(self.dtype)
+        tp = self.tensor_parallel_size
+        if isinstance(tp, bool) or not isinstance(tp, int) or tp < 1:
+            raise ValueError(f"tensor_parallel_size must be an integer >= 1, got {tp!r}")
+        t = self.distributed_timeout_s
+        if isinstance(t, bool) or not isinstance(t, (int, float)) or not 0 < t < float("inf"):
+            raise ValueError(f"distributed_timeout_s must be a positive number of seconds, got {t!r}")
         if not isinstance(self.freeze_gc, bool):
             raise ValueError(f"freeze_gc must be True or False, got {self.freeze_gc!r}")
         if not isinstance(self.fast_path, FastPathConfig):
@@ -490,6 +517,11 @@ class EngineConfig:
                 f"linear_backend must be one of {list(LINEAR_BACKENDS)}, got {self.linear_backend!r}")
         if not (self.device == "cpu" or self.device.startswith("cuda")):
             raise ValueError(f"device must be 'cpu' or 'cuda[:N]', got {self.device!r}")
+        if tp > 1 and self.device.startswith("cuda") and self.use_cuda_graph \
+                and self.attention_backend == "triton" and self.fast_path.fused_forward is not False:
+            raise ValueError(f"tensor_parallel_size={tp} does not support CUDA graphs: set "
+                             "use_cuda_graph=False (--no-cuda-graph), or use the torch attention "
+                             "backend or fast_path.fused_forward=False (no graphs are captured then)")
 
     @property
     def torch_dtype(self) -> torch.dtype:
