@@ -78,6 +78,8 @@ class BenchmarkOptions:
     fused_forward: bool | None = None
     pdl: bool = True
     int8_layout: str = "row"
+    tensor_parallel_size: int = 1
+    distributed_timeout_s: float = 300.0
     model: str = "tiny"
     device: str = "cpu"
     dtype: str | None = None
@@ -194,8 +196,9 @@ def add_benchmark_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--async-scheduling", action=argparse.BooleanOptionalAction, default=None,
                    help="launch step n+1 before reading step n's tokens (default: on for CUDA)")
     add_prefix_caching_args(g)
-    from ..config import add_fast_path_args
+    from ..config import add_fast_path_args, add_parallel_args
     add_fast_path_args(g)
+    add_parallel_args(g)
     g.add_argument("--model", default="tiny",
                    help="'tiny' (embedded random Qwen2), a checkpoint directory or a hub id")
     g.add_argument("--device", default="cpu", help="cpu | cuda | cuda:N (default cpu)")
@@ -323,7 +326,9 @@ def make_engine_config(opts: BenchmarkOptions, seed: int):
     return EngineConfig(model=opts.model, device=opts.device, dtype=dtype, seed=seed, cache=cache,
                         scheduler=sched, attention_backend=opts.paged_attention_backend,
                         linear_backend=opts.linear_backend, use_cuda_graph=opts.cuda_graph,
-                        async_scheduling=opts.async_scheduling, fast_path=fast_path_from_args(opts))
+                        async_scheduling=opts.async_scheduling, fast_path=fast_path_from_args(opts),
+                        tensor_parallel_size=opts.tensor_parallel_size,
+                        distributed_timeout_s=opts.distributed_timeout_s)
 
 
 def default_engine_factory(config, naive: bool):
@@ -753,6 +758,9 @@ def run_benchmark(opts: BenchmarkOptions, engine_factory: Callable[[Any, bool], 
             _finish_report(report, opts, state, workload, engine, max_model_len, wall0, out_path, csv_path)
             raise
     _finish_report(report, opts, state, workload, engine, max_model_len, wall0, out_path, csv_path)
+    shutdown = getattr(engine, "shutdown", None)
+    if callable(shutdown):
+        shutdown()   # tensor parallelism: the other ranks stop
     return report, out_path, csv_path
 
 
