@@ -208,6 +208,13 @@ def main(argv: list[str] | None = None) -> int:
     except (ValueError, FileNotFoundError) as e:
         print(f"llmserve {args.command}: error: {e}", file=sys.stderr)
         return 2
+    except RuntimeError as e:
+        from .engine.tensor_parallel import TensorParallelError
+
+        if not isinstance(e, TensorParallelError):
+            raise
+        print(f"llmserve {args.command}: error: {e}", file=sys.stderr)
+        return 1
 
 
 if __name__ == "__main__":
