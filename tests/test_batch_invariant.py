@@ -263,6 +263,7 @@ def test_uninitialised_cache_values_do_not_leak():
     ({"attention_backend": "triton"}, "attention_backend='triton'"),
     ({"linear_backend": "int8"}, "linear_backend='int8'"),
     ({"fast_path": FastPathConfig(fused_forward=True)}, "fused_forward"),
+    ({"tensor_parallel_size": 2}, "tensor_parallel_size=2"),
 ])
 def test_refused_combinations(kw, needle):
     with pytest.raises(ValueError, match="batch_invariant") as e:

@@ -104,7 +104,6 @@ def _cmd_generate(args: argparse.Namespace) -> int:
     from .config import CacheConfig, EngineConfig, SchedulerConfig, fast_path_from_args
     from .engine.llm_engine import LLMEngine
     from .engine.naive import NaiveEngine
-    from .core.sampling_params import SamplingParams
 
     cfg = EngineConfig(model=args.model, device=args.device, dtype=default_dtype(args.device, args.dtype),
                        seed=args.seed, cache=CacheConfig(block_size=args.block_size,
@@ -112,8 +111,19 @@ def _cmd_generate(args: argparse.Namespace) -> int:
                        scheduler=SchedulerConfig(max_model_len=args.max_model_len),
                        attention_backend=args.attention_backend,
                        use_cuda_graph=args.cuda_graph, fast_path=fast_path_from_args(args),
-                       batch_invariant=args.batch_invariant)
+                       batch_invariant=args.batch_invariant,
+                       tensor_parallel_size=args.tensor_parallel_size,
+                       distributed_timeout_s=args.distributed_timeout_s)
     engine = NaiveEngine(cfg) if args.naive else LLMEngine(cfg)
+    try:
+        return _generate(engine, args)
+    finally:
+        engine.shutdown()
+
+
+def _generate(engine, args: argparse.Namespace) -> int:
+    from .core.sampling_params import SamplingParams
+
     prompt = args.prompt
     if args.chat:
         from .tokenizer import apply_chat_template
@@ -157,8 +167,9 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--show-ids", action="store_true", help="print prompt and output token ids to stderr")
     g.add_argument("--cuda-graph", action=argparse.BooleanOptionalAction, default=True,
                    help="replay decode steps from CUDA graphs (CUDA, Triton attention backend; default on)")
-    from .config import add_fast_path_args
+    from .config import add_fast_path_args, add_parallel_args
     add_fast_path_args(g)
+    add_parallel_args(g)
     g.set_defaults(func=_cmd_generate)
 
     # Subcommands whose modules own their flags; a missing optional dependency only disables
@@ -198,6 +209,13 @@ def main(argv: list[str] | None = None) -> int:
     except (ValueError, FileNotFoundError) as e:
         print(f"llmserve {args.command}: error: {e}", file=sys.stderr)
         return 2
+    except RuntimeError as e:
+        from .engine.tensor_parallel import TensorParallelError
+
+        if not isinstance(e, TensorParallelError):
+            raise
+        print(f"llmserve {args.command}: error: {e}", file=sys.stderr)
+        return 1
 
 
 if __name__ == "__main__":

@@ -442,6 +442,17 @@ def add_fast_path_args(parser: argparse.ArgumentParser | Any) -> None:
                         help="rows per fixed-shape matrix product in the batch-invariant mode (default 16)")
 
 
+def add_parallel_args(parser: argparse.ArgumentParser | Any) -> None:
+    """Add ``--tensor-parallel-size`` and ``--distributed-timeout`` (:class:`EngineConfig`'s
+    ``tensor_parallel_size`` and ``distributed_timeout_s``) to ``parser`` or an argument group."""
+    parser.add_argument("--tensor-parallel-size", "-tp", dest="tensor_parallel_size", type=int, default=1,
+                        metavar="N", help="shard the model over N ranks of this host (one process a "
+                                          "rank; GPUs cuda:0..N-1 with --device cuda; default 1)")
+    parser.add_argument("--distributed-timeout", dest="distributed_timeout_s", type=float, default=300.0,
+                        metavar="SECONDS", help="with --tensor-parallel-size > 1: how long a rank "
+                                                "waits on the others before the engine fails (default 300)")
+
+
 def fast_path_from_args(args: Any) -> FastPathConfig:
     """The :class:`FastPathConfig` of parsed :func:`add_fast_path_args` flags (an object with
     those attributes; missing ones take the defaults). Raises ``ValueError`` as the config."""
@@ -485,6 +496,14 @@ class EngineConfig:
             decode step for over 100 ms at batch 256). Default on.
         grammar_cache_size: compiled grammars of structured-output requests kept for reuse
             (one per distinct schema; least recently used ones are dropped), >= 1.
+        tensor_parallel_size: ranks the model is sharded over (Megatron-style, one process a
+            rank on one host: :mod:`llmserve.engine.tensor_parallel`), >= 1. With ``N > 1`` the
+            engine spawns ``N - 1`` worker processes (or joins the ranks ``torchrun`` started);
+            it must divide the model's query heads and intermediate size (checked when the
+            model's config is read). CUDA graphs are not supported with it.
+        distributed_timeout_s: seconds a rank waits on the others (start-up, every collective)
+            before the engine raises; > 0. A rank that dies is noticed at once; this bounds a
+            rank that hangs.
     """
 
     model: str = "tiny"
@@ -501,12 +520,20 @@ class EngineConfig:
     freeze_gc: bool = True
     batch_invariant: bool = False
     grammar_cache_size: int = 256
+    tensor_parallel_size: int = 1
+    distributed_timeout_s: float = 300.0
 
     def __post_init__(self) -> None:
         resolve_dtype(self.dtype)
         g = self.grammar_cache_size
         if isinstance(g, bool) or not isinstance(g, int) or g < 1:
             raise ValueError(f"grammar_cache_size must be an integer >= 1, got {g!r}")
+        tp = self.tensor_parallel_size
+        if isinstance(tp, bool) or not isinstance(tp, int) or tp < 1:
+            raise ValueError(f"tensor_parallel_size must be an integer >= 1, got {tp!r}")
+        t = self.distributed_timeout_s
+        if isinstance(t, bool) or not isinstance(t, (int, float)) or not 0 < t < float("inf"):
+            raise ValueError(f"distributed_timeout_s must be a positive number of seconds, got {t!r}")
         for name in ("freeze_gc", "batch_invariant"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"{name} must be True or False, got {getattr(self, name)!r}")
@@ -526,11 +553,19 @@ class EngineConfig:
                 ("linear_backend", self.linear_backend, "torch")) if v != ok]
             if self.fast_path.fused_forward:
                 wrong.append("fast_path.fused_forward=True")
+            if tp > 1:
+                wrong.append(f"tensor_parallel_size={tp}")
             if wrong:
                 raise ValueError("batch_invariant=True runs on the readable path only (device 'cpu', "
                                  "attention_backend 'torch', linear_backend 'torch', no fused "
-                                 "forward; the GPU kernels have no fixed-order form yet); got "
+                                 "forward, one rank; the GPU kernels have no fixed-order form yet, and an "
+                                 "all-reduce adds the ranks' partial sums in its own order); got "
                                  + ", ".join(wrong))
+        if tp > 1 and self.device.startswith("cuda") and self.use_cuda_graph \
+                and self.attention_backend == "triton" and self.fast_path.fused_forward is not False:
+            raise ValueError(f"tensor_parallel_size={tp} does not support CUDA graphs: set "
+                             "use_cuda_graph=False (--no-cuda-graph), or use the torch attention "
+                             "backend or fast_path.fused_forward=False (no graphs are captured then)")
 
     @property
     def torch_dtype(self) -> torch.dtype:

@@ -4,7 +4,9 @@ Tuning choices are never environment variables: they are fields of
 :class:`~llmserve.config.FastPathConfig` (and the other config dataclasses). What remains
 here is where files live, and variables other programs own that the engine must agree with.
 Every value is read when the function is called (not at import), so a test can change it
-with ``monkeypatch.setenv``. Nothing in llmserve writes ``os.environ``.
+with ``monkeypatch.setenv``. Nothing in llmserve writes ``os.environ`` except
+:func:`set_nccl_multicast_off`, which tensor parallelism over NCCL calls before it starts its
+ranks (the variables then hold for rank 0's process and every rank it spawns).
 
 | variable | read by | meaning |
 | --- | --- | --- |
@@ -15,6 +17,8 @@ with ``monkeypatch.setenv``. Nothing in llmserve writes ``os.environ``.
 | ``HF_HUB_OFFLINE`` | :func:`hf_hub_offline` | Hugging Face's offline switch: never contact the hub |
 | ``LLMSERVE_API_KEY`` | :func:`api_key` | the key ``llmserve serve`` requires as ``Authorization: Bearer KEY`` on ``/v1/*`` when neither ``--api-key`` nor ``--api-key-file`` is given (an environment variable keeps the key out of the process list) |
 | ``CUDA_VISIBLE_DEVICES`` | :func:`cuda_visible_devices` | the CUDA runtime's device list (maps a CUDA ordinal to an NVML index) |
+| ``RANK``, ``WORLD_SIZE``, ``LOCAL_RANK`` | :func:`torchrun_rank` | set by ``torchrun`` for each process it starts: tensor parallelism then uses those processes as its ranks instead of spawning its own |
+| ``NCCL_NVLS_ENABLE``, ``TORCH_SYMM_MEM_DISABLE_MULTICAST``, ``NVSHMEM_DISABLE_NVLS`` | :func:`set_nccl_multicast_off` (written) | NVLink multicast (NVLS) off in NCCL, PyTorch symmetric memory and NVSHMEM for tensor parallelism over NCCL: ``0``, ``1``, ``1`` |
 """
 
 from __future__ import annotations
@@ -22,8 +26,12 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
-__all__ = ["api_key", "cache_root", "cuda_visible_devices", "hf_hub_offline", "sharegpt_path", "triton_cache_dir",
-           "triton_interpret"]
+__all__ = ["NCCL_MULTICAST_OFF", "api_key", "cache_root", "cuda_visible_devices", "hf_hub_offline",
+           "set_nccl_multicast_off", "sharegpt_path", "torchrun_rank", "triton_cache_dir", "triton_interpret"]
+
+#: What :func:`set_nccl_multicast_off` writes.
+NCCL_MULTICAST_OFF = {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1",
+                      "NVSHMEM_DISABLE_NVLS": "1"}
 
 
 def _get(name: str) -> str | None:
@@ -68,3 +76,32 @@ def api_key() -> str | None:
     """``$LLMSERVE_API_KEY`` (surrounding whitespace stripped), or ``None`` when unset or blank."""
     value = (_get("LLMSERVE_API_KEY") or "").strip()
     return value or None
+
+
+def torchrun_rank() -> tuple[int, int, int] | None:
+    """``(RANK, WORLD_SIZE, LOCAL_RANK)`` when this process was started by ``torchrun`` (all of
+    ``RANK`` and ``WORLD_SIZE`` set; ``LOCAL_RANK`` defaults to ``RANK``), else ``None``.
+
+    Raises:
+        ValueError: a value that is not a non-negative integer, or ``RANK >= WORLD_SIZE``.
+    """
+    rank, world = _get("RANK"), _get("WORLD_SIZE")
+    if rank is None or world is None:
+        return None
+    local = _get("LOCAL_RANK") or rank
+    try:
+        r, w, lr = int(rank), int(world), int(local)
+    except ValueError:
+        raise ValueError(f"RANK, WORLD_SIZE and LOCAL_RANK must be integers, got {rank!r}, {world!r}, "
+                         f"{local!r}") from None
+    if not (0 <= r < w and lr >= 0):
+        raise ValueError(f"RANK must be in [0, WORLD_SIZE) and LOCAL_RANK >= 0, got RANK={r}, "
+                         f"WORLD_SIZE={w}, LOCAL_RANK={lr}")
+    return r, w, lr
+
+
+def set_nccl_multicast_off() -> None:
+    """Write :data:`NCCL_MULTICAST_OFF` into this process's environment (NVLink multicast off
+    in NCCL, PyTorch symmetric memory and NVSHMEM); processes started afterwards inherit it.
+    Called by tensor parallelism over NCCL before its process group is created."""
+    os.environ.update(NCCL_MULTICAST_OFF)

@@ -87,6 +87,8 @@ class BenchmarkOptions:
     int8_layout: str = "row"
     batch_invariant: bool = False
     invariant_block_rows: int = 16
+    tensor_parallel_size: int = 1
+    distributed_timeout_s: float = 300.0
     model: str = "tiny"
     device: str = "cpu"
     dtype: str | None = None
@@ -204,8 +206,9 @@ def add_benchmark_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--async-scheduling", action=argparse.BooleanOptionalAction, default=None,
                    help="launch step n+1 before reading step n's tokens (default: on for CUDA)")
     add_prefix_caching_args(g)
-    from ..config import add_fast_path_args
+    from ..config import add_fast_path_args, add_parallel_args
     add_fast_path_args(g)
+    add_parallel_args(g)
     g.add_argument("--model", default="tiny",
                    help="'tiny' (embedded random Qwen2), a checkpoint directory or a hub id")
     g.add_argument("--device", default="cpu", help="cpu | cuda | cuda:N (default cpu)")
@@ -337,7 +340,9 @@ def make_engine_config(opts: BenchmarkOptions, seed: int):
                         scheduler=sched, attention_backend=opts.paged_attention_backend,
                         linear_backend=opts.linear_backend, use_cuda_graph=opts.cuda_graph,
                         async_scheduling=opts.async_scheduling, fast_path=fast_path_from_args(opts),
-                        batch_invariant=bool(opts.batch_invariant))
+                        batch_invariant=bool(opts.batch_invariant),
+                        tensor_parallel_size=opts.tensor_parallel_size,
+                        distributed_timeout_s=opts.distributed_timeout_s)
 
 
 def default_engine_factory(config, naive: bool):
@@ -799,6 +804,9 @@ def run_benchmark(opts: BenchmarkOptions, engine_factory: Callable[[Any, bool], 
             _finish_report(report, opts, state, workload, engine, max_model_len, wall0, out_path, csv_path)
             raise
     _finish_report(report, opts, state, workload, engine, max_model_len, wall0, out_path, csv_path)
+    shutdown = getattr(engine, "shutdown", None)
+    if callable(shutdown):
+        shutdown()   # tensor parallelism: the other ranks stop
     return report, out_path, csv_path
 
 

@@ -50,14 +50,21 @@ class AsyncLLMEngine:
             self._thread.start()
 
     def shutdown(self, timeout: float = 5.0) -> None:
-        """Abort everything in flight and stop the loop (waits at most ``timeout`` seconds)."""
+        """Abort everything in flight and stop the loop (waits at most ``timeout`` seconds),
+        then shut the engine down (with tensor parallelism its other ranks stop)."""
         for rid in list(self._queues):
             self._commands.put(("abort", rid))
         self._stop.set()
         self._wake.set()
         if self._thread is not None:
             self._thread.join(timeout)
+            alive = self._thread.is_alive()
             self._thread = None
+            if alive:                  # a step still running: leave the engine to it
+                return
+        stop = getattr(self.engine, "shutdown", None)
+        if callable(stop):
+            stop()
 
     @property
     def is_running(self) -> bool:

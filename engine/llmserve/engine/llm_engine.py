@@ -11,6 +11,7 @@ import dataclasses
 import itertools
 import time
 import uuid
+import weakref
 from collections.abc import Callable
 from dataclasses import dataclass, field
 import torch
@@ -88,18 +89,6 @@ def _check_interpreter(config: EngineConfig, device: torch.device) -> None:
                          "leave fused_forward unset (the readable forward on CPU)")
 
 
-def _apply_decode_options(model, fast_path: ResolvedFastPath) -> None:
-    """Give the model's Triton attention backend the decode kernel's options (a fresh backend
-    object, so models loaded elsewhere keep theirs)."""
-    backend = getattr(model, "attention_backend", None)
-    if getattr(backend, "name", None) != "triton":
-        return
-    from ..attention.triton_backend import TritonPagedAttention
-
-    if isinstance(backend, TritonPagedAttention):
-        model.attention_backend = TritonPagedAttention(fast_path.decode_options())
-
-
 class _EngineBase:
     """Model/tokenizer loading and request validation shared by both engines."""
 
@@ -107,32 +96,41 @@ class _EngineBase:
     supports_prompt_logprobs = False
     #: whether ``SamplingParams.structured_output`` is enforced (else such requests are refused)
     supports_structured_output = False
+    #: whether ``EngineConfig.tensor_parallel_size > 1`` is served (else refused)
+    supports_tensor_parallel = False
 
     def __init__(self, config: EngineConfig, *, load_model_fn=None) -> None:
         from ..models.loader import load_model
         from ..tokenizer import load_tokenizer
+        from .shard import load_shard
 
         self.config = config
         self.device = torch.device(config.device)
         _check_interpreter(config, self.device)
         torch.manual_seed(config.seed)
         loader = load_model_fn or load_model
-        self.model, self.model_config, self.model_path = loader(
-            config.model, device=config.device, dtype=config.dtype,
-            attention_backend=config.attention_backend)
-        # the fast-path choices for this model, decided once (size rules included)
-        self.fast_path: ResolvedFastPath = config.fast_path.resolve(self.model_config, self.device)
-        _apply_decode_options(self.model, self.fast_path)
-        if config.batch_invariant:
-            from ..attention.invariant import InvariantPagedAttention
-            from ..models.batch_invariant import make_batch_invariant
+        #: rank 0's tensor-parallel runtime (:mod:`llmserve.engine.tensor_parallel`), or None
+        self.tp_runtime = None
+        tp = None
+        if config.tensor_parallel_size > 1:
+            if not self.supports_tensor_parallel:
+                raise ValueError(f"{type(self).__name__} does not support tensor_parallel_size > 1 "
+                                 f"(got {config.tensor_parallel_size}); use LLMEngine")
+            from .tensor_parallel import start_tensor_parallel
 
-            make_batch_invariant(self.model, self.fast_path.invariant_block_rows, config.cache.block_size)
-            self.model.attention_backend = InvariantPagedAttention()
-        if config.linear_backend != "torch":
-            from ..quant import quantize_model
-            quantize_model(self.model, config.linear_backend)
-        self.model.eval()
+            # on a torchrun rank other than 0 this serves as that rank and raises SystemExit
+            self.tp_runtime = start_tensor_parallel(config, load_model_fn)
+            self.device = self.tp_runtime.device
+            tp = self.tp_runtime.group
+            self._tp_finalizer = weakref.finalize(self, self.tp_runtime.shutdown)
+        try:
+            shard = load_shard(config, self.device, loader, tp)
+        except BaseException as e:
+            self._tp_abort(e)
+            raise
+        self.model, self.model_config, self.model_path = shard.model, shard.model_config, shard.model_path
+        # the fast-path choices for this model, decided once (size rules included)
+        self.fast_path: ResolvedFastPath = shard.fast_path
         self.tokenizer = load_tokenizer(self.model_path)
         self.max_model_len = min(config.scheduler.max_model_len, self.model_config.max_position_embeddings)
         self.eos_token_ids = tuple(self.model_config.eos_token_ids) or (
@@ -146,6 +144,22 @@ class _EngineBase:
             self.structured = StructuredOutputManager(
                 self.tokenizer, self.model_config.vocab_size, self.eos_token_ids,
                 max_entries=config.grammar_cache_size, pin_memory=self.device.type == "cuda")
+
+    def _tp_abort(self, cause: BaseException) -> None:
+        """Tensor parallel: a failure during construction stops the other ranks; a rank that
+        died is named in the error raised instead of ``cause``."""
+        if self.tp_runtime is None:
+            return
+        err = self.tp_runtime.fail(cause)
+        if self.tp_runtime.dead_ranks() and not isinstance(cause, (ValueError, FileNotFoundError)):
+            raise err from cause
+
+    def shutdown(self) -> None:
+        """Release what the engine holds outside this process: with tensor parallelism, stop
+        the other ranks and destroy the process groups (also done at interpreter exit).
+        Idempotent; a no-op with one rank. The engine takes no further steps afterwards."""
+        if self.tp_runtime is not None:
+            self.tp_runtime.shutdown()
 
     # ---- request intake ----------------------------------------------------------------------
     def encode_prompt(self, prompt: str | list[int]) -> list[int]:
@@ -248,29 +262,49 @@ class LLMEngine(_EngineBase):
     vLLM/PagedAttention (Kwon et al., SOSP 2023); chunked prefill follows Sarathi-Serve
     (Agrawal et al., OSDI 2024).
 
+    Tensor parallelism (``config.tensor_parallel_size > 1``, :mod:`llmserve.engine.tensor_parallel`):
+    this object is rank 0; it starts the other ranks, broadcasts each step to them and samples.
+    Call :meth:`shutdown` when done (it also runs at interpreter exit). Under ``torchrun``
+    the constructor on ranks other than 0 serves as that rank and raises ``SystemExit`` once
+    rank 0 shuts down. A failed rank makes :meth:`step` raise
+    :class:`~llmserve.engine.tensor_parallel.TensorParallelError`.
+
     Args:
         config: engine configuration (model, device, dtype, cache, scheduler, backends).
+        load_model_fn: a ``load_model``-like loader (keyword); with tensor parallelism it takes
+            ``tp=`` too and must be picklable (a module-level function): every rank calls it.
 
     Raises:
-        ValueError/FileNotFoundError: from model loading or config validation.
+        ValueError/FileNotFoundError: from model loading or config validation (a
+            ``tensor_parallel_size`` that does not fit the model included).
+        TensorParallelError: a tensor-parallel rank failed while starting.
     """
 
     supports_prompt_logprobs = True
     supports_structured_output = True
+    supports_tensor_parallel = True
 
     def __init__(self, config: EngineConfig, **kw) -> None:
         super().__init__(config, **kw)
+        try:
+            self._init_engine(config)
+        except BaseException as e:
+            self._tp_abort(e)
+            raise
+
+    def _init_engine(self, config: EngineConfig) -> None:
         from ..core.block_manager import BlockManager
-        from ..worker.kv_cache import KVCache
         from ..worker.model_runner import ModelRunner
         from ..core.scheduler import Scheduler
+        from .shard import allocate_kv_cache
 
+        tp = self.tp_runtime.group if self.tp_runtime is not None else None
         # the fused forward before the KV cache: the copies it may keep (fast_path.int8_fragments)
         # count against the free memory the cache is sized from
         forward = self._build_fast_forward()
-        self.kv_cache = KVCache.from_config(self.model_config, config.cache, self.model.dtype
-                                            if hasattr(self.model, "dtype") else config.torch_dtype,
-                                            self.device)
+        self.kv_cache = allocate_kv_cache(config, self.model_config, self.model.dtype
+                                          if hasattr(self.model, "dtype") else config.torch_dtype,
+                                          self.device, tp)
         self.block_size = config.cache.block_size
         self.block_manager = BlockManager(self.kv_cache.num_blocks, self.block_size,
                                           enable_prefix_caching=config.cache.enable_prefix_caching)
@@ -278,7 +312,8 @@ class LLMEngine(_EngineBase):
         self.scheduler = Scheduler(sched_cfg, self.block_manager)
         graphs = self._capture_graphs(config, forward)
         self.runner = ModelRunner(self.model, self.kv_cache.kv_caches, self.block_size, self.device,
-                                  forward=forward, cuda_graphs=graphs)
+                                  forward=forward, cuda_graphs=graphs,
+                                  channel=self.tp_runtime.channel if self.tp_runtime is not None else None)
         self._seqs: dict[str, Sequence] = {}
         self._callbacks: dict[str, TokenCallback] = {}
         self.num_steps = 0
@@ -311,7 +346,7 @@ class LLMEngine(_EngineBase):
     def _capture_graphs(self, config: EngineConfig, fast):
         """With the fused forward ``fast`` on CUDA, the Triton attention backend and
         ``use_cuda_graph``: the decode CUDA graphs over this engine's KV cache, else None."""
-        if fast is None or self.device.type != "cuda" or not (
+        if fast is None or self.device.type != "cuda" or self.tp_runtime is not None or not (
                 config.attention_backend == "triton" and config.use_cuda_graph):
             return None
         from ..worker.cuda_graph import CUDAGraphDecodeRunner
@@ -444,6 +479,9 @@ class LLMEngine(_EngineBase):
         self.num_prompt_logprob_rows = 0
         self.prompt_logprob_seconds = 0.0
         self.runner.reset_stats()
+        if self.tp_runtime is not None:
+            self.tp_runtime.channel.reset_stats()
+            self.tp_runtime.group.reset_stats()
         self.block_manager.reset_peak()
         self.scheduler.num_preemptions = self.scheduler.num_recomputed_tokens = 0
         self.block_manager.reset_prefix_cache_stats()
@@ -530,7 +568,13 @@ class LLMEngine(_EngineBase):
         Returns:
             an output for each sequence that received a token (this step's, or with
             asynchronous scheduling the previous step's).
+
+        Raises:
+            TensorParallelError: a tensor-parallel rank died, raised or did not answer within
+                ``distributed_timeout_s`` (then every later call raises it too).
         """
+        if self.tp_runtime is not None:
+            self.tp_runtime.check()
         t0 = time.perf_counter()
         out = self.scheduler.schedule()
         launched = None
@@ -543,7 +587,7 @@ class LLMEngine(_EngineBase):
             t1 = time.perf_counter()
             pending = self._inflight.device_source() if self._inflight is not None else None
             plp = self._plan_prompt_logprobs(out.scheduled)
-            res = self.runner.execute(out.scheduled, pending, plp[0] if plp is not None else None)
+            res = self._execute(out.scheduled, pending, plp[0] if plp is not None else None)
             for item in out.scheduled:
                 item.seq.num_computed_tokens = item.end_position
             logits, sample_idx = res.logits, res.sample_indices
@@ -600,6 +644,15 @@ class LLMEngine(_EngineBase):
             return seqs, logits, argmax, None
         bitmask = self.structured.fill_bitmask([seqs[j].request_id for j in rows])
         return seqs, logits, argmax, TokenBitmask(rows, bitmask)
+    def _execute(self, scheduled, pending, num_logits):
+        """``runner.execute``; with tensor parallelism any failure in it (the ranks may be out
+        of step) fails the group and raises :class:`TensorParallelError`."""
+        if self.tp_runtime is None:
+            return self.runner.execute(scheduled, pending, num_logits)
+        try:
+            return self.runner.execute(scheduled, pending, num_logits)
+        except Exception as e:
+            raise self.tp_runtime.fail(e) from e
 
     @staticmethod
     def _plan_prompt_logprobs(scheduled) -> tuple[list[int], list[tuple[int, int]]] | None:
@@ -756,4 +809,17 @@ class LLMEngine(_EngineBase):
             "prefix_cache": bm.prefix_cache_stats(),
             # grammar-constrained requests: bitmask rows and their host seconds, grammar compilations
             "structured_output": self.structured.stats() if self.structured is not None else None,
+            "tensor_parallel": self._tp_stats(),
         }
+
+    def _tp_stats(self) -> dict:
+        """Tensor parallelism: the size, rank 0's step broadcasts (count, host wall seconds,
+        bytes) and its model collectives (all-reduces and logits gathers: count, host wall
+        seconds; on CPU with gloo the transfers themselves, with NCCL only their launches)."""
+        rt = self.tp_runtime
+        if rt is None:
+            return {"size": 1}
+        ch, g = rt.channel, rt.group
+        return {"size": rt.size, "broadcast_steps": ch.num_sends, "broadcast_seconds": ch.send_seconds,
+                "broadcast_bytes": ch.send_bytes, "collectives": g.num_collectives,
+                "collective_seconds": g.collective_seconds}

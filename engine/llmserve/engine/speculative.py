@@ -359,11 +359,14 @@ class SpeculativeEngine(LLMEngine):
     """
 
     supports_prompt_logprobs = False   # the speculative step scores no prompt rows
-
+    supports_tensor_parallel = False   # refused in __init__ (the draft runs on rank 0 alone)
 
     def __init__(self, config: EngineConfig, draft_model: str | os.PathLike = "tiny",
                  num_speculative_tokens: int = 4, *, draft_load_model_fn: Callable | None = None,
                  **kw) -> None:
+        if config.tensor_parallel_size > 1:
+            raise ValueError(f"speculative decoding does not support tensor_parallel_size > 1 (got "
+                             f"{config.tensor_parallel_size}); drop the draft model or use one rank")
         k = num_speculative_tokens
         if isinstance(k, bool) or not isinstance(k, int) or not 0 <= k <= MAX_SPECULATIVE_TOKENS:
             raise ValueError(f"num_speculative_tokens must be an integer in [0, "
@@ -407,10 +410,10 @@ class SpeculativeEngine(LLMEngine):
         if share:
             fast = self.runner.forward
         else:
-            from .llm_engine import _apply_decode_options
+            from .shard import apply_decode_options
             from ..models.fused_forward import FastQwen2Forward
             draft_path = config.fast_path.resolve(self.draft_config, self.device)   # its own size rules
-            _apply_decode_options(self.draft_model, draft_path)
+            apply_decode_options(self.draft_model, draft_path)
             fast = FastQwen2Forward(self.draft_model, draft_path)
         graphs = None
         if config.attention_backend == "triton" and config.use_cuda_graph:

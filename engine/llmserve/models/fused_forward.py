@@ -37,7 +37,13 @@ in-place ``load_state_dict`` repacks it) and steps of at most 16 tokens that do 
 matrix-vector path call :func:`~llmserve.kernels.int8_frag.int8_frag_linear` instead of
 ``int8_linear``, with PDL by the size rule of ``FastPathConfig.int8_frag_pdl``. Other
 quantized modules (the reference ``int8`` scheme, ``int4``) keep being called as modules and
-turn the matrix-vector path off. Parity with the readable path is tested in
+turn the matrix-vector path off.
+
+Tensor parallel (a model built with a :class:`~llmserve.models.parallel.TensorParallelGroup` of
+more than one rank): the packed projections are this rank's shards, the embedding is the
+vocabulary-parallel one, and the outputs of o_proj and down_proj are all-reduced before the
+residual add (fused into the next RMSNorm kernel). The matrix-vector path is off, since its O
+and down kernels add the residual in their epilogue, before a reduction could run. Parity with the readable path is tested in
 ``tests/test_fast_forward.py``; the numbers behind each default are in docs/performance.md.
 """
 
@@ -219,8 +225,10 @@ class FastQwen2Forward:
         self.options = options
         self.model = model
         self._quantization = getattr(model, "quantization_config", None)  # see __call__
-        self.num_heads = cfg.num_attention_heads
-        self.num_kv_heads = cfg.num_key_value_heads
+        attn0 = model.model.layers[0].self_attn
+        self.num_heads = attn0.num_heads                  # this rank's heads (all with one rank)
+        self.num_kv_heads = attn0.num_kv_heads
+        self.tp = model.tp
         self.head_dim = cfg.head_dim
         self.eps = cfg.rms_norm_eps
         self.scale = cfg.head_dim ** -0.5
@@ -230,11 +238,12 @@ class FastQwen2Forward:
         # batch-1 decode for 1.5B/7B shapes on the H200 but slower for 0.5B, and steps of
         # 2..64 tokens run the tensor-core kind 15-25% slower on planes, so not by default.
         planes = options.int8_layout == "planes"
-        if planes and not (cfg.hidden_size % 4 == 0 and cfg.intermediate_size % 4 == 0
-                           and cfg.num_attention_heads * cfg.head_dim % 4 == 0):
+        inter = self.tp.plan.inter_count                  # this rank's intermediate columns
+        if planes and not (cfg.hidden_size % 4 == 0 and inter % 4 == 0
+                           and self.num_heads * cfg.head_dim % 4 == 0):
             _log.warning("int8_layout='planes' ignored: byte planes need every projection's "
                          "input size divisible by 4 (hidden %d, intermediate %d, heads x head_dim %d)",
-                         cfg.hidden_size, cfg.intermediate_size, cfg.num_attention_heads * cfg.head_dim)
+                         cfg.hidden_size, inter, self.num_heads * cfg.head_dim)
             planes = False
         # INT8 weights also in the MMA-fragment layout for steps of <= 16 tokens off the
         # matrix-vector path (int8_fragments): a second copy of every int8 projection.
@@ -276,7 +285,7 @@ class FastQwen2Forward:
                       and _kind(e["layer"].mlp.down_proj) is not None for e in self.layers)
         assert options.gemv_max_tokens <= GEMV_MAX_M   # FastPathConfig's range matches the kernel's
         self.gemv_max_tokens = options.gemv_max_tokens
-        self.use_gemv = options.gemv_max_tokens > 0 and fusable
+        self.use_gemv = options.gemv_max_tokens > 0 and fusable and self.tp.size == 1
         self.pdl = self.use_gemv and options.pdl and pdl_available(w0.device)
         self._plain_head = type(model.lm_head) is nn.Linear and model.lm_head.bias is None
         # Epilogue operands requested before the gemv K loop (gemv's early_epilogue); by the
@@ -328,6 +337,7 @@ class FastQwen2Forward:
             o = backend.forward(q, k_cache, v_cache, meta, self.scale)     # [N, Hq, D]
             o = o.reshape(n, self.num_heads * self.head_dim)
             x = int8_frag_linear(o, *small["o"], pdl=fpdl) if "o" in small else attn.o_proj(o)  # [N, H]
+            x = self.tp.all_reduce(x)                                       # partial sums (TP)
             h, residual = add_rmsnorm(x, layer.post_attention_layernorm.weight, self.eps, residual, pdl=fpdl)
             if "gate_up" in small:
                 gu = int8_frag_linear(h, *small["gate_up"], pdl=fpdl)       # [N, 2I]
@@ -337,6 +347,7 @@ class FastQwen2Forward:
                 gu = torch.cat([mlp.gate_proj(h), mlp.up_proj(h)], dim=-1)
             a = silu_and_mul(gu, pdl=fpdl)
             x = int8_frag_linear(a, *small["down"], pdl=fpdl) if "down" in small else mlp.down_proj(a)
+            x = self.tp.all_reduce(x)                                       # partial sums (TP)
         h, _ = add_rmsnorm(x, model.model.norm.weight, self.eps, residual)  # [N, H]
         return h
 

@@ -22,6 +22,7 @@ import torch
 from torch import nn
 
 from ..config import ModelConfig, resolve_dtype
+from .parallel import ShardPlan, TensorParallelGroup, shard_spec
 from .qwen2 import Qwen2ForCausalLM
 
 CONFIG_FILE = "config.json"
@@ -239,8 +240,39 @@ def _normalize_device(device: str | torch.device) -> torch.device:
     return device
 
 
+def model_config_of(name: str | os.PathLike) -> tuple[ModelConfig, Path | None]:
+    """The :class:`ModelConfig` a model name refers to and its checkpoint directory (None for
+    ``random:<preset>``), without loading weights.
+
+    Raises:
+        FileNotFoundError / ValueError: as :func:`resolve_model_path` and :func:`read_model_config`.
+    """
+    if isinstance(name, str) and name.startswith("random:"):
+        from .presets import preset_config
+        return preset_config(name), None
+    path = resolve_model_path(name)
+    return read_model_config(path), path
+
+
+def _read_shard(f, name: str, plan: ShardPlan | None, head_dim: int) -> torch.Tensor:
+    """Tensor ``name`` of the open safetensors file ``f``: whole, or this rank's slice of it
+    (:func:`~llmserve.models.parallel.shard_spec`), zero-padded where the plan pads."""
+    spec = shard_spec(name, plan, head_dim) if plan is not None and plan.size > 1 else None
+    if spec is None:
+        return f.get_tensor(name)
+    dim, start, count, length = spec
+    sl = f.get_slice(name)
+    t = sl[start:start + count] if dim == 0 else sl[:, start:start + count]
+    if length > count:                     # vocabulary padding rows (zero)
+        pad = list(t.shape)
+        pad[dim] = length - count
+        t = torch.cat([t, torch.zeros(pad, dtype=t.dtype, device=t.device)], dim=dim)
+    return t
+
+
 def load_model(name: str | os.PathLike = "tiny", device: str | torch.device = "cpu",
-               dtype: str | torch.dtype = "float32", attention_backend=None
+               dtype: str | torch.dtype = "float32", attention_backend=None,
+               tp: TensorParallelGroup | None = None
                ) -> tuple[Qwen2ForCausalLM, ModelConfig, Path]:
     """Build a :class:`Qwen2ForCausalLM` and load its checkpoint.
 
@@ -250,6 +282,10 @@ def load_model(name: str | os.PathLike = "tiny", device: str | torch.device = "c
         dtype: compute dtype (``float32``/``float16``/``bfloat16`` or aliases); checkpoint
             tensors of another dtype are cast on the device.
         attention_backend: backend object or name (``"torch"`` default, ``"triton"``).
+        tp: this rank's tensor-parallel group (None: one rank). The checkpoint is checked
+            against the full model's shapes, then only this rank's slice of each sharded
+            tensor is read (:func:`~llmserve.models.parallel.shard_spec`); names stay the HF
+            ones.
 
     Returns:
         ``(model, config, path)``: the model in eval mode with ``requires_grad=False`` weights,
@@ -264,16 +300,19 @@ def load_model(name: str | os.PathLike = "tiny", device: str | torch.device = "c
 
     torch_dtype = resolve_dtype(dtype)
     if isinstance(name, str) and name.startswith("random:"):
-        return load_random_model(name, device, torch_dtype, attention_backend)
+        return load_random_model(name, device, torch_dtype, attention_backend, tp=tp)
     path = resolve_model_path(name)
     config = read_model_config(path)
     files = checkpoint_files(path)
     available = checkpoint_tensor_index(files)
 
+    sharded = tp is not None and tp.size > 1
     with torch.device("meta"):  # no memory is allocated for the random init
-        model = Qwen2ForCausalLM(config, attention_backend=attention_backend)
+        model = Qwen2ForCausalLM(config, attention_backend=attention_backend, tp=tp)
+        full = Qwen2ForCausalLM(config) if sharded else model
     expected = expected_tensor_shapes(model, config)
-    validate_checkpoint(path, available, expected, config)
+    validate_checkpoint(path, available, expected_tensor_shapes(full, config), config)
+    del full
 
     dev = _normalize_device(device)
     by_file: dict[Path, list[str]] = {}
@@ -282,7 +321,7 @@ def load_model(name: str | os.PathLike = "tiny", device: str | torch.device = "c
     for file, names in by_file.items():
         with safe_open(str(file), framework="pt", device=str(dev)) as f:
             for n in names:
-                t = f.get_tensor(n)
+                t = _read_shard(f, n, tp.plan if sharded else None, config.head_dim)
                 if not t.is_floating_point():
                     raise ValueError(f"checkpoint tensor {n} in {str(file)!r} has dtype {t.dtype}; "
                                      f"expected a floating-point tensor")
@@ -297,14 +336,16 @@ def load_model(name: str | os.PathLike = "tiny", device: str | torch.device = "c
 
 def load_random_model(name: str, device: str | torch.device = "cpu",
                       dtype: str | torch.dtype = "bfloat16", attention_backend=None,
-                      seed: int = 0) -> tuple[Qwen2ForCausalLM, ModelConfig, None]:
+                      seed: int = 0, tp: TensorParallelGroup | None = None
+                      ) -> tuple[Qwen2ForCausalLM, ModelConfig, None]:
     """A model with the exact shapes of a published Qwen2.5 checkpoint and random weights
     (``random:qwen2.5-0.5b|1.5b|3b|7b``), built directly on ``device``: for performance runs
     where no checkpoint can be downloaded (speed does not depend on weight values).
 
     Weights are N(0, 0.02) (the ``initializer_range`` of Qwen2 configs), norms are ones.
     Returns ``(model, config, None)``: there is no checkpoint directory, so the built-in
-    tokenizer is used.
+    tokenizer is used. With a tensor-parallel ``tp`` each rank draws its own shards (seed
+    ``seed + rank``), so the weights differ from the one-rank model's.
 
     Raises:
         ValueError: unknown preset (lists the known ones).
@@ -313,9 +354,9 @@ def load_random_model(name: str, device: str | torch.device = "cpu",
 
     config = preset_config(name)
     dev = _normalize_device(device)
-    torch.manual_seed(seed)
+    torch.manual_seed(seed + (tp.rank if tp is not None else 0))
     with torch.device(dev):
-        model = Qwen2ForCausalLM(config, attention_backend=attention_backend).to(resolve_dtype(dtype))
+        model = Qwen2ForCausalLM(config, attention_backend=attention_backend, tp=tp).to(resolve_dtype(dtype))
     with torch.no_grad():
         for pname, p in model.named_parameters():
             if pname.endswith("layernorm.weight") or pname.endswith("norm.weight"):

@@ -26,6 +26,12 @@ Two forward paths share every weight:
   checked against.
 
 All projections are plain ``nn.Linear`` modules so quantization can swap them by name.
+
+Tensor parallelism (``tp``, a :class:`~llmserve.models.parallel.TensorParallelGroup` of more than
+one rank; :mod:`llmserve.models.parallel`): the same modules with local shapes (this rank's
+query and K/V heads, intermediate columns and vocabulary rows), one all-reduce after o_proj and
+one after down_proj, a vocabulary-parallel embedding, and logits gathered on rank 0. Every rank
+must run the same forward calls (the collectives pair up across ranks).
 """
 
 from __future__ import annotations
@@ -37,6 +43,7 @@ from torch import nn
 from ..attention import AttentionMetadata, get_attention_backend
 from ..attention.invariant import invariant_dense_attention
 from ..config import ModelConfig
+from .parallel import TensorParallelGroup, VocabParallelEmbedding
 
 
 class RMSNorm(nn.Module):
@@ -88,8 +95,14 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
     return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1)
 
 
+def _tp_or_single(config: ModelConfig, tp: TensorParallelGroup | None) -> TensorParallelGroup:
+    return tp if tp is not None else TensorParallelGroup.single(config)
+
+
 class Qwen2Attention(nn.Module):
-    """Multi-head attention with GQA, q/k/v bias and RoPE (HF ``Qwen2Attention``).
+    """Multi-head attention with GQA, q/k/v bias and RoPE (HF ``Qwen2Attention``). With a
+    tensor-parallel ``tp``: this rank's query heads and the K/V heads they use, and o_proj's
+    partial sums all-reduced.
 
     ``invariant_tile``: ``None``, or the key-tile size of the batch-invariant mode (set by
     :func:`llmserve.models.batch_invariant.make_batch_invariant`), with which the reference
@@ -98,10 +111,11 @@ class Qwen2Attention(nn.Module):
 
     invariant_tile: int | None = None
 
-    def __init__(self, config: ModelConfig) -> None:
+    def __init__(self, config: ModelConfig, tp: TensorParallelGroup | None = None) -> None:
         super().__init__()
-        self.num_heads = config.num_attention_heads
-        self.num_kv_heads = config.num_key_value_heads
+        self.tp = _tp_or_single(config, tp)
+        self.num_heads = self.tp.plan.q_count                  # local query heads
+        self.num_kv_heads = self.tp.plan.kv_count              # local K/V heads
         self.head_dim = config.head_dim
         self.scale = self.head_dim ** -0.5
         h = config.hidden_size
@@ -124,7 +138,7 @@ class Qwen2Attention(nn.Module):
         k_cache, v_cache = kv_cache
         backend.write_kv(k, v, k_cache, v_cache, meta.slot_mapping)
         o = backend.forward(q, k_cache, v_cache, meta, self.scale)        # [N, Hq, D]
-        return self.o_proj(o.reshape(n, self.num_heads * self.head_dim))  # [N, H]
+        return self.tp.all_reduce(self.o_proj(o.reshape(n, self.num_heads * self.head_dim)))  # [N, H]
 
     def forward_reference(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
         """Uncached causal path. ``x``: ``[B, T, H]``; ``cos``/``sin``: ``[T, 1, D/2]``.
@@ -138,7 +152,7 @@ class Qwen2Attention(nn.Module):
         if self.invariant_tile is not None:
             o = invariant_dense_attention(q.transpose(1, 2), k.transpose(1, 2), v, self.scale,
                                           self.invariant_tile).to(x.dtype)  # [B, T, Hq, D]
-            return self.o_proj(o.reshape(b, t, self.num_heads * self.head_dim))
+            return self.tp.all_reduce(self.o_proj(o.reshape(b, t, self.num_heads * self.head_dim)))
         v = v.transpose(1, 2)                                             # [B, Hkv, T, D]
         g = self.num_heads // self.num_kv_heads
         if g > 1:  # GQA: each K/V head serves g consecutive query heads (HF repeat_kv)
@@ -146,34 +160,37 @@ class Qwen2Attention(nn.Module):
             v = v.repeat_interleave(g, dim=1)                             # [B, Hq, T, D]
         o = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=self.scale)  # [B, Hq, T, D]
         o = o.transpose(1, 2).reshape(b, t, self.num_heads * self.head_dim)            # [B, T, Hq*D]
-        return self.o_proj(o)                                             # [B, T, H]
+        return self.tp.all_reduce(self.o_proj(o))                         # [B, T, H]
 
 
 class Qwen2MLP(nn.Module):
     """SwiGLU feed-forward: ``down(silu(gate(x)) * up(x))`` (Shazeer 2020). ``act`` is the SiLU
-    (the batch-invariant mode swaps in one formula for every code path)."""
+    (the batch-invariant mode swaps in one formula for every code path). With a
+    tensor-parallel ``tp``: this rank's intermediate columns, down_proj's partial sums
+    all-reduced."""
 
     act = staticmethod(F.silu)
 
-    def __init__(self, config: ModelConfig) -> None:
+    def __init__(self, config: ModelConfig, tp: TensorParallelGroup | None = None) -> None:
         super().__init__()
-        h, i = config.hidden_size, config.intermediate_size
+        self.tp = _tp_or_single(config, tp)
+        h, i = config.hidden_size, self.tp.plan.inter_count
         self.gate_proj = nn.Linear(h, i, bias=False)
         self.up_proj = nn.Linear(h, i, bias=False)
         self.down_proj = nn.Linear(i, h, bias=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """``[..., H]`` -> ``[..., H]`` (via ``[..., intermediate]``)."""
-        return self.down_proj(self.act(self.gate_proj(x)) * self.up_proj(x))
+        return self.tp.all_reduce(self.down_proj(self.act(self.gate_proj(x)) * self.up_proj(x)))
 
 
 class Qwen2DecoderLayer(nn.Module):
     """Pre-norm block: ``x += attn(norm(x)); x += mlp(norm(x))``."""
 
-    def __init__(self, config: ModelConfig) -> None:
+    def __init__(self, config: ModelConfig, tp: TensorParallelGroup | None = None) -> None:
         super().__init__()
-        self.self_attn = Qwen2Attention(config)
-        self.mlp = Qwen2MLP(config)
+        self.self_attn = Qwen2Attention(config, tp)
+        self.mlp = Qwen2MLP(config, tp)
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 
@@ -191,13 +208,16 @@ class Qwen2DecoderLayer(nn.Module):
 class Qwen2Model(nn.Module):
     """Embedding, decoder layers and final norm (HF ``Qwen2Model``; prefix ``model.``)."""
 
-    def __init__(self, config: ModelConfig) -> None:
+    def __init__(self, config: ModelConfig, tp: TensorParallelGroup | None = None) -> None:
         super().__init__()
-        weight = torch.empty(config.vocab_size, config.hidden_size)          # [V, H]
-        if weight.device.type != "meta":  # normal_ on meta tensors imports torch._dynamo (~7 s)
-            nn.init.normal_(weight)
-        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size, _weight=weight)
-        self.layers = nn.ModuleList(Qwen2DecoderLayer(config) for _ in range(config.num_hidden_layers))
+        if tp is not None and tp.size > 1:  # [V / N (padded), H]: this rank's vocabulary rows
+            self.embed_tokens = VocabParallelEmbedding(config.hidden_size, tp)
+        else:
+            weight = torch.empty(config.vocab_size, config.hidden_size)      # [V, H]
+            if weight.device.type != "meta":  # normal_ on meta tensors imports torch._dynamo (~7 s)
+                nn.init.normal_(weight)
+            self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size, _weight=weight)
+        self.layers = nn.ModuleList(Qwen2DecoderLayer(config, tp) for _ in range(config.num_hidden_layers))
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 
 
@@ -208,16 +228,20 @@ class Qwen2ForCausalLM(nn.Module):
         config: the model's hyper-parameters.
         attention_backend: a backend object, a registered name (``"torch"``/``"triton"``) or
             ``None`` (torch). Settable later via the ``attention_backend`` attribute.
+        tp: this rank's :class:`~llmserve.models.parallel.TensorParallelGroup` (None: one rank);
+            the modules then hold this rank's shards (module docstring).
 
     Weights are created with ``nn.Linear``/``nn.Embedding`` default init; real weights come
     from :func:`llmserve.models.loader.load_model`.
     """
 
-    def __init__(self, config: ModelConfig, attention_backend=None) -> None:
+    def __init__(self, config: ModelConfig, attention_backend=None,
+                 tp: TensorParallelGroup | None = None) -> None:
         super().__init__()
         self.config = config
-        self.model = Qwen2Model(config)
-        self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+        self.tp = _tp_or_single(config, tp)
+        self.model = Qwen2Model(config, self.tp if self.tp.size > 1 else None)
+        self.lm_head = nn.Linear(config.hidden_size, self.tp.plan.vocab_per_rank, bias=False)
         if config.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
         self.attention_backend = attention_backend
@@ -290,9 +314,14 @@ class Qwen2ForCausalLM(nn.Module):
             x = layer(x, cos, sin, kv, attn_metadata, backend)            # [N, H]
         return self.model.norm(x)                                         # [N, H]
 
-    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        """``hidden`` ``[M, H]`` (model dtype) -> logits ``[M, vocab_size]`` float32."""
-        return self.lm_head(hidden).float()
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor | None:
+        """``hidden`` ``[M, H]`` (model dtype) -> logits ``[M, vocab_size]`` float32. Tensor
+        parallel: every rank computes its vocabulary columns, rank 0 gathers them and gets the
+        logits, the other ranks get None."""
+        if self.tp.size == 1:
+            return self.lm_head(hidden).float()
+        logits = self.tp.gather_vocab(self.lm_head(hidden))                 # [M, V] on rank 0
+        return None if logits is None else logits.float()
 
     @torch.no_grad()
     def forward_reference(self, input_ids: torch.Tensor, last_only: bool = False) -> torch.Tensor:
@@ -304,7 +333,8 @@ class Qwen2ForCausalLM(nn.Module):
                 step needs; the naive engine uses it).
 
         Returns:
-            logits ``[B, T, vocab_size]`` float32 (``[B, 1, vocab_size]`` with ``last_only``).
+            logits ``[B, T, vocab_size]`` float32 (``[B, 1, vocab_size]`` with ``last_only``);
+            tensor parallel: on rank 0, None on the other ranks (every rank must call it).
         """
         _, t = input_ids.shape
         cos_t, sin_t = self.rope_cos_sin(input_ids.device, min_len=t)
@@ -316,6 +346,10 @@ class Qwen2ForCausalLM(nn.Module):
         if last_only:
             x = x[:, -1:]                                                 # [B, 1, H]
         x = self.model.norm(x)                                            # [B, T, H]
+        if self.tp.size > 1:                                              # rank 0: [B, T, V]
+            b, t2, h = x.shape
+            logits = self.compute_logits(x.reshape(b * t2, h))
+            return None if logits is None else logits.view(b, t2, -1)
         return self.lm_head(x).float()                                    # [B, T, V] fp32
 
     # -- helpers -------------------------------------------------------------------------

@@ -46,12 +46,13 @@ class Int8Linear(nn.Module):
             self.bias = None
 
     @classmethod
-    def from_linear(cls, linear: nn.Linear) -> Int8Linear:
-        """Quantize an ``nn.Linear`` (its weight dtype becomes the bias/compute dtype)."""
+    def from_linear(cls, linear: nn.Linear, absmax: torch.Tensor | None = None) -> Int8Linear:
+        """Quantize an ``nn.Linear`` (its weight dtype becomes the bias/compute dtype);
+        ``absmax`` ``[out_features]``: see :func:`~llmserve.quant.schemes.quantize_int8`."""
         w = linear.weight
         m = cls(linear.in_features, linear.out_features, bias=linear.bias is not None,
                 device=w.device, dtype=w.dtype)
-        q, s = quantize_int8(w)
+        q, s = quantize_int8(w, absmax)
         m.weight.copy_(q)
         m.weight_scale.copy_(s)
         if linear.bias is not None:
@@ -183,11 +184,14 @@ class Int4Linear(nn.Module):
             self.bias = None
 
     @classmethod
-    def from_linear(cls, linear: nn.Linear, group_size: int | None = None) -> Int4Linear:
+    def from_linear(cls, linear: nn.Linear, group_size: int | None = None,
+                    absmax: torch.Tensor | None = None) -> Int4Linear:
+        """Quantize an ``nn.Linear``; ``absmax`` ``[out_features, G]``: see
+        :func:`~llmserve.quant.schemes.quantize_int4`."""
         w = linear.weight
         m = cls(linear.in_features, linear.out_features, bias=linear.bias is not None,
                 group_size=group_size, device=w.device, dtype=w.dtype)
-        packed, s = quantize_int4(w, group_size)
+        packed, s = quantize_int4(w, group_size, absmax)
         m.weight_packed.copy_(packed)
         m.weight_scale.copy_(s)
         if linear.bias is not None:

@@ -64,21 +64,50 @@ def _check_finite(absmax: torch.Tensor, what: str = "weight") -> None:
         raise ValueError(f"{what} contains NaN or Inf; cannot quantize it")
 
 
-def quantize_int8(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+def weight_absmax(weight: torch.Tensor, scheme: str, group_size: int | None = None) -> torch.Tensor:
+    """The statistic a scheme scales by: ``max |w|`` per output row (``float32 [N]`` for the
+    int8 schemes) or per row and group (``float32 [N, G]`` for int4, ``G = 1`` per channel).
+
+    Raises:
+        ValueError: unknown scheme, bad group size or weight.
+    """
+    _check_scheme(scheme)
+    w32 = _check_weight(weight)
+    if scheme != "int4":
+        return w32.abs().amax(dim=1)                                  # [N]
+    _check_group_size("int4", group_size)
+    n, k = w32.shape
+    g = k if group_size is None else group_size
+    num_groups = _num_groups(k, group_size)
+    return F.pad(w32, (0, num_groups * g - k)).view(n, num_groups, g).abs().amax(dim=2)  # [N, G]
+
+
+def _check_absmax(absmax: torch.Tensor, shape: tuple[int, ...]) -> torch.Tensor:
+    if tuple(absmax.shape) != shape:
+        raise ValueError(f"absmax must have shape {list(shape)}, got {list(absmax.shape)}")
+    return absmax.detach().to(torch.float32)
+
+
+def quantize_int8(weight: torch.Tensor, absmax: torch.Tensor | None = None
+                  ) -> tuple[torch.Tensor, torch.Tensor]:
     """Symmetric per-output-channel INT8 quantization.
 
     Args:
         weight: ``[N, K]`` floating point (any float dtype; math in float32).
+        absmax: ``[N]`` the ``max |w|`` to scale each row by, when it is not this tensor's own
+            (a tensor-parallel shard of a row scales by the whole row's maximum, so every shard
+            quantizes exactly as the unsplit weight; it must be ``>=`` this tensor's).
 
     Returns:
         ``(q, scale)``: ``q`` ``int8 [N, K]`` in ``[-127, 127]``; ``scale`` ``float32 [N]`` with
         ``scale[n] = max|weight[n]| / 127`` (0 for an all-zero row, whose ``q`` is 0).
 
     Raises:
-        ValueError: not 2-D, not floating point, or non-finite values.
+        ValueError: not 2-D, not floating point, or non-finite values; ``absmax`` of the wrong
+            shape.
     """
     w32 = _check_weight(weight)
-    absmax = w32.abs().amax(dim=1)                                    # [N]
+    absmax = w32.abs().amax(dim=1) if absmax is None else _check_absmax(absmax, (w32.shape[0],))  # [N]
     _check_finite(absmax)
     scale = absmax / INT8_QMAX                                        # [N]
     safe = torch.where(scale > 0, scale, torch.ones_like(scale))
@@ -146,8 +175,8 @@ def _num_groups(k: int, group_size: int | None) -> int:
     return 1 if group_size is None else math.ceil(k / group_size)
 
 
-def quantize_int4(weight: torch.Tensor, group_size: int | None = None
-                  ) -> tuple[torch.Tensor, torch.Tensor]:
+def quantize_int4(weight: torch.Tensor, group_size: int | None = None,
+                  absmax: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """Symmetric INT4 (grid ``[-7, 7]``) with per-output-channel or group-wise scales.
 
     Args:
@@ -155,6 +184,8 @@ def quantize_int4(weight: torch.Tensor, group_size: int | None = None
         group_size: ``None`` for one scale per output row, else the number of consecutive input
             columns sharing a scale (even, >= 2). A ``K`` not divisible by it leaves a shorter
             last group.
+        absmax: ``[N, G]`` the ``max |w|`` to scale each group by, when it is not this
+            tensor's own (as :func:`quantize_int8`).
 
     Returns:
         ``(packed, scale)``: ``packed`` ``uint8 [N, ceil(K / 2)]`` (see :func:`pack_int4`);
@@ -170,7 +201,7 @@ def quantize_int4(weight: torch.Tensor, group_size: int | None = None
     g = k if group_size is None else group_size
     num_groups = _num_groups(k, group_size)
     wp = F.pad(w32, (0, num_groups * g - k)).view(n, num_groups, g)  # [N, G, g]; zero padding
-    absmax = wp.abs().amax(dim=2)                                     # [N, G]
+    absmax = wp.abs().amax(dim=2) if absmax is None else _check_absmax(absmax, (n, num_groups))  # [N, G]
     _check_finite(absmax)
     scale = absmax / INT4_QMAX                                        # [N, G]
     safe = torch.where(scale > 0, scale, torch.ones_like(scale))

@@ -5,7 +5,7 @@ layers, with the scheme recorded in metadata (never guessed from a path).
 from __future__ import annotations
 import copy
 import re
-from collections.abc import Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from typing import Any
 import torch
 from torch import nn
@@ -20,6 +20,7 @@ from .schemes import (
     _check_scheme,
     quantize_int4,
     quantize_int8,
+    weight_absmax,
 )
 from .layers import Int4Linear, QUANTIZED_LAYERS
 
@@ -145,7 +146,8 @@ def _empty_quantized_layer(scheme: str, linear_like: nn.Module, group_size: int 
 
 @torch.no_grad()
 def quantize_model(model: nn.Module, scheme: str, group_size: int | None = None,
-                   include: str | Iterable[str] | None = None) -> nn.Module:
+                   include: str | Iterable[str] | None = None,
+                   row_absmax: Callable[[str, torch.Tensor], torch.Tensor] | None = None) -> nn.Module:
     """Swap selected ``nn.Linear`` modules for quantized layers, in place.
 
     Args:
@@ -156,6 +158,10 @@ def quantize_model(model: nn.Module, scheme: str, group_size: int | None = None,
         include: regex (``re.fullmatch`` on module names) or list of module names; ``None`` =
             :data:`DEFAULT_INCLUDE` (the seven projections of every decoder layer; embeddings,
             ``lm_head`` and norms stay 16-bit).
+        row_absmax: ``(module name, absmax) -> absmax``: called with each selected module's
+            own scaling statistic (:func:`~llmserve.quant.schemes.weight_absmax`) and returning
+            the one to quantize by; a tensor-parallel model passes the maximum over the shards
+            of a row-parallel projection, so each shard quantizes as the whole weight would.
 
     Returns:
         The same ``model`` object, with ``model.quantization_config`` set to the metadata dict
@@ -184,10 +190,13 @@ def quantize_model(model: nn.Module, scheme: str, group_size: int | None = None,
     if not_linear:
         raise ValueError(f"only nn.Linear modules can be quantized; selected {not_linear}")
     for name, linear in targets:
+        absmax = None
+        if row_absmax is not None:
+            absmax = row_absmax(name, weight_absmax(linear.weight, scheme, group_size))
         if scheme == "int4":
-            new = Int4Linear.from_linear(linear, group_size)
+            new = Int4Linear.from_linear(linear, group_size, absmax)
         else:
-            new = QUANTIZED_LAYERS[scheme].from_linear(linear)
+            new = QUANTIZED_LAYERS[scheme].from_linear(linear, absmax)
         _set_submodule(model, name, new)
     model.quantization_config = quantization_metadata(scheme, group_size, [n for n, _ in targets])
     return model

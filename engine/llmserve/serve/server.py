@@ -59,8 +59,9 @@ def add_serve_subparser(subparsers: Any) -> argparse.ArgumentParser:
                    help="projection implementation (int8/int4: weight-only quantized)")
     p.add_argument("--cuda-graph", action=argparse.BooleanOptionalAction, default=True,
                    help="replay decode steps from CUDA graphs (CUDA, Triton attention backend; default on)")
-    from ..config import add_fast_path_args
+    from ..config import add_fast_path_args, add_parallel_args
     add_fast_path_args(p)
+    add_parallel_args(p)
     p.add_argument("--async-scheduling", action=argparse.BooleanOptionalAction, default=None,
                    help="launch step n+1 before reading step n's tokens (default: on for CUDA)")
     p.add_argument("--speculative-model", default=None, metavar="PATH|tiny",
@@ -170,7 +171,9 @@ def build_engine_config(args: argparse.Namespace):
         attention_backend=args.paged_attention_backend, linear_backend=args.linear_backend,
         use_cuda_graph=getattr(args, "cuda_graph", True),
         async_scheduling=getattr(args, "async_scheduling", None), fast_path=fast_path_from_args(args),
-        batch_invariant=getattr(args, "batch_invariant", False))
+        batch_invariant=getattr(args, "batch_invariant", False),
+        tensor_parallel_size=getattr(args, "tensor_parallel_size", 1),
+        distributed_timeout_s=getattr(args, "distributed_timeout_s", 300.0))
 
 
 def build_app(args: argparse.Namespace):

@@ -31,6 +31,12 @@ arguments on). Two staging buffers are used in turn, and a buffer is rewritten o
 copy that last read it has completed (a CUDA event), so the host may plan step ``n + 1`` while
 step ``n``'s copy is still queued. The CUDA-graph decode runner keeps its own static buffers
 (:mod:`llmserve.worker.cuda_graph`); it is fed the same host arrays.
+
+:meth:`InputBuilder.build` is :meth:`~InputBuilder.pack` (the host arrays, one int64 buffer:
+:class:`PackedStep`) then :meth:`~InputBuilder.upload` (the device copy and views). Tensor
+parallelism sends the packed buffer from rank 0 to the other ranks between the two
+(:mod:`llmserve.worker.step_channel`), which receive it into their own staging buffer
+(:meth:`~InputBuilder.staging`) and upload it the same way.
 """
 
 from __future__ import annotations
@@ -48,6 +54,7 @@ __all__ = [
     "HostInputs",
     "InputBuilder",
     "ModelInput",
+    "PackedStep",
     "PendingTokens",
     "ScheduledItem",
     "StepItem",
@@ -295,6 +302,25 @@ def write_host_inputs(scheduled: _Seq, block_size: int, out: HostInputs,
     return out
 
 
+@dataclass(slots=True)
+class PackedStep:
+    """One step's host arrays packed in a staging buffer (:meth:`InputBuilder.pack` or
+    :meth:`InputBuilder.staging`), ready for :meth:`InputBuilder.upload`.
+
+    Attributes:
+        dims: ``(N tokens, B sequences, W block-table width, R logits rows)``.
+        words: ``[total]`` int64 host tensor, the whole packed step (a view of the staging
+            buffer: valid until the builder's call after next).
+        host: numpy views of ``words`` region by region (:class:`HostInputs`).
+        turn: which of the two staging buffers holds it.
+    """
+
+    dims: tuple[int, int, int, int]
+    words: torch.Tensor
+    host: HostInputs
+    turn: int
+
+
 def _even(words: int) -> int:
     return words + (words & 1)
 
@@ -400,7 +426,13 @@ class InputBuilder:
         Raises:
             ValueError/RuntimeError: see :func:`batch_dims` and :func:`write_host_inputs`.
         """
-        lay = _Packed(*batch_dims(scheduled, num_logits))
+        return self.upload(self.pack(scheduled, pending, num_logits), pending)
+
+    def staging(self, dims: tuple[int, int, int, int]) -> PackedStep:
+        """The next staging buffer, sized for a step of ``dims`` ``(N, B, W, R)``, once the
+        copy that last read it has completed; its arrays are not written (a receiving rank
+        fills ``words`` and sets the ``host`` fields that are not regions)."""
+        lay = _Packed(*dims)
         self._grow(lay.total)
         self._turn ^= 1
         ev = self._events[self._turn]
@@ -408,9 +440,28 @@ class InputBuilder:
             ev.synchronize()
         host = self._hosts[self._turn]
         hv = self._views(host.numpy(), lay, lambda a, o, k: a[o:o + k].view(np.int32))
-        h = write_host_inputs(scheduled, self.block_size, self._host_inputs(hv), pending, num_logits)
+        return PackedStep(lay.dims, host[:lay.total], self._host_inputs(hv), self._turn)
+
+    def pack(self, scheduled: _Seq, pending: PendingTokens | None = None,
+             num_logits: _Seq[int] | None = None) -> PackedStep:
+        """The step's host arrays written into the next staging buffer (no device work).
+
+        Raises:
+            ValueError/RuntimeError: see :func:`batch_dims` and :func:`write_host_inputs`.
+        """
+        packed = self.staging(batch_dims(scheduled, num_logits))
+        write_host_inputs(scheduled, self.block_size, packed.host, pending, num_logits)
+        return packed
+
+    def upload(self, packed: PackedStep, pending: PendingTokens | None = None) -> ModelInput:
+        """Copy a packed step to the device (one host-to-device copy), write the pending ids
+        (``pending.token_ids[fill_src]`` into ``input_ids[fill_rows]``, device to device) and
+        return its tensors (views of the device buffer, valid until the next upload)."""
+        lay = _Packed(*packed.dims)
+        h = packed.host
         dev = self._dev
-        dev[:lay.total].copy_(host[:lay.total], non_blocking=True)                   # one H2D copy
+        dev[:lay.total].copy_(packed.words, non_blocking=True)                      # one H2D copy
+        ev = self._events[packed.turn]
         if ev is not None:
             ev.record(torch.cuda.current_stream(self.device))
         ids, pos, slots, lrows, frows, fsrc, qsl, ctx, table = self._views(

@@ -54,10 +54,17 @@ class ModelRunner:
         device: the model's device.
         forward: the fused forward (``models/fused_forward.py``) when enabled, else the model.
         cuda_graphs: a ``CUDAGraphDecodeRunner`` replaying decode-only steps, or None.
+        channel: tensor parallelism on rank 0: the
+            :class:`~llmserve.worker.step_channel.StepChannel` every eager step's packed inputs
+            are broadcast through before the forward (the other ranks run
+            :meth:`execute_received`); None with one rank.
     """
 
     def __init__(self, model: torch.nn.Module, kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
-                 block_size: int, device: torch.device | str, forward=None, cuda_graphs=None) -> None:
+                 block_size: int, device: torch.device | str, forward=None, cuda_graphs=None,
+                 channel=None) -> None:
+        if channel is not None and cuda_graphs is not None:
+            raise ValueError("CUDA graphs are not supported with tensor parallelism")
         self.model = model
         self.kv_caches = kv_caches
         self.block_size = block_size
@@ -65,6 +72,7 @@ class ModelRunner:
         self._pin = self.device.type == "cuda"
         self.forward = forward or model
         self.cuda_graphs = cuda_graphs
+        self.channel = channel
         self.inputs = InputBuilder(block_size, self.device)
         self.num_graph_steps = 0
         self.num_eager_steps = 0
@@ -144,9 +152,24 @@ class ModelRunner:
         if self._graph_eligible(scheduled, num_logits):
             return self._run_graph(scheduled, pending)
         self.num_eager_steps += 1
-        inp = self.inputs.build(scheduled, pending, num_logits)
+        packed = self.inputs.pack(scheduled, pending, num_logits)
+        if self.channel is not None:               # tensor parallel: the same step on every rank
+            self.channel.send_step(packed, pending)
+        inp = self.inputs.upload(packed, pending)
         hidden = self.forward(inp.input_ids, inp.positions, self.kv_caches, inp.attn_metadata)  # [N, H]
         if not inp.sample_seq_indices:
             return ModelRunnerOutput(hidden.new_empty((0, 0), dtype=torch.float32), [])
         logits = self.model.compute_logits(hidden[inp.sample_rows])                            # [R, V]
         return ModelRunnerOutput(logits, inp.sample_seq_indices)
+
+    @torch.inference_mode()
+    def execute_received(self, packed, pending: PendingTokens | None = None) -> None:
+        """A non-zero tensor-parallel rank's step: the forward (and, when the step has logits
+        rows, this rank's share of the LM head and the gather on rank 0) of a step received
+        from rank 0 (:meth:`~llmserve.worker.step_channel.StepChannel.recv`). Returns nothing:
+        rank 0 samples."""
+        self.num_eager_steps += 1
+        inp = self.inputs.upload(packed, pending)
+        hidden = self.forward(inp.input_ids, inp.positions, self.kv_caches, inp.attn_metadata)  # [N, H]
+        if packed.dims[3]:
+            self.model.compute_logits(hidden[inp.sample_rows])                                 # [R, V/N]
