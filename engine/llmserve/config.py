@@ -225,7 +225,9 @@ class SchedulerConfig:
 
     Attributes:
         mode: ``static`` (admit up to ``max_num_seqs``, run them all to completion, then admit
-            the next batch) or ``continuous`` (admit between iterations).
+            the next batch; a finished member returns at once and is not computed further, but
+            its slot stays empty until the batch is done) or ``continuous`` (admit between
+            iterations).
         policy: order of the waiting queue: ``fcfs`` (arrival), ``sjf`` (shortest prompt +
             max_tokens first), ``priority`` (lower value first, then arrival).
         max_num_seqs: the maximum batch size (sequences per step), >= 1.

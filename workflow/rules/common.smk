@@ -216,10 +216,14 @@ def raw_files(cells, kinds=("json", "csv", "provenance.json")):
 
 
 def deep_merge(base, overrides):
-    """`base` with `overrides` applied (nested mappings merged, everything else replaced)."""
+    """`base` with `overrides` applied as a JSON merge patch (RFC 7386): nested mappings are
+    merged, a null value removes the key (e.g. `scale: null` when an output length changes from
+    `dataset` to `lognormal`), everything else is replaced."""
     out = dict(base)
     for key, value in (overrides or {}).items():
-        if isinstance(value, dict) and isinstance(out.get(key), dict):
+        if value is None:
+            out.pop(key, None)
+        elif isinstance(value, dict) and isinstance(out.get(key), dict):
             out[key] = deep_merge(out[key], value)
         else:
             out[key] = value

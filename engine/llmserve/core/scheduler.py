@@ -25,7 +25,13 @@ A step (:meth:`Scheduler.schedule`) follows the unified token-budget scheme of v
 Static mode replaces step 3: only when nothing is running, the next batch is formed before step
 2: up to ``max_num_seqs`` waiting sequences (in policy order, while their whole pending tokens
 fit in the free blocks) become running at once, and nothing else is admitted until all of them
-finished. Their prompts are then computed by step 2 within the token budget.
+finished. Their prompts are then computed by step 2 within the token budget. This is
+request-level batching (Orca's baseline): the batch holds its slots until its longest member
+finishes. A member that finishes earlier returns at once and its row leaves the following steps
+(no compute, its blocks freed); FasterTransformer and HF ``generate`` instead keep computing
+finished rows as padding. That costs little on a GPU at small batch sizes (a decode step reads
+the weights once whatever its rows) but more where a step's cost grows with its rows (the tiny
+model on a CPU), so this is the stronger form of the baseline.
 
 Prefix caching (when the block manager has it on): at admission (step 3, or static batch
 formation) a request's longest cached prefix of full blocks is looked up and pinned, its
