@@ -70,6 +70,17 @@ def test_decode_sweep_mechanics(hf_qwen2, tmp_path):
     per_token = kv_bytes_per_token(eng.model_config, 4)
     assert rows[1]["kv_bytes"] == 3 * (16 + 2 + 2) * per_token
     assert not eng.has_unfinished_requests()
+    # a tight step budget staggers the batch's admission: the timed steps still see it whole
+    eng2 = LLMEngine(EngineConfig(model=path, cache=CacheConfig(num_blocks=128),
+                                  scheduler=SchedulerConfig(max_num_seqs=16, max_num_batched_tokens=96)))
+    r16 = decode_sweep(eng2, [16], [48], steps=10, warm=2)[0]
+    assert r16["status"] == "ok", r16          # every timed step ran all 16 (else "failed")
+    # too small a cache: the row says so instead of timing a partial batch
+    eng3 = LLMEngine(EngineConfig(model=path, cache=CacheConfig(num_blocks=12),
+                                  scheduler=SchedulerConfig(max_num_seqs=8)))
+    bad = decode_sweep(eng3, [8], [40], steps=4, warm=1)[0]
+    assert bad["status"] == "failed" and bad["error"], bad
+    assert not eng3.has_unfinished_requests()
     for r in rows:
         r["floor_ms"], r["ratio_to_floor"] = 0.01, r["ms_per_step"] / 0.01
     rep = {"ceilings": {"copy_bandwidth_Bps": 1e12, "bf16_matmul_flops": 1e15}, "gpu": "cpu",

@@ -383,7 +383,8 @@ def test_fast_path_config_rejects_bad_values():
            "gemv_pre_wait": "0", "pdl_trigger_qkv": 2, "graph_short_context": -1, "graph_argmax": "on",
            "decode_splits": "fast", "decode_stages": 0, "decode_min_tiles": 0,
            "decode_fused_max_splits": 129, "decode_wide_tile": 1, "decode_early_pages": "1",
-           "decode_prefetch_kv": None, "int8_layout": "col", "int8_fragments": "1", "int8_frag_pdl": 0.5}
+           "decode_prefetch_kv": None, "int8_layout": "col", "int8_fragments": "1", "int8_frag_pdl": 0.5,
+           "invariant_block_rows": 1025}
     assert set(bad) == set(FastPathConfig.__dataclass_fields__)               # every field covered
     for name, value in bad.items():
         with pytest.raises(ValueError, match=rf"^{name} must be"):

@@ -442,3 +442,31 @@ def test_gpu_constrained_decode_graphs_async_match_sync():
         if sp.structured_output is not None:
             assert s.finish_reason == "stop"
             validate(json.loads(_text(eng, s.output_token_ids)), SCHEMA)
+
+
+@pytest.mark.parametrize("schema,needle", [
+    ({"allOf": [{"type": "integer"}, {"minimum": 3}]}, "'allOf' at #"),
+    ({"not": {"type": "string"}}, "'not' at #"),
+    ({"$ref": "http://example.com/s.json"}, "points outside the schema"),
+    ({"type": "array", "items": {"type": "integer"}, "uniqueItems": True}, "'uniqueItems'"),
+    ({"type": "array", "contains": {"type": "integer"}}, "'contains'"),
+    ({"oneOf": [{"type": "integer"}, {"type": "number"}]}, "'oneOf'"),
+    ({"type": "object", "properties": {}, "required": ["z"], "additionalProperties": False}, "names ['z']"),
+    ({"type": "object", "properties": {"a": {"type": "object", "properties": {"b": {"not": {}}}}}},
+     "#/properties/a/properties/b"),
+])
+def test_schema_keywords_that_would_not_be_enforced_are_refused(schema, needle):
+    from llmserve.core.sampling_params import StructuredOutput
+
+    with pytest.raises(ValueError, match="not enforced|outside the schema|does not declare") as e:
+        StructuredOutput(kind="json_schema", json_schema=schema)
+    assert needle in str(e.value)
+
+
+def test_schema_property_names_are_not_keywords():
+    from llmserve.core.sampling_params import StructuredOutput
+
+    spec = StructuredOutput(kind="json_schema", json_schema={
+        "type": "object", "properties": {"not": {"type": "integer"}, "allOf": {"enum": ["oneOf"]}},
+        "$defs": {"x": {"type": "boolean"}}, "required": ["not"]})
+    assert "not" in spec.json_schema

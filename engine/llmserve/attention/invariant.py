@@ -137,7 +137,9 @@ class InvariantPagedAttention:
     name = "torch-invariant"
 
     def write_kv(self, key, value, k_cache, v_cache, slot_mapping) -> None:
+        """Scatter ``key``/``value`` ``[N, Hkv, D]`` into the caches (as the torch backend)."""
         write_kv_torch(key, value, k_cache, v_cache, slot_mapping)
 
     def forward(self, query, k_cache, v_cache, meta: AttentionMetadata, scale: float) -> torch.Tensor:
+        """:func:`invariant_paged_attention`: ``[N, Hq, D]`` in the query dtype."""
         return invariant_paged_attention(query, k_cache, v_cache, meta, scale)

@@ -339,15 +339,16 @@ def decode_sweep(engine, batches: list[int], contexts: list[int], steps: int, wa
     """Steady-state decode step time of ``engine`` at each batch size and context length.
 
     For each ``(context, batch)``: ``batch`` requests with distinct random prompts of
-    ``context`` tokens (no shared prefix, so every sequence reads its own KV) and ``warm +
-    steps + 1`` output tokens; once every request has ``warm`` tokens the next ``steps`` engine
-    steps are timed on the wall clock (``sync`` waits for the device before reading it), then
-    the requests finish. The engine must admit ``max(batches)`` sequences and hold their KV.
+    ``context`` tokens (no shared prefix, so every sequence reads its own KV) and more output
+    tokens than the cell needs; once every request has ``warm`` tokens the next ``steps``
+    engine steps are timed on the wall clock (``sync`` waits for the device before reading it),
+    each checked to decode the whole batch with no preemption; then the requests are aborted.
+    The engine must admit ``max(batches)`` sequences and hold their KV.
 
     Returns:
         One row per cell: ``batch``, ``context``, ``ms_per_step``, ``kv_bytes`` (KV read per
-        step at the timed steps' mean context), ``status`` and ``error`` (a failed cell stays a
-        row).
+        step at the timed steps' mean context), ``status`` and ``error`` (a failed cell, a batch
+        that was not full or was preempted included, stays a row).
     """
     from ..core.sampling_params import SamplingParams
 
@@ -359,24 +360,35 @@ def decode_sweep(engine, batches: list[int], contexts: list[int], steps: int, wa
     for ctx in contexts:
         for b in batches:
             row = {"batch": b, "context": ctx, "steps": steps, "status": "ok", "error": None}
+            seqs = []
             try:
-                sp = SamplingParams(max_tokens=warm + steps + 1, ignore_eos=True)
+                # enough tokens that no request finishes while the others still prefill or in
+                # the timed window (requests admitted first decode during the later prefills)
+                budget = engine.scheduler.config.max_num_batched_tokens
+                extra = -(-b * ctx // budget) + b + 16           # steps spent admitting the batch
+                sp = SamplingParams(max_tokens=warm + steps + extra, ignore_eos=True)
                 seqs = [engine.add_request(rng.integers(0, vocab, ctx).tolist(), sp) for _ in range(b)]
                 while min(len(q.output_token_ids) for q in seqs) < warm:
                     engine.step()
+                preempt0 = engine.scheduler.num_preemptions
                 sync()
                 t0 = time.perf_counter()
+                short = 0
                 for _ in range(steps):
                     engine.step()
+                    short += engine.scheduler.num_running != b
                 sync()
                 row["ms_per_step"] = (time.perf_counter() - t0) / steps * 1e3
                 row["kv_bytes"] = b * (ctx + warm + steps // 2) * per_token
-                while engine.has_unfinished_requests():
-                    engine.step()
+                if short or engine.scheduler.num_preemptions != preempt0:
+                    row.update(status="failed", error=f"batch not full in {short} of {steps} timed steps, "
+                               f"{engine.scheduler.num_preemptions - preempt0} preemptions (KV cache too small?)")
             except Exception as e:  # noqa: BLE001 - the cell stays a row with its error
                 row.update(status="failed", error=f"{type(e).__name__}: {e}")
-                for q in list(getattr(engine, "_seqs", {}).values()):
-                    engine.abort_request(q.request_id)
+            for q in seqs:
+                engine.abort_request(q.request_id)
+            while engine.has_unfinished_requests():
+                engine.step()
             rows.append(row)
             print(json.dumps(row), flush=True)
     return rows
@@ -450,17 +462,22 @@ def run(args: argparse.Namespace) -> dict:
     if "decode-sweep" in args.parts:
         preset = args.offline_model
         batches, contexts = args.sweep_batches, args.sweep_contexts
-        eng = llmserve_engine(preset, max_num_seqs=max(batches),
-                              max_model_len=max(contexts) + args.sweep_steps + 64)
-        weight_bytes = unique_param_bytes(eng.model)
-        rows = decode_sweep(eng, batches, contexts, args.sweep_steps, seed=args.seed,
-                            sync=torch.cuda.synchronize)
-        for r in rows:
-            if r["status"] == "ok":
-                r["floor_ms"] = (weight_bytes + r["kv_bytes"]) / bw * 1e3
-                r["ratio_to_floor"] = r["ms_per_step"] / r["floor_ms"]
-        report["parts"]["decode-sweep"] = {"model": preset, "weight_bytes": weight_bytes, "rows": rows}
-        del eng
+        part = {"model": preset, "weight_bytes": None, "rows": [], "error": None}
+        try:
+            eng = llmserve_engine(preset, max_num_seqs=max(batches),
+                                  max_model_len=max(contexts) + args.sweep_steps + 2 * max(batches) + 1024)
+            part["weight_bytes"] = unique_param_bytes(eng.model)
+            part["rows"] = decode_sweep(eng, batches, contexts, args.sweep_steps, seed=args.seed,
+                                        sync=torch.cuda.synchronize)
+            for r in part["rows"]:
+                if r["status"] == "ok":
+                    r["floor_ms"] = (part["weight_bytes"] + r["kv_bytes"]) / bw * 1e3
+                    r["ratio_to_floor"] = r["ms_per_step"] / r["floor_ms"]
+            del eng
+        except Exception as e:  # noqa: BLE001 - the part stays in the report with its error
+            part["error"] = f"{type(e).__name__}: {e}"
+            traceback.print_exc()
+        report["parts"]["decode-sweep"] = part
         gc.collect()
         torch.cuda.empty_cache()
     if "offline" in args.parts:
@@ -540,7 +557,9 @@ def to_markdown(rep: dict) -> str:
             lines.append(f"| {r['name']} | {r.get('requests', '')} | {toks or ''} | {_f(r.get('seconds'))} | "
                          f"{_f(r.get('output_tok_per_s'))} | {r['status']} {r.get('error') or ''} |")
         lines.append("")
-    if "decode-sweep" in rep["parts"]:
+    if "decode-sweep" in rep["parts"] and rep["parts"]["decode-sweep"].get("error"):
+        lines += ["## Decode sweep", "", f"failed: {rep['parts']['decode-sweep']['error']}", ""]
+    elif "decode-sweep" in rep["parts"]:
         d = rep["parts"]["decode-sweep"]
         rows = d["rows"]
         batches = sorted({r["batch"] for r in rows})
@@ -625,9 +644,11 @@ def _main(args: argparse.Namespace) -> int:
     out.mkdir(parents=True, exist_ok=True)
     (out / "compare.json").write_text(json.dumps(rep, indent=2))
     (out / "compare.md").write_text(to_markdown(rep))
-    if "decode-sweep" in rep["parts"]:
-        d = rep["parts"]["decode-sweep"]
+    d = rep["parts"].get("decode-sweep")
+    if d and any(r["status"] == "ok" for r in d["rows"]):
         plot_decode_sweep(d["rows"], out / "decode_sweep.png",
                           f"decode step vs batch, {d['model']} shapes, {rep['gpu']}")
+    elif d:
+        print("decode sweep: no successful cell, no plot", file=sys.stderr)
     print(to_markdown(rep))
     return 0

@@ -722,6 +722,13 @@ def run_benchmark(opts: BenchmarkOptions, engine_factory: Callable[[Any, bool], 
         if engine_factory is None and opts.speculative_model:
             engine_factory = _speculative_engine_factory(opts)
         engine = (engine_factory or default_engine_factory)(econf, opts.config == "naive")
+        if structured is not None:       # compile it now: a schema the grammar library refuses fails the run
+            check = getattr(engine, "check_structured_output", None)
+            if callable(check):
+                try:
+                    check(structured)
+                except ValueError as e:
+                    raise ValueError(f"--json-schema {opts.json_schema!r}: {e}") from None
         max_model_len = int(getattr(engine, "max_model_len", None) or opts.max_model_len)
         vocab = _base_vocab(engine)
         tok = getattr(engine, "tokenizer", None)

@@ -15,6 +15,52 @@ STRUCTURED_KINDS = ("json_object", "json_schema")
 WHITESPACE_MODES = ("compact", "any")
 
 
+#: JSON Schema keywords the grammar library (xgrammar) accepts but does not enforce; a schema
+#: using one is refused rather than "enforced" with outputs that violate it.
+UNENFORCED_SCHEMA_KEYWORDS = ("allOf", "oneOf", "not", "if", "then", "else", "uniqueItems", "contains",
+                              "minContains", "maxContains", "dependentRequired", "dependentSchemas",
+                              "unevaluatedProperties", "unevaluatedItems")
+
+
+def unenforced_schema_keyword(schema: Any, path: str = "#") -> str | None:
+    """The first part of a JSON schema that constrained decoding would not enforce, as a
+    message naming its location, or None: a keyword of :data:`UNENFORCED_SCHEMA_KEYWORDS`, a
+    ``$ref`` that does not point inside the schema (``#...``), or an object whose ``required``
+    names a property its closed ``properties`` do not have (no output could satisfy it)."""
+    if isinstance(schema, list):
+        for i, item in enumerate(schema):
+            found = unenforced_schema_keyword(item, f"{path}/{i}")
+            if found:
+                return found
+        return None
+    if not isinstance(schema, dict):
+        return None
+    for key in UNENFORCED_SCHEMA_KEYWORDS:
+        if key in schema:
+            return f"'{key}' at {path} is not enforced by constrained decoding; rewrite the schema without it"
+    ref = schema.get("$ref")
+    if isinstance(ref, str) and not ref.startswith("#"):
+        return f"'$ref' at {path} points outside the schema ({ref!r}); only local references ('#/...') are resolved"
+    props, req = schema.get("properties"), schema.get("required")
+    if isinstance(req, list) and schema.get("additionalProperties") is False:
+        missing = [r for r in req if not isinstance(props, dict) or r not in props]
+        if missing:
+            return f"'required' at {path} names {missing[:3]}, which 'properties' does not declare, and additional properties are not allowed"
+    for key, value in schema.items():
+        if key in ("enum", "const", "default", "examples", "description", "title"):
+            continue
+        if key in ("properties", "$defs", "definitions", "patternProperties") and isinstance(value, dict):
+            for name, sub in value.items():       # keys are names here, values schemas
+                found = unenforced_schema_keyword(sub, f"{path}/{key}/{name}")
+                if found:
+                    return found
+            continue
+        found = unenforced_schema_keyword(value, f"{path}/{key}")
+        if found:
+            return found
+    return None
+
+
 @dataclass(frozen=True, slots=True)
 class StructuredOutput:
     """A grammar the output must follow (grammar-constrained decoding).
@@ -68,6 +114,9 @@ class StructuredOutput:
         if not isinstance(parsed, (dict, bool)):
             raise ValueError(f"structured_output.json_schema must be a JSON object (or a boolean), "
                              f"got {type(parsed).__name__}")
+        problem = unenforced_schema_keyword(parsed)
+        if problem:
+            raise ValueError(f"structured_output.json_schema: {problem}")
         if not isinstance(schema, str):
             try:
                 text = json.dumps(schema, ensure_ascii=False, separators=(",", ":"), allow_nan=False)

@@ -209,6 +209,17 @@ class _EngineBase:
             self.check_structured_output(sp.structured_output)
         return ids
 
+    def prepare_structured_output(self) -> None:
+        """Build the grammar compiler now (it reads the tokenizer's vocabulary; the server calls
+        this on its tokenizer thread before compiling schemas on other threads). No-op without
+        structured output support.
+
+        Raises:
+            ValueError: xgrammar is not installed.
+        """
+        if self.structured is not None:
+            self.structured.cache.prepare()
+
     def check_structured_output(self, spec) -> None:
         """Compile a :class:`~llmserve.core.sampling_params.StructuredOutput` (cached), so a bad
         schema is refused before anything is queued. Safe to call from any thread.

@@ -364,6 +364,10 @@ class SpeculativeEngine(LLMEngine):
     def __init__(self, config: EngineConfig, draft_model: str | os.PathLike = "tiny",
                  num_speculative_tokens: int = 4, *, draft_load_model_fn: Callable | None = None,
                  **kw) -> None:
+        if config.batch_invariant:
+            raise ValueError("speculative decoding does not support batch_invariant=True: how many "
+                             "tokens a step drafts depends on the step's token budget and free blocks, "
+                             "so seeded sampling would depend on the batch; drop one of the two")
         if config.tensor_parallel_size > 1:
             raise ValueError(f"speculative decoding does not support tensor_parallel_size > 1 (got "
                              f"{config.tensor_parallel_size}); drop the draft model or use one rank")

@@ -110,6 +110,11 @@ class GrammarCache:
                                                          cache_enabled=False)
         return self._compiler
 
+    def prepare(self) -> None:
+        """Build the compiler (it reads the whole tokenizer vocabulary) now, on the caller's
+        thread, so later compilations elsewhere never touch the tokenizer."""
+        self._get_compiler()
+
     @property
     def bitmask_words(self) -> int:
         """int32 words of one bitmask row: ``ceil(vocab_size / 32)``."""
@@ -137,7 +142,12 @@ class GrammarCache:
                     self._entries.move_to_end(key)
                     self.num_hits += 1
                     return hit
-            compiled = self._compile(spec)
+            try:
+                compiled = self._compile(spec)
+            except BaseException:
+                with self._lock:
+                    self._key_locks.pop(key, None)
+                raise
             with self._lock:
                 self._entries[key] = compiled
                 while len(self._entries) > self.max_entries:

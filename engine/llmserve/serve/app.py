@@ -287,7 +287,7 @@ def create_app(engine: Any, *, tokenizer: Any = None, served_model_name: str = "
             raise APIError("top_logprobs requires logprobs to be true", param="top_logprobs")
         plan = plan_chat(body)
         if plan.spec is not None:
-            await service.run_blocking(service.check_structured, plan)   # compiled off the event loop
+            await service.compile_structured(plan)   # on the grammar threads, bounded in time
         messages = chat_messages(body, plan)
         ids = await service.run_blocking(
             lambda: service.tokenize_prompt(render_chat(service.tokenizer, messages), param="messages"))

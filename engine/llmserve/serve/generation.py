@@ -8,6 +8,9 @@ import json
 import time
 import uuid
 from concurrent.futures import ThreadPoolExecutor
+
+#: seconds a structured-output request waits for its grammar to compile before a 400
+GRAMMAR_COMPILE_TIMEOUT_S = 10.0
 from dataclasses import dataclass, field
 from typing import Any, AsyncIterator, Callable
 from fastapi import Request
@@ -420,10 +423,40 @@ class Service:
         # prompt takes seconds), one at a time: HF fast tokenizers are not safe to call from
         # several threads at once.
         self._tokenize_pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="llmserve-tokenize")
+        # Grammar compilation (structured output) on its own threads: a slow schema must not hold
+        # up the tokenization of every other request; a compilation that outlasts
+        # GRAMMAR_COMPILE_TIMEOUT_S answers 400 (the thread finishes it in the background).
+        self._grammar_pool = ThreadPoolExecutor(max_workers=2, thread_name_prefix="llmserve-grammar")
+        self._grammar_ready = False
 
     def close(self) -> None:
-        """Stop the tokenizer thread (after the app stopped serving)."""
+        """Stop the tokenizer and grammar threads (after the app stopped serving)."""
         self._tokenize_pool.shutdown(wait=False, cancel_futures=True)
+        self._grammar_pool.shutdown(wait=False, cancel_futures=True)
+
+    async def compile_structured(self, plan) -> None:
+        """:meth:`check_structured` on the grammar threads, bounded by
+        ``GRAMMAR_COMPILE_TIMEOUT_S``.
+
+        Raises:
+            APIError: as :meth:`check_structured`; 400 ``invalid_schema`` when compiling takes
+                longer than the bound (both grammar threads busy count against it too).
+        """
+        prepare = getattr(self.view.inner, "prepare_structured_output", None)
+        if callable(prepare) and not self._grammar_ready:
+            try:                       # the compiler reads the tokenizer: on the tokenizer thread
+                await self.run_blocking(prepare)
+            except ValueError as e:
+                raise APIError(str(e), param="response_format", code="unsupported_parameter") from None
+            self._grammar_ready = True
+        fut = asyncio.get_running_loop().run_in_executor(self._grammar_pool, self.check_structured, plan)
+        try:
+            await asyncio.wait_for(asyncio.shield(fut), GRAMMAR_COMPILE_TIMEOUT_S)
+        except asyncio.TimeoutError:
+            param = "tools" if plan.mode == "tools" else "response_format"
+            raise APIError(f"{param}: the schema did not compile within {GRAMMAR_COMPILE_TIMEOUT_S:g} s; "
+                           "simplify it (long patterns, deep nesting and wide alternations are costly)",
+                           param=param, code="invalid_schema") from None
 
     async def run_blocking(self, fn: Callable, *args: Any) -> Any:
         """``fn(*args)`` on the tokenizer thread; exceptions (APIError included) propagate."""

@@ -58,6 +58,8 @@ class ChatPlan:
 
     @property
     def calls_tools(self) -> bool:
+        """Whether the answer is a tool or function call (a named tool, ``"required"``, or a
+        legacy ``function_call``) rather than text."""
         return self.mode in ("tool", "tools", "function")
 
 
@@ -216,6 +218,7 @@ def render_messages(messages, functions: list[dict[str, Any]] = ()) -> list[dict
 
 
 def new_call_id() -> str:
+    """A fresh tool-call id in OpenAI's shape (``call_`` and 24 hex digits)."""
     return f"call_{uuid.uuid4().hex[:24]}"
 
 
@@ -224,6 +227,10 @@ def tool_calls_of(plan: ChatPlan, text: str) -> list[dict[str, Any]] | None:
     {"name", "arguments"}}]``; ``None`` when ``text`` is not a complete call (the output was cut
     by ``max_tokens`` or a stop string). A named tool's arguments are the output text itself."""
     if plan.mode == "tool":
+        try:
+            json.loads(text)
+        except ValueError:
+            return None
         return [{"id": new_call_id(), "type": "function", "function": {"name": plan.function, "arguments": text}}]
     try:
         value = json.loads(text)
