@@ -333,3 +333,12 @@ def test_cli_flags(tmp_path, models):
     assert rep["aggregates"]["num_completed"] == 6
     assert main(["generate", "--prompt", "hello", "--max-tokens", "4", "--batch-invariant",
                  "--device", "cpu"]) == 0
+
+
+def test_speculative_decoding_refuses_the_mode():
+    """How many tokens a speculative step drafts depends on the step's budget and free blocks, so
+    seeded sampling would depend on the batch: the combination is refused, not half-kept."""
+    from llmserve.engine.speculative import SpeculativeEngine
+
+    with pytest.raises(ValueError, match="speculative decoding does not support batch_invariant"):
+        SpeculativeEngine(EngineConfig(batch_invariant=True), draft_model="tiny")
