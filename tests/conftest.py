@@ -13,6 +13,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import math
 import os
 from pathlib import Path
@@ -170,3 +171,36 @@ def empty_kv_caches(config, num_blocks: int, block_size: int, dtype=torch.float3
     shape = (num_blocks + 1, block_size, config.num_key_value_heads, config.head_dim)
     return [(torch.zeros(shape, dtype=dtype, device=device), torch.zeros(shape, dtype=dtype, device=device))
             for _ in range(config.num_hidden_layers)]
+
+
+# --------------------------------------------------------------------------------------------
+# A real server on loopback
+# --------------------------------------------------------------------------------------------
+
+@contextlib.contextmanager
+def tiny_server(max_num_batched_tokens: int, prefill_chunk_size: int):
+    """A uvicorn server on 127.0.0.1 serving the tiny model (CPU, fp32, 256 KV blocks of 16,
+    max batch 8, context 512) with the given step budget and chunk size. Yields the
+    ``BackgroundServer`` with ``.engine`` (the ``AsyncLLMEngine``) and ``.checkpoint`` (the
+    tiny checkpoint directory, for clients that load its tokenizer); stops both on exit."""
+    from llmserve.config import CacheConfig, EngineConfig, SchedulerConfig
+    from llmserve.engine.async_engine import AsyncLLMEngine
+    from llmserve.engine.llm_engine import LLMEngine
+    from llmserve.models.tiny import ensure_tiny_checkpoint
+    from llmserve.serve.app import create_app
+    from llmserve.serve.server import BackgroundServer
+
+    cfg = EngineConfig(model="tiny", device="cpu", dtype="float32",
+                       cache=CacheConfig(block_size=16, num_blocks=256),
+                       scheduler=SchedulerConfig(max_num_seqs=8, max_num_batched_tokens=max_num_batched_tokens,
+                                                 prefill_chunk_size=prefill_chunk_size, max_model_len=512))
+    eng = AsyncLLMEngine(LLMEngine(cfg))
+    srv = BackgroundServer(create_app(eng, served_model_name="tiny", shutdown_timeout=2.0),
+                           shutdown_timeout=2.0).start()
+    srv.engine = eng
+    srv.checkpoint = ensure_tiny_checkpoint()
+    try:
+        yield srv
+    finally:
+        srv.stop()
+        eng.shutdown()

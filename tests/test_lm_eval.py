@@ -19,11 +19,7 @@ import torch
 
 pytest.importorskip("lm_eval")
 
-from llmserve.config import CacheConfig, EngineConfig, SchedulerConfig  # noqa: E402
-from llmserve.engine.async_engine import AsyncLLMEngine  # noqa: E402
-from llmserve.engine.llm_engine import LLMEngine  # noqa: E402
-from llmserve.serve.app import create_app  # noqa: E402
-from llmserve.serve.server import BackgroundServer  # noqa: E402
+from conftest import tiny_server  # noqa: E402
 
 MC_DOCS = [
     {"question": "The sky is", "choices": ["blue", "green", "made of cheese"], "label": 0},
@@ -42,20 +38,8 @@ PPL_DOCS = [
 
 @pytest.fixture(scope="module")
 def server():
-    from llmserve.models.tiny import ensure_tiny_checkpoint
-
-    cfg = EngineConfig(model="tiny", device="cpu", dtype="float32",
-                       cache=CacheConfig(block_size=16, num_blocks=256),
-                       scheduler=SchedulerConfig(max_num_seqs=8, max_num_batched_tokens=64,
-                                                 prefill_chunk_size=8, max_model_len=512))
-    eng = AsyncLLMEngine(LLMEngine(cfg))
-    srv = BackgroundServer(create_app(eng, served_model_name="tiny", shutdown_timeout=2.0),
-                           shutdown_timeout=2.0).start()
-    srv.engine = eng
-    srv.checkpoint = ensure_tiny_checkpoint()
-    yield srv
-    srv.stop()
-    eng.shutdown()
+    with tiny_server(max_num_batched_tokens=64, prefill_chunk_size=8) as srv:
+        yield srv
 
 
 def _write_tasks(root: Path) -> None:
