@@ -29,7 +29,7 @@ from __future__ import annotations
 import torch
 
 from .metadata import AttentionMetadata
-from .torch_backend import write_kv_torch
+from .torch_backend import TorchPagedAttention
 
 
 def invariant_attention_rows(q: torch.Tensor, positions: torch.Tensor, row_blocks: torch.Tensor,
@@ -131,14 +131,11 @@ def invariant_paged_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cach
     return out.to(query.dtype)
 
 
-class InvariantPagedAttention:
-    """The batch-invariant backend (what ``EngineConfig.batch_invariant`` selects)."""
+class InvariantPagedAttention(TorchPagedAttention):
+    """The batch-invariant backend (what ``EngineConfig.batch_invariant`` selects): the torch
+    backend's K/V writes, :func:`invariant_paged_attention` for the attention."""
 
     name = "torch-invariant"
-
-    def write_kv(self, key, value, k_cache, v_cache, slot_mapping) -> None:
-        """Scatter ``key``/``value`` ``[N, Hkv, D]`` into the caches (as the torch backend)."""
-        write_kv_torch(key, value, k_cache, v_cache, slot_mapping)
 
     def forward(self, query, k_cache, v_cache, meta: AttentionMetadata, scale: float) -> torch.Tensor:
         """:func:`invariant_paged_attention`: ``[N, Hq, D]`` in the query dtype."""

@@ -129,18 +129,14 @@ class GrammarCache:
         """
         key = spec.key
         with self._lock:
-            hit = self._entries.get(key)
+            hit = self._hit(key)
             if hit is not None:
-                self._entries.move_to_end(key)
-                self.num_hits += 1
                 return hit
             key_lock = self._key_locks.setdefault(key, threading.Lock())
         with key_lock:                  # one compilation per key; other keys go on
             with self._lock:
-                hit = self._entries.get(key)
+                hit = self._hit(key)
                 if hit is not None:
-                    self._entries.move_to_end(key)
-                    self.num_hits += 1
                     return hit
             try:
                 compiled = self._compile(spec)
@@ -154,6 +150,15 @@ class GrammarCache:
                     self._entries.popitem(last=False)
                 self._key_locks.pop(key, None)
         return compiled
+
+    def _hit(self, key: tuple):
+        """The cached grammar of ``key`` (marked most recently used, counted) or None; call
+        with ``self._lock`` held."""
+        hit = self._entries.get(key)
+        if hit is not None:
+            self._entries.move_to_end(key)
+            self.num_hits += 1
+        return hit
 
     def _compile(self, spec: StructuredOutput):
         compiler = self._get_compiler()
