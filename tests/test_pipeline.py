@@ -170,16 +170,20 @@ CELL = ("scheduler~{s}_policy~fcfs_batch~{b}_chunk~0_linear~torch_attn~torch_rat
 def fake_report(path: Path, *, scheduler: str, batch: int, rate: str = "profile",
                 status: str = "ok", digest: str = "d1", throughput: float = 10.0,
                 cpu: str = "AMD EPYC", error: str | None = None, rep: int = 0,
-                device: str = "cpu") -> Path:
-    """A minimal report with the fields the aggregation reads, and its provenance file."""
+                device: str = "cpu", invariant: bool = False) -> Path:
+    """A minimal report with the fields the aggregation reads, and its provenance file (a cell
+    id with ``invariant~on`` before ``rep~`` when ``invariant``, as the pipeline names it)."""
     cell = CELL.format(s=scheduler, b=batch, r=rate, rep=rep)
+    if invariant:
+        cell = cell.replace("_rep~", "_invariant~on_rep~")
     out = path / f"{cell}.json"
     profile = {"name": "p", "seed": 0, "num_requests": 4, "arrival": {"rate": 4.0, "burstiness": 1.0},
                "dataset": {"kind": "sharegpt"}, "temperature": 0.0}
     report = {
         "status": status, "error": error, "created_at": "2026-01-01T00:00:00+00:00",
         "config": {"model": "tiny", "dtype": None, "requests": 4, "warmup_requests": 1},
-        "engine_config": {"model": "tiny", "dtype": "float32"}, "profile": profile,
+        "engine_config": {"model": "tiny", "dtype": "float32", "batch_invariant": invariant},
+        "profile": profile,
         "seed": 0, "workload": {"num_requests": 4}, "warmup": {"num_requests": 1},
         "git": {"revision": "abc", "dirty": False}, "versions": {"torch": "2.13.0"},
         "hardware": {"device": device, "device_name": cpu, "cpu_model": cpu, "cpu_count": 2},
@@ -198,11 +202,14 @@ def fake_report(path: Path, *, scheduler: str, batch: int, rate: str = "profile"
     return out
 
 
-def run_aggregate(tmp_path: Path, main: list[Path], failure: list[Path]) -> subprocess.CompletedProcess:
+def run_aggregate(tmp_path: Path, main: list[Path], failure: list[Path],
+                  invariant: list[Path] = ()) -> subprocess.CompletedProcess:
     out = tmp_path / "out"
     sweeps = ["--sweep", "main", *map(str, main)]
     if failure:
         sweeps += ["--sweep", "failure_regimes", *map(str, failure)]
+    if invariant:
+        sweeps += ["--sweep", "batch_invariant", *map(str, invariant)]
     return script("aggregate_checkpoint3.py", "--profile", "t", *sweeps,
                   "--defaults", json.dumps({"rate": "profile", "blocks": "auto", "policy": "fcfs",
                                             "chunk": "0", "linear": "torch", "attn": "torch",
@@ -255,6 +262,57 @@ def test_gpu_digest_verdict_is_not_applicable(tmp_path):
     assert run_aggregate(tmp_path, main, []).returncode == 0
     df = pd.read_csv(tmp_path / "out" / "summary.csv")
     assert list(df["digest_agrees_with_naive"]) == ["reference", "n/a: not batch-invariant"]
+
+
+def test_batch_invariant_cells_beside_the_same_cells_without_the_mode(tmp_path):
+    import pandas as pd
+
+    main = [fake_report(tmp_path, scheduler="naive", batch=1, digest="same"),
+            fake_report(tmp_path, scheduler="continuous", batch=8, digest="same", throughput=40.0),
+            fake_report(tmp_path, scheduler="continuous", batch=64, digest="same", throughput=80.0)]
+    inv = [fake_report(tmp_path, scheduler="continuous", batch=8, digest="same", throughput=30.0,
+                       invariant=True),
+           fake_report(tmp_path, scheduler="continuous", batch=64, digest="moved", throughput=60.0,
+                       invariant=True)]
+    r = run_aggregate(tmp_path, main, [], inv)
+    assert r.returncode == 0, r.stderr
+    df = pd.read_csv(tmp_path / "out" / "batch_invariant.csv")
+    assert list(df["batch"]) == [8, 64] and set(df["invariant"]) == {"on"}
+    assert list(df["output_throughput_off"]) == [40.0, 80.0]
+    assert list(df["throughput_on_vs_off"]) == pytest.approx([0.75, 0.75])
+    # no naive control with the mode on: compared with the one without it, and labelled so
+    assert list(df["digest_agrees_with_naive"]) == ["yes (vs naive with the mode off)", "NO"]
+    md = (tmp_path / "out" / "batch_invariant.md").read_text()
+    assert "| continuous | 8 | off | 40.0 | 30.0 | ×0.75 |" in md, md
+    assert "**Batch-invariant mode:** on in every run" in md, md
+    # the mode's own naive control takes precedence once it exists
+    naive_on = fake_report(tmp_path, scheduler="naive", batch=1, digest="moved", invariant=True)
+    r = run_aggregate(tmp_path, main, [], [*inv, naive_on])
+    assert r.returncode == 0, r.stderr
+    df = pd.read_csv(tmp_path / "out" / "batch_invariant.csv")
+    verdict = dict(zip(df["scheduler"] + df["batch"].astype(str), df["digest_agrees_with_naive"]))
+    assert verdict == {"continuous8": "NO", "continuous64": "yes", "naive1": "reference"}
+    # a profile without the sweep still writes the page, saying so
+    assert run_aggregate(tmp_path, main, []).returncode == 0
+    assert "no `batch_invariant` sweep" in (tmp_path / "out" / "batch_invariant.md").read_text()
+
+
+def test_invariant_cells_are_named_apart_and_run_with_the_flag(tmp_path):
+    """The optional matrix column: absent from the ids of cells at its default (so the cells
+    of earlier results keep their names), `invariant~on` and `--batch-invariant` otherwise."""
+    conf = tmp_path / "inv.yaml"
+    conf.write_text("profile: inv\nrepetitions: 1\nextra_loads: {}\nsweeps:\n  main:\n"
+                    "    - {scheduler: [continuous], batch: [8], invariant: [false, true]}\n")
+    r = snakemake("-n", "--nolock", "-p", "results/checkpoint3", "--configfile", str(conf))
+    assert r.returncode == 0, r.stdout[-3000:]
+    plain = ("scheduler~continuous_policy~fcfs_batch~8_chunk~0_linear~torch_attn~torch_rate~inf"
+             "_blocks~auto_load~default_rep~0")
+    assert f"raw/{plain}.json" in r.stdout
+    assert f"raw/{plain.replace('_rep~', '_invariant~on_rep~')}.json" in r.stdout
+    assert "--batch-invariant" in r.stdout and "invariant~off" not in r.stdout
+    conf.write_text(conf.read_text().replace("[false, true]", "[yes-please]"))
+    r = snakemake("-n", "--nolock", "results/checkpoint3", "--configfile", str(conf))
+    assert r.returncode != 0 and "yes-please" in r.stdout, r.stdout[-2000:]
 
 
 def test_plot_scripts_raise_on_an_empty_selection(tmp_path):
@@ -410,7 +468,7 @@ def test_report_embeds_every_table_and_plot(reduced_run):
         b64 = base64.b64encode(png.read_bytes()).decode()
         assert b64[:200] in html or b64[:200] in re.sub(r"\\/", "/", html), png.name
     for table in ("headline.md", "summary.md", "chunked_prefill.md", "rates.md",
-                  "failure_regimes.md"):
+                  "failure_regimes.md", "batch_invariant.md"):
         assert table in html, table
 
 

@@ -20,10 +20,12 @@ rule aggregate:
         rates_md=_table("rates", "rates.rst"),
         failure_csv=f"{OUT}/failure_regimes.csv",
         failure_md=_table("failure_regimes", "failure_regimes.rst"),
+        invariant_csv=f"{OUT}/batch_invariant.csv",
+        invariant_md=_table("batch_invariant", "batch_invariant.rst"),
     params:
         profile=PROFILE,
         sweeps=_sweep_args(),
-        defaults=json.dumps({k: _fmt(v) for k, v in config["defaults"].items()}),
+        defaults=json.dumps({k: _fmt(v) for k, v in DEFAULTS.items()}),
         headline_batch=config.get("headline_batch", 8),
         out=lambda wildcards, output: os.path.dirname(output.summary_csv),
     log:
@@ -50,7 +52,7 @@ rule plots:
         latency_throughput=_plot("latency_throughput", "latency_throughput.rst"),
     params:
         profile=PROFILE,
-        defaults=json.dumps({k: _fmt(v) for k, v in config["defaults"].items()}),
+        defaults=json.dumps({k: _fmt(v) for k, v in DEFAULTS.items()}),
     log:
         f"{LOGS}/plots.log",
     conda:

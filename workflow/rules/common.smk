@@ -1,5 +1,6 @@
-# Shared definitions of the checkpoint-3 pipeline: output paths, the benchmark matrix (a
-# snakemake.utils.Paramspace of cells) and helpers. No jobs are defined in this file.
+# Shared definitions of the checkpoint-3 pipeline: output paths, the benchmark matrix (cells
+# named like snakemake.utils.Paramspace's instance patterns) and helpers. No jobs are defined
+# in this file.
 
 import importlib.util
 import json
@@ -8,7 +9,6 @@ from pathlib import Path
 
 import pandas as pd
 from snakemake.exceptions import WorkflowError
-from snakemake.utils import Paramspace
 
 # ----------------------------------------------------------------------------------------------
 # Output layout (all paths relative to the working directory, the repository root)
@@ -53,12 +53,18 @@ CODE_HASH = _CODE_HASH_MOD.code_hash(Path(ENGINE_DIR) / "llmserve")
 # ----------------------------------------------------------------------------------------------
 # Column order = order of the fields in a cell id, e.g.
 #   scheduler~continuous_policy~fcfs_batch~8_chunk~0_linear~torch_attn~torch_rate~inf_blocks~auto_load~default_rep~0
-# Names and values never contain "_" or "~", so a cell id parses back unambiguously.
-COLUMNS = ["scheduler", "policy", "batch", "chunk", "linear", "attn", "rate", "blocks", "load"]
+# Names and values never contain "_" or "~", so a cell id parses back unambiguously. A column of
+# OPTIONAL_COLUMNS is left out of the id at its default value (so adding one renamed no
+# existing cell): the batch-invariant mode appears as "_invariant~on" before "_rep~".
+COLUMNS = ["scheduler", "policy", "batch", "chunk", "linear", "attn", "rate", "blocks", "load",
+           "invariant"]
+OPTIONAL_COLUMNS = {"invariant": "off"}
 
 
 def _fmt(value):
-    """A matrix value as it appears in a cell id (4.0 -> "4", 0.5 -> "0.5")."""
+    """A matrix value as it appears in a cell id (4.0 -> "4", 0.5 -> "0.5", True -> "on")."""
+    if isinstance(value, bool):
+        return "on" if value else "off"
     if isinstance(value, float) and value.is_integer():
         value = int(value)
     return str(value)
@@ -100,15 +106,16 @@ def cell_frame(cells, repetitions):
 
 
 def cell_ids(frame):
-    """Cell ids (Paramspace instance patterns) of a cell_frame."""
-    return list(Paramspace(frame, filename_params="*", single_wildcard="cell").instance_patterns)
+    """Cell ids of a cell_frame: `name~value` pairs joined by `_` in column order (the form of
+    Paramspace's instance patterns), without the optional columns at their default value."""
+    return ["_".join(f"{k}~{v}" for k, v in row.items() if OPTIONAL_COLUMNS.get(k) != v)
+            for row in frame.to_dict("records")]
 
 
-SWEEPS = {name: expand_sweep(blocks, config["defaults"]) for name, blocks in config["sweeps"].items()}
-_ALL = expand_sweep([b for blocks in config["sweeps"].values() for b in blocks], config["defaults"])
-MATRIX = Paramspace(cell_frame(_ALL, config["repetitions"]), filename_params="*",
-                    single_wildcard="cell")
-ALL_CELLS = list(MATRIX.instance_patterns)
+DEFAULTS = {**OPTIONAL_COLUMNS, **config["defaults"]}
+SWEEPS = {name: expand_sweep(blocks, DEFAULTS) for name, blocks in config["sweeps"].items()}
+_ALL = expand_sweep([b for blocks in config["sweeps"].values() for b in blocks], DEFAULTS)
+ALL_CELLS = cell_ids(cell_frame(_ALL, config["repetitions"]))
 SWEEP_CELLS = {name: cell_ids(cell_frame(cells, config["repetitions"]))
                for name, cells in SWEEPS.items()}
 _unknown_loads = sorted({c["load"] for c in _ALL} - set(LOAD_FILES))
@@ -118,8 +125,9 @@ if _unknown_loads:
 
 
 def _cell_params(cell_id):
-    """Matrix values of a cell id (the `rep` included)."""
-    return dict(part.split("~", 1) for part in cell_id.split("_"))
+    """Matrix values of a cell id (the `rep` included; optional columns at their default when
+    the id leaves them out)."""
+    return {**OPTIONAL_COLUMNS, **dict(part.split("~", 1) for part in cell_id.split("_"))}
 
 
 # Benchmark processes: the cells of one sweep and repetition run in one process (the first sweep
@@ -150,6 +158,8 @@ def cell_flags(cell_id):
         f"--warmup-requests {config['warmup_requests']}", f"--block-size {config['block_size']}",
         f"--timeout {config['timeout_s']}", "--no-progress",
     ]
+    if c["invariant"] == "on":
+        flags.append("--batch-invariant")
     if c["rate"] != "profile":
         flags.append(f"--arrival-rate {c['rate']}")
     if c["blocks"] != "auto":
@@ -232,7 +242,8 @@ def deep_merge(base, overrides):
 
 PLOT_NAMES = ["batch_scaling", "ttft_cdf", "chunked_prefill", "latency_throughput"]
 PLOT_FILES = [f"{PLOTS}/{name}.png" for name in PLOT_NAMES]
-TABLE_NAMES = ["summary", "headline", "chunked_prefill", "rates", "failure_regimes"]
+TABLE_NAMES = ["summary", "headline", "chunked_prefill", "rates", "failure_regimes",
+               "batch_invariant"]
 TABLE_FILES = [f"{OUT}/{name}.{ext}" for name in TABLE_NAMES for ext in ("csv", "md")]
 STALE_MARKERS = sorted({m for m in map(stale_marker, ALL_CELLS) if m})
 TRACKED_FILES = (([LOAD_PROFILE] if DERIVE_PROFILE else [])

@@ -1,5 +1,5 @@
-"""Aggregate checkpoint-3 benchmark runs into the summary, headline, chunked-prefill, rate and
-failure-regime tables.
+"""Aggregate checkpoint-3 benchmark runs into the summary, headline, chunked-prefill, rate,
+failure-regime and batch-invariant tables.
 
 Input: the JSON reports of ``llmserve benchmark`` (schema: ``llmserve.bench.report``), one
 per matrix cell and repetition, each with its ``<cell>.provenance.json`` beside it (written by
@@ -23,9 +23,13 @@ Rules (docs/benchmarking.md explains them):
 * Failures stay: a failed cell is a row with its error; nothing is dropped.
 * Digests: under greedy decoding every scheduler must generate the same tokens for the same
   workload. A cell's ``token_digest`` is compared with the naive (sequential, no KV cache)
-  control that ran the same workload with the same weights (linear backend). On a GPU the
-  verdict is ``n/a: not batch-invariant``: random bf16 weights give near-tied logits and the
-  kernels' reduction order depends on the batch, so tokens may legitimately differ.
+  control that ran the same workload with the same weights (linear backend) in the same
+  batch-invariant mode (a cell with the mode on and no such control is compared with the naive
+  control with the mode off, and the verdict says so). On a GPU without the mode the verdict
+  is ``n/a: not batch-invariant``: random bf16 weights give near-tied logits and the kernels'
+  reduction order depends on the batch, so tokens may legitimately differ.
+* Batch-invariant mode: each cell of the ``batch_invariant`` sweep with the mode on is shown
+  beside the same configuration with it off (its cost as a throughput ratio).
 """
 
 from __future__ import annotations
@@ -41,7 +45,10 @@ from typing import Any
 import pandas as pd
 from code_hash import parse_cell_id  # noqa: E402  (workflow/scripts/, next to this file)
 
-PARAM_COLUMNS = ["scheduler", "policy", "batch", "chunk", "linear", "attn", "rate", "blocks", "load"]
+PARAM_COLUMNS = ["scheduler", "policy", "batch", "chunk", "linear", "attn", "rate", "blocks", "load",
+                 "invariant"]
+#: Matrix columns a cell id leaves out at their default value (workflow/rules/common.smk).
+OPTIONAL_DEFAULTS = {"load": "default", "invariant": "off"}
 
 #: Numbers aggregated over repetitions: output column stem -> key of report["aggregates"].
 METRICS = OrderedDict([
@@ -108,7 +115,7 @@ def load_run(path: Path, sweep: str) -> dict[str, Any]:
     warm = (report.get("warmup") or {}).get("num_requests", cfg.get("warmup_requests"))
     run = {
         "path": str(path), "sweep": sweep, "cell": cell_id.rsplit("_rep~", 1)[0],
-        **{k: str(params.get(k, "default" if k == "load" else None)) for k in PARAM_COLUMNS},
+        **{k: str(params.get(k, OPTIONAL_DEFAULTS.get(k))) for k in PARAM_COLUMNS},
         "rep": str(params.get("rep", "0")),
         "slo": {"ttft_ms": agg.get("slo_ttft_ms"), "tpot_ms": agg.get("slo_tpot_ms")},
         "arrival_rate": (profile.get("arrival") or {}).get("rate"),
@@ -219,8 +226,10 @@ def _first_differing_key(values: list[Any]) -> str | None:
 def _digest_group(r: dict[str, Any]) -> tuple:
     # Same prompts and output lengths (profile minus arrival rate, seed, request count), same
     # weights (model, dtype, linear backend): greedy decoding must give the same tokens.
+    # The batch-invariant mode changes reduction orders, so its runs have their own control.
     m = r["match"]
-    return (m["load profile"], m["seed"], m["requests"], m["model"], m["dtype"], r["linear"])
+    return (m["load profile"], m["seed"], m["requests"], m["model"], m["dtype"], r["linear"],
+            r["invariant"])
 
 
 def aggregate_cells(runs: list[dict[str, Any]], all_runs: list[dict[str, Any]]) -> pd.DataFrame:
@@ -278,11 +287,14 @@ def _digest_verdict(first: dict, ok: list[dict], digests: list[str], naive: dict
         return "NO (repetitions differ)"
     if first["scheduler"] == "naive":
         return "reference"
-    ref = naive.get(_digest_group(first))
+    group, against = _digest_group(first), ""
+    ref = naive.get(group)
+    if ref is None and first["invariant"] == "on":
+        ref, against = naive.get(group[:-1] + ("off",)), " (vs naive with the mode off)"
     if ref is None:
         return "n/a (no naive run)"
     if digests and digests[0] == ref:
-        return "yes"
+        return "yes" + against
     incomplete = [r for r in ok if r["completed"] is not None and r["num_requests"]
                   and r["completed"] < r["num_requests"]]
     if incomplete:
@@ -541,7 +553,7 @@ def headline_frame(main: pd.DataFrame, batch: str, defaults: dict[str, str]) -> 
     otherwise (fcfs, chunk off, default backends, rate and KV budget, the default load)."""
     d = main.copy()
     keep = pd.Series(True, index=d.index)
-    for col in ("policy", "chunk", "linear", "attn", "rate", "blocks", "load"):
+    for col in ("policy", "chunk", "linear", "attn", "rate", "blocks", "load", "invariant"):
         if col in defaults:
             keep &= (d[col] == defaults[col]) | ((d["scheduler"] == "naive") & (col in ("chunk", "attn", "policy")))
     keep &= (d["batch"] == str(batch)) | d["scheduler"].isin(["naive", "paged"])
@@ -618,10 +630,49 @@ def _ranged_pct(row: pd.Series, stem: str) -> str:
     return f"{100 * med:.0f}%"
 
 
+def invariant_frame(df: pd.DataFrame, every_cell: pd.DataFrame) -> pd.DataFrame:
+    """The cells of ``df`` with the batch-invariant mode on, each with the same configuration's
+    mode-off numbers beside it (``*_off`` columns, looked up in ``every_cell``, the cells of
+    all sweeps) and the on/off ratios."""
+    others = [k for k in PARAM_COLUMNS if k != "invariant"]
+    on = df[df["invariant"] == "on"].copy()
+    off = every_cell[every_cell["invariant"] != "on"].drop_duplicates(subset=others).set_index(others)
+    for stem in ("output_throughput", "tpot_p95_ms", "ttft_p95_ms"):
+        on[f"{stem}_off"] = [off[f"{stem}_median"].get(tuple(r[k] for k in others))
+                             for _, r in on.iterrows()]
+    on["throughput_on_vs_off"] = [_ratio(a, b) for a, b in
+                                  zip(on["output_throughput_median"], on["output_throughput_off"])]
+    on["tpot_p95_on_vs_off"] = [_ratio(a, b) for a, b in
+                                zip(on["tpot_p95_ms_median"], on["tpot_p95_ms_off"])]
+    return on
+
+
+def invariant_markdown(df: pd.DataFrame, header: list[str], has_sweep: bool) -> str:
+    lines = list(header) + [
+        "## Batch-invariant mode: its cost and its guarantee", "",
+        "`--batch-invariant` fixes every kernel's reduction order per row, so a sequence's logits",
+        "do not depend on what it is batched with (docs/architecture.md). Each row: a configuration",
+        "with the mode on, beside the same configuration with it off (median over repetitions).",
+        "", "| Scheduler | Batch | Chunk | Output tok/s off | Output tok/s on | On / off "
+        "| p95 TPOT ms off | p95 TPOT ms on | p95 TTFT ms on | Requests | Status | Digest = naive "
+        "| Error |",
+        "|---|---:|---|---:|---:|---:|---:|---:|---:|---:|---|---|---|"]
+    if not has_sweep:
+        lines += ["", "(This profile has no `batch_invariant` sweep.)"]
+    for _, r in df.iterrows():
+        lines.append(
+            f"| {r['scheduler']} | {r['batch']} | {_chunk(r['chunk'], r['scheduler'])} "
+            f"| {_num(r['output_throughput_off'])} | {_ranged(r, 'output_throughput')} "
+            f"| {_times(r['throughput_on_vs_off'])} | {_num(r['tpot_p95_ms_off'], 2)} "
+            f"| {_ranged(r, 'tpot_p95_ms', 2)} | {_ranged(r, 'ttft_p95_ms', 0)} | {_requests(r)} "
+            f"| {r['status']} | {r['digest_agrees_with_naive']} | {_esc(r['error'])} |")
+    return "\n".join(lines) + "\n"
+
+
 # ---------------------------------------------------------------------------------------------
 # CLI
 # ---------------------------------------------------------------------------------------------
-TABLES = ("summary", "headline", "chunked_prefill", "rates", "failure_regimes")
+TABLES = ("summary", "headline", "chunked_prefill", "rates", "failure_regimes", "batch_invariant")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -665,6 +716,7 @@ def main(argv: list[str] | None = None) -> int:
         lin = defaults.get("linear")
         chunk_df = main_df[main_df["linear"].astype(str) == lin] if lin else main_df
         chunk_sweep = "main"
+    inv_df = invariant_frame(frames.get("batch_invariant", empty), pd.concat(frames.values()))
     out = a.out_dir
     out.mkdir(parents=True, exist_ok=True)
 
@@ -685,6 +737,9 @@ def main(argv: list[str] | None = None) -> int:
         "failure_regimes": (fail_df, failure_markdown(
             fail_df, header("Checkpoint 3: failure regimes", "failure_regimes"),
             digest_group_lines(fail_df) if len(fail_df) else [])),
+        "batch_invariant": (inv_df, invariant_markdown(
+            inv_df, header("Checkpoint 3: batch-invariant mode", "batch_invariant"),
+            "batch_invariant" in frames)),
     }
     for name, (df, md) in pages.items():
         df.to_csv(out / f"{name}.csv", index=False, float_format="%.6g")
