@@ -53,10 +53,14 @@ def test_guidellm_profiles(server, tmp_path, route, profile):
     assert totals["errored"] == 0 and totals["incomplete"] == 0, totals
     assert state["errored_requests"] == 0 and state["cancelled_requests"] == 0, state
     assert state["created_requests"] >= REQUESTS, state
-    # guidellm 0.8.1's constant-rate profile can close the benchmark while its last request is
-    # still in flight and leave that one out of the totals (scheduler_state counts it as
-    # processing): every request it created either succeeded or was still being served.
-    assert totals["successful"] >= 1 and totals["successful"] == totals["total"], totals
-    assert totals["successful"] + state["processing_requests"] >= REQUESTS, (totals, state)
+    assert totals["successful"] == totals["total"], totals
+    if profile.startswith("kind=constant"):
+        # guidellm 0.8.1's constant-rate profile can close the benchmark while its last request
+        # is still in flight and leave that one out of the totals (scheduler_state counts it as
+        # processing): at most that one is missing.
+        assert totals["successful"] >= REQUESTS - 1, (totals, state)
+        assert totals["successful"] + state["processing_requests"] >= REQUESTS, (totals, state)
+    else:
+        assert totals["successful"] >= REQUESTS, (totals, state)
     # the engine really ran them: at least one step per output token of the slowest request
     assert server.engine.stats()["num_steps"] - steps_before >= 8

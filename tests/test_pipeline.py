@@ -281,7 +281,9 @@ def test_batch_invariant_cells_beside_the_same_cells_without_the_mode(tmp_path):
     assert list(df["output_throughput_off"]) == [40.0, 80.0]
     assert list(df["throughput_on_vs_off"]) == pytest.approx([0.75, 0.75])
     # no naive control with the mode on: compared with the one without it, and labelled so
-    assert list(df["digest_agrees_with_naive"]) == ["yes (vs naive with the mode off)", "NO"]
+    assert list(df["digest_agrees_with_naive"]) == [
+        "yes (vs naive with the mode off)",
+        "n/a (no naive run with the mode; differs from the one without it)"]
     md = (tmp_path / "out" / "batch_invariant.md").read_text()
     assert "| continuous | 8 | off | 40.0 | 30.0 | ×0.75 |" in md, md
     assert "**Batch-invariant mode:** on in every run" in md, md
@@ -292,6 +294,13 @@ def test_batch_invariant_cells_beside_the_same_cells_without_the_mode(tmp_path):
     df = pd.read_csv(tmp_path / "out" / "batch_invariant.csv")
     verdict = dict(zip(df["scheduler"] + df["batch"].astype(str), df["digest_agrees_with_naive"]))
     assert verdict == {"continuous8": "NO", "continuous64": "yes", "naive1": "reference"}
+    # a report whose engine ran in the other mode than its cell id says is refused
+    liar = fake_report(tmp_path, scheduler="continuous", batch=8, rep=1, invariant=True)
+    rec = json.loads(liar.read_text())
+    rec["engine_config"]["batch_invariant"] = False
+    liar.write_text(json.dumps(rec))
+    r = run_aggregate(tmp_path, main, [], [*inv, liar])
+    assert r.returncode == 1 and "says batch_invariant False" in r.stderr, r.stderr
     # a profile without the sweep still writes the page, saying so
     assert run_aggregate(tmp_path, main, []).returncode == 0
     assert "no `batch_invariant` sweep" in (tmp_path / "out" / "batch_invariant.md").read_text()

@@ -30,7 +30,8 @@ class QueueFullError(RuntimeError):
 
 class FakeAsyncEngine:
     """Implements AsyncLLMEngine's documented interface: ``generate`` (async iterator of
-    ``RequestOutput`` objects, abort on close), ``abort``, ``stats``; plus ``tokenizer``,
+    ``RequestOutput`` objects, abort on close, ``on_admitted`` called once it is queued),
+    ``abort``, ``stats``; plus ``tokenizer``,
     ``max_model_len`` and ``model_config.vocab_size`` that the service reads.
 
     ``script(prompt_ids, sp) -> list[int]`` decides the output tokens; ``eos`` ends with
@@ -62,7 +63,7 @@ class FakeAsyncEngine:
     async def abort(self, request_id):
         self.aborted.append(request_id)
 
-    async def generate(self, prompt, sampling_params, request_id=None, priority=0):
+    async def generate(self, prompt, sampling_params, request_id=None, priority=0, on_admitted=None):
         if self.fail is not None:
             raise self.fail
         sp = sampling_params
@@ -70,6 +71,8 @@ class FakeAsyncEngine:
         tokens = list(self.script(list(prompt), sp))[: sp.max_tokens]
         metrics = RequestMetrics(arrival_time=time.perf_counter())
         self.active.add(request_id)
+        if on_admitted is not None:
+            on_admitted()
         out_ids: list[int] = []
         try:
             for i, t in enumerate(tokens):

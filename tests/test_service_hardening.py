@@ -276,6 +276,33 @@ def test_abort_before_first_token_is_counted(serial_engine):
         long_req.join(120)
 
 
+def test_non_finite_numbers_are_400_naming_the_field(client):
+    for raw in (b'{"prompt": "x", "temperature": NaN}', b'{"prompt": "x", "top_p": Infinity}'):
+        r = client.post("/v1/completions", content=raw, headers={"content-type": "application/json"})
+        err = assert_error(r, 400)
+        assert "finite" in err["message"] and err["param"] in ("temperature", "top_p"), err
+
+
+def test_stream_of_more_choices_than_run_at_once_starts_with_the_first(serial_engine):
+    """n=3 with one sequence a step: the stream's first chunk comes while later choices still
+    wait in the queue (not after each choice has produced a token), and every choice ends."""
+    app = create_app(serial_engine, served_model_name="tiny")
+    with BackgroundServer(app) as srv:
+        body = {"prompt": "x", "max_tokens": 48, "ignore_eos": True, "stream": True, "n": 3}
+        with httpx.stream("POST", srv.url + "/v1/completions", json=body, timeout=120) as r:
+            assert r.status_code == 200
+            lines = r.iter_lines()
+            first = next(ln for ln in lines if ln.startswith("data: "))
+            waiting_at_first_chunk = serial_engine.stats()["num_waiting"]
+            rest = [ln for ln in lines if ln.startswith("data: ")]
+        assert json.loads(first[6:])["choices"][0]["index"] == 0
+        assert waiting_at_first_chunk >= 1, "the stream waited for every choice's first token"
+        assert rest[-1] == "data: [DONE]"
+        finish = {c["index"]: c["finish_reason"] for ln in rest[:-1]
+                  for c in json.loads(ln[6:])["choices"] if c["finish_reason"]}
+        assert finish == {0: "length", 1: "length", 2: "length"}
+
+
 # ---- 8. speculative decoding flags and metrics ------------------------------------------------
 def test_serve_speculative_flags_and_metrics():
     from llmserve.cli import build_parser

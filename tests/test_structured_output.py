@@ -353,7 +353,7 @@ def test_bad_schemas_and_engines_without_grammars_are_refused():
     eng = LLMEngine(_config())
     for schema, msg in [({"type": "nope"}, "Unsupported type"),
                         ({"type": "integer", "minimum": 5, "maximum": 1}, "minimum greater than maximum")]:
-        with pytest.raises(ValueError, match=f"invalid JSON schema: .*{msg}"):
+        with pytest.raises(ValueError, match=f"invalid JSON schema .*: .*{msg}"):
             eng.add_request([1, 2], SamplingParams(structured_output=StructuredOutput("json_schema", schema)))
     assert not eng.has_unfinished_requests() and len(eng.structured) == 0
     with pytest.raises(ValueError, match="not supported by NaiveEngine"):
@@ -451,6 +451,8 @@ def test_gpu_constrained_decode_graphs_async_match_sync():
     ({"type": "array", "items": {"type": "integer"}, "uniqueItems": True}, "'uniqueItems'"),
     ({"type": "array", "contains": {"type": "integer"}}, "'contains'"),
     ({"oneOf": [{"type": "integer"}, {"type": "number"}]}, "'oneOf'"),
+    ({"type": "object", "properties": {"a": {"type": "integer"}, "b": {"type": "integer"}},
+      "required": ["a"], "dependencies": {"a": ["b"]}}, "'dependencies'"),
     ({"type": "object", "properties": {}, "required": ["z"], "additionalProperties": False}, "names ['z']"),
     ({"type": "object", "properties": {"a": {"type": "object", "properties": {"b": {"not": {}}}}}},
      "#/properties/a/properties/b"),

@@ -121,6 +121,7 @@ def load_run(path: Path, sweep: str) -> dict[str, Any]:
         "arrival_rate": (profile.get("arrival") or {}).get("rate"),
         "torch_threads": prov.get("torch_threads", hw.get("torch_threads")),
         "batch_invariant": bool(econf.get("batch_invariant", cfg.get("batch_invariant", False))),
+        "recorded_batch_invariant": econf.get("batch_invariant", cfg.get("batch_invariant")),
         "status": report.get("status") or "failed",
         "error": report.get("error") or None,
         "num_requests": agg.get("num_requests"),
@@ -154,6 +155,16 @@ def load_run(path: Path, sweep: str) -> dict[str, Any]:
 # ---------------------------------------------------------------------------------------------
 #: Matching fields that may differ between loads (the `load` column) but not within one.
 PER_LOAD_FIELDS = ("load profile", "load profile name", "requests")
+
+
+def check_modes(runs: list[dict[str, Any]]) -> None:
+    """Raise :class:`MatchError` for a run whose report's batch-invariant mode is not the one
+    its cell id names (a report without an engine config, e.g. a crash stub, is not checked)."""
+    for r in runs:
+        recorded = r["recorded_batch_invariant"]
+        if recorded is not None and bool(recorded) != (r["invariant"] == "on"):
+            raise MatchError(f"{r['path']}: the cell says invariant {r['invariant']}, its report "
+                             f"says batch_invariant {bool(recorded)}")
 
 
 def check_matching(runs: list[dict[str, Any]]) -> OrderedDict:
@@ -295,6 +306,8 @@ def _digest_verdict(first: dict, ok: list[dict], digests: list[str], naive: dict
         return "n/a (no naive run)"
     if digests and digests[0] == ref:
         return "yes" + against
+    if against:  # another mode's control: a difference is no finding
+        return "n/a (no naive run with the mode; differs from the one without it)"
     incomplete = [r for r in ok if r["completed"] is not None and r["num_requests"]
                   and r["completed"] < r["num_requests"]]
     if incomplete:
@@ -696,6 +709,7 @@ def main(argv: list[str] | None = None) -> int:
     unique = OrderedDict((r["path"], r) for runs in sweeps.values() for r in runs)
     all_runs = list(unique.values())
     try:
+        check_modes(all_runs)
         common = check_matching(all_runs)
     except MatchError as e:
         print(f"error: {e}", file=sys.stderr)

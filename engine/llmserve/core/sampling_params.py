@@ -19,7 +19,7 @@ WHITESPACE_MODES = ("compact", "any")
 #: using one is refused rather than "enforced" with outputs that violate it.
 UNENFORCED_SCHEMA_KEYWORDS = ("allOf", "oneOf", "not", "if", "then", "else", "uniqueItems", "contains",
                               "minContains", "maxContains", "dependentRequired", "dependentSchemas",
-                              "unevaluatedProperties", "unevaluatedItems")
+                              "dependencies", "unevaluatedProperties", "unevaluatedItems")
 
 
 def unenforced_schema_keyword(schema: Any, path: str = "#") -> str | None:

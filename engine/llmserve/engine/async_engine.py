@@ -8,13 +8,14 @@ import queue
 import threading
 import time
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from ..core.sampling_params import SamplingParams
 from .llm_engine import LLMEngine, RequestOutput
 from .naive import NaiveEngine
 
 
 _SENTINEL = object()
+_ADMITTED = object()  # the engine thread added the request (delivered before any output)
 
 
 class AsyncLLMEngine:
@@ -106,6 +107,8 @@ class AsyncLLMEngine:
                                             priority=priority)
                 except Exception as e:  # noqa: BLE001 - reported to the caller
                     self._deliver(rid, e)
+                else:
+                    self._deliver(rid, _ADMITTED)
             elif cmd[0] == "abort":
                 rid = cmd[1]
                 if self.engine.abort_request(rid):
@@ -132,8 +135,13 @@ class AsyncLLMEngine:
 
     # ---- public async API --------------------------------------------------------------------
     async def generate(self, prompt: str | list[int], sampling_params: SamplingParams | None = None,
-                       request_id: str | None = None, priority: int = 0) -> AsyncIterator[RequestOutput]:
+                       request_id: str | None = None, priority: int = 0,
+                       on_admitted: Callable[[], None] | None = None) -> AsyncIterator[RequestOutput]:
         """Submit a request and yield a :class:`RequestOutput` after every new token.
+
+        ``on_admitted`` (optional) is called, on the event loop, once the engine has added the
+        request to its scheduler: from then on nothing but a failed step can reject it. A
+        server uses it to answer an admission error with a 4xx before it starts a stream.
 
         Raises:
             ValueError: invalid or never-fitting request (before anything is queued).
@@ -158,6 +166,10 @@ class AsyncLLMEngine:
         try:
             while True:
                 item = await q.get()
+                if item is _ADMITTED:
+                    if on_admitted is not None:
+                        on_admitted()
+                    continue
                 if item is _SENTINEL:
                     finished = True
                     return

@@ -174,7 +174,8 @@ class GrammarCache:
         except (RuntimeError, ValueError, TypeError) as e:
             with self._lock:
                 self.num_errors += 1
-            raise ValueError(f"invalid JSON schema: {grammar_error_message(e)}") from None
+            raise ValueError("invalid JSON schema (compiled strictly: an object admits only the "
+                             f"properties it lists): {grammar_error_message(e)}") from None
         dt = time.perf_counter() - t0
         with self._lock:
             self.num_compiles += 1

@@ -215,7 +215,9 @@ def create_app(engine: Any, *, tokenizer: Any = None, served_model_name: str = "
         echo_texts = [await service.run_blocking(decode_tokens, service.tokenizer, ids) if body.echo else ""
                       for ids in prompts]
         gen = _Generation(service, choices)
-        await gen.start(request)
+        # a stream starts once every choice is admitted (an echo stream needs the prompt's
+        # logprobs of the first outputs first)
+        await gen.start(request, until_admitted=bool(body.stream) and not body.echo)
         service.start_tracking(choices)
         rid, created, model = f"cmpl-{uuid.uuid4().hex}", int(time.time()), service.served_model_name
         prompt_tokens = sum(len(p) for p in prompts)
@@ -310,7 +312,7 @@ def create_app(engine: Any, *, tokenizer: Any = None, served_model_name: str = "
                                                            structured_output=plan.spec),
             body.stop_list(), body.priority or 0, "chat", prompt_param="messages")
         gen = _Generation(service, choices)
-        await gen.start(request)
+        await gen.start(request, until_admitted=bool(body.stream))
         service.start_tracking(choices)
         rid, created, model = f"chatcmpl-{uuid.uuid4().hex}", int(time.time()), service.served_model_name
         prompt_tokens = len(ids)

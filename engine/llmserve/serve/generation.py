@@ -113,6 +113,8 @@ class _Choice:
     tracker: RequestTracker | None
     gen: Any = None
     first: Any = None
+    first_task: Any = None     # the wait for ``first``, when ``start`` returned before it came
+    admitted: bool = False     # the engine has added the request
     num_seen: int = 0
     finish_reason: str | None = None
     done: bool = False
@@ -153,43 +155,60 @@ class _Generation:
         self.closed = False
         self._closing: asyncio.Future | None = None
 
-    async def _first(self, ch: _Choice) -> None:
+    async def _first(self, ch: _Choice, admitted: asyncio.Event) -> None:
+        def on_admitted() -> None:
+            ch.admitted = True
+            if all(c.admitted for c in self.choices):
+                admitted.set()
+
         ch.gen = self.engine.generate(ch.prompt_ids, ch.sampling_params, request_id=ch.request_id,
-                                      priority=ch.priority)
+                                      priority=ch.priority, on_admitted=on_admitted)
         self.service.in_flight.add(ch.request_id)
         try:
             ch.first = await ch.gen.__anext__()
         except StopAsyncIteration:
             ch.first = None
 
-    async def start(self, request: Request | None) -> None:
+    async def start(self, request: Request | None, until_admitted: bool = False) -> None:
         """Submit every choice and wait for each first output (or an admission error).
+
+        With ``until_admitted`` (a streamed answer) it returns as soon as the engine has added
+        every choice, so a stream of more choices than run at once starts when the first ones
+        produce tokens instead of when the last one does; the remaining first outputs are
+        awaited by :meth:`events`.
 
         Raises:
             APIError: 400 (engine ValueError), 429 (queue full); every choice is aborted.
             ClientDisconnected: the client went away meanwhile; every choice is aborted.
         """
-        firsts = [asyncio.ensure_future(self._first(ch)) for ch in self.choices]
+        admitted = asyncio.Event()
+        firsts = [asyncio.ensure_future(self._first(ch, admitted)) for ch in self.choices]
         watch = asyncio.ensure_future(_wait_disconnect(request)) if request is not None else None
+        gate = asyncio.ensure_future(admitted.wait()) if until_admitted else None
         pending = set(firsts)
         error: BaseException | None = None
         try:
             while pending and error is None:
-                done, _ = await asyncio.wait(pending | ({watch} if watch else set()),
+                done, _ = await asyncio.wait(pending | {t for t in (watch, gate) if t is not None},
                                              return_when=asyncio.FIRST_COMPLETED)
                 if watch is not None and watch in done:
                     error = ClientDisconnected()
                     break
-                for f in done:
+                for f in done - {gate}:
                     pending.discard(f)
                     if f.exception() is not None and error is None:
                         error = f.exception()
+                if gate is not None and gate in done and error is None:
+                    for ch, f in zip(self.choices, firsts):
+                        if f in pending:
+                            ch.first_task = f
+                    break
         except BaseException:
             await _cancel_and_wait(firsts)
             await self.close()
             raise
         finally:
-            await _cancel_and_wait([watch])
+            await _cancel_and_wait([watch, gate])
         if error is None:
             return
         await _cancel_and_wait(firsts)
@@ -261,6 +280,9 @@ class _Generation:
 
     async def _run_choice(self, ch: _Choice, put: Callable[[Any], None]) -> None:
         try:
+            if ch.first_task is not None:
+                task, ch.first_task = ch.first_task, None
+                await task   # its error (a failed step) is reported in-band like any other
             if ch.first is not None:
                 ev = self._process(ch, ch.first)
                 if ev is not None:
@@ -337,7 +359,7 @@ class _Generation:
 
     async def _close_impl(self) -> None:
         self.closed = True
-        await _cancel_and_wait(self.tasks)
+        await _cancel_and_wait(self.tasks + [ch.first_task for ch in self.choices])
         for ch in self.choices:
             if ch.gen is not None or not ch.done or not ch.engine_finished:
                 await self._close_choice(ch)

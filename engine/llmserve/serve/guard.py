@@ -142,7 +142,7 @@ class RequestGuardMiddleware:
 
     async def _too_large(self, send: Any, declared: int | None) -> None:
         self._rejected("payload_too_large")
-        size = f"{declared} bytes" if declared is not None else "more than that"
-        await _send_error(send, 413, f"request body too large: {size}, the limit is {self.max_body_bytes} bytes "
+        size = f"{declared} bytes, " if declared is not None else ""
+        await _send_error(send, 413, f"request body too large: {size}the limit is {self.max_body_bytes} bytes "
                           "(raise it with --max-request-body-bytes)", "request_too_large",
                           [(b"connection", b"close")])

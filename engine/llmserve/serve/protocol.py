@@ -46,7 +46,7 @@ NonEmptyText = Annotated[str, Field(min_length=1), AfterValidator(_valid_unicode
 
 
 class _Strict(BaseModel):
-    model_config = ConfigDict(strict=True, extra="forbid")
+    model_config = ConfigDict(strict=True, extra="forbid", allow_inf_nan=False)
 
 
 class StreamOptions(_Strict):
@@ -195,7 +195,7 @@ class JSONSchemaFormat(BaseModel):
     """``response_format.json_schema`` (OpenAI's shape): ``name``, ``description``, ``schema``,
     ``strict``. The schema is always enforced (as with ``strict: true``)."""
 
-    model_config = ConfigDict(strict=True, extra="forbid", populate_by_name=True)
+    model_config = ConfigDict(strict=True, extra="forbid", populate_by_name=True, allow_inf_nan=False)
 
     name: FunctionName
     description: Optional[Text] = None
