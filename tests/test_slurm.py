@@ -277,9 +277,9 @@ def test_same_tables_digests_and_files_as_the_local_run(runs):
     checksum = f"checksums/checkpoint3-{NAME}.sha256"
     listed = [[ln.split("  ", 1)[1] for ln in (d / checksum).read_text().splitlines()]
               for d in (work, local)]
-    # raw files (report, CSV, provenance) of every run, 5 tables (CSV + Markdown), 4 plots,
+    # raw files (report, CSV, provenance) of every run, 6 tables (CSV + Markdown), 4 plots,
     # the derived load profile (the reduced config has no extra loads)
-    assert listed[0] == listed[1] and len(listed[0]) == len(CELLS) * 3 + 5 * 2 + 4 + 1, listed[0]
+    assert listed[0] == listed[1] and len(listed[0]) == len(CELLS) * 3 + 6 * 2 + 4 + 1, listed[0]
     ok = subprocess.run(["sha256sum", "-c", checksum], cwd=work, capture_output=True, text=True)
     assert ok.returncode == 0, ok.stdout + ok.stderr
 
