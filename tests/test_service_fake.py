@@ -52,6 +52,7 @@ class FakeAsyncEngine:
         self.fail_after: tuple[int, BaseException] | None = None  # raised after k tokens
         self.stats_error = False
         self.requests: list[tuple[list[int], object]] = []
+        self.admission_callbacks: list[bool] = []   # whether each generate() got on_admitted
 
     def stats(self):
         if self.stats_error:
@@ -64,6 +65,7 @@ class FakeAsyncEngine:
         self.aborted.append(request_id)
 
     async def generate(self, prompt, sampling_params, request_id=None, priority=0, on_admitted=None):
+        self.admission_callbacks.append(on_admitted is not None)
         if self.fail is not None:
             raise self.fail
         sp = sampling_params
@@ -193,6 +195,16 @@ def test_stop_string_spanning_tokens_is_cut_and_the_request_aborted(h):
     assert all("ld" not in c["choices"][0]["text"] for c in chunks)
     assert h.settle()
     assert len(h.engine.aborted) >= 2  # both requests were aborted at the stop string
+
+
+def test_only_a_stream_asks_the_engine_for_its_admission_callback(h):
+    h.say("one two")
+    before = len(h.engine.admission_callbacks)
+    assert h.client.post("/v1/completions", json={"prompt": "x", "max_tokens": 4}).status_code == 200
+    h.stream("/v1/completions", {"prompt": "x", "max_tokens": 4})
+    h.stream("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}], "max_tokens": 4})
+    h.stream("/v1/completions", {"prompt": "x", "max_tokens": 4, "echo": True})
+    assert h.engine.admission_callbacks[before:] == [False, True, True, False]
 
 
 def test_multibyte_output_streams_without_replacement_chars(h):

@@ -155,14 +155,16 @@ class _Generation:
         self.closed = False
         self._closing: asyncio.Future | None = None
 
-    async def _first(self, ch: _Choice, admitted: asyncio.Event) -> None:
+    async def _first(self, ch: _Choice, admitted: asyncio.Event | None) -> None:
         def on_admitted() -> None:
             ch.admitted = True
             if all(c.admitted for c in self.choices):
                 admitted.set()
 
+        # the admission callback only when it is waited for (an engine without it still serves)
+        extra = {"on_admitted": on_admitted} if admitted is not None else {}
         ch.gen = self.engine.generate(ch.prompt_ids, ch.sampling_params, request_id=ch.request_id,
-                                      priority=ch.priority, on_admitted=on_admitted)
+                                      priority=ch.priority, **extra)
         self.service.in_flight.add(ch.request_id)
         try:
             ch.first = await ch.gen.__anext__()
@@ -181,10 +183,10 @@ class _Generation:
             APIError: 400 (engine ValueError), 429 (queue full); every choice is aborted.
             ClientDisconnected: the client went away meanwhile; every choice is aborted.
         """
-        admitted = asyncio.Event()
+        admitted = asyncio.Event() if until_admitted else None
         firsts = [asyncio.ensure_future(self._first(ch, admitted)) for ch in self.choices]
         watch = asyncio.ensure_future(_wait_disconnect(request)) if request is not None else None
-        gate = asyncio.ensure_future(admitted.wait()) if until_admitted else None
+        gate = asyncio.ensure_future(admitted.wait()) if admitted is not None else None
         pending = set(firsts)
         error: BaseException | None = None
         try:
@@ -208,7 +210,13 @@ class _Generation:
             await self.close()
             raise
         finally:
-            await _cancel_and_wait([watch, gate])
+            try:
+                await _cancel_and_wait([watch, gate])
+            except BaseException:   # cancelled here (e.g. at shutdown): release the choices too
+                for f in firsts:
+                    f.cancel()
+                await self.close()
+                raise
         if error is None:
             return
         await _cancel_and_wait(firsts)
