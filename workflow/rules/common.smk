@@ -54,11 +54,11 @@ CODE_HASH = _CODE_HASH_MOD.code_hash(Path(ENGINE_DIR) / "llmserve")
 # Column order = order of the fields in a cell id, e.g.
 #   scheduler~continuous_policy~fcfs_batch~8_chunk~0_linear~torch_attn~torch_rate~inf_blocks~auto_load~default_rep~0
 # Names and values never contain "_" or "~", so a cell id parses back unambiguously. A column of
-# OPTIONAL_COLUMNS is left out of the id at its default value (so adding one renamed no
-# existing cell): the batch-invariant mode appears as "_invariant~on" before "_rep~".
+# OPTIONAL_COLUMNS (code_hash.py) is left out of the id at its default value: the batch-invariant
+# mode appears as "_invariant~on" before "_rep~".
 COLUMNS = ["scheduler", "policy", "batch", "chunk", "linear", "attn", "rate", "blocks", "load",
            "invariant"]
-OPTIONAL_COLUMNS = {"invariant": "off"}
+OPTIONAL_COLUMNS = _CODE_HASH_MOD.OPTIONAL_COLUMNS
 
 
 def _fmt(value):

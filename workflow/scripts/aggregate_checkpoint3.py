@@ -43,12 +43,12 @@ from pathlib import Path
 from typing import Any
 
 import pandas as pd
-from code_hash import parse_cell_id  # noqa: E402  (workflow/scripts/, next to this file)
+from code_hash import OPTIONAL_COLUMNS, parse_cell_id  # noqa: E402  (workflow/scripts/, next to this file)
 
 PARAM_COLUMNS = ["scheduler", "policy", "batch", "chunk", "linear", "attn", "rate", "blocks", "load",
                  "invariant"]
-#: Matrix columns a cell id leaves out at their default value (workflow/rules/common.smk).
-OPTIONAL_DEFAULTS = {"load": "default", "invariant": "off"}
+#: A parameter's value when a cell id (or an older provenance file) does not name it.
+PARAM_DEFAULTS = {"load": "default", **OPTIONAL_COLUMNS}
 
 #: Numbers aggregated over repetitions: output column stem -> key of report["aggregates"].
 METRICS = OrderedDict([
@@ -115,13 +115,13 @@ def load_run(path: Path, sweep: str) -> dict[str, Any]:
     warm = (report.get("warmup") or {}).get("num_requests", cfg.get("warmup_requests"))
     run = {
         "path": str(path), "sweep": sweep, "cell": cell_id.rsplit("_rep~", 1)[0],
-        **{k: str(params.get(k, OPTIONAL_DEFAULTS.get(k))) for k in PARAM_COLUMNS},
+        **{k: str(params.get(k, PARAM_DEFAULTS.get(k))) for k in PARAM_COLUMNS},
         "rep": str(params.get("rep", "0")),
         "slo": {"ttft_ms": agg.get("slo_ttft_ms"), "tpot_ms": agg.get("slo_tpot_ms")},
         "arrival_rate": (profile.get("arrival") or {}).get("rate"),
         "torch_threads": prov.get("torch_threads", hw.get("torch_threads")),
-        "batch_invariant": bool(econf.get("batch_invariant", cfg.get("batch_invariant", False))),
-        "recorded_batch_invariant": econf.get("batch_invariant", cfg.get("batch_invariant")),
+        # the mode the engine reported (None: no engine config, e.g. a crash stub)
+        "batch_invariant": econf.get("batch_invariant", cfg.get("batch_invariant")),
         "status": report.get("status") or "failed",
         "error": report.get("error") or None,
         "num_requests": agg.get("num_requests"),
@@ -161,7 +161,7 @@ def check_modes(runs: list[dict[str, Any]]) -> None:
     """Raise :class:`MatchError` for a run whose report's batch-invariant mode is not the one
     its cell id names (a report without an engine config, e.g. a crash stub, is not checked)."""
     for r in runs:
-        recorded = r["recorded_batch_invariant"]
+        recorded = r["batch_invariant"]
         if recorded is not None and bool(recorded) != (r["invariant"] == "on"):
             raise MatchError(f"{r['path']}: the cell says invariant {r['invariant']}, its report "
                              f"says batch_invariant {bool(recorded)}")
@@ -316,22 +316,29 @@ def _digest_verdict(first: dict, ok: list[dict], digests: list[str], naive: dict
     return "NO"
 
 
+def baseline_rows(df: pd.DataFrame, base: pd.DataFrame, **replace: str) -> list[pd.Series | None]:
+    """For each row of ``df``, the row of ``base`` with the same parameters except those in
+    ``replace`` (which take the given values), or None when ``base`` has none."""
+    index = {tuple(r[k] for k in PARAM_COLUMNS): r for _, r in base.iterrows()}
+    return [index.get(tuple(replace.get(k, r[k]) for k in PARAM_COLUMNS)) for _, r in df.iterrows()]
+
+
+def _base_value(b: pd.Series | None, column: str) -> Any:
+    return None if b is None else b[column]
+
+
 def add_baselines(failure: pd.DataFrame, main: pd.DataFrame, default_rate: str,
                   default_blocks: str) -> pd.DataFrame:
     """Failure-regime rows vs the same configuration at the default rate and KV budget."""
     failure = failure.copy()
-    index = {tuple(r[k] for k in PARAM_COLUMNS): r for _, r in main.iterrows()}
-    base_cells, thr, ttft = [], [], []
-    for _, r in failure.iterrows():
-        key = dict((k, r[k]) for k in PARAM_COLUMNS)
-        key.update(rate=default_rate, blocks=default_blocks)
-        b = index.get(tuple(key[k] for k in PARAM_COLUMNS))
-        base_cells.append(None if b is None else b["cell"])
-        thr.append(_ratio(r.get("output_throughput_median"), None if b is None else b["output_throughput_median"]))
-        ttft.append(_ratio(r.get("ttft_p95_ms_median"), None if b is None else b["ttft_p95_ms_median"]))
-    failure["baseline_cell"] = base_cells
-    failure["output_throughput_vs_baseline"] = thr
-    failure["ttft_p95_vs_baseline"] = ttft
+    base = baseline_rows(failure, main, rate=default_rate, blocks=default_blocks)
+    failure["baseline_cell"] = [_base_value(b, "cell") for b in base]
+    failure["output_throughput_vs_baseline"] = [
+        _ratio(r.get("output_throughput_median"), _base_value(b, "output_throughput_median"))
+        for (_, r), b in zip(failure.iterrows(), base)]
+    failure["ttft_p95_vs_baseline"] = [
+        _ratio(r.get("ttft_p95_ms_median"), _base_value(b, "ttft_p95_ms_median"))
+        for (_, r), b in zip(failure.iterrows(), base)]
     return failure
 
 
@@ -647,12 +654,10 @@ def invariant_frame(df: pd.DataFrame, every_cell: pd.DataFrame) -> pd.DataFrame:
     """The cells of ``df`` with the batch-invariant mode on, each with the same configuration's
     mode-off numbers beside it (``*_off`` columns, looked up in ``every_cell``, the cells of
     all sweeps) and the on/off ratios."""
-    others = [k for k in PARAM_COLUMNS if k != "invariant"]
     on = df[df["invariant"] == "on"].copy()
-    off = every_cell[every_cell["invariant"] != "on"].drop_duplicates(subset=others).set_index(others)
+    base = baseline_rows(on, every_cell, invariant="off")
     for stem in ("output_throughput", "tpot_p95_ms", "ttft_p95_ms"):
-        on[f"{stem}_off"] = [off[f"{stem}_median"].get(tuple(r[k] for k in others))
-                             for _, r in on.iterrows()]
+        on[f"{stem}_off"] = [_base_value(b, f"{stem}_median") for b in base]
     on["throughput_on_vs_off"] = [_ratio(a, b) for a, b in
                                   zip(on["output_throughput_median"], on["output_throughput_off"])]
     on["tpot_p95_on_vs_off"] = [_ratio(a, b) for a, b in

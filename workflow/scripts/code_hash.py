@@ -35,7 +35,11 @@ import sys
 from pathlib import Path
 
 __all__ = ["package_root", "source_files", "code_hash", "write_provenance", "check_unchanged",
-           "SourcesChanged", "parse_cell_id"]
+           "SourcesChanged", "parse_cell_id", "OPTIONAL_COLUMNS"]
+
+#: Matrix columns a cell id leaves out at their default value (so adding one renamed no existing
+#: cell): the batch-invariant mode appears as ``_invariant~on`` only when it is on.
+OPTIONAL_COLUMNS = {"invariant": "off"}
 
 #: Hashed: every Python source of the package (Triton kernels are .py files too) and its JSON
 #: data (the tuned launch table ``triton_kernels/gemv_configs.json`` changes what the GPU runs).
