@@ -140,15 +140,13 @@ class GrammarCache:
                     return hit
             try:
                 compiled = self._compile(spec)
-            except BaseException:
+                with self._lock:
+                    self._entries[key] = compiled
+                    while len(self._entries) > self.max_entries:
+                        self._entries.popitem(last=False)
+            finally:                    # compiled or failed: the key's lock is done with
                 with self._lock:
                     self._key_locks.pop(key, None)
-                raise
-            with self._lock:
-                self._entries[key] = compiled
-                while len(self._entries) > self.max_entries:
-                    self._entries.popitem(last=False)
-                self._key_locks.pop(key, None)
         return compiled
 
     def _hit(self, key: tuple):

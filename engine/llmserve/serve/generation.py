@@ -8,9 +8,6 @@ import json
 import time
 import uuid
 from concurrent.futures import ThreadPoolExecutor
-
-#: seconds a structured-output request waits for its grammar to compile before a 400
-GRAMMAR_COMPILE_TIMEOUT_S = 10.0
 from dataclasses import dataclass, field
 from typing import Any, AsyncIterator, Callable
 from fastapi import Request
@@ -27,6 +24,9 @@ CHATML_STOP_TOKENS = ("<|im_end|>", "<|endoftext|>")
 
 
 MAX_CHOICES = 256  # prompts x n in one HTTP request
+
+#: seconds a structured-output request waits for its grammar to compile before a 400
+GRAMMAR_COMPILE_TIMEOUT_S = 10.0
 
 
 # ------------------------------------------------------------------------------------------------
@@ -189,7 +189,7 @@ class _Generation:
         gate = asyncio.ensure_future(admitted.wait()) if admitted is not None else None
         pending = set(firsts)
         error: BaseException | None = None
-        try:
+        try:    # cancelled anywhere in here (the client left, shutdown): release every choice
             while pending and error is None:
                 done, _ = await asyncio.wait(pending | {t for t in (watch, gate) if t is not None},
                                              return_when=asyncio.FIRST_COMPLETED)
@@ -205,18 +205,11 @@ class _Generation:
                         if f in pending:
                             ch.first_task = f
                     break
+            await _cancel_and_wait([watch, gate])
         except BaseException:
-            await _cancel_and_wait(firsts)
+            await _cancel_and_wait([*firsts, watch, gate])
             await self.close()
             raise
-        finally:
-            try:
-                await _cancel_and_wait([watch, gate])
-            except BaseException:   # cancelled here (e.g. at shutdown): release the choices too
-                for f in firsts:
-                    f.cancel()
-                await self.close()
-                raise
         if error is None:
             return
         await _cancel_and_wait(firsts)
