@@ -9,8 +9,8 @@
 #        bash scripts/gpu_env.sh prepare [PACKAGE ...]
 #
 #    PACKAGE defaults to the extras that GPU images tend to lack (see DEFAULT_PACKAGES below).
-#    Set PIP_PLATFORM (one or more tags, e.g. "manylinux_2_28_x86_64 manylinux2014_x86_64") and
-#    PIP_PYTHON_VERSION (e.g. 3.12) when the GPU machine's platform or Python differs from this
+#    Set GPU_ENV_PLATFORM (one or more tags, e.g. "manylinux_2_28_x86_64 manylinux2014_x86_64") and
+#    GPU_ENV_PYTHON_VERSION (e.g. 3.12) when the GPU machine's platform or Python differs from this
 #    one: wheels are built here (pure-Python
 #    source distributions included), then each compiled one is replaced by the target's.
 #    Wheels a CUDA image already has (torch, triton, NVIDIA libraries, ...) are dropped; set
@@ -33,9 +33,9 @@ if [ "${1:-}" = "prepare" ]; then
   shift
   packages=${*:-$DEFAULT_PACKAGES}
   extra=()
-  for platform in ${PIP_PLATFORM:-}; do extra+=(--platform "$platform"); done
-  if [ -n "${PIP_PLATFORM:-}" ]; then extra+=(--only-binary=:all:); fi
-  if [ -n "${PIP_PYTHON_VERSION:-}" ]; then extra+=(--python-version "$PIP_PYTHON_VERSION" --only-binary=:all:); fi
+  for platform in ${GPU_ENV_PLATFORM:-}; do extra+=(--platform "$platform"); done
+  if [ -n "${GPU_ENV_PLATFORM:-}" ]; then extra+=(--only-binary=:all:); fi
+  if [ -n "${GPU_ENV_PYTHON_VERSION:-}" ]; then extra+=(--python-version "$GPU_ENV_PYTHON_VERSION" --only-binary=:all:); fi
   mkdir -p .whl
   # Build wheels here first: some dependencies exist only as source distributions (snakemake's
   # connection_pool), which a download for another platform cannot take.

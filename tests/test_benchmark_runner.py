@@ -226,7 +226,7 @@ def test_configs_map_to_engine_configs(tmp_path):
         return FakeEngine(c, naive)
 
     for cfg in ("naive", "paged", "static", "continuous"):
-        r, _, _ = run_benchmark(_opts(tmp_path, config=cfg, max_batch_size=4, prefill_chunk_size=16,
+        r, _, _ = run_benchmark(_opts(tmp_path, config=cfg, max_num_seqs=4, prefill_chunk_size=16,
                                       output=str(tmp_path / f"{cfg}.json")), engine_factory=factory)
         assert r["status"] == "ok"
     assert set(seen) == {("continuous", 1, True), ("continuous", 1, False), ("static", 4, False),
@@ -259,7 +259,7 @@ def test_cli_flags_parse():
                       "--profile-components", "--fail-on-error", "--timeout", "30",
                       "--slo-ttft-ms", "500", "--slo-tpot-ms", "50", "--json-schema", "s.json"])
     o = runner_mod.options_from_args(a)
-    assert o.config == "paged" and o.prefill_chunk_size is None and o.arrival_rate == float("inf")
+    assert o.config == "paged" and o.prefill_chunk_size == 0 and o.arrival_rate == float("inf")
     assert o.json_schema == "s.json"
     assert o.linear_backend == "int8" and o.slo_tpot_ms == 50 and o.fail_on_error
     assert a.func is runner_mod.run_benchmark_cli

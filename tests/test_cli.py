@@ -52,18 +52,18 @@ def test_help_has_no_rest_markup():
 
 
 @pytest.mark.parametrize("argv,dest,value", [
-    (["serve", "--max-batch-size", "3"], "max_batch_size", 3),
-    (["serve", "--max-num-seqs", "3"], "max_batch_size", 3),
-    (["serve", "--paged-attention-backend", "triton"], "paged_attention_backend", "triton"),
-    (["serve", "--attention-backend", "triton"], "paged_attention_backend", "triton"),
+    (["serve", "--max-batch-size", "3"], "max_num_seqs", 3),
+    (["serve", "--max-num-seqs", "3"], "max_num_seqs", 3),
+    (["serve", "--paged-attention-backend", "triton"], "attention_backend", "triton"),
+    (["serve", "--attention-backend", "triton"], "attention_backend", "triton"),
     (["serve", "--prefill-chunk", "64"], "prefill_chunk_size", 64),
     (["serve", "--disable-uvicorn-access-log"], "access_log", False),
     (["serve", "--disable-access-log"], "access_log", False),
     (["serve"], "access_log", True),
-    (["benchmark", "--max-batch-size", "4"], "max_batch_size", 4),
-    (["benchmark", "--max-num-seqs", "4"], "max_batch_size", 4),
-    (["benchmark", "--paged-attention-backend", "triton"], "paged_attention_backend", "triton"),
-    (["benchmark", "--attention-backend", "triton"], "paged_attention_backend", "triton"),
+    (["benchmark", "--max-batch-size", "4"], "max_num_seqs", 4),
+    (["benchmark", "--max-num-seqs", "4"], "max_num_seqs", 4),
+    (["benchmark", "--paged-attention-backend", "triton"], "attention_backend", "triton"),
+    (["benchmark", "--attention-backend", "triton"], "attention_backend", "triton"),
     (["benchmark", "--out", "x.json"], "output", "x.json"),
     (["benchmark", "--prefill-chunk", "32"], "prefill_chunk_size", 32),
     (["bench-compare", "--out", "d"], "out", "d"),
@@ -165,14 +165,18 @@ def test_serve_defaults_to_chunked_prefill_with_a_step_budget():
     """`llmserve serve` chunks prompts by default (vLLM V1's behaviour): on a CPU 64-token chunks
     in a budget of one chunk plus one token per sequence; 512 / 2048 on CUDA; 0 turns it off."""
     from llmserve.cli import build_parser
-    from llmserve.serve.server import build_engine_config, serving_token_budget
+    from llmserve.engine_args import device_defaults
+    from llmserve.serve.server import build_engine_config
 
     cfg = build_engine_config(build_parser().parse_args(["serve"]))
     assert cfg.scheduler.prefill_chunk_size == 64
     assert cfg.scheduler.max_num_batched_tokens == 64 + cfg.scheduler.max_num_seqs
-    assert serving_token_budget("cuda", None, None, 256) == (512, 2048)
+    d = device_defaults("cuda", "server")
+    assert (d.prefill_chunk_size, d.max_num_batched_tokens, d.max_num_seqs) == (512, 2048, 256)
     off = build_engine_config(build_parser().parse_args(["serve", "--prefill-chunk-size", "0"]))
     assert off.scheduler.prefill_chunk_size is None and off.scheduler.max_num_batched_tokens == 4096
     mine = build_engine_config(build_parser().parse_args(["serve", "--prefill-chunk-size", "256",
                                                           "--max-num-batched-tokens", "300"]))
     assert (mine.scheduler.prefill_chunk_size, mine.scheduler.max_num_batched_tokens) == (256, 300)
+
+

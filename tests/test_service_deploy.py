@@ -221,8 +221,8 @@ def test_serve_flags():
                            "--max-batch-size", "4", "--block-size", "32", "--num-blocks", "100",
                            "--paged-attention-backend", "triton", "--linear-backend", "int8",
                            "--max-waiting", "7", "--served-model-name", "x", "--shutdown-timeout", "2.5"])
-    assert (a.max_batch_size, a.block_size, a.num_blocks, a.max_waiting, a.shutdown_timeout) == (4, 32, 100, 7, 2.5)
-    assert (a.paged_attention_backend, a.linear_backend, a.served_model_name) == ("triton", "int8", "x")
+    assert (a.max_num_seqs, a.block_size, a.num_blocks, a.max_waiting, a.shutdown_timeout) == (4, 32, 100, 7, 2.5)
+    assert (a.attention_backend, a.linear_backend, a.served_model_name) == ("triton", "int8", "x")
 
 
 def test_llmserve_serve_subprocess_serves_and_stops_on_sigterm(tmp_path):

@@ -9,16 +9,6 @@ import argparse
 import sys
 
 
-def add_engine_args(p: argparse.ArgumentParser) -> None:
-    """Flags shared by every command that builds an engine."""
-    p.add_argument("--model", default="tiny",
-                   help="'tiny' (embedded random Qwen2), a local checkpoint directory, or a hub id")
-    p.add_argument("--device", default="cpu", help="cpu | cuda | cuda:N")
-    p.add_argument("--dtype", default=None, help="float32 | float16 | bfloat16 (default: fp32 on CPU, bf16 on CUDA)")
-    p.add_argument("--seed", type=int, default=0, help="engine seed (also the sampling seed when --temperature > 0)")
-    add_torch_threads_arg(p)
-
-
 def _threads(value: str) -> int:
     try:
         n = int(value)
@@ -93,28 +83,14 @@ def plain_help(text: str | None) -> str | None:
     return text.replace("``", "")
 
 
-def default_dtype(device: str, dtype: str | None) -> str:
-    """fp32 on CPU, bf16 on CUDA unless given."""
-    if dtype:
-        return dtype
-    return "float32" if device == "cpu" else "bfloat16"
-
-
 def _cmd_generate(args: argparse.Namespace) -> int:
-    from .config import CacheConfig, EngineConfig, SchedulerConfig, fast_path_from_args
-    from .engine.llm_engine import LLMEngine
-    from .engine.naive import NaiveEngine
+    from .engine.builder import build_engine
+    from .engine_args import EngineArgs
 
-    cfg = EngineConfig(model=args.model, device=args.device, dtype=default_dtype(args.device, args.dtype),
-                       seed=args.seed, cache=CacheConfig(block_size=args.block_size,
-                                                         enable_prefix_caching=args.enable_prefix_caching),
-                       scheduler=SchedulerConfig(max_model_len=args.max_model_len),
-                       attention_backend=args.attention_backend,
-                       use_cuda_graph=args.cuda_graph, fast_path=fast_path_from_args(args),
-                       batch_invariant=args.batch_invariant,
-                       tensor_parallel_size=args.tensor_parallel_size,
-                       distributed_timeout_s=args.distributed_timeout_s)
-    engine = NaiveEngine(cfg) if args.naive else LLMEngine(cfg)
+    eargs = EngineArgs.from_namespace(args)
+    engine = build_engine(eargs.create_engine_config("offline"), naive=args.naive,
+                          speculative_model=eargs.speculative_model,
+                          num_speculative_tokens=eargs.num_speculative_tokens)
     try:
         return _generate(engine, args)
     finally:
@@ -129,7 +105,7 @@ def _generate(engine, args: argparse.Namespace) -> int:
         from .tokenizer import apply_chat_template
         prompt = apply_chat_template(engine.tokenizer, [{"role": "user", "content": prompt}])
     sp = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p,
-                        top_k=args.top_k, seed=args.seed if args.temperature > 0 else None,
+                        top_k=args.top_k, seed=(args.seed or 0) if args.temperature > 0 else None,
                         ignore_eos=args.ignore_eos)
     out = engine.generate([prompt], sp)[0]
     text = engine.tokenizer.decode(out.output_token_ids, skip_special_tokens=True)
@@ -147,7 +123,8 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", required=True)
 
     g = sub.add_parser("generate", help="complete one prompt and print the text")
-    add_engine_args(g)
+    from .engine_args import add_engine_args
+    add_engine_args(g.add_argument_group("engine"))
     g.add_argument("--prompt", required=True, help="the text to complete")
     g.add_argument("--max-tokens", type=int, default=32, help="output tokens at most (default 32)")
     g.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
@@ -156,20 +133,8 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--ignore-eos", action="store_true", help="keep generating past the end-of-text token")
     g.add_argument("--chat", action="store_true", help="wrap the prompt in the ChatML template")
     g.add_argument("--naive", action="store_true", help="use the sequential no-cache control engine")
-    g.add_argument("--block-size", type=int, default=16, help="tokens per KV block")
-    g.add_argument("--enable-prefix-caching", dest="enable_prefix_caching", action="store_true",
-                   default=True, help="share the KV of equal prompt prefixes (default on)")
-    g.add_argument("--no-prefix-caching", dest="enable_prefix_caching", action="store_false",
-                   help="turn prefix caching off")
-    g.add_argument("--max-model-len", type=int, default=4096, help="context length cap (tokens)")
-    g.add_argument("--attention-backend", "--paged-attention-backend", dest="attention_backend",
-                   default="torch", choices=["torch", "triton"], help="paged attention implementation")
     g.add_argument("--show-ids", action="store_true", help="print prompt and output token ids to stderr")
-    g.add_argument("--cuda-graph", action=argparse.BooleanOptionalAction, default=True,
-                   help="replay decode steps from CUDA graphs (CUDA, Triton attention backend; default on)")
-    from .config import add_fast_path_args, add_parallel_args
-    add_fast_path_args(g)
-    add_parallel_args(g)
+    add_torch_threads_arg(g)
     g.set_defaults(func=_cmd_generate)
 
     # Subcommands whose modules own their flags; a missing optional dependency only disables

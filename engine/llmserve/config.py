@@ -6,7 +6,6 @@ received, so a CLI flag or a JSON body can be reported back to the user verbatim
 
 from __future__ import annotations
 
-import argparse
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -422,46 +421,6 @@ class ResolvedFastPath:
                 "min_tiles": self.decode_min_tiles, "fused_max_splits": self.decode_fused_max_splits,
                 "wide_tile": self.decode_wide_tile, "early_pages": self.decode_early_pages,
                 "prefetch_kv": self.decode_prefetch_kv}
-
-
-def add_fast_path_args(parser: argparse.ArgumentParser | Any) -> None:
-    """Add the command-line flags of the most used :class:`FastPathConfig` fields to ``parser``
-    (or an argument group): ``--fused-forward/--no-fused-forward``, ``--pdl/--no-pdl``,
-    ``--int8-layout``, ``--invariant-block-rows``; and ``--batch-invariant``, which sets
-    ``EngineConfig.batch_invariant`` (read by each command with the rest of its engine flags)."""
-    parser.add_argument("--fused-forward", action=argparse.BooleanOptionalAction, default=None,
-                        help="fused forward (Triton kernels, packed projections) or the readable "
-                             "one (default: fused on CUDA)")
-    parser.add_argument("--pdl", action=argparse.BooleanOptionalAction, default=True,
-                        help="programmatic dependent launch of the fast-path kernels where the GPU "
-                             "has it (default on)")
-    parser.add_argument("--int8-layout", choices=INT8_LAYOUTS, default="row",
-                        help="Triton INT8 weights in the fused forward: row-major int8 or byte planes")
-    parser.add_argument("--batch-invariant", action="store_true", default=False,
-                        help="batch-invariant mode: a request's logits are bitwise the same whatever "
-                             "it is batched with (CPU, torch backends; EngineConfig.batch_invariant)")
-    parser.add_argument("--invariant-block-rows", type=int, default=16, metavar="N",
-                        help="rows per fixed-shape matrix product in the batch-invariant mode (default 16)")
-
-
-def add_parallel_args(parser: argparse.ArgumentParser | Any) -> None:
-    """Add ``--tensor-parallel-size`` and ``--distributed-timeout`` (:class:`EngineConfig`'s
-    ``tensor_parallel_size`` and ``distributed_timeout_s``) to ``parser`` or an argument group."""
-    parser.add_argument("--tensor-parallel-size", "-tp", dest="tensor_parallel_size", type=int, default=1,
-                        metavar="N", help="shard the model over N ranks of this host (one process a "
-                                          "rank; GPUs cuda:0..N-1 with --device cuda; default 1)")
-    parser.add_argument("--distributed-timeout", dest="distributed_timeout_s", type=float, default=300.0,
-                        metavar="SECONDS", help="with --tensor-parallel-size > 1: how long a rank "
-                                                "waits on the others before the engine fails (default 300)")
-
-
-def fast_path_from_args(args: Any) -> FastPathConfig:
-    """The :class:`FastPathConfig` of parsed :func:`add_fast_path_args` flags (an object with
-    those attributes; missing ones take the defaults). Raises ``ValueError`` as the config."""
-    return FastPathConfig(fused_forward=getattr(args, "fused_forward", None),
-                          pdl=getattr(args, "pdl", True),
-                          int8_layout=getattr(args, "int8_layout", "row"),
-                          invariant_block_rows=getattr(args, "invariant_block_rows", 16))
 
 
 @dataclass(frozen=True, slots=True)

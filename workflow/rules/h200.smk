@@ -3,7 +3,7 @@
 # 256-request workload against HF transformers (generate_batch and static generate), and
 # open-loop TTFT/TPOT at several arrival rates. GPU only; not part of the default target:
 #
-#   snakemake --cores 4 --resources gpu=1 results/h200
+#   snakemake results/h200 --cores 4 --resources gpu=1
 #
 # The committed result (an H200) is results/h200/compare.{json,md}. Snakemake reruns it when
 # the engine sources change after a run it recorded (code_hash); on a fresh clone, or to

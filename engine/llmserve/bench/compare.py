@@ -88,15 +88,27 @@ def unique_param_bytes(model: torch.nn.Module) -> int:
 def llmserve_engine(preset: str, max_num_seqs: int, max_model_len: int, num_blocks: int | None = None,
                     chunk: int | None = None, budget: int = 8192, graphs: bool = True,
                     linear_backend: str = "torch"):
-    from ..config import CacheConfig, EngineConfig, SchedulerConfig
-    from ..engine.llm_engine import LLMEngine
+    """An ``LLMEngine`` on ``cuda`` over random weights of ``preset``'s shapes with the tuned
+    flags of this comparison (Triton attention, ``max_num_seqs``, chunk, budget; 60% of free
+    memory for the KV pool so two engines of a run never compete for it)."""
+    from ..engine.builder import build_engine
+    from ..engine_args import EngineArgs
 
-    cfg = EngineConfig(model=f"random:{preset}", device="cuda", dtype="bfloat16",
-                       attention_backend="triton", use_cuda_graph=graphs, linear_backend=linear_backend,
-                       cache=CacheConfig(block_size=16, num_blocks=num_blocks, gpu_memory_utilization=0.6),
-                       scheduler=SchedulerConfig(max_num_seqs=max_num_seqs, max_model_len=max_model_len,
-                                                 max_num_batched_tokens=budget, prefill_chunk_size=chunk))
-    return LLMEngine(cfg)
+    args = EngineArgs(model=f"random:{preset}", device="cuda", attention_backend="triton", cuda_graph=graphs,
+                      linear_backend=linear_backend, block_size=16, num_blocks=num_blocks,
+                      gpu_memory_utilization=0.6, max_num_seqs=max_num_seqs, max_model_len=max_model_len,
+                      max_num_batched_tokens=budget, prefill_chunk_size=chunk or 0)
+    return build_engine(args.create_engine_config("offline"))
+
+
+def default_engine(preset: str, max_model_len: int = 4096):
+    """The engine ``llmserve benchmark --device cuda`` builds with no tuning flag: every field at
+    its CUDA default (:func:`llmserve.engine_args.device_defaults`)."""
+    from ..engine.builder import build_engine
+    from ..engine_args import EngineArgs
+
+    return build_engine(EngineArgs(model=f"random:{preset}", device="cuda",
+                                   max_model_len=max(4096, max_model_len)).create_engine_config("offline"))
 
 
 def decode_llmserve(preset: str, steps: int, prompt_len: int = 32, linear_backend: str = "torch") -> dict:
@@ -191,11 +203,21 @@ def offline_workload(n: int, lo: int, hi: int, seed: int, vocab: int = 151643):
     return prompts, [int(o) for o in outs]
 
 
-def offline_llmserve(preset: str, prompts, outs, max_num_seqs: int, chunk: int, budget: int) -> dict:
+def offline_llmserve(preset: str, prompts, outs, max_num_seqs: int | None, chunk: int | None,
+                     budget: int | None, defaults: bool = False) -> dict:
+    """The offline workload through ``LLMEngine`` (all requests at t = 0): output tok/s after a
+    warm-up. ``defaults``: the engine with no tuning flag (:func:`default_engine`) instead of
+    the given ``max_num_seqs``/``chunk``/``budget``."""
     from ..core.sampling_params import SamplingParams
 
     max_len = max(len(p) + o for p, o in zip(prompts, outs)) + 16
-    eng = llmserve_engine(preset, max_num_seqs=max_num_seqs, max_model_len=max_len, chunk=chunk, budget=budget)
+    if defaults:
+        eng = default_engine(preset, max_len)
+        sc = eng.config.scheduler
+        max_num_seqs, chunk, budget = sc.max_num_seqs, sc.prefill_chunk_size, sc.max_num_batched_tokens
+    else:
+        eng = llmserve_engine(preset, max_num_seqs=max_num_seqs, max_model_len=max_len, chunk=chunk,
+                              budget=budget)
     # Warm-up: the first 64 requests of the workload with short outputs, so Triton's
     # per-specialisation compiles (prefill chunks, mixed prefill+decode steps, decode buckets)
     # happen before timing. A first run on a fresh machine otherwise pays ~5 s of compiles.
@@ -483,7 +505,9 @@ def run(args: argparse.Namespace) -> dict:
     if "offline" in args.parts:
         prompts, outs = offline_workload(args.offline_requests, args.offline_lo, args.offline_hi, args.seed)
         rows = [_row("llmserve continuous", offline_llmserve, args.offline_model, prompts, outs,
-                     args.max_num_seqs, args.prefill_chunk, args.max_num_batched_tokens)]
+                     args.max_num_seqs, args.prefill_chunk, args.max_num_batched_tokens),
+                _row("llmserve continuous, defaults", offline_llmserve, args.offline_model, prompts, outs,
+                     None, None, None, defaults=True)]
         if not args.skip_hf:
             k = args.hf_requests
             rows.append(_row("hf generate_batch (continuous)", offline_hf_continuous, args.offline_model,
@@ -495,24 +519,46 @@ def run(args: argparse.Namespace) -> dict:
                                       "hi": args.offline_hi, "seed": args.seed, "rows": rows}
     if "openloop" in args.parts:
         rows = []
-        for rate in args.rates:
-            rows.append(_row(f"llmserve open-loop {rate} req/s", openloop, args.offline_model, rate,
-                             args.openloop_requests, args.seed))
+        for rep in range(args.openloop_repetitions):
+            for rate in args.rates:
+                for defaults in (False, True):
+                    name = f"llmserve open-loop {rate} req/s" + (", defaults" if defaults else "")
+                    r = _row(name, openloop, args.offline_model, rate, args.openloop_requests, args.seed,
+                             defaults=defaults)
+                    r.update(repetition=rep, defaults=defaults)
+                    rows.append(r)
         report["parts"]["openloop"] = rows
+    if "serve" in args.parts:
+        rows = []
+        for defaults in (False, True):
+            name = "llmserve serve" + (", defaults" if defaults else ", tuned flags")
+            r = _row(name, serve_completion, args.offline_model, args.serve_tokens, args.serve_repetitions,
+                     defaults=defaults)
+            r["defaults"] = defaults
+            rows.append(r)
+        report["parts"]["serve"] = rows
     return report
 
 
-def openloop(preset: str, rate: float, requests: int, seed: int) -> dict:
+#: The open-loop rows' hand-tuned engine flags (the ``defaults`` rows leave them out).
+OPENLOOP_TUNED_FLAGS = ("--attention-backend", "triton", "--max-num-seqs", "128", "--prefill-chunk-size",
+                        "512", "--max-num-batched-tokens", "2048")
+
+
+def openloop(preset: str, rate: float, requests: int, seed: int, defaults: bool = False) -> dict:
+    """One open-loop ``llmserve benchmark`` run of the ShareGPT GPU profile at ``rate`` req/s;
+    ``defaults``: without :data:`OPENLOOP_TUNED_FLAGS` (every engine flag at its CUDA default)."""
     import tempfile
 
     from .runner import main as benchmark_main
 
     out = Path(tempfile.mkdtemp()) / f"openloop-{rate}.json"
     argv = ["--config", "continuous", "--model", f"random:{preset}", "--device", "cuda",
-            "--paged-attention-backend", "triton", "--profile", "sharegpt-gpu", "--requests", str(requests),
-            "--arrival-rate", str(rate), "--seed", str(seed), "--max-batch-size", "128",
-            "--prefill-chunk-size", "512", "--max-num-batched-tokens", "2048", "--warmup-requests", "4",
+            "--profile", "sharegpt-gpu", "--requests", str(requests),
+            "--arrival-rate", str(rate), "--seed", str(seed), "--warmup-requests", "4",
             "--output", str(out), "--no-progress"]
+    if not defaults:
+        argv += list(OPENLOOP_TUNED_FLAGS)
     from ..envs import sharegpt_path
     if sharegpt_path():
         argv += ["--dataset-path", sharegpt_path()]
@@ -523,7 +569,53 @@ def openloop(preset: str, rate: float, requests: int, seed: int) -> dict:
             "request_throughput", "num_requests", "num_preemptions"]
     res = {k: agg.get(k) for k in keys}
     res.update(rate=rate, run_status=rep.get("status"), run_error=rep.get("error"))
+    gc.collect()
+    torch.cuda.empty_cache()
     return res
+
+
+#: ``serve``'s hand-tuned engine flags of the ``serve`` rows (the ``defaults`` row leaves them out).
+SERVE_TUNED_FLAGS = ("--attention-backend", "triton", "--cuda-graph", "--fused-forward", "--async-scheduling",
+                     "--max-num-seqs", "256", "--prefill-chunk-size", "512", "--max-num-batched-tokens", "2048")
+
+
+def serve_completion(preset: str, tokens: int, repetitions: int, defaults: bool = False) -> dict:
+    """Wall seconds of a ``tokens``-token greedy ``/v1/completions`` answer from ``llmserve serve``
+    (in this process, on loopback, after its start-up and kernel warm-up): median and spread
+    over ``repetitions`` requests. ``defaults``: ``serve --model random:PRESET --device cuda``
+    with no other flag; else with :data:`SERVE_TUNED_FLAGS`."""
+    import httpx
+
+    from ..serve.server import BackgroundServer, add_serve_subparser, build_app
+
+    parser = argparse.ArgumentParser(prog="llmserve")
+    add_serve_subparser(parser.add_subparsers(dest="command"))
+    argv = ["serve", "--model", f"random:{preset}", "--device", "cuda", "--log-level", "warning"]
+    if not defaults:
+        argv += list(SERVE_TUNED_FLAGS)
+    t0 = time.perf_counter()
+    app = build_app(parser.parse_args(argv))
+    startup_s = time.perf_counter() - t0
+    times = []
+    with BackgroundServer(app) as srv:
+        body = {"model": f"random:{preset}", "prompt": "Tell me a long story about a lighthouse.",
+                "max_tokens": tokens, "temperature": 0, "ignore_eos": True}
+        with httpx.Client(base_url=srv.url, timeout=120) as client:
+            health = client.get("/health").json()
+            for _ in range(repetitions + 1):          # the first answer is not timed
+                t = time.perf_counter()
+                r = client.post("/v1/completions", json=body)
+                r.raise_for_status()
+                times.append(time.perf_counter() - t)
+                n = r.json()["usage"]["completion_tokens"]
+    times = times[1:]
+    del app
+    gc.collect()
+    torch.cuda.empty_cache()
+    med = float(np.median(times))
+    return {"seconds_median": med, "seconds_min": float(min(times)), "seconds_max": float(max(times)),
+            "ms_per_token": med / max(1, n) * 1e3, "completion_tokens": n, "startup_s": startup_s,
+            "startup": health.get("startup"), "flags": " ".join(argv[1:])}
 
 
 def to_markdown(rep: dict) -> str:
@@ -579,13 +671,55 @@ def to_markdown(rep: dict) -> str:
         lines.append("")
     if "openloop" in rep["parts"]:
         lines += ["## Open-loop ShareGPT profile (llmserve continuous, Qwen2.5-1.5B shapes)", "",
-                  "| rate req/s | p50 TTFT ms | p95 TTFT ms | p50 TPOT ms | p95 TPOT ms | output tok/s | status |",
-                  "| ---: | ---: | ---: | ---: | ---: | ---: | --- |"]
+                  "Tuned flags: `" + " ".join(OPENLOOP_TUNED_FLAGS) + "`; defaults: none of them. "
+                  "Median [min-max] over the repetitions (tuned and defaults alternated); CV = "
+                  "standard deviation / mean of p50 TTFT.", "",
+                  "| rate req/s | flags | runs | p50 TTFT ms | CV | p95 TTFT ms | p50 TPOT ms | output tok/s | status |",
+                  "| ---: | --- | ---: | ---: | ---: | ---: | ---: | ---: | --- |"]
+        groups: dict = {}
         for r in rep["parts"]["openloop"]:
-            lines.append(f"| {r.get('rate')} | {_f(r.get('ttft_ms_p50'))} | {_f(r.get('ttft_ms_p95'))} | "
-                         f"{_f(r.get('tpot_ms_p50'))} | {_f(r.get('tpot_ms_p95'))} | "
-                         f"{_f(r.get('output_throughput'))} | {r['status']} {r.get('error') or r.get('run_error') or ''} |")
+            groups.setdefault((r.get("rate"), bool(r.get("defaults"))), []).append(r)
+        for (rate, defaults), rs in groups.items():
+            ok = [r for r in rs if r["status"] == "ok" and r.get("run_status") == "ok"]
+            errs = "; ".join(sorted({str(r.get("error") or r.get("run_error")) for r in rs if r not in ok}))
+            ttft = [r["ttft_ms_p50"] for r in ok if r.get("ttft_ms_p50") is not None]
+            cv = _cv(ttft)
+            lines.append(f"| {rate} | {'defaults' if defaults else 'tuned'} | {len(ok)}/{len(rs)} | "
+                         f"{_spread([r.get('ttft_ms_p50') for r in ok])} | "
+                         f"{'' if cv is None else f'{cv:.0%}' + (' noisy' if cv > 0.10 else '')} | "
+                         f"{_spread([r.get('ttft_ms_p95') for r in ok])} | "
+                         f"{_spread([r.get('tpot_ms_p50') for r in ok])} | "
+                         f"{_spread([r.get('output_throughput') for r in ok])} | "
+                         f"{'ok' if not errs else 'failed: ' + errs} |")
+        lines.append("")
+    if "serve" in rep["parts"]:
+        lines += ["## `llmserve serve`: one greedy completion, defaults against tuned flags", "",
+                  "| server | flags | completion tokens | seconds (median [min-max]) | ms/token | start-up s | status |",
+                  "| --- | --- | ---: | ---: | ---: | ---: | --- |"]
+        for r in rep["parts"]["serve"]:
+            sec = (f"{r['seconds_median']:.3f} [{r['seconds_min']:.3f}-{r['seconds_max']:.3f}]"
+                   if r["status"] == "ok" else "")
+            lines.append(f"| {r['name']} | `{r.get('flags', '')}` | {r.get('completion_tokens', '')} | {sec} | "
+                         f"{_f(r.get('ms_per_token'))} | {_f(r.get('startup_s'))} | "
+                         f"{r['status']} {r.get('error') or ''} |")
+        lines.append("")
     return "\n".join(lines) + "\n"
+
+
+def _spread(vals) -> str:
+    """``median [min-max]`` of the numbers in ``vals`` (``None`` skipped), or empty."""
+    v = [float(x) for x in vals if x is not None]
+    if not v:
+        return ""
+    return f"{np.median(v):,.2f} [{min(v):,.2f}-{max(v):,.2f}]" if len(v) > 1 else f"{v[0]:,.2f}"
+
+
+def _cv(vals) -> float | None:
+    """Coefficient of variation (population standard deviation / mean), ``None`` under 2 values."""
+    v = [float(x) for x in vals if x is not None]
+    if len(v) < 2 or np.mean(v) == 0:
+        return None
+    return float(np.std(v) / np.mean(v))
 
 
 def _f(v) -> str:
@@ -597,8 +731,8 @@ def add_bench_compare_subparser(sub) -> None:
                        description="Compare llmserve with a floor and with HF transformers on one CUDA GPU: "
                                    "batch-1 decode, offline throughput and open-loop latency; writes JSON "
                                    "and Markdown under --output.")
-    p.add_argument("--parts", nargs="+", default=["decode", "offline", "openloop", "decode-sweep"],
-                   choices=["decode", "offline", "openloop", "decode-sweep"],
+    p.add_argument("--parts", nargs="+", default=["decode", "offline", "openloop", "decode-sweep", "serve"],
+                   choices=["decode", "offline", "openloop", "decode-sweep", "serve"],
                    help="which comparisons to run (default: all)")
     p.add_argument("--sweep-batches", nargs="+", type=int, default=[1, 2, 4, 8, 16, 32, 64, 128, 256],
                    help="decode sweep: sequences per step (model: --offline-model)")
@@ -628,6 +762,10 @@ def add_bench_compare_subparser(sub) -> None:
     p.add_argument("--rates", nargs="+", type=float, default=[4.0, 16.0, 64.0],
                    help="open-loop arrival rates (requests/s)")
     p.add_argument("--openloop-requests", type=int, default=200, help="requests per open-loop rate")
+    p.add_argument("--openloop-repetitions", type=int, default=3,
+                   help="runs of every open-loop row (tuned flags and defaults alternated)")
+    p.add_argument("--serve-tokens", type=int, default=256, help="serve rows: tokens of the timed completion")
+    p.add_argument("--serve-repetitions", type=int, default=5, help="serve rows: timed completions per row")
     p.add_argument("--seed", type=int, default=0, help="workload seed")
     p.add_argument("--output", "--out", dest="out", default="results/h200", help="output directory")
     p.set_defaults(func=_main)

@@ -242,17 +242,16 @@ def make_engine_for_model(model: torch.nn.Module, model_config: Any, model_path:
     scheduler config: continuous batching, ``max_num_seqs = throughput_batch_size``, a token
     budget that prefills a whole batch in one step, no chunking. The engine's own
     ``linear_backend`` is ``torch`` because the model arrives quantized."""
-    from ..config import EngineConfig, SchedulerConfig
     from ..engine.llm_engine import LLMEngine
+    from ..engine_args import EngineArgs
 
     s = settings
-    sched = SchedulerConfig(
-        mode="continuous", policy="fcfs", max_num_seqs=s.throughput_batch_size,
+    cfg = EngineArgs(
+        model=model_name, device=device, dtype=dtype_name, seed=seed, attention_backend=attention_backend,
+        linear_backend="torch", max_num_seqs=s.throughput_batch_size, prefill_chunk_size=0,
         max_num_batched_tokens=max(s.throughput_batch_size * s.throughput_prompt_len,
                                    s.throughput_prompt_len + s.throughput_output_len),
-        max_model_len=max(2, s.throughput_prompt_len + s.throughput_output_len))
-    cfg = EngineConfig(model=model_name, device=device, dtype=dtype_name, seed=seed, scheduler=sched,
-                       attention_backend=attention_backend, linear_backend="torch")
+        max_model_len=max(2, s.throughput_prompt_len + s.throughput_output_len)).create_engine_config()
 
     def _loader(name, device=None, dtype=None, attention_backend=None):
         return model, model_config, model_path
@@ -417,7 +416,9 @@ def run_quantize_eval(model_name: str = "tiny", device: str = "cpu", dtype: str 
     from ..tokenizer import load_tokenizer
 
     settings = settings or QuantEvalSettings()
-    dtype_name = dtype or ("float32" if device == "cpu" else "bfloat16")
+    from ..engine_args import default_dtype
+
+    dtype_name = default_dtype(device, dtype)
     dtype_name = str(resolve_dtype(dtype_name)).replace("torch.", "")
     torch.manual_seed(seed)
     t_start = time.perf_counter()
@@ -568,11 +569,10 @@ def add_quantize_eval_subparser(subparsers: Any) -> argparse.ArgumentParser:
         "quantize-eval", help="compare fp16/int8/int4/triton-int8: bytes, perplexity, HellaSwag, "
                               "KL vs 16-bit, matched decode throughput",
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--model", default="tiny", help="'tiny' (random; exercises the code path only), "
-                   "a checkpoint directory, or a hub id")
-    p.add_argument("--device", default="cpu", help="cpu | cuda | cuda:N")
-    p.add_argument("--dtype", default=None,
-                   help="baseline/compute dtype (default float32 on CPU, bfloat16 on CUDA)")
+    from ..engine_args import add_engine_args
+
+    add_engine_args(p, only=("model", "device", "dtype", "seed", "attention_backend"), help_overrides={
+        "attention_backend": "paged attention of the throughput engines: torch (default) or triton"})
     p.add_argument("--modes", default=",".join(MODES),
                    help=f"comma-separated subset of {','.join(MODES)} (default: all)")
     p.add_argument("--eval-tokens", type=int, default=2048, help="tokens of the perplexity/KL stream")
@@ -592,8 +592,6 @@ def add_quantize_eval_subparser(subparsers: Any) -> argparse.ArgumentParser:
     p.add_argument("--throughput-batch-size", type=int, default=8, help="max_num_seqs in every mode")
     p.add_argument("--throughput-prompt-len", type=int, default=64)
     p.add_argument("--throughput-output-len", type=int, default=32)
-    p.add_argument("--attention-backend", default="torch", choices=["torch", "triton"])
-    p.add_argument("--seed", type=int, default=0)
     p.add_argument("--output", default="artifacts/quantization.json", help="report JSON path")
     p.add_argument("--csv", default=None, help="CSV path (default: the JSON path with .csv)")
     p.set_defaults(func=run_quantize_eval_cli)
@@ -621,7 +619,8 @@ def run_quantize_eval_cli(args: argparse.Namespace) -> int:
     report = run_quantize_eval(
         model_name=args.model, device=args.device, dtype=args.dtype, settings=settings,
         text_source=args.text_source, text_file=args.text_file, text_split=args.text_split,
-        hellaswag_file=args.hellaswag_file, attention_backend=args.attention_backend, seed=args.seed)
+        hellaswag_file=args.hellaswag_file, attention_backend=args.attention_backend or "torch",
+        seed=args.seed or 0)
     jp, cp = write_report(report, args.output, args.csv)
     print(format_summary(report))
     print(f"wrote {jp} and {cp}", file=sys.stderr)

@@ -75,8 +75,8 @@ REQUIRED_REQUEST_KEYS: tuple[str, ...] = (
 )
 
 _CSV_META: tuple[str, ...] = (
-    "created_at", "status", "config", "policy", "max_batch_size", "prefill_chunk_size",
-    "max_num_batched_tokens", "block_size", "num_blocks", "paged_attention_backend",
+    "created_at", "status", "config", "policy", "max_num_seqs", "prefill_chunk_size",
+    "max_num_batched_tokens", "block_size", "num_blocks", "attention_backend",
     "linear_backend", "model", "device", "dtype", "profile", "seed", "requests", "arrival_rate",
     "warmup_requests", "git_revision", "git_dirty", "hardware", "token_digest", "workload_digest",
     "wall_time_s", "error", "output", "enable_prefix_caching", "workload_kind",
@@ -302,8 +302,8 @@ def csv_row(report: Mapping[str, Any], output_path: str | os.PathLike | None = N
     git = report.get("git") or {}
     wl = report.get("workload") or {}
     row: dict[str, Any] = {k: None for k in CSV_COLUMNS}
-    for k in ("config", "policy", "max_batch_size", "prefill_chunk_size", "max_num_batched_tokens",
-              "block_size", "num_blocks", "paged_attention_backend", "linear_backend", "model",
+    for k in ("config", "policy", "max_num_seqs", "prefill_chunk_size", "max_num_batched_tokens",
+              "block_size", "num_blocks", "attention_backend", "linear_backend", "model",
               "device", "dtype", "requests", "arrival_rate", "warmup_requests"):
         row[k] = cfg.get(k)
     row.update(created_at=report.get("created_at"), status=report.get("status"),

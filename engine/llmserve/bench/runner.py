@@ -39,6 +39,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable
 
+from ..engine_args import EngineArgs, add_engine_args
 from .gpu_monitor import GPUMonitor, empty_gpu_summary
 from .metrics import RequestRecord, aggregate_records, build_request_record
 from .profiler import run_component_profile, unavailable_profile
@@ -67,41 +68,18 @@ class BenchmarkTimeout(TimeoutError):
 
 
 @dataclass
-class BenchmarkOptions:
-    """Every ``llmserve benchmark`` flag (see :func:`add_benchmark_subparser` for meanings)."""
+class BenchmarkOptions(EngineArgs):
+    """Every ``llmserve benchmark`` flag: the engine's (:class:`~llmserve.engine_args.EngineArgs`,
+    ``seed`` also seeding the workload, default the profile's) plus the workload and output
+    flags below (see :func:`add_benchmark_subparser` for meanings)."""
 
     config: str = "continuous"
-    policy: str = "fcfs"
-    max_batch_size: int = 8
-    prefill_chunk_size: int | None = None
-    max_num_batched_tokens: int | None = None
-    max_model_len: int = 4096
-    block_size: int = 16
-    num_blocks: int | None = None
-    paged_attention_backend: str = "torch"
-    linear_backend: str = "torch"
-    cuda_graph: bool = True
-    async_scheduling: bool | None = None
-    fused_forward: bool | None = None
-    pdl: bool = True
-    int8_layout: str = "row"
-    batch_invariant: bool = False
-    invariant_block_rows: int = 16
-    tensor_parallel_size: int = 1
-    distributed_timeout_s: float = 300.0
-    model: str = "tiny"
-    device: str = "cpu"
-    dtype: str | None = None
-    enable_prefix_caching: bool = True
-    speculative_model: str | None = None
-    num_speculative_tokens: int = 4
     profile: str | None = None
     workload: str | None = None
     dataset_path: str | None = None
     requests: int | None = None
     arrival_rate: float | None = None
     burstiness: float | None = None
-    seed: int | None = None
     warmup_requests: int | None = None
     json_schema: str | None = None
     kernel_warmup: bool = True
@@ -170,56 +148,13 @@ def _positive_float(s: str) -> float:
     return v
 
 
-def add_prefix_caching_args(p: Any) -> None:
-    """``--enable-prefix-caching`` / ``--no-prefix-caching`` (dest ``enable_prefix_caching``,
-    default on) on a parser or argument group; shared by generate, benchmark and serve."""
-    p.add_argument("--enable-prefix-caching", dest="enable_prefix_caching", action="store_true",
-                   default=True, help="share the KV of equal prompt prefixes (default on)")
-    p.add_argument("--no-prefix-caching", dest="enable_prefix_caching", action="store_false",
-                   help="turn automatic prefix caching off")
-
-
 def add_benchmark_args(p: argparse.ArgumentParser) -> None:
     """Add the ``benchmark`` flags to ``p``."""
     g = p.add_argument_group("engine")
     g.add_argument("--config", choices=CONFIGS, default="continuous",
                    help="naive (sequential, no KV cache) | paged (batch 1) | static | continuous")
-    g.add_argument("--policy", choices=("fcfs", "sjf", "priority"), default="fcfs",
-                   help="waiting-queue order (default fcfs)")
-    g.add_argument("--max-num-seqs", "--max-batch-size", dest="max_batch_size", type=_positive_int, default=8, metavar="N",
-                   help="most sequences per step (paged forces 1; default 8)")
-    g.add_argument("--prefill-chunk-size", "--prefill-chunk", dest="prefill_chunk_size", type=_chunk, default=None,
-                   help="max prompt tokens per sequence per step; 0/none = chunked prefill off")
-    g.add_argument("--max-num-batched-tokens", type=_positive_int, default=None,
-                   help="token budget of one step (default max(4096, max-model-len))")
-    g.add_argument("--max-model-len", type=_positive_int, default=4096,
-                   help="most tokens (prompt + output) per sequence (default 4096)")
-    g.add_argument("--block-size", type=_positive_int, default=16, help="KV cache block size in tokens")
-    g.add_argument("--num-blocks", type=_positive_int, default=None,
-                   help="KV cache blocks (default: from the memory budget)")
-    g.add_argument("--attention-backend", "--paged-attention-backend", dest="paged_attention_backend",
-                   choices=("torch", "triton"), default="torch", help="paged attention implementation")
-    g.add_argument("--linear-backend", choices=("torch", "int8", "int4", "triton-int8"), default="torch",
-                   help="projection implementation (int8/int4: weight-only quantized)")
-    g.add_argument("--cuda-graph", action=argparse.BooleanOptionalAction, default=True,
-                   help="let the engine use CUDA graphs for decode (CUDA only)")
-    g.add_argument("--async-scheduling", action=argparse.BooleanOptionalAction, default=None,
-                   help="launch step n+1 before reading step n's tokens (default: on for CUDA)")
-    add_prefix_caching_args(g)
-    from ..config import add_fast_path_args, add_parallel_args
-    add_fast_path_args(g)
-    add_parallel_args(g)
-    g.add_argument("--model", default="tiny",
-                   help="'tiny' (embedded random Qwen2), a checkpoint directory or a hub id")
-    g.add_argument("--device", default="cpu", help="cpu | cuda | cuda:N (default cpu)")
-    g.add_argument("--dtype", default=None,
-                   help="float32 | float16 | bfloat16 (default fp32 on CPU, bf16 on CUDA)")
-    g.add_argument("--speculative-model", default=None, metavar="PATH|tiny",
-                   help="draft model for speculative decoding ('tiny', a checkpoint directory, a hub "
-                        "id, random:<preset>, or 'target' to reuse the target's weights); "
-                        "builds a SpeculativeEngine (not with --config naive)")
-    g.add_argument("--num-speculative-tokens", type=_nonneg_int, default=4,
-                   help="draft tokens proposed per step with --speculative-model (default 4)")
+    add_engine_args(g, exclude=("seed",), help_overrides={
+        "max_num_seqs": "most sequences per step (default: 256 on CUDA, 8 on a CPU; paged and naive: 1)"})
 
     w = p.add_argument_group("workload")
     w.add_argument("--profile", default=None, metavar="FILE",
@@ -317,51 +252,40 @@ def main(argv: list[str] | None = None) -> int:
 # Engine construction
 # ---------------------------------------------------------------------------------------------
 def make_engine_config(opts: BenchmarkOptions, seed: int):
-    """The :class:`~llmserve.config.EngineConfig` a benchmark configuration names.
+    """The :class:`~llmserve.config.EngineConfig` a benchmark configuration names (usage
+    ``"offline"``: :func:`llmserve.engine_args.device_defaults`).
 
     Raises:
         ValueError: invalid values (from the config dataclasses, naming the field).
     """
-    from ..config import CacheConfig, EngineConfig, SchedulerConfig, fast_path_from_args
-
     if opts.config not in CONFIGS:
         raise ValueError(f"config must be one of {list(CONFIGS)}, got {opts.config!r}")
-    max_seqs = 1 if opts.config in ("paged", "naive") else opts.max_batch_size
-    budget = opts.max_num_batched_tokens or max(4096, opts.max_model_len)
-    sched = SchedulerConfig(mode="static" if opts.config == "static" else "continuous",
-                            policy=opts.policy, max_num_seqs=max_seqs,
-                            max_num_batched_tokens=budget,
-                            prefill_chunk_size=opts.prefill_chunk_size,
-                            max_model_len=opts.max_model_len)
-    cache = CacheConfig(block_size=opts.block_size, num_blocks=opts.num_blocks,
-                        enable_prefix_caching=bool(opts.enable_prefix_caching))
-    dtype = opts.dtype or ("float32" if opts.device == "cpu" else "bfloat16")
-    return EngineConfig(model=opts.model, device=opts.device, dtype=dtype, seed=seed, cache=cache,
-                        scheduler=sched, attention_backend=opts.paged_attention_backend,
-                        linear_backend=opts.linear_backend, use_cuda_graph=opts.cuda_graph,
-                        async_scheduling=opts.async_scheduling, fast_path=fast_path_from_args(opts),
-                        batch_invariant=bool(opts.batch_invariant),
-                        tensor_parallel_size=opts.tensor_parallel_size,
-                        distributed_timeout_s=opts.distributed_timeout_s)
+    return opts.create_engine_config("offline", mode="static" if opts.config == "static" else "continuous",
+                                     seed=seed, max_num_seqs=1 if opts.config in ("paged", "naive") else None)
+
+
+def resolved_flags(econf) -> dict[str, Any]:
+    """The device-dependent engine flags as an :class:`~llmserve.config.EngineConfig` resolved
+    them (the report's ``config`` then names what ran, not ``None``)."""
+    s = econf.scheduler
+    return {"dtype": econf.dtype, "attention_backend": econf.attention_backend,
+            "max_num_seqs": s.max_num_seqs, "max_num_batched_tokens": s.max_num_batched_tokens,
+            "prefill_chunk_size": s.prefill_chunk_size, "cuda_graph": econf.use_cuda_graph}
 
 
 def default_engine_factory(config, naive: bool):
-    """Build ``NaiveEngine`` (naive) or ``LLMEngine`` from :mod:`llmserve.engine.llm_engine`."""
-    from ..engine.llm_engine import LLMEngine
-    from ..engine.naive import NaiveEngine
+    """Build ``NaiveEngine`` (naive) or ``LLMEngine`` (:func:`llmserve.engine.builder.build_engine`)."""
+    from ..engine.builder import build_engine
 
-    return NaiveEngine(config) if naive else LLMEngine(config)
+    return build_engine(config, naive)
 
 
 def _speculative_engine_factory(opts: BenchmarkOptions) -> Callable[[Any, bool], Any]:
-    """Factory building a :class:`~llmserve.engine.speculative.SpeculativeEngine` (``--speculative-model``)."""
-    def factory(config, naive: bool):
-        if naive:
-            raise ValueError("--speculative-model needs a paged engine; it cannot be used with --config naive")
-        from ..engine.speculative import SpeculativeEngine
-        return SpeculativeEngine(config, draft_model=opts.speculative_model,
-                                 num_speculative_tokens=opts.num_speculative_tokens)
-    return factory
+    """Factory building a speculative-decoding engine (``--speculative-model``)."""
+    from ..engine.builder import build_engine
+
+    return lambda config, naive: build_engine(config, naive, speculative_model=opts.speculative_model,
+                                              num_speculative_tokens=opts.num_speculative_tokens)
 
 
 def _base_vocab(engine: Any) -> int | None:
@@ -719,6 +643,7 @@ def run_benchmark(opts: BenchmarkOptions, engine_factory: Callable[[Any, bool], 
             structured, report["structured_output"] = load_json_schema(opts.json_schema)
         econf = make_engine_config(opts, seed)
         report["engine_config"] = dataclasses.asdict(econf)
+        report["config"].update(resolved_flags(econf))   # what the device defaults resolved to
         if engine_factory is None and opts.speculative_model:
             engine_factory = _speculative_engine_factory(opts)
         engine = (engine_factory or default_engine_factory)(econf, opts.config == "naive")
@@ -792,7 +717,7 @@ def run_benchmark(opts: BenchmarkOptions, engine_factory: Callable[[Any, bool], 
             report["warmup"]["triton_kernels_compiled_measured"] = compiled
 
         if opts.profile_components:
-            k = max(1, min(len(workload), opts.max_batch_size))
+            k = max(1, min(len(workload), econf.scheduler.max_num_seqs))
             prompts = [(r.prompt_token_ids, _sampling_params(r, temperature, seed, structured), r.priority)
                        for r in workload.requests[:k]]
             report["component_profile"] = (

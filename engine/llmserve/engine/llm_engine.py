@@ -107,6 +107,10 @@ class _EngineBase:
         self.config = config
         self.device = torch.device(config.device)
         _check_interpreter(config, self.device)
+        t_load = time.perf_counter()
+        #: start-up wall seconds by phase (``load``, ``kv_cache``, ``graph_capture``, ``warmup``)
+        #: and the KV pool's size; the server logs them and reports them on ``/health``
+        self.startup: dict = {}
         torch.manual_seed(config.seed)
         loader = load_model_fn or load_model
         #: rank 0's tensor-parallel runtime (:mod:`llmserve.engine.tensor_parallel`), or None
@@ -129,6 +133,7 @@ class _EngineBase:
             self._tp_abort(e)
             raise
         self.model, self.model_config, self.model_path = shard.model, shard.model_config, shard.model_path
+        self.startup["load_s"] = time.perf_counter() - t_load
         # the fast-path choices for this model, decided once (size rules included)
         self.fast_path: ResolvedFastPath = shard.fast_path
         self.tokenizer = load_tokenizer(self.model_path)
@@ -313,15 +318,20 @@ class LLMEngine(_EngineBase):
         # the fused forward before the KV cache: the copies it may keep (fast_path.int8_fragments)
         # count against the free memory the cache is sized from
         forward = self._build_fast_forward()
+        t0 = time.perf_counter()
         self.kv_cache = allocate_kv_cache(config, self.model_config, self.model.dtype
                                           if hasattr(self.model, "dtype") else config.torch_dtype,
                                           self.device, tp)
+        self.startup.update(kv_cache_s=time.perf_counter() - t0, num_kv_blocks=self.kv_cache.num_blocks,
+                            kv_cache_bytes=self.kv_cache.total_bytes)
         self.block_size = config.cache.block_size
         self.block_manager = BlockManager(self.kv_cache.num_blocks, self.block_size,
                                           enable_prefix_caching=config.cache.enable_prefix_caching)
         sched_cfg = dataclasses.replace(config.scheduler, max_model_len=self.max_model_len)
         self.scheduler = Scheduler(sched_cfg, self.block_manager)
+        t0 = time.perf_counter()
         graphs = self._capture_graphs(config, forward)
+        self.startup["graph_capture_s"] = time.perf_counter() - t0
         self.runner = ModelRunner(self.model, self.kv_cache.kv_caches, self.block_size, self.device,
                                   forward=forward, cuda_graphs=graphs,
                                   channel=self.tp_runtime.channel if self.tp_runtime is not None else None)
@@ -465,6 +475,7 @@ class LLMEngine(_EngineBase):
         self.reset_stats()
         self.freeze_gc()
         c1 = triton_cache_entries()
+        self.startup["warmup_s"] = time.perf_counter() - t0
         return {"seconds": time.perf_counter() - t0, "requests": count,
                 "triton_compiles": None if c0 is None or c1 is None else len(c1 - c0)}
 

@@ -122,7 +122,10 @@ def create_app(engine: Any, *, tokenizer: Any = None, served_model_name: str = "
         is_running = getattr(engine, "is_running", True)
         if errored is not None and not is_running:
             return _error_response(503, f"engine loop failed: {errored!r}", type="service_unavailable")
-        return JSONResponse({"status": "ok", "batch_invariant": view.batch_invariant})
+        body = {"status": "ok", "batch_invariant": view.batch_invariant}
+        if view.startup:
+            body["startup"] = {k: (round(v, 3) if isinstance(v, float) else v) for k, v in view.startup.items()}
+        return JSONResponse(body)
 
     @app.get("/metrics")
     async def metrics_endpoint() -> Response:

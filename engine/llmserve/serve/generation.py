@@ -53,6 +53,8 @@ class _EngineView:
         cfg = getattr(inner, "config", None) or getattr(async_engine, "config", None)
         #: whether outputs carry the batch-invariant guarantee (EngineConfig.batch_invariant)
         self.batch_invariant = bool(getattr(cfg, "batch_invariant", False))
+        #: the engine's start-up record (seconds per phase, KV pool size), if it keeps one
+        self.startup = getattr(inner, "startup", None)
 
     def stats(self) -> dict:
         for obj in (self.async_engine, self.inner):

@@ -29,46 +29,11 @@ def add_serve_subparser(subparsers: Any) -> argparse.ArgumentParser:
                               description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("model_tag", nargs="?", default=None, metavar="MODEL",
                    help="the model to serve (as --model; vllm serve MODEL style)")
-    p.add_argument("--model", default="tiny",
-                   help="'tiny' (embedded random Qwen2, the default), a local checkpoint directory, or a hub id")
-    p.add_argument("--device", default="cpu", help="cpu | cuda | cuda:N")
-    p.add_argument("--dtype", default=None, help="float32 | float16 | bfloat16 (default: fp32 on CPU, bf16 on CUDA)")
-    p.add_argument("--seed", type=int, default=0, help="engine seed (unseeded sampling)")
+    from ..engine_args import add_engine_args
+    g = p.add_argument_group("engine")
+    add_engine_args(g)
     p.add_argument("--host", default="127.0.0.1", help="bind address (0.0.0.0 in a container)")
     p.add_argument("--port", type=int, default=8000, help="TCP port")
-    p.add_argument("--max-num-seqs", "--max-batch-size", dest="max_batch_size", type=int, default=8, metavar="N",
-                   help="most sequences per engine step")
-    p.add_argument("--max-num-batched-tokens", type=int, default=None,
-                   help="token budget of one step (default: 2048 on CUDA; on a CPU one prefill chunk "
-                        "plus one token per sequence, so a long prompt never stalls running decodes)")
-    p.add_argument("--prefill-chunk-size", "--prefill-chunk", dest="prefill_chunk_size", type=int, default=None,
-                   help="most prompt tokens of one sequence in a step (default: 512 on CUDA, 64 on a CPU; "
-                        "0 turns chunked prefill off)")
-    p.add_argument("--max-model-len", type=int, default=4096, help="context length cap (tokens)")
-    p.add_argument("--policy", default="fcfs", choices=["fcfs", "sjf", "priority"], help="waiting-queue order")
-    p.add_argument("--block-size", type=int, default=16, help="tokens per KV block")
-    p.add_argument("--num-blocks", type=int, default=None,
-                   help="KV blocks (default: from the memory budget / free GPU memory)")
-    p.add_argument("--enable-prefix-caching", dest="enable_prefix_caching", action="store_true",
-                   default=True, help="share the KV of equal prompt prefixes (default on)")
-    p.add_argument("--no-prefix-caching", dest="enable_prefix_caching", action="store_false",
-                   help="turn prefix caching off")
-    p.add_argument("--attention-backend", "--paged-attention-backend", dest="paged_attention_backend",
-                   default="torch", choices=["torch", "triton"], help="paged attention implementation")
-    p.add_argument("--linear-backend", default="torch", choices=["torch", "int8", "int4", "triton-int8"],
-                   help="projection implementation (int8/int4: weight-only quantized)")
-    p.add_argument("--cuda-graph", action=argparse.BooleanOptionalAction, default=True,
-                   help="replay decode steps from CUDA graphs (CUDA, Triton attention backend; default on)")
-    from ..config import add_fast_path_args, add_parallel_args
-    add_fast_path_args(p)
-    add_parallel_args(p)
-    p.add_argument("--async-scheduling", action=argparse.BooleanOptionalAction, default=None,
-                   help="launch step n+1 before reading step n's tokens (default: on for CUDA)")
-    p.add_argument("--speculative-model", default=None, metavar="PATH|tiny",
-                   help="draft model for speculative decoding ('tiny', a checkpoint directory, a hub id, "
-                        "random:<preset>, or 'target'); acceptance counters appear in /metrics")
-    p.add_argument("--num-speculative-tokens", type=int, default=4,
-                   help="draft tokens proposed per step with --speculative-model (default 4)")
     p.add_argument("--max-waiting", type=int, default=1024,
                    help="answer 429 while this many requests wait for the engine (0 = unbounded)")
     p.add_argument("--max-request-body-bytes", type=int, default=DEFAULT_MAX_REQUEST_BODY_BYTES,
@@ -132,54 +97,36 @@ def _model_name(args: argparse.Namespace) -> str:
     return tag or flag or "tiny"
 
 
-def serving_token_budget(device: str, chunk: int | None, budget: int | None,
-                         max_num_seqs: int) -> tuple[int | None, int]:
-    """The server's chunked-prefill defaults: ``(prefill_chunk_size, max_num_batched_tokens)``.
-
-    Chunked prefill is on by default, as in vLLM V1, and running sequences (decodes first) are
-    scheduled before new prompts, so a long prompt arriving costs each running decode at most one
-    chunk of work per step (Sarathi-Serve, Agrawal et al., OSDI 2024). Defaults: on CUDA chunks of
-    512 tokens in a 2,048-token step (vLLM's budget for online serving); on a CPU, where a step's
-    time grows with its tokens, chunks of 64 and a budget of one chunk plus one token per
-    sequence. ``chunk=0`` turns chunking off (a prompt is prefilled whole, so the budget then
-    defaults to 4,096 tokens). Explicit values win.
-    """
-    on_cpu = str(device) == "cpu"
-    if chunk is None:
-        chunk = 64 if on_cpu else 512
-    if chunk == 0:
-        return None, budget if budget is not None else 4096
-    if budget is None:
-        budget = chunk + max_num_seqs if on_cpu else max(2048, chunk)
-    return chunk, budget
-
-
 def build_engine_config(args: argparse.Namespace):
-    """EngineConfig from ``serve`` flags (ValueError names a bad field)."""
-    from ..config import CacheConfig, EngineConfig, SchedulerConfig, fast_path_from_args
+    """The :class:`~llmserve.config.EngineConfig` of ``serve``'s flags: continuous batching with
+    the server's step budget (:func:`llmserve.engine_args.device_defaults`, usage ``"server"``).
 
-    dtype = args.dtype or ("float32" if args.device == "cpu" else "bfloat16")
-    chunk, budget = serving_token_budget(args.device, args.prefill_chunk_size, args.max_num_batched_tokens,
-                                         args.max_batch_size)
-    return EngineConfig(
-        model=_model_name(args), device=args.device, dtype=dtype, seed=args.seed,
-        cache=CacheConfig(block_size=args.block_size, num_blocks=args.num_blocks,
-                          enable_prefix_caching=getattr(args, "enable_prefix_caching", True)),
-        scheduler=SchedulerConfig(mode="continuous", policy=args.policy, max_num_seqs=args.max_batch_size,
-                                  max_num_batched_tokens=budget,
-                                  prefill_chunk_size=chunk, max_model_len=args.max_model_len),
-        attention_backend=args.paged_attention_backend, linear_backend=args.linear_backend,
-        use_cuda_graph=getattr(args, "cuda_graph", True),
-        async_scheduling=getattr(args, "async_scheduling", None), fast_path=fast_path_from_args(args),
-        batch_invariant=getattr(args, "batch_invariant", False),
-        tensor_parallel_size=getattr(args, "tensor_parallel_size", 1),
-        distributed_timeout_s=getattr(args, "distributed_timeout_s", 300.0))
+    Raises:
+        ValueError: a bad field, naming it; the model given twice.
+    """
+    import dataclasses
+
+    from ..engine_args import EngineArgs
+
+    eargs = dataclasses.replace(EngineArgs.from_namespace(args), model=_model_name(args))
+    return eargs.create_engine_config("server")
+
+
+def describe_startup(startup: dict) -> str:
+    """One line of an engine's start-up record (``LLMEngine.startup``): seconds per phase and
+    the KV pool."""
+    parts = [f"{k[:-2].replace('_', ' ')} {v:.1f} s" for k, v in startup.items() if k.endswith("_s")]
+    if startup.get("num_kv_blocks") is not None:
+        parts.append(f"KV cache {startup['num_kv_blocks']} blocks "
+                     f"({startup.get('kv_cache_bytes', 0) / 2**30:.2f} GiB)")
+    return ", ".join(parts) or "no start-up record"
 
 
 def build_app(args: argparse.Namespace):
     """Engine + app for the parsed flags (the app owns and stops the engine)."""
     from ..engine.async_engine import AsyncLLMEngine
-    from ..engine.llm_engine import LLMEngine
+    from ..engine.builder import build_engine
+    from ..engine_args import describe_config
     from .app import create_app
 
     if args.max_waiting is not None and args.max_waiting < 0:
@@ -190,12 +137,10 @@ def build_app(args: argparse.Namespace):
         raise ValueError(f"--max-request-body-bytes must be >= 0 (0 = no limit), got {args.max_request_body_bytes}")
     api_key = resolve_api_key(args)
     model = _model_name(args)
-    if getattr(args, "speculative_model", None):
-        from ..engine.speculative import SpeculativeEngine
-        engine = SpeculativeEngine(build_engine_config(args), draft_model=args.speculative_model,
-                                   num_speculative_tokens=args.num_speculative_tokens)
-    else:
-        engine = LLMEngine(build_engine_config(args))
+    config = build_engine_config(args)
+    log.info("engine: %s", describe_config(config))
+    engine = build_engine(config, speculative_model=getattr(args, "speculative_model", None),
+                          num_speculative_tokens=getattr(args, "num_speculative_tokens", 4))
     if getattr(args, "kernel_warmup", True):
         try:
             info = engine.warmup()
@@ -205,6 +150,7 @@ def build_app(args: argparse.Namespace):
             if "skipped" not in info:
                 log.info("kernel warm-up: %d synthetic requests, %.1f s, %s Triton compilations",
                          info["requests"], info["seconds"], info["triton_compiles"])
+    log.info("ready: %s", describe_startup(getattr(engine, "startup", None) or {}))
     max_waiting = args.max_waiting or None
     async_engine = AsyncLLMEngine(engine, max_waiting=max_waiting)
     name = args.served_model_name or model
