@@ -43,7 +43,7 @@ if [ "${1:-}" = "prepare" ]; then
   python3 -m pip wheel -q --wheel-dir .whl $packages
   # Wheels the GPU image already has (a CUDA build of torch and its libraries, triton) are
   # dropped; override with GPU_ENV_SKIP (an extended regex on wheel file names, '' keeps all).
-  skip=${GPU_ENV_SKIP-'^(torch|triton|nvidia_|cuda_|numpy|safetensors|tokenizers|transformers|huggingface_hub)-'}
+  skip=${GPU_ENV_SKIP-'^(torch|triton|nvidia_[a-z0-9_]+|cuda_[a-z0-9_]+|numpy|safetensors|tokenizers|transformers|huggingface_hub|networkx|sympy|mpmath|jinja2|markupsafe|fsspec|filelock)-'}
   if [ -n "$skip" ]; then
     for w in .whl/*.whl; do
       if basename "$w" | grep -Eq "$skip"; then rm -f "$w"; fi

