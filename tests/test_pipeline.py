@@ -60,7 +60,7 @@ def job_counts(dry_run_output: str) -> dict[str, int]:
 # ---------------------------------------------------------------------------------------------
 def test_dry_run_default_target_is_the_results_folder():
     # --forceall: list every job even when the committed results are up to date.
-    r = snakemake("-n", "--nolock", "--forceall", "results/checkpoint3")
+    r = snakemake("-n", "--nolock", "--forceall", "-p", "results/checkpoint3")
     assert r.returncode == 0, r.stdout
     counts = job_counts(r.stdout)
     groups = {k: v for k, v in counts.items() if k.startswith("benchmark_")}
@@ -68,7 +68,57 @@ def test_dry_run_default_target_is_the_results_folder():
     assert {k.rsplit("_rep", 1)[1] for k in groups} == {"0", "1", "2"}, groups
     for rule in ("aggregate", "plots", "checksums", "results/checkpoint3"):
         assert counts.get(rule) == 1, (rule, counts)
-    assert "results/checkpoint3/cpu/raw/scheduler~naive_policy~fcfs_batch~1_chunk~0" in r.stdout
+    assert "scheduler~naive_policy~fcfs_batch~1_chunk~0" in r.stdout  # the groups' cell specs
+
+
+def test_job_log_lines_name_the_cells_not_their_files():
+    """Each job's line in Snakemake's output is its message (rule, profile, cells), never the
+    list of its input and output files."""
+    r = snakemake("-n", "--nolock", "--forceall", "results/checkpoint3", "results/checkpoint4")
+    assert r.returncode == 0, r.stdout
+    lines = r.stdout.splitlines()
+    jobs = [ln for ln in lines if ln.startswith("Job ") and ":" in ln and "stats" not in ln]
+    assert any(ln.split(": ", 1)[1].startswith("benchmark_main_rep0 (cpu, 8 cells") for ln in jobs), jobs
+    assert any("tables from" in ln for ln in jobs) and any("quantize-eval" in ln for ln in jobs)
+    assert not any(ln.lstrip().startswith(("input:", "output:")) for ln in lines), r.stdout[-2000:]
+    assert max(map(len, jobs)) < 400, max(jobs, key=len)
+
+
+def test_every_rule_is_named_in_the_workflow_sources():
+    """A rule name in the log can be found with grep: literal rule names, and the generated
+    benchmark rules' common prefix with their pattern spelled out beside it."""
+    r = snakemake("--list-rules", "--nolock", "--config", "profile=h200")
+    assert r.returncode == 0, r.stdout
+    names = [ln.split()[0] for ln in r.stdout.splitlines()
+             if ln and not ln.startswith((" ", "Using", "Assuming", "Config"))]
+    sources = "\n".join(p.read_text() for p in [ROOT / "workflow" / "Snakefile",
+                                                *sorted((ROOT / "workflow" / "rules").glob("*.smk"))])
+    assert "benchmark_main_rep0" in names, names
+    for name in names:
+        if name.startswith("benchmark_"):
+            assert "benchmark_<sweep>_rep<N>" in sources
+        elif name.startswith("results/"):
+            assert f'"{name}"' in sources, name
+        else:
+            assert f"rule {name}:" in sources, name
+
+
+def test_column_table_is_the_schemas_and_the_rules():
+    """The matrix's columns are defined once (workflow/scripts/matrix_columns.py): the schema's
+    cell and sweep-block definitions name exactly those columns."""
+    import yaml
+
+    sys.path.insert(0, str(SCRIPTS))
+    try:
+        import matrix_columns as mc
+    finally:
+        sys.path.remove(str(SCRIPTS))
+    schema = yaml.safe_load((ROOT / "workflow" / "schemas" / "config.schema.yaml").read_text())
+    assert list(schema["$defs"]["cell"]["properties"]) == list(mc.COLUMN_NAMES)
+    assert list(schema["$defs"]["block"]["properties"]) == list(mc.COLUMN_NAMES)
+    cell = "scheduler~continuous_policy~fcfs_batch~8_chunk~0_linear~torch_attn~torch_rate~inf_blocks~auto_load~default_rep~0"
+    assert mc.cell_params(cell)["invariant"] == "off"
+    assert mc.cell_params(cell.replace("_rep~", "_invariant~on_rep~"))["invariant"] == "on"
 
 
 def test_rules_run_this_checkouts_engine():
@@ -93,11 +143,11 @@ def test_lint_is_clean():
 
 
 def test_gpu_profile_selected_by_config_and_configfile():
-    for sel in (["--config", "profile=h200"], ["--configfile", "config/checkpoint3-h200.yaml"]):
+    for sel in (["--config", "profile=h200"], ["--configfile", "config/h200.yaml"]):
         r = snakemake("-n", "--nolock", "-p", "results/checkpoint3", "--forceall", *sel)
         assert r.returncode == 0, r.stdout
-        assert "--device cuda" in r.stdout and "results/checkpoint3/h200/raw/" in r.stdout
-        assert "gpu=1" in r.stdout  # benchmark jobs declare the GPU
+        assert "--device cuda" in r.stdout and "results/checkpoint3/h200/raw" in r.stdout
+        assert "8 cells, 1 GPU)" in r.stdout  # benchmark jobs declare the GPU
         assert "--max-batch-size 64" in r.stdout and "--paged-attention-backend triton" in r.stdout
         groups = [k for k in job_counts(r.stdout) if k.startswith("benchmark_")]
         assert len(groups) >= 15, groups
@@ -110,7 +160,7 @@ def test_gpu_profile_selected_by_config_and_configfile():
 def test_unknown_profile_names_the_known_ones():
     r = snakemake("-n", "--nolock", "--config", "profile=nope")
     assert r.returncode != 0
-    assert "config/checkpoint3-nope.yaml" in r.stdout and "cpu, h200" in r.stdout
+    assert "config/nope.yaml" in r.stdout and "cpu, h200" in r.stdout
 
 
 def test_schema_rejects_a_bad_matrix(tmp_path):
@@ -118,6 +168,13 @@ def test_schema_rejects_a_bad_matrix(tmp_path):
     bad.write_text("sweeps:\n  main:\n    - {scheduler: [warp]}\n")
     r = snakemake("-n", "--nolock", "--configfile", str(bad))
     assert r.returncode != 0 and "warp" in r.stdout
+    # the prefix-caching and quantization sections are validated too
+    bad.write_text("prefix:\n  model: tiny\n  workloads: [no-such-workload]\n")
+    r = snakemake("-n", "--nolock", "--configfile", str(bad))
+    assert r.returncode != 0 and "no-such-workload" in r.stdout, r.stdout[-2000:]
+    bad.write_text("quantization: {modes: [int3], eval_tokens: 8}\n")
+    r = snakemake("-n", "--nolock", "--configfile", str(bad))
+    assert r.returncode != 0 and "int3" in r.stdout, r.stdout[-2000:]
 
 
 # ---------------------------------------------------------------------------------------------
@@ -316,8 +373,8 @@ def test_invariant_cells_are_named_apart_and_run_with_the_flag(tmp_path):
     assert r.returncode == 0, r.stdout[-3000:]
     plain = ("scheduler~continuous_policy~fcfs_batch~8_chunk~0_linear~torch_attn~torch_rate~inf"
              "_blocks~auto_load~default_rep~0")
-    assert f"raw/{plain}.json" in r.stdout
-    assert f"raw/{plain.replace('_rep~', '_invariant~on_rep~')}.json" in r.stdout
+    assert f'"{plain}"' in r.stdout  # a key of the group's spec
+    assert f'"{plain.replace("_rep~", "_invariant~on_rep~")}"' in r.stdout
     assert "--batch-invariant" in r.stdout and "invariant~off" not in r.stdout
     conf.write_text(conf.read_text().replace("[false, true]", "[yes-please]"))
     r = snakemake("-n", "--nolock", "results/checkpoint3", "--configfile", str(conf))
@@ -411,16 +468,15 @@ sweeps:
 def reduced_run(tmp_path_factory):
     pytest.importorskip("matplotlib")
     work = tmp_path_factory.mktemp("pipeline")
-    shutil.copy(ROOT / "Snakefile", work)
     for folder in ("workflow", "config", "envs"):
         shutil.copytree(ROOT / folder, work / folder)
-    # A snapshot of the engine (the Snakefile puts <workflow>/engine first on PYTHONPATH), so
+    # A snapshot of the engine (the Snakefile puts <repository>/engine first on PYTHONPATH), so
     # that the run (whose cells fail on purpose when the llmserve sources change under them) is
     # independent of edits to the tree.
     shutil.copytree(ROOT / "engine" / "llmserve", work / "engine" / "llmserve",
                     ignore=shutil.ignore_patterns("__pycache__"))
     env = dict(os.environ)
-    (work / "config" / "checkpoint3-citest.yaml").write_text(REDUCED)
+    (work / "config" / "citest.yaml").write_text(REDUCED)
     run = snakemake("--cores", "1", "results/checkpoint3", "--config", "profile=citest",
                     cwd=work, timeout=900, env=env)
     return work, run, env

@@ -4,9 +4,10 @@
 #   snakemake --report results/checkpoint3/<profile>/report.html results/checkpoint3
 
 rule aggregate:
+    """The checkpoint-3 tables (CSV + Markdown) from every cell's raw report."""
     input:
         script=f"{SCRIPTS}/aggregate_checkpoint3.py",
-        cell_ids=f"{SCRIPTS}/code_hash.py",  # parse_cell_id
+        columns=f"{SCRIPTS}/matrix_columns.py",  # the column table, parse_cell_id
         reports=expand(f"{RAW}/{{cell}}.json", cell=ALL_CELLS),
         provenance=expand(f"{RAW}/{{cell}}.provenance.json", cell=ALL_CELLS),
     output:
@@ -30,6 +31,8 @@ rule aggregate:
         out=lambda wildcards, output: os.path.dirname(output.summary_csv),
     log:
         f"{LOGS}/aggregate.log",
+    message:
+        f"checkpoint 3 ({PROFILE}): tables from {len(ALL_CELLS)} runs"
     conda:
         ENV
     shell:
@@ -39,8 +42,10 @@ rule aggregate:
 
 
 rule plots:
+    """The checkpoint-3 plots from the tables (and the main sweep's raw reports)."""
     input:
         script=f"{SCRIPTS}/plot_checkpoint3.py",
+        columns=f"{SCRIPTS}/matrix_columns.py",
         summary=f"{OUT}/summary.csv",
         chunked=f"{OUT}/chunked_prefill.csv",
         rates=f"{OUT}/rates.csv",
@@ -55,6 +60,8 @@ rule plots:
         defaults=json.dumps({k: _fmt(v) for k, v in DEFAULTS.items()}),
     log:
         f"{LOGS}/plots.log",
+    message:
+        f"checkpoint 3 ({PROFILE}): plots"
     conda:
         ENV
     shell:

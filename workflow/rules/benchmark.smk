@@ -35,10 +35,13 @@ BENCHMARK_PARTITION = (os.environ.get("LLMSERVE_SLURM_GPU_PARTITION")
 
 
 rule code_changed_marker:
+    """A marker that makes a cell measured on other llmserve sources rerun."""
     output:
         f"{LOGS}/code-changed/{{cell}}/{{old}}-to-{{new}}.stamp",
     log:
         f"{LOGS}/code-changed/{{cell}}/{{old}}-to-{{new}}.log",
+    message:
+        "llmserve sources changed since {wildcards.cell} ran: it reruns"
     conda:
         ENV
     shell:
@@ -46,9 +49,13 @@ rule code_changed_marker:
         " > {output:q} 2> {log:q}"
 
 
+# One rule per group, named benchmark_<sweep>_rep<N> (e.g. benchmark_main_rep0; the list:
+# `snakemake --list-rules`): a rule's output must be a fixed list of files, and a group's files
+# are its cells'.
 for _group, _cells in GROUPS.items():
 
     rule:
+        """The benchmark cells of one sweep and repetition, in one process."""
         name:
             f"benchmark_{_group}"
         input:
@@ -77,6 +84,8 @@ for _group, _cells in GROUPS.items():
             cpus_per_task=BENCHMARK_CPUS,
             slurm_partition=BENCHMARK_PARTITION,
             slurm_extra="--exclusive",
+        message:
+            group_message(_group)
         conda:
             ENV
         shell:

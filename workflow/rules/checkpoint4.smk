@@ -7,18 +7,20 @@
 #
 # The GPU result (Qwen2.5-1.5B shapes on an H200) is tracked in results/checkpoint4/h200/.
 
+# Settings: the config's `quantization` section (modes, eval_tokens) on the profile's model.
 Q4 = {
     "profile": PROFILE,
     "model": config["model"],
     "device": config["device"],
     "dtype": config["dtype"],
-    "modes": "fp16,int8,int4,triton-int8",
-    "eval_tokens": 1024,
+    "modes": ",".join(config["quantization"]["modes"]),
+    "eval_tokens": int(config["quantization"]["eval_tokens"]),
 }
 Q4_OUT = f"results/checkpoint4/{Q4['profile']}"
 
 
 rule quantize_eval:
+    """Checkpoint 4: bytes, quality against 16-bit and decode speed of each quantization mode."""
     output:
         json=f"{Q4_OUT}/quantization.json",
         csv=f"{Q4_OUT}/quantization.csv",
@@ -30,6 +32,9 @@ rule quantize_eval:
         f"{Q4_OUT}/logs/quantize_eval.log",
     resources:
         gpu=1 if str(config["device"]).startswith("cuda") else 0,
+        benchmark_slot=1,  # it times decoding: never beside another measuring job
+    message:
+        f"checkpoint 4 ({PROFILE}): quantize-eval {Q4['modes']}"
     conda:
         ENV
     shell:
@@ -40,6 +45,7 @@ rule quantize_eval:
 
 # The plot script is an input of the plot only: editing it redraws, never re-measures.
 rule quantize_plot:
+    """Checkpoint 4's plot: quality against stored bytes and speed, one bubble per mode."""
     input:
         script=f"{SCRIPTS}/plot_quantization.py",
         json=f"{Q4_OUT}/quantization.json",
@@ -47,6 +53,8 @@ rule quantize_plot:
         png=f"{Q4_OUT}/quantization.png",
     log:
         f"{Q4_OUT}/logs/quantize_plot.log",
+    message:
+        f"checkpoint 4 ({PROFILE}): plot"
     conda:
         ENV
     shell:
@@ -54,6 +62,7 @@ rule quantize_plot:
 
 
 rule checkpoint4_checksums:
+    """sha256 sums of checkpoint 4's tracked files."""
     input:
         script=f"{SCRIPTS}/checksums.py",
         files=[*rules.quantize_eval.output, *rules.quantize_plot.output],
@@ -61,6 +70,8 @@ rule checkpoint4_checksums:
         f"checksums/checkpoint4-{Q4['profile']}.sha256",
     log:
         f"{Q4_OUT}/logs/checksums.log",
+    message:
+        f"checkpoint 4 ({PROFILE}): checksums"
     conda:
         ENV
     shell:
@@ -70,9 +81,12 @@ rule checkpoint4_checksums:
 for _alias in ("results/checkpoint4", "results/checkpoint4/"):
 
     rule:
+        """Checkpoint 4's results folder as a target."""
         name:
             _alias
         input:
             rules.quantize_eval.output,
             rules.quantize_plot.output,
             rules.checkpoint4_checksums.output,
+        message:
+            f"checkpoint 4 ({PROFILE}): every result present and current"

@@ -2,6 +2,7 @@
 # verifiable from the repository root with `sha256sum -c checksums/checkpoint3-<profile>.sha256`.
 
 rule checksums:
+    """sha256 sums of every tracked checkpoint-3 file of the profile."""
     input:
         script=f"{SCRIPTS}/checksums.py",
         files=TRACKED_FILES,
@@ -9,6 +10,8 @@ rule checksums:
         CHECKSUM_FILE,
     log:
         f"{LOGS}/checksums.log",
+    message:
+        f"checkpoint 3 ({PROFILE}): checksums of {len(TRACKED_FILES)} files"
     conda:
         ENV
     shell:

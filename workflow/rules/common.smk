@@ -20,7 +20,6 @@ LOGS = f"{OUT}/logs"  # git-ignored (results/**/logs/)
 PLOTS = f"{OUT}/plots"
 CHECKSUM_FILE = f"checksums/checkpoint3-{PROFILE}.sha256"
 ENV = "../../envs/llmserve.yaml"  # relative to this file, as the conda directive expects
-SCRIPTS = "workflow/scripts"
 
 # The load profile every cell of the `default` load runs: the file itself, or a derived copy with
 # the overrides; each extra load is a derived copy of the default load with its own changes.
@@ -36,7 +35,7 @@ GPU = 1 if str(config["device"]).startswith("cuda") else 0
 
 def _load_code_hash_module():
     """workflow/scripts/code_hash.py as a module (the workflow's scripts are not a package)."""
-    path = Path(workflow.basedir) / SCRIPTS / "code_hash.py"
+    path = REPO / SCRIPTS / "code_hash.py"
     spec = importlib.util.spec_from_file_location("checkpoint3_code_hash", path)
     mod = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(mod)
@@ -51,14 +50,15 @@ CODE_HASH = _CODE_HASH_MOD.code_hash(Path(ENGINE_DIR) / "llmserve")
 # ----------------------------------------------------------------------------------------------
 # The matrix
 # ----------------------------------------------------------------------------------------------
-# Column order = order of the fields in a cell id, e.g.
+# The columns and the cell-id format: workflow/scripts/matrix_columns.py, the one table the
+# rules and the scripts import. Column order = order of the fields in a cell id, e.g.
 #   scheduler~continuous_policy~fcfs_batch~8_chunk~0_linear~torch_attn~torch_rate~inf_blocks~auto_load~default_rep~0
-# Names and values never contain "_" or "~", so a cell id parses back unambiguously. A column of
-# OPTIONAL_COLUMNS (code_hash.py) is left out of the id at its default value: the batch-invariant
+# A column of OPTIONAL_COLUMNS is left out of the id at its default value: the batch-invariant
 # mode appears as "_invariant~on" before "_rep~".
-COLUMNS = ["scheduler", "policy", "batch", "chunk", "linear", "attn", "rate", "blocks", "load",
-           "invariant"]
-OPTIONAL_COLUMNS = _CODE_HASH_MOD.OPTIONAL_COLUMNS
+import matrix_columns
+
+COLUMNS = list(matrix_columns.COLUMN_NAMES)
+OPTIONAL_COLUMNS = matrix_columns.OPTIONAL_COLUMNS
 
 
 def _fmt(value):
@@ -127,7 +127,7 @@ if _unknown_loads:
 def _cell_params(cell_id):
     """Matrix values of a cell id (the `rep` included; optional columns at their default when
     the id leaves them out)."""
-    return {**OPTIONAL_COLUMNS, **dict(part.split("~", 1) for part in cell_id.split("_"))}
+    return matrix_columns.cell_params(cell_id)
 
 
 # Benchmark processes: the cells of one sweep and repetition run in one process (the first sweep
@@ -141,6 +141,24 @@ for _sweep, _ids in SWEEP_CELLS.items():
         if _cell not in _owner:
             _owner[_cell] = _sweep
             GROUPS.setdefault(f"{_sweep}_rep{_cell_params(_cell)['rep']}", []).append(_cell)
+
+
+def cell_label(cell_id):
+    """A cell in a few words: its scheduler and batch, then every column off the defaults."""
+    c = _cell_params(cell_id)
+    words = [c["scheduler"]] + ([f"b{c['batch']}"] if c["scheduler"] not in ("naive", "paged") else [])
+    words += [f"{k} {c[k]}" for k in COLUMNS
+              if k not in ("scheduler", "batch") and c[k] != _fmt(DEFAULTS[k])
+              and not (c["scheduler"] == "naive" and k in ("policy", "chunk", "attn"))]
+    return " ".join(words)
+
+
+def group_message(group):
+    """The log line of a benchmark group: its sweep, repetition and cells, not its file list."""
+    cells = GROUPS[group]
+    device = "1 GPU" if GPU else f"{config['torch_threads']} torch thread(s)"
+    return (f"benchmark_{group} ({PROFILE}, {len(cells)} cells, {device}): "
+            + "; ".join(cell_label(c) for c in cells))
 
 
 def cell_flags(cell_id):
@@ -293,19 +311,15 @@ def _plot(name, caption):
                   labels={"profile": PROFILE, "plot": name})
 
 
-# ---- the prefix-caching sweep (workflow/rules/prefix.smk) ----
-import yaml as _prefix_yaml
-
-_PREFIX_ALL = _prefix_yaml.safe_load(open("config/prefix.yaml"))
-_PREFIX_PROFILE = config.get("profile", "cpu")
-PREFIX_CFG = _PREFIX_ALL.get(_PREFIX_PROFILE)
-PREFIX_OUT = f"results/prefix/{_PREFIX_PROFILE}"
+# ---- the prefix-caching sweep (workflow/rules/prefix.smk; settings: the config's `prefix`) ----
+PREFIX_CFG = config.get("prefix")
+PREFIX_OUT = f"results/prefix/{PROFILE}"
 PREFIX_CELLS = ([f"{w}_{c}_r{r:g}" for w in PREFIX_CFG["workloads"] for c in PREFIX_CFG["caching"]
                  for r in PREFIX_CFG["arrival_rates"]] if PREFIX_CFG else [])
 PREFIX_TABLES = [f"{PREFIX_OUT}/table.csv", f"{PREFIX_OUT}/table.md",
                  f"{PREFIX_OUT}/plots/ttft_cdf.png", f"{PREFIX_OUT}/plots/hit_rate.png"]
-PREFIX_CHECKSUMS = f"checksums/prefix-{_PREFIX_PROFILE}.sha256"
-#: Everything the sweep tracks (empty for a profile without a prefix entry).
+PREFIX_CHECKSUMS = f"checksums/prefix-{PROFILE}.sha256"
+#: Everything the sweep tracks (empty for a profile without a `prefix` section).
 PREFIX_FILES = ([f"{PREFIX_OUT}/load_profile.yaml", *PREFIX_TABLES, PREFIX_CHECKSUMS]
                 + [f"{PREFIX_OUT}/raw/{c}.{ext}" for c in PREFIX_CELLS for ext in ("json", "csv")]
                 ) if PREFIX_CFG else []

@@ -11,11 +11,16 @@
 #
 #   python3 workflow/scripts/checksums.py write --output checksums/h200.sha256 results/h200/compare.*
 
-H200_ARGS = ("--hf-requests 32 --hf-decode-steps 32 --hf-static-batch 32 --rates 4 16 64"
-             " --openloop-requests 100")
+# Settings: the config's `compare` section.
+_CMP = config["compare"]
+H200_ARGS = (f"--hf-requests {_CMP['hf_requests']} --hf-decode-steps {_CMP['hf_decode_steps']}"
+             f" --hf-static-batch {_CMP['hf_static_batch']}"
+             f" --rates {' '.join(f'{r:g}' for r in _CMP['rates'])}"
+             f" --openloop-requests {_CMP['openloop_requests']}")
 
 
 rule h200_compare:
+    """llmserve against the weight-bandwidth floor and HF transformers on one GPU."""
     output:
         json="results/h200/compare.json",
         md="results/h200/compare.md",
@@ -27,6 +32,9 @@ rule h200_compare:
         "results/h200/logs/compare.log",
     resources:
         gpu=1,
+        benchmark_slot=1,
+    message:
+        "bench-compare on the GPU: decode vs floor, offline vs HF transformers, open loop"
     conda:
         ENV
     shell:
@@ -36,7 +44,10 @@ rule h200_compare:
 for _alias in ("results/h200", "results/h200/"):
 
     rule:
+        """The comparison's results folder as a target."""
         name:
             _alias
         input:
             rules.h200_compare.output,
+        message:
+            "results/h200: present and current"

@@ -1,7 +1,7 @@
 # Prefix-caching sweep: automatic prefix caching on/off x workload (multi-turn ShareGPT,
 # shared system prompt) x arrival rate, one `llmserve benchmark` run per cell, then a table
-# and plots (TTFT CDF with and without caching, hit rate). Settings: config/prefix.yaml, keyed
-# by the main config's `profile`. Outputs under results/prefix/<profile>/:
+# and plots (TTFT CDF with and without caching, hit rate). Settings: the `prefix` section of
+# the profile's config (config/config.yaml, config/<profile>.yaml). Outputs under results/prefix/<profile>/:
 #   load_profile.yaml, raw/<workload>_<on|off>_r<rate>.{json,csv}, table.{csv,md},
 #   plots/ttft_cdf.png, plots/hit_rate.png; checksums in checksums/prefix-<profile>.sha256.
 
@@ -9,19 +9,26 @@
 
 
 rule prefix_profile:
+    """The prefix sweep's load profile: the base profile with the config's overrides."""
     output:
         f"{PREFIX_OUT}/load_profile.yaml",
     params:
-        profile=_PREFIX_PROFILE,
+        script=f"{SCRIPTS}/prefix_sweep.py",
+        profile=PROFILE,
+        settings=json.dumps({k: (PREFIX_CFG or {}).get(k) for k in ("base_profile", "profile_overrides")}),
     log:
         f"{PREFIX_OUT}/logs/profile.log",
+    message:
+        "prefix sweep ({params.profile}): load profile"
     conda:
         ENV
     shell:
-        "python workflow/scripts/prefix_sweep.py profile --profile {params.profile} --output {output:q} > {log:q} 2>&1"
+        "python {params.script} profile --profile {params.profile}"
+        " --settings {params.settings:q} --output {output:q} > {log:q} 2>&1"
 
 
 rule prefix_cell:
+    """One cell of the prefix sweep: a workload, caching on or off, an arrival rate."""
     input:
         profile=f"{PREFIX_OUT}/load_profile.yaml",
     output:
@@ -36,8 +43,11 @@ rule prefix_cell:
         code=CODE_HASH,  # any engine source change reruns the cells
     resources:
         gpu=1 if PREFIX_CFG and str(PREFIX_CFG["device"]).startswith("cuda") else 0,
+        benchmark_slot=1,  # it measures latency: never beside another measuring job
     log:
         f"{PREFIX_OUT}/logs/{{workload}}_{{caching}}_r{{rate}}.log",
+    message:
+        f"prefix sweep ({PROFILE}): {{wildcards.workload}}, caching {{wildcards.caching}}, {{wildcards.rate}} req/s"
     conda:
         ENV
     shell:
@@ -46,21 +56,26 @@ rule prefix_cell:
 
 
 rule prefix_report:
+    """The prefix sweep's table and plots (the script is an input: editing it redraws)."""
     input:
-        [f"{PREFIX_OUT}/raw/{c}.json" for c in PREFIX_CELLS],
+        script=f"{SCRIPTS}/prefix_sweep.py",
+        reports=[f"{PREFIX_OUT}/raw/{c}.json" for c in PREFIX_CELLS],
     output:
         PREFIX_TABLES,
     params:
         out_dir=lambda w, output: os.path.dirname(output[0]),
     log:
         f"{PREFIX_OUT}/logs/report.log",
+    message:
+        f"prefix sweep ({PROFILE}): table and plots of {len(PREFIX_CELLS)} cells"
     conda:
         ENV
     shell:
-        "python workflow/scripts/prefix_sweep.py report --out-dir {params.out_dir:q} {input:q} > {log:q} 2>&1"
+        "python {input.script} report --out-dir {params.out_dir:q} {input.reports:q} > {log:q} 2>&1"
 
 
 rule prefix_checksums:
+    """sha256 sums of the prefix sweep's tracked files."""
     input:
         [f"{PREFIX_OUT}/load_profile.yaml", *PREFIX_TABLES]
         + [f"{PREFIX_OUT}/raw/{c}.{ext}" for c in PREFIX_CELLS for ext in ("json", "csv")],
@@ -68,6 +83,8 @@ rule prefix_checksums:
         PREFIX_CHECKSUMS,
     log:
         f"{PREFIX_OUT}/logs/checksums.log",
+    message:
+        f"prefix sweep ({PROFILE}): checksums"
     conda:
         ENV
     shell:
@@ -78,3 +95,5 @@ rule prefix:
     """The prefix-caching sweep of the selected profile."""
     input:
         PREFIX_FILES,
+    message:
+        f"prefix sweep ({PROFILE}): every result present and current"

@@ -5,6 +5,7 @@
 if DERIVE_PROFILE:
 
     rule derive_load_profile:
+        """The default load: the load profile with the config's overrides."""
         input:
             profile=config["load_profile"],
         output:
@@ -13,6 +14,8 @@ if DERIVE_PROFILE:
             overrides=config["load_profile_overrides"],
         log:
             f"{LOGS}/derive_load_profile.log",
+        message:
+            f"load profile ({PROFILE}): the default load"
         run:
             write_derived_profile(input.profile, params.overrides, output.profile, log[0])
 
@@ -20,6 +23,7 @@ if DERIVE_PROFILE:
 if EXTRA_LOADS:
 
     rule derive_extra_load_profile:
+        """An extra load (the `load` column): the default load with its own changes."""
         input:
             profile=config["load_profile"],
         output:
@@ -31,5 +35,7 @@ if EXTRA_LOADS:
             f"{LOGS}/derive_load_profile-{{load}}.log",
         wildcard_constraints:
             load="|".join(EXTRA_LOADS),
+        message:
+            f"load profile ({PROFILE}): the load {{wildcards.load}}"
         run:
             write_derived_profile(input.profile, params.overrides, output.profile, log[0])

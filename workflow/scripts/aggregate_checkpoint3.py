@@ -43,12 +43,12 @@ from pathlib import Path
 from typing import Any
 
 import pandas as pd
-from code_hash import OPTIONAL_COLUMNS, parse_cell_id  # noqa: E402  (workflow/scripts/, next to this file)
+from matrix_columns import COLUMN_NAMES, ID_DEFAULTS, parse_cell_id  # noqa: E402  (next to this file)
 
-PARAM_COLUMNS = ["scheduler", "policy", "batch", "chunk", "linear", "attn", "rate", "blocks", "load",
-                 "invariant"]
+#: The matrix columns (workflow/scripts/matrix_columns.py), in cell-id order.
+PARAM_COLUMNS = list(COLUMN_NAMES)
 #: A parameter's value when a cell id (or an older provenance file) does not name it.
-PARAM_DEFAULTS = {"load": "default", **OPTIONAL_COLUMNS}
+PARAM_DEFAULTS = ID_DEFAULTS
 
 #: Numbers aggregated over repetitions: output column stem -> key of report["aggregates"].
 METRICS = OrderedDict([

@@ -34,12 +34,10 @@ import os
 import sys
 from pathlib import Path
 
-__all__ = ["package_root", "source_files", "code_hash", "write_provenance", "check_unchanged",
-           "SourcesChanged", "parse_cell_id", "OPTIONAL_COLUMNS"]
+from matrix_columns import parse_cell_id  # noqa: E402  (workflow/scripts/, next to this file)
 
-#: Matrix columns a cell id leaves out at their default value (so adding one renamed no existing
-#: cell): the batch-invariant mode appears as ``_invariant~on`` only when it is on.
-OPTIONAL_COLUMNS = {"invariant": "off"}
+__all__ = ["package_root", "source_files", "code_hash", "write_provenance", "check_unchanged",
+           "SourcesChanged"]
 
 #: Hashed: every Python source of the package (Triton kernels are .py files too) and its JSON
 #: data (the tuned launch table ``triton_kernels/gemv_configs.json`` changes what the GPU runs).
@@ -85,21 +83,6 @@ def code_hash(root: Path | None = None) -> str:
         h.update(p.relative_to(root).as_posix().encode() + b"\0")
         h.update(hashlib.sha256(p.read_bytes()).hexdigest().encode() + b"\n")
     return h.hexdigest()
-
-
-def parse_cell_id(cell: str) -> dict[str, str]:
-    """``sched~continuous_policy~fcfs_...`` -> ``{"sched": "continuous", ...}``.
-
-    Values never contain ``_`` (the matrix columns are enums, integers, rates and "auto"),
-    so splitting on ``_`` then ``~`` is exact.
-    """
-    out: dict[str, str] = {}
-    for part in cell.split("_"):
-        key, sep, value = part.partition("~")
-        if not sep:
-            raise ValueError(f"cell id {cell!r}: part {part!r} is not key~value")
-        out[key] = value
-    return out
 
 
 def _crash_report(json_path: Path, csv_path: Path, exit_status: int, log: str | None,

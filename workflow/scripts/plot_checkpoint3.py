@@ -33,6 +33,7 @@ matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402  (after choosing the backend)
 import numpy as np  # noqa: E402
 import pandas as pd  # noqa: E402
+from matrix_columns import COLUMN_NAMES  # noqa: E402  (workflow/scripts/, next to this file)
 
 # Deterministic PNG bytes for identical data: no creation time / software stamp in the file.
 PNG_METADATA = {"Software": None}
@@ -41,8 +42,8 @@ COLOURS = {"naive": "tab:gray", "paged": "tab:purple", "static": "tab:orange",
            "continuous": "tab:blue"}
 POLICY_STYLE = {"fcfs": "-", "sjf": "--", "priority": ":"}
 FAILED = dict(marker="x", color="red", markersize=10, mew=2.5, linestyle="none")
-STR_COLUMNS = {c: str for c in ("scheduler", "policy", "batch", "chunk", "linear", "attn", "rate",
-                                "blocks", "load", "cell", "status")}
+#: Columns read as text (matrix values are labels, e.g. batch "8", rate "inf").
+STR_COLUMNS = {c: str for c in (*COLUMN_NAMES, "cell", "status")}
 
 
 class EmptySelection(ValueError):

@@ -1,10 +1,12 @@
 """Prefix-caching sweep helpers (workflow/rules/prefix.smk).
 
-    prefix_sweep.py profile --profile cpu --output results/prefix/cpu/load_profile.yaml
+    prefix_sweep.py profile --profile cpu --settings '{"base_profile": ..., "profile_overrides": {...}}' \
+        --output results/prefix/cpu/load_profile.yaml
     prefix_sweep.py report --out-dir results/prefix/cpu results/prefix/cpu/raw/*.json
 
-``profile`` writes the base load profile of ``config/prefix.yaml`` with its overrides merged
-key by key (validated by llmserve's own profile checker). ``report`` reads the benchmark JSON
+``profile`` writes the base load profile named by the ``prefix`` section of the pipeline
+config (the rule passes ``base_profile`` and ``profile_overrides`` as JSON) with its overrides
+merged key by key (validated by llmserve's own profile checker). ``report`` reads the benchmark JSON
 reports and writes ``table.csv`` / ``table.md`` (one row per cell: workload, caching, arrival
 rate, TTFT p50/p95, TPOT p50, throughput, prefix-cache queries/hits/hit rate, cached and
 evicted blocks) and ``plots/ttft_cdf.png`` (TTFT CDF with and without caching, a panel per
@@ -25,16 +27,22 @@ COLUMNS = ("workload", "caching", "arrival_rate", "status", "num_requests", "num
            "prefix_cache_cached_blocks", "prefix_cache_evicted_blocks", "token_digest")
 
 
-def write_profile(profile: str, output: Path) -> None:
+def write_profile(profile: str, settings: dict, output: Path) -> None:
+    """Write ``settings["base_profile"]`` with ``settings["profile_overrides"]`` merged into it.
+
+    Raises:
+        ValueError: the merged profile fails llmserve's profile validation.
+    """
     from llmserve.bench.workload import load_profile, validate_profile
 
-    cfg = yaml.safe_load(Path("config/prefix.yaml").read_text())[profile]
+    cfg = settings
     base, _ = load_profile(cfg["base_profile"])
     for key, value in (cfg.get("profile_overrides") or {}).items():
         base[key] = {**base[key], **value} if isinstance(value, dict) and isinstance(base.get(key), dict) else value
-    prof = validate_profile(base, source=f"config/prefix.yaml:{profile}")
+    prof = validate_profile(base, source=f"the prefix settings of profile {profile}")
     output.parent.mkdir(parents=True, exist_ok=True)
-    output.write_text("# Derived by workflow/scripts/prefix_sweep.py from config/prefix.yaml\n"
+    output.write_text("# Derived by workflow/scripts/prefix_sweep.py from the prefix settings of "
+                      f"profile {profile}\n"
                       + yaml.safe_dump(prof, sort_keys=False))
 
 
@@ -79,7 +87,7 @@ def report(out_dir: Path, files: list[Path]) -> None:
     md = [f"Prefix-caching sweep: model `{cfg.get('model')}` on `{cfg.get('device')}` "
           f"({hw.get('cpu_model') or hw.get('device_name')}, {hw.get('cpu_count')} CPUs), "
           f"{cfg.get('requests')} measured requests a cell, profile `{first.get('profile_path')}`; "
-          "command: `snakemake --cores 1 prefix` (settings in config/prefix.yaml). Queries and "
+          "command: `snakemake --cores 1 prefix` (settings: the config's `prefix` section). Queries and "
           "hits are prompt tokens at admission; identical token digests mean identical outputs.", "",
           "| " + " | ".join(COLUMNS[:-1]) + " |", "|" + " --- |" * (len(COLUMNS) - 1)]
     md += ["| " + " | ".join(_fmt(r[k]) for k in COLUMNS[:-1]) + " |" for r in rows]
@@ -124,14 +132,15 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = p.add_subparsers(dest="cmd", required=True)
     a = sub.add_parser("profile")
-    a.add_argument("--profile", required=True)
+    a.add_argument("--profile", required=True, help="the pipeline profile (for the header)")
+    a.add_argument("--settings", required=True, help="JSON: base_profile, profile_overrides")
     a.add_argument("--output", required=True, type=Path)
     b = sub.add_parser("report")
     b.add_argument("--out-dir", required=True, type=Path)
     b.add_argument("files", nargs="+", type=Path)
     args = p.parse_args()
     if args.cmd == "profile":
-        write_profile(args.profile, args.output)
+        write_profile(args.profile, json.loads(args.settings), args.output)
     else:
         report(args.out_dir, args.files)
 
