@@ -133,14 +133,17 @@ def _cell_params(cell_id):
 # Benchmark processes: the cells of one sweep and repetition run in one process (the first sweep
 # that names a cell runs it), so start-up (torch, tokenizer, prompts; CUDA context, kernels) is
 # paid once a group, while repetitions stay separate processes and an edit of one sweep reruns
-# that sweep's groups only.
+# that sweep's groups only. `group_cells_by: repetition` puts every cell of a repetition in one
+# process (the GPU profile: a CUDA start-up a repetition instead of one a sweep and repetition).
 GROUPS = {}
 _owner = {}
 for _sweep, _ids in SWEEP_CELLS.items():
     for _cell in _ids:
         if _cell not in _owner:
             _owner[_cell] = _sweep
-            GROUPS.setdefault(f"{_sweep}_rep{_cell_params(_cell)['rep']}", []).append(_cell)
+            _rep = _cell_params(_cell)["rep"]
+            _name = f"rep{_rep}" if config["group_cells_by"] == "repetition" else f"{_sweep}_rep{_rep}"
+            GROUPS.setdefault(_name, []).append(_cell)
 
 
 def cell_label(cell_id):

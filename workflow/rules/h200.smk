@@ -14,9 +14,10 @@
 # Settings: the config's `compare` section.
 _CMP = config["compare"]
 H200_ARGS = (f"--hf-requests {_CMP['hf_requests']} --hf-decode-steps {_CMP['hf_decode_steps']}"
-             f" --hf-static-batch {_CMP['hf_static_batch']}"
+             f" --hf-static-batch {_CMP['hf_static_batch']} --hf-static-requests {_CMP['hf_static_requests']}"
              f" --rates {' '.join(f'{r:g}' for r in _CMP['rates'])}"
-             f" --openloop-requests {_CMP['openloop_requests']}")
+             f" --openloop-requests {_CMP['openloop_requests']}"
+             f" --openloop-repetitions {_CMP['openloop_repetitions']}")
 
 
 rule h200_compare:
@@ -24,6 +25,7 @@ rule h200_compare:
     output:
         json="results/h200/compare.json",
         md="results/h200/compare.md",
+        plot="results/h200/decode_sweep.png",
     params:
         llmserve=config["llmserve"],
         args=H200_ARGS,
@@ -38,7 +40,8 @@ rule h200_compare:
     conda:
         ENV
     shell:
-        "{params.llmserve} bench-compare {params.args} --out $(dirname {output.json}) > {log} 2>&1"
+        "{params.llmserve} bench-compare {params.args} --code-hash {params.code_hash}"
+        " --out $(dirname {output.json}) > {log} 2>&1"
 
 
 for _alias in ("results/h200", "results/h200/"):

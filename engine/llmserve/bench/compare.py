@@ -459,7 +459,8 @@ def run(args: argparse.Namespace) -> dict:
         triton_v = None
     report = {"date": time.strftime("%Y-%m-%d %H:%M:%S"), "gpu": torch.cuda.get_device_name(device),
               "torch": torch.__version__, "transformers": transformers.__version__, "triton": triton_v,
-              "python": platform.python_version(), "command": args.command_line, "parts": {}}
+              "python": platform.python_version(), "command": args.command_line,
+              "code_hash": getattr(args, "code_hash", None), "parts": {}}
     report["ceilings"] = measure_ceilings(device)
     bw = report["ceilings"]["copy_bandwidth_Bps"]
     print(json.dumps(report["ceilings"]), flush=True)
@@ -512,8 +513,9 @@ def run(args: argparse.Namespace) -> dict:
             k = args.hf_requests
             rows.append(_row("hf generate_batch (continuous)", offline_hf_continuous, args.offline_model,
                              prompts[:k], outs[:k]))
-            rows.append(_row("hf generate (static)", offline_hf_static, args.offline_model, prompts, outs,
-                             args.hf_static_batch))
+            n = args.hf_static_requests
+            rows.append(_row("hf generate (static)", offline_hf_static, args.offline_model, prompts[:n],
+                             outs[:n], args.hf_static_batch))
         report["parts"]["offline"] = {"model": args.offline_model, "requests": len(prompts),
                                       "output_tokens": sum(outs), "lo": args.offline_lo,
                                       "hi": args.offline_hi, "seed": args.seed, "rows": rows}
@@ -624,7 +626,8 @@ def to_markdown(rep: dict) -> str:
              f"Date {rep['date']}; torch {rep['torch']}, transformers {rep['transformers']}, "
              f"triton {rep['triton']}. Measured ceilings: copy {c['copy_bandwidth_Bps'] / 1e12:.2f} TB/s, "
              f"bf16 matmul {c['bf16_matmul_flops'] / 1e12:.0f} TFLOP/s. Random weights, bf16.", "",
-             f"Command: `{rep['command']}`", ""]
+             f"Command: `{rep['command']}`" + (f"; engine code hash `{rep['code_hash']}`"
+                                               if rep.get("code_hash") else ""), ""]
     if "decode" in rep["parts"]:
         lines += ["## Batch-1 decode (ms/step)", "",
                   "| model | engine | ms/step (median) | graph replay ms | floor ms | x floor | status |",
@@ -758,6 +761,10 @@ def add_bench_compare_subparser(sub) -> None:
     p.add_argument("--max-num-batched-tokens", type=int, default=8192, help="llmserve: token budget of one step")
     p.add_argument("--hf-requests", type=int, default=32, help="requests given to HF generate_batch")
     p.add_argument("--hf-static-batch", type=int, default=64, help="batch size of HF's static-batch baseline")
+    p.add_argument("--hf-static-requests", type=int, default=256,
+                   help="offline requests given to HF's static-batch baseline (the first N)")
+    p.add_argument("--code-hash", default=None,
+                   help="the engine's code hash, recorded in the report (the pipeline passes it)")
     p.add_argument("--skip-hf", action="store_true", help="do not run HF transformers")
     p.add_argument("--rates", nargs="+", type=float, default=[4.0, 16.0, 64.0],
                    help="open-loop arrival rates (requests/s)")

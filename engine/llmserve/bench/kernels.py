@@ -643,7 +643,8 @@ def markdown(res: dict) -> str:
                 "value as performance numbers.", ""]
     out += [f"- device: {e['gpu']} ({e['sms']} SMs), torch {e['torch']}, triton {e['triton']}, "
             f"python {e['python']}, {e['date']}",
-            f"- command: `{e['command']}`",
+            f"- command: `{e['command']}`" + (f"; engine code hash `{e['code_hash']}`"
+                                                 if e.get("code_hash") else ""),
             f"- copy bandwidth measured in this run: {_f(e['copy_bw_tbps'], '.2f')} TB/s (reference: "
             f"{REF_BW / 1e12:.2f} TB/s, an H200); timings are medians of CUDA-graph replays with inputs "
             f"rotated over >= {e['rotate_bytes'] / 1e6:.0f} MB; compile warm-up "
@@ -810,6 +811,7 @@ class KernelBenchOptions:
         decode_splits: split policy of the decode kernel (``FastPathConfig.decode_splits``).
         output: directory of ``kernels.json`` / ``kernels.md``; ``None``:
             ``results/kernels/<gpu_slug>`` (``cpu`` on CPU).
+        code_hash: the engine's code hash to record in the report (the pipeline's), or None.
 
     Raises:
         ValueError: an option outside its range, naming it.
@@ -823,6 +825,7 @@ class KernelBenchOptions:
     skip: frozenset = frozenset()
     decode_splits: str = FastPathConfig().decode_splits
     output: str | None = None
+    code_hash: str | None = None
 
     def __post_init__(self) -> None:
         try:
@@ -930,7 +933,7 @@ def run(opts: KernelBenchOptions, command: str = "llmserve bench-kernels") -> tu
                sms=0 if cpu else _sms(), torch=torch.__version__, triton=triton.__version__,
                date=_dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
                python=sys.version.split()[0], command=command, rotate_bytes=_ROTATE,
-               decode_options=decode_options, sweep=opts.sweep)
+               decode_options=decode_options, sweep=opts.sweep, code_hash=opts.code_hash)
     if not cpu and opts.workers > 0:
         import multiprocessing as mp
         t = time.time()
@@ -979,6 +982,8 @@ def add_bench_kernels_subparser(sub) -> None:
     p.add_argument("--skip", default="", help=f"comma list of sections to skip: {','.join(SECTIONS)}")
     p.add_argument("--decode-splits", default=FastPathConfig().decode_splits, choices=list(DECODE_SPLIT_POLICIES),
                    help="split policy of the decode attention kernel (FastPathConfig.decode_splits)")
+    p.add_argument("--code-hash", default=None,
+                   help="the engine's code hash, recorded in the report (the pipeline passes it)")
     p.add_argument("--output", "--out", dest="output", default=None,
                    help="output directory (default: results/kernels/<gpu>, e.g. results/kernels/h200)")
     p.set_defaults(func=_main)
@@ -1006,7 +1011,8 @@ def _main(args: argparse.Namespace) -> int:
     opts = KernelBenchOptions(device=args.device, quick=args.quick, sweep=args.sweep,
                               sweep_deadline=args.sweep_deadline, workers=args.workers,
                               skip=frozenset(filter(None, args.skip.split(","))),
-                              decode_splits=args.decode_splits, output=args.output)
+                              decode_splits=args.decode_splits, output=args.output,
+                              code_hash=args.code_hash)
     res, out = run(opts, command=_command_line(opts))
     print(markdown(res))
     print(f"wrote {out / 'kernels.json'} and {out / 'kernels.md'}")

@@ -1,0 +1,175 @@
+# All the GPU evidence of one profile in one target (a GPU profile only, e.g. h200):
+#
+#   snakemake results/gpu --cores 8 --resources gpu=1 --config profile=h200
+#
+# runs the checkpoint-3 matrix (results/checkpoint3/<profile>/), the prefix-caching sweep
+# (results/prefix/<profile>/), the comparison with the hardware floor and HF transformers, the
+# decode sweep and the default-flags rows (results/<profile>/compare.*), the structured-output
+# cost (results/structured/<profile>/) and the kernel benchmarks (results/kernels/<profile>/).
+# Every job records the engine's code hash: an engine edit reruns the measuring jobs, an edit
+# of one script only its stage, and `snakemake -n results/gpu ...` after a complete run is idle.
+
+STRUCTURED_CFG = config.get("structured")
+GPU_OUT = f"results/{PROFILE}"
+STRUCTURED_OUT = f"results/structured/{PROFILE}"
+KERNELS_OUT = f"results/kernels/{PROFILE}"
+GPU_CHECKSUMS = f"checksums/gpu-{PROFILE}.sha256"
+
+
+def _structured_cells():
+    """``{rep: {cell id: benchmark flags}}`` of the structured-output cost: every max batch size
+    with and without the JSON schema, the same seeded workload in each pair."""
+    s = STRUCTURED_CFG
+    out = {}
+    for rep in range(int(s["repetitions"])):
+        cells = {}
+        for b in s["batches"]:
+            batch, requests = b["max_num_seqs"], b["requests"]
+            for schema in ("off", "on"):
+                flags = [f"--config continuous --max-num-seqs {batch} --requests {requests}",
+                         f"--model {config['model']} --device {config['device']} --dtype {config['dtype']}",
+                         f"--profile {s['profile']} --seed {config['seed']} --timeout {config['timeout_s']}",
+                         "--no-progress"]
+                if schema == "on":
+                    flags.append(f"--json-schema {s['schema']}")
+                cells[f"batch~{batch}_schema~{schema}_rep~{rep}"] = " ".join(flags)
+        out[rep] = cells
+    return out
+
+
+STRUCTURED_CELLS = _structured_cells() if STRUCTURED_CFG else {}
+STRUCTURED_FILES = (
+    [f"{STRUCTURED_OUT}/raw/{c}.{ext}" for cells in STRUCTURED_CELLS.values() for c in cells
+     for ext in ("json", "csv")]
+    + [f"{STRUCTURED_OUT}/table.md", f"{STRUCTURED_OUT}/table.json"]
+    if STRUCTURED_CFG else [])
+COMPARE_FILES = [f"{GPU_OUT}/compare.json", f"{GPU_OUT}/compare.md", f"{GPU_OUT}/decode_sweep.png"]
+KERNEL_FILES = [f"{KERNELS_OUT}/kernels.json", f"{KERNELS_OUT}/kernels.md"]
+GPU_TRACKED = COMPARE_FILES + KERNEL_FILES + STRUCTURED_FILES
+
+
+for _rep, _cells in STRUCTURED_CELLS.items():
+
+    rule:
+        """The structured-output cost cells of one repetition, in one process."""
+        name:
+            f"structured_rep{_rep}"
+        input:
+            profile=STRUCTURED_CFG["profile"],
+            schema=STRUCTURED_CFG["schema"],
+        output:
+            [f"{STRUCTURED_OUT}/raw/{c}.{ext}" for c in _cells for ext in ("json", "csv", "provenance.json")],
+        params:
+            spec=json.dumps(_cells),
+            raw=f"{STRUCTURED_OUT}/raw",
+            logs=f"{STRUCTURED_OUT}/logs",
+            code_hash=CODE_HASH,  # engine sources: a change reruns the cells
+            tool=f"{SCRIPTS}/run_cells.py",
+            device=config["device"],
+            torch_threads=config["torch_threads"],
+            group=f"structured_rep{_rep}",
+        log:
+            f"{STRUCTURED_OUT}/logs/rep{_rep}.log",
+        resources:
+            gpu=GPU,
+            benchmark_slot=1,
+        message:
+            f"structured-output cost ({PROFILE}): repetition {_rep}, {len(_cells)} cells"
+        conda:
+            ENV
+        shell:
+            "rc=0; python {params.tool} run --spec {params.spec:q} --raw {params.raw} --log-dir {params.logs}"
+            " --code-hash {params.code_hash} --device {params.device} --torch-threads {params.torch_threads}"
+            " --group {params.group} > {log:q} 2>&1 || rc=$?; "
+            "if [ $rc -eq 1 ] || [ $rc -eq 2 ]; then exit $rc; fi; "
+            "python {params.tool} finalize --spec {params.spec:q} --raw {params.raw} --log-dir {params.logs}"
+            " --code-hash {params.code_hash} --device {params.device} --group {params.group}"
+            " --exit-status $rc >> {log:q} 2>&1"
+
+
+rule structured_table:
+    """The structured-output cost table: constrained against free output throughput per batch."""
+    input:
+        script=f"{SCRIPTS}/structured_table.py",
+        reports=[f"{STRUCTURED_OUT}/raw/{c}.json" for cells in STRUCTURED_CELLS.values() for c in cells],
+    output:
+        md=f"{STRUCTURED_OUT}/table.md",
+        json=f"{STRUCTURED_OUT}/table.json",
+    params:
+        code_hash=CODE_HASH,
+    log:
+        f"{STRUCTURED_OUT}/logs/table.log",
+    message:
+        f"structured-output cost ({PROFILE}): table"
+    conda:
+        ENV
+    shell:
+        "python {input.script} --code-hash {params.code_hash} --md {output.md:q} --json {output.json:q}"
+        " {input.reports:q} > {log:q} 2>&1"
+
+
+rule gpu_kernels:
+    """`llmserve bench-kernels`: every Triton kernel against its PyTorch reference and cuBLAS."""
+    output:
+        KERNEL_FILES,
+    params:
+        llmserve=config["llmserve"],
+        flags=(config.get("kernels") or {}).get("flags", ""),
+        code_hash=CODE_HASH,
+        out_dir=KERNELS_OUT,
+    log:
+        f"{KERNELS_OUT}/logs/kernels.log",
+    resources:
+        gpu=GPU,
+        benchmark_slot=1,
+    message:
+        f"kernel benchmarks ({PROFILE})"
+    conda:
+        ENV
+    shell:
+        "{params.llmserve} bench-kernels {params.flags} --code-hash {params.code_hash}"
+        " --output {params.out_dir} > {log:q} 2>&1"
+
+
+rule gpu_checksums:
+    """sha256 sums of the comparison, kernel and structured-output files of the profile."""
+    input:
+        script=f"{SCRIPTS}/checksums.py",
+        files=GPU_TRACKED,
+    output:
+        GPU_CHECKSUMS,
+    log:
+        f"{GPU_OUT}/logs/checksums.log",
+    message:
+        f"GPU evidence ({PROFILE}): checksums"
+    conda:
+        ENV
+    shell:
+        "python {input.script} write --output {output} {input.files} > {log} 2>&1"
+
+
+def _gpu_inputs(wildcards):
+    if str(config["device"]) == "cpu" or not STRUCTURED_CFG:
+        raise WorkflowError(f"results/gpu needs a GPU profile with a `structured` section "
+                            f"(e.g. --config profile=h200); profile {PROFILE!r} runs on {config['device']}")
+    return [*rules.checkpoint3.input, *GPU_TRACKED, GPU_CHECKSUMS]
+
+
+rule gpu:
+    """All GPU evidence of the profile (see the top of workflow/rules/gpu.smk)."""
+    input:
+        _gpu_inputs,
+    message:
+        f"GPU evidence ({PROFILE}): every result present and current"
+
+
+for _alias in ("results/gpu", "results/gpu/"):
+
+    rule:
+        """The GPU evidence as a target: the same as rule gpu."""
+        name:
+            _alias
+        input:
+            _gpu_inputs,
+        message:
+            f"GPU evidence ({PROFILE}): every result present and current"

@@ -1,0 +1,117 @@
+"""The structured-output cost table: constrained against free output throughput, per max batch size.
+
+Each cell is one ``llmserve benchmark`` report (``workflow/rules/gpu.smk``): the same seeded
+workload at a max batch size with (``schema~on``) and without (``schema~off``) a JSON schema,
+over the configured repetitions. The table gives median [min-max] output throughput and p50
+TPOT of both, the ratio of the medians, the coefficient of variation of each throughput (a row
+over 10% is marked noisy) and the failed runs as rows.
+
+Usage (the pipeline's ``structured_table`` rule)::
+
+    python workflow/scripts/structured_table.py --code-hash H --md table.md --json table.json raw/*.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+from pathlib import Path
+
+NOISY_CV = 0.10
+
+
+def parse_cell(path: Path) -> dict:
+    """``batch~8_schema~on_rep~0.json`` -> ``{"batch": 8, "schema": "on", "rep": 0}``."""
+    parts = dict(p.split("~", 1) for p in path.stem.split("_"))
+    return {"batch": int(parts["batch"]), "schema": parts["schema"], "rep": int(parts["rep"])}
+
+
+def spread(values: list[float], fmt: str = "{:,.1f}") -> str:
+    """``median [min-max]`` of ``values`` (empty: an empty string)."""
+    if not values:
+        return ""
+    med = statistics.median(values)
+    if len(values) == 1:
+        return fmt.format(med)
+    return f"{fmt.format(med)} [{fmt.format(min(values))}-{fmt.format(max(values))}]"
+
+
+def cv(values: list[float]) -> float | None:
+    """Population standard deviation over mean; ``None`` under two values."""
+    if len(values) < 2 or statistics.fmean(values) == 0:
+        return None
+    return statistics.pstdev(values) / statistics.fmean(values)
+
+
+def build(reports: list[Path]) -> dict:
+    """Rows per max batch size from the raw reports."""
+    runs: dict[int, dict[str, list[dict]]] = {}
+    for path in reports:
+        cell = parse_cell(path)
+        rep = json.loads(path.read_text())
+        runs.setdefault(cell["batch"], {"off": [], "on": []})[cell["schema"]].append(rep)
+    rows = []
+    for batch in sorted(runs):
+        row: dict = {"max_num_seqs": batch}
+        for schema in ("off", "on"):
+            ok = [r for r in runs[batch][schema] if r.get("status") == "ok"]
+            agg = [r.get("aggregates") or {} for r in ok]
+            tput = [a["output_throughput"] for a in agg if a.get("output_throughput") is not None]
+            tpot = [a["tpot_ms_p50"] for a in agg if a.get("tpot_ms_p50") is not None]
+            row[schema] = {
+                "runs": len(runs[batch][schema]), "ok": len(ok),
+                "requests": agg[0].get("num_requests") if agg else None,
+                "output_throughput": tput, "tpot_ms_p50": tpot, "cv": cv(tput),
+                "errors": sorted({str(r.get("error")) for r in runs[batch][schema] if r.get("status") != "ok"}),
+                "token_digests": sorted({r.get("token_digest") for r in ok if r.get("token_digest")}),
+            }
+        free, con = row["off"]["output_throughput"], row["on"]["output_throughput"]
+        row["ratio"] = (statistics.median(con) / statistics.median(free)) if free and con else None
+        rows.append(row)
+    return {"rows": rows}
+
+
+def markdown(table: dict, code_hash: str) -> str:
+    """The table as Markdown, with what it shows and the engine's code hash."""
+    lines = ["# Structured output: constrained against free decoding", "",
+             f"The same seeded workload (`config/benchmark-structured.yaml`, greedy, `ignore_eos`) with "
+             f"and without `--json-schema`, at each max batch size; median [min-max] over the "
+             f"repetitions; ratio = constrained / free median output throughput; CV = standard "
+             f"deviation / mean of output throughput (over {NOISY_CV:.0%}: noisy). Engine code hash "
+             f"`{code_hash}`.", "",
+             "| max sequences | requests | free tok/s | constrained tok/s | ratio | free p50 TPOT ms "
+             "| constrained p50 TPOT ms | CV free / constrained | runs ok | status |",
+             "| ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | --- |"]
+    for r in table["rows"]:
+        off, on = r["off"], r["on"]
+        cvs = " / ".join("" if c is None else f"{c:.0%}" + (" noisy" if c > NOISY_CV else "")
+                         for c in (off["cv"], on["cv"]))
+        errors = off["errors"] + on["errors"]
+        ratio = "" if r["ratio"] is None else f"{r['ratio']:.2f}"
+        lines.append(f"| {r['max_num_seqs']} | {off['requests'] or on['requests'] or ''} | "
+                     f"{spread(off['output_throughput'])} | {spread(on['output_throughput'])} | {ratio} | "
+                     f"{spread(off['tpot_ms_p50'], '{:.2f}')} | {spread(on['tpot_ms_p50'], '{:.2f}')} | {cvs} | "
+                     f"{off['ok']}/{off['runs']} + {on['ok']}/{on['runs']} | "
+                     f"{'ok' if not errors else 'failed: ' + '; '.join(errors)} |")
+    return "\n".join(lines) + "\n"
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--code-hash", required=True, help="the engine code hash the cells ran on")
+    p.add_argument("--md", type=Path, required=True, help="Markdown table to write")
+    p.add_argument("--json", type=Path, required=True, help="JSON rows to write")
+    p.add_argument("reports", nargs="+", type=Path, help="raw benchmark reports (JSON)")
+    a = p.parse_args(argv)
+    table = build(a.reports)
+    table["code_hash"] = a.code_hash
+    a.md.write_text(markdown(table, a.code_hash))
+    a.json.write_text(json.dumps(table, indent=2) + "\n")
+    print(markdown(table, a.code_hash))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
