@@ -28,6 +28,7 @@ rule aggregate:
         sweeps=_sweep_args(),
         defaults=json.dumps({k: _fmt(v) for k, v in DEFAULTS.items()}),
         headline_batch=config.get("headline_batch", 8),
+        contention=json.dumps(config["contention"]),
         out=lambda wildcards, output: os.path.dirname(output.summary_csv),
     log:
         f"{LOGS}/aggregate.log",
@@ -38,7 +39,32 @@ rule aggregate:
     shell:
         "python {input.script} --profile {params.profile} {params.sweeps}"
         " --defaults {params.defaults:q} --headline-batch {params.headline_batch}"
-        " --out-dir {params.out} > {log} 2>&1"
+        " --contention {params.contention:q} --out-dir {params.out} > {log} 2>&1"
+
+
+rule verdicts:
+    """Whether this run reproduced the tracked results: headline numbers against git's committed
+    copy, the config's claims judged on this run; also the report's first page."""
+    input:
+        script=f"{SCRIPTS}/verdicts.py",
+        tables=[f"{OUT}/{name}.csv" for name in TABLE_NAMES],
+    output:
+        md=_table("verdicts", "verdicts.rst"),
+        csv=f"{OUT}/verdicts.csv",
+        front=f"{OUT}/report.rst",
+    params:
+        profile=PROFILE,
+        claims=json.dumps(config["claims"]),
+        out=lambda wildcards, output: os.path.dirname(output.md),
+    log:
+        f"{LOGS}/verdicts.log",
+    message:
+        f"checkpoint 3 ({PROFILE}): verdicts against the tracked results"
+    conda:
+        ENV
+    shell:
+        "python {input.script} --profile {params.profile} --tables {params.out}"
+        " --claims {params.claims:q} --out-dir {params.out} > {log} 2>&1"
 
 
 rule plots:

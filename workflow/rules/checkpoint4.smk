@@ -67,7 +67,7 @@ rule checkpoint4_checksums:
         script=f"{SCRIPTS}/checksums.py",
         files=[*rules.quantize_eval.output, *rules.quantize_plot.output],
     output:
-        f"checksums/checkpoint4-{Q4['profile']}.sha256",
+        f"{Q4_OUT}/checksums.sha256",  # the run's; `publish_checkpoint4` copies it to checksums/
     log:
         f"{Q4_OUT}/logs/checksums.log",
     message:
@@ -76,6 +76,22 @@ rule checkpoint4_checksums:
         ENV
     shell:
         "python {input.script} write --output {output} {input.files} > {log} 2>&1"
+
+
+rule publish_checkpoint4:
+    """Make checkpoint 4's run the tracked one: its checksums become checksums/checkpoint4-<profile>.sha256."""
+    input:
+        rules.checkpoint4_checksums.output,
+    output:
+        f"checksums/checkpoint4-{Q4['profile']}.sha256",
+    log:
+        f"{Q4_OUT}/logs/publish.log",
+    message:
+        f"checkpoint 4 ({PROFILE}): publish the run's checksums to checksums/"
+    conda:
+        ENV
+    shell:
+        "cp {input:q} {output:q} && sha256sum -c --quiet {output:q} > {log:q} 2>&1"
 
 
 for _alias in ("results/checkpoint4", "results/checkpoint4/"):

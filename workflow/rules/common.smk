@@ -18,7 +18,11 @@ OUT = f"results/checkpoint3/{PROFILE}"
 RAW = f"{OUT}/raw"
 LOGS = f"{OUT}/logs"  # git-ignored (results/**/logs/)
 PLOTS = f"{OUT}/plots"
-CHECKSUM_FILE = f"checksums/checkpoint3-{PROFILE}.sha256"
+# The run's checksums live beside its results; `snakemake --cores 1 publish` copies them to
+# checksums/ (the committed sums, which a rerun never rewrites: `sha256sum -c checksums/*.sha256`
+# then says which tracked results the rerun changed).
+CHECKSUM_FILE = f"{OUT}/checksums.sha256"
+PUBLISHED_CHECKSUM_FILE = f"checksums/checkpoint3-{PROFILE}.sha256"
 ENV = "../../envs/llmserve.yaml"  # relative to this file, as the conda directive expects
 
 # The load profile every cell of the `default` load runs: the file itself, or a derived copy with
@@ -267,9 +271,11 @@ TABLE_NAMES = ["summary", "headline", "chunked_prefill", "rates", "failure_regim
                "batch_invariant"]
 TABLE_FILES = [f"{OUT}/{name}.{ext}" for name in TABLE_NAMES for ext in ("csv", "md")]
 STALE_MARKERS = sorted({m for m in map(stale_marker, ALL_CELLS) if m})
+#: The reproduction verdicts and the report's first page (workflow/scripts/verdicts.py).
+VERDICT_FILES = [f"{OUT}/verdicts.md", f"{OUT}/verdicts.csv", f"{OUT}/report.rst"]
 TRACKED_FILES = (([LOAD_PROFILE] if DERIVE_PROFILE else [])
                  + [LOAD_FILES[name] for name in EXTRA_LOADS] + raw_files(ALL_CELLS)
-                 + TABLE_FILES + PLOT_FILES)
+                 + TABLE_FILES + PLOT_FILES + VERDICT_FILES)
 
 wildcard_constraints:
     cell="[a-z]+~[^/]+",
@@ -304,14 +310,22 @@ def _sweep_args(wildcards=None):
                     for name, cells in SWEEP_CELLS.items() if cells)
 
 
+# The report's menu, in this order: the results first (verdicts, headline, every table), then
+# the plots, then the prefix-caching sweep. The first page is workflow/report/workflow.rst.
+RESULTS, PLOTS_CATEGORY, PREFIX_CATEGORY = "1. Results", "2. Plots", "3. Prefix caching"
+_TABLE_ORDER = ["verdicts", "headline", "summary", "chunked_prefill", "rates", "failure_regimes",
+                "batch_invariant"]
+
+
 def _table(name, caption):
-    return report(f"{OUT}/{name}.md", caption=f"{REPORT}/{caption}", category="Tables",
-                  labels={"profile": PROFILE, "table": name})
+    return report(f"{OUT}/{name}.md", caption=f"{REPORT}/{caption}", category=RESULTS,
+                  labels={"profile": PROFILE,
+                          "table": f"{_TABLE_ORDER.index(name) + 1}. {name.replace('_', ' ')}"})
 
 
 def _plot(name, caption):
-    return report(f"{PLOTS}/{name}.png", caption=f"{REPORT}/{caption}", category="Plots",
-                  labels={"profile": PROFILE, "plot": name})
+    return report(f"{PLOTS}/{name}.png", caption=f"{REPORT}/{caption}", category=PLOTS_CATEGORY,
+                  labels={"profile": PROFILE, "plot": name.replace("_", " ")})
 
 
 # ---- the prefix-caching sweep (workflow/rules/prefix.smk; settings: the config's `prefix`) ----
@@ -321,7 +335,7 @@ PREFIX_CELLS = ([f"{w}_{c}_r{r:g}" for w in PREFIX_CFG["workloads"] for c in PRE
                  for r in PREFIX_CFG["arrival_rates"]] if PREFIX_CFG else [])
 PREFIX_TABLES = [f"{PREFIX_OUT}/table.csv", f"{PREFIX_OUT}/table.md",
                  f"{PREFIX_OUT}/plots/ttft_cdf.png", f"{PREFIX_OUT}/plots/hit_rate.png"]
-PREFIX_CHECKSUMS = f"checksums/prefix-{PROFILE}.sha256"
+PREFIX_CHECKSUMS = f"{PREFIX_OUT}/checksums.sha256"  # the run's; published to checksums/
 #: Everything the sweep tracks (empty for a profile without a `prefix` section).
 PREFIX_FILES = ([f"{PREFIX_OUT}/load_profile.yaml", *PREFIX_TABLES, PREFIX_CHECKSUMS]
                 + [f"{PREFIX_OUT}/raw/{c}.{ext}" for c in PREFIX_CELLS for ext in ("json", "csv")]

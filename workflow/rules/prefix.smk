@@ -61,7 +61,13 @@ rule prefix_report:
         script=f"{SCRIPTS}/prefix_sweep.py",
         reports=[f"{PREFIX_OUT}/raw/{c}.json" for c in PREFIX_CELLS],
     output:
-        PREFIX_TABLES,
+        csv=PREFIX_TABLES[0],
+        md=report(PREFIX_TABLES[1], caption="../report/prefix_table.rst", category=PREFIX_CATEGORY,
+                  labels={"profile": PROFILE, "item": "1. table"}),
+        ttft_cdf=report(PREFIX_TABLES[2], caption="../report/prefix_ttft_cdf.rst",
+                        category=PREFIX_CATEGORY, labels={"profile": PROFILE, "item": "2. TTFT CDF"}),
+        hit_rate=report(PREFIX_TABLES[3], caption="../report/prefix_hit_rate.rst",
+                        category=PREFIX_CATEGORY, labels={"profile": PROFILE, "item": "3. hit rate"}),
     params:
         out_dir=lambda w, output: os.path.dirname(output[0]),
     log:

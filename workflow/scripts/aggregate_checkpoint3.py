@@ -30,6 +30,10 @@ Rules (docs/benchmarking.md explains them):
   reduction order depends on the batch, so tokens may legitimately differ.
 * Batch-invariant mode: each cell of the ``batch_invariant`` sweep with the mode on is shown
   beside the same configuration with it off (its cost as a throughput ratio).
+* Contention: a run whose provenance records other processes using more than
+  ``--contention``'s ``max_other_cores`` cores, or more than ``max_steal_fraction`` of the CPU
+  time stolen, is contended; a cell's status says how many of its runs were, and every page's
+  header gives the machine's load over all its runs (``machine_load.py``).
 """
 
 from __future__ import annotations
@@ -43,7 +47,8 @@ from pathlib import Path
 from typing import Any
 
 import pandas as pd
-from matrix_columns import COLUMN_NAMES, ID_DEFAULTS, parse_cell_id  # noqa: E402  (next to this file)
+from machine_load import is_contended  # noqa: E402  (workflow/scripts/, next to this file)
+from matrix_columns import COLUMN_NAMES, ID_DEFAULTS, parse_cell_id  # noqa: E402
 
 #: The matrix columns (workflow/scripts/matrix_columns.py), in cell-id order.
 PARAM_COLUMNS = list(COLUMN_NAMES)
@@ -95,8 +100,10 @@ def _profile_sans_rate(profile: dict | None) -> str | None:
     return json.dumps(p, sort_keys=True)
 
 
-def load_run(path: Path, sweep: str) -> dict[str, Any]:
-    """One run (report + provenance) flattened into the fields the tables need."""
+def load_run(path: Path, sweep: str, contention: dict[str, float] | None = None) -> dict[str, Any]:
+    """One run (report + provenance) flattened into the fields the tables need; ``contention``
+    holds the thresholds of :func:`machine_load.is_contended` (default: 0.5 cores, 5%)."""
+    limits = {"max_other_cores": 0.5, "max_steal_fraction": 0.05, **(contention or {})}
     report = json.loads(path.read_text())
     prov_file = provenance_path(path)
     prov = json.loads(prov_file.read_text()) if prov_file.exists() else {}
@@ -143,6 +150,10 @@ def load_run(path: Path, sweep: str) -> dict[str, Any]:
             ("hardware", json.dumps(hw, sort_keys=True) if hw else None),
         ]),
         "profile": profile, "versions": versions, "hardware": hw,
+        # the machine's load while the run ran (None: not recorded by this run)
+        "machine_load": prov.get("machine_load"),
+        "contended": is_contended(prov.get("machine_load"), limits["max_other_cores"],
+                                  limits["max_steal_fraction"]),
     }
     for col, key in METRICS.items():
         v = agg.get(key)
@@ -277,6 +288,14 @@ def aggregate_cells(runs: list[dict[str, Any]], all_runs: list[dict[str, Any]]) 
         digests = sorted({r["token_digest"] for r in ok if r["token_digest"]})
         row["token_digest"] = digests[0] if len(digests) == 1 else ("; ".join(digests) or None)
         row["digest_agrees_with_naive"] = _digest_verdict(first, ok, digests, naive_digest)
+        recorded = [r for r in reps if r["contended"] is not None]
+        row["runs_contended"] = sum(r["contended"] for r in recorded) if recorded else None
+        for key, field in (("other_cores_max", "other_cores"), ("steal_max", "steal_fraction")):
+            vals = [r["machine_load"][field] for r in recorded
+                    if r["machine_load"].get(field) is not None]
+            row[key] = max(vals) if vals else None
+        if row["runs_contended"]:
+            row["status"] += f", contended {row['runs_contended']}/{len(reps)}"
         errors = list(OrderedDict.fromkeys(r["error"] for r in reps if r["error"]))
         row["error"] = " | ".join(errors) or None
         rows.append(row)
@@ -450,6 +469,7 @@ def header_lines(title: str, profile_name: str, common: OrderedDict, runs: list[
         f"- **Runs:** {len(runs)} ({', '.join(created[:1] + created[-1:]) if created else '?'})",
         f"- **Batch-invariant mode:** {_invariant_label(runs)}",
     ]
+    lines.append(f"- **Machine load during the runs:** {_load_line(runs)}")
     if slo:
         lines.append(f"- **Goodput SLOs:** TTFT <= {slo.get('ttft_ms')} ms and TPOT <= "
                      f"{slo.get('tpot_ms')} ms (DistServe's definition: completed requests per "
@@ -460,6 +480,32 @@ def header_lines(title: str, profile_name: str, common: OrderedDict, runs: list[
             lines.append(f"- **Load `{name}`:** `{lp.get('name')}` — prompt_len "
                          f"{_lenspec(lp.get('prompt_len'))}, output_len {_lenspec(lp.get('output_len'))}")
     return lines + [""]
+
+
+def _load_line(runs: list[dict]) -> str:
+    """The machine's load over the runs, and how many were contended (page header)."""
+    rec = [r for r in runs if r.get("contended") is not None]
+    if not rec:
+        return ("not recorded by these runs (the pipeline records it since the runs were made; "
+                "a rerun adds it)")
+    other = [r["machine_load"]["other_cores"] for r in rec]
+    steal = [r["machine_load"].get("steal_fraction") or 0.0 for r in rec]
+    loads = [x for r in rec for x in (r["machine_load"].get("loadavg_start") or [None])[:1]
+             + (r["machine_load"].get("loadavg_end") or [None])[:1] if x is not None]
+    machine = (rec[0]["machine_load"].get("machine") or {})
+    n = sum(r["contended"] for r in rec)
+    text = (f"other processes used {min(other):.2f}–{max(other):.2f} cores (of "
+            f"{machine.get('cpu_count', '?')}), stolen time at most {100 * max(steal):.1f}%, "
+            f"1-min load average {min(loads, default=0):.2f}–{max(loads, default=0):.2f}; ")
+    gpus = [g for r in rec for g in (r["machine_load"].get("gpu_end") or [])]
+    if gpus:
+        sm = [g.get("clocks.sm") for g in gpus if isinstance(g.get("clocks.sm"), float)]
+        if sm:
+            text += f"GPU SM clock {min(sm):.0f}–{max(sm):.0f} MHz at the cells' ends; "
+    if n:
+        return text + (f"**{n} of {len(runs)} runs contended** (their cells' status says so): "
+                       "their numbers are slower than this machine measures when idle")
+    return text + f"no run contended ({len(rec)} of {len(runs)} runs recorded)"
 
 
 def _rate_label(cell_rate: str, profile_rate: Any) -> str:
@@ -701,13 +747,16 @@ def main(argv: list[str] | None = None) -> int:
                         "main -> summary + headline, chunked_prefill, rates, failure_regimes")
     p.add_argument("--defaults", default="{}", help="JSON of the matrix's default cell values")
     p.add_argument("--headline-batch", default="8", help="max batch size of the headline table")
+    p.add_argument("--contention", default="{}",
+                   help="JSON thresholds: max_other_cores, max_steal_fraction (a run above "
+                        "either is contended)")
     p.add_argument("--out-dir", type=Path, required=True,
                    help="writes " + ", ".join(f"{t}.csv/.md" for t in TABLES))
     a = p.parse_args(argv)
     defaults = {k: str(v) for k, v in json.loads(a.defaults).items()}
     sweeps: OrderedDict[str, list[dict]] = OrderedDict()
     for name, *files in a.sweep:
-        sweeps[name] = [load_run(Path(f), name) for f in files]
+        sweeps[name] = [load_run(Path(f), name, json.loads(a.contention)) for f in files]
     if "main" not in sweeps or not sweeps["main"]:
         print("error: the main sweep has no reports (--sweep main FILE...)", file=sys.stderr)
         return 1

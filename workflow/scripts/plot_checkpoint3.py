@@ -32,6 +32,7 @@ import matplotlib
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402  (after choosing the backend)
 import numpy as np  # noqa: E402
+from matplotlib.patches import Patch  # noqa: E402
 import pandas as pd  # noqa: E402
 from matrix_columns import COLUMN_NAMES  # noqa: E402  (workflow/scripts/, next to this file)
 
@@ -184,11 +185,14 @@ def plot_ttft_cdf(df: pd.DataFrame, defaults: dict[str, str], reports: list[Path
 def plot_chunked(df: pd.DataFrame, profile: str, out: Path) -> None:
     d = _require(df.copy(), "the chunked-prefill plot (chunked_prefill.csv)")
     d["_c"] = d["chunk"].astype(int)
-    d = d.sort_values(["scheduler", "batch", "_c"], kind="stable")
-    labels = [f"{r['scheduler']} b{r['batch']}\nchunk {'off' if r['_c'] == 0 else r['_c']}"
+    d["_b"] = d["batch"].astype(int)
+    d = d.sort_values(["scheduler", "_b", "_c"], kind="stable")
+    # two short lines a bar group ("continuous b64" / "chunk off"), never wider than its slot
+    labels = [f"{r['scheduler']}\nb{r['batch']}, chunk {'off' if r['_c'] == 0 else r['_c']}"
               for _, r in d.iterrows()]
     x = np.arange(len(d))
-    fig, axes = plt.subplots(1, 2, figsize=(11, 4.2))
+    panel_w = max(5.5, 1.05 * len(d))  # inches per panel: about one inch a bar group
+    fig, axes = plt.subplots(1, 2, figsize=(2 * panel_w, 4.6))
     width = 0.38
     for ax, stems in zip(axes, [[("itl_p95_ms", "p95 ITL"), ("itl_p99_ms", "p99 ITL")],
                                 [("ttft_p95_ms", "p95 TTFT")]]):
@@ -200,14 +204,24 @@ def plot_chunked(df: pd.DataFrame, profile: str, out: Path) -> None:
             hi = d[f"{stem}_max"].fillna(d[f"{stem}_median"]).fillna(0).to_numpy(float) - y
             colours = [COLOURS.get(s) for s in d["scheduler"]]
             ax.bar(x[ok] + off, y[ok], width * 0.95, yerr=[lo[ok], hi[ok]], capsize=3,
-                   color=colours if k == 0 else "none", edgecolor=colours, hatch=None if k == 0 else "//",
-                   label=name)
+                   color=colours if k == 0 else "none", edgecolor=colours,
+                   hatch=None if k == 0 else "//")
             _failed(ax, (x[~ok] + off).tolist(), "failed cell" if (~ok).any() and k == 0 else None)
         ax.set_xticks(x, labels, fontsize=8)
         ax.set_ylabel("ms")
         ax.set_ylim(bottom=0)
         ax.grid(True, axis="y", alpha=0.3)
-        ax.legend(fontsize=8)
+        # one entry per scheduler colour, and (left panel) what filled and hatched bars are
+        handles = [Patch(facecolor=COLOURS.get(s), label=s)
+                   for s in dict.fromkeys(d["scheduler"])]
+        if len(stems) > 1:
+            handles += [Patch(facecolor="lightgray", edgecolor="black", label=f"filled: {stems[0][1]}"),
+                        Patch(facecolor="none", edgecolor="black", hatch="//",
+                              label=f"hatched: {stems[1][1]}")]
+        else:
+            handles += [Patch(facecolor="lightgray", edgecolor="black", label=stems[0][1])]
+        handles += [h for h in ax.get_legend_handles_labels()[0]]  # a failed cell, if any
+        ax.legend(handles=handles, fontsize=8)
     axes[0].set_title("inter-token latency of running decodes", fontsize=9)
     axes[1].set_title("time to first token", fontsize=9)
     fig.suptitle(f"checkpoint 3 ({profile}): chunked prefill with long prompts "
@@ -219,6 +233,7 @@ def plot_latency_throughput(df: pd.DataFrame, profile: str, out: Path) -> None:
     d = _require(df.copy(), "the latency-throughput plot (sweep rates)")
     d["_r"] = d["rate"].map(lambda v: np.inf if v in ("inf", "profile") else float(v))
     fig, axes = plt.subplots(1, 2, figsize=(11, 4.2))
+    series = 0
     for (sched, pol, batch), g in d.groupby(["scheduler", "policy", "batch"], sort=False):
         g = g.sort_values("_r")
         ok = g[g["request_throughput_median"].notna()]
@@ -226,13 +241,19 @@ def plot_latency_throughput(df: pd.DataFrame, profile: str, out: Path) -> None:
         style = dict(marker="o", color=COLOURS.get(sched), linestyle=POLICY_STYLE.get(pol, "-"))
         if not ok.empty:
             _errorbar(axes[0], ok["request_throughput_median"], ok, "ttft_p95_ms", label=label, **style)
+            # the arrival rate beside each point, in the series' colour; series alternate above
+            # and below their points, so two series ending at the same place keep apart
+            above = series % 2 == 0
             for _, r in ok.iterrows():
-                axes[0].annotate(f"{r['rate']}/s" if r["rate"] != "inf" else "inf",
+                axes[0].annotate(f"{r['rate']}/s" if r["rate"] != "inf" else "offline",
                                  (r["request_throughput_median"], r["ttft_p95_ms_median"]),
-                                 textcoords="offset points", xytext=(4, 4), fontsize=7)
+                                 textcoords="offset points", xytext=(-6, 7) if above else (6, -11),
+                                 ha="right" if above else "left", fontsize=7,
+                                 color=COLOURS.get(sched))
             gp = ok[ok["goodput_median"].notna()]
             if not gp.empty:
                 _errorbar(axes[1], gp["request_throughput_median"], gp, "goodput", label=label, **style)
+        series += 1
         failed = g[g["request_throughput_median"].isna()]
         for ax in axes:
             _failed(ax, [0] * len(failed), "failed cell" if len(failed) else None)
@@ -240,6 +261,8 @@ def plot_latency_throughput(df: pd.DataFrame, profile: str, out: Path) -> None:
         "request_throughput_median"].notna().any() else 1.0
     axes[1].plot([0, lim], [0, lim], color="black", alpha=0.3, linewidth=1,
                  label="goodput = throughput (every request within SLO)")
+    axes[0].margins(y=0.08)
+    axes[0].set_xlim(right=1.12 * lim)  # room for the rate labels right of the last points
     axes[0].set_ylabel("p95 TTFT (ms)")
     axes[1].set_ylabel("goodput (requests/s within both SLOs)")
     for ax in axes:

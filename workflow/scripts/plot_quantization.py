@@ -74,7 +74,7 @@ def plot_quantization(report: dict[str, Any] | str | Path, output: str | Path,
     fig, (ax, axb) = plt.subplots(1, 2, figsize=(12, 5), gridspec_kw={"width_ratios": [3, 2]})
 
     max_bytes = max((_num(r.get("stored_bytes")) or 0.0) for r in rows) or 1.0
-    ys = []
+    xs, ys = [], []
     for r in rows:
         x, y, b = _num(r.get("throughput_tok_s")), _num(r.get(key)), _num(r.get("stored_bytes"))
         if x is None or y is None:
@@ -82,6 +82,7 @@ def plot_quantization(report: dict[str, Any] | str | Path, output: str | Path,
         ys.append(y)
         size = 200 + 1800 * (b or 0.0) / max_bytes
         color = COLORS.get(r["mode"], "tab:gray")
+        xs.append(x)
         ax.scatter([x], [y], s=size, alpha=0.45, color=color, edgecolors="black",
                    linewidths=1.5 if r.get("status") == "ok" else 0.8,
                    hatch=None if r.get("status") == "ok" else "//")
@@ -90,15 +91,22 @@ def plot_quantization(report: dict[str, Any] | str | Path, output: str | Path,
         label += f"\n{b / 1e6:.1f} MB" if b is not None else ""
         label += f" ({ratio:.2f}x)" if ratio is not None else ""
         ax.annotate(label, (x, y), textcoords="offset points", xytext=(12, 8), fontsize=8)
+    # Limits with room for the largest bubble (radius about 25 points) on every side: the
+    # 16-bit baseline sits at KL 0 on the bottom edge and usually at the largest throughput.
+    ax.set_xlim(0, 1.25 * max(xs) if xs else 1.0)
     if metric == "kl":
         pos = [y for y in ys if y > 0]
-        ax.set_yscale("symlog", linthresh=(min(pos) / 2) if pos else 1e-6)
+        linthresh = (min(pos) / 2) if pos else 1e-6
+        ax.set_yscale("symlog", linthresh=linthresh)
+        # symlog: one linear decade below 0 and one decade above the largest KL
+        ax.set_ylim(-linthresh, 10 * max(ys + [linthresh]))
+    else:
+        lo, hi = min(ys, default=0.0), max(ys, default=1.0)
+        pad = 0.25 * (hi - lo or abs(hi) or 1.0)
+        ax.set_ylim(lo - pad, hi + pad)
     ax.set_xlabel("matched decode throughput (output tok/s)")
     ax.set_ylabel(ylabel)
     ax.grid(True, alpha=0.3, which="both")
-    ax.margins(0.25)
-    ax.set_xlim(left=0)
-    ax.set_ylim(bottom=0)
     ax.set_title("quality vs throughput (bubble area ~ stored bytes)", fontsize=10)
 
     names = [r["mode"] for r in rows]

@@ -15,7 +15,9 @@ Usage (the pipeline's benchmark rules run it)::
     python workflow/scripts/run_cells.py finalize --spec ... --raw ... --exit-status RC ...
 
 ``spec`` maps cell id -> the cell's ``llmserve benchmark`` flags (without ``--output``/``--csv``).
-``run`` writes ``<raw>/<cell>.json``, ``.csv`` and ``.provenance.json`` per cell, in order. A cell
+``run`` writes ``<raw>/<cell>.json``, ``.csv`` and ``.provenance.json`` per cell, in order; the
+provenance file records the machine's load during the cell (``machine_load``: other processes'
+CPU, stolen time, load average, core count and CPU model, GPU clocks; ``machine_load.py``). A cell
 that fails is a ``status: failed`` report (the harness writes it) and the group goes on.
 ``finalize`` runs after ``run`` whatever its exit status: a cell left without a provenance file
 (the process was killed, ran out of memory, segfaulted) gets a failed report in its place, so a
@@ -35,6 +37,7 @@ import time
 from pathlib import Path
 
 import code_hash as ch  # noqa: E402  (workflow/scripts/, next to this file)
+import machine_load  # noqa: E402
 
 
 def load_spec(text: str) -> dict[str, str]:
@@ -84,20 +87,27 @@ def run_group(spec: dict[str, str], raw: Path, log_dir: Path, expected_hash: str
         args = parser.parse_args(argv)  # an unknown flag exits 2: a broken pipeline stops
         opts = options_from_args(args)
         opts.command = ["llmserve", "benchmark", *argv]
+        gpu = device.startswith("cuda")
+        before = machine_load.snapshot(gpu=gpu)
         t0 = time.perf_counter()
         with open(log, "w") as f, contextlib.redirect_stdout(f), contextlib.redirect_stderr(f):
             report, _, _ = run_benchmark(opts)
         took = time.perf_counter() - t0
+        load = machine_load.summarize(before, machine_load.snapshot(gpu=gpu))
         ch.write_provenance(
             json_path=out, csv_path=csv, output=prov, cell=cell, exit_status=0,
             expected_code_hash=expected_hash, log=str(log), device=device,
             extra={"torch_threads": threads,
                    "process": {"group": group, "position": i, "cells_in_group": len(spec),
                                "process_startup_s": round(t_ready - t_process, 3),
-                               "cell_wall_s": round(took, 3)}})
+                               "cell_wall_s": round(took, 3)},
+                   # what else ran meanwhile: other processes' cores, stolen time, load average,
+                   # this process's CPU share, the GPU's clocks (machine_load.py)
+                   "machine_load": load})
         agg = report.get("aggregates") or {}
         print(f"[{i + 1}/{len(spec)}] {cell}: {report['status']}, "
-              f"{agg.get('output_throughput') or 0:.1f} output tok/s, {took:.1f} s", flush=True)
+              f"{agg.get('output_throughput') or 0:.1f} output tok/s, {took:.1f} s, "
+              f"other processes {load['other_cores']} cores, load {load['loadavg_end']}", flush=True)
     try:
         ch.check_unchanged(expected_hash, "while the group ran")
     except ch.SourcesChanged as e:

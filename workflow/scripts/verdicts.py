@@ -1,0 +1,312 @@
+"""Did this run reproduce the tracked results? Headline numbers against the committed ones, and
+each stated conclusion (the config's ``claims``) judged on this run's tables.
+
+The tracked values are git's committed copy of the same tables (``git show REV:PATH``, REV
+HEAD by default), so they stay readable after a rerun has overwritten the working files, on
+any clone. Outside a git checkout, or for a file never committed, the verdict says there is
+nothing to compare with and still judges the conclusions.
+
+Outputs, in ``--out-dir``:
+
+* ``verdicts.md``: a one-line summary (how many conclusions hold, how many headline numbers
+  fall inside the tracked repetitions' range, whether runs were contended), the headline
+  comparison and the conclusions, each with this run's value and the tracked one.
+* ``verdicts.csv``: the same rows, every number.
+* ``report.rst``: the report's first page (the workflow description includes it): the
+  summary, this run's headline table and both verdict tables.
+
+A claim (validated by ``workflow/schemas/config.schema.yaml``) is either a comparison::
+
+    {text: ..., table: summary, metric: output_throughput,
+     row: {scheduler: continuous, batch: 8}, than: {scheduler: static, batch: 8}, at_least: 1.0}
+
+(``row``'s median over ``than``'s must be >= ``at_least``, or <= ``at_most``; each selector
+must match exactly one row of the table), or a check of one column on every row::
+
+    {text: ..., table: summary, column: digest_agrees_with_naive, all_in: [yes, reference]}
+
+Usage (the pipeline's ``verdicts`` rule)::
+
+    python workflow/scripts/verdicts.py --profile cpu --tables results/checkpoint3/cpu \\
+        --claims '[...]' --out-dir results/checkpoint3/cpu [--rev HEAD]
+"""
+
+from __future__ import annotations
+
+import argparse
+import io
+import json
+import math
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import pandas as pd
+
+#: Headline metrics: CSV stem, label, unit, whether higher is better.
+HEADLINE_METRICS = (("output_throughput", "output throughput", "tok/s", True),
+                    ("ttft_p95_ms", "p95 TTFT", "ms", False),
+                    ("tpot_p95_ms", "p95 TPOT", "ms", False))
+SCHEDULER_NAMES = {"naive": "Naive", "paged": "Paged", "static": "Static batching",
+                   "continuous": "Continuous batching"}
+#: Columns read as text (matrix values are labels: batch "8", rate "inf").
+TEXT = {c: str for c in ("scheduler", "policy", "batch", "chunk", "linear", "attn", "rate",
+                         "blocks", "load", "invariant", "cell", "status",
+                         "digest_agrees_with_naive")}
+
+
+def committed_table(path: Path, rev: str = "HEAD") -> tuple[pd.DataFrame | None, str]:
+    """The table ``path`` as committed at ``rev`` and a label of where it came from.
+
+    Returns (None, reason) when git or the committed file is not there.
+    """
+    try:
+        top = subprocess.run(["git", "rev-parse", "--show-toplevel"], capture_output=True,
+                             text=True, check=True, cwd=path.parent if path.parent.exists() else None
+                             ).stdout.strip()
+        rel = path.resolve().relative_to(Path(top).resolve()).as_posix()
+        commit = subprocess.run(["git", "rev-parse", "--short=12", rev], capture_output=True,
+                                text=True, check=True, cwd=top).stdout.strip()
+        text = subprocess.run(["git", "show", f"{rev}:{rel}"], capture_output=True, text=True,
+                              check=True, cwd=top).stdout
+    except (OSError, ValueError, subprocess.CalledProcessError):
+        return None, f"no committed copy of {path.name} (not a git checkout, or never committed)"
+    return pd.read_csv(io.StringIO(text), dtype=TEXT), f"git {commit}"
+
+
+def _read(path: Path) -> pd.DataFrame | None:
+    return pd.read_csv(path, dtype=TEXT) if path.exists() else None
+
+
+def _num(v: Any) -> float | None:
+    try:
+        f = float(v)
+    except (TypeError, ValueError):
+        return None
+    return None if math.isnan(f) else f
+
+
+def _fmt(v: float | None, unit: str = "") -> str:
+    if v is None:
+        return "–"
+    digits = 0 if abs(v) >= 1000 else 1 if abs(v) >= 10 else 2
+    return f"{v:,.{digits}f}" + (f" {unit}" if unit else "")
+
+
+def headline_rows(new: pd.DataFrame, old: pd.DataFrame | None) -> list[dict[str, Any]]:
+    """Each headline number of this run beside the tracked median and [min–max]."""
+    rows = []
+    for _, r in new.iterrows():
+        ref = None
+        if old is not None:
+            match = old[old["scheduler"] == r["scheduler"]]
+            ref = match.iloc[0] if len(match) else None
+        for stem, label, unit, higher in HEADLINE_METRICS:
+            value = _num(r.get(f"{stem}_median"))
+            med, lo, hi = ((_num(ref.get(f"{stem}_{k}")) for k in ("median", "min", "max"))
+                           if ref is not None else (None, None, None))
+            if value is None:
+                verdict = "no value (failed)"
+            elif med is None:
+                verdict = "nothing tracked to compare with"
+            elif lo is not None and hi is not None and lo <= value <= hi:
+                verdict = "within the tracked range"
+            else:
+                change = value / med - 1 if med else 0.0
+                better = (change > 0) == higher
+                verdict = (f"{abs(change) * 100:.0f}% {'better' if better else 'worse'} than "
+                           "tracked, outside its range")
+            rows.append({"kind": "headline", "what": f"{SCHEDULER_NAMES.get(r['scheduler'], r['scheduler'])}: {label}",
+                         "unit": unit, "this_run": value, "tracked": med, "tracked_min": lo,
+                         "tracked_max": hi, "verdict": verdict,
+                         "within": None if value is None or lo is None or hi is None
+                         else bool(lo <= value <= hi)})
+    return rows
+
+
+def _select(df: pd.DataFrame, selector: dict[str, Any]) -> pd.DataFrame:
+    keep = pd.Series(True, index=df.index)
+    for col, want in selector.items():
+        want = "on" if want is True else "off" if want is False else want
+        want = str(int(want)) if isinstance(want, float) and want.is_integer() else str(want)
+        keep &= df[col].astype(str) == want
+    return df[keep]
+
+
+def judge(claim: dict[str, Any], tables: dict[str, pd.DataFrame | None]) -> dict[str, Any]:
+    """One claim on one set of tables: ``{"holds": True|False|None, "value": ..., "detail": ...}``
+    (None: it cannot be judged, e.g. a failed cell or a missing table)."""
+    df = tables.get(claim["table"])
+    if df is None or df.empty:
+        return {"holds": None, "value": None, "detail": f"no {claim['table']} table"}
+    if "all_in" in claim:
+        col = claim["column"]
+        values = df[col].astype(str).tolist()
+        bad = [v for v in values if v not in claim["all_in"]]
+        return {"holds": not bad, "value": None,
+                "detail": f"{len(values) - len(bad)} of {len(values)} rows" + (
+                    f"; not: {', '.join(sorted(set(bad)))}" if bad else "")}
+    a, b = _select(df, claim["row"]), _select(df, claim["than"])
+    if len(a) != 1 or len(b) != 1:
+        return {"holds": None, "value": None,
+                "detail": f"the selectors match {len(a)} and {len(b)} rows (need one each)"}
+    stem = claim["metric"]
+    x, y = _num(a.iloc[0].get(f"{stem}_median")), _num(b.iloc[0].get(f"{stem}_median"))
+    if x is None or not y:
+        return {"holds": None, "value": None, "detail": "a compared cell has no value"}
+    ratio = x / y
+    if "at_least" in claim:
+        holds, bound = ratio >= claim["at_least"], f">= {claim['at_least']:g}"
+    else:
+        holds, bound = ratio <= claim["at_most"], f"<= {claim['at_most']:g}"
+    return {"holds": bool(holds), "value": ratio,
+            "detail": f"{_fmt(x)} / {_fmt(y)} = ×{ratio:.2f} (needs {bound})"}
+
+
+TABLES = ("headline", "summary", "chunked_prefill", "rates", "failure_regimes", "batch_invariant")
+
+
+def contention_line(tables: dict[str, pd.DataFrame | None]) -> str:
+    """How many of the runs behind the tables ran beside other work."""
+    counted = runs = 0
+    recorded = False
+    seen = set()
+    for name in ("summary", "chunked_prefill", "rates", "failure_regimes", "batch_invariant"):
+        df = tables.get(name)
+        if df is None or "runs_contended" not in df:
+            continue
+        for _, r in df.iterrows():
+            if r["cell"] in seen:
+                continue
+            seen.add(r["cell"])
+            n = _num(r.get("runs_contended"))
+            runs += int(_num(r.get("repetitions")) or 0)
+            if n is not None:
+                recorded = True
+                counted += int(n)
+    if not recorded:
+        return "the machine's load was not recorded by these runs"
+    if counted:
+        return (f"**{counted} of {runs} runs ran on a busy machine** (contended: their status "
+                "says so); numbers that moved may be the machine's, not the engine's")
+    return f"no run was contended ({runs} runs; the machine was otherwise idle)"
+
+
+def write(profile: str, tables_dir: Path, claims: list[dict[str, Any]], out: Path,
+          rev: str = "HEAD") -> dict[str, Any]:
+    """Write verdicts.md, verdicts.csv and report.rst; returns the summary counts."""
+    new = {name: _read(tables_dir / f"{name}.csv") for name in TABLES}
+    old, source = {}, ""
+    for name in TABLES:
+        old[name], where = committed_table(tables_dir / f"{name}.csv", rev)
+        if name == "headline":
+            source = where
+    head = headline_rows(new["headline"], old["headline"]) if new["headline"] is not None else []
+    claim_rows = []
+    for c in claims:
+        now, then = judge(c, new), judge(c, old) if old.get(c["table"]) is not None else None
+        claim_rows.append({"kind": "conclusion", "what": c["text"], "unit": "",
+                           "this_run": now["value"], "tracked": then["value"] if then else None,
+                           "verdict": {True: "holds", False: "does not hold",
+                                       None: "cannot judge"}[now["holds"]],
+                           "detail": now["detail"], "holds": now["holds"]})
+    n_hold = sum(r["holds"] is True for r in claim_rows)
+    within = [r["within"] for r in head if r["within"] is not None]
+    identical = (old["headline"] is not None and new["headline"] is not None
+                 and old["headline"].equals(new["headline"]))
+    contention = contention_line(new)
+    reproduced = n_hold == len(claim_rows) and all(within)
+    summary = (f"**{'Reproduced' if reproduced else 'Not reproduced'}** on this run: "
+               f"{n_hold} of {len(claim_rows)} stated conclusions hold; {sum(within)} of "
+               f"{len(within)} headline numbers fall inside the tracked repetitions' range "
+               f"(tracked values: {source}"
+               + ("; this run is the tracked one" if identical else "") + f"); {contention}.")
+
+    out.mkdir(parents=True, exist_ok=True)
+    pd.DataFrame(head + claim_rows).drop(columns=["within", "holds"], errors="ignore").to_csv(
+        out / "verdicts.csv", index=False, float_format="%.6g")
+    md = [f"# Checkpoint 3: does this run reproduce the tracked results? — profile `{profile}`", "",
+          "Generated by `workflow/scripts/verdicts.py` from this run's tables and git's committed",
+          "copy of them; the conclusions are the config's `claims`. Do not edit.", "",
+          summary, "", "## Headline numbers against the tracked run", "",
+          "| Number | This run | Tracked median [min–max] | Verdict |", "|---|---:|---:|---|"]
+    for r in head:
+        tracked = ("–" if r["tracked"] is None else
+                   f"{_fmt(r['tracked'])} [{_fmt(r['tracked_min'])}–{_fmt(r['tracked_max'])}]")
+        md.append(f"| {r['what']} ({r['unit']}) | {_fmt(r['this_run'])} | {tracked} | {r['verdict']} |")
+    md += ["", "## Stated conclusions", "",
+           "| Conclusion | Verdict | This run | Tracked |", "|---|---|---|---:|"]
+    for r in claim_rows:
+        tracked = "–" if r["tracked"] is None else f"×{r['tracked']:.2f}"
+        md.append(f"| {r['what']} | {r['verdict']} | {r['detail']} | {tracked} |")
+    (out / "verdicts.md").write_text("\n".join(md) + "\n")
+    (out / "report.rst").write_text(_rst(profile, summary, new["headline"], head, claim_rows))
+    return {"claims": len(claim_rows), "hold": n_hold, "within": sum(within),
+            "numbers": len(within), "reproduced": reproduced}
+
+
+def _rst_table(header: list[str], rows: list[list[str]], widths: str) -> list[str]:
+    out = [".. list-table::", "   :header-rows: 1", f"   :widths: {widths}", ""]
+    for cells in [header, *rows]:
+        out.append(f"   * - {cells[0]}")
+        out += [f"     - {c}" for c in cells[1:]]
+    return out + [""]
+
+
+def _rst_text(md: str) -> str:
+    """Markdown bold (``**x**``) as reStructuredText strong emphasis (the same markup)."""
+    return md.replace("`", "``").replace("````", "``")
+
+
+def _rst(profile: str, summary: str, headline: pd.DataFrame | None, head: list[dict],
+         claims: list[dict]) -> str:
+    title = f"llmserve checkpoint 3: results and verdicts (profile {profile})"
+    lines = [title, "=" * len(title), "", _rst_text(summary), ""]
+    if headline is not None:
+        lines += ["Headline", "--------", "",
+                  "Median [min–max] over repetitions, from ``headline.md``.", ""]
+        rows = []
+        for _, r in headline.iterrows():
+            def rng(stem: str, unit: str) -> str:
+                med, lo, hi = (_num(r.get(f"{stem}_{k}")) for k in ("median", "min", "max"))
+                return "–" if med is None else f"{_fmt(med)} [{_fmt(lo)}–{_fmt(hi)}] {unit}"
+            rows.append([SCHEDULER_NAMES.get(r["scheduler"], r["scheduler"]),
+                         rng("output_throughput", "tok/s"), rng("ttft_p95_ms", "ms"),
+                         rng("tpot_p95_ms", "ms"), str(r["status"])])
+        lines += _rst_table(["Scheduler", "Output throughput", "p95 TTFT", "p95 TPOT", "Status"],
+                            rows, "22 22 22 18 16")
+    lines += ["Stated conclusions", "------------------", ""]
+    lines += _rst_table(["Conclusion", "Verdict", "This run", "Tracked"],
+                        [[r["what"], r["verdict"], r["detail"],
+                          "–" if r["tracked"] is None else f"×{r['tracked']:.2f}"] for r in claims],
+                        "46 14 28 12")
+    lines += ["Headline numbers against the tracked run", "----------------------------------------", ""]
+    lines += _rst_table(["Number", "This run", "Tracked median [min–max]", "Verdict"],
+                        [[f"{r['what']} ({r['unit']})", _fmt(r["this_run"]),
+                          "–" if r["tracked"] is None else
+                          f"{_fmt(r['tracked'])} [{_fmt(r['tracked_min'])}–{_fmt(r['tracked_max'])}]",
+                          r["verdict"]] for r in head], "34 16 26 24")
+    lines += ["Every table and plot this target builds is in the menu: **Results** (verdicts, "
+              "headline, summary and the focused tables), **Plots** and **Prefix caching**, each "
+              "with a caption saying what it shows and what to look at. Methodology and columns: "
+              "``docs/benchmarking.md``.", ""]
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--profile", required=True)
+    p.add_argument("--tables", type=Path, required=True, help="folder of this run's table CSVs")
+    p.add_argument("--claims", default="[]", help="JSON list of claims (the config's `claims`)")
+    p.add_argument("--out-dir", type=Path, required=True)
+    p.add_argument("--rev", default="HEAD", help="git revision of the tracked tables")
+    a = p.parse_args(argv)
+    s = write(a.profile, a.tables, json.loads(a.claims), a.out_dir, a.rev)
+    print(f"{s['hold']}/{s['claims']} conclusions hold, {s['within']}/{s['numbers']} headline "
+          f"numbers within the tracked range -> {a.out_dir}/verdicts.md")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
