@@ -164,8 +164,7 @@ def test_tool_round_trip_and_tool_choice_none(client):
 
 
 @pytest.mark.parametrize("extra,param,code", [
-    ({"tools": TOOLS}, "tool_choice", "unsupported_parameter"),
-    ({"tools": TOOLS, "tool_choice": "auto"}, "tool_choice", "unsupported_parameter"),
+    ({"tools": TOOLS, "response_format": {"type": "json_object"}}, "response_format", None),
     ({"functions": [TOOLS[0]["function"]]}, "function_call", "unsupported_parameter"),
     ({"tool_choice": "required"}, "tool_choice", None),
     ({"tools": TOOLS, "tool_choice": {"type": "function", "function": {"name": "nope"}}},

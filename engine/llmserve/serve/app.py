@@ -17,6 +17,7 @@ from .protocol import (APIError, ChatCompletionRequest, CompletionRequest, Detok
                        ModelList, TokenizeRequest)
 from .errors import ClientDisconnected, _error_response, install_error_handlers, log
 from .structured import ChatPlan, chat_messages, new_call_id, plan_chat, render_messages, tool_calls_of
+from .tool_parser import HermesToolParser, ParsedCall, parse_tool_calls, template_messages, template_renders_tools
 from .guard import DEFAULT_MAX_REQUEST_BODY_BYTES, RequestGuardMiddleware
 from .generation import (
     MAX_CHOICES,
@@ -290,9 +291,8 @@ def create_app(engine: Any, *, tokenizer: Any = None, served_model_name: str = "
         plan = plan_chat(body)
         if plan.spec is not None:
             await service.compile_structured(plan)   # on the grammar threads, bounded in time
-        messages = chat_messages(body, plan)
-        ids = await service.run_blocking(
-            lambda: service.tokenize_prompt(render_chat(service.tokenizer, messages), param="messages"))
+        render = _chat_renderer(service.tokenizer, body, plan)
+        ids = await service.run_blocking(lambda: service.tokenize_prompt(render(), param="messages"))
         limit = view.max_model_len
         if body.max_completion_tokens is not None:
             max_tokens = body.max_completion_tokens
@@ -329,15 +329,12 @@ def create_app(engine: Any, *, tokenizer: Any = None, served_model_name: str = "
                     yield _sse({**head, "choices": [{"index": ch.index, "delta": calls.first_delta(ch.index),
                                                      "logprobs": None, "finish_reason": None}], **extra})
                 async for ev, records in _stream_events(gen, choices):
-                    records = calls.records(ev, records)
-                    if records is None:
-                        continue                 # a buffered call: sent whole at its end
-                    lp = _chat_logprobs(service.tokenizer, records) if lp_k is not None else None
-                    delta, finish = calls.delta(ev, choices[ev.index].text_parts)
-                    if continuous:
-                        extra = {"usage": _usage(prompt_tokens, sum(c.num_output_tokens for c in choices))}
-                    yield _sse({**head, "choices": [{"index": ev.index, "delta": delta, "logprobs": lp,
-                                                     "finish_reason": finish}], **extra})
+                    for delta, recs, finish in calls.chunks(ev, records, choices[ev.index].text_parts):
+                        lp = _chat_logprobs(service.tokenizer, recs) if lp_k is not None else None
+                        if continuous:
+                            extra = {"usage": _usage(prompt_tokens, sum(c.num_output_tokens for c in choices))}
+                        yield _sse({**head, "choices": [{"index": ev.index, "delta": delta, "logprobs": lp,
+                                                         "finish_reason": finish}], **extra})
                 if include_usage:
                     yield _sse({**head, "choices": [],
                                 "usage": _usage(prompt_tokens, sum(c.num_output_tokens for c in choices))})
@@ -368,12 +365,25 @@ def _complete_json(text: str) -> bool:
     return True
 
 
+def _api_calls(calls: list[ParsedCall]) -> list[dict]:
+    return [{"id": new_call_id(), "type": "function", "function": {"name": c.name, "arguments": c.arguments}}
+            for c in calls]
+
+
 def _chat_message(plan: ChatPlan, text: str, finish: str | None) -> tuple[dict, str | None]:
     """A whole answer's ``message`` and ``finish_reason``: a forced call becomes
     ``tool_calls`` (legacy: ``function_call``) with ``content: null`` and finish reason
     ``tool_calls`` (``function_call``) once its JSON is complete; a call cut short by
     ``max_tokens`` or a stop string keeps its finish reason (a named call its partial arguments,
-    a ``required`` one its text as ``content``)."""
+    a ``required`` one its text as ``content``). ``auto``: the Hermes blocks parsed into
+    ``tool_calls`` (finish reason ``tool_calls`` when there is one), the other text as
+    ``content``."""
+    if plan.mode == "auto":
+        content, calls = parse_tool_calls(text, plan.tool_names)
+        if not calls:
+            return {"role": "assistant", "content": text}, finish
+        return ({"role": "assistant", "content": content, "tool_calls": _api_calls(calls)},
+                "tool_calls" if finish != "abort" else finish)
     if not plan.calls_tools:
         return {"role": "assistant", "content": text}, finish
     done = finish != "abort" and _complete_json(text)
@@ -397,6 +407,48 @@ class _StreamedCalls:
         self.plan = plan
         self.ids = {ch.index: new_call_id() for ch in choices}
         self.buffered: dict[int, list] = {ch.index: [] for ch in choices}
+        # auto: each choice's parser and the number of calls it has sent
+        self.parsers = {ch.index: HermesToolParser(plan.tool_names) for ch in choices} \
+            if plan.mode == "auto" else {}
+        self.sent: dict[int, int] = {ch.index: 0 for ch in choices}
+
+    def chunks(self, ev, records: list, text_parts: list[str]) -> list[tuple[dict, list, str | None]]:
+        """The chunks ``ev`` completes, as ``(delta, logprob records, finish_reason)`` (none
+        while a call is buffered; an ``auto`` event may complete text and calls: one chunk each,
+        the records with the first)."""
+        if self.plan.mode != "auto":
+            recs = self.records(ev, records)
+            if recs is None:
+                return []                # a buffered call: sent whole at its end
+            delta, finish = self.delta(ev, text_parts)
+            return [(delta, recs, finish)]
+        parser = self.parsers[ev.index]
+        self.buffered[ev.index].extend(records)
+        items = parser.feed(ev.text) if ev.text else []
+        if ev.finish_reason is not None:
+            items += parser.finish()
+        out: list[tuple[dict, list, str | None]] = []
+        for it in items:
+            if isinstance(it, str):
+                out.append(({"content": it}, [], None))
+            else:
+                k = self.sent[ev.index]
+                self.sent[ev.index] += 1
+                out.append(({"tool_calls": [{"index": k, "id": new_call_id(), "type": "function",
+                                             "function": {"name": it.name, "arguments": it.arguments}}]},
+                            [], None))
+        if ev.finish_reason is not None:
+            finish = ev.finish_reason
+            if parser.num_calls and finish != "abort":
+                finish = "tool_calls"
+            if out:
+                out[-1] = (out[-1][0], [], finish)
+            else:
+                out.append(({}, [], finish))
+        if out:
+            out[0] = (out[0][0], self.buffered[ev.index], out[0][2])
+            self.buffered[ev.index] = []
+        return out
 
     def first_delta(self, index: int) -> dict:
         mode = self.plan.mode
@@ -501,3 +553,29 @@ def render_chat(tokenizer: Any, messages: list[dict]) -> str:
         return decode_tokens(tokenizer, list(out), skip_special_tokens=False)
     parts = [f"<|im_start|>{m['role']}\n{m['content']}<|im_end|>\n" for m in messages]
     return "".join(parts) + "<|im_start|>assistant\n"
+
+
+def _chat_renderer(tokenizer: Any, body: ChatCompletionRequest, plan: ChatPlan):
+    """A callable rendering ``body``'s prompt text (run on the tokenizer thread). ``auto`` tool
+    choice with a tokenizer whose chat template renders tools (a Qwen2.5 checkpoint's) uses that
+    template with ``tools=``, so the model sees its trained layout; otherwise the messages as
+    text (:func:`~llmserve.serve.structured.chat_messages`) through :func:`render_chat`.
+
+    The callable raises APIError (400) when the tokenizer's template fails on the messages.
+    """
+    if plan.mode == "auto" and template_renders_tools(tokenizer):
+        msgs = template_messages(body.messages)
+        tools = [{"type": "function", "function": {k: v for k, v in f.items() if v is not None}}
+                 for f in plan.functions]
+
+        def render_with_tools() -> str:
+            try:
+                out = tokenizer.apply_chat_template(msgs, tools=tools, tokenize=False, add_generation_prompt=True)
+            except Exception as e:  # noqa: BLE001 - a template error is about these messages
+                raise APIError(f"the model's chat template could not render these messages with tools "
+                               f"({type(e).__name__}: {e})", param="messages") from None
+            return out if isinstance(out, str) else decode_tokens(tokenizer, list(out), skip_special_tokens=False)
+
+        return render_with_tools
+    messages = chat_messages(body, plan)
+    return lambda: render_chat(tokenizer, messages)
