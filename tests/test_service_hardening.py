@@ -328,7 +328,7 @@ def test_serve_speculative_flags_and_metrics():
 
 
 # ---- 10. API key ------------------------------------------------------------------------------
-def test_api_key_guards_v1_routes_only(engine):
+def test_api_key_guards_the_routes(engine):
     app = create_app(engine, served_model_name="tiny", api_key=KEY)
     routes = [("POST", "/v1/completions", {"prompt": "hi", "max_tokens": 2}),
               ("POST", "/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}),

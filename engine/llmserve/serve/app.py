@@ -78,8 +78,8 @@ def create_app(engine: Any, *, tokenizer: Any = None, served_model_name: str = "
         max_choices: most engine requests (prompts x ``n``) one HTTP request may start.
         max_request_body_bytes: larger request bodies are answered 413 before they are read
             (``None``: no limit).
-        api_key: when set, every ``/v1/*`` route needs ``Authorization: Bearer <api_key>``
-            (401 otherwise); ``api_key_protects_metrics`` extends that to ``/health`` and ``/metrics``.
+        api_key: when set, every route but ``/health`` and ``/metrics`` needs ``Authorization:
+            Bearer <api_key>`` (401 otherwise); ``api_key_protects_metrics`` extends that to those two.
 
     Raises:
         ValueError: ``max_request_body_bytes`` < 1 or an empty ``api_key``.
