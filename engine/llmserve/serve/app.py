@@ -16,6 +16,7 @@ from .metrics import ServiceMetrics
 from .protocol import (APIError, ChatCompletionRequest, CompletionRequest, DetokenizeRequest, ModelCard,
                        ModelList, TokenizeRequest)
 from .errors import ClientDisconnected, _error_response, install_error_handlers, log
+from .prompt_limits import TooManyTokens
 from .structured import ChatPlan, chat_messages, new_call_id, plan_chat, render_messages, tool_calls_of
 from .tool_parser import HermesToolParser, ParsedCall, parse_tool_calls, template_messages, template_renders_tools
 from .guard import DEFAULT_MAX_REQUEST_BODY_BYTES, RequestGuardMiddleware
@@ -59,7 +60,8 @@ def create_app(engine: Any, *, tokenizer: Any = None, served_model_name: str = "
                shutdown_timeout: float = 10.0, owns_engine: bool = False,
                max_choices: int = MAX_CHOICES,
                max_request_body_bytes: int | None = DEFAULT_MAX_REQUEST_BODY_BYTES,
-               api_key: str | None = None, api_key_protects_metrics: bool = False) -> FastAPI:
+               api_key: str | None = None, api_key_protects_metrics: bool = False,
+               max_tokenize_tokens: int | None = None) -> FastAPI:
     """Build the FastAPI app.
 
     Args:
@@ -81,20 +83,32 @@ def create_app(engine: Any, *, tokenizer: Any = None, served_model_name: str = "
         api_key: when set, every route but ``/health`` and ``/metrics`` needs ``Authorization:
             Bearer <api_key>`` (401 otherwise); ``api_key_protects_metrics`` extends that to those two.
 
+        max_tokenize_tokens: most tokens one ``/tokenize`` or ``/detokenize`` request may count
+            (400 ``too_many_tokens`` above; default: the larger of 32,768 and 8 x the context).
+
     Raises:
-        ValueError: ``max_request_body_bytes`` < 1 or an empty ``api_key``.
+        ValueError: ``max_request_body_bytes`` < 1, an empty ``api_key`` or
+            ``max_tokenize_tokens`` < 1.
     """
     RequestGuardMiddleware.validate(max_request_body_bytes, api_key)  # at build time, not on the first request
     view = _EngineView(engine, tokenizer, max_model_len, vocab_size)
     metrics = ServiceMetrics(view.stats)
+    if max_tokenize_tokens is not None and (isinstance(max_tokenize_tokens, bool)
+                                            or not isinstance(max_tokenize_tokens, int) or max_tokenize_tokens < 1):
+        raise ValueError(f"max_tokenize_tokens must be an integer >= 1 (or None for the default), "
+                         f"got {max_tokenize_tokens!r}")
     service = Service(view, served_model_name, tuple(model_aliases), metrics,
-                      max_waiting if max_waiting is not None else view.max_waiting)
+                      max_waiting if max_waiting is not None else view.max_waiting, max_tokenize_tokens)
 
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI):
         start = getattr(engine, "start", None)
         if callable(start):
             start()
+        try:    # read the tokenizer's bounds now, not in the first request
+            await service.run_blocking(service.budget.prepare)
+        except Exception:  # noqa: BLE001 - serve without the early refusals
+            log.warning("could not inspect the tokenizer for prompt-length bounds", exc_info=True)
         yield
         service.draining = True
         deadline = time.monotonic() + max(0.0, shutdown_timeout)
@@ -155,19 +169,41 @@ def create_app(engine: Any, *, tokenizer: Any = None, served_model_name: str = "
     async def tokenize(body: TokenizeRequest) -> dict:
         service.check_model(body.model)
         tok = service.tokenizer
+        cap = service.max_tokenize_tokens
         if body.messages is not None:
             if body.prompt is not None:
                 raise APIError("send either prompt or messages, not both", param="messages")
             from ..tokenizer import apply_chat_template
+            param, num_chars = "messages", sum(len(m.text()) for m in body.messages)
             msgs = render_messages(body.messages)       # earlier tool calls included, as in chat
-            text = await service.run_blocking(apply_chat_template, tok, msgs, bool(body.add_generation_prompt))
+
+            def text_of() -> str:
+                return apply_chat_template(tok, msgs, bool(body.add_generation_prompt))
             add_special = bool(body.add_special_tokens) if body.add_special_tokens is not None else False
         elif body.prompt is not None:
-            text = body.prompt
+            param, num_chars, prompt = "prompt", len(body.prompt), body.prompt
+
+            def text_of() -> str:
+                return prompt
             add_special = True if body.add_special_tokens is None else bool(body.add_special_tokens)
         else:
             raise APIError("prompt or messages is required", param="prompt")
-        ids = await service.run_blocking(lambda: list(tok.encode(text, add_special_tokens=add_special)))
+
+        def too_many(at_least: int) -> APIError:
+            return APIError(f"/tokenize counts at most {cap} tokens per request and this text has at least "
+                            f"{at_least}; send it in parts", param=param, code="too_many_tokens")
+
+        at_least = service.budget.quick_lower_bound(num_chars)
+        if at_least > cap:
+            raise too_many(at_least)
+
+        def count() -> list[int]:
+            try:
+                return service.budget.encode(text_of(), cap + 1, add_special_tokens=add_special)
+            except TooManyTokens as e:
+                raise too_many(e.at_least) from None
+
+        ids = await service.run_tokenizer_route(count)
         out = {"count": len(ids), "max_model_len": view.max_model_len, "tokens": ids, "token_strs": None}
         if body.return_token_strs:
             out["token_strs"] = tok.convert_ids_to_tokens(ids)
@@ -180,7 +216,10 @@ def create_app(engine: Any, *, tokenizer: Any = None, served_model_name: str = "
         if bad:
             raise APIError(f"token ids must be in [0, {view.vocab_size}), got {bad[:5]}", param="tokens",
                            code="invalid_token_id")
-        text = await service.run_blocking(decode_tokens, service.tokenizer, list(body.tokens))
+        if len(body.tokens) > service.max_tokenize_tokens:
+            raise APIError(f"/detokenize takes at most {service.max_tokenize_tokens} tokens per request, got "
+                           f"{len(body.tokens)}; send them in parts", param="tokens", code="too_many_tokens")
+        text = await service.run_tokenizer_route(decode_tokens, service.tokenizer, list(body.tokens))
         return {"prompt": text}
 
     @app.post("/v1/completions", responses={400: {"description": "invalid request"},
@@ -202,7 +241,11 @@ def create_app(engine: Any, *, tokenizer: Any = None, served_model_name: str = "
                            param="max_tokens")
         max_tokens = max(1, max_tokens)
         prompt_lp = body.logprobs if body.echo and body.logprobs is not None else None
-        prompts = [await service.run_blocking(service.tokenize_prompt, p) for p in body.prompts()]
+        texts = body.prompts()
+        for p in texts:
+            if isinstance(p, str):
+                service.precheck_prompt(len(p), max_tokens, "prompt")
+        prompts = [await service.run_blocking(service.tokenize_prompt, p, "prompt", max_tokens) for p in texts]
         if len(prompts) * n > max_choices:
             raise APIError(f"too many choices: {len(prompts)} prompts x n={n} > {max_choices} per request",
                            param="prompt" if len(prompts) > 1 else "n")
@@ -291,13 +334,14 @@ def create_app(engine: Any, *, tokenizer: Any = None, served_model_name: str = "
         plan = plan_chat(body)
         if plan.spec is not None:
             await service.compile_structured(plan)   # on the grammar threads, bounded in time
+        asked = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
+        # the template writes every message's text into the prompt: their length bounds it
+        service.precheck_prompt(sum(len(m.text()) for m in body.messages), asked or 1, "messages")
         render = _chat_renderer(service.tokenizer, body, plan)
-        ids = await service.run_blocking(lambda: service.tokenize_prompt(render(), param="messages"))
+        ids = await service.run_blocking(lambda: service.tokenize_prompt(render(), "messages", asked or 1))
         limit = view.max_model_len
-        if body.max_completion_tokens is not None:
-            max_tokens = body.max_completion_tokens
-        elif body.max_tokens is not None:
-            max_tokens = body.max_tokens
+        if asked is not None:
+            max_tokens = asked
         else:
             room = limit - len(ids)
             cap = view.capacity_tokens()
