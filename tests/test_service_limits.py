@@ -16,6 +16,7 @@ import httpx
 import pytest
 
 from llmserve.cli import build_parser
+from llmserve.serve.generation import MAX_TOKENIZER_ROUTE_PENDING
 from llmserve.serve.server import BackgroundServer, build_app
 
 KEY = "sk-limits-0c4f"
@@ -103,3 +104,34 @@ def test_authenticated_6mb_tokenize_requests_do_not_stall_completions(server, cl
         t.join(60)
     assert statuses == [400, 400, 400]                      # over the per-request token cap
     assert max(during) < 1.0, during
+
+
+def test_tokenizer_routes_are_bounded(tok_app):
+    app, srv = tok_app
+    service = app.state.service
+    with httpx.Client(base_url=srv.url, timeout=30) as c:
+        r = c.post("/tokenize", json={"prompt": "hello " * 200})
+        assert r.status_code == 400 and r.json()["error"]["code"] == "too_many_tokens", r.text
+        r = c.post("/detokenize", json={"tokens": [9707] * 101})
+        assert r.status_code == 400 and r.json()["error"]["param"] == "tokens", r.text
+        out = c.post("/tokenize", json={"prompt": "hello " * 50}).json()
+        assert out["count"] == len(out["tokens"]) == 51
+        service._route_pending = MAX_TOKENIZER_ROUTE_PENDING       # as if that many were queued
+        try:
+            r = c.post("/tokenize", json={"prompt": "hello"})
+            assert r.status_code == 429 and r.json()["error"]["code"] == "tokenizer_busy", r.text
+        finally:
+            service._route_pending = 0
+        assert c.post("/detokenize", json={"tokens": [9707, 1879]}).json()["prompt"] == "Hello world"
+
+
+@pytest.fixture()
+def tok_app():
+    from llmserve.serve.app import create_app
+    from llmserve.tokenizer import load_tokenizer
+    from test_service_fake import FakeAsyncEngine
+
+    tok = load_tokenizer(None)
+    app = create_app(FakeAsyncEngine(tok, lambda p, sp: [9707]), served_model_name="fake", max_tokenize_tokens=100)
+    with BackgroundServer(app) as srv:
+        yield app, srv

@@ -513,14 +513,21 @@ class Service:
         if self._route_pending >= MAX_TOKENIZER_ROUTE_PENDING:
             raise APIError(f"the tokenizer routes are busy ({self._route_pending} requests queued or running); "
                            "retry later", status_code=429, type="rate_limit_exceeded", code="tokenizer_busy")
+        loop = asyncio.get_running_loop()
+        job = self._route_pool.submit(fn, *args)
         self._route_pending += 1
-        fut = asyncio.get_running_loop().run_in_executor(self._route_pool, fn, *args)
 
-        def done(_: Any) -> None:
-            self._route_pending -= 1
+        def done(_: Any) -> None:      # on the worker thread, once the job has really ended
+            try:
+                loop.call_soon_threadsafe(self._job_ended)
+            except RuntimeError:       # the loop is closed: nothing is counted any more
+                pass
 
-        fut.add_done_callback(done)
-        return await fut
+        job.add_done_callback(done)
+        return await asyncio.wrap_future(job)
+
+    def _job_ended(self) -> None:
+        self._route_pending -= 1
 
     def prompt_limit(self, max_tokens: int) -> int:
         """Prompt tokens that leave no room for ``max_tokens`` (at least 1) completion tokens."""
