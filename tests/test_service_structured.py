@@ -164,8 +164,7 @@ def test_tool_round_trip_and_tool_choice_none(client):
 
 
 @pytest.mark.parametrize("extra,param,code", [
-    ({"tools": TOOLS}, "tool_choice", "unsupported_parameter"),
-    ({"tools": TOOLS, "tool_choice": "auto"}, "tool_choice", "unsupported_parameter"),
+    ({"tools": TOOLS, "response_format": {"type": "json_object"}}, "response_format", None),
     ({"functions": [TOOLS[0]["function"]]}, "function_call", "unsupported_parameter"),
     ({"tool_choice": "required"}, "tool_choice", None),
     ({"tools": TOOLS, "tool_choice": {"type": "function", "function": {"name": "nope"}}},
@@ -200,3 +199,23 @@ def test_text_format_and_json_object(http):
     assert r.status_code == 200 and ch["message"]["content"].startswith("{")
     if ch["finish_reason"] == "stop":
         assert isinstance(json.loads(ch["message"]["content"]), dict)
+
+
+def test_forced_call_cut_by_max_tokens_is_the_same_streamed_or_not(client):
+    """A named call cut short keeps its partial arguments in tool_calls either way; a
+    'required' one is its text as content either way; finish_reason 'length' in all four."""
+    kw = dict(model="tiny", messages=MSG, max_tokens=3, temperature=0, tools=TOOLS)
+    named = {"type": "function", "function": {"name": "set_light"}}
+    r = client.chat.completions.create(tool_choice=named, **kw).choices[0]
+    assert r.finish_reason == "length" and r.message.content is None
+    (call,) = r.message.tool_calls
+    assert call.function.name == "set_light" and call.function.arguments.startswith("{")
+    chunks = [c for c in client.chat.completions.create(tool_choice=named, stream=True, **kw) if c.choices]
+    args = "".join(tc.function.arguments or "" for c in chunks for tc in (c.choices[0].delta.tool_calls or []))
+    assert args == call.function.arguments and chunks[-1].choices[0].finish_reason == "length"
+    assert not any(c.choices[0].delta.content for c in chunks)
+    r = client.chat.completions.create(tool_choice="required", **kw).choices[0]
+    assert r.finish_reason == "length" and r.message.tool_calls is None and r.message.content
+    chunks = [c for c in client.chat.completions.create(tool_choice="required", stream=True, **kw) if c.choices]
+    assert "".join(c.choices[0].delta.content or "" for c in chunks) == r.message.content
+    assert chunks[-1].choices[0].finish_reason == "length"

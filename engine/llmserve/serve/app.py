@@ -16,7 +16,9 @@ from .metrics import ServiceMetrics
 from .protocol import (APIError, ChatCompletionRequest, CompletionRequest, DetokenizeRequest, ModelCard,
                        ModelList, TokenizeRequest)
 from .errors import ClientDisconnected, _error_response, install_error_handlers, log
+from .prompt_limits import TooManyTokens
 from .structured import ChatPlan, chat_messages, new_call_id, plan_chat, render_messages, tool_calls_of
+from .tool_parser import HermesToolParser, ParsedCall, parse_tool_calls, template_messages, template_renders_tools
 from .guard import DEFAULT_MAX_REQUEST_BODY_BYTES, RequestGuardMiddleware
 from .generation import (
     MAX_CHOICES,
@@ -58,7 +60,8 @@ def create_app(engine: Any, *, tokenizer: Any = None, served_model_name: str = "
                shutdown_timeout: float = 10.0, owns_engine: bool = False,
                max_choices: int = MAX_CHOICES,
                max_request_body_bytes: int | None = DEFAULT_MAX_REQUEST_BODY_BYTES,
-               api_key: str | None = None, api_key_protects_metrics: bool = False) -> FastAPI:
+               api_key: str | None = None, api_key_protects_metrics: bool = False,
+               max_tokenize_tokens: int | None = None) -> FastAPI:
     """Build the FastAPI app.
 
     Args:
@@ -77,23 +80,35 @@ def create_app(engine: Any, *, tokenizer: Any = None, served_model_name: str = "
         max_choices: most engine requests (prompts x ``n``) one HTTP request may start.
         max_request_body_bytes: larger request bodies are answered 413 before they are read
             (``None``: no limit).
-        api_key: when set, every ``/v1/*`` route needs ``Authorization: Bearer <api_key>``
-            (401 otherwise); ``api_key_protects_metrics`` extends that to ``/health`` and ``/metrics``.
+        api_key: when set, every route but ``/health`` and ``/metrics`` needs ``Authorization:
+            Bearer <api_key>`` (401 otherwise); ``api_key_protects_metrics`` extends that to those two.
+
+        max_tokenize_tokens: most tokens one ``/tokenize`` or ``/detokenize`` request may count
+            (400 ``too_many_tokens`` above; default: the larger of 32,768 and 8 x the context).
 
     Raises:
-        ValueError: ``max_request_body_bytes`` < 1 or an empty ``api_key``.
+        ValueError: ``max_request_body_bytes`` < 1, an empty ``api_key`` or
+            ``max_tokenize_tokens`` < 1.
     """
     RequestGuardMiddleware.validate(max_request_body_bytes, api_key)  # at build time, not on the first request
     view = _EngineView(engine, tokenizer, max_model_len, vocab_size)
     metrics = ServiceMetrics(view.stats)
+    if max_tokenize_tokens is not None and (isinstance(max_tokenize_tokens, bool)
+                                            or not isinstance(max_tokenize_tokens, int) or max_tokenize_tokens < 1):
+        raise ValueError(f"max_tokenize_tokens must be an integer >= 1 (or None for the default), "
+                         f"got {max_tokenize_tokens!r}")
     service = Service(view, served_model_name, tuple(model_aliases), metrics,
-                      max_waiting if max_waiting is not None else view.max_waiting)
+                      max_waiting if max_waiting is not None else view.max_waiting, max_tokenize_tokens)
 
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI):
         start = getattr(engine, "start", None)
         if callable(start):
             start()
+        try:    # read the tokenizer's bounds now, not in the first request
+            await service.run_blocking(service.budget.prepare)
+        except Exception:  # noqa: BLE001 - serve without the early refusals
+            log.warning("could not inspect the tokenizer for prompt-length bounds", exc_info=True)
         yield
         service.draining = True
         deadline = time.monotonic() + max(0.0, shutdown_timeout)
@@ -157,19 +172,41 @@ def create_app(engine: Any, *, tokenizer: Any = None, served_model_name: str = "
     async def tokenize(body: TokenizeRequest) -> dict:
         service.check_model(body.model)
         tok = service.tokenizer
+        cap = service.max_tokenize_tokens
         if body.messages is not None:
             if body.prompt is not None:
                 raise APIError("send either prompt or messages, not both", param="messages")
             from ..tokenizer import apply_chat_template
+            param, num_chars = "messages", sum(len(m.text()) for m in body.messages)
             msgs = render_messages(body.messages)       # earlier tool calls included, as in chat
-            text = await service.run_blocking(apply_chat_template, tok, msgs, bool(body.add_generation_prompt))
+
+            def text_of() -> str:
+                return apply_chat_template(tok, msgs, bool(body.add_generation_prompt))
             add_special = bool(body.add_special_tokens) if body.add_special_tokens is not None else False
         elif body.prompt is not None:
-            text = body.prompt
+            param, num_chars, prompt = "prompt", len(body.prompt), body.prompt
+
+            def text_of() -> str:
+                return prompt
             add_special = True if body.add_special_tokens is None else bool(body.add_special_tokens)
         else:
             raise APIError("prompt or messages is required", param="prompt")
-        ids = await service.run_blocking(lambda: list(tok.encode(text, add_special_tokens=add_special)))
+
+        def too_many(at_least: int) -> APIError:
+            return APIError(f"/tokenize counts at most {cap} tokens per request and this text has at least "
+                            f"{at_least}; send it in parts", param=param, code="too_many_tokens")
+
+        at_least = service.budget.quick_lower_bound(num_chars)
+        if at_least > cap:
+            raise too_many(at_least)
+
+        def count() -> list[int]:
+            try:
+                return service.budget.encode(text_of(), cap + 1, add_special_tokens=add_special)
+            except TooManyTokens as e:
+                raise too_many(e.at_least) from None
+
+        ids = await service.run_tokenizer_route(count)
         out = {"count": len(ids), "max_model_len": view.max_model_len, "tokens": ids, "token_strs": None}
         if body.return_token_strs:
             out["token_strs"] = tok.convert_ids_to_tokens(ids)
@@ -182,7 +219,10 @@ def create_app(engine: Any, *, tokenizer: Any = None, served_model_name: str = "
         if bad:
             raise APIError(f"token ids must be in [0, {view.vocab_size}), got {bad[:5]}", param="tokens",
                            code="invalid_token_id")
-        text = await service.run_blocking(decode_tokens, service.tokenizer, list(body.tokens))
+        if len(body.tokens) > service.max_tokenize_tokens:
+            raise APIError(f"/detokenize takes at most {service.max_tokenize_tokens} tokens per request, got "
+                           f"{len(body.tokens)}; send them in parts", param="tokens", code="too_many_tokens")
+        text = await service.run_tokenizer_route(decode_tokens, service.tokenizer, list(body.tokens))
         return {"prompt": text}
 
     @app.post("/v1/completions", responses={400: {"description": "invalid request"},
@@ -204,7 +244,11 @@ def create_app(engine: Any, *, tokenizer: Any = None, served_model_name: str = "
                            param="max_tokens")
         max_tokens = max(1, max_tokens)
         prompt_lp = body.logprobs if body.echo and body.logprobs is not None else None
-        prompts = [await service.run_blocking(service.tokenize_prompt, p) for p in body.prompts()]
+        texts = body.prompts()
+        for p in texts:
+            if isinstance(p, str):
+                service.precheck_prompt(len(p), max_tokens, "prompt")
+        prompts = [await service.run_blocking(service.tokenize_prompt, p, "prompt", max_tokens) for p in texts]
         if len(prompts) * n > max_choices:
             raise APIError(f"too many choices: {len(prompts)} prompts x n={n} > {max_choices} per request",
                            param="prompt" if len(prompts) > 1 else "n")
@@ -293,14 +337,14 @@ def create_app(engine: Any, *, tokenizer: Any = None, served_model_name: str = "
         plan = plan_chat(body)
         if plan.spec is not None:
             await service.compile_structured(plan)   # on the grammar threads, bounded in time
-        messages = chat_messages(body, plan)
-        ids = await service.run_blocking(
-            lambda: service.tokenize_prompt(render_chat(service.tokenizer, messages), param="messages"))
+        asked = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
+        # the template writes every message's text into the prompt: their length bounds it
+        service.precheck_prompt(sum(len(m.text()) for m in body.messages), asked or 1, "messages")
+        render = _chat_renderer(service.tokenizer, body, plan)
+        ids = await service.run_blocking(lambda: service.tokenize_prompt(render(), "messages", asked or 1))
         limit = view.max_model_len
-        if body.max_completion_tokens is not None:
-            max_tokens = body.max_completion_tokens
-        elif body.max_tokens is not None:
-            max_tokens = body.max_tokens
+        if asked is not None:
+            max_tokens = asked
         else:
             room = limit - len(ids)
             cap = view.capacity_tokens()
@@ -332,15 +376,12 @@ def create_app(engine: Any, *, tokenizer: Any = None, served_model_name: str = "
                     yield _sse({**head, "choices": [{"index": ch.index, "delta": calls.first_delta(ch.index),
                                                      "logprobs": None, "finish_reason": None}], **extra})
                 async for ev, records in _stream_events(gen, choices):
-                    records = calls.records(ev, records)
-                    if records is None:
-                        continue                 # a buffered call: sent whole at its end
-                    lp = _chat_logprobs(service.tokenizer, records) if lp_k is not None else None
-                    delta, finish = calls.delta(ev, choices[ev.index].text_parts)
-                    if continuous:
-                        extra = {"usage": _usage(prompt_tokens, sum(c.num_output_tokens for c in choices))}
-                    yield _sse({**head, "choices": [{"index": ev.index, "delta": delta, "logprobs": lp,
-                                                     "finish_reason": finish}], **extra})
+                    for delta, recs, finish in calls.chunks(ev, records, choices[ev.index].text_parts):
+                        lp = _chat_logprobs(service.tokenizer, recs) if lp_k is not None else None
+                        if continuous:
+                            extra = {"usage": _usage(prompt_tokens, sum(c.num_output_tokens for c in choices))}
+                        yield _sse({**head, "choices": [{"index": ev.index, "delta": delta, "logprobs": lp,
+                                                         "finish_reason": finish}], **extra})
                 if include_usage:
                     yield _sse({**head, "choices": [],
                                 "usage": _usage(prompt_tokens, sum(c.num_output_tokens for c in choices))})
@@ -371,12 +412,25 @@ def _complete_json(text: str) -> bool:
     return True
 
 
+def _api_calls(calls: list[ParsedCall]) -> list[dict]:
+    return [{"id": new_call_id(), "type": "function", "function": {"name": c.name, "arguments": c.arguments}}
+            for c in calls]
+
+
 def _chat_message(plan: ChatPlan, text: str, finish: str | None) -> tuple[dict, str | None]:
     """A whole answer's ``message`` and ``finish_reason``: a forced call becomes
     ``tool_calls`` (legacy: ``function_call``) with ``content: null`` and finish reason
     ``tool_calls`` (``function_call``) once its JSON is complete; a call cut short by
     ``max_tokens`` or a stop string keeps its finish reason (a named call its partial arguments,
-    a ``required`` one its text as ``content``)."""
+    a ``required`` one its text as ``content``). ``auto``: the Hermes blocks parsed into
+    ``tool_calls`` (finish reason ``tool_calls`` when there is one), the other text as
+    ``content``."""
+    if plan.mode == "auto":
+        content, calls = parse_tool_calls(text, plan.tool_names)
+        if not calls:
+            return {"role": "assistant", "content": text}, finish
+        return ({"role": "assistant", "content": content, "tool_calls": _api_calls(calls)},
+                "tool_calls" if finish != "abort" else finish)
     if not plan.calls_tools:
         return {"role": "assistant", "content": text}, finish
     done = finish != "abort" and _complete_json(text)
@@ -400,6 +454,48 @@ class _StreamedCalls:
         self.plan = plan
         self.ids = {ch.index: new_call_id() for ch in choices}
         self.buffered: dict[int, list] = {ch.index: [] for ch in choices}
+        # auto: each choice's parser and the number of calls it has sent
+        self.parsers = {ch.index: HermesToolParser(plan.tool_names) for ch in choices} \
+            if plan.mode == "auto" else {}
+        self.sent: dict[int, int] = {ch.index: 0 for ch in choices}
+
+    def chunks(self, ev, records: list, text_parts: list[str]) -> list[tuple[dict, list, str | None]]:
+        """The chunks ``ev`` completes, as ``(delta, logprob records, finish_reason)`` (none
+        while a call is buffered; an ``auto`` event may complete text and calls: one chunk each,
+        the records with the first)."""
+        if self.plan.mode != "auto":
+            recs = self.records(ev, records)
+            if recs is None:
+                return []                # a buffered call: sent whole at its end
+            delta, finish = self.delta(ev, text_parts)
+            return [(delta, recs, finish)]
+        parser = self.parsers[ev.index]
+        self.buffered[ev.index].extend(records)
+        items = parser.feed(ev.text) if ev.text else []
+        if ev.finish_reason is not None:
+            items += parser.finish()
+        out: list[tuple[dict, list, str | None]] = []
+        for it in items:
+            if isinstance(it, str):
+                out.append(({"content": it}, [], None))
+            else:
+                k = self.sent[ev.index]
+                self.sent[ev.index] += 1
+                out.append(({"tool_calls": [{"index": k, "id": new_call_id(), "type": "function",
+                                             "function": {"name": it.name, "arguments": it.arguments}}]},
+                            [], None))
+        if ev.finish_reason is not None:
+            finish = ev.finish_reason
+            if parser.num_calls and finish != "abort":
+                finish = "tool_calls"
+            if out:
+                out[-1] = (out[-1][0], [], finish)
+            else:
+                out.append(({}, [], finish))
+        if out:
+            out[0] = (out[0][0], self.buffered[ev.index], out[0][2])
+            self.buffered[ev.index] = []
+        return out
 
     def first_delta(self, index: int) -> dict:
         mode = self.plan.mode
@@ -504,3 +600,29 @@ def render_chat(tokenizer: Any, messages: list[dict]) -> str:
         return decode_tokens(tokenizer, list(out), skip_special_tokens=False)
     parts = [f"<|im_start|>{m['role']}\n{m['content']}<|im_end|>\n" for m in messages]
     return "".join(parts) + "<|im_start|>assistant\n"
+
+
+def _chat_renderer(tokenizer: Any, body: ChatCompletionRequest, plan: ChatPlan):
+    """A callable rendering ``body``'s prompt text (run on the tokenizer thread). ``auto`` tool
+    choice with a tokenizer whose chat template renders tools (a Qwen2.5 checkpoint's) uses that
+    template with ``tools=``, so the model sees its trained layout; otherwise the messages as
+    text (:func:`~llmserve.serve.structured.chat_messages`) through :func:`render_chat`.
+
+    The callable raises APIError (400) when the tokenizer's template fails on the messages.
+    """
+    if plan.mode == "auto" and template_renders_tools(tokenizer):
+        msgs = template_messages(body.messages)
+        tools = [{"type": "function", "function": {k: v for k, v in f.items() if v is not None}}
+                 for f in plan.functions]
+
+        def render_with_tools() -> str:
+            try:
+                out = tokenizer.apply_chat_template(msgs, tools=tools, tokenize=False, add_generation_prompt=True)
+            except Exception as e:  # noqa: BLE001 - a template error is about these messages
+                raise APIError(f"the model's chat template could not render these messages with tools "
+                               f"({type(e).__name__}: {e})", param="messages") from None
+            return out if isinstance(out, str) else decode_tokens(tokenizer, list(out), skip_special_tokens=False)
+
+        return render_with_tools
+    messages = chat_messages(body, plan)
+    return lambda: render_chat(tokenizer, messages)

@@ -16,6 +16,7 @@ from ..core.admission import RequestLimits, request_rejection
 from ..core.sampling_params import SamplingParams, StructuredOutput
 from .detokenizer import IncrementalDetokenizer, token_bytes, token_text
 from .metrics import RequestTracker, ServiceMetrics
+from .prompt_limits import TokenBudget, TooManyTokens
 from .protocol import APIError, error_body
 from .errors import ClientDisconnected, log
 
@@ -27,6 +28,14 @@ MAX_CHOICES = 256  # prompts x n in one HTTP request
 
 #: seconds a structured-output request waits for its grammar to compile before a 400
 GRAMMAR_COMPILE_TIMEOUT_S = 10.0
+
+#: requests the tokenizer routes (/tokenize, /detokenize) may have queued or running on their
+#: own thread; more answer 429
+MAX_TOKENIZER_ROUTE_PENDING = 8
+
+#: at least this many tokens per /tokenize or /detokenize request are accepted (the default
+#: bound is the larger of this and 8 x the context length)
+MIN_TOKENIZER_ROUTE_TOKENS = 32768
 
 
 # ------------------------------------------------------------------------------------------------
@@ -433,7 +442,7 @@ class Service:
     """State shared by the routes of one app."""
 
     def __init__(self, view: _EngineView, served_model_name: str, aliases: tuple[str, ...],
-                 metrics: ServiceMetrics, max_waiting: int | None) -> None:
+                 metrics: ServiceMetrics, max_waiting: int | None, max_tokenize_tokens: int | None = None) -> None:
         self.view = view
         self.tokenizer = view.tokenizer
         self.served_model_name = served_model_name
@@ -444,10 +453,18 @@ class Service:
         self.draining = False
         self.created = int(time.time())
         self.chat_stop_ids = self._special_ids(CHATML_STOP_TOKENS)
-        # Tokenization, chat rendering and echo decoding run here, off the event loop (a long
-        # prompt takes seconds), one at a time: HF fast tokenizers are not safe to call from
-        # several threads at once.
+        # Prompt tokenization, chat rendering and echo decoding of the generation routes run
+        # here, off the event loop, one at a time; each job is bounded (a prompt too long for
+        # the context is refused from its length or a prefix: prompt_limits).
         self._tokenize_pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="llmserve-tokenize")
+        # /tokenize and /detokenize on their own thread (the tokenizer is only read, so the two
+        # threads may use it at once): however many arrive, generation requests never queue
+        # behind them; at most MAX_TOKENIZER_ROUTE_PENDING wait, each at most
+        # ``max_tokenize_tokens`` long.
+        self._route_pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="llmserve-tokenize-api")
+        self._route_pending = 0
+        self.max_tokenize_tokens = max_tokenize_tokens or max(MIN_TOKENIZER_ROUTE_TOKENS, 8 * view.max_model_len)
+        self.budget = TokenBudget(self.tokenizer)
         # Grammar compilation (structured output) on its own threads: a slow schema must not hold
         # up the tokenization of every other request; a compilation that outlasts
         # GRAMMAR_COMPILE_TIMEOUT_S answers 400 (the thread finishes it in the background).
@@ -457,6 +474,7 @@ class Service:
     def close(self) -> None:
         """Stop the tokenizer and grammar threads (after the app stopped serving)."""
         self._tokenize_pool.shutdown(wait=False, cancel_futures=True)
+        self._route_pool.shutdown(wait=False, cancel_futures=True)
         self._grammar_pool.shutdown(wait=False, cancel_futures=True)
 
     async def compile_structured(self, plan) -> None:
@@ -486,6 +504,48 @@ class Service:
     async def run_blocking(self, fn: Callable, *args: Any) -> Any:
         """``fn(*args)`` on the tokenizer thread; exceptions (APIError included) propagate."""
         return await asyncio.get_running_loop().run_in_executor(self._tokenize_pool, fn, *args)
+
+    async def run_tokenizer_route(self, fn: Callable, *args: Any) -> Any:
+        """``fn(*args)`` on the tokenizer routes' own thread; exceptions propagate.
+
+        Raises:
+            APIError: 429 ``tokenizer_busy`` when ``MAX_TOKENIZER_ROUTE_PENDING`` jobs are queued
+                or running (a job whose client left still counts until it ends).
+        """
+        if self._route_pending >= MAX_TOKENIZER_ROUTE_PENDING:
+            raise APIError(f"the tokenizer routes are busy ({self._route_pending} requests queued or running); "
+                           "retry later", status_code=429, type="rate_limit_exceeded", code="tokenizer_busy")
+        loop = asyncio.get_running_loop()
+        job = self._route_pool.submit(fn, *args)
+        self._route_pending += 1
+
+        def done(_: Any) -> None:      # on the worker thread, once the job has really ended
+            try:
+                loop.call_soon_threadsafe(self._job_ended)
+            except RuntimeError:       # the loop is closed: nothing is counted any more
+                pass
+
+        job.add_done_callback(done)
+        return await asyncio.wrap_future(job)
+
+    def _job_ended(self) -> None:
+        self._route_pending -= 1
+
+    def prompt_limit(self, max_tokens: int) -> int:
+        """Prompt tokens that leave no room for ``max_tokens`` (at least 1) completion tokens."""
+        return max(1, self.view.max_model_len - max(1, max_tokens) + 1)
+
+    def precheck_prompt(self, num_chars: int, max_tokens: int, param: str) -> None:
+        """Refuse, on the event loop and in O(1), a prompt whose length in characters already
+        proves it too long for the context (:meth:`TokenBudget.quick_lower_bound`); it never
+        reaches the tokenizer.
+
+        Raises:
+            APIError: 400 ``context_length_exceeded``.
+        """
+        at_least = self.budget.quick_lower_bound(num_chars)
+        if at_least and at_least >= self.prompt_limit(max_tokens):
+            raise self.context_error(at_least, max_tokens, param, exact=False)
 
     def _special_ids(self, tokens) -> list[int]:
         ids = []
@@ -517,12 +577,22 @@ class Service:
             raise APIError(f"the waiting queue is full ({waiting} requests waiting, bound {bound}); retry later",
                            status_code=429, type="rate_limit_exceeded", code="queue_full")
 
-    def tokenize_prompt(self, prompt: str | list[int], param: str = "prompt") -> list[int]:
+    def tokenize_prompt(self, prompt: str | list[int], param: str = "prompt", max_tokens: int = 1) -> list[int]:
+        """A prompt's token ids (on the tokenizer thread). Text is tokenized no further than
+        needed to prove it leaves no room for ``max_tokens`` completion tokens
+        (:class:`~llmserve.serve.prompt_limits.TokenBudget`).
+
+        Raises:
+            APIError: 400: empty, untokenizable, ids outside the vocabulary, or too long for the
+                context (``context_length_exceeded``).
+        """
         if isinstance(prompt, str):
             if not prompt:
                 raise APIError("prompt must not be empty", param=param)
             try:
-                ids = list(self.tokenizer.encode(prompt, add_special_tokens=False))
+                ids = self.budget.encode(prompt, self.prompt_limit(max_tokens))
+            except TooManyTokens as e:
+                raise self.context_error(e.at_least, max_tokens, param, exact=False) from None
             except (TypeError, UnicodeError, ValueError) as e:  # text the tokenizer cannot take
                 raise APIError(f"{param} could not be tokenized ({type(e).__name__}); send valid UTF-8 text",
                                param=param) from e
@@ -536,17 +606,26 @@ class Service:
             raise APIError("prompt must contain at least one token", param=param)
         return ids
 
+    def context_error(self, num_prompt: int, max_tokens: int, param: str, exact: bool = True) -> APIError:
+        """The 400 ``context_length_exceeded`` error, in OpenAI's wording (``exact`` False: the
+        prompt was refused before it was counted in full, and has at least ``num_prompt``
+        tokens)."""
+        limit = self.view.max_model_len
+        has = f"{num_prompt}" if exact else f"at least {num_prompt}"
+        total = f"{num_prompt + max_tokens}" if exact else f"at least {num_prompt + max_tokens}"
+        return APIError(
+            f"this model's maximum context length is {limit} tokens; the request has {has} prompt "
+            f"tokens and asks for {max_tokens} completion tokens ({total} in total); "
+            "shorten the prompt or lower max_tokens",
+            param="max_tokens" if num_prompt < limit else param, code="context_length_exceeded")
+
     def check_context(self, num_prompt: int, max_tokens: int, param: str) -> None:
         """The served context limit (possibly below the engine's), by the engine's admission
         rule, with OpenAI's wording and error code."""
         limit = self.view.max_model_len
         err = request_rejection(num_prompt, max_tokens, RequestLimits(limit))
         if err is not None:
-            raise APIError(
-                f"this model's maximum context length is {limit} tokens; the request has {num_prompt} prompt "
-                f"tokens and asks for {max_tokens} completion tokens ({num_prompt + max_tokens} in total); "
-                "shorten the prompt or lower max_tokens",
-                param="max_tokens" if num_prompt < limit else param, code="context_length_exceeded")
+            raise self.context_error(num_prompt, max_tokens, param)
 
     def sampling_params(self, req, max_tokens: int, logprobs: int | None, seed_offset: int,
                         stop_token_ids: list[int], prompt_logprobs: int | None = None,

@@ -258,14 +258,15 @@ class ChatCompletionRequest(_SamplingFields):
     response_format: Optional[ResponseFormat] = None
     tools: Optional[Annotated[list[ToolDefinition], Field(min_length=1, max_length=MAX_TOOLS)]] = None
     tool_choice: Optional[Union[Literal["none", "auto", "required"], NamedToolChoice]] = Field(
-        default=None, description="'required' or a named function (forced, grammar-constrained calls) or "
-                                  "'none'; 'auto' is not supported")
+        default=None, description="'auto' (the default with tools: the model's own tool-call blocks are "
+                                  "parsed), 'required' or a named function (forced, grammar-constrained calls), "
+                                  "or 'none'")
     parallel_tool_calls: Optional[bool] = Field(
         default=None, description="with tool_choice 'required': allow several calls (default true)")
     functions: Optional[Annotated[list[FunctionDefinition], Field(min_length=1, max_length=MAX_TOOLS)]] = Field(
         default=None, description="legacy form of tools")
     function_call: Optional[Union[Literal["none", "auto"], NamedFunction]] = Field(
-        default=None, description="legacy form of tool_choice: a named function or 'none'")
+        default=None, description="legacy form of tool_choice: a named function or 'none' ('auto': send tools)")
 
     @field_validator("messages")
     @classmethod

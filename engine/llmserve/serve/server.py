@@ -8,8 +8,8 @@ Shutdown (SIGINT/SIGTERM): uvicorn stops accepting connections and waits up to
 aborts their engine requests (freeing KV blocks), and the engine loop stops.
 
 Authentication: with --api-key, --api-key-file or the environment variable LLMSERVE_API_KEY,
-every /v1/* route needs "Authorization: Bearer <key>" (401 otherwise); /health and /metrics
-stay open unless --api-key-protect-metrics.
+every route needs "Authorization: Bearer <key>" (401 otherwise), the tokenizer routes and the API
+docs included; /health and /metrics stay open unless --api-key-protect-metrics.
 """
 
 from __future__ import annotations
@@ -42,7 +42,7 @@ def add_serve_subparser(subparsers: Any) -> argparse.ArgumentParser:
     p.add_argument("--served-model-name", default=None,
                    help="the model name clients send (default: the --model value)")
     p.add_argument("--api-key", default=None,
-                   help="require 'Authorization: Bearer KEY' on /v1/* (visible in the process list: "
+                   help="require 'Authorization: Bearer KEY' on every route but /health and /metrics (visible in the process list: "
                         "prefer --api-key-file or LLMSERVE_API_KEY)")
     p.add_argument("--api-key-file", default=None, metavar="FILE",
                    help="read the API key from the first line of FILE")

@@ -5,18 +5,21 @@ What each request asks for (:func:`plan_chat`):
 
 - ``response_format`` ``text``: free text; ``json_object``: any JSON object; ``json_schema``: a
   JSON value valid under the given schema (always enforced, as OpenAI's ``strict: true``).
+- ``tool_choice`` ``"auto"``, also the default when tools are given (as OpenAI's): free text
+  in which the model may call tools in its own format, the Hermes ``<tool_call>`` blocks of
+  Qwen2/Qwen2.5 (:mod:`llmserve.serve.tool_parser`), read back into ``tool_calls``.
 - ``tool_choice`` ``"required"``: a JSON tool call ``{"name": <one of the tools>, "arguments":
   {...}}`` whose arguments follow that tool's ``parameters``; with ``parallel_tool_calls`` (the
   default) a JSON array of one or more such calls. ``{"type": "function", "function": {"name":
   f}}``: the output is ``f``'s arguments object. ``"none"``: plain text (the tools are still
-  shown to the model). ``"auto"``, and tools without ``tool_choice`` (OpenAI's default is
-  ``auto``), are refused: deciding whether free text is a call needs a model-specific tool-call
-  parser, which this server does not have (as vLLM without ``--tool-call-parser``).
+  shown to the model).
 - legacy ``functions`` with ``function_call`` ``{"name": f}`` (or ``"none"``): as a named tool,
-  answered in the legacy shape (``message.function_call``, ``finish_reason: "function_call"``).
+  answered in the legacy shape (``message.function_call``, ``finish_reason: "function_call"``);
+  their ``"auto"`` (the legacy default) is refused: send ``tools``.
 
-Tools are shown to the model in a system-prompt section listing their JSON definitions and the
-call format. Outputs are one-line JSON (the grammar's compact whitespace), so a weak model
+Forced calls show the tools to the model in a system-prompt section listing their JSON
+definitions and the bare call format; ``"auto"`` shows them in the Hermes layout (the tokenizer's
+own template when it renders tools, as a Qwen2.5 checkpoint's does). Outputs are one-line JSON (the grammar's compact whitespace), so a weak model
 cannot pad them without end.
 """
 
@@ -29,6 +32,7 @@ from typing import Any
 
 from ..core.sampling_params import StructuredOutput
 from .protocol import APIError, ChatCompletionRequest
+from .tool_parser import render_hermes_messages
 
 TOOL_SECTION_HEADER = "# Tools"
 
@@ -40,7 +44,8 @@ class ChatPlan:
     Attributes:
         spec: the grammar of every choice (``None``: free text).
         mode: ``text`` | ``json`` | ``tool`` (named tool) | ``tools`` (``required``) |
-            ``function`` (legacy named function).
+            ``function`` (legacy named function) | ``auto`` (free text that may hold Hermes
+            ``<tool_call>`` blocks).
         function: the forced function's name (``tool`` / ``function`` modes).
         parallel: ``tools`` mode: a JSON array of calls (else a single call object).
         functions: the request's functions (``{"name", "description", "parameters"}``), shown
@@ -57,21 +62,22 @@ class ChatPlan:
     checks: list[tuple[str, StructuredOutput]] = field(default_factory=list)
 
     @property
+    def tool_names(self) -> list[str]:
+        """The names of the functions the request declared."""
+        return [f["name"] for f in self.functions]
+
+    @property
     def calls_tools(self) -> bool:
         """Whether the answer is a tool or function call (a named tool, ``"required"``, or a
         legacy ``function_call``) rather than text."""
         return self.mode in ("tool", "tools", "function")
 
 
-def _auto_refusal(param: str, legacy: bool) -> APIError:
-    named = ('{"name": "<function>"}' if legacy
-             else '{"type": "function", "function": {"name": "<function>"}}')
-    required = "" if legacy else '"required" or '
+def _legacy_auto_refusal() -> APIError:
     return APIError(
-        f"{param} 'auto' (the default when {'functions' if legacy else 'tools'} are given) is not supported: "
-        f"telling a tool call from free text needs a model-specific tool-call parser, which this server does "
-        f"not have; send {param} {required}{named} to force a call (grammar-constrained), or 'none'",
-        param=param, code="unsupported_parameter")
+        "function_call 'auto' (the default when the legacy functions are given) is not supported: send the "
+        "functions as tools (tool_choice 'auto' is), or function_call {\"name\": \"<function>\"} to force a "
+        "call, or 'none'", param="function_call", code="unsupported_parameter")
 
 
 def _spec(schema: Any, param: str) -> StructuredOutput:
@@ -92,7 +98,7 @@ def plan_chat(body: ChatCompletionRequest) -> ChatPlan:
 
     Raises:
         APIError: 400 naming the field: conflicting or unsupported combinations
-            (``tool_choice`` ``auto``, tools together with functions, a ``tool_choice`` without
+            (legacy ``function_call`` ``auto``, tools together with functions, a ``tool_choice`` without
             tools, an unknown function name, duplicate names, a forced call together with a
             JSON ``response_format``).
     """
@@ -136,7 +142,14 @@ def plan_chat(body: ChatCompletionRequest) -> ChatPlan:
         choice = body.function_call if legacy else body.tool_choice
         choice_param = "function_call" if legacy else "tool_choice"
         if choice is None or choice == "auto":
-            raise _auto_refusal(choice_param, legacy)
+            if legacy:
+                raise _legacy_auto_refusal()
+            if plan.mode == "json":
+                raise APIError(f"response_format {rf.type!r} cannot be combined with tools the model may call "
+                               "(tool_choice 'auto', the default): send tool_choice 'none' to answer JSON",
+                               param="response_format")
+            plan.mode = "auto"
+            return plan
         if choice == "none":
             return plan
         if plan.mode == "json":
@@ -183,7 +196,10 @@ def tool_section(functions: list[dict[str, Any]]) -> str:
 def chat_messages(body: ChatCompletionRequest, plan: ChatPlan) -> list[dict[str, str]]:
     """The messages as ``{"role", "content"}`` text for the chat template: the tool section in
     the (first) system message, and earlier calls (``tool_calls`` / ``function_call``) written
-    into their assistant message as the JSON call objects the model is asked to produce."""
+    into their assistant message as the JSON call objects the model is asked to produce
+    (``auto``: in the Hermes layout, :func:`~llmserve.serve.tool_parser.render_hermes_messages`)."""
+    if plan.mode == "auto":
+        return render_hermes_messages(body.messages, plan.functions)
     return render_messages(body.messages, plan.functions)
 
 
@@ -225,12 +241,9 @@ def new_call_id() -> str:
 def tool_calls_of(plan: ChatPlan, text: str) -> list[dict[str, Any]] | None:
     """The tool calls in a constrained output: ``[{"id", "type": "function", "function":
     {"name", "arguments"}}]``; ``None`` when ``text`` is not a complete call (the output was cut
-    by ``max_tokens`` or a stop string). A named tool's arguments are the output text itself."""
+    by ``max_tokens`` or a stop string). A named tool's arguments are the output text itself, whole
+    or cut short (as a stream sends them)."""
     if plan.mode == "tool":
-        try:
-            json.loads(text)
-        except ValueError:
-            return None
         return [{"id": new_call_id(), "type": "function", "function": {"name": plan.function, "arguments": text}}]
     try:
         value = json.loads(text)
