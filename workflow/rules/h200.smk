@@ -13,7 +13,7 @@
 
 # Settings: the config's `compare` section.
 _CMP = config["compare"]
-H200_ARGS = (f"--hf-requests {_CMP['hf_requests']} --hf-decode-steps {_CMP['hf_decode_steps']}"
+H200_ARGS = (f"--presets {' '.join(_CMP['decode_presets'])} --hf-requests {_CMP['hf_requests']} --hf-decode-steps {_CMP['hf_decode_steps']}"
              f" --hf-static-batch {_CMP['hf_static_batch']} --hf-static-requests {_CMP['hf_static_requests']}"
              f" --rates {' '.join(f'{r:g}' for r in _CMP['rates'])}"
              f" --openloop-requests {_CMP['openloop_requests']}"
