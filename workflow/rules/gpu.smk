@@ -8,12 +8,15 @@
 # cost (results/structured/<profile>/) and the kernel benchmarks (results/kernels/<profile>/).
 # Every job records the engine's code hash: an engine edit reruns the measuring jobs, an edit
 # of one script only its stage, and `snakemake -n results/gpu ...` after a complete run is idle.
+# `snakemake publish publish_gpu --cores 1 --config profile=h200` then makes the run the tracked
+# results (the committed sums in checksums/).
 
 STRUCTURED_CFG = config.get("structured")
 GPU_OUT = f"results/{PROFILE}"
 STRUCTURED_OUT = f"results/structured/{PROFILE}"
 KERNELS_OUT = f"results/kernels/{PROFILE}"
-GPU_CHECKSUMS = f"checksums/gpu-{PROFILE}.sha256"
+GPU_CHECKSUMS = f"{GPU_OUT}/checksums.sha256"  # this run's sums; `publish_gpu` commits them
+GPU_PUBLISHED = f"checksums/gpu-{PROFILE}.sha256"
 
 
 def _structured_cells():
@@ -132,7 +135,7 @@ rule gpu_kernels:
 
 
 rule gpu_checksums:
-    """sha256 sums of the comparison, kernel and structured-output files of the profile."""
+    """sha256 sums of the comparison, kernel and structured-output files of this run."""
     input:
         script=f"{SCRIPTS}/checksums.py",
         files=GPU_TRACKED,
@@ -146,6 +149,24 @@ rule gpu_checksums:
         ENV
     shell:
         "python {input.script} write --output {output} {input.files} > {log} 2>&1"
+
+
+rule publish_gpu:
+    """Make this run's comparison, kernel and structured-output files the tracked ones: their
+    run checksums become checksums/gpu-<profile>.sha256 (`publish` does the same for the
+    matrix and the prefix sweep)."""
+    input:
+        GPU_CHECKSUMS,
+    output:
+        GPU_PUBLISHED,
+    log:
+        f"{GPU_OUT}/logs/publish.log",
+    message:
+        f"GPU evidence ({PROFILE}): publish the run's checksums to checksums/"
+    conda:
+        ENV
+    shell:
+        "cp {input:q} {output:q} && sha256sum -c --quiet {output:q} > {log:q} 2>&1"
 
 
 def _gpu_inputs(wildcards):
