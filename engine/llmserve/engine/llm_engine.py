@@ -475,6 +475,7 @@ class LLMEngine(_EngineBase):
             cb(RequestOutput.from_seq(seq, []))
 
     def has_unfinished_requests(self) -> bool:
+        """Whether a request is waiting or running, or a launched step's tokens are unread."""
         return self.scheduler.has_unfinished_requests() or self._inflight is not None
 
     def step(self) -> list[RequestOutput]:

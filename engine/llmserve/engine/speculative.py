@@ -255,6 +255,8 @@ class SpeculativeStats:
     num_draft_tokens: int = 0
 
     def as_dict(self) -> dict[str, Any]:
+        """The counters plus derived ratios (``acceptance_rate``, ``mean_accepted_length``, ...;
+        None when their denominator is 0) and a ``definitions`` string."""
         d: dict[str, Any] = dataclasses.asdict(self)
         prop, acc, ver = self.num_proposed_tokens, self.num_accepted_tokens, self.num_verifications
         out = self.num_output_tokens
@@ -356,19 +358,25 @@ class DraftModelProposer(Proposer):
 
     # ---- per-request state -------------------------------------------------------------------
     def state(self, request_id: str) -> _DraftState:
+        """The request's :class:`_DraftState` (its draft block table and progress)."""
         ds = self._states.get(request_id)
         if ds is None:
             ds = self._states[request_id] = _DraftState(request_id)
         return ds
 
     def max_drafts(self, num_tokens: int) -> int:
+        """Drafts that stay inside the draft model's positions (``max_position_embeddings``)."""
         return self._max_pos - num_tokens + 1
 
     def can_reserve(self, state: _DraftState, num_tokens: int, k: int) -> bool:
+        """Whether the draft cache has the blocks for the first ``num_tokens + k - 1`` tokens
+        (through draft ``k - 1``; the draft never computes its last draft)."""
         dbm = self.block_manager
         return dbm.blocks_needed(num_tokens + k - 1) - len(state.block_ids) <= dbm.num_free_blocks
 
     def reserve(self, state: _DraftState, num_tokens: int, k: int) -> None:
+        """Append the draft cache's slots up to the first ``num_tokens + k - 1`` tokens (its
+        catch-up and drafts ``1..k-1``)."""
         self.block_manager.append_slots(state, num_tokens + k - 1 - state.num_computed_tokens)
 
     def mirror(self, state: _DraftState, seq: Sequence, item: ScheduledSequence):
@@ -382,17 +390,21 @@ class DraftModelProposer(Proposer):
         return None
 
     def rollback(self, spec: "_Spec") -> None:
+        """The draft's computed length drops to the target's verified one (at most), and its
+        blocks past it are released."""
         ds = spec.ds
         ds.num_computed_tokens = min(ds.num_computed_tokens, spec.seq.num_computed_tokens)
         self.block_manager.trim(ds, ds.num_computed_tokens)
 
     def release(self, request_id: str) -> None:
+        """Free the request's draft blocks and sampling slot."""
         ds = self._states.pop(request_id, None)
         if ds is not None:
             self.block_manager.free(ds)
         self._rows.release(request_id)
 
     def reset_stats(self) -> None:
+        """Zero the draft runner's step counts and the draft cache's high-water mark."""
         self.runner.reset_stats()
         self.block_manager.reset_peak()
 
