@@ -88,3 +88,29 @@ def test_precomputed_argmax_is_used_and_never_written():
     for bad in (torch.tensor([1, 2]), torch.tensor([1, 2, 3], dtype=torch.int32)):
         with pytest.raises(ValueError, match="argmax must be int64"):
             s.sample_async(logits, params, ["a", "b", "c"], argmax=bad)
+
+
+def test_sampling_rows_persist_across_unchanged_batches():
+    """A batch's per-row tensors are gathered once and reused while its rows stay the same;
+    a change of rows (or a new request reusing a released id) rebuilds them with its values."""
+    from llmserve.worker.shaping import RowParams, SamplingRows, sampling_probs
+
+    rows = SamplingRows("cpu", capacity=2)
+    a = SamplingParams(temperature=0.5, top_k=3)
+    b = SamplingParams(temperature=2.0, top_p=0.9)
+    first = rows.view(["a", "b"], [a, b])
+    assert rows.view(["a", "b"], [a, b]) is first and rows.num_rebuilds == 1
+    assert first.temperature.tolist() == [0.5, 2.0] and first.top_k.tolist() == [3, 0]
+    assert first.top_k_top_p
+    c = SamplingParams(temperature=1.5, frequency_penalty=0.25)
+    grown = rows.view(["a", "b", "c"], [a, b, c])                  # past the initial capacity
+    assert rows.num_rebuilds == 2 and grown.frequency.tolist() == [0.0, 0.0, 0.25]
+    rows.release("a")
+    d = SamplingParams(temperature=0.75)
+    again = rows.view(["a", "c"], [d, c])                          # id "a" now a new request
+    assert again.temperature.tolist() == [0.75, 1.5] and not again.top_k_top_p
+    logits = torch.randn(2, 20, generator=torch.Generator().manual_seed(3))
+    direct = RowParams.from_params([d, c], "cpu")
+    assert torch.equal(sampling_probs(logits, again), sampling_probs(logits, direct))
+    assert torch.equal(sampling_probs(logits, again),
+                       torch.softmax(logits / torch.tensor([0.75, 1.5])[:, None], -1))

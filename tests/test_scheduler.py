@@ -511,3 +511,65 @@ def test_forced_preemption_tiny_cache_completes_all(make, policy, mode, chunk):
     # every computed token is either kept or recomputed after a preemption
     assert eng.total_computed == sum(s.num_tokens - 1 for s in seqs) + sched.num_recomputed_tokens
     assert sched.block_manager.peak_used_blocks <= 6
+
+
+# ---- the post-step update ---------------------------------------------------------------------
+def test_update_appends_stops_finishes_and_frees():
+    """``Scheduler.update`` is the engine's whole post-step half: tokens appended with their
+    logprob records, stop tokens and length end requests (finished and freed in the update),
+    a grammar hook can end one, and rows finished while in flight drop their token."""
+    from llmserve.core.outputs import SampledTokens
+
+    bm = BlockManager(num_blocks=16, block_size=4)
+    sched = Scheduler(SchedulerConfig(max_num_seqs=4, max_num_batched_tokens=64), bm)
+    a = Sequence("a", [1, 2, 3], SamplingParams(max_tokens=5, stop_token_ids=[9], logprobs=0))
+    b = Sequence("b", [4, 5], SamplingParams(max_tokens=1))
+    c = Sequence("c", [6], SamplingParams(max_tokens=5))
+    d = Sequence("d", [7, 8], SamplingParams(max_tokens=5))
+    for s in (a, b, c, d):
+        sched.add_request(s)
+    out = sched.schedule()
+    for item in out.scheduled:
+        item.seq.num_computed_tokens = item.end_position
+        item.seq.num_pending += 1
+    assert sched.abort_request("d") is d                              # finished while in flight
+    grammar_ends = lambda seq, tok: SequenceStatus.FINISHED_STOPPED if seq is c else None  # noqa: E731
+    upd = sched.update(SampledTokens([a, b, c, d], [11, 12, 13, 14], [{"token_logprob": -1.0, "top": []},
+                                                                       None, None, None]), grammar_ends)
+    assert [o.request_id for o in upd.outputs] == ["a", "b", "c"]
+    assert [o.new_token_ids for o in upd.outputs] == [[11], [12], [13]]
+    assert a.output_logprobs == [{"token_logprob": -1.0, "top": []}] and d.output_token_ids == []
+    assert {s.request_id for s in upd.finished} == {"b", "c"}
+    assert b.finish_reason == "length" and c.finish_reason == "stop" and b.block_ids == [] == c.block_ids
+    assert upd.outputs[1].finished and not upd.outputs[0].finished
+    assert all(s.num_pending == 0 for s in (a, b, c, d)) and sched.num_running == 1
+    sched.schedule()
+    a.num_computed_tokens, a.num_pending = a.num_tokens, 1
+    upd = sched.update(SampledTokens([a], [9], [None]))
+    assert a.finish_reason == "stop" and a.stop_reason == 9 and bm.num_free_blocks == bm.num_total_blocks
+
+
+def test_update_of_a_verified_run_truncates_at_a_stop_and_rolls_back():
+    """A speculative verdict appends its run up to the first stop; a run that goes on sets the
+    computed length to the verified one and releases the blocks past it."""
+    from llmserve.core.outputs import DraftVerdict, SampledTokens
+
+    bm = BlockManager(num_blocks=16, block_size=2)
+    sched = Scheduler(SchedulerConfig(max_num_seqs=4, max_num_batched_tokens=64), bm)
+    go = Sequence("go", [1, 2, 3], SamplingParams(max_tokens=10))
+    stop = Sequence("stop", [1, 2, 3], SamplingParams(max_tokens=10, stop_token_ids=[7]))
+    plain = Sequence("plain", [5], SamplingParams(max_tokens=10))
+    for s in (go, stop, plain):
+        sched.add_request(s)
+    for item in sched.schedule().scheduled:
+        item.seq.num_computed_tokens = item.end_position
+    for s in (go, stop):                       # 3 tokens and 3 drafts reserved: 6 slots, 3 blocks
+        bm.append_slots(s, 3)
+        s.num_computed_tokens, s.num_pending = 6, 1
+    plain.num_pending = 1
+    verdicts = {0: DraftVerdict([20, 21], [None, None], 4), 2: DraftVerdict([6, 7, 8], [None] * 3, 6)}
+    upd = sched.update(SampledTokens([go, plain, stop], [20, 30, 6], [None] * 3, verdicts))
+    assert [o.new_token_ids for o in upd.outputs] == [[20, 21], [30], [6, 7]]
+    assert go.num_computed_tokens == 4 and len(go.block_ids) == 2 and not go.is_finished
+    assert stop.finish_reason == "stop" and stop.output_token_ids == [6, 7] and stop.block_ids == []
+    assert plain.output_token_ids == [30] and [s.request_id for s in upd.finished] == ["stop"]

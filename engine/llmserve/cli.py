@@ -84,7 +84,7 @@ def plain_help(text: str | None) -> str | None:
 
 
 def _cmd_generate(args: argparse.Namespace) -> int:
-    from .engine.builder import build_engine
+    from .engine import build_engine
     from .engine_args import EngineArgs
 
     eargs = EngineArgs.from_namespace(args)

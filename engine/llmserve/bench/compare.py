@@ -91,7 +91,7 @@ def llmserve_engine(preset: str, max_num_seqs: int, max_model_len: int, num_bloc
     """An ``LLMEngine`` on ``cuda`` over random weights of ``preset``'s shapes with the tuned
     flags of this comparison (Triton attention, ``max_num_seqs``, chunk, budget; 60% of free
     memory for the KV pool so two engines of a run never compete for it)."""
-    from ..engine.builder import build_engine
+    from ..engine import build_engine
     from ..engine_args import EngineArgs
 
     args = EngineArgs(model=f"random:{preset}", device="cuda", attention_backend="triton", cuda_graph=graphs,
@@ -104,7 +104,7 @@ def llmserve_engine(preset: str, max_num_seqs: int, max_model_len: int, num_bloc
 def default_engine(preset: str, max_model_len: int = 4096):
     """The engine ``llmserve benchmark --device cuda`` builds with no tuning flag: every field at
     its CUDA default (:func:`llmserve.engine_args.device_defaults`)."""
-    from ..engine.builder import build_engine
+    from ..engine import build_engine
     from ..engine_args import EngineArgs
 
     return build_engine(EngineArgs(model=f"random:{preset}", device="cuda",

@@ -275,14 +275,14 @@ def resolved_flags(econf) -> dict[str, Any]:
 
 def default_engine_factory(config, naive: bool):
     """Build ``NaiveEngine`` (naive) or ``LLMEngine`` (:func:`llmserve.engine.builder.build_engine`)."""
-    from ..engine.builder import build_engine
+    from ..engine import build_engine
 
     return build_engine(config, naive)
 
 
 def _speculative_engine_factory(opts: BenchmarkOptions) -> Callable[[Any, bool], Any]:
     """Factory building a speculative-decoding engine (``--speculative-model``)."""
-    from ..engine.builder import build_engine
+    from ..engine import build_engine
 
     return lambda config, naive: build_engine(config, naive, speculative_model=opts.speculative_model,
                                               num_speculative_tokens=opts.num_speculative_tokens)

@@ -68,6 +68,7 @@ from dataclasses import dataclass, field
 from ..config import SchedulerConfig
 from .admission import RequestLimits, RequestRejectedError, request_rejection
 from .block_manager import BlockManager
+from .outputs import DraftVerdict, RequestOutput, SampledTokens, StepUpdate, TokenAcceptor
 from .policies import SchedulingPolicy, WaitingQueue, get_policy
 from .sequence import Sequence, SequenceStatus
 
@@ -135,14 +136,17 @@ class SchedulerOutput:
 
     @property
     def is_empty(self) -> bool:
+        """Nothing scheduled this step."""
         return not self.scheduled
 
     @property
     def num_prefill_tokens(self) -> int:
+        """Tokens of items that catch up more than one token (prompts, chunks, recomputes)."""
         return sum(s.num_new_tokens for s in self.scheduled if s.is_prefill)
 
     @property
     def num_decode_tokens(self) -> int:
+        """Tokens of 1-token decode items."""
         return sum(s.num_new_tokens for s in self.scheduled if not s.is_prefill)
 
 
@@ -153,10 +157,11 @@ class Scheduler:
         config: batching limits, mode and policy.
         block_manager: the KV block bookkeeping this scheduler allocates from.
 
-    The engine drives it: ``schedule()``, run the model on ``output.scheduled``, then for each
-    scheduled sequence ``seq.num_computed_tokens += num_new_tokens``; when it caught up, append
-    the sampled token and call :meth:`finish_request` if a stop condition holds. Aborts must be
-    applied between steps (not between ``schedule()`` and that update).
+    The engine drives it: ``schedule()``, run the model on ``output.scheduled`` (setting each
+    scheduled sequence's ``num_computed_tokens`` to the item's ``end_position``), sample the
+    sequences that caught up, then hand their tokens to :meth:`update`, which appends them,
+    applies the stop rules and finishes (and frees) the sequences that ended. Aborts must be
+    applied between steps (not between ``schedule()`` and the forward pass).
     """
 
     def __init__(self, config: SchedulerConfig, block_manager: BlockManager) -> None:
@@ -173,13 +178,16 @@ class Scheduler:
     # ---- queries ------------------------------------------------------------------------------
     @property
     def num_running(self) -> int:
+        """Sequences in the running batch."""
         return len(self.running)
 
     @property
     def num_waiting(self) -> int:
+        """Sequences waiting for admission (preempted ones included)."""
         return len(self.waiting)
 
     def has_unfinished_requests(self) -> bool:
+        """Whether any request is running or waiting."""
         return bool(self.running) or bool(self.waiting)
 
     def stats(self) -> dict:
@@ -274,6 +282,91 @@ class Scheduler:
             seq.metrics.finish_time = time.perf_counter()
 
     # ---- the step -----------------------------------------------------------------------------
+    def update(self, sampled: SampledTokens, accept: TokenAcceptor | None = None) -> StepUpdate:
+        """Record one step's sampled tokens: the post-step half of the scheduler.
+
+        For each row: the token leaves the in-flight count (``seq.num_pending -= 1``); a
+        sequence that finished meanwhile (an abort, or a stop read earlier) drops it; otherwise
+        the token (and its logprob record when the request asked for logprobs) is appended,
+        ``accept`` (the grammar matchers, when some request is constrained) sees it, and the
+        stop rules run (:meth:`Sequence.check_stop`: EOS / stop tokens, then length). A
+        sequence that ended is finished here (:meth:`finish_request`: status, finish time,
+        blocks freed). A row with a :class:`~llmserve.core.outputs.DraftVerdict` appends its
+        run token by token and stops at the first token that ends the request (the rest is
+        dropped); when it goes on, its computed length falls back to the verified one and the
+        blocks past it are released (:meth:`BlockManager.trim`).
+
+        Args:
+            sampled: the step's rows (:class:`~llmserve.core.outputs.SampledTokens`).
+            accept: a hook run on every appended token before the stop rules (see
+                :data:`~llmserve.core.outputs.TokenAcceptor`), or None.
+
+        Returns:
+            :class:`~llmserve.core.outputs.StepUpdate`: an output per sequence that received
+            tokens (row order) and the sequences that finished.
+        """
+        now = time.perf_counter()
+        if sampled.drafts is not None:
+            return self._update_verified(sampled, accept, now)
+        max_len = self.config.max_model_len
+        outputs: list[RequestOutput] = []
+        finished: list[Sequence] = []
+        for seq, tok, lp in zip(sampled.seqs, sampled.token_ids, sampled.logprobs):
+            seq.num_pending -= 1
+            if seq.status.finished:
+                continue
+            seq.append_token(tok, now)
+            if seq.sampling_params.logprobs is not None:
+                seq.output_logprobs.append(lp)
+            status = (accept(seq, tok) if accept is not None else None) or seq.check_stop(max_len)
+            if status is not None:
+                self.finish_request(seq, status)
+                finished.append(seq)
+            outputs.append(RequestOutput.from_seq(seq, [tok]))
+        return StepUpdate(outputs, finished)
+
+    def _update_verified(self, sampled: SampledTokens, accept: TokenAcceptor | None,
+                         now: float) -> StepUpdate:
+        """:meth:`update` of a step with speculative verdicts: a row with one appends its run
+        (:meth:`_append_run`), the others their single token."""
+        drafts = sampled.drafts
+        outputs: list[RequestOutput] = []
+        finished: list[Sequence] = []
+        for row, (seq, tok, lp) in enumerate(zip(sampled.seqs, sampled.token_ids, sampled.logprobs)):
+            seq.num_pending -= 1
+            if seq.status.finished:
+                continue
+            verdict = drafts.get(row)
+            if verdict is None:
+                verdict = DraftVerdict([tok], [lp], -1)
+            new, status = self._append_run(seq, verdict, accept, now)
+            if status is not None:
+                self.finish_request(seq, status)
+                finished.append(seq)
+            outputs.append(RequestOutput.from_seq(seq, new))
+        return StepUpdate(outputs, finished)
+
+    def _append_run(self, seq: Sequence, verdict: DraftVerdict, accept: TokenAcceptor | None,
+                    now: float) -> tuple[list[int], SequenceStatus | None]:
+        """Append a run of tokens up to the first one that ends ``seq``; when it goes on and
+        the verdict names a computed length (>= 0), roll the computed length and the blocks
+        back to it."""
+        new: list[int] = []
+        status = None
+        want_lp = seq.sampling_params.logprobs is not None
+        for tok, lp in zip(verdict.token_ids, verdict.logprobs):
+            seq.append_token(tok, now)
+            new.append(tok)
+            if want_lp:
+                seq.output_logprobs.append(lp)
+            status = (accept(seq, tok) if accept is not None else None) or seq.check_stop(self.config.max_model_len)
+            if status is not None:
+                break
+        if status is None and verdict.num_computed_tokens >= 0:
+            seq.num_computed_tokens = verdict.num_computed_tokens
+            self.block_manager.trim(seq, verdict.num_computed_tokens)
+        return new, status
+
     def schedule(self) -> SchedulerOutput:
         """Plan one step (see the module docstring). Allocates the blocks the step writes to."""
         out = SchedulerOutput()

@@ -1,6 +1,7 @@
 """A request as the engine tracks it: tokens, progress, KV blocks, status and timing records.
 
-The central invariant (DESIGN.md): ``num_computed_tokens`` catches up with ``num_tokens``.
+The central invariant (``docs/architecture.md``, "The invariant"): ``num_computed_tokens``
+catches up with ``num_tokens``.
 Prefill, chunked prefill, decode and recompute after preemption are all "compute the next
 ``num_tokens - num_computed_tokens`` tokens (or a chunk of them)"; a new token is sampled
 only in the step where a sequence catches up.
@@ -20,6 +21,8 @@ PENDING_TOKEN = -1
 
 
 class SequenceStatus(enum.Enum):
+    """Where a request stands; a finished status's value is its OpenAI ``finish_reason``."""
+
     WAITING = "waiting"
     RUNNING = "running"
     FINISHED_STOPPED = "stop"      # EOS or a stop token / stop string
@@ -29,6 +32,7 @@ class SequenceStatus(enum.Enum):
 
     @property
     def finished(self) -> bool:
+        """Any status but WAITING and RUNNING (the request will take no more steps)."""
         return self is not SequenceStatus.WAITING and self is not SequenceStatus.RUNNING
 
 
@@ -104,10 +108,12 @@ class Sequence:
     # ---- sizes -----------------------------------------------------------------------------
     @property
     def num_prompt_tokens(self) -> int:
+        """Tokens in the prompt."""
         return len(self.prompt_token_ids)
 
     @property
     def num_output_tokens(self) -> int:
+        """Output tokens the host has read (pending ones on the device not included)."""
         return len(self.output_token_ids)
 
     @property
@@ -147,6 +153,7 @@ class Sequence:
 
     @property
     def all_token_ids(self) -> list[int]:
+        """Prompt + output ids the host knows (a new list)."""
         return self.prompt_token_ids + self.output_token_ids
 
     def token_ids_slice(self, start: int, end: int) -> list[int]:
@@ -169,6 +176,7 @@ class Sequence:
 
     @property
     def is_finished(self) -> bool:
+        """Whether the status is a finished one."""
         return self.status.finished
 
     @property

@@ -3,9 +3,33 @@ prefill and preemption by recompute), :class:`NaiveEngine` (the sequential contr
 the whole prefix every step), :class:`AsyncLLMEngine` (the asyncio front end the server uses) and
 :class:`~llmserve.engine.speculative.SpeculativeEngine` (draft-and-verify decoding)."""
 
+from ..config import EngineConfig
 from .async_engine import AsyncLLMEngine, QueueFullError
-from .builder import build_engine
 from .llm_engine import LLMEngine, RequestOutput
 from .naive import NaiveEngine
+from .speculative import SpeculativeEngine
 
-__all__ = ["AsyncLLMEngine", "LLMEngine", "NaiveEngine", "QueueFullError", "RequestOutput", "build_engine"]
+__all__ = ["AsyncLLMEngine", "LLMEngine", "NaiveEngine", "QueueFullError", "RequestOutput", "SpeculativeEngine",
+           "build_engine"]
+
+
+def build_engine(config: EngineConfig, naive: bool = False, *, speculative_model: str | None = None,
+                 num_speculative_tokens: int = 4) -> LLMEngine | NaiveEngine:
+    """Construct the engine a config names (the parts of each are built by
+    :mod:`llmserve.engine.builder`); the one constructor the commands share.
+
+    Args:
+        config: the engine configuration.
+        naive: the sequential, cache-free control engine (:class:`NaiveEngine`).
+        speculative_model: a draft model (``'tiny'``, a checkpoint directory, a hub id,
+            ``random:<preset>`` or ``'target'``): a :class:`SpeculativeEngine`.
+        num_speculative_tokens: draft tokens proposed per step with ``speculative_model``.
+
+    Raises:
+        ValueError: ``naive`` with ``speculative_model``, or what the engine's constructor raises.
+    """
+    if speculative_model:
+        if naive:
+            raise ValueError("--speculative-model needs a paged engine; it cannot be used with the naive engine")
+        return SpeculativeEngine(config, draft_model=speculative_model, num_speculative_tokens=num_speculative_tokens)
+    return NaiveEngine(config) if naive else LLMEngine(config)

@@ -1,21 +1,58 @@
 """The asyncio front end: ``AsyncLLMEngine`` runs an engine's step loop on a background thread and
 streams each request's outputs to an ``asyncio`` consumer (the HTTP server).
+
+Callers talk to the engine thread through typed messages (:class:`AddRequest`,
+:class:`AbortRequest`) on one queue; the thread applies them between steps.
 """
 
 from __future__ import annotations
+
 import asyncio
 import queue
 import threading
 import time
 import uuid
 from collections.abc import AsyncIterator, Callable
+from dataclasses import dataclass
+
 from ..core.sampling_params import SamplingParams
 from .llm_engine import LLMEngine, RequestOutput
 from .naive import NaiveEngine
 
+__all__ = ["AbortRequest", "AddRequest", "AsyncLLMEngine", "QueueFullError"]
 
 _SENTINEL = object()
 _ADMITTED = object()  # the engine thread added the request (delivered before any output)
+
+
+@dataclass(frozen=True, slots=True)
+class AddRequest:
+    """Add a validated request to the engine (applied by the engine thread between steps).
+
+    Attributes:
+        request_id: the caller's id (unique among requests in flight).
+        prompt_token_ids: the prompt, already checked by ``engine.check_request``.
+        sampling_params: its decoding rules.
+        priority: lower runs first under the ``priority`` policy.
+        arrival_time: ``time.perf_counter()`` when the caller submitted it (seconds).
+    """
+
+    request_id: str
+    prompt_token_ids: list[int]
+    sampling_params: SamplingParams
+    priority: int
+    arrival_time: float
+
+
+@dataclass(frozen=True, slots=True)
+class AbortRequest:
+    """Abort a request (waiting or running; unknown or finished ids are ignored).
+
+    Attributes:
+        request_id: the request to abort.
+    """
+
+    request_id: str
 
 
 class AsyncLLMEngine:
@@ -35,7 +72,7 @@ class AsyncLLMEngine:
     def __init__(self, engine: LLMEngine | NaiveEngine, max_waiting: int | None = None) -> None:
         self.engine = engine
         self.max_waiting = max_waiting
-        self._commands: queue.SimpleQueue = queue.SimpleQueue()
+        self._commands: queue.SimpleQueue[AddRequest | AbortRequest] = queue.SimpleQueue()
         self._wake = threading.Event()
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
@@ -46,6 +83,7 @@ class AsyncLLMEngine:
 
     # ---- lifecycle ---------------------------------------------------------------------------
     def start(self) -> None:
+        """Start the background step loop (idempotent; :meth:`generate` calls it)."""
         if self._thread is None:
             self._thread = threading.Thread(target=self._loop, name="llmserve-engine", daemon=True)
             self._thread.start()
@@ -54,7 +92,7 @@ class AsyncLLMEngine:
         """Abort everything in flight and stop the loop (waits at most ``timeout`` seconds),
         then shut the engine down (with tensor parallelism its other ranks stop)."""
         for rid in list(self._queues):
-            self._commands.put(("abort", rid))
+            self._commands.put(AbortRequest(rid))
         self._stop.set()
         self._wake.set()
         if self._thread is not None:
@@ -69,12 +107,16 @@ class AsyncLLMEngine:
 
     @property
     def is_running(self) -> bool:
+        """Whether the background step loop is alive."""
         return self._thread is not None and self._thread.is_alive()
 
     def num_in_flight(self) -> int:
+        """Requests submitted through :meth:`generate` and not yet finished or cancelled."""
         return len(self._queues)
 
     def stats(self) -> dict:
+        """The engine's :meth:`stats`, with requests queued for the engine thread counted as
+        waiting."""
         s = dict(self.engine.stats())
         s["num_waiting"] = (s.get("num_waiting") or 0) + self._pending
         return s
@@ -96,23 +138,22 @@ class AsyncLLMEngine:
                 cmd = self._commands.get_nowait()
             except queue.Empty:
                 return
-            if cmd[0] == "add":
-                _, rid, prompt_ids, sp, priority, arrival = cmd
+            if isinstance(cmd, AddRequest):
                 with self._pending_lock:
                     self._pending -= 1
+                rid = cmd.request_id
                 if rid not in self._queues:      # cancelled before it was added
                     continue
                 try:
-                    self.engine.add_request(prompt_ids, sp, request_id=rid, arrival_time=arrival,
-                                            priority=priority)
+                    self.engine.add_request(cmd.prompt_token_ids, cmd.sampling_params, request_id=rid,
+                                            arrival_time=cmd.arrival_time, priority=cmd.priority)
                 except Exception as e:  # noqa: BLE001 - reported to the caller
                     self._deliver(rid, e)
                 else:
                     self._deliver(rid, _ADMITTED)
-            elif cmd[0] == "abort":
-                rid = cmd[1]
-                if self.engine.abort_request(rid):
-                    self._deliver(rid, _SENTINEL)
+            elif isinstance(cmd, AbortRequest):
+                if self.engine.abort_request(cmd.request_id):
+                    self._deliver(cmd.request_id, _SENTINEL)
 
     def _loop(self) -> None:
         while not self._stop.is_set():
@@ -160,7 +201,7 @@ class AsyncLLMEngine:
         self._queues[rid] = (asyncio.get_running_loop(), q)
         with self._pending_lock:
             self._pending += 1
-        self._commands.put(("add", rid, ids, sp, priority, time.perf_counter()))
+        self._commands.put(AddRequest(rid, ids, sp, priority, time.perf_counter()))
         self._wake.set()
         finished = False
         try:
@@ -184,12 +225,12 @@ class AsyncLLMEngine:
         finally:
             self._queues.pop(rid, None)
             if not finished:
-                self._commands.put(("abort", rid))
+                self._commands.put(AbortRequest(rid))
                 self._wake.set()
 
     async def abort(self, request_id: str) -> None:
         """Abort a request (applied before the next engine step)."""
-        self._commands.put(("abort", request_id))
+        self._commands.put(AbortRequest(request_id))
         self._wake.set()
 
 

@@ -1,78 +1,40 @@
 """The paged, batched engine: ``LLMEngine.step()`` is one iteration of continuous (or static)
 batching.
 
-schedule -> build tensors -> forward -> advance ``num_computed_tokens`` -> sample for the
-sequences that caught up -> stop checks. Every request keeps a timing record
-(:class:`~llmserve.core.sequence.RequestMetrics`) from which the benchmark derives TTFT, TPOT, ITL.
+schedule (:meth:`Scheduler.schedule <llmserve.core.scheduler.Scheduler.schedule>`) -> execute
+(the runner builds the tensors and runs the forward pass; ``num_computed_tokens`` advances; the
+sampler queues the draws of the sequences that caught up) -> update (:meth:`Scheduler.update
+<llmserve.core.scheduler.Scheduler.update>`: append, stop checks, finish and free) -> outputs.
+The engine's parts are built by :mod:`llmserve.engine.builder`. Every request keeps a timing
+record (:class:`~llmserve.core.sequence.RequestMetrics`) from which the benchmark derives TTFT,
+TPOT, ITL.
 """
 
 from __future__ import annotations
-import dataclasses
+
+import gc
 import itertools
 import time
 import uuid
-import weakref
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
+
 import torch
-from ..config import EngineConfig, ResolvedFastPath
+
+from ..config import EngineConfig
 from ..envs import triton_interpret
 from ..worker.input_builder import PendingTokens
-from ..worker.sampler import PendingSample, Sampler, TokenBitmask
+from ..worker.sampler import PendingSample, Sampler, TokenBitmask, TokenHistory
 from ..core.admission import RequestLimits, validate_request
+from ..core.outputs import RequestOutput, SampledTokens, StepUpdate
 from ..core.sampling_params import SamplingParams
-from ..core.sequence import RequestMetrics, Sequence, SequenceStatus
+from ..core.scheduler import SchedulerOutput
+from ..core.sequence import Sequence, SequenceStatus
+from .builder import build_paged_parts, build_structured_output, load_target
+from .triton_cache import triton_cache_entries
 
 
 TokenCallback = Callable[["RequestOutput"], None]
-
-
-_FINISHED = frozenset(s for s in SequenceStatus if s.finished)
-
-
-@dataclass(slots=True)
-class RequestOutput:
-    """What a request produced so far.
-
-    Attributes:
-        request_id: the request's id.
-        prompt_token_ids: the prompt.
-        output_token_ids: all output tokens so far.
-        new_token_ids: tokens produced by the step that made this output.
-        finished: whether the request ended.
-        finish_reason: ``stop`` | ``length`` | ``abort`` | ``None``.
-        metrics: the request's timing record (shared, live object).
-        logprobs: per output token ``None`` or ``{"token_logprob", "top"}`` records.
-        stop_reason: the stop token id that ended it, if any.
-        prompt_logprobs: with ``SamplingParams.prompt_logprobs``, one entry per prompt token:
-            ``None`` for the first, then ``{"token_logprob", "top"}`` records (vLLM's layout);
-            ``None`` when not asked for or not complete yet.
-    """
-
-    request_id: str
-    prompt_token_ids: list[int]
-    output_token_ids: list[int]
-    new_token_ids: list[int]
-    finished: bool
-    finish_reason: str | None
-    metrics: RequestMetrics
-    logprobs: list[dict | None] = field(default_factory=list)
-    stop_reason: int | str | None = None
-    prompt_logprobs: list[dict | None] | None = None
-
-    @classmethod
-    def from_seq(cls, seq: Sequence, new_token_ids: list[int]) -> "RequestOutput":
-        """Build from a sequence. ``output_token_ids`` and ``logprobs`` are the sequence's live
-        lists while it runs (no per-step copy: at batch 256 the copies cost more than the
-        rest of the step's bookkeeping); a finished request's lists no longer change. Copy
-        them to keep a snapshot of a running request."""
-        finished = seq.status in _FINISHED
-        plp = None
-        if seq.sampling_params.prompt_logprobs is not None and not seq.needs_prompt_logprobs:
-            plp = [None, *seq.prompt_logprobs]
-        return cls(seq.request_id, seq.prompt_token_ids, seq.output_token_ids, new_token_ids,
-                   finished, seq.status.value if finished else None, seq.metrics,
-                   seq.output_logprobs, seq.stop_reason, plp)
 
 
 def _check_interpreter(config: EngineConfig, device: torch.device) -> None:
@@ -100,10 +62,6 @@ class _EngineBase:
     supports_tensor_parallel = False
 
     def __init__(self, config: EngineConfig, *, load_model_fn=None) -> None:
-        from ..models.loader import load_model
-        from ..tokenizer import load_tokenizer
-        from .shard import load_shard
-
         self.config = config
         self.device = torch.device(config.device)
         _check_interpreter(config, self.device)
@@ -112,43 +70,16 @@ class _EngineBase:
         #: and the KV pool's size; the server logs them and reports them on ``/health``
         self.startup: dict = {}
         torch.manual_seed(config.seed)
-        loader = load_model_fn or load_model
         #: rank 0's tensor-parallel runtime (:mod:`llmserve.engine.tensor_parallel`), or None
         self.tp_runtime = None
-        tp = None
-        if config.tensor_parallel_size > 1:
-            if not self.supports_tensor_parallel:
-                raise ValueError(f"{type(self).__name__} does not support tensor_parallel_size > 1 "
-                                 f"(got {config.tensor_parallel_size}); use LLMEngine")
-            from .tensor_parallel import start_tensor_parallel
-
-            # on a torchrun rank other than 0 this serves as that rank and raises SystemExit
-            self.tp_runtime = start_tensor_parallel(config, load_model_fn)
-            self.device = self.tp_runtime.device
-            tp = self.tp_runtime.group
-            self._tp_finalizer = weakref.finalize(self, self.tp_runtime.shutdown)
-        try:
-            shard = load_shard(config, self.device, loader, tp)
-        except BaseException as e:
-            self._tp_abort(e)
-            raise
-        self.model, self.model_config, self.model_path = shard.model, shard.model_config, shard.model_path
+        load_target(self, config, load_model_fn)
         self.startup["load_s"] = time.perf_counter() - t_load
-        # the fast-path choices for this model, decided once (size rules included)
-        self.fast_path: ResolvedFastPath = shard.fast_path
-        self.tokenizer = load_tokenizer(self.model_path)
         self.max_model_len = min(config.scheduler.max_model_len, self.model_config.max_position_embeddings)
         self.eos_token_ids = tuple(self.model_config.eos_token_ids) or (
             (self.tokenizer.eos_token_id,) if self.tokenizer.eos_token_id is not None else ())
         self.sampler = Sampler(self.device, seed=config.seed)
         self._ids = itertools.count()
-        self.structured = None
-        if self.supports_structured_output:
-            from .structured import StructuredOutputManager
-
-            self.structured = StructuredOutputManager(
-                self.tokenizer, self.model_config.vocab_size, self.eos_token_ids,
-                max_entries=config.grammar_cache_size, pin_memory=self.device.type == "cuda")
+        self.structured = build_structured_output(self, config) if self.supports_structured_output else None
 
     def _tp_abort(self, cause: BaseException) -> None:
         """Tensor parallel: a failure during construction stops the other ranks; a rank that
@@ -264,6 +195,8 @@ class _InFlightStep:
 
     seqs: list[Sequence]
     sample: "PendingSample"
+    #: speculative decoding: the step's verification (its verified rows), else None
+    verify: object | None = None
 
     def device_source(self) -> PendingTokens:
         """Where the next step finds the input ids of these sequences (``[S]`` int64 on the
@@ -277,6 +210,29 @@ class LLMEngine(_EngineBase):
     Continuous batching follows Orca (Yu et al., OSDI 2022); the paged KV cache follows
     vLLM/PagedAttention (Kwon et al., SOSP 2023); chunked prefill follows Sarathi-Serve
     (Agrawal et al., OSDI 2024).
+
+    A step (:meth:`step`) is schedule -> execute -> update: :meth:`Scheduler.schedule
+    <llmserve.core.scheduler.Scheduler.schedule>` plans it, the runner computes the forward pass
+    and the sampler queues the draws on the device, and :meth:`Scheduler.update
+    <llmserve.core.scheduler.Scheduler.update>` appends the tokens, applies the stop rules and
+    finishes and frees the sequences that ended; the engine then calls the callbacks.
+
+    With asynchronous scheduling (:attr:`async_scheduling`, the default on CUDA) a step's
+    sampled tokens are read on the *next* call: that call plans and launches its forward pass
+    (sequences whose newest token is still on the device take it as input there), then reads
+    the previous step's tokens while the device runs, and returns their outputs. A request that
+    stops on EOS therefore costs one extra token of device work, which is discarded; stops by
+    length are known ahead and cost nothing. Grammar-constrained rows (structured output) need
+    every earlier token accepted by their matcher before their bitmask can be filled, so a step
+    that samples for one reads the previous step's tokens *before* it samples (after its forward
+    pass was launched, so the overlap is kept); a constrained request never runs ahead of its
+    grammar, and steps without constrained rows are unchanged.
+
+    Speculative decoding (:attr:`speculator`, set by
+    :class:`~llmserve.engine.speculative.SpeculativeEngine`) happens inside the same step: a
+    proposer drafts tokens for decoding sequences, the forward pass computes their ``1 + k``
+    rows with the rest of the batch, and the rejection sampler's verdicts go through the same
+    update (which stops a run at its first stop token and rolls rejected drafts back).
 
     Tensor parallelism (``config.tensor_parallel_size > 1``, :mod:`llmserve.engine.tensor_parallel`):
     this object is rank 0; it starts the other ranks, broadcasts each step to them and samples.
@@ -309,32 +265,10 @@ class LLMEngine(_EngineBase):
             raise
 
     def _init_engine(self, config: EngineConfig) -> None:
-        from ..core.block_manager import BlockManager
-        from ..worker.model_runner import ModelRunner
-        from ..core.scheduler import Scheduler
-        from .shard import allocate_kv_cache
-
-        tp = self.tp_runtime.group if self.tp_runtime is not None else None
-        # the fused forward before the KV cache: the copies it may keep (fast_path.int8_fragments)
-        # count against the free memory the cache is sized from
-        forward = self._build_fast_forward()
-        t0 = time.perf_counter()
-        self.kv_cache = allocate_kv_cache(config, self.model_config, self.model.dtype
-                                          if hasattr(self.model, "dtype") else config.torch_dtype,
-                                          self.device, tp)
-        self.startup.update(kv_cache_s=time.perf_counter() - t0, num_kv_blocks=self.kv_cache.num_blocks,
-                            kv_cache_bytes=self.kv_cache.total_bytes)
+        parts = build_paged_parts(self, config)
         self.block_size = config.cache.block_size
-        self.block_manager = BlockManager(self.kv_cache.num_blocks, self.block_size,
-                                          enable_prefix_caching=config.cache.enable_prefix_caching)
-        sched_cfg = dataclasses.replace(config.scheduler, max_model_len=self.max_model_len)
-        self.scheduler = Scheduler(sched_cfg, self.block_manager)
-        t0 = time.perf_counter()
-        graphs = self._capture_graphs(config, forward)
-        self.startup["graph_capture_s"] = time.perf_counter() - t0
-        self.runner = ModelRunner(self.model, self.kv_cache.kv_caches, self.block_size, self.device,
-                                  forward=forward, cuda_graphs=graphs,
-                                  channel=self.tp_runtime.channel if self.tp_runtime is not None else None)
+        self.kv_cache, self.block_manager = parts.kv_cache, parts.block_manager
+        self.scheduler, self.runner = parts.scheduler, parts.runner
         self._seqs: dict[str, Sequence] = {}
         self._callbacks: dict[str, TokenCallback] = {}
         self.num_steps = 0
@@ -354,31 +288,8 @@ class LLMEngine(_EngineBase):
         auto = self.device.type == "cuda"
         self.async_scheduling = auto if config.async_scheduling is None else bool(config.async_scheduling)
         self._inflight: _InFlightStep | None = None
-
-    def _build_fast_forward(self):
-        """With ``fast_path.fused_forward`` (by default: on CUDA) the fused forward (Triton
-        norm/rope/silu kernels, packed QKV and gate-up GEMMs), else None (the readable path)."""
-        if not self.fast_path.fused_forward:
-            return None
-        from ..models.fused_forward import FastQwen2Forward
-
-        return FastQwen2Forward(self.model, self.fast_path)
-
-    def _capture_graphs(self, config: EngineConfig, fast):
-        """With the fused forward ``fast`` on CUDA, the Triton attention backend and
-        ``use_cuda_graph``: the decode CUDA graphs over this engine's KV cache, else None."""
-        if fast is None or self.device.type != "cuda" or self.tp_runtime is not None or not (
-                config.attention_backend == "triton" and config.use_cuda_graph):
-            return None
-        from ..worker.cuda_graph import CUDAGraphDecodeRunner
-
-        graphs = CUDAGraphDecodeRunner(fast, fast.compute_logits, self.kv_cache.kv_caches,
-                                       self.block_size, config.scheduler.max_num_seqs,
-                                       self.max_model_len, self.device,
-                                       short_context=self.fast_path.graph_short_context,
-                                       greedy=fast.greedy if self.fast_path.graph_argmax else None)
-        graphs.capture()
-        return graphs
+        #: speculative decoding (:class:`~llmserve.engine.speculative.Speculator`), or None
+        self.speculator = None
 
     def warmup(self, force: bool = False) -> dict:
         """Compile and load the GPU kernels of every kind of step before serving.
@@ -414,8 +325,6 @@ class LLMEngine(_EngineBase):
                     "triton_compiles": 0, "requests": 0}
         if self.has_unfinished_requests():
             raise RuntimeError("warmup() needs an idle engine (requests are queued or running)")
-        from .triton_cache import triton_cache_entries
-
         t0, c0 = time.perf_counter(), triton_cache_entries()
         vocab = int(self.model_config.vocab_size)
         sched = self.config.scheduler
@@ -485,8 +394,6 @@ class LLMEngine(_EngineBase):
         and buffers, so no step waits on a full pass over them (Python's ``gc`` documentation
         recommends freezing after start-up for the same reason)."""
         if self.config.freeze_gc:
-            import gc
-
             gc.collect()
             gc.freeze()
 
@@ -509,6 +416,8 @@ class LLMEngine(_EngineBase):
         self.block_manager.reset_prefix_cache_stats()
         if self.structured is not None:
             self.structured.reset_stats()
+        if self.speculator is not None:
+            self.speculator.reset_stats()
 
     def reset_prefix_cache_stats(self) -> None:
         """Zero the prefix-cache query, hit and eviction counters (the cached blocks stay)."""
@@ -559,8 +468,12 @@ class LLMEngine(_EngineBase):
         return True
 
     def _finish(self, seq: Sequence) -> None:
+        """Release a finished request's engine state (sampler generator, grammar matcher,
+        proposer state); an aborted request's callback is told here."""
         self._seqs.pop(seq.request_id, None)
         self.sampler.release(seq.request_id)
+        if self.speculator is not None:
+            self.speculator.release(seq.request_id)
         if self.structured is not None:
             self.structured.remove(seq.request_id)
         cb = self._callbacks.pop(seq.request_id, None)
@@ -568,28 +481,15 @@ class LLMEngine(_EngineBase):
             cb(RequestOutput.from_seq(seq, []))
 
     def has_unfinished_requests(self) -> bool:
+        """Whether a request is waiting or running, or a launched step's tokens are unread."""
         return self.scheduler.has_unfinished_requests() or self._inflight is not None
 
     def step(self) -> list[RequestOutput]:
-        """One scheduling iteration and one forward pass.
+        """One iteration: schedule -> execute (and queue the sampling) -> update -> outputs.
 
         With asynchronous scheduling (:attr:`async_scheduling`, the default on CUDA) the
-        step's sampled tokens are read on the *next* call: this call plans and launches its
-        forward pass (sequences whose newest token is still on the device take it as input
-        there), then reads the previous step's tokens while the device runs, and returns
-        their outputs. A request that stops on EOS therefore costs one extra token of device
-        work, which is discarded; stops by length are known ahead and cost nothing.
-
-        Grammar-constrained rows (structured output) need every earlier token accepted by
-        their matcher before their bitmask can be filled, so a step that samples for one reads
-        the previous step's tokens *before* it samples (after its forward pass was launched:
-        the device computes it meanwhile, so the overlap of planning with the previous step
-        is kept). A constrained request therefore never runs ahead of its grammar; steps
-        without constrained rows are unchanged.
-
-        Returns:
-            an output for each sequence that received a token (this step's, or with
-            asynchronous scheduling the previous step's).
+        update reads the *previous* step's tokens, after this step's forward pass was launched
+        (see the class docstring). Returns an output per sequence that received tokens.
 
         Raises:
             TensorParallelError: a tensor-parallel rank died, raised or did not answer within
@@ -598,57 +498,91 @@ class LLMEngine(_EngineBase):
         if self.tp_runtime is not None:
             self.tp_runtime.check()
         t0 = time.perf_counter()
-        out = self.scheduler.schedule()
-        launched = None
-        outputs: list[RequestOutput] = []
-        early_error: Exception | None = None
-        if out.scheduled:
-            self.num_steps += 1
-            in_use = self.block_manager.num_total_blocks - self.block_manager.num_free_blocks
-            self.max_blocks_in_use = max(self.max_blocks_in_use, in_use)
-            t1 = time.perf_counter()
-            pending = self._inflight.device_source() if self._inflight is not None else None
-            plp = self._plan_prompt_logprobs(out.scheduled)
-            res = self._execute(out.scheduled, pending, plp[0] if plp is not None else None)
-            for item in out.scheduled:
-                item.seq.num_computed_tokens = item.end_position
-            logits, sample_idx = res.logits, res.sample_indices
-            if plp is not None:
-                logits, sample_idx = self._record_prompt_logprobs(out.scheduled, res, *plp)
-            t2 = time.perf_counter()
-            self.step_seconds["schedule"] += t1 - t0
-            self.step_seconds["execute"] += t2 - t1
-            if sample_idx:
-                seqs = [out.scheduled[i].seq for i in sample_idx]
-                argmax, mask = res.device_argmax, None
-                if self.structured is not None and len(self.structured) and any(
-                        s.request_id in self.structured for s in seqs):
-                    if self._inflight is not None:   # the constrained rows' previous tokens first
-                        previous, self._inflight = self._inflight, None
-                        try:
-                            outputs += self._read_tokens(previous)
-                        except Exception as e:  # noqa: BLE001 - a callback's; raised once this step is launched
-                            early_error = e
-                    seqs, logits, argmax, mask = self._constrain(seqs, logits, argmax)
-                history, pending_ids = self._token_history(seqs, pending)
-                sample = self.sampler.sample_async(logits, [s.sampling_params for s in seqs],
-                                                   [s.request_id for s in seqs],
-                                                   argmax=argmax, history=history,
-                                                   pending_token_ids=pending_ids, token_bitmask=mask)
-                for seq in seqs:
-                    seq.num_pending += 1
-                launched = _InFlightStep(seqs, sample)
-            self.step_seconds["sample"] += time.perf_counter() - t2
+        plan = self.scheduler.schedule()
+        launched, outputs, early_error = None, [], None
+        if plan.scheduled:
+            launched, outputs, early_error = self._launch(plan, t0)
         # Swap first: whatever happens while reading, the launched step stays the one in
         # flight and the previous one is never read twice.
         previous, self._inflight = self._inflight, (launched if self.async_scheduling else None)
-        if previous is not None:                # the previous step's tokens (asynchronous)
-            outputs += self._read_tokens(previous)
+        if previous is not None:
+            outputs += self._update(previous)
         if launched is not None and not self.async_scheduling:
-            outputs += self._read_tokens(launched)
+            outputs += self._update(launched)
         if early_error is not None:
             raise early_error
         return outputs
+
+    def _launch(self, plan: SchedulerOutput, t0: float
+                ) -> tuple[_InFlightStep | None, list[RequestOutput], Exception | None]:
+        """Run the planned step's forward pass and queue its sampling without waiting.
+
+        Returns ``(launched, outputs, error)``: the step in flight (None when nothing samples),
+        the outputs of a previous step read early (constrained rows need their grammar up to
+        date before their bitmask is filled) and a callback error of that early read, raised
+        by :meth:`step` once this step is launched.
+        """
+        self.num_steps += 1
+        t1 = time.perf_counter()
+        pending = self._inflight.device_source() if self._inflight is not None else None
+        verify = self._speculate(plan) if self.speculator is not None else None
+        in_use = self.block_manager.num_total_blocks - self.block_manager.num_free_blocks
+        self.max_blocks_in_use = max(self.max_blocks_in_use, in_use)
+        plp = self._plan_prompt_logprobs(plan.scheduled)
+        items, num_logits = plan.scheduled, (plp[0] if plp is not None else None)
+        if verify is not None:             # verified rows: all 1 + k logits rows of each
+            items, num_logits = verify.items, verify.num_logits
+        res = self._execute(items, pending, num_logits)
+        for item in plan.scheduled:
+            item.seq.num_computed_tokens = item.end_position
+        logits, sample_idx = res.logits, res.sample_indices
+        if plp is not None:
+            logits, sample_idx = self._record_prompt_logprobs(plan.scheduled, res, *plp)
+        if verify is not None:             # the rows that sample a single token
+            logits, sample_idx = verify.plain_rows(res.logits)
+        t2 = time.perf_counter()
+        self.step_seconds["schedule"] += t1 - t0
+        self.step_seconds["execute"] += t2 - t1
+        outputs: list[RequestOutput] = []
+        early_error: Exception | None = None
+        launched = None
+        if sample_idx or verify is not None:
+            seqs = [plan.scheduled[i].seq for i in sample_idx]
+            argmax, mask = res.device_argmax, None
+            if self.structured is not None and len(self.structured) and any(
+                    s.request_id in self.structured for s in seqs):
+                if self._inflight is not None:   # the constrained rows' previous tokens first
+                    previous, self._inflight = self._inflight, None
+                    try:
+                        outputs += self._update(previous)
+                    except Exception as e:  # noqa: BLE001 - a callback's; raised once this step is launched
+                        early_error = e
+                seqs, logits, argmax, mask = self._constrain(seqs, logits, argmax)
+            history, pending_ids = self._token_history(seqs, pending)
+            sample = self.sampler.sample_async(logits, [s.sampling_params for s in seqs],
+                                               [s.request_id for s in seqs],
+                                               argmax=argmax, history=history,
+                                               pending_token_ids=pending_ids, token_bitmask=mask)
+            for seq in seqs:
+                seq.num_pending += 1
+            if verify is not None:          # after the plain rows' draws (the random streams' order)
+                verify.run(res.logits)
+            launched = _InFlightStep(seqs, sample, verify)
+        self.step_seconds["sample"] += time.perf_counter() - t2
+        return launched, outputs, early_error
+
+    def _speculate(self, plan: SchedulerOutput):
+        """Speculative decoding: the speculator picks the decodes that speculate (and reserves
+        their slots), the proposer drafts their tokens (:meth:`_propose`), and the returned
+        verification (None when no sequence speculates this step) tells the forward pass
+        which rows to compute and verifies them."""
+        specs, mirrors = self.speculator.plan(plan)
+        self._propose(specs, mirrors)
+        return self.speculator.verification(plan.scheduled, specs)
+
+    def _propose(self, specs: list, mirrors: list) -> None:
+        """Ask the speculator's proposer for this step's drafts (fills each spec's tokens)."""
+        self.speculator.proposer.propose(specs, mirrors)
 
     def _constrain(self, seqs: list[Sequence], logits: torch.Tensor, argmax: torch.Tensor | None
                    ) -> tuple[list[Sequence], torch.Tensor, torch.Tensor | None, TokenBitmask | None]:
@@ -753,59 +687,54 @@ class LLMEngine(_EngineBase):
         sampled ids (``pending``, from :meth:`_InFlightStep.device_source`)."""
         if not any(s.sampling_params.has_penalties for s in seqs):
             return None, None
-        from ..worker.sampler import TokenHistory
-
         rows = pending.index if pending is not None else {}
         history = [TokenHistory(s.prompt_token_ids, s.output_token_ids,
                                 rows.get(s.request_id) if s.num_pending > 0 else None)
                    if s.sampling_params.has_penalties else None for s in seqs]
         return history, (pending.token_ids if pending is not None else None)
 
-    def _read_tokens(self, step: "_InFlightStep") -> list[RequestOutput]:
-        """Wait for ``step``'s sampled tokens, append them, apply stop rules, emit outputs.
-        Sequences that finished (EOS, abort) while the step was in flight drop their token."""
+    def _update(self, step: _InFlightStep) -> list[RequestOutput]:
+        """Wait for ``step``'s sampled tokens and hand them to the scheduler's update (append,
+        grammar, stop rules, finish and free: :meth:`Scheduler.update`); then call the
+        requests' callbacks and release the finished requests' engine state. Sequences that
+        finished (EOS, abort) while the step was in flight drop their token.
+
+        Raises:
+            Exception: the first exception a callback raised, once every token is recorded.
+        """
         t0 = time.perf_counter()
         result = step.sample.result()
         now = time.perf_counter()
-        outputs: list[RequestOutput] = []
-        errors: list[BaseException] = []
-        constrained = self.structured is not None and len(self.structured) > 0
-        for seq, tok, lp in zip(step.seqs, result.token_ids, result.logprobs):
-            seq.num_pending -= 1
-            if seq.is_finished:
-                continue
-            seq.append_token(tok, now)
-            if seq.sampling_params.logprobs is not None:
-                seq.output_logprobs.append(lp)
-            status = self.structured.accept(seq, tok) if constrained else None
-            self._emit(seq, [tok], status or seq.check_stop(self.max_model_len), outputs, errors)
+        sampled = SampledTokens(step.seqs, result.token_ids, result.logprobs)
+        if step.verify is not None:
+            sampled = step.verify.merge(sampled)
+        accept = self.structured.accept if self.structured is not None and len(self.structured) else None
+        update = self.scheduler.update(sampled, accept)
+        if self.speculator is not None:
+            self.speculator.after_update(step.verify, update.outputs)
+        errors = self._deliver(update)
         self.step_seconds["sample"] += now - t0
         self.step_seconds["postprocess"] += time.perf_counter() - now
         if errors:  # every token is recorded first; then the first callback error propagates
             raise errors[0]
-        return outputs
+        return update.outputs
 
-    def _emit(self, seq: Sequence, new_token_ids: list[int], status: SequenceStatus | None,
-              outputs: list[RequestOutput], errors: list[BaseException] | None = None) -> None:
-        """Finish ``seq`` when ``status`` is set, record its output, call its callback (an
-        exception from the callback is appended to ``errors`` when given, else raised, after
-        the engine's own bookkeeping)."""
-        if status is not None:
-            self.scheduler.finish_request(seq, status)
-        ro = RequestOutput.from_seq(seq, new_token_ids)
-        outputs.append(ro)
-        cb = self._callbacks.get(seq.request_id)
-        try:
-            if cb is not None:
-                cb(ro)
-        except Exception as e:  # noqa: BLE001 - re-raised by the caller once the step is consistent
-            if errors is None:
-                raise
-            errors.append(e)
-        finally:
-            if status is not None:
-                self._callbacks.pop(seq.request_id, None)   # told above: _finish must not repeat it
-                self._finish(seq)
+    def _deliver(self, update: StepUpdate) -> list[Exception]:
+        """Call the callbacks of the requests in ``update`` (their exceptions are returned, not
+        raised), then release the engine state of the requests that finished."""
+        errors: list[Exception] = []
+        if self._callbacks:
+            for ro in update.outputs:
+                cb = self._callbacks.get(ro.request_id)
+                if cb is not None:
+                    try:
+                        cb(ro)
+                    except Exception as e:  # noqa: BLE001 - re-raised by the caller once the step is consistent
+                        errors.append(e)
+        for seq in update.finished:
+            self._callbacks.pop(seq.request_id, None)   # told above: _finish must not repeat it
+            self._finish(seq)
+        return errors
 
     def stats(self) -> dict:
         """Scheduler and KV cache counters (for metrics endpoints and benchmark reports)."""

@@ -125,7 +125,7 @@ def describe_startup(startup: dict) -> str:
 def build_app(args: argparse.Namespace):
     """Engine + app for the parsed flags (the app owns and stops the engine)."""
     from ..engine.async_engine import AsyncLLMEngine
-    from ..engine.builder import build_engine
+    from ..engine import build_engine
     from ..engine_args import describe_config
     from .app import create_app
 
