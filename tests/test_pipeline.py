@@ -93,10 +93,12 @@ def test_every_rule_is_named_in_the_workflow_sources():
              if ln and not ln.startswith((" ", "Using", "Assuming", "Config"))]
     sources = "\n".join(p.read_text() for p in [ROOT / "workflow" / "Snakefile",
                                                 *sorted((ROOT / "workflow" / "rules").glob("*.smk"))])
-    assert "benchmark_main_rep0" in names, names
+    assert "benchmark_rep0" in names, names       # the h200 profile groups cells by repetition
     for name in names:
         if name.startswith("benchmark_"):
-            assert "benchmark_<sweep>_rep<N>" in sources
+            assert "benchmark_<sweep>_rep<N>" in sources and "benchmark_rep<N>" in sources
+        elif name.startswith("structured_rep"):
+            assert "structured_rep<N>" in sources
         elif name.startswith("results/"):
             assert f'"{name}"' in sources, name
         else:
@@ -147,10 +149,10 @@ def test_gpu_profile_selected_by_config_and_configfile():
         r = snakemake("-n", "--nolock", "-p", "results/checkpoint3", "--forceall", *sel)
         assert r.returncode == 0, r.stdout
         assert "--device cuda" in r.stdout and "results/checkpoint3/h200/raw" in r.stdout
-        assert "8 cells, 1 GPU)" in r.stdout  # benchmark jobs declare the GPU
+        assert "32 cells, 1 GPU)" in r.stdout  # benchmark jobs declare the GPU
         assert "--max-batch-size 64" in r.stdout and "--paged-attention-backend triton" in r.stdout
         groups = [k for k in job_counts(r.stdout) if k.startswith("benchmark_")]
-        assert len(groups) >= 15, groups
+        assert sorted(groups) == ["benchmark_rep0", "benchmark_rep1", "benchmark_rep2"], groups
         # the cross product scheduler x batch x chunk x linear of the main sweep
         for want in ("scheduler~static_policy~fcfs_batch~64_chunk~512_linear~triton-int8",
                      "scheduler~continuous_policy~fcfs_batch~8_chunk~0_linear~torch"):

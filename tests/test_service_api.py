@@ -110,7 +110,11 @@ def finish_reasons(chunks) -> dict[int, str]:
 
 # ---- basics ----------------------------------------------------------------------------------
 def test_health_models_and_shapes(client):
-    assert client.get("/health").json() == {"status": "ok", "batch_invariant": False}
+    health = client.get("/health").json()
+    assert {k: health[k] for k in ("status", "batch_invariant")} == {"status": "ok", "batch_invariant": False}
+    startup = health["startup"]          # the engine's start-up record: seconds per phase, KV pool
+    assert startup["load_s"] >= 0 and startup["kv_cache_s"] >= 0 and startup["num_kv_blocks"] > 0
+    assert startup["kv_cache_bytes"] > 0
     models = client.get("/v1/models").json()
     assert models["object"] == "list"
     assert models["data"][0]["id"] == "tiny" and models["data"][0]["max_model_len"] == MAX_MODEL_LEN
@@ -337,7 +341,11 @@ def test_bad_input_is_400_in_openai_shape(client, engine):
     assert_openai_error(client.post("/v1/completions", content=b'prompt=x',
                                     headers={"content-type": "application/x-www-form-urlencoded"}), 400)
     assert_openai_error(client.get("/v1/nothing-here"), 404)
-    assert client.get("/health").json() == {"status": "ok", "batch_invariant": False}
+    health = client.get("/health").json()
+    assert {k: health[k] for k in ("status", "batch_invariant")} == {"status": "ok", "batch_invariant": False}
+    startup = health["startup"]          # the engine's start-up record: seconds per phase, KV pool
+    assert startup["load_s"] >= 0 and startup["kv_cache_s"] >= 0 and startup["num_kv_blocks"] > 0
+    assert startup["kv_cache_bytes"] > 0
     assert client.post("/v1/completions", json={"prompt": "still serving", "max_tokens": 2}).status_code == 200
     assert_idle(engine)
 

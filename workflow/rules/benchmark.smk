@@ -49,7 +49,8 @@ rule code_changed_marker:
         " > {output:q} 2> {log:q}"
 
 
-# One rule per group, named benchmark_<sweep>_rep<N> (e.g. benchmark_main_rep0; the list:
+# One rule per group, named benchmark_<sweep>_rep<N> (e.g. benchmark_main_rep0), or
+# benchmark_rep<N> with `group_cells_by: repetition` (the list:
 # `snakemake --list-rules`): a rule's output must be a fixed list of files, and a group's files
 # are its cells'.
 for _group, _cells in GROUPS.items():

@@ -355,3 +355,55 @@ def _prefix_cell_flags(wildcards):
                                                                     "prefill_chunk_size") if k in p))
 
 
+
+
+# ---- the GPU evidence (workflow/rules/gpu.smk) ---------------------------------------------------
+STRUCTURED_CFG = config.get("structured")
+GPU_OUT = f"results/{PROFILE}"
+STRUCTURED_OUT = f"results/structured/{PROFILE}"
+KERNELS_OUT = f"results/kernels/{PROFILE}"
+GPU_CHECKSUMS = f"{GPU_OUT}/checksums.sha256"  # this run's sums; `publish_gpu` commits them
+GPU_PUBLISHED = f"checksums/gpu-{PROFILE}.sha256"
+
+
+def structured_cells():
+    """``{rep: {cell id: benchmark flags}}`` of the structured-output cost: every max batch size
+    with and without the JSON schema, the same seeded workload in each pair."""
+    s = STRUCTURED_CFG
+    out = {}
+    for rep in range(int(s["repetitions"])):
+        cells = {}
+        for b in s["batches"]:
+            batch, requests = b["max_num_seqs"], b["requests"]
+            for schema in ("off", "on"):
+                flags = [f"--config continuous --max-num-seqs {batch} --requests {requests}",
+                         f"--model {config['model']} --device {config['device']} --dtype {config['dtype']}",
+                         f"--profile {s['profile']} --seed {config['seed']} --timeout {config['timeout_s']}",
+                         "--no-progress"]
+                if schema == "on":
+                    flags.append(f"--json-schema {s['schema']}")
+                cells[f"batch~{batch}_schema~{schema}_rep~{rep}"] = " ".join(flags)
+        out[rep] = cells
+    return out
+
+
+STRUCTURED_CELLS = structured_cells() if STRUCTURED_CFG else {}
+STRUCTURED_FILES = (
+    [f"{STRUCTURED_OUT}/raw/{c}.{ext}" for cells in STRUCTURED_CELLS.values() for c in cells
+     for ext in ("json", "csv")]
+    + [f"{STRUCTURED_OUT}/table.md", f"{STRUCTURED_OUT}/table.json"]
+    if STRUCTURED_CFG else [])
+COMPARE_FILES = [f"{GPU_OUT}/compare.json", f"{GPU_OUT}/compare.md", f"{GPU_OUT}/decode_sweep.png"]
+KERNEL_FILES = [f"{KERNELS_OUT}/kernels.json", f"{KERNELS_OUT}/kernels.md"]
+GPU_TRACKED = COMPARE_FILES + KERNEL_FILES + STRUCTURED_FILES
+
+
+
+def gpu_inputs(wildcards):
+    """Inputs of `results/gpu`: every result of a GPU profile (refused on a CPU profile)."""
+    if str(config["device"]) == "cpu" or not STRUCTURED_CFG:
+        raise WorkflowError(f"results/gpu needs a GPU profile with a `structured` section "
+                            f"(e.g. --config profile=h200); profile {PROFILE!r} runs on {config['device']}")
+    return [*rules.checkpoint3.input, *GPU_TRACKED, GPU_CHECKSUMS]
+
+

@@ -11,46 +11,7 @@
 # `snakemake publish publish_gpu --cores 1 --config profile=h200` then makes the run the tracked
 # results (the committed sums in checksums/).
 
-STRUCTURED_CFG = config.get("structured")
-GPU_OUT = f"results/{PROFILE}"
-STRUCTURED_OUT = f"results/structured/{PROFILE}"
-KERNELS_OUT = f"results/kernels/{PROFILE}"
-GPU_CHECKSUMS = f"{GPU_OUT}/checksums.sha256"  # this run's sums; `publish_gpu` commits them
-GPU_PUBLISHED = f"checksums/gpu-{PROFILE}.sha256"
-
-
-def _structured_cells():
-    """``{rep: {cell id: benchmark flags}}`` of the structured-output cost: every max batch size
-    with and without the JSON schema, the same seeded workload in each pair."""
-    s = STRUCTURED_CFG
-    out = {}
-    for rep in range(int(s["repetitions"])):
-        cells = {}
-        for b in s["batches"]:
-            batch, requests = b["max_num_seqs"], b["requests"]
-            for schema in ("off", "on"):
-                flags = [f"--config continuous --max-num-seqs {batch} --requests {requests}",
-                         f"--model {config['model']} --device {config['device']} --dtype {config['dtype']}",
-                         f"--profile {s['profile']} --seed {config['seed']} --timeout {config['timeout_s']}",
-                         "--no-progress"]
-                if schema == "on":
-                    flags.append(f"--json-schema {s['schema']}")
-                cells[f"batch~{batch}_schema~{schema}_rep~{rep}"] = " ".join(flags)
-        out[rep] = cells
-    return out
-
-
-STRUCTURED_CELLS = _structured_cells() if STRUCTURED_CFG else {}
-STRUCTURED_FILES = (
-    [f"{STRUCTURED_OUT}/raw/{c}.{ext}" for cells in STRUCTURED_CELLS.values() for c in cells
-     for ext in ("json", "csv")]
-    + [f"{STRUCTURED_OUT}/table.md", f"{STRUCTURED_OUT}/table.json"]
-    if STRUCTURED_CFG else [])
-COMPARE_FILES = [f"{GPU_OUT}/compare.json", f"{GPU_OUT}/compare.md", f"{GPU_OUT}/decode_sweep.png"]
-KERNEL_FILES = [f"{KERNELS_OUT}/kernels.json", f"{KERNELS_OUT}/kernels.md"]
-GPU_TRACKED = COMPARE_FILES + KERNEL_FILES + STRUCTURED_FILES
-
-
+# One rule per repetition, named structured_rep<N>.
 for _rep, _cells in STRUCTURED_CELLS.items():
 
     rule:
@@ -64,8 +25,8 @@ for _rep, _cells in STRUCTURED_CELLS.items():
             [f"{STRUCTURED_OUT}/raw/{c}.{ext}" for c in _cells for ext in ("json", "csv", "provenance.json")],
         params:
             spec=json.dumps(_cells),
-            raw=f"{STRUCTURED_OUT}/raw",
-            logs=f"{STRUCTURED_OUT}/logs",
+            raw=lambda wildcards, output: os.path.dirname(output[0]),
+            logs=lambda wildcards, log: os.path.dirname(log[0]),
             code_hash=CODE_HASH,  # engine sources: a change reruns the cells
             tool=f"{SCRIPTS}/run_cells.py",
             device=config["device"],
@@ -119,7 +80,7 @@ rule gpu_kernels:
         llmserve=config["llmserve"],
         flags=(config.get("kernels") or {}).get("flags", ""),
         code_hash=CODE_HASH,
-        out_dir=KERNELS_OUT,
+        out_dir=lambda wildcards, output: os.path.dirname(output[0]),
     log:
         f"{KERNELS_OUT}/logs/kernels.log",
     resources:
@@ -169,17 +130,10 @@ rule publish_gpu:
         "cp {input:q} {output:q} && sha256sum -c --quiet {output:q} > {log:q} 2>&1"
 
 
-def _gpu_inputs(wildcards):
-    if str(config["device"]) == "cpu" or not STRUCTURED_CFG:
-        raise WorkflowError(f"results/gpu needs a GPU profile with a `structured` section "
-                            f"(e.g. --config profile=h200); profile {PROFILE!r} runs on {config['device']}")
-    return [*rules.checkpoint3.input, *GPU_TRACKED, GPU_CHECKSUMS]
-
-
 rule gpu:
     """All GPU evidence of the profile (see the top of workflow/rules/gpu.smk)."""
     input:
-        _gpu_inputs,
+        gpu_inputs,
     message:
         f"GPU evidence ({PROFILE}): every result present and current"
 
@@ -191,6 +145,6 @@ for _alias in ("results/gpu", "results/gpu/"):
         name:
             _alias
         input:
-            _gpu_inputs,
+            gpu_inputs,
         message:
             f"GPU evidence ({PROFILE}): every result present and current"
