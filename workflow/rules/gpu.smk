@@ -26,7 +26,7 @@ for _rep, _cells in STRUCTURED_CELLS.items():
         params:
             spec=json.dumps(_cells),
             raw=lambda wildcards, output: os.path.dirname(output[0]),
-            logs=lambda wildcards, log: os.path.dirname(log[0]),
+            logs=lambda wildcards, output: os.path.join(os.path.dirname(os.path.dirname(output[0])), "logs"),
             code_hash=CODE_HASH,  # engine sources: a change reruns the cells
             tool=f"{SCRIPTS}/run_cells.py",
             device=config["device"],
