@@ -1,15 +1,15 @@
 # llmserve against the hardware and a peer on one GPU (`llmserve bench-compare`): batch-1 decode
-# against the weight-bandwidth floor for the Qwen2.5-0.5B/1.5B/7B shapes, the offline
-# 256-request workload against HF transformers (generate_batch and static generate), and
-# open-loop TTFT/TPOT at several arrival rates. GPU only; not part of the default target:
+# against the weight-bandwidth floor, the decode sweep (batch 1..256), the offline 256-request
+# workload against HF transformers (generate_batch and static generate) and with every engine
+# flag at its default, open-loop TTFT/TPOT at several rates with repetitions (tuned flags and
+# defaults alternated), and one `serve` completion with and without tuning flags. GPU only; part
+# of `results/gpu` (workflow/rules/gpu.smk), or alone:
 #
 #   snakemake results/h200 --cores 4 --resources gpu=1
 #
-# The committed result (an H200) is results/h200/compare.{json,md}. Snakemake reruns it when
-# the engine sources change after a run it recorded (code_hash); on a fresh clone, or to
-# measure again, add `--forcerun h200_compare`. Then refresh the checksums:
-#
-#   python3 workflow/scripts/checksums.py write --output checksums/h200.sha256 results/h200/compare.*
+# Snakemake reruns it when the engine sources change after a run it recorded (code_hash); on a
+# fresh clone, or to measure again, add `--forcerun h200_compare`. Its checksums are the GPU
+# evidence's (results/h200/checksums.sha256, published by `publish_gpu`).
 
 # Settings: the config's `compare` section.
 _CMP = config["compare"]
