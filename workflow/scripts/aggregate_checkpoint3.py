@@ -285,6 +285,11 @@ def aggregate_cells(runs: list[dict[str, Any]], all_runs: list[dict[str, Any]]) 
             if col in RANGED:
                 row[f"{col}_min"] = float(vals.min()) if len(vals) else None
                 row[f"{col}_max"] = float(vals.max()) if len(vals) else None
+        # run-to-run spread of the throughput: population standard deviation over the mean
+        tput = pd.Series([r["output_throughput"] for r in ok if r["output_throughput"] is not None],
+                         dtype="float64")
+        row["output_throughput_cv"] = (float(tput.std(ddof=0) / tput.mean())
+                                       if len(tput) >= 2 and tput.mean() else None)
         digests = sorted({r["token_digest"] for r in ok if r["token_digest"]})
         row["token_digest"] = digests[0] if len(digests) == 1 else ("; ".join(digests) or None)
         row["digest_agrees_with_naive"] = _digest_verdict(first, ok, digests, naive_digest)
@@ -629,15 +634,28 @@ def headline_frame(main: pd.DataFrame, batch: str, defaults: dict[str, str]) -> 
     return out.sort_values("_o").drop(columns="_o")
 
 
+#: A repeated cell whose throughput varies more than this (coefficient of variation) is noisy.
+NOISY_CV = 0.10
+
+
+def _cv(v) -> str:
+    """A coefficient of variation as a percentage, marked noisy above :data:`NOISY_CV`."""
+    if v is None or (isinstance(v, float) and math.isnan(v)):
+        return ""
+    return f"{v:.0%}" + (" noisy" if v > NOISY_CV else "")
+
+
 def headline_markdown(df: pd.DataFrame, header: list[str], batch: str) -> str:
     lines = list(header) + [
         f"## Headline: schedulers at max batch size {batch}", "",
-        "Median [min–max] over repetitions; naive runs one request at a time (batch 1).", "",
-        "| Scheduler | Output throughput | p95 TTFT | p95 TPOT | Status |",
-        "|---|---:|---:|---:|---|"]
+        "Median [min–max] over repetitions; naive runs one request at a time (batch 1). CV: the",
+        f"output throughput's coefficient of variation over the repetitions (above {NOISY_CV:.0%}: noisy).", "",
+        "| Scheduler | Output throughput | CV | p95 TTFT | p95 TPOT | Status |",
+        "|---|---:|---:|---:|---:|---|"]
     for _, r in df.iterrows():
         lines.append(f"| {SCHEDULER_NAMES.get(r['scheduler'], r['scheduler'])} "
-                     f"| {_ranged(r, 'output_throughput')} tok/s | {_ranged(r, 'ttft_p95_ms', 0)} ms "
+                     f"| {_ranged(r, 'output_throughput')} tok/s | {_cv(r.get('output_throughput_cv'))} "
+                     f"| {_ranged(r, 'ttft_p95_ms', 0)} ms "
                      f"| {_ranged(r, 'tpot_p95_ms', 2)} ms | {r['status']} |")
     return "\n".join(lines) + "\n"
 
