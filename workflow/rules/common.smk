@@ -404,6 +404,37 @@ def gpu_inputs(wildcards):
     if str(config["device"]) == "cpu" or not STRUCTURED_CFG:
         raise WorkflowError(f"results/gpu needs a GPU profile with a `structured` section "
                             f"(e.g. --config profile=h200); profile {PROFILE!r} runs on {config['device']}")
-    return [*rules.checkpoint3.input, *GPU_TRACKED, GPU_CHECKSUMS]
+    return [*rules.checkpoint3.input, *GPU_TRACKED, GPU_CHECKSUMS, *GPU_MARKERS]
 
 
+
+
+def recorded_hash_in(path, *keys):
+    """The code hash a GPU job recorded in its JSON output (``keys`` lead to it), else None."""
+    try:
+        value = json.loads(Path(path).read_text())
+    except (OSError, ValueError):
+        return None
+    for key in keys:
+        value = value.get(key) if isinstance(value, dict) else None
+    return value if isinstance(value, str) else None
+
+
+def gpu_change_markers(name, recorded):
+    """Inputs that rerun a GPU job measured on other llmserve sources: as `stale_marker` does for
+    a benchmark cell, from the hashes its outputs recorded (``recorded``: a list, ``None`` for
+    an output that records none), so a fresh clone reruns it too; markers earlier reruns left for
+    the current code stay inputs, so the recorded input set does not change after the rerun."""
+    folder = Path(f"{LOGS}/code-changed/{name}")
+    found = sorted(str(p) for p in folder.glob(f"*-to-{CODE_HASH[:16]}.stamp"))
+    for old in sorted({h for h in recorded if h and h != CODE_HASH}):
+        marker = f"{LOGS}/code-changed/{name}/{old[:16]}-to-{CODE_HASH[:16]}.stamp"
+        if marker not in found:
+            found.append(marker)
+    GPU_MARKERS.extend(m for m in found if m not in GPU_MARKERS)
+    return found
+
+
+#: Every GPU job's change markers: inputs of the targets too (as STALE_MARKERS of checkpoint 3),
+#: so a marker a stale job needs is made and the job reruns.
+GPU_MARKERS = []

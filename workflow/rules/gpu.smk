@@ -21,6 +21,9 @@ for _rep, _cells in STRUCTURED_CELLS.items():
         input:
             profile=STRUCTURED_CFG["profile"],
             schema=STRUCTURED_CFG["schema"],
+            code_changed=gpu_change_markers(
+                f"gpu~structured_rep{_rep}",
+                [recorded_hash_in(f"{STRUCTURED_OUT}/raw/{c}.provenance.json", "code_hash") for c in _cells]),
         output:
             [f"{STRUCTURED_OUT}/raw/{c}.{ext}" for c in _cells for ext in ("json", "csv", "provenance.json")],
         params:
@@ -74,6 +77,9 @@ rule structured_table:
 
 rule gpu_kernels:
     """`llmserve bench-kernels`: every Triton kernel against its PyTorch reference and cuBLAS."""
+    input:
+        code_changed=gpu_change_markers("gpu~kernels",
+                                        [recorded_hash_in(KERNEL_FILES[0], "env", "code_hash")]),
     output:
         KERNEL_FILES,
     params:

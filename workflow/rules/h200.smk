@@ -22,6 +22,9 @@ H200_ARGS = (f"--presets {' '.join(_CMP['decode_presets'])} --hf-requests {_CMP[
 
 rule h200_compare:
     """llmserve against the weight-bandwidth floor and HF transformers on one GPU."""
+    input:
+        code_changed=gpu_change_markers("gpu~compare",
+                                        [recorded_hash_in("results/h200/compare.json", "code_hash")]),
     output:
         json="results/h200/compare.json",
         md="results/h200/compare.md",
@@ -52,5 +55,6 @@ for _alias in ("results/h200", "results/h200/"):
             _alias
         input:
             rules.h200_compare.output,
+            lambda wildcards: GPU_MARKERS,
         message:
             "results/h200: present and current"
