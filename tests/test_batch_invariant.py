@@ -300,7 +300,8 @@ def test_server_reports_the_mode(models):
     srv = BackgroundServer(create_app(eng, served_model_name="m"), shutdown_timeout=2.0).start()
     try:
         with httpx.Client(base_url=srv.url, timeout=60) as c:
-            assert c.get("/health").json() == {"status": "ok", "batch_invariant": True}
+            health = c.get("/health").json()
+            assert (health["status"], health["batch_invariant"]) == ("ok", True)
             assert c.get("/v1/models").json()["data"][0]["batch_invariant"] is True
             body = {"model": "m", "prompt": list(range(5, 40)), "max_tokens": 8, "temperature": 0,
                     "logprobs": 3}
@@ -347,3 +348,21 @@ def test_speculative_decoding_refuses_the_mode():
 
     with pytest.raises(ValueError, match="speculative decoding does not support batch_invariant"):
         SpeculativeEngine(EngineConfig(batch_invariant=True), draft_model="tiny")
+
+
+def test_invariant_at_two_threads(models):
+    """The mode holds whatever torch's thread count was: building the engine pins one intra-op
+    thread (CPU reductions split across threads by problem size), and says so."""
+    path = models["gqa2"]
+    before = torch.get_num_threads()
+    try:
+        torch.set_num_threads(2)
+        target = _prompts(41, 1, 19, 20, 1000)[0]
+        ref = _run(_engine(path, "float32", block_rows=5), [target])["r0"]
+        assert torch.get_num_threads() == 1
+        torch.set_num_threads(2)
+        prompts = _prompts(42, 6, 3, 50, 1000)
+        out = _run(_engine(path, "float32", block_rows=5, chunk=16, budget=32), prompts + [target])
+        _same(out["r6"], ref, "two threads before the engine was built")
+    finally:
+        torch.set_num_threads(before)

@@ -448,7 +448,10 @@ class EngineConfig:
             order per row (:mod:`llmserve.models.batch_invariant`,
             :mod:`llmserve.attention.invariant`). Needs the readable path: ``device='cpu'``,
             ``attention_backend='torch'``, ``linear_backend='torch'``; the GPU kernels have no
-            fixed-order form yet, so ``cuda`` is refused. Default off.
+            fixed-order form yet, so ``cuda`` is refused. Building an engine in this mode sets
+            torch's intra-op threads to 1 for the process (CPU kernels split a reduction across
+            threads by problem size, which would make a row's sums depend on its batch again).
+            Default off.
         freeze_gc: at the end of :meth:`LLMEngine.warmup` (which the server and the benchmark
             run before serving or measuring; on a CPU it only does this), collect once
             and move every live object into Python's permanent generation (``gc.freeze()``),

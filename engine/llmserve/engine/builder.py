@@ -10,10 +10,13 @@ constructor; :class:`~llmserve.engine.speculative.SpeculativeEngine` calls
 from __future__ import annotations
 
 import dataclasses
+import logging
 import time
 import weakref
 from dataclasses import dataclass
 from typing import Any, Callable
+
+import torch
 
 from ..config import EngineConfig, ModelConfig, ResolvedFastPath
 from ..core.block_manager import BlockManager
@@ -26,6 +29,8 @@ from ..worker.model_runner import ModelRunner
 from .shard import LoadedShard, allocate_kv_cache, apply_decode_options, build_fast_forward, load_shard
 from .structured import StructuredOutputManager
 from .tensor_parallel import start_tensor_parallel
+
+log = logging.getLogger("llmserve.engine.builder")
 
 __all__ = ["DraftParts", "PagedParts", "build_draft_parts", "build_paged_parts", "build_structured_output",
            "load_target"]
@@ -42,6 +47,12 @@ def load_target(engine, config: EngineConfig, load_model_fn: Callable | None) ->
         FileNotFoundError: from the loader.
     """
     loader = load_model_fn or load_model
+    if config.batch_invariant and torch.get_num_threads() != 1:
+        # CPU kernels split a product's reduction across intra-op threads by problem size, so a
+        # row's sums would depend on its batch again: the mode runs torch on one thread.
+        log.warning("batch-invariant mode: torch intra-op threads %d -> 1 for this process",
+                    torch.get_num_threads())
+        torch.set_num_threads(1)
     engine.tp_runtime = None
     tp = None
     if config.tensor_parallel_size > 1:
