@@ -581,3 +581,21 @@ def test_schemathesis_completions_never_5xx(engine):
         assert seen.get(200, 0) > 0 and seen.get(400, 0) > 0, seen
         assert httpx.get(srv.url + "/health").status_code == 200
     assert_idle(engine)
+
+
+def test_odd_tool_arguments_and_many_prompts_are_4xx(client):
+    """Deeply nested or undecodable earlier tool arguments answer 4xx (never 500), and too many
+    prompts are refused before any is tokenized."""
+    deep = "[" * 100000 + "]" * 100000
+    msgs = [{"role": "user", "content": "hi"},
+            {"role": "assistant", "tool_calls": [{"id": "c1", "type": "function",
+                                                  "function": {"name": "get", "arguments": deep}}]}]
+    for path, body in (("/v1/chat/completions", {"messages": msgs, "max_tokens": 2}),
+                       ("/tokenize", {"messages": msgs})):
+        assert client.post(path, json=body).status_code < 500, path
+    lone = [{"role": "assistant", "tool_calls": [{"id": "c1", "type": "function",
+                                                  "function": {"name": "get", "arguments": '{"x": "\\ud800"}'}}]}]
+    r = client.post("/tokenize", json={"messages": lone})
+    assert 400 <= r.status_code < 500, r.text
+    r = client.post("/v1/completions", json={"prompt": ["a b c"] * 5000, "max_tokens": 1})
+    assert r.status_code == 400 and "too many choices" in r.json()["error"]["message"]

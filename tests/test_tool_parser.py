@@ -121,3 +121,16 @@ def test_rendering_round_trips_through_the_parser():
     assert parse_tool_calls(text, NAMES) == (None, [ParsedCall("get_weather", json.dumps(W["arguments"]))])
     section = tool_system_section([{"name": "get_time", "description": "now", "parameters": {"type": "object"}}])
     assert "<tools>" in section and OPEN_TAG in section and '"name": "get_time"' in section
+
+
+def test_non_json_constants_and_lone_surrogates():
+    """NaN/Infinity are not JSON: such a block stays text. A lone surrogate escape in the
+    arguments stays escaped, so the answer can be encoded as UTF-8."""
+    nan = OPEN_TAG + '\n{"name": "get_weather", "arguments": {"city": NaN}}\n' + CLOSE_TAG
+    assert parse_tool_calls(nan, NAMES) == (nan, [])
+    lone = OPEN_TAG + '\n{"name": "get_weather", "arguments": {"city": "\\ud800x"}}\n' + CLOSE_TAG
+    content, calls = parse_tool_calls(lone, NAMES)
+    assert content is None and calls[0].arguments.encode("utf-8")
+    assert json.loads(calls[0].arguments) == {"city": "\ud800x"}
+    ok = OPEN_TAG + '\n{"name": "get_weather", "arguments": {"city": "Zürich 北京"}}\n' + CLOSE_TAG
+    assert parse_tool_calls(ok, NAMES)[1][0].arguments == '{"city": "Zürich 北京"}'

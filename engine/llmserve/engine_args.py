@@ -351,14 +351,18 @@ def describe_config(config: EngineConfig) -> str:
     """One line naming what an :class:`~llmserve.config.EngineConfig` runs: device, dtype,
     backends, batch, step budget, KV geometry (logged once by ``serve`` at start)."""
     s, c, fp = config.scheduler, config.cache, config.fast_path
-    fused = {None: "auto (fused on CUDA)", True: "fused", False: "readable"}[fp.fused_forward]
+    cuda = device_type(config.device) == "cuda"
+    fused = fp.fused_forward if fp.fused_forward is not None else cuda
+    graphs = bool(config.use_cuda_graph and cuda and config.attention_backend == "triton" and fused
+                  and config.tensor_parallel_size == 1)
+    async_ = config.async_scheduling if config.async_scheduling is not None else cuda
     chunk = s.prefill_chunk_size if s.prefill_chunk_size else "off"
     blocks = c.num_blocks if c.num_blocks else (
         f"from {c.gpu_memory_utilization:.0%} of free memory" if device_type(config.device) == "cuda"
         else "from the CPU budget")
     return (f"device={config.device} dtype={config.dtype} attention={config.attention_backend} "
-            f"linear={config.linear_backend} forward={fused} cuda_graph={config.use_cuda_graph} "
-            f"async_scheduling={'auto' if config.async_scheduling is None else config.async_scheduling} "
+            f"linear={config.linear_backend} forward={'fused' if fused else 'readable'} cuda_graph={graphs} "
+            f"async_scheduling={async_} "
             f"mode={s.mode} policy={s.policy} max_num_seqs={s.max_num_seqs} "
             f"max_num_batched_tokens={s.max_num_batched_tokens} prefill_chunk={chunk} "
             f"max_model_len={s.max_model_len} block_size={c.block_size} kv_blocks={blocks} "

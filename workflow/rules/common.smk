@@ -359,7 +359,8 @@ def _prefix_cell_flags(wildcards):
 
 # ---- the GPU evidence (workflow/rules/gpu.smk) ---------------------------------------------------
 STRUCTURED_CFG = config.get("structured")
-GPU_OUT = f"results/{PROFILE}"
+# the comparison's folder: the GPU profile's name (results/h200 for the default profile's runs)
+GPU_OUT = f"results/{PROFILE}" if PROFILE != "cpu" else "results/h200"
 STRUCTURED_OUT = f"results/structured/{PROFILE}"
 KERNELS_OUT = f"results/kernels/{PROFILE}"
 GPU_CHECKSUMS = f"{GPU_OUT}/checksums.sha256"  # this run's sums; `publish_gpu` commits them

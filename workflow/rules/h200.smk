@@ -24,17 +24,17 @@ rule h200_compare:
     """llmserve against the weight-bandwidth floor and HF transformers on one GPU."""
     input:
         code_changed=gpu_change_markers("gpu~compare",
-                                        [recorded_hash_in("results/h200/compare.json", "code_hash")]),
+                                        [recorded_hash_in(f"{GPU_OUT}/compare.json", "code_hash")]),
     output:
-        json="results/h200/compare.json",
-        md="results/h200/compare.md",
-        plot="results/h200/decode_sweep.png",
+        json=f"{GPU_OUT}/compare.json",
+        md=f"{GPU_OUT}/compare.md",
+        plot=f"{GPU_OUT}/decode_sweep.png",
     params:
         llmserve=config["llmserve"],
         args=H200_ARGS,
         code_hash=CODE_HASH,  # engine sources: a change reruns the comparison
     log:
-        "results/h200/logs/compare.log",
+        f"{GPU_OUT}/logs/compare.log",
     resources:
         gpu=1,
         benchmark_slot=1,

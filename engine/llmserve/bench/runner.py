@@ -268,9 +268,16 @@ def resolved_flags(econf) -> dict[str, Any]:
     """The device-dependent engine flags as an :class:`~llmserve.config.EngineConfig` resolved
     them (the report's ``config`` then names what ran, not ``None``)."""
     s = econf.scheduler
+    cuda = econf.device.startswith("cuda")
+    fused = econf.fast_path.fused_forward if econf.fast_path.fused_forward is not None else cuda
     return {"dtype": econf.dtype, "attention_backend": econf.attention_backend,
             "max_num_seqs": s.max_num_seqs, "max_num_batched_tokens": s.max_num_batched_tokens,
-            "prefill_chunk_size": s.prefill_chunk_size, "cuda_graph": econf.use_cuda_graph}
+            "prefill_chunk_size": s.prefill_chunk_size, "fused_forward": fused,
+            "async_scheduling": econf.async_scheduling if econf.async_scheduling is not None else cuda,
+            # graphs are captured only on CUDA, with the Triton backend, the fused forward and one rank
+            "cuda_graph": bool(econf.use_cuda_graph and cuda and econf.attention_backend == "triton"
+                               and fused and econf.tensor_parallel_size == 1),
+            "seed": econf.seed}
 
 
 def default_engine_factory(config, naive: bool):

@@ -205,6 +205,8 @@ def create_app(engine: Any, *, tokenizer: Any = None, served_model_name: str = "
                 return service.budget.encode(text_of(), cap + 1, add_special_tokens=add_special)
             except TooManyTokens as e:
                 raise too_many(e.at_least) from None
+            except (TypeError, UnicodeError, RecursionError) as e:
+                raise APIError(f"the text could not be tokenized ({type(e).__name__})", param=param) from None
 
         ids = await service.run_tokenizer_route(count)
         out = {"count": len(ids), "max_model_len": view.max_model_len, "tokens": ids, "token_strs": None}
@@ -245,6 +247,9 @@ def create_app(engine: Any, *, tokenizer: Any = None, served_model_name: str = "
         max_tokens = max(1, max_tokens)
         prompt_lp = body.logprobs if body.echo and body.logprobs is not None else None
         texts = body.prompts()
+        if len(texts) * n > max_choices:          # before any prompt is tokenized
+            raise APIError(f"too many choices: {len(texts)} prompts x n={n} > {max_choices} per request",
+                           param="prompt" if len(texts) > 1 else "n")
         for p in texts:
             if isinstance(p, str):
                 service.precheck_prompt(len(p), max_tokens, "prompt")

@@ -217,7 +217,7 @@ def render_messages(messages, functions: list[dict[str, Any]] = ()) -> list[dict
             for name, args in calls:
                 try:
                     args_v = json.loads(args)
-                except ValueError:
+                except (ValueError, RecursionError):
                     args_v = args
                 parts.append(json.dumps({"name": name, "arguments": args_v}, ensure_ascii=False))
             text = "\n".join(parts)

@@ -61,7 +61,7 @@ def parse_call_json(body: str, tool_names: frozenset[str] | None = None) -> Pars
     """The call in one block's inner text, or ``None`` when it is not a valid call (see the
     module docstring for what is valid). Never raises."""
     try:
-        value = json.loads(body)
+        value = json.loads(body, parse_constant=_reject_constant)
     except (ValueError, RecursionError):
         return None
     if not isinstance(value, dict):
@@ -72,12 +72,22 @@ def parse_call_json(body: str, tool_names: frozenset[str] | None = None) -> Pars
     args: Any = value.get("arguments", value.get("parameters", {}))
     if isinstance(args, str):
         try:
-            args = json.loads(args)
+            args = json.loads(args, parse_constant=_reject_constant)
         except (ValueError, RecursionError):
             return None
     if not isinstance(args, dict):
         return None
-    return ParsedCall(name, json.dumps(args, ensure_ascii=False))
+    text = json.dumps(args, ensure_ascii=False)
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError:      # a lone surrogate (\ud800 in the model's JSON): keep it escaped
+        text = json.dumps(args)
+    return ParsedCall(name, text)
+
+
+def _reject_constant(name: str) -> Any:
+    """``NaN``, ``Infinity`` and ``-Infinity`` are not JSON (RFC 8259): such a block is no call."""
+    raise ValueError(f"{name} is not valid JSON")
 
 
 def _tag_prefix_len(text: str) -> int:
