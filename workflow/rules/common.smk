@@ -439,3 +439,12 @@ def gpu_change_markers(name, recorded):
 #: Every GPU job's change markers: inputs of the targets too (as STALE_MARKERS of checkpoint 3),
 #: so a marker a stale job needs is made and the job reruns.
 GPU_MARKERS = []
+
+
+#: Change markers of the prefix sweep's cells (a report without a recorded hash predates it, so
+#: it counts as stale); the cells and the targets take them as inputs.
+PREFIX_MARKERS = {
+    c: gpu_change_markers(f"prefix~{PROFILE}~{c}",
+                          [recorded_hash_in(f"{PREFIX_OUT}/raw/{c}.json", "code_hash") or "unrecorded"
+                           if Path(f"{PREFIX_OUT}/raw/{c}.json").exists() else None])
+    for c in PREFIX_CELLS}

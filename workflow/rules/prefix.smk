@@ -31,6 +31,8 @@ rule prefix_cell:
     """One cell of the prefix sweep: a workload, caching on or off, an arrival rate."""
     input:
         profile=f"{PREFIX_OUT}/load_profile.yaml",
+        # a cell measured on other llmserve sources (the hash its report records) reruns
+        code_changed=lambda w: PREFIX_MARKERS[f"{w.workload}_{w.caching}_r{w.rate}"],
     output:
         json=f"{PREFIX_OUT}/raw/{{workload}}_{{caching}}_r{{rate}}.json",
         csv=f"{PREFIX_OUT}/raw/{{workload}}_{{caching}}_r{{rate}}.csv",
@@ -52,7 +54,7 @@ rule prefix_cell:
         ENV
     shell:
         "rm -f {output.csv:q}; {params.llmserve} benchmark {params.flags} --profile {input.profile:q}"
-        " --output {output.json:q} --csv {output.csv:q} > {log:q} 2>&1"
+        " --code-hash {params.code} --output {output.json:q} --csv {output.csv:q} > {log:q} 2>&1"
 
 
 rule prefix_report:
@@ -101,5 +103,6 @@ rule prefix:
     """The prefix-caching sweep of the selected profile."""
     input:
         PREFIX_FILES,
+        [m for ms in PREFIX_MARKERS.values() for m in ms],
     message:
         f"prefix sweep ({PROFILE}): every result present and current"

@@ -93,6 +93,7 @@ class BenchmarkOptions(EngineArgs):
     slo_tpot_ms: float | None = None
     save_itl: bool = False
     progress: bool = True
+    code_hash: str | None = None
     torch_threads: int | None = None
     command: list[str] = field(default_factory=list)
 
@@ -197,6 +198,8 @@ def add_benchmark_args(p: argparse.ArgumentParser) -> None:
                    help="seconds allowed for warm-up plus measured requests; then the run fails")
     o.add_argument("--slo-ttft-ms", type=_positive_float, default=None, help="TTFT SLO for goodput (ms)")
     o.add_argument("--slo-tpot-ms", type=_positive_float, default=None, help="TPOT SLO for goodput (ms)")
+    o.add_argument("--code-hash", default=None,
+                   help="the engine's code hash, recorded in the report (the pipeline passes it)")
     o.add_argument("--no-progress", dest="progress", action="store_false",
                    help="no progress bar (it is shown only when stderr is a terminal anyway)")
 
@@ -628,6 +631,7 @@ def run_benchmark(opts: BenchmarkOptions, engine_factory: Callable[[Any, bool], 
         "hardware": hardware_info(opts.device), "requests": [], "aggregates": None,
         "kv_cache": None, "gpu": empty_gpu_summary("run did not reach the measured phase"),
         "component_profile": None, "token_digest": None, "speculative": None, "structured_output": None,
+        "code_hash": opts.code_hash,
     }
     engine = None
     workload: Workload | None = None
