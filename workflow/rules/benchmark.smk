@@ -90,11 +90,4 @@ for _group, _cells in GROUPS.items():
         conda:
             ENV
         shell:
-            "rc=0; timeout -k 30 {params.outer_timeout} python {params.tool} run --spec {params.spec:q}"
-            " --raw {params.raw} --log-dir {params.logs} --code-hash {params.code_hash}"
-            " --device {params.device} --torch-threads {params.torch_threads} --group {params.group}"
-            " > {log:q} 2>&1 || rc=$?; "
-            "if [ $rc -eq 1 ] || [ $rc -eq 2 ]; then exit $rc; fi; "  # sources changed / bad flag
-            "python {params.tool} finalize --spec {params.spec:q} --raw {params.raw}"
-            " --log-dir {params.logs} --code-hash {params.code_hash} --device {params.device}"
-            " --group {params.group} --exit-status $rc >> {log:q} 2>&1"
+            run_cells_shell(timed=True)  # sources changed / a bad flag fail the job

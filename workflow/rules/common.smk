@@ -204,12 +204,20 @@ def group_spec(group):
     return json.dumps({cell: cell_flags(cell) for cell in GROUPS[group]}, sort_keys=False)
 
 
-def recorded_code_hash(cell):
-    """The llmserve code hash a finished cell recorded in its provenance file (None if absent)."""
+def recorded_hash_in(path, *keys):
+    """The code hash a job recorded in its JSON output (``keys`` lead to it), else None."""
     try:
-        return json.loads(Path(f"{RAW}/{cell}.provenance.json").read_text()).get("code_hash")
+        value = json.loads(Path(path).read_text())
     except (OSError, ValueError):
         return None
+    for key in keys:
+        value = value.get(key) if isinstance(value, dict) else None
+    return value if isinstance(value, str) else None
+
+
+def recorded_code_hash(cell):
+    """The llmserve code hash a finished cell recorded in its provenance file (None if absent)."""
+    return recorded_hash_in(f"{RAW}/{cell}.provenance.json", "code_hash")
 
 
 def stale_marker(cell):
@@ -223,26 +231,33 @@ def stale_marker(cell):
     """
     recorded = recorded_code_hash(cell)
     if recorded is not None and recorded != CODE_HASH:
-        return f"{LOGS}/code-changed/{cell}/{recorded[:16]}-to-{CODE_HASH[:16]}.stamp"
+        return marker_path(cell, recorded)
     return None
 
 
-def code_change_markers(cells):
-    """Inputs of a benchmark group: its cells' markers for the current code.
+def marker_path(name, old_hash):
+    """The marker of job ``name`` (a cell id or a GPU job) measured on code hash ``old_hash``."""
+    return f"{LOGS}/code-changed/{name}/{old_hash[:16]}-to-{CODE_HASH[:16]}.stamp"
 
-    Besides a new marker for a stale cell, the markers that earlier reruns left for the current
-    code stay inputs, so the set of inputs Snakemake recorded for the group does not change after
-    the rerun (which its `input` rerun trigger would otherwise take for a change).
-    """
-    markers = []
-    for cell in cells:
-        folder = Path(f"{LOGS}/code-changed/{cell}")
-        found = sorted(str(p) for p in folder.glob(f"*-to-{CODE_HASH[:16]}.stamp"))
-        stale = stale_marker(cell)
-        if stale is not None and stale not in found:
-            found.append(stale)
-        markers += found
-    return markers
+
+def change_markers(name, recorded):
+    """Markers of one job (a cell, or a GPU job named ``name``) for the current code: a new one
+    for each recorded code hash (``recorded``; ``None`` where an output records none) that is
+    not the current one, plus those that earlier reruns left for the current code, so the set of
+    inputs Snakemake recorded for the job does not change after the rerun (which its `input`
+    rerun trigger would otherwise take for a change). See `stale_marker`."""
+    folder = Path(f"{LOGS}/code-changed/{name}")
+    found = sorted(str(p) for p in folder.glob(f"*-to-{CODE_HASH[:16]}.stamp"))
+    for old in sorted({h for h in recorded if h and h != CODE_HASH}):
+        marker = marker_path(name, old)
+        if marker not in found:
+            found.append(marker)
+    return found
+
+
+def code_change_markers(cells):
+    """Inputs of a benchmark group: its cells' markers for the current code."""
+    return [m for cell in cells for m in change_markers(cell, [recorded_code_hash(cell)])]
 
 
 def raw_files(cells, kinds=("json", "csv", "provenance.json")):
@@ -410,41 +425,36 @@ def gpu_inputs(wildcards):
 
 
 
-def recorded_hash_in(path, *keys):
-    """The code hash a GPU job recorded in its JSON output (``keys`` lead to it), else None."""
-    try:
-        value = json.loads(Path(path).read_text())
-    except (OSError, ValueError):
-        return None
-    for key in keys:
-        value = value.get(key) if isinstance(value, dict) else None
-    return value if isinstance(value, str) else None
-
-
-def gpu_change_markers(name, recorded):
-    """Inputs that rerun a GPU job measured on other llmserve sources: as `stale_marker` does for
-    a benchmark cell, from the hashes its outputs recorded (``recorded``: a list, ``None`` for
-    an output that records none), so a fresh clone reruns it too; markers earlier reruns left for
-    the current code stay inputs, so the recorded input set does not change after the rerun."""
-    folder = Path(f"{LOGS}/code-changed/{name}")
-    found = sorted(str(p) for p in folder.glob(f"*-to-{CODE_HASH[:16]}.stamp"))
-    for old in sorted({h for h in recorded if h and h != CODE_HASH}):
-        marker = f"{LOGS}/code-changed/{name}/{old[:16]}-to-{CODE_HASH[:16]}.stamp"
-        if marker not in found:
-            found.append(marker)
-    GPU_MARKERS.extend(m for m in found if m not in GPU_MARKERS)
-    return found
-
-
-#: Every GPU job's change markers: inputs of the targets too (as STALE_MARKERS of checkpoint 3),
-#: so a marker a stale job needs is made and the job reruns.
-GPU_MARKERS = []
-
-
-#: Change markers of the prefix sweep's cells (a report without a recorded hash predates it, so
-#: it counts as stale); the cells and the targets take them as inputs.
+#: Change markers of the GPU jobs (the hash each output recorded; a prefix report without one
+#: predates the recording, so it counts as stale). The jobs and the targets take them as inputs:
+#: the target needs a marker, so it is made, and the job whose input it is reruns.
+COMPARE_MARKERS = change_markers("gpu~compare", [recorded_hash_in(f"{GPU_OUT}/compare.json", "code_hash")])
+KERNEL_MARKERS = change_markers("gpu~kernels", [recorded_hash_in(KERNEL_FILES[0], "env", "code_hash")])
+STRUCTURED_MARKERS = {
+    rep: change_markers(f"gpu~structured_rep{rep}",
+                        [recorded_hash_in(f"{STRUCTURED_OUT}/raw/{c}.provenance.json", "code_hash") for c in cells])
+    for rep, cells in STRUCTURED_CELLS.items()}
 PREFIX_MARKERS = {
-    c: gpu_change_markers(f"prefix~{PROFILE}~{c}",
-                          [recorded_hash_in(f"{PREFIX_OUT}/raw/{c}.json", "code_hash") or "unrecorded"
-                           if Path(f"{PREFIX_OUT}/raw/{c}.json").exists() else None])
+    c: change_markers(f"prefix~{PROFILE}~{c}",
+                      [recorded_hash_in(f"{PREFIX_OUT}/raw/{c}.json", "code_hash") or "unrecorded"
+                       if Path(f"{PREFIX_OUT}/raw/{c}.json").exists() else None])
     for c in PREFIX_CELLS}
+PREFIX_MARKER_FILES = [m for ms in PREFIX_MARKERS.values() for m in ms]
+GPU_MARKERS = (COMPARE_MARKERS + KERNEL_MARKERS + [m for ms in STRUCTURED_MARKERS.values() for m in ms]
+               + PREFIX_MARKER_FILES)
+
+
+def run_cells_shell(timed=False):
+    """The shell of a job that runs a group of cells in one process (workflow/scripts/run_cells.py)
+    and then `finalize`s it, so a cell the process left without a report is a failed row; exit
+    status 1 (sources changed) or 2 (a bad flag) fails the job. Params: tool, spec, raw, logs,
+    code_hash, device, torch_threads, group; with ``timed``, outer_timeout (seconds) too."""
+    limit = "timeout -k 30 {params.outer_timeout} " if timed else ""
+    return "".join([
+        "rc=0; ", limit, "python {params.tool} run --spec {params.spec:q} --raw {params.raw}"
+        " --log-dir {params.logs} --code-hash {params.code_hash} --device {params.device}"
+        " --torch-threads {params.torch_threads} --group {params.group} > {log:q} 2>&1 || rc=$?; "
+        "if [ $rc -eq 1 ] || [ $rc -eq 2 ]; then exit $rc; fi; "
+        "python {params.tool} finalize --spec {params.spec:q} --raw {params.raw}"
+        " --log-dir {params.logs} --code-hash {params.code_hash} --device {params.device}"
+        " --group {params.group} --exit-status $rc >> {log:q} 2>&1"])

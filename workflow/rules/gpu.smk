@@ -21,9 +21,7 @@ for _rep, _cells in STRUCTURED_CELLS.items():
         input:
             profile=STRUCTURED_CFG["profile"],
             schema=STRUCTURED_CFG["schema"],
-            code_changed=gpu_change_markers(
-                f"gpu~structured_rep{_rep}",
-                [recorded_hash_in(f"{STRUCTURED_OUT}/raw/{c}.provenance.json", "code_hash") for c in _cells]),
+            code_changed=STRUCTURED_MARKERS[_rep],
         output:
             [f"{STRUCTURED_OUT}/raw/{c}.{ext}" for c in _cells for ext in ("json", "csv", "provenance.json")],
         params:
@@ -45,13 +43,7 @@ for _rep, _cells in STRUCTURED_CELLS.items():
         conda:
             ENV
         shell:
-            "rc=0; python {params.tool} run --spec {params.spec:q} --raw {params.raw} --log-dir {params.logs}"
-            " --code-hash {params.code_hash} --device {params.device} --torch-threads {params.torch_threads}"
-            " --group {params.group} > {log:q} 2>&1 || rc=$?; "
-            "if [ $rc -eq 1 ] || [ $rc -eq 2 ]; then exit $rc; fi; "
-            "python {params.tool} finalize --spec {params.spec:q} --raw {params.raw} --log-dir {params.logs}"
-            " --code-hash {params.code_hash} --device {params.device} --group {params.group}"
-            " --exit-status $rc >> {log:q} 2>&1"
+            run_cells_shell()
 
 
 rule structured_table:
@@ -78,8 +70,7 @@ rule structured_table:
 rule gpu_kernels:
     """`llmserve bench-kernels`: every Triton kernel against its PyTorch reference and cuBLAS."""
     input:
-        code_changed=gpu_change_markers("gpu~kernels",
-                                        [recorded_hash_in(KERNEL_FILES[0], "env", "code_hash")]),
+        code_changed=KERNEL_MARKERS,
     output:
         KERNEL_FILES,
     params:

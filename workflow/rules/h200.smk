@@ -23,8 +23,7 @@ H200_ARGS = (f"--presets {' '.join(_CMP['decode_presets'])} --hf-requests {_CMP[
 rule h200_compare:
     """llmserve against the weight-bandwidth floor and HF transformers on one GPU."""
     input:
-        code_changed=gpu_change_markers("gpu~compare",
-                                        [recorded_hash_in(f"{GPU_OUT}/compare.json", "code_hash")]),
+        code_changed=COMPARE_MARKERS,
     output:
         json=f"{GPU_OUT}/compare.json",
         md=f"{GPU_OUT}/compare.md",
@@ -55,6 +54,6 @@ for _alias in ("results/h200", "results/h200/"):
             _alias
         input:
             rules.h200_compare.output,
-            lambda wildcards: GPU_MARKERS,
+            COMPARE_MARKERS,
         message:
             "results/h200: present and current"

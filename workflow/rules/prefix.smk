@@ -103,6 +103,6 @@ rule prefix:
     """The prefix-caching sweep of the selected profile."""
     input:
         PREFIX_FILES,
-        [m for ms in PREFIX_MARKERS.values() for m in ms],
+        PREFIX_MARKER_FILES,
     message:
         f"prefix sweep ({PROFILE}): every result present and current"
