@@ -55,9 +55,55 @@ def _cpu_model() -> str | None:
     return None
 
 
+_NVML: Any = None  # the initialised pynvml module, False once it proved unusable
+
+
+def _nvml():
+    """pynvml (``nvidia-ml-py``) initialised once per process, or None without it."""
+    global _NVML
+    if _NVML is None:
+        try:
+            import pynvml
+
+            pynvml.nvmlInit()
+            _NVML = pynvml
+        except Exception:  # noqa: BLE001 - not installed, no driver: fall back to nvidia-smi
+            _NVML = False
+    return _NVML or None
+
+
+def _gpu_clocks_nvml(nv) -> list[dict[str, Any]] | None:
+    """:func:`gpu_clocks` through NVML (microseconds a query, where ``nvidia-smi`` starts a
+    process each time), with the same keys and units as ``nvidia-smi``'s query."""
+    try:
+        gpus = []
+        for i in range(nv.nvmlDeviceGetCount()):
+            h = nv.nvmlDeviceGetHandleByIndex(i)
+            gpus.append({
+                "index": float(i),
+                "clocks.sm": float(nv.nvmlDeviceGetClockInfo(h, nv.NVML_CLOCK_SM)),
+                "clocks.mem": float(nv.nvmlDeviceGetClockInfo(h, nv.NVML_CLOCK_MEM)),
+                "clocks.max.sm": float(nv.nvmlDeviceGetMaxClockInfo(h, nv.NVML_CLOCK_SM)),
+                "clocks.max.mem": float(nv.nvmlDeviceGetMaxClockInfo(h, nv.NVML_CLOCK_MEM)),
+                "clocks_throttle_reasons.active":
+                    f"0x{nv.nvmlDeviceGetCurrentClocksThrottleReasons(h):016X}",
+                "temperature.gpu": float(nv.nvmlDeviceGetTemperature(h, nv.NVML_TEMPERATURE_GPU)),
+                "power.draw": nv.nvmlDeviceGetPowerUsage(h) / 1000.0,
+            })
+        return gpus
+    except Exception:  # noqa: BLE001 - an NVML error: let nvidia-smi answer
+        return None
+
+
 def gpu_clocks() -> list[dict[str, Any]] | None:
-    """Per GPU: SM and memory clock now and at most (MHz), and the active throttle reasons
-    (a hex bit mask, 0x0 = none), from ``nvidia-smi``; None without it."""
+    """Per GPU: SM and memory clock now and at most (MHz), the active throttle reasons
+    (a hex bit mask, 0x0 = none), temperature (C) and power draw (W); from NVML
+    (``nvidia-ml-py``) when it is installed, else from ``nvidia-smi``; None without either."""
+    nv = _nvml()
+    if nv is not None:
+        gpus = _gpu_clocks_nvml(nv)
+        if gpus is not None:
+            return gpus
     if shutil.which("nvidia-smi") is None:
         return None
     fields = ("index", "clocks.sm", "clocks.mem", "clocks.max.sm", "clocks.max.mem",

@@ -203,11 +203,44 @@ def offline_workload(n: int, lo: int, hi: int, seed: int, vocab: int = 151643):
     return prompts, [int(o) for o in outs]
 
 
+def _timed_runs(run_once, repetitions: int, tokens) -> dict:
+    """Call ``run_once()`` ``repetitions`` times and time each call on the wall clock.
+
+    Args:
+        run_once: runs the whole timed workload once (it synchronises the device itself) and
+            returns the output tokens it produced, or None to count ``tokens``.
+        repetitions: timed runs (>= 1).
+        tokens: output tokens of one run when ``run_once`` returns None.
+
+    Returns: ``seconds`` and ``output_tok_per_s`` of the median run (by tok/s), their lists
+    per run (``runs_seconds``, ``runs_output_tok_per_s``), ``output_tok_per_s_min``/``_max``,
+    ``output_tok_per_s_cv`` (standard deviation / mean; None under 2 runs) and ``repetitions``.
+
+    Raises:
+        ValueError: ``repetitions`` < 1.
+    """
+    if repetitions < 1:
+        raise ValueError(f"repetitions must be >= 1, got {repetitions}")
+    secs, rates = [], []
+    for _ in range(repetitions):
+        t0 = time.perf_counter()
+        made = run_once()
+        dt = time.perf_counter() - t0
+        secs.append(dt)
+        rates.append((tokens if made is None else made) / dt)
+    mid = sorted(range(repetitions), key=lambda i: rates[i])[(repetitions - 1) // 2]
+    return {"seconds": secs[mid], "output_tok_per_s": rates[mid], "runs_seconds": secs,
+            "runs_output_tok_per_s": rates, "output_tok_per_s_min": min(rates),
+            "output_tok_per_s_max": max(rates), "output_tok_per_s_cv": _cv(rates),
+            "repetitions": repetitions}
+
+
 def offline_llmserve(preset: str, prompts, outs, max_num_seqs: int | None, chunk: int | None,
-                     budget: int | None, defaults: bool = False) -> dict:
+                     budget: int | None, defaults: bool = False, repetitions: int = 1) -> dict:
     """The offline workload through ``LLMEngine`` (all requests at t = 0): output tok/s after a
-    warm-up. ``defaults``: the engine with no tuning flag (:func:`default_engine`) instead of
-    the given ``max_num_seqs``/``chunk``/``budget``."""
+    warm-up, ``repetitions`` timed runs on the same engine (see :func:`_timed_runs`; the
+    median run is the row's value). ``defaults``: the engine with no tuning flag
+    (:func:`default_engine`) instead of the given ``max_num_seqs``/``chunk``/``budget``."""
     from ..core.sampling_params import SamplingParams
 
     max_len = max(len(p) + o for p, o in zip(prompts, outs)) + 16
@@ -223,22 +256,28 @@ def offline_llmserve(preset: str, prompts, outs, max_num_seqs: int | None, chunk
     # happen before timing. A first run on a fresh machine otherwise pays ~5 s of compiles.
     eng.generate(prompts[:64], SamplingParams(max_tokens=32, ignore_eos=True))
     torch.cuda.synchronize()
-    t0 = time.perf_counter()
-    for p, o in zip(prompts, outs):
-        eng.add_request(p, SamplingParams(max_tokens=o, ignore_eos=True))
-    while eng.has_unfinished_requests():
-        eng.step()
-    torch.cuda.synchronize()
-    dt = time.perf_counter() - t0
+    steps0, graph0, eager0 = eng.stats()["num_steps"], eng.runner.num_graph_steps, eng.runner.num_eager_steps
+
+    def run_once():
+        for p, o in zip(prompts, outs):
+            eng.add_request(p, SamplingParams(max_tokens=o, ignore_eos=True))
+        while eng.has_unfinished_requests():
+            eng.step()
+        torch.cuda.synchronize()
+
     total_out = sum(outs)
+    out = {"requests": len(prompts), "output_tokens": total_out}
+    out.update(_timed_runs(run_once, repetitions, total_out))
     st = eng.stats()
-    out = {"requests": len(prompts), "output_tokens": total_out, "seconds": dt,
-           "output_tok_per_s": total_out / dt, "num_steps": st["num_steps"],
-           "num_preemptions": st["num_preemptions"], "graph_steps": eng.runner.num_graph_steps,
-           "eager_steps": eng.runner.num_eager_steps, "num_blocks": st["num_total_blocks"],
-           "max_num_seqs": max_num_seqs, "prefill_chunk": chunk, "max_num_batched_tokens": budget,
-           # where the wall time went (LLMEngine.step_seconds): "sample" holds the device wait
-           "step_seconds": st["step_seconds"]}
+    out.update({"num_steps": (st["num_steps"] - steps0) // repetitions,
+                "num_preemptions": st["num_preemptions"],
+                "graph_steps": (eng.runner.num_graph_steps - graph0) // repetitions,
+                "eager_steps": (eng.runner.num_eager_steps - eager0) // repetitions,
+                "num_blocks": st["num_total_blocks"], "max_num_seqs": max_num_seqs, "prefill_chunk": chunk,
+                "max_num_batched_tokens": budget,
+                # where the wall time went (LLMEngine.step_seconds, all runs and the warm-up):
+                # "sample" holds the device wait
+                "step_seconds": st["step_seconds"]})
     del eng
     gc.collect()
     torch.cuda.empty_cache()
@@ -282,36 +321,48 @@ def hf_generate_batch(model, prompts, max_new: int, cb_config=None) -> dict:
             "missing": missing}
 
 
-def offline_hf_continuous(preset: str, prompts, outs) -> dict:
-    """Offline workload through HF ``generate_batch`` (its continuous batching), bf16 on CUDA.
+def offline_hf_continuous(preset: str, prompts, outs, repetitions: int = 1) -> dict:
+    """Offline workload through HF ``generate_batch`` (its continuous batching), bf16 on CUDA,
+    ``repetitions`` timed runs on one loaded model (see :func:`_timed_runs`).
 
     Every request asks for ``round(mean(outs))`` new tokens (``generate_batch`` takes one
     ``max_new_tokens``), so the total matches the workload's output tokens on average.
-    ``output_tokens`` counts the tokens actually generated; ``output_tok_per_s`` is that over
-    the wall time of the call (seconds). Raises if no token was generated.
+    ``output_tokens`` counts the tokens actually generated (median run); ``output_tok_per_s``
+    is that over the wall time of the call. Raises RuntimeError if a run generated no token.
     """
     model = hf_model(preset)                 # generate_batch switches sdpa to "paged|sdpa"
     max_new = int(round(np.mean(outs)))
-    torch.cuda.synchronize()
-    t0 = time.perf_counter()
-    out = hf_generate_batch(model, prompts, max_new)
-    torch.cuda.synchronize()
-    dt = time.perf_counter() - t0
-    produced, failed, missing = out["produced"], out["failed"], out["missing"]
-    del model, out
-    gc.collect()
-    torch.cuda.empty_cache()
-    if produced == 0:
-        first = next(iter(failed.values()), None)
-        raise RuntimeError(f"generate_batch produced no tokens for {len(prompts)} requests "
-                           f"({len(failed)} marked failed; first error: {first})")
-    return {"requests": len(prompts), "max_new_tokens_each": max_new, "output_tokens": produced,
-            "requested_output_tokens": max_new * len(prompts), "failed_requests": len(failed) + missing,
-            "seconds": dt, "output_tok_per_s": produced / dt}
+    failures = {"failed": 0, "produced": []}
+
+    def run_once():
+        torch.cuda.synchronize()
+        out = hf_generate_batch(model, prompts, max_new)
+        torch.cuda.synchronize()
+        if out["produced"] == 0:
+            first = next(iter(out["failed"].values()), None)
+            raise RuntimeError(f"generate_batch produced no tokens for {len(prompts)} requests "
+                               f"({len(out['failed'])} marked failed; first error: {first})")
+        failures["failed"] = max(failures["failed"], len(out["failed"]) + out["missing"])
+        failures["produced"].append(out["produced"])
+        return out["produced"]
+
+    try:
+        res = _timed_runs(run_once, repetitions, None)
+    finally:
+        del model
+        gc.collect()
+        torch.cuda.empty_cache()
+    res.update({"requests": len(prompts), "max_new_tokens_each": max_new,
+                "output_tokens": int(np.median(failures["produced"])),
+                "requested_output_tokens": max_new * len(prompts), "failed_requests": failures["failed"]})
+    return res
 
 
 @torch.inference_mode()
-def offline_hf_static(preset: str, prompts, outs, batch: int) -> dict:
+def offline_hf_static(preset: str, prompts, outs, batch: int, repetitions: int = 1) -> dict:
+    """The first ``batch`` requests through HF static ``generate`` (left padding, greedy, bf16 on
+    CUDA): the batch runs until its longest request, and only each request's own target tokens
+    count as output. ``repetitions`` timed runs on one loaded model (see :func:`_timed_runs`)."""
     model = hf_model(preset)
     prompts, outs = prompts[:batch], outs[:batch]
     width = max(len(p) for p in prompts)
@@ -320,19 +371,26 @@ def offline_hf_static(preset: str, prompts, outs, batch: int) -> dict:
     for i, p in enumerate(prompts):                                     # left padding
         ids[i, width - len(p):] = torch.tensor(p)
         mask[i, width - len(p):] = 1
+    ids, mask = ids.cuda(), mask.cuda()
     max_new = max(outs)
-    t0 = time.perf_counter()
-    model.generate(ids.cuda(), attention_mask=mask.cuda(), max_new_tokens=max_new, min_new_tokens=max_new,
-                   do_sample=False, eos_token_id=None, pad_token_id=0)
-    torch.cuda.synchronize()
-    dt = time.perf_counter() - t0
     useful = sum(outs)
-    del model
-    gc.collect()
-    torch.cuda.empty_cache()
-    return {"requests": len(prompts), "batch": batch, "max_new_tokens": max_new, "useful_output_tokens": useful,
-            "seconds": dt, "output_tok_per_s": useful / dt,
-            "note": "static batch runs until its longest request; only each request's own target tokens count"}
+
+    def run_once():
+        model.generate(ids, attention_mask=mask, max_new_tokens=max_new, min_new_tokens=max_new,
+                       do_sample=False, eos_token_id=None, pad_token_id=0)
+        torch.cuda.synchronize()
+
+    try:
+        res = _timed_runs(run_once, repetitions, useful)
+    finally:
+        del model
+        gc.collect()
+        torch.cuda.empty_cache()
+    res.update({"requests": len(prompts), "batch": batch, "max_new_tokens": max_new,
+                "useful_output_tokens": useful,
+                "note": "static batch runs until its longest request; only each request's own target "
+                        "tokens count"})
+    return res
 
 
 # ---------------------------------------------------------------------------------------------
@@ -505,20 +563,27 @@ def run(args: argparse.Namespace) -> dict:
         torch.cuda.empty_cache()
     if "offline" in args.parts:
         prompts, outs = offline_workload(args.offline_requests, args.offline_lo, args.offline_hi, args.seed)
+        reps = args.offline_repetitions
         rows = [_row("llmserve continuous", offline_llmserve, args.offline_model, prompts, outs,
-                     args.max_num_seqs, args.prefill_chunk, args.max_num_batched_tokens),
+                     args.max_num_seqs, args.prefill_chunk, args.max_num_batched_tokens, repetitions=reps),
                 _row("llmserve continuous, defaults", offline_llmserve, args.offline_model, prompts, outs,
-                     None, None, None, defaults=True)]
+                     None, None, None, defaults=True, repetitions=reps)]
         if not args.skip_hf:
+            # HF's step costs the same at any output length: clipping its outputs shortens the
+            # run without flattering llmserve (a shorter static batch wastes fewer padded steps)
+            cap = args.hf_max_new_tokens
+            hf_outs = [min(o, cap) for o in outs] if cap else outs
+            clipped = f", outputs clipped to {cap}" if cap else ""
             k = args.hf_requests
-            rows.append(_row("hf generate_batch (continuous)", offline_hf_continuous, args.offline_model,
-                             prompts[:k], outs[:k]))
+            rows.append(_row(f"hf generate_batch (continuous){clipped}", offline_hf_continuous,
+                             args.offline_model, prompts[:k], hf_outs[:k], repetitions=reps))
             n = args.hf_static_requests
-            rows.append(_row("hf generate (static)", offline_hf_static, args.offline_model, prompts[:n],
-                             outs[:n], args.hf_static_batch))
+            rows.append(_row(f"hf generate (static){clipped}", offline_hf_static, args.offline_model,
+                             prompts[:n], hf_outs[:n], args.hf_static_batch, repetitions=reps))
         report["parts"]["offline"] = {"model": args.offline_model, "requests": len(prompts),
                                       "output_tokens": sum(outs), "lo": args.offline_lo,
-                                      "hi": args.offline_hi, "seed": args.seed, "rows": rows}
+                                      "hi": args.offline_hi, "seed": args.seed, "repetitions": reps,
+                                      "hf_max_new_tokens": args.hf_max_new_tokens, "rows": rows}
     if "openloop" in args.parts:
         rows = []
         for rep in range(args.openloop_repetitions):
@@ -645,12 +710,18 @@ def to_markdown(rep: dict) -> str:
         o = rep["parts"]["offline"]
         lines += [f"## Offline workload ({o['requests']} requests, lengths uniform in [{o['lo']}, {o['hi']}], "
                   f"{o['output_tokens']} output tokens, {o['model']})", "",
-                  "| engine | requests | output tokens | seconds | output tok/s | status |",
-                  "| --- | ---: | ---: | ---: | ---: | --- |"]
+                  "Output tok/s: median [min-max] over the timed runs (one loaded engine or model, "
+                  "after a warm-up); CV = standard deviation / mean; seconds: the median run.", "",
+                  "| engine | requests | output tokens | runs | seconds | output tok/s | CV | status |",
+                  "| --- | ---: | ---: | ---: | ---: | ---: | ---: | --- |"]
         for r in o["rows"]:
             toks = r.get("output_tokens", r.get("useful_output_tokens"))
-            lines.append(f"| {r['name']} | {r.get('requests', '')} | {toks or ''} | {_f(r.get('seconds'))} | "
-                         f"{_f(r.get('output_tok_per_s'))} | {r['status']} {r.get('error') or ''} |")
+            rates = r.get("runs_output_tok_per_s") or [r.get("output_tok_per_s")]
+            cv = r.get("output_tok_per_s_cv")
+            lines.append(f"| {r['name']} | {r.get('requests', '')} | {toks or ''} | {r.get('repetitions', 1)} | "
+                         f"{_f(r.get('seconds'))} | {_spread(rates)} | "
+                         f"{'' if cv is None else f'{cv:.0%}' + (' noisy' if cv > 0.10 else '')} | "
+                         f"{r['status']} {r.get('error') or ''} |")
         lines.append("")
     if "decode-sweep" in rep["parts"] and rep["parts"]["decode-sweep"].get("error"):
         lines += ["## Decode sweep", "", f"failed: {rep['parts']['decode-sweep']['error']}", ""]
@@ -763,6 +834,11 @@ def add_bench_compare_subparser(sub) -> None:
     p.add_argument("--hf-static-batch", type=int, default=64, help="batch size of HF's static-batch baseline")
     p.add_argument("--hf-static-requests", type=int, default=256,
                    help="offline requests given to HF's static-batch baseline (the first N)")
+    p.add_argument("--hf-max-new-tokens", type=int, default=None,
+                   help="clip the output length of every HF offline request to this many tokens "
+                        "(default: the workload's own lengths)")
+    p.add_argument("--offline-repetitions", type=int, default=3,
+                   help="timed runs of every offline row on one loaded engine or model")
     p.add_argument("--code-hash", default=None,
                    help="the engine's code hash, recorded in the report (the pipeline passes it)")
     p.add_argument("--skip-hf", action="store_true", help="do not run HF transformers")
