@@ -14,11 +14,13 @@
 # Settings: the config's `compare` section.
 _CMP = config["compare"]
 H200_ARGS = (f"--presets {' '.join(_CMP['decode_presets'])} --hf-requests {_CMP['hf_requests']} --hf-decode-steps {_CMP['hf_decode_steps']}"
+             f" --hf-decode-presets {' '.join(_CMP['hf_decode_presets'])}"
              f" --hf-static-batch {_CMP['hf_static_batch']} --hf-static-requests {_CMP['hf_static_requests']}"
              f" --hf-max-new-tokens {_CMP['hf_max_new_tokens']} --offline-repetitions {_CMP['offline_repetitions']}"
              f" --rates {' '.join(f'{r:g}' for r in _CMP['rates'])}"
              f" --openloop-requests {_CMP['openloop_requests']}"
-             f" --openloop-repetitions {_CMP['openloop_repetitions']}")
+             f" --openloop-repetitions {_CMP['openloop_repetitions']}"
+             f" --openloop-flags {' '.join(_CMP['openloop_flags'])}")
 
 
 rule h200_compare:

@@ -61,6 +61,32 @@ def set_threads(n: int) -> int:
     return int(torch.get_num_threads())
 
 
+#: Engine flags that do not change which GPU kernels a cell compiles (sizes, seeds, policies): a
+#: cell differing from an earlier cell of its process only in these skips the kernel warm-up.
+WARMUP_IRRELEVANT = frozenset({"seed", "policy", "max_num_seqs", "max_num_batched_tokens", "max_model_len",
+                               "num_blocks", "gpu_memory_utilization"})
+
+
+def kernel_signature(opts) -> tuple:
+    """What selects the GPU kernels a cell compiles: its scheduler kind, whether it constrains
+    output to a schema, and every engine setting except :data:`WARMUP_IRRELEVANT`.
+
+    Triton compiles one kernel variant per argument specialisation (values that are 1 or
+    multiples of 16, alignments); a process keeps what it compiled. A later cell with the same
+    signature meets the same variants (its own graph capture and warm-up requests, which still
+    run, compile any batch-size variant that is new), so its kernel warm-up only repeats work.
+    Each report still counts the Triton compiles inside its measured window
+    (``warmup.triton_compiles_measured``), so a variant this missed shows there.
+    """
+    import dataclasses
+
+    from llmserve.engine_args import EngineArgs
+
+    engine = tuple((f.name, repr(getattr(opts, f.name))) for f in dataclasses.fields(EngineArgs)
+                   if f.name not in WARMUP_IRRELEVANT)
+    return (opts.config, opts.json_schema is not None) + engine
+
+
 def run_group(spec: dict[str, str], raw: Path, log_dir: Path, expected_hash: str, device: str,
               torch_threads: int, group: str) -> int:
     """Run every cell of ``spec`` in order; return 1 if the sources changed mid-group, else 0."""
@@ -69,6 +95,7 @@ def run_group(spec: dict[str, str], raw: Path, log_dir: Path, expected_hash: str
     from llmserve.bench.runner import add_benchmark_args, options_from_args, run_benchmark
 
     t_ready = time.perf_counter()
+    warmed: set[tuple] = set()
     raw.mkdir(parents=True, exist_ok=True)
     log_dir.mkdir(parents=True, exist_ok=True)
     for i, (cell, flags) in enumerate(spec.items()):
@@ -87,6 +114,10 @@ def run_group(spec: dict[str, str], raw: Path, log_dir: Path, expected_hash: str
         args = parser.parse_args(argv)  # an unknown flag exits 2: a broken pipeline stops
         opts = options_from_args(args)
         opts.command = ["llmserve", "benchmark", *argv]
+        signature = kernel_signature(opts)
+        if signature in warmed:
+            opts.kernel_warmup = False      # this process compiled these kernels already
+        warmed.add(signature)
         gpu = device.startswith("cuda")
         before = machine_load.snapshot(gpu=gpu)
         t0 = time.perf_counter()
@@ -100,7 +131,8 @@ def run_group(spec: dict[str, str], raw: Path, log_dir: Path, expected_hash: str
             extra={"torch_threads": threads,
                    "process": {"group": group, "position": i, "cells_in_group": len(spec),
                                "process_startup_s": round(t_ready - t_process, 3),
-                               "cell_wall_s": round(took, 3)},
+                               "cell_wall_s": round(took, 3),
+                               "kernel_warmup": opts.kernel_warmup},
                    # what else ran meanwhile: other processes' cores, stolen time, load average,
                    # this process's CPU share, the GPU's clocks (machine_load.py)
                    "machine_load": load})

@@ -535,7 +535,7 @@ def run(args: argparse.Namespace) -> dict:
                 r["preset"] = preset
                 r["linear_backend"] = lb
                 rows.append(r)
-            if not args.skip_hf:
+            if not args.skip_hf and (args.hf_decode_presets is None or preset in args.hf_decode_presets):
                 h = _row(f"hf generate decode {preset}", decode_hf, preset, args.hf_decode_steps)
                 h["preset"] = preset
                 rows.append(h)
@@ -588,7 +588,7 @@ def run(args: argparse.Namespace) -> dict:
         rows = []
         for rep in range(args.openloop_repetitions):
             for rate in args.rates:
-                for defaults in (False, True):
+                for defaults in [f == "defaults" for f in args.openloop_flags]:
                     name = f"llmserve open-loop {rate} req/s" + (", defaults" if defaults else "")
                     r = _row(name, openloop, args.offline_model, rate, args.openloop_requests, args.seed,
                              defaults=defaults)
@@ -821,6 +821,8 @@ def add_bench_compare_subparser(sub) -> None:
                    help="batch-1 decode rows per linear backend (triton-int8: int8 weight-only "
                         "projections, embeddings and LM head bf16)")
     p.add_argument("--hf-decode-steps", type=int, default=64, help="decode steps timed for HF transformers")
+    p.add_argument("--hf-decode-presets", nargs="+", default=None,
+                   help="presets whose batch-1 decode HF transformers also runs (default: every --presets)")
     p.add_argument("--offline-model", default="qwen2.5-1.5b",
                    help="model preset of the offline and open-loop comparisons")
     p.add_argument("--offline-requests", type=int, default=256, help="requests of the offline run")
@@ -847,6 +849,9 @@ def add_bench_compare_subparser(sub) -> None:
     p.add_argument("--openloop-requests", type=int, default=200, help="requests per open-loop rate")
     p.add_argument("--openloop-repetitions", type=int, default=3,
                    help="runs of every open-loop row (tuned flags and defaults alternated)")
+    p.add_argument("--openloop-flags", nargs="+", default=["tuned", "defaults"], choices=["tuned", "defaults"],
+                   help="open-loop rows: with the hand-tuned engine flags, with every flag at its "
+                        "default, or both (alternated)")
     p.add_argument("--serve-tokens", type=int, default=256, help="serve rows: tokens of the timed completion")
     p.add_argument("--serve-repetitions", type=int, default=5, help="serve rows: timed completions per row")
     p.add_argument("--seed", type=int, default=0, help="workload seed")
