@@ -8,20 +8,12 @@ from __future__ import annotations
 import argparse
 import sys
 
-
-def _threads(value: str) -> int:
-    try:
-        n = int(value)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"must be an integer >= 0, got {value!r}") from None
-    if n < 0:
-        raise argparse.ArgumentTypeError(f"must be an integer >= 0, got {n}")
-    return n
+from .engine_args import int_at_least
 
 
 def add_torch_threads_arg(p: argparse.ArgumentParser) -> None:
     """``--torch-threads`` (resolved by :func:`resolve_torch_threads`)."""
-    p.add_argument("--torch-threads", type=_threads, default=None, metavar="N",
+    p.add_argument("--torch-threads", type=int_at_least(0), default=None, metavar="N",
                    help="PyTorch intra-op CPU threads (default: 1 with --device cpu, where the tiny "
                         "model's small matrices run several times faster on one thread than on many; "
                         "PyTorch's own default with CUDA; 0 = PyTorch's default)")

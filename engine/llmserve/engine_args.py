@@ -115,7 +115,12 @@ def device_defaults(device: str | None, usage: str = "offline", *, max_num_seqs:
 # ------------------------------------------------------------------------------------------------
 # argparse value types
 # ------------------------------------------------------------------------------------------------
-def _int_at_least(lo: int):
+def int_at_least(lo: int):
+    """An argparse ``type`` parsing an integer >= ``lo``.
+
+    Returns: a function ``str -> int`` that raises ``argparse.ArgumentTypeError`` (argparse turns
+    it into a usage error naming the flag) for a non-integer or a value below ``lo``.
+    """
     def parse(s: str) -> int:
         try:
             v = int(s)
@@ -185,15 +190,15 @@ class EngineArgs:
     device: str = _flag("cpu", "--device", help="cpu | cuda | cuda:N (default cpu)")
     dtype: str | None = _flag(None, "--dtype", help="float32 | float16 | bfloat16 (default: "
                               "float32 on a CPU, bfloat16 on CUDA)")
-    seed: int | None = _flag(None, "--seed", type=_int_at_least(0),
+    seed: int | None = _flag(None, "--seed", type=int_at_least(0),
                              help="engine seed: random weights and unseeded sampling (default 0)")
     # ---- scheduler
     policy: str = _flag("fcfs", "--policy", choices=POLICIES, help="waiting-queue order (default fcfs)")
-    max_num_seqs: int | None = _flag(None, "--max-num-seqs", "--max-batch-size", type=_int_at_least(1),
+    max_num_seqs: int | None = _flag(None, "--max-num-seqs", "--max-batch-size", type=int_at_least(1),
                                      metavar="N", help="most sequences per step (default: 256 on "
                                      "CUDA, 8 on a CPU)")
     max_num_batched_tokens: int | None = _flag(
-        None, "--max-num-batched-tokens", type=_int_at_least(1), metavar="N",
+        None, "--max-num-batched-tokens", type=int_at_least(1), metavar="N",
         help="token budget of one step (default on CUDA: 8192 for generate/benchmark, 2048 for "
              "serve; on a CPU: one chunk plus one token per sequence for serve, else "
              "max(4096, --max-model-len); without chunking at least --max-model-len)")
@@ -202,11 +207,11 @@ class EngineArgs:
         help="most prompt tokens of one sequence per step; 0 = chunked prefill off (default on "
              "CUDA: 2048 for generate/benchmark, 512 for serve; on a CPU: 64 for serve, off "
              "otherwise)")
-    max_model_len: int = _flag(4096, "--max-model-len", type=_int_at_least(2),
+    max_model_len: int = _flag(4096, "--max-model-len", type=int_at_least(2),
                                help="most tokens (prompt + output) of one sequence (default 4096)")
     # ---- KV cache
-    block_size: int = _flag(16, "--block-size", type=_int_at_least(1), help="tokens per KV block (default 16)")
-    num_blocks: int | None = _flag(None, "--num-blocks", type=_int_at_least(1),
+    block_size: int = _flag(16, "--block-size", type=int_at_least(1), help="tokens per KV block (default 16)")
+    num_blocks: int | None = _flag(None, "--num-blocks", type=int_at_least(1),
                                    help="KV blocks (default: from --gpu-memory-utilization of free "
                                         "memory on CUDA, 256 MiB on a CPU)")
     gpu_memory_utilization: float = _flag(0.85, "--gpu-memory-utilization", type=_fraction,
@@ -242,11 +247,11 @@ class EngineArgs:
     batch_invariant: bool = _flag(False, "--batch-invariant", action="store_true",
                                   help="batch-invariant mode: a request's logits are bitwise the same "
                                        "whatever it is batched with (CPU, readable path)")
-    invariant_block_rows: int = _flag(16, "--invariant-block-rows", type=_int_at_least(1), metavar="N",
+    invariant_block_rows: int = _flag(16, "--invariant-block-rows", type=int_at_least(1), metavar="N",
                                       help="rows per fixed-shape matrix product in the batch-invariant "
                                            "mode (default 16)")
     # ---- parallelism
-    tensor_parallel_size: int = _flag(1, "--tensor-parallel-size", "-tp", type=_int_at_least(1),
+    tensor_parallel_size: int = _flag(1, "--tensor-parallel-size", "-tp", type=int_at_least(1),
                                       metavar="N", help="shard the model over N ranks of this host "
                                       "(one process a rank; GPUs cuda:0..N-1 with --device cuda; default 1)")
     distributed_timeout_s: float = _flag(300.0, "--distributed-timeout", type=_positive_float,
@@ -257,7 +262,7 @@ class EngineArgs:
                                           help="draft model for speculative decoding ('tiny', a "
                                                "checkpoint directory, a hub id, random:<preset>, or "
                                                "'target' to reuse the target's weights)")
-    num_speculative_tokens: int = _flag(4, "--num-speculative-tokens", type=_int_at_least(0),
+    num_speculative_tokens: int = _flag(4, "--num-speculative-tokens", type=int_at_least(0),
                                         help="draft tokens proposed per step with --speculative-model "
                                              "(default 4)")
 

@@ -39,7 +39,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable
 
-from ..engine_args import EngineArgs, add_engine_args
+from ..engine_args import EngineArgs, add_engine_args, int_at_least
 from .gpu_monitor import GPUMonitor, empty_gpu_summary
 from .metrics import RequestRecord, aggregate_records, build_request_record
 from .profiler import run_component_profile, unavailable_profile
@@ -119,29 +119,6 @@ def _rate(s: str) -> float:
     return v
 
 
-def _chunk(s: str) -> int | None:
-    if s.strip().lower() in ("0", "none", "off", ""):
-        return None
-    v = int(s)
-    if v < 1:
-        raise argparse.ArgumentTypeError(f"--prefill-chunk-size must be >= 1, 0 or 'none', got {s}")
-    return v
-
-
-def _positive_int(s: str) -> int:
-    v = int(s)
-    if v < 1:
-        raise argparse.ArgumentTypeError(f"must be an integer >= 1, got {s}")
-    return v
-
-
-def _nonneg_int(s: str) -> int:
-    v = int(s)
-    if v < 0:
-        raise argparse.ArgumentTypeError(f"must be an integer >= 0, got {s}")
-    return v
-
-
 def _positive_float(s: str) -> float:
     v = float(s)
     if not v > 0:
@@ -167,13 +144,13 @@ def add_benchmark_args(p: argparse.ArgumentParser) -> None:
                         "overrides the profile's workload.kind")
     w.add_argument("--dataset-path", default=None,
                    help="ShareGPT JSON file for ShareGPT profiles (default: the packaged copy)")
-    w.add_argument("--requests", type=_nonneg_int, default=None, help="measured requests (overrides the profile)")
+    w.add_argument("--requests", type=int_at_least(0), default=None, help="measured requests (overrides the profile)")
     w.add_argument("--arrival-rate", type=_rate, default=None,
                    help="requests/s, open-loop (overrides the profile); 'inf' = offline, all at t=0")
     w.add_argument("--burstiness", type=_positive_float, default=None,
                    help="gamma shape of inter-arrival times (1 = Poisson; overrides the profile)")
-    w.add_argument("--seed", type=_nonneg_int, default=None, help="workload and engine seed (default: the profile's)")
-    w.add_argument("--warmup-requests", type=_nonneg_int, default=None,
+    w.add_argument("--seed", type=int_at_least(0), default=None, help="workload and engine seed (default: the profile's)")
+    w.add_argument("--warmup-requests", type=int_at_least(0), default=None,
                    help="requests run before measuring, excluded from statistics (default: the profile's)")
     w.add_argument("--json-schema", default=None, metavar="FILE",
                    help="JSON Schema file every request's output must follow (grammar-constrained "
@@ -188,7 +165,7 @@ def add_benchmark_args(p: argparse.ArgumentParser) -> None:
     o.add_argument("--csv", default=None, help="CSV to append a row to (default: the output's stem + .csv)")
     o.add_argument("--profile-components", action="store_true",
                    help="after the run, profile where step time goes (separate, synchronised pass)")
-    o.add_argument("--profile-steps", type=_positive_int, default=256,
+    o.add_argument("--profile-steps", type=int_at_least(1), default=256,
                    help="most engine steps of the component profile pass (default 256)")
     o.add_argument("--save-itl", action="store_true",
                    help="store every request's inter-token latencies in the JSON (large)")
