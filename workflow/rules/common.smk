@@ -346,30 +346,45 @@ def _plot(name, caption):
 # ---- the prefix-caching sweep (workflow/rules/prefix.smk; settings: the config's `prefix`) ----
 PREFIX_CFG = config.get("prefix")
 PREFIX_OUT = f"results/prefix/{PROFILE}"
-PREFIX_CELLS = ([f"{w}_{c}_r{r:g}" for w in PREFIX_CFG["workloads"] for c in PREFIX_CFG["caching"]
-                 for r in PREFIX_CFG["arrival_rates"]] if PREFIX_CFG else [])
-PREFIX_TABLES = [f"{PREFIX_OUT}/table.csv", f"{PREFIX_OUT}/table.md",
-                 f"{PREFIX_OUT}/plots/ttft_cdf.png", f"{PREFIX_OUT}/plots/hit_rate.png"]
-PREFIX_CHECKSUMS = f"{PREFIX_OUT}/checksums.sha256"  # the run's; published to checksums/
-#: Everything the sweep tracks (empty for a profile without a `prefix` section).
-PREFIX_FILES = ([f"{PREFIX_OUT}/load_profile.yaml", *PREFIX_TABLES, PREFIX_CHECKSUMS]
-                + [f"{PREFIX_OUT}/raw/{c}.{ext}" for c in PREFIX_CELLS for ext in ("json", "csv")]
-                ) if PREFIX_CFG else []
+PREFIX_PROFILE = f"{PREFIX_OUT}/load_profile.yaml"  # the derived load profile every cell runs
 
 
-def _prefix_cell_flags(wildcards):
-    w, c, r = wildcards.workload, wildcards.caching, wildcards.rate
+def prefix_cell_id(workload, caching, rate, rep):
+    """A prefix-sweep cell id: ``workload~multi-turn_caching~on_rate~32_rep~0`` (the rate as
+    ``{:g}`` formats it)."""
+    return f"workload~{workload}_caching~{caching}_rate~{float(rate):g}_rep~{rep}"
+
+
+def prefix_cell_flags(workload, caching, rate):
+    """`llmserve benchmark` flags of one cell of the prefix sweep (without --output/--csv)."""
     p = PREFIX_CFG
     return (f"--model {p['model']} --device {p['device']} --dtype {p['dtype']}"
             f" --block-size {p['block_size']} --requests {p['requests']}"
             f" --warmup-requests {p['warmup_requests']} --seed {p['seed']} --timeout {p['timeout_s']}"
-            f" --workload {w} --arrival-rate {r}"
-            f" {'--enable-prefix-caching' if c == 'on' else '--no-prefix-caching'} --no-progress"
-            f" --attention-backend {p.get('attention_backend', 'torch')}"
+            f" --profile {PREFIX_PROFILE} --workload {workload} --arrival-rate {float(rate):g}"
+            f" {'--enable-prefix-caching' if caching == 'on' else '--no-prefix-caching'} --no-progress"
+            f" --attention-backend {p.get('attention_backend', 'torch')} --code-hash {CODE_HASH}"
             + "".join(f" --{k.replace('_', '-')} {p[k]}" for k in ("max_num_seqs", "max_num_batched_tokens",
                                                                     "prefill_chunk_size") if k in p))
 
 
+def prefix_cells():
+    """``{rep: {cell id: benchmark flags}}`` of the prefix sweep: every workload x caching x
+    arrival rate once per repetition; one process runs a repetition's cells."""
+    p = PREFIX_CFG
+    return {rep: {prefix_cell_id(w, c, r, rep): prefix_cell_flags(w, c, r)
+                  for w in p["workloads"] for r in p["arrival_rates"] for c in p["caching"]}
+            for rep in range(int(p["repetitions"]))}
+
+
+PREFIX_CELLS = prefix_cells() if PREFIX_CFG else {}
+PREFIX_TABLES = [f"{PREFIX_OUT}/table.csv", f"{PREFIX_OUT}/table.md",
+                 f"{PREFIX_OUT}/plots/ttft_cdf.png", f"{PREFIX_OUT}/plots/hit_rate.png"]
+PREFIX_CHECKSUMS = f"{PREFIX_OUT}/checksums.sha256"  # the run's; published to checksums/
+PREFIX_RAW = [f"{PREFIX_OUT}/raw/{c}.{ext}" for cells in PREFIX_CELLS.values() for c in cells
+              for ext in ("json", "csv", "provenance.json")]
+#: Everything the sweep tracks (empty for a profile without a `prefix` section).
+PREFIX_FILES = [PREFIX_PROFILE, *PREFIX_TABLES, PREFIX_CHECKSUMS, *PREFIX_RAW] if PREFIX_CFG else []
 
 
 # ---- the GPU evidence (workflow/rules/gpu.smk) ---------------------------------------------------
@@ -425,9 +440,10 @@ def gpu_inputs(wildcards):
 
 
 
-#: Change markers of the GPU jobs (the hash each output recorded; a prefix report without one
-#: predates the recording, so it counts as stale). The jobs and the targets take them as inputs:
-#: the target needs a marker, so it is made, and the job whose input it is reruns.
+#: Change markers of the GPU jobs and of the prefix sweep's repetitions (the hash each output
+#: recorded; a repetition's cells rerun together when any of their provenance files names another
+#: hash). The jobs and the targets take them as inputs: the target needs a marker, so it is made,
+#: and the job whose input it is reruns.
 COMPARE_MARKERS = change_markers("gpu~compare", [recorded_hash_in(f"{GPU_OUT}/compare.json", "code_hash")])
 KERNEL_MARKERS = change_markers("gpu~kernels", [recorded_hash_in(KERNEL_FILES[0], "env", "code_hash")])
 STRUCTURED_MARKERS = {
@@ -435,10 +451,9 @@ STRUCTURED_MARKERS = {
                         [recorded_hash_in(f"{STRUCTURED_OUT}/raw/{c}.provenance.json", "code_hash") for c in cells])
     for rep, cells in STRUCTURED_CELLS.items()}
 PREFIX_MARKERS = {
-    c: change_markers(f"prefix~{PROFILE}~{c}",
-                      [recorded_hash_in(f"{PREFIX_OUT}/raw/{c}.json", "code_hash") or "unrecorded"
-                       if Path(f"{PREFIX_OUT}/raw/{c}.json").exists() else None])
-    for c in PREFIX_CELLS}
+    rep: change_markers(f"prefix~{PROFILE}~rep{rep}",
+                        [recorded_hash_in(f"{PREFIX_OUT}/raw/{c}.provenance.json", "code_hash") for c in cells])
+    for rep, cells in PREFIX_CELLS.items()}
 PREFIX_MARKER_FILES = [m for ms in PREFIX_MARKERS.values() for m in ms]
 GPU_MARKERS = (COMPARE_MARKERS + KERNEL_MARKERS + [m for ms in STRUCTURED_MARKERS.values() for m in ms]
                + PREFIX_MARKER_FILES)

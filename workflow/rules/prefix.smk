@@ -1,17 +1,21 @@
 # Prefix-caching sweep: automatic prefix caching on/off x workload (multi-turn ShareGPT,
-# shared system prompt) x arrival rate, one `llmserve benchmark` run per cell, then a table
-# and plots (TTFT CDF with and without caching, hit rate). Settings: the `prefix` section of
-# the profile's config (config/config.yaml, config/<profile>.yaml). Outputs under results/prefix/<profile>/:
-#   load_profile.yaml, raw/<workload>_<on|off>_r<rate>.{json,csv}, table.{csv,md},
-#   plots/ttft_cdf.png, plots/hit_rate.png; checksums in checksums/prefix-<profile>.sha256.
+# shared system prompt) x arrival rate, each cell one `llmserve benchmark` run, repeated
+# `repetitions` times; the cells of one repetition run in one process (workflow/scripts/run_cells.py:
+# torch, the model and the prompts load once a repetition), then a table (median [min–max] over
+# the repetitions, the coefficient of variation of p50 TTFT) and plots (TTFT CDF with and without
+# caching, hit rate). Settings: the `prefix` section of the profile's config (config/config.yaml,
+# config/<profile>.yaml). Outputs under results/prefix/<profile>/:
+#   load_profile.yaml, raw/workload~<w>_caching~<on|off>_rate~<r>_rep~<n>.{json,csv,provenance.json},
+#   table.{csv,md}, plots/ttft_cdf.png, plots/hit_rate.png; checksums in checksums/prefix-<profile>.sha256.
+# A repetition whose provenance files record another engine code hash reruns (PREFIX_MARKERS).
 
-# Settings, cell names and flags: workflow/rules/common.smk (PREFIX_*).
+# Settings, cell ids and flags: workflow/rules/common.smk (PREFIX_*).
 
 
 rule prefix_profile:
     """The prefix sweep's load profile: the base profile with the config's overrides."""
     output:
-        f"{PREFIX_OUT}/load_profile.yaml",
+        PREFIX_PROFILE,
     params:
         script=f"{SCRIPTS}/prefix_sweep.py",
         profile=PROFILE,
@@ -27,41 +31,61 @@ rule prefix_profile:
         " --settings {params.settings:q} --output {output:q} > {log:q} 2>&1"
 
 
-rule prefix_cell:
-    """One cell of the prefix sweep: a workload, caching on or off, an arrival rate."""
-    input:
-        profile=f"{PREFIX_OUT}/load_profile.yaml",
-        # a cell measured on other llmserve sources (the hash its report records) reruns
-        code_changed=lambda w: PREFIX_MARKERS[f"{w.workload}_{w.caching}_r{w.rate}"],
-    output:
-        json=f"{PREFIX_OUT}/raw/{{workload}}_{{caching}}_r{{rate}}.json",
-        csv=f"{PREFIX_OUT}/raw/{{workload}}_{{caching}}_r{{rate}}.csv",
-    wildcard_constraints:
-        workload="multi-turn|shared-prefix|single-turn",
-        caching="on|off",
-    params:
-        flags=_prefix_cell_flags,
-        llmserve=config["llmserve"],
-        code=CODE_HASH,  # any engine source change reruns the cells
-    resources:
-        gpu=1 if PREFIX_CFG and str(PREFIX_CFG["device"]).startswith("cuda") else 0,
-        benchmark_slot=1,  # it measures latency: never beside another measuring job
-    log:
-        f"{PREFIX_OUT}/logs/{{workload}}_{{caching}}_r{{rate}}.log",
-    message:
-        f"prefix sweep ({PROFILE}): {{wildcards.workload}}, caching {{wildcards.caching}}, {{wildcards.rate}} req/s"
-    conda:
-        ENV
-    shell:
-        "rm -f {output.csv:q}; {params.llmserve} benchmark {params.flags} --profile {input.profile:q}"
-        " --code-hash {params.code} --output {output.json:q} --csv {output.csv:q} > {log:q} 2>&1"
+if PREFIX_CFG:
+    # a repetition's files, with {rep} left as the rule's wildcard
+    _PREFIX_STEMS = [c.rsplit("_rep~", 1)[0] for c in PREFIX_CELLS[0]]
+    _PREFIX_TIMEOUT = len(_PREFIX_STEMS) * int(PREFIX_CFG["timeout_s"]) + 300  # the process's limit, s
+
+    rule prefix_cells:
+        """The prefix sweep's cells of one repetition (every workload x caching x arrival rate),
+        in one process: the model and the prompts load once."""
+        input:
+            profile=PREFIX_PROFILE,
+            # a repetition measured on other llmserve sources (the hash its cells recorded) reruns
+            code_changed=lambda w: PREFIX_MARKERS[int(w.rep)],
+        output:
+            expand(f"{PREFIX_OUT}/raw/{{stem}}_rep~{{{{rep}}}}.{{ext}}", stem=_PREFIX_STEMS,
+                   ext=("json", "csv", "provenance.json")),
+        wildcard_constraints:
+            rep=r"\d+",
+        params:
+            spec=lambda w: json.dumps(PREFIX_CELLS[int(w.rep)]),  # a changed flag reruns the repetition
+            group=lambda w: f"prefix_rep{w.rep}",
+            raw=lambda w, output: os.path.dirname(output[0]),
+            logs=lambda w, output: os.path.join(os.path.dirname(os.path.dirname(output[0])), "logs"),
+            device=PREFIX_CFG["device"],
+            torch_threads=config["torch_threads"],
+            code_hash=CODE_HASH,  # any engine source change reruns the cells
+            tool=f"{SCRIPTS}/run_cells.py",
+            outer_timeout=_PREFIX_TIMEOUT,
+        log:
+            f"{PREFIX_OUT}/logs/rep{{rep}}.log",
+        threads: int(config["torch_threads"])
+        resources:
+            gpu=1 if str(PREFIX_CFG["device"]).startswith("cuda") else 0,
+            benchmark_slot=1,  # it measures latency: never beside another measuring job
+            # cluster sizing as for the benchmark processes (workflow/rules/benchmark.smk)
+            runtime=-(-(_PREFIX_TIMEOUT + 30) // 60) + 10,  # minutes
+            mem_mb=BENCHMARK_MEM_MB,
+            cpus_per_task=BENCHMARK_CPUS,
+            slurm_partition=BENCHMARK_PARTITION,
+            slurm_extra="--exclusive",
+        message:
+            f"prefix sweep ({PROFILE}): repetition {{wildcards.rep}}, {len(_PREFIX_STEMS)} cells in one process"
+        conda:
+            ENV
+        shell:
+            run_cells_shell(timed=True)  # sources changed / a bad flag fail the job
 
 
 rule prefix_report:
-    """The prefix sweep's table and plots (the script is an input: editing it redraws)."""
+    """The prefix sweep's table and plots over the repetitions (the script and its helpers are
+    inputs: editing them redraws)."""
     input:
         script=f"{SCRIPTS}/prefix_sweep.py",
-        reports=[f"{PREFIX_OUT}/raw/{c}.json" for c in PREFIX_CELLS],
+        # the formatting helpers it imports (median [min–max], CV and the noisy mark)
+        helpers=[f"{SCRIPTS}/aggregate_checkpoint3.py", f"{SCRIPTS}/structured_table.py"],
+        reports=[f"{PREFIX_OUT}/raw/{c}.json" for cells in PREFIX_CELLS.values() for c in cells],
     output:
         csv=PREFIX_TABLES[0],
         md=report(PREFIX_TABLES[1], caption="../report/prefix_table.rst", category=PREFIX_CATEGORY,
@@ -72,21 +96,22 @@ rule prefix_report:
                         category=PREFIX_CATEGORY, labels={"profile": PROFILE, "item": "3. hit rate"}),
     params:
         out_dir=lambda w, output: os.path.dirname(output[0]),
+        contention=json.dumps(config["contention"]),  # when a run counts as contended
     log:
         f"{PREFIX_OUT}/logs/report.log",
     message:
-        f"prefix sweep ({PROFILE}): table and plots of {len(PREFIX_CELLS)} cells"
+        f"prefix sweep ({PROFILE}): table and plots of {sum(map(len, PREFIX_CELLS.values()))} runs"
     conda:
         ENV
     shell:
-        "python {input.script} report --out-dir {params.out_dir:q} {input.reports:q} > {log:q} 2>&1"
+        "python {input.script} report --out-dir {params.out_dir:q} --contention {params.contention:q}"
+        " {input.reports:q} > {log:q} 2>&1"
 
 
 rule prefix_checksums:
     """sha256 sums of the prefix sweep's tracked files."""
     input:
-        [f"{PREFIX_OUT}/load_profile.yaml", *PREFIX_TABLES]
-        + [f"{PREFIX_OUT}/raw/{c}.{ext}" for c in PREFIX_CELLS for ext in ("json", "csv")],
+        [PREFIX_PROFILE, *PREFIX_TABLES, *PREFIX_RAW],
     output:
         PREFIX_CHECKSUMS,
     log:

@@ -6,25 +6,45 @@
 
 ``profile`` writes the base load profile named by the ``prefix`` section of the pipeline
 config (the rule passes ``base_profile`` and ``profile_overrides`` as JSON) with its overrides
-merged key by key (validated by llmserve's own profile checker). ``report`` reads the benchmark JSON
-reports and writes ``table.csv`` / ``table.md`` (one row per cell: workload, caching, arrival
-rate, TTFT p50/p95, TPOT p50, throughput, prefix-cache queries/hits/hit rate, cached and
-evicted blocks) and ``plots/ttft_cdf.png`` (TTFT CDF with and without caching, a panel per
-workload, a line style per rate) and ``plots/hit_rate.png``.
+merged key by key (validated by llmserve's own profile checker). ``report`` reads the benchmark
+JSON reports (``raw/workload~<w>_caching~<on|off>_rate~<r>_rep~<n>.json``, each with the
+``.provenance.json`` that ``workflow/scripts/run_cells.py`` wrote beside it) and writes
+``table.csv`` / ``table.md``: one row per workload, caching and arrival rate, each statistic
+(TTFT p50/p95/p99, TPOT p50, output throughput, prefix-cache hit rate) as the median over the
+successful repetitions with [min–max], the coefficient of variation of p50 TTFT (over 10%:
+noisy), the prefix cache's queries, hits, cached and evicted blocks, and the output digests; the
+header names the engine code hash the runs recorded. With one repetition a row shows the single
+run. ``plots/ttft_cdf.png`` is the TTFT CDF with and without caching (a panel per workload, a
+line style per rate, every repetition's requests pooled) and ``plots/hit_rate.png`` the hit rate
+(median, min–max as error bars).
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import statistics
 from pathlib import Path
 
 import yaml
+# median [min–max], the CV and its noisy mark: the same helpers as the checkpoint-3 and
+# structured-output tables (workflow/scripts/, next to this file)
+from aggregate_checkpoint3 import NOISY_CV, _cv, _load_line, _num, _ranged, provenance_path  # noqa: E402
+from machine_load import is_contended  # noqa: E402
+from matrix_columns import parse_cell_id  # noqa: E402
+from structured_table import cv  # noqa: E402
 
-COLUMNS = ("workload", "caching", "arrival_rate", "status", "num_requests", "num_completed",
-           "ttft_ms_p50", "ttft_ms_p95", "tpot_ms_p50", "output_throughput",
-           "prefix_cache_queries", "prefix_cache_hits", "prefix_cache_hit_rate",
-           "prefix_cache_cached_blocks", "prefix_cache_evicted_blocks", "token_digest")
+#: Statistics over the repetitions: column stem -> key of report["aggregates"].
+STATS = {"ttft_p50_ms": "ttft_ms_p50", "ttft_p95_ms": "ttft_ms_p95", "ttft_p99_ms": "ttft_ms_p99",
+         "tpot_p50_ms": "tpot_ms_p50", "output_throughput": "output_throughput",
+         "hit_rate": "prefix_cache_hit_rate"}
+#: Prefix-cache counters (their median over the repetitions; seeded, so normally equal).
+COUNTERS = {"queries": "prefix_cache_queries", "hits": "prefix_cache_hits",
+            "cached_blocks": "prefix_cache_cached_blocks", "evicted_blocks": "prefix_cache_evicted_blocks"}
+COLUMNS = (["workload", "caching", "arrival_rate", "repetitions", "runs_ok", "status", "num_requests",
+            "num_completed"]
+           + [f"{stem}_{k}" for stem in STATS for k in ("median", "min", "max")]
+           + ["ttft_p50_cv", "noisy"] + list(COUNTERS) + ["token_digests", "code_hashes", "error"])
 
 
 def write_profile(profile: str, settings: dict, output: Path) -> None:
@@ -46,52 +66,132 @@ def write_profile(profile: str, settings: dict, output: Path) -> None:
                       + yaml.safe_dump(prof, sort_keys=False))
 
 
-def _row(path: Path) -> tuple[dict, list[float]]:
+def load_run(path: Path, contention: dict | None = None) -> dict:
+    """One run: its cell (from the file name), report fields and provenance; ``contention``
+    holds the thresholds of :func:`machine_load.is_contended` (default: 0.5 cores, 5%)."""
+    limits = {"max_other_cores": 0.5, "max_steal_fraction": 0.05, **(contention or {})}
+    cell = parse_cell_id(path.name[: -len(".json")])
     r = json.loads(path.read_text())
-    cfg, agg = r.get("config") or {}, r.get("aggregates") or {}
-    row = {"workload": (r.get("profile") or {}).get("workload", {}).get("kind") or cfg.get("workload"),
-           "caching": "on" if cfg.get("enable_prefix_caching") else "off",
-           "arrival_rate": cfg.get("arrival_rate"), "status": r.get("status"),
-           "token_digest": r.get("token_digest")}
-    row.update({k: agg.get(k) for k in COLUMNS if k not in row})
-    ttfts = sorted(q["ttft_ms"] for q in r.get("requests") or [] if q.get("ttft_ms") is not None)
-    return row, ttfts
+    prov_file = provenance_path(path)
+    prov = json.loads(prov_file.read_text()) if prov_file.exists() else {}
+    agg = r.get("aggregates") or {}
+    load = prov.get("machine_load")
+    return {"workload": cell["workload"], "caching": cell["caching"], "arrival_rate": float(cell["rate"]),
+            "rep": int(cell["rep"]), "status": r.get("status") or "failed", "error": r.get("error"),
+            "report": r, "agg": agg, "token_digest": r.get("token_digest"),
+            "code_hash": prov.get("code_hash") or r.get("code_hash"),
+            "machine_load": load,
+            "contended": is_contended(load, limits["max_other_cores"], limits["max_steal_fraction"]),
+            "ttfts": [q["ttft_ms"] for q in r.get("requests") or [] if q.get("ttft_ms") is not None]}
 
 
-def _fmt(v) -> str:
+def _values(runs: list[dict], key: str) -> list[float]:
+    return [float(x["agg"][key]) for x in runs if isinstance(x["agg"].get(key), (int, float))]
+
+
+def fold(runs: list[dict]) -> list[dict]:
+    """One row per (workload, caching, arrival rate): the statistics over its repetitions."""
+    cells: dict[tuple, list[dict]] = {}
+    for x in runs:
+        cells.setdefault((x["workload"], x["caching"], x["arrival_rate"]), []).append(x)
+    rows = []
+    for (workload, caching, rate), reps in sorted(cells.items(), key=lambda kv: (kv[0][0], kv[0][2],
+                                                                                  kv[0][1] != "on")):
+        ok = [x for x in reps if x["status"] == "ok"]
+        row = {"workload": workload, "caching": caching, "arrival_rate": rate,
+               "repetitions": len(reps), "runs_ok": len(ok),
+               "status": ("ok" if len(ok) == len(reps) else "failed" if not ok
+                          else f"partial ({len(ok)}/{len(reps)} ok)")}
+        for key in ("num_requests", "num_completed"):
+            vals = _values(ok or reps, key)
+            row[key] = int(statistics.median(vals)) if vals else None
+        for stem, key in STATS.items():
+            vals = _values(ok, key)
+            row[f"{stem}_median"] = statistics.median(vals) if vals else None
+            row[f"{stem}_min"] = min(vals) if vals else None
+            row[f"{stem}_max"] = max(vals) if vals else None
+        row["ttft_p50_cv"] = cv(_values(ok, "ttft_ms_p50"))
+        row["noisy"] = row["ttft_p50_cv"] is not None and row["ttft_p50_cv"] > NOISY_CV
+        for name, key in COUNTERS.items():
+            vals = _values(ok, key)
+            row[name] = statistics.median(vals) if vals else None
+        contended = sum(bool(x["contended"]) for x in reps)
+        if contended:
+            row["status"] += f", contended {contended}/{len(reps)}"
+        row["token_digests"] = " ".join(sorted({x["token_digest"] for x in ok if x["token_digest"]}))
+        row["code_hashes"] = " ".join(sorted({x["code_hash"] for x in reps if x["code_hash"]}))
+        row["error"] = " | ".join(dict.fromkeys(str(x["error"]) for x in reps if x["error"]))
+        row["ttfts"] = sorted(t for x in ok for t in x["ttfts"])
+        rows.append(row)
+    return rows
+
+
+def _csv_value(v) -> str:
     if v is None:
         return ""
+    if isinstance(v, bool):
+        return "true" if v else "false"
     if isinstance(v, float):
-        return f"{v:.3f}" if abs(v) < 10 else f"{v:.1f}"
-    return str(v)
+        return f"{v:.6g}"
+    text = str(v)
+    return f'"{text}"' if "," in text or '"' in text else text
 
 
-def report(out_dir: Path, files: list[Path]) -> None:
+def _digest(row: dict) -> str:
+    """The output digests of a row's runs, shortened (one when every repetition agrees)."""
+    return " / ".join(d[:10] for d in row["token_digests"].split()) or "–"
+
+
+def markdown(rows: list[dict], runs: list[dict]) -> str:
+    first = next((x["report"] for x in runs if x["report"].get("config")), {})
+    hw, cfg = first.get("hardware") or {}, first.get("config") or {}
+    reps = sorted({x["rep"] for x in runs})
+    hashes = sorted({x["code_hash"] for x in runs if x["code_hash"]})
+    single = len(reps) == 1
+    spread = ("one run a cell (the config's `repetitions: 1`): each figure is that run, and no CV"
+              if single else
+              f"{len(reps)} repetitions, one process each: median [min–max] over the successful "
+              f"ones; CV = standard deviation / mean of p50 TTFT over them (above {NOISY_CV:.0%}: noisy)")
+    lines = [
+        f"# Prefix-caching sweep — model `{cfg.get('model')}` on `{cfg.get('device')}`", "",
+        f"{hw.get('cpu_model') or hw.get('device_name')}, {hw.get('cpu_count')} CPUs; "
+        f"{cfg.get('requests')} measured requests a cell, profile `{first.get('profile_path')}`; "
+        f"{spread}. Engine code hash `{', '.join(h[:16] for h in hashes) or '?'}`. Command: "
+        "`snakemake --cores 1 prefix` (settings: the config's `prefix` section). Queries and hits "
+        "are prompt tokens at admission; equal output digests mean equal outputs (caching on and "
+        "off should agree). TTFT and TPOT in ms.", "",
+        f"Machine load during the runs: {_load_line(runs)}.", "",
+        "| workload | caching | rate (/s) | runs ok | p50 TTFT | CV p50 TTFT | p95 TTFT | p99 TTFT "
+        "| p50 TPOT | output tok/s | hit rate | queries | hits | cached blocks | evicted blocks "
+        "| output digest | status |",
+        "| --- | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: "
+        "| ---: | ---: | --- | --- |"]
+    for r in rows:
+        cv_cell = "1 run" if r["repetitions"] == 1 else (_cv(r["ttft_p50_cv"]) or "–")
+        status = r["status"] + (f": {r['error'][:160]}" if r["error"] else "")
+        lines.append(
+            f"| {r['workload']} | {r['caching']} | {r['arrival_rate']:g} | {r['runs_ok']}/{r['repetitions']} "
+            f"| {_ranged(r, 'ttft_p50_ms')} | {cv_cell} | {_ranged(r, 'ttft_p95_ms')} "
+            f"| {_ranged(r, 'ttft_p99_ms')} | {_ranged(r, 'tpot_p50_ms', 2)} "
+            f"| {_ranged(r, 'output_throughput')} | {_ranged(r, 'hit_rate', 3)} | "
+            + "".join(f"{_num(r[k], 0)} | " for k in COUNTERS)
+            + f"`{_digest(r)}` | {status} |")
+    return "\n".join(lines) + "\n"
+
+
+def report(out_dir: Path, files: list[Path], contention: dict | None = None) -> None:
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    rows, cdfs = [], {}
-    for f in files:
-        row, ttfts = _row(f)
-        rows.append(row)
-        cdfs[(row["workload"], row["caching"], row["arrival_rate"])] = ttfts
-    rows.sort(key=lambda r: (r["workload"], r["arrival_rate"] or 0, r["caching"] != "on"))
+    runs = [load_run(f, contention) for f in files]
+    rows = fold(runs)
     out_dir.mkdir(parents=True, exist_ok=True)
     with open(out_dir / "table.csv", "w") as fh:
         fh.write(",".join(COLUMNS) + "\n")
         for r in rows:
-            fh.write(",".join(_fmt(r[k]) for k in COLUMNS) + "\n")
-    first = json.loads(files[0].read_text()) if files else {}
-    hw, cfg = first.get("hardware") or {}, first.get("config") or {}
-    md = [f"Prefix-caching sweep: model `{cfg.get('model')}` on `{cfg.get('device')}` "
-          f"({hw.get('cpu_model') or hw.get('device_name')}, {hw.get('cpu_count')} CPUs), "
-          f"{cfg.get('requests')} measured requests a cell, profile `{first.get('profile_path')}`; "
-          "command: `snakemake --cores 1 prefix` (settings: the config's `prefix` section). Queries and "
-          "hits are prompt tokens at admission; identical token digests mean identical outputs.", "",
-          "| " + " | ".join(COLUMNS[:-1]) + " |", "|" + " --- |" * (len(COLUMNS) - 1)]
-    md += ["| " + " | ".join(_fmt(r[k]) for k in COLUMNS[:-1]) + " |" for r in rows]
-    (out_dir / "table.md").write_text("\n".join(md) + "\n")
+            fh.write(",".join(_csv_value(r[k]) for k in COLUMNS) + "\n")
+    (out_dir / "table.md").write_text(markdown(rows, runs))
 
     plots = out_dir / "plots"
     plots.mkdir(exist_ok=True)
@@ -101,7 +201,8 @@ def report(out_dir: Path, files: list[Path]) -> None:
     for ax, w in zip(axes[0], workloads):
         for i, rate in enumerate(rates):
             for caching, color in (("on", "tab:blue"), ("off", "tab:red")):
-                t = cdfs.get((w, caching, rate)) or []
+                t = next((r["ttfts"] for r in rows if (r["workload"], r["caching"], r["arrival_rate"])
+                          == (w, caching, rate)), [])
                 if t:
                     ax.step(t, [(j + 1) / len(t) for j in range(len(t))], where="post", color=color,
                             linestyle=("-", "--", ":", "-.")[i % 4],
@@ -118,9 +219,13 @@ def report(out_dir: Path, files: list[Path]) -> None:
     fig, ax = plt.subplots(figsize=(5, 3.4))
     on = [r for r in rows if r["caching"] == "on"]
     labels = [f"{r['workload']}\n{r['arrival_rate']:g}/s" for r in on]
-    ax.bar(range(len(on)), [r["prefix_cache_hit_rate"] or 0.0 for r in on], color="tab:blue")
+    med = [r["hit_rate_median"] or 0.0 for r in on]
+    err = [[m - (r["hit_rate_min"] if r["hit_rate_min"] is not None else m) for m, r in zip(med, on)],
+           [(r["hit_rate_max"] if r["hit_rate_max"] is not None else m) - m for m, r in zip(med, on)]]
+    ax.bar(range(len(on)), med, yerr=err if any(map(any, err)) else None, capsize=3, color="tab:blue")
     ax.set_xticks(range(len(on)), labels, fontsize=7)
-    ax.set_ylabel("prefix-cache hit rate (tokens)")
+    ax.set_ylabel("prefix-cache hit rate (tokens)" + ("" if all(r["runs_ok"] <= 1 for r in on)
+                                                       else ", median [min–max]"))
     ax.set_ylim(0, 1)
     ax.grid(axis="y", alpha=0.3)
     fig.tight_layout()
@@ -137,12 +242,14 @@ def main() -> None:
     a.add_argument("--output", required=True, type=Path)
     b = sub.add_parser("report")
     b.add_argument("--out-dir", required=True, type=Path)
+    b.add_argument("--contention", default="{}",
+                   help="JSON: max_other_cores, max_steal_fraction (the config's `contention`)")
     b.add_argument("files", nargs="+", type=Path)
     args = p.parse_args()
     if args.cmd == "profile":
         write_profile(args.profile, json.loads(args.settings), args.output)
     else:
-        report(args.out_dir, args.files)
+        report(args.out_dir, args.files, json.loads(args.contention))
 
 
 if __name__ == "__main__":

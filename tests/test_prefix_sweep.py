@@ -1,0 +1,72 @@
+"""workflow/scripts/prefix_sweep.py: the prefix sweep's table over repetitions (median
+[min–max], the CV of p50 TTFT and its noisy mark, a single run shown as it is)."""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+import pytest
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "workflow" / "scripts"))
+prefix_sweep = pytest.importorskip("prefix_sweep")
+
+HASH = "ab" * 32
+
+
+def _write(raw: Path, workload: str, caching: str, rate: float, rep: int, ttft_p50: float,
+           status: str = "ok") -> None:
+    cell = f"workload~{workload}_caching~{caching}_rate~{rate:g}_rep~{rep}"
+    agg = {"num_requests": 8, "num_completed": 8, "ttft_ms_p50": ttft_p50, "ttft_ms_p95": 2 * ttft_p50,
+           "ttft_ms_p99": 3 * ttft_p50, "tpot_ms_p50": 10.0, "output_throughput": 40.0,
+           "prefix_cache_hit_rate": 0.5 if caching == "on" else 0.0,
+           "prefix_cache_queries": 100, "prefix_cache_hits": 50 if caching == "on" else 0,
+           "prefix_cache_cached_blocks": 4, "prefix_cache_evicted_blocks": 0}
+    report = {"status": status, "error": None if status == "ok" else "boom",
+              "config": {"model": "tiny", "device": "cpu", "requests": 8},
+              "hardware": {"cpu_model": "test CPU", "cpu_count": 2}, "profile_path": "p.yaml",
+              "aggregates": agg if status == "ok" else {}, "token_digest": "d" * 64,
+              "requests": [{"ttft_ms": ttft_p50}, {"ttft_ms": 2 * ttft_p50}]}
+    (raw / f"{cell}.json").write_text(json.dumps(report))
+    (raw / f"{cell}.provenance.json").write_text(json.dumps({"cell": cell, "code_hash": HASH}))
+
+
+def _table(tmp_path: Path) -> tuple[str, str]:
+    files = sorted((tmp_path / "raw").glob("*_rep~*[0-9].json"))
+    prefix_sweep.report(tmp_path / "out", files)
+    return (tmp_path / "out" / "table.md").read_text(), (tmp_path / "out" / "table.csv").read_text()
+
+
+def test_repetitions_fold_into_median_min_max_and_a_noisy_cv(tmp_path):
+    raw = tmp_path / "raw"
+    raw.mkdir()
+    for rep, ttft in enumerate((10.0, 20.0, 30.0)):      # CV 41%: noisy
+        _write(raw, "multi-turn", "on", 2, rep, ttft)
+    for rep, ttft in enumerate((10.0, 10.5, 10.2)):      # CV 2%
+        _write(raw, "multi-turn", "off", 2, rep, ttft)
+    md, csv = _table(tmp_path)
+    on = next(line for line in md.splitlines() if line.startswith("| multi-turn | on "))
+    off = next(line for line in md.splitlines() if line.startswith("| multi-turn | off "))
+    assert "| 3/3 | 20.0 [10.0–30.0] | 41% noisy |" in on
+    assert "| 0.500 [0.500–0.500] |" in on
+    assert "noisy" not in off and "| 2% |" in off
+    assert f"`{HASH[:16]}`" in md and "3 repetitions" in md
+    assert (tmp_path / "out" / "plots" / "ttft_cdf.png").is_file()
+    header, *rows = csv.splitlines()
+    cols = header.split(",")
+    on_row = dict(zip(cols, next(r for r in rows if r.startswith("multi-turn,on,")).split(",")))
+    assert on_row["ttft_p50_ms_median"] == "20" and on_row["noisy"] == "true"
+    assert on_row["code_hashes"] == HASH
+
+
+def test_one_repetition_shows_the_run_without_a_spread(tmp_path):
+    raw = tmp_path / "raw"
+    raw.mkdir()
+    _write(raw, "shared-prefix", "on", 8, 0, 12.0)
+    _write(raw, "shared-prefix", "off", 8, 0, 0.0, status="failed")
+    md, _ = _table(tmp_path)
+    on = next(line for line in md.splitlines() if line.startswith("| shared-prefix | on "))
+    off = next(line for line in md.splitlines() if line.startswith("| shared-prefix | off "))
+    assert "| 1/1 | 12.0 | 1 run |" in on and "[" not in on
+    assert "| 0/1 | – | 1 run |" in off and "failed: boom" in off
