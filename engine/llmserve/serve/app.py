@@ -15,7 +15,7 @@ from .detokenizer import decode_tokens
 from .metrics import ServiceMetrics
 from .protocol import (APIError, ChatCompletionRequest, CompletionRequest, DetokenizeRequest, ModelCard,
                        ModelList, TokenizeRequest)
-from .errors import ClientDisconnected, _error_response, install_error_handlers, log
+from .errors import ClientDisconnected, error_response, install_error_handlers, log
 from .prompt_limits import TooManyTokens
 from .structured import ChatPlan, chat_messages, new_call_id, plan_chat, render_messages, tool_calls_of
 from .tool_parser import HermesToolParser, ParsedCall, parse_tool_calls, template_messages, template_renders_tools
@@ -136,7 +136,7 @@ def create_app(engine: Any, *, tokenizer: Any = None, served_model_name: str = "
         errored = getattr(engine, "errored", None)
         is_running = getattr(engine, "is_running", True)
         if errored is not None and not is_running:
-            return _error_response(503, f"engine loop failed: {errored!r}", type="service_unavailable")
+            return error_response(503, f"engine loop failed: {errored!r}", type="service_unavailable")
         body = {"status": "ok", "batch_invariant": view.batch_invariant}
         if view.startup:
             body["startup"] = {k: (round(v, 3) if isinstance(v, float) else v) for k, v in view.startup.items()}
@@ -157,9 +157,9 @@ def create_app(engine: Any, *, tokenizer: Any = None, served_model_name: str = "
     @app.get("/v1/models/{model_id:path}")
     async def model_card(model_id: str) -> Response:
         if model_id not in service.model_names:
-            return _error_response(404, f"model {model_id!r} does not exist; this server serves "
-                                   f"{service.served_model_name!r} (see GET /v1/models)",
-                                   type="invalid_request_error", param="model", code="model_not_found")
+            return error_response(404, f"model {model_id!r} does not exist; this server serves "
+                                  f"{service.served_model_name!r} (see GET /v1/models)",
+                                  type="invalid_request_error", param="model", code="model_not_found")
         card = ModelCard(id=model_id, created=service.created, root=service.served_model_name,
                          max_model_len=view.max_model_len, batch_invariant=view.batch_invariant)
         return JSONResponse(card.model_dump())
