@@ -8,7 +8,7 @@ import json
 import time
 import uuid
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 from typing import Any, AsyncIterator, Callable
 from fastapi import Request
 from fastapi.responses import StreamingResponse
@@ -38,6 +38,54 @@ MAX_TOKENIZER_ROUTE_PENDING = 8
 #: at least this many tokens per /tokenize or /detokenize request are accepted (the default
 #: bound is the larger of this and 8 x the context length)
 MIN_TOKENIZER_ROUTE_TOKENS = 32768
+
+
+# ------------------------------------------------------------------------------------------------
+# Request fields -> SamplingParams
+# ------------------------------------------------------------------------------------------------
+#: The names of the :class:`SamplingParams` fields, in declaration order.
+SAMPLING_FIELDS: tuple[str, ...] = tuple(f.name for f in fields(SamplingParams))
+
+#: The :class:`SamplingParams` fields that are not the request field of the same name, and where
+#: each one's value comes from (:meth:`Service.sampling_params` sets them). Every other
+#: SamplingParams field that the request models (``serve/protocol.py``) declare is copied by
+#: name (:func:`request_sampling_fields`), so a new sampling parameter is its field in
+#: SamplingParams and in the request model, and nothing here.
+TRANSLATED_SAMPLING_FIELDS: dict[str, str] = {
+    "max_tokens": "the route's: max_tokens (at least 1; 0 with echo scores the prompt) or, for chat, "
+                  "max_completion_tokens, by default the room left in the context",
+    "temperature": "the request's, OpenAI's default 1.0 when omitted (SamplingParams' default is greedy)",
+    "seed": "the request's plus the choice's sample index (mod 2**63), so n choices differ",
+    "stop": "none: the service matches stop strings on the detokenized text",
+    "stop_token_ids": "the route's: ChatML's end tokens for chat, none for completions",
+    "logprobs": "the route's: logprobs (completions), or top_logprobs (0 by default) when logprobs "
+                "is true (chat)",
+    "prompt_logprobs": "the route's: logprobs when the prompt is echoed (completions)",
+    "logit_bias": "the request's, its token ids (decimal strings) as integers inside the vocabulary",
+    "structured_output": "the route's: response_format or forced tool calls (chat)",
+    "num_speculative_tokens": "None (the engine's default): not a request field",
+}
+
+
+def request_sampling_fields(request: Any) -> dict[str, Any]:
+    """The SamplingParams fields a request sets under their own names.
+
+    Args:
+        request: a request model of ``serve/protocol.py`` (pydantic).
+
+    Returns:
+        ``{field: value}`` for every :class:`SamplingParams` field that the request's model
+        declares too, except those of :data:`TRANSLATED_SAMPLING_FIELDS`, when the client gave
+        a value (``None``, the request models' "omitted", leaves the SamplingParams default).
+    """
+    declared = type(request).model_fields
+    out = {}
+    for name in SAMPLING_FIELDS:
+        if name in declared and name not in TRANSLATED_SAMPLING_FIELDS:
+            value = getattr(request, name)
+            if value is not None:
+                out[name] = value
+    return out
 
 
 # ------------------------------------------------------------------------------------------------
@@ -749,27 +797,41 @@ class Service:
     def sampling_params(self, req, max_tokens: int, logprobs: int | None, seed_offset: int,
                         stop_token_ids: list[int], prompt_logprobs: int | None = None,
                         structured_output: StructuredOutput | None = None) -> SamplingParams:
+        """One choice's :class:`SamplingParams`: the fields of
+        :data:`TRANSLATED_SAMPLING_FIELDS` as described there, every other one from the request
+        field of the same name (:func:`request_sampling_fields`).
+
+        Args:
+            req: the request (:class:`~llmserve.serve.protocol.CompletionRequest` or
+                :class:`~llmserve.serve.protocol.ChatCompletionRequest`).
+            max_tokens: completion tokens to generate at most (>= 1).
+            logprobs: top alternatives per output token (None: no logprobs).
+            seed_offset: the choice's sample index, added to the request's seed.
+            stop_token_ids: token ids that end the choice.
+            prompt_logprobs: top alternatives per prompt token (None: none).
+            structured_output: the grammar the output must follow (None: free text).
+
+        Raises:
+            APIError: 400: a ``logit_bias`` id that is not a token of the vocabulary
+                (``invalid_logit_bias``), or a value SamplingParams refuses.
+        """
         seed = req.seed
         if seed is not None:
             seed = (seed + seed_offset) % (2**63)
+        translated = {
+            "max_tokens": max_tokens,
+            "temperature": 1.0 if req.temperature is None else req.temperature,
+            "seed": seed,
+            "stop": [],
+            "stop_token_ids": list(stop_token_ids),
+            "logprobs": logprobs,
+            "prompt_logprobs": prompt_logprobs,
+            "logit_bias": self.logit_bias(req),
+            "structured_output": structured_output,
+            "num_speculative_tokens": None,
+        }
         try:
-            return SamplingParams(
-                max_tokens=max_tokens,
-                temperature=1.0 if req.temperature is None else req.temperature,
-                top_p=1.0 if req.top_p is None else req.top_p,
-                top_k=0 if req.top_k is None else req.top_k,
-                seed=seed,
-                stop_token_ids=list(stop_token_ids),
-                stop=[],  # stop strings are matched here, on detokenized text
-                ignore_eos=bool(req.ignore_eos),
-                logprobs=logprobs,
-                prompt_logprobs=prompt_logprobs,
-                presence_penalty=req.presence_penalty or 0.0,
-                frequency_penalty=req.frequency_penalty or 0.0,
-                repetition_penalty=1.0 if req.repetition_penalty is None else req.repetition_penalty,
-                logit_bias=self.logit_bias(req),
-                structured_output=structured_output,
-            )
+            return SamplingParams(**request_sampling_fields(req), **translated)
         except ValueError as e:
             raise APIError(str(e)) from e
 
