@@ -139,7 +139,7 @@ def _private_imports_from_siblings(path: Path) -> list[str]:
 
 def test_the_app_imports_only_public_names():
     """``serve/app.py`` (the routes) uses the serving modules through their public names only:
-    a private helper it needs is given a public name (and a docstring) where it is defined."""
+    a private function or class it needs is given a public name (and a docstring) where it is defined."""
     bad = _private_imports_from_siblings(PKG / "serve" / "app.py")
     assert not bad, "serve/app.py imports private names: " + ", ".join(bad)
 
@@ -152,8 +152,8 @@ def test_the_private_import_check_sees_every_form(tmp_path):
                      "from . import generation\n"
                      "from .errors import log\n"
                      "import json\n"
-                     "x = generation._helper()\n"
+                     "x = generation._inner()\n"
                      "y = json._default_encoder\n"
                      "z = log._cache\n")
-    assert sorted(_private_imports_from_siblings(probe)) == [".generation._hidden", "generation._helper",
+    assert sorted(_private_imports_from_siblings(probe)) == [".generation._hidden", "generation._inner",
                                                              "llmserve.serve.errors._private"]
