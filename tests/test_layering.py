@@ -2,7 +2,8 @@
 
 Layers, bottom to top (``docs/architecture.md``): ``kernels`` < ``config``/``envs``/``tokenizer`` <
 ``core`` < ``attention``/``quant``/``models`` < ``worker`` < ``engine`` < ``serve``/``bench`` <
-``cli``. Imports are read from the source (module level and inside functions alike).
+``cli``. Imports are read from the source (module level and inside functions alike). The
+routes (``serve/app.py``) use the other serving modules through their public names only.
 """
 
 from __future__ import annotations
@@ -103,3 +104,56 @@ def test_no_import_cycle_between_modules():
         if m not in state:
             visit(m)
     assert not cycles, "import cycles:\n" + "\n".join(" -> ".join(c) for c in cycles)
+
+
+def _private_imports_from_siblings(path: Path) -> list[str]:
+    """``module.name`` for every underscore name ``path`` takes from another llmserve module:
+    ``from .x import _y`` and ``from llmserve.x import _y``, and ``x._y`` where ``x`` is an
+    llmserve module it imported (``from . import x``, ``import llmserve.x as x``)."""
+    tree = ast.parse(path.read_text())
+    found, modules = [], set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.ImportFrom):
+            if node.level:
+                base = path.parent
+                for _ in range(node.level - 1):
+                    base = base.parent
+            elif (node.module or "").split(".")[0] == "llmserve":
+                base = PKG.parent
+            else:
+                continue
+            base = base.joinpath(*(node.module or "").split(".")) if node.module else base
+            for alias in node.names:
+                if alias.name.startswith("_") and not alias.name.startswith("__"):
+                    found.append(f"{'.' * node.level}{node.module or ''}.{alias.name}")
+                elif (base / f"{alias.name}.py").exists() or (base / alias.name / "__init__.py").exists():
+                    modules.add(alias.asname or alias.name)
+        elif isinstance(node, ast.Import):
+            modules.update(a.asname for a in node.names if a.name.startswith("llmserve.") and a.asname)
+    for node in ast.walk(tree):
+        if (isinstance(node, ast.Attribute) and isinstance(node.value, ast.Name) and node.value.id in modules
+                and node.attr.startswith("_") and not node.attr.startswith("__")):
+            found.append(f"{node.value.id}.{node.attr}")
+    return found
+
+
+def test_the_app_imports_only_public_names():
+    """``serve/app.py`` (the routes) uses the serving modules through their public names only:
+    a private function or class it needs is given a public name (and a docstring) where it is defined."""
+    bad = _private_imports_from_siblings(PKG / "serve" / "app.py")
+    assert not bad, "serve/app.py imports private names: " + ", ".join(bad)
+
+
+def test_the_private_import_check_sees_every_form(tmp_path):
+    (tmp_path / "generation.py").write_text("")
+    probe = tmp_path / "probe.py"
+    probe.write_text("from .generation import Service, _hidden\n"
+                     "from llmserve.serve.errors import _private\n"
+                     "from . import generation\n"
+                     "from .errors import log\n"
+                     "import json\n"
+                     "x = generation._inner()\n"
+                     "y = json._default_encoder\n"
+                     "z = log._cache\n")
+    assert sorted(_private_imports_from_siblings(probe)) == [".generation._hidden", "generation._inner",
+                                                             "llmserve.serve.errors._private"]

@@ -123,6 +123,33 @@ def test_column_table_is_the_schemas_and_the_rules():
     assert mc.cell_params(cell.replace("_rep~", "_invariant~on_rep~"))["invariant"] == "on"
 
 
+def test_cell_flags_come_from_the_column_table():
+    """Every column's benchmark flag is written from its row (workflow/scripts/matrix_columns.py):
+    ``--flag value``, a switch's bare flag at ``on``, nothing at the ``unflagged`` value; the
+    flag order covers every column once."""
+    sys.path.insert(0, str(SCRIPTS))
+    try:
+        import matrix_columns as mc
+    finally:
+        sys.path.remove(str(SCRIPTS))
+    col = {c.name: c for c in mc.COLUMNS}
+    assert mc.column_flag(col["batch"], "8") == "--max-batch-size 8"
+    assert mc.column_flag(col["rate"], "profile") is None
+    assert mc.column_flag(col["rate"], "inf") == "--arrival-rate inf"
+    assert mc.column_flag(col["invariant"], "on") == "--batch-invariant"
+    assert mc.column_flag(col["invariant"], "off") is None
+    with pytest.raises(ValueError):
+        mc.column_flag(col["invariant"], "maybe")
+    order = [c.name for c in mc.columns_in_flag_order()]
+    assert sorted(order) == sorted(mc.COLUMN_NAMES) and order[:len(mc.FLAG_ORDER)] == list(mc.FLAG_ORDER)
+    assert all(c.flag.startswith("--") for c in mc.COLUMNS)
+    new = mc.Column("spec", "--num-speculative-tokens", "0", "0", "draft tokens", unflagged="0")
+    assert mc.column_flag(new, "0") is None and mc.column_flag(new, "4") == "--num-speculative-tokens 4"
+    smk = (ROOT / "workflow" / "rules" / "common.smk").read_text()
+    body = smk[smk.index("def cell_flags("):smk.index("def group_spec(")]
+    assert not [c.flag for c in mc.COLUMNS if c.flag in body], "cell_flags names a column's flag"
+
+
 def test_rules_run_this_checkouts_engine():
     r = snakemake("-n", "--nolock", "--forceall", "-p", "results/checkpoint3")
     assert r.returncode == 0, r.stdout

@@ -169,26 +169,26 @@ def group_message(group):
 
 
 def cell_flags(cell_id):
-    """`llmserve benchmark` flags of one cell (its params plus the profile-wide settings)."""
+    """`llmserve benchmark` flags of one cell: every column's flag from the column table
+    (matrix_columns.column_flag, in FLAG_ORDER; the load as its profile file), with the
+    profile-wide settings after the columns named in `settings_after`, where they have always
+    been (the flag string is a param of the benchmark jobs: another order reruns every cell)."""
     c = _cell_params(cell_id)
     load = EXTRA_LOADS.get(c["load"]) or {}
     requests = load.get("num_requests", config["requests"])
-    flags = [
-        f"--config {c['scheduler']}", f"--policy {c['policy']}",
-        f"--max-batch-size {c['batch']}", f"--prefill-chunk-size {c['chunk']}",
-        f"--linear-backend {c['linear']}", f"--paged-attention-backend {c['attn']}",
-        f"--model {config['model']}", f"--device {config['device']}", f"--dtype {config['dtype']}",
-        f"--profile {LOAD_FILES[c['load']]}",
-        f"--requests {requests}", f"--seed {config['seed']}",
-        f"--warmup-requests {config['warmup_requests']}", f"--block-size {config['block_size']}",
-        f"--timeout {config['timeout_s']}", "--no-progress",
-    ]
-    if c["invariant"] == "on":
-        flags.append("--batch-invariant")
-    if c["rate"] != "profile":
-        flags.append(f"--arrival-rate {c['rate']}")
-    if c["blocks"] != "auto":
-        flags.append(f"--num-blocks {c['blocks']}")
+    values = {**c, "load": LOAD_FILES[c["load"]]}
+    settings_after = {
+        "attn": [f"--model {config['model']}", f"--device {config['device']}", f"--dtype {config['dtype']}"],
+        "load": [f"--requests {requests}", f"--seed {config['seed']}",
+                 f"--warmup-requests {config['warmup_requests']}", f"--block-size {config['block_size']}",
+                 f"--timeout {config['timeout_s']}", "--no-progress"],
+    }
+    flags = []
+    for column in matrix_columns.columns_in_flag_order():
+        flag = matrix_columns.column_flag(column, values[column.name])
+        if flag is not None:
+            flags.append(flag)
+        flags += settings_after.get(column.name, [])
     if config.get("max_num_batched_tokens"):
         flags.append(f"--max-num-batched-tokens {config['max_num_batched_tokens']}")
     slo = config.get("slo") or {}

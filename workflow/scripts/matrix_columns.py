@@ -10,10 +10,15 @@ Names and values never contain ``_`` or ``~``, so an id parses back exactly
 so adding such a column renamed no existing cell: the batch-invariant mode shows as
 ``_invariant~on`` only when it is on.
 
+Every column sets one ``llmserve benchmark`` flag (:func:`column_flag`): ``--flag value``, or
+the bare ``--flag`` of a switch at ``on``, and none at the value where the benchmark's own
+default applies (``unflagged``). ``cell_flags`` (``workflow/rules/common.smk``) writes a cell's
+flags from this table.
+
 Adding a column (a new pipeline axis): a row here, its values in
-``workflow/schemas/config.schema.yaml`` (``$defs``; a test checks both name the same columns),
-and, when it maps to no single ``llmserve benchmark`` flag, its case in ``cell_flags``
-(``workflow/rules/common.smk``).
+``workflow/schemas/config.schema.yaml`` (``$defs``, the cell and the sweep block; a test checks
+they name the same columns) and the values to sweep in the profile's config (``config/``; a
+column without an ``omitted`` value needs its default there too).
 
 Usage: ``import matrix_columns`` from ``workflow/scripts/`` (the scripts' folder is on ``sys.path``
 when a script runs; the rule files load it by path). ``python workflow/scripts/matrix_columns.py``
@@ -25,8 +30,8 @@ from __future__ import annotations
 import sys
 from typing import NamedTuple
 
-__all__ = ["Column", "COLUMNS", "COLUMN_NAMES", "OPTIONAL_COLUMNS", "ID_DEFAULTS",
-           "parse_cell_id", "cell_params"]
+__all__ = ["Column", "COLUMNS", "COLUMN_NAMES", "OPTIONAL_COLUMNS", "ID_DEFAULTS", "FLAG_ORDER",
+           "parse_cell_id", "cell_params", "column_flag", "columns_in_flag_order"]
 
 
 class Column(NamedTuple):
@@ -34,10 +39,14 @@ class Column(NamedTuple):
 
     Attributes:
         name: the column's name in the config (sweeps, defaults), cell ids and tables.
-        flag: the ``llmserve benchmark`` flag it sets (``""`` when ``cell_flags`` maps it).
+        flag: the ``llmserve benchmark`` flag it sets.
         omitted: the value at which a cell id leaves the column out (``None``: always named).
         missing: the value assumed when an older cell id or provenance file lacks the column.
         help: what the column means, for docs and the printed table.
+        unflagged: the value at which the flag is not passed (the benchmark's own default
+            applies; ``None``: always passed).
+        switch: the flag takes no value: passed alone at ``on`` (``off`` should be
+            ``unflagged``).
     """
 
     name: str
@@ -45,6 +54,8 @@ class Column(NamedTuple):
     omitted: str | None
     missing: str | None
     help: str
+    unflagged: str | None = None
+    switch: bool = False
 
 
 #: The columns, in cell-id order.
@@ -56,16 +67,23 @@ COLUMNS: tuple[Column, ...] = (
     Column("linear", "--linear-backend", None, None, "torch | int8 | int4 | triton-int8"),
     Column("attn", "--paged-attention-backend", None, None, "torch | triton"),
     Column("rate", "--arrival-rate", None, None,
-           "requests/s, 'inf' (all at t = 0) or 'profile' (the load profile's own)"),
-    Column("blocks", "--num-blocks", None, None, "KV cache blocks, or 'auto' (memory budget)"),
-    Column("load", "--profile", None, "default", "'default' or a key of extra_loads"),
-    Column("invariant", "--batch-invariant", "off", "off", "batch-invariant mode: on | off"),
+           "requests/s, 'inf' (all at t = 0) or 'profile' (the load profile's own)", unflagged="profile"),
+    Column("blocks", "--num-blocks", None, None, "KV cache blocks, or 'auto' (memory budget)",
+           unflagged="auto"),
+    Column("load", "--profile", None, "default", "'default' or a key of extra_loads (its profile file)"),
+    Column("invariant", "--batch-invariant", "off", "off", "batch-invariant mode: on | off",
+           unflagged="off", switch=True),
 )
 COLUMN_NAMES: tuple[str, ...] = tuple(c.name for c in COLUMNS)
 #: Columns a cell id leaves out at the given value.
 OPTIONAL_COLUMNS: dict[str, str] = {c.name: c.omitted for c in COLUMNS if c.omitted is not None}
 #: A column's value when a cell id or provenance file does not name it.
 ID_DEFAULTS: dict[str, str] = {c.name: c.missing for c in COLUMNS if c.missing is not None}
+#: The order of the columns' flags in a cell's flag string, the one it has always had (the
+#: string is a parameter of the benchmark jobs: another order would rerun every cell). A column
+#: not named here comes after these, in column order.
+FLAG_ORDER: tuple[str, ...] = ("scheduler", "policy", "batch", "chunk", "linear", "attn", "load",
+                               "invariant", "rate", "blocks")
 
 
 def parse_cell_id(cell: str) -> dict[str, str]:
@@ -90,11 +108,35 @@ def cell_params(cell: str) -> dict[str, str]:
     return {**ID_DEFAULTS, **parse_cell_id(cell)}
 
 
+def columns_in_flag_order() -> list[Column]:
+    """Every column, in the order of its flag in a cell's flag string (:data:`FLAG_ORDER`)."""
+    rank = {name: i for i, name in enumerate(FLAG_ORDER)}
+    return sorted(COLUMNS, key=lambda c: (rank.get(c.name, len(rank)), COLUMN_NAMES.index(c.name)))
+
+
+def column_flag(column: Column, value: str) -> str | None:
+    """The ``llmserve benchmark`` flag of ``column`` at ``value`` (a cell's value; the load
+    column is given its profile file), or None when none is passed.
+
+    Raises:
+        ValueError: a switch at a value other than ``on`` and its ``unflagged`` one.
+    """
+    if value == column.unflagged:
+        return None
+    if column.switch:
+        if value != "on":
+            raise ValueError(f"column {column.name!r} is a switch (on | {column.unflagged}), got {value!r}")
+        return column.flag
+    return f"{column.flag} {value}"
+
+
 def main() -> int:
     """Print the column table."""
     width = max(len(c.name) for c in COLUMNS)
     for c in COLUMNS:
         extra = f" (left out of ids at {c.omitted})" if c.omitted is not None else ""
+        if c.unflagged is not None:
+            extra += f" (no flag at {c.unflagged})"
         print(f"{c.name:<{width}}  {c.flag:<26} {c.help}{extra}")
     return 0
 

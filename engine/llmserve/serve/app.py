@@ -15,26 +15,23 @@ from .detokenizer import decode_tokens
 from .metrics import ServiceMetrics
 from .protocol import (APIError, ChatCompletionRequest, CompletionRequest, DetokenizeRequest, ModelCard,
                        ModelList, TokenizeRequest)
-from .errors import ClientDisconnected, _error_response, install_error_handlers, log
+from .errors import error_response, install_error_handlers, log
 from .prompt_limits import TooManyTokens
 from .structured import ChatPlan, chat_messages, new_call_id, plan_chat, render_messages, tool_calls_of
 from .tool_parser import HermesToolParser, ParsedCall, parse_tool_calls, template_messages, template_renders_tools
 from .guard import DEFAULT_MAX_REQUEST_BODY_BYTES, RequestGuardMiddleware
 from .generation import (
     MAX_CHOICES,
+    EngineView,
+    Generation,
     Service,
-    _EngineView,
-    _Generation,
-    _SSEResponse,
-    _cancel_and_wait,
-    _chat_logprobs,
-    _completion_logprobs,
-    _merge_logprobs,
-    _prompt_logprobs,
-    _safe_abort,
-    _sse,
-    _usage,
-    _wait_disconnect,
+    SSEResponse,
+    chat_logprobs,
+    completion_logprobs,
+    echoed_prompt_logprobs,
+    merge_logprobs,
+    sse_event,
+    usage_object,
 )
 
 
@@ -91,7 +88,7 @@ def create_app(engine: Any, *, tokenizer: Any = None, served_model_name: str = "
             ``max_tokenize_tokens`` < 1.
     """
     RequestGuardMiddleware.validate(max_request_body_bytes, api_key)  # at build time, not on the first request
-    view = _EngineView(engine, tokenizer, max_model_len, vocab_size)
+    view = EngineView(engine, tokenizer, max_model_len, vocab_size)
     metrics = ServiceMetrics(view.stats)
     if max_tokenize_tokens is not None and (isinstance(max_tokenize_tokens, bool)
                                             or not isinstance(max_tokenize_tokens, int) or max_tokenize_tokens < 1):
@@ -110,13 +107,7 @@ def create_app(engine: Any, *, tokenizer: Any = None, served_model_name: str = "
         except Exception:  # noqa: BLE001 - serve without the early refusals
             log.warning("could not inspect the tokenizer for prompt-length bounds", exc_info=True)
         yield
-        service.draining = True
-        deadline = time.monotonic() + max(0.0, shutdown_timeout)
-        while service.in_flight and time.monotonic() < deadline:
-            await asyncio.sleep(0.05)
-        for rid in list(service.in_flight):
-            log.warning("shutdown: aborting in-flight request %s", rid)
-            await _safe_abort(engine, rid)
+        await service.drain(shutdown_timeout)
         service.close()
         if owns_engine:
             stop = getattr(engine, "shutdown", None)
@@ -136,7 +127,7 @@ def create_app(engine: Any, *, tokenizer: Any = None, served_model_name: str = "
         errored = getattr(engine, "errored", None)
         is_running = getattr(engine, "is_running", True)
         if errored is not None and not is_running:
-            return _error_response(503, f"engine loop failed: {errored!r}", type="service_unavailable")
+            return error_response(503, f"engine loop failed: {errored!r}", type="service_unavailable")
         body = {"status": "ok", "batch_invariant": view.batch_invariant}
         if view.startup:
             body["startup"] = {k: (round(v, 3) if isinstance(v, float) else v) for k, v in view.startup.items()}
@@ -157,9 +148,9 @@ def create_app(engine: Any, *, tokenizer: Any = None, served_model_name: str = "
     @app.get("/v1/models/{model_id:path}")
     async def model_card(model_id: str) -> Response:
         if model_id not in service.model_names:
-            return _error_response(404, f"model {model_id!r} does not exist; this server serves "
-                                   f"{service.served_model_name!r} (see GET /v1/models)",
-                                   type="invalid_request_error", param="model", code="model_not_found")
+            return error_response(404, f"model {model_id!r} does not exist; this server serves "
+                                  f"{service.served_model_name!r} (see GET /v1/models)",
+                                  type="invalid_request_error", param="model", code="model_not_found")
         card = ModelCard(id=model_id, created=service.created, root=service.served_model_name,
                          max_model_len=view.max_model_len, batch_invariant=view.batch_invariant)
         return JSONResponse(card.model_dump())
@@ -266,7 +257,7 @@ def create_app(engine: Any, *, tokenizer: Any = None, served_model_name: str = "
             body.stop_list(), body.priority or 0, "cmpl")
         echo_texts = [await service.run_blocking(decode_tokens, service.tokenizer, ids) if body.echo else ""
                       for ids in prompts]
-        gen = _Generation(service, choices)
+        gen = Generation(service, choices)
         # a stream starts once every choice is admitted (an echo stream needs the prompt's
         # logprobs of the first outputs first)
         await gen.start(request, until_admitted=bool(body.stream) and not body.echo)
@@ -278,8 +269,8 @@ def create_app(engine: Any, *, tokenizer: Any = None, served_model_name: str = "
         def echo_lp(ch) -> dict | None:
             if prompt_lp is None:
                 return None
-            return _prompt_logprobs(service.tokenizer, ch.prompt_ids, ch.prompt_logprobs,
-                                    len(echo_texts[ch.index // n]))
+            return echoed_prompt_logprobs(service.tokenizer, ch.prompt_ids, ch.prompt_logprobs,
+                                          len(echo_texts[ch.index // n]))
 
         def completion_tokens() -> int:
             return 0 if score_only else sum(c.num_output_tokens for c in choices)
@@ -294,9 +285,10 @@ def create_app(engine: Any, *, tokenizer: Any = None, served_model_name: str = "
                     for ch in choices:
                         if prompt_lp is not None and ch.prompt_logprobs is None and ch.first is not None:
                             ch.prompt_logprobs = getattr(ch.first, "prompt_logprobs", None)
-                        yield _sse({"id": rid, "object": "text_completion", "created": created, "model": model,
-                                    "choices": [{"index": ch.index, "text": echo_texts[ch.index // n],
-                                                 "logprobs": echo_lp(ch), "finish_reason": None}], **extra})
+                        yield sse_event({"id": rid, "object": "text_completion", "created": created,
+                                         "model": model,
+                                         "choices": [{"index": ch.index, "text": echo_texts[ch.index // n],
+                                                      "logprobs": echo_lp(ch), "finish_reason": None}], **extra})
                 async for ev, records in _stream_events(gen, choices):
                     if score_only:
                         if ev.finish_reason is None:
@@ -304,19 +296,19 @@ def create_app(engine: Any, *, tokenizer: Any = None, served_model_name: str = "
                         ev.text, records, ev.finish_reason = "", [], "length"
                     lp = None
                     if want_lp:
-                        lp = _completion_logprobs(service.tokenizer, records, len(echo_texts[ev.index // n]))
+                        lp = completion_logprobs(service.tokenizer, records, len(echo_texts[ev.index // n]))
                     if continuous:
-                        extra = {"usage": _usage(prompt_tokens, completion_tokens())}
-                    yield _sse({"id": rid, "object": "text_completion", "created": created, "model": model,
-                                "choices": [{"index": ev.index, "text": ev.text, "logprobs": lp,
-                                             "finish_reason": ev.finish_reason}], **extra})
+                        extra = {"usage": usage_object(prompt_tokens, completion_tokens())}
+                    yield sse_event({"id": rid, "object": "text_completion", "created": created, "model": model,
+                                     "choices": [{"index": ev.index, "text": ev.text, "logprobs": lp,
+                                                  "finish_reason": ev.finish_reason}], **extra})
                 if include_usage:
-                    yield _sse({"id": rid, "object": "text_completion", "created": created, "model": model,
-                                "choices": [], "usage": _usage(prompt_tokens, completion_tokens())})
+                    yield sse_event({"id": rid, "object": "text_completion", "created": created, "model": model,
+                                     "choices": [], "usage": usage_object(prompt_tokens, completion_tokens())})
 
-            return _SSEResponse(stream(), gen, rid)
+            return SSEResponse(stream(), gen, rid)
 
-        await _collect(gen, request)
+        await gen.collect(request)
         out_choices = []
         for ch in choices:
             echo = echo_texts[ch.index // n]
@@ -324,12 +316,12 @@ def create_app(engine: Any, *, tokenizer: Any = None, served_model_name: str = "
                 text, lp, finish = echo, echo_lp(ch), "length"
             else:
                 text, finish = echo + "".join(ch.text_parts), ch.finish_reason
-                lp = _merge_logprobs(echo_lp(ch), _completion_logprobs(service.tokenizer, ch.logprobs, len(echo))) \
+                lp = merge_logprobs(echo_lp(ch), completion_logprobs(service.tokenizer, ch.logprobs, len(echo))) \
                     if want_lp else None
             out_choices.append({"index": ch.index, "text": text, "logprobs": lp, "finish_reason": finish})
         return JSONResponse({"id": rid, "object": "text_completion", "created": created, "model": model,
                              "choices": out_choices,
-                             "usage": _usage(prompt_tokens, completion_tokens())})
+                             "usage": usage_object(prompt_tokens, completion_tokens())})
 
     @app.post("/v1/chat/completions", responses={400: {"description": "invalid request"},
                                                  429: {"description": "queue full"}})
@@ -363,7 +355,7 @@ def create_app(engine: Any, *, tokenizer: Any = None, served_model_name: str = "
             [ids], n, lambda p, i: service.sampling_params(body, max_tokens, lp_k, i, service.chat_stop_ids,
                                                            structured_output=plan.spec),
             body.stop_list(), body.priority or 0, "chat", prompt_param="messages")
-        gen = _Generation(service, choices)
+        gen = Generation(service, choices)
         await gen.start(request, until_admitted=bool(body.stream))
         service.start_tracking(choices)
         rid, created, model = f"chatcmpl-{uuid.uuid4().hex}", int(time.time()), service.served_model_name
@@ -378,33 +370,33 @@ def create_app(engine: Any, *, tokenizer: Any = None, served_model_name: str = "
                 extra = {"usage": None} if include_usage else {}
                 head = {"id": rid, "object": "chat.completion.chunk", "created": created, "model": model}
                 for ch in choices:
-                    yield _sse({**head, "choices": [{"index": ch.index, "delta": calls.first_delta(ch.index),
-                                                     "logprobs": None, "finish_reason": None}], **extra})
+                    yield sse_event({**head, "choices": [{"index": ch.index, "delta": calls.first_delta(ch.index),
+                                                          "logprobs": None, "finish_reason": None}], **extra})
                 async for ev, records in _stream_events(gen, choices):
                     for delta, recs, finish in calls.chunks(ev, records, choices[ev.index].text_parts):
-                        lp = _chat_logprobs(service.tokenizer, recs) if lp_k is not None else None
+                        lp = chat_logprobs(service.tokenizer, recs) if lp_k is not None else None
                         if continuous:
-                            extra = {"usage": _usage(prompt_tokens, sum(c.num_output_tokens for c in choices))}
-                        yield _sse({**head, "choices": [{"index": ev.index, "delta": delta, "logprobs": lp,
-                                                         "finish_reason": finish}], **extra})
+                            extra = {"usage": usage_object(prompt_tokens, sum(c.num_output_tokens for c in choices))}
+                        yield sse_event({**head, "choices": [{"index": ev.index, "delta": delta, "logprobs": lp,
+                                                              "finish_reason": finish}], **extra})
                 if include_usage:
-                    yield _sse({**head, "choices": [],
-                                "usage": _usage(prompt_tokens, sum(c.num_output_tokens for c in choices))})
+                    yield sse_event({**head, "choices": [],
+                                     "usage": usage_object(prompt_tokens, sum(c.num_output_tokens for c in choices))})
 
-            return _SSEResponse(stream(), gen, rid)
+            return SSEResponse(stream(), gen, rid)
 
-        await _collect(gen, request)
+        await gen.collect(request)
         out_choices = []
         for ch in choices:
             message, finish = _chat_message(plan, "".join(ch.text_parts), ch.finish_reason)
             out_choices.append({
                 "index": ch.index,
                 "message": message,
-                "logprobs": _chat_logprobs(service.tokenizer, ch.logprobs) if lp_k is not None else None,
+                "logprobs": chat_logprobs(service.tokenizer, ch.logprobs) if lp_k is not None else None,
                 "finish_reason": finish})
         return JSONResponse({"id": rid, "object": "chat.completion", "created": created, "model": model,
                              "choices": out_choices,
-                             "usage": _usage(prompt_tokens, sum(c.num_output_tokens for c in choices))})
+                             "usage": usage_object(prompt_tokens, sum(c.num_output_tokens for c in choices))})
 
     return app
 
@@ -570,25 +562,6 @@ def _tokenizer_info(tokenizer: Any, max_model_len: int) -> dict:
         "chat_template": getattr(tokenizer, "chat_template", None) or CHATML_TEMPLATE,
         "added_tokens_decoder": added,
     }
-
-
-async def _collect(gen: _Generation, request: Request) -> None:
-    """Run a non-streamed generation to the end; a client disconnect aborts it."""
-
-    async def consume() -> None:
-        async for _ in gen.events():
-            pass
-
-    task = asyncio.ensure_future(consume())
-    watch = asyncio.ensure_future(_wait_disconnect(request))
-    try:
-        done, _ = await asyncio.wait({task, watch}, return_when=asyncio.FIRST_COMPLETED)
-        if task not in done:
-            raise ClientDisconnected()
-        task.result()
-    finally:
-        await _cancel_and_wait([watch, task])
-        await gen.close()
 
 
 def render_chat(tokenizer: Any, messages: list[dict]) -> str:

@@ -19,8 +19,18 @@ log = logging.getLogger("llmserve.serve")
 # ------------------------------------------------------------------------------------------------
 # Errors
 # ------------------------------------------------------------------------------------------------
-def _error_response(status: int, message: str, type: str = "invalid_request_error", param: str | None = None,
-                    code: str | None = None) -> JSONResponse:
+def error_response(status: int, message: str, type: str = "invalid_request_error", param: str | None = None,
+                   code: str | None = None) -> JSONResponse:
+    """An OpenAI-shaped error answer: HTTP ``status`` with the body
+    ``{"error": {"message", "type", "param", "code"}}`` (:func:`~llmserve.serve.protocol.error_body`).
+
+    Args:
+        status: the HTTP status code (4xx for the client's faults, 5xx for the server's).
+        message: the human-readable explanation.
+        type: OpenAI's error type (``invalid_request_error``, ``service_unavailable``, ...).
+        param: the request field at fault, dotted (``stream_options.include_usage``), if any.
+        code: a machine-readable code (``model_not_found``, ``unsupported_parameter``, ...).
+    """
     return JSONResponse(error_body(message, type, param, code), status_code=status)
 
 
@@ -109,22 +119,22 @@ def install_error_handlers(app: FastAPI, metrics: ServiceMetrics | None = None) 
         if unsupported is not None:
             if metrics is not None:
                 metrics.on_rejected("unsupported_parameter")
-            return _error_response(400, unsupported[0], param=unsupported[1], code="unsupported_parameter")
+            return error_response(400, unsupported[0], param=unsupported[1], code="unsupported_parameter")
         msg, param = _validation_message(errors)
         if metrics is not None:
             metrics.on_rejected("invalid_request")
-        return _error_response(400, msg, param=param)
+        return error_response(400, msg, param=param)
 
     @app.exception_handler(ValidationError)
     async def _pydantic_error(_: Request, exc: ValidationError) -> JSONResponse:
         msg, param = _validation_message(list(exc.errors()))
-        return _error_response(400, msg, param=param)
+        return error_response(400, msg, param=param)
 
     @app.exception_handler(StarletteHTTPException)
     async def _http_error(_: Request, exc: StarletteHTTPException) -> JSONResponse:
         code = {404: "not_found", 405: "method_not_allowed"}.get(exc.status_code)
         kind = "invalid_request_error" if exc.status_code < 500 else "internal_server_error"
-        return _error_response(exc.status_code, str(exc.detail), type=kind, code=code)
+        return error_response(exc.status_code, str(exc.detail), type=kind, code=code)
 
     app.add_middleware(InternalErrorMiddleware)
 
@@ -155,8 +165,8 @@ class InternalErrorMiddleware:
             log.exception("internal error while serving %s %s", scope.get("method"), scope.get("path"))
             if started:
                 return  # the status line is gone; the body is cut short
-            resp = _error_response(500, f"internal server error: {type(exc).__name__}: {exc}",
-                                   type="internal_server_error")
+            resp = error_response(500, f"internal server error: {type(exc).__name__}: {exc}",
+                                  type="internal_server_error")
             await resp(scope, receive, send)
 
 

@@ -8,7 +8,7 @@ import json
 import time
 import uuid
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 from typing import Any, AsyncIterator, Callable
 from fastapi import Request
 from fastapi.responses import StreamingResponse
@@ -21,10 +21,12 @@ from .protocol import APIError, error_body
 from .errors import ClientDisconnected, log
 
 
+#: special tokens that end a chat answer (added to every chat request's stop token ids)
 CHATML_STOP_TOKENS = ("<|im_end|>", "<|endoftext|>")
 
 
-MAX_CHOICES = 256  # prompts x n in one HTTP request
+#: engine requests (prompts x ``n``) one HTTP request may start, by default
+MAX_CHOICES = 256
 
 #: seconds a structured-output request waits for its grammar to compile before a 400
 GRAMMAR_COMPILE_TIMEOUT_S = 10.0
@@ -39,11 +41,71 @@ MIN_TOKENIZER_ROUTE_TOKENS = 32768
 
 
 # ------------------------------------------------------------------------------------------------
+# Request fields -> SamplingParams
+# ------------------------------------------------------------------------------------------------
+#: The names of the :class:`SamplingParams` fields, in declaration order.
+SAMPLING_FIELDS: tuple[str, ...] = tuple(f.name for f in fields(SamplingParams))
+
+#: The :class:`SamplingParams` fields that are not the request field of the same name, and where
+#: each one's value comes from (:meth:`Service.sampling_params` sets them). Every other
+#: SamplingParams field that the request models (``serve/protocol.py``) declare is copied by
+#: name (:func:`request_sampling_fields`), so a new sampling parameter is its field in
+#: SamplingParams and in the request model, and nothing here.
+TRANSLATED_SAMPLING_FIELDS: dict[str, str] = {
+    "max_tokens": "the route's: max_tokens (at least 1; 0 with echo scores the prompt) or, for chat, "
+                  "max_completion_tokens, by default the room left in the context",
+    "temperature": "the request's, OpenAI's default 1.0 when omitted (SamplingParams' default is greedy)",
+    "seed": "the request's plus the choice's sample index (mod 2**63), so n choices differ",
+    "stop": "none: the service matches stop strings on the detokenized text",
+    "stop_token_ids": "the route's: ChatML's end tokens for chat, none for completions",
+    "logprobs": "the route's: logprobs (completions), or top_logprobs (0 by default) when logprobs "
+                "is true (chat)",
+    "prompt_logprobs": "the route's: logprobs when the prompt is echoed (completions)",
+    "logit_bias": "the request's, its token ids (decimal strings) as integers inside the vocabulary",
+    "structured_output": "the route's: response_format or forced tool calls (chat)",
+    "num_speculative_tokens": "None (the engine's default): not a request field",
+}
+
+
+def request_sampling_fields(request: Any) -> dict[str, Any]:
+    """The SamplingParams fields a request sets under their own names.
+
+    Args:
+        request: a request model of ``serve/protocol.py`` (pydantic).
+
+    Returns:
+        ``{field: value}`` for every :class:`SamplingParams` field that the request's model
+        declares too, except those of :data:`TRANSLATED_SAMPLING_FIELDS`, when the client gave
+        a value (``None``, the request models' "omitted", leaves the SamplingParams default).
+    """
+    declared = type(request).model_fields
+    out = {}
+    for name in SAMPLING_FIELDS:
+        if name in declared and name not in TRANSLATED_SAMPLING_FIELDS:
+            value = getattr(request, name)
+            if value is not None:
+                out[name] = value
+    return out
+
+
+# ------------------------------------------------------------------------------------------------
 # Engine adapter
 # ------------------------------------------------------------------------------------------------
-class _EngineView:
+class EngineView:
     """What the service needs from an AsyncLLMEngine (and its wrapped LLMEngine), read tolerantly
-    so a test fake implementing only the documented interface works too."""
+    so a test fake implementing only the documented interface works too.
+
+    Args:
+        async_engine: the served engine (``generate``, ``abort``; ``.engine`` the wrapped one).
+        tokenizer: HF tokenizer (default: the engine's).
+        max_model_len: context length in tokens; the served one is the smaller of this and the
+            engine's (4096 when neither is known).
+        vocab_size: token ids accepted in prompts and ``logit_bias`` are ``[0, vocab_size)``
+            (default: the model config's, else the tokenizer's length).
+
+    Raises:
+        ValueError: no tokenizer given and none on the engine.
+    """
 
     def __init__(self, async_engine: Any, tokenizer: Any = None, max_model_len: int | None = None,
                  vocab_size: int | None = None) -> None:
@@ -66,6 +128,7 @@ class _EngineView:
         self.startup = getattr(inner, "startup", None)
 
     def stats(self) -> dict:
+        """The engine's ``stats()`` (queue lengths, KV blocks, ...); ``{}`` when it has none."""
         for obj in (self.async_engine, self.inner):
             fn = getattr(obj, "stats", None)
             if callable(fn):
@@ -73,11 +136,18 @@ class _EngineView:
         return {}
 
     def capacity_tokens(self) -> int | None:
+        """Tokens the KV pool holds (blocks x block size), or None when the engine does not say."""
         s = self.stats()
         total, bs = s.get("num_total_blocks"), s.get("block_size")
         return int(total) * int(bs) if total and bs else None
 
     def check_request(self, prompt_ids: list[int], sp: SamplingParams) -> None:
+        """The engine's admission check of one request, when it has one.
+
+        Raises:
+            ValueError: the engine would refuse the request (too long for the KV pool, an
+                unsupported parameter, ...).
+        """
         fn = getattr(self.inner, "check_request", None)
         if callable(fn):
             fn(prompt_ids, sp)  # raises ValueError
@@ -98,6 +168,7 @@ class _EngineView:
 
     @property
     def max_waiting(self) -> int | None:
+        """The engine's bound on waiting requests (None: unbounded or unknown)."""
         return getattr(self.async_engine, "max_waiting", None)
 
 
@@ -106,6 +177,19 @@ class _EngineView:
 # ------------------------------------------------------------------------------------------------
 @dataclass
 class ChoiceEvent:
+    """What one engine output added to one choice.
+
+    Attributes:
+        index: the choice's index in the answer (prompt index x ``n`` + sample index).
+        text: newly decoded text (may be empty: bytes of an incomplete UTF-8 character or a
+            possible stop string are held back).
+        token_ids: the output token ids this event consumed.
+        logprobs: logprob records delivered with this event, each ``(token id, logprob,
+            [(top id, logprob), ...], text offset)``; the offset is in characters of the
+            choice's text.
+        finish_reason: ``stop``, ``length`` or ``abort`` on the choice's last event, else None.
+    """
+
     index: int
     text: str
     token_ids: list[int]
@@ -114,7 +198,16 @@ class ChoiceEvent:
 
 
 @dataclass
-class _Choice:
+class Choice:
+    """One choice of an answer: one engine request and what it has produced so far.
+
+    The routes read, once the generation has run: ``text_parts`` (joined: the choice's text),
+    ``logprobs`` (records as in :class:`ChoiceEvent`), ``finish_reason``,
+    ``prompt_logprobs`` (the engine's per-prompt-token records, when asked for), ``first`` (the
+    first engine output) and :attr:`num_output_tokens`. The other fields are the generation's
+    bookkeeping.
+    """
+
     index: int
     request_id: str
     prompt_ids: list[int]
@@ -137,6 +230,7 @@ class _Choice:
 
     @property
     def num_output_tokens(self) -> int:
+        """Completion tokens so far (the usage's count; tokens cut by a stop string included)."""
         return self.detok.num_tokens
 
 
@@ -155,10 +249,17 @@ async def _cancel_and_wait(tasks) -> None:
         await asyncio.gather(*tasks, return_exceptions=True)
 
 
-class _Generation:
-    """All choices of one HTTP request, and their lifecycle."""
+class Generation:
+    """All choices of one HTTP request, and their lifecycle: :meth:`start` submits them,
+    :meth:`events` (streamed answers) or :meth:`collect` (whole answers) runs them, and
+    :meth:`close` aborts whatever has not finished.
 
-    def __init__(self, service: "Service", choices: list[_Choice]) -> None:
+    Args:
+        service: the app's :class:`Service`.
+        choices: from :meth:`Service.build_choices`.
+    """
+
+    def __init__(self, service: "Service", choices: list[Choice]) -> None:
         self.service = service
         self.engine = service.view.async_engine
         self.choices = choices
@@ -166,7 +267,7 @@ class _Generation:
         self.closed = False
         self._closing: asyncio.Future | None = None
 
-    async def _first(self, ch: _Choice, admitted: asyncio.Event | None) -> None:
+    async def _first(self, ch: Choice, admitted: asyncio.Event | None) -> None:
         def on_admitted() -> None:
             ch.admitted = True
             if all(c.admitted for c in self.choices):
@@ -238,7 +339,7 @@ class _Generation:
             raise APIError(str(error), status_code=429, type="rate_limit_exceeded", code="queue_full") from error
         raise error
 
-    def _process(self, ch: _Choice, out: Any) -> ChoiceEvent | None:
+    def _process(self, ch: Choice, out: Any) -> ChoiceEvent | None:
         """Feed one RequestOutput through the choice's detokenizer."""
         if ch.done:
             return None
@@ -290,7 +391,7 @@ class _Generation:
         ch.logprobs.extend(lps)
         return ChoiceEvent(ch.index, text, used, lps, finish)
 
-    async def _run_choice(self, ch: _Choice, put: Callable[[Any], None]) -> None:
+    async def _run_choice(self, ch: Choice, put: Callable[[Any], None]) -> None:
         try:
             if ch.first_task is not None:
                 task, ch.first_task = ch.first_task, None
@@ -326,7 +427,7 @@ class _Generation:
         finally:
             await self._close_choice(ch)
 
-    async def _close_choice(self, ch: _Choice) -> None:
+    async def _close_choice(self, ch: Choice) -> None:
         gen, ch.gen = ch.gen, None
         if gen is not None:
             try:
@@ -369,6 +470,30 @@ class _Generation:
             self._closing = asyncio.ensure_future(self._close_impl())
         await asyncio.shield(self._closing)
 
+    async def collect(self, request: Request) -> None:
+        """Run the generation to the end without streaming, then close it; the results are on
+        the :class:`Choice` objects.
+
+        Raises:
+            ClientDisconnected: the client went away first; every choice is aborted.
+            Exception: a choice failed (e.g. an engine step raised); every choice is aborted.
+        """
+
+        async def consume() -> None:
+            async for _ in self.events():
+                pass
+
+        task = asyncio.ensure_future(consume())
+        watch = asyncio.ensure_future(_wait_disconnect(request))
+        try:
+            done, _ = await asyncio.wait({task, watch}, return_when=asyncio.FIRST_COMPLETED)
+            if task not in done:
+                raise ClientDisconnected()
+            task.result()
+        finally:
+            await _cancel_and_wait([watch, task])
+            await self.close()
+
     async def _close_impl(self) -> None:
         self.closed = True
         await _cancel_and_wait(self.tasks + [ch.first_task for ch in self.choices])
@@ -377,19 +502,25 @@ class _Generation:
                 await self._close_choice(ch)
 
 
-class _SSEResponse(StreamingResponse):
+class SSEResponse(StreamingResponse):
     """SSE response of one generation. Frames the chunk iterator: an exception after the
     headers went out becomes an in-band OpenAI error chunk, and the stream always ends with
     ``data: [DONE]``. Releases the generation however the response ends, including when the
-    client disconnects before the body iterator ever started."""
+    client disconnects before the body iterator ever started.
 
-    def __init__(self, chunks: AsyncIterator[str], generation: _Generation, request_id: str) -> None:
+    Args:
+        chunks: the answer's SSE frames (:func:`sse_event`), in order.
+        generation: the generation the chunks come from (closed when the response ends).
+        request_id: the answer's id, for the log.
+    """
+
+    def __init__(self, chunks: AsyncIterator[str], generation: Generation, request_id: str) -> None:
         super().__init__(self._framed(chunks, generation, request_id), media_type="text/event-stream",
                          headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
         self._generation = generation
 
     @staticmethod
-    async def _framed(chunks: AsyncIterator[str], generation: _Generation, request_id: str) -> AsyncIterator[str]:
+    async def _framed(chunks: AsyncIterator[str], generation: Generation, request_id: str) -> AsyncIterator[str]:
         try:
             async for chunk in chunks:
                 yield chunk
@@ -397,7 +528,7 @@ class _SSEResponse(StreamingResponse):
             raise
         except Exception as e:  # noqa: BLE001 - headers are sent: report in-band
             log.exception("error while streaming %s", request_id)
-            yield _sse(error_body(f"internal error: {type(e).__name__}: {e}", "internal_server_error"))
+            yield sse_event(error_body(f"internal error: {type(e).__name__}: {e}", "internal_server_error"))
         finally:
             await chunks.aclose()
             await generation.close()
@@ -439,9 +570,19 @@ def _json_float(x: float) -> float | None:
 # The service
 # ------------------------------------------------------------------------------------------------
 class Service:
-    """State shared by the routes of one app."""
+    """State shared by the routes of one app: the engine, the served model's names, metrics,
+    the tokenizer and grammar threads, and the checks and conversions every route applies.
 
-    def __init__(self, view: _EngineView, served_model_name: str, aliases: tuple[str, ...],
+    Args:
+        view: the served engine.
+        served_model_name: the ``model`` clients name; ``aliases`` are accepted too.
+        metrics: the app's metrics.
+        max_waiting: answer 429 while this many requests wait (None: unbounded).
+        max_tokenize_tokens: most tokens one ``/tokenize`` or ``/detokenize`` request may count
+            (default: the larger of ``MIN_TOKENIZER_ROUTE_TOKENS`` and 8 x the context).
+    """
+
+    def __init__(self, view: EngineView, served_model_name: str, aliases: tuple[str, ...],
                  metrics: ServiceMetrics, max_waiting: int | None, max_tokenize_tokens: int | None = None) -> None:
         self.view = view
         self.tokenizer = view.tokenizer
@@ -470,6 +611,17 @@ class Service:
         # GRAMMAR_COMPILE_TIMEOUT_S answers 400 (the thread finishes it in the background).
         self._grammar_pool = ThreadPoolExecutor(max_workers=2, thread_name_prefix="llmserve-grammar")
         self._grammar_ready = False
+
+    async def drain(self, timeout: float) -> None:
+        """Shut down gracefully: refuse new requests (503 ``shutting_down``), wait up to
+        ``timeout`` seconds for the in-flight ones, then abort the rest in the engine."""
+        self.draining = True
+        deadline = time.monotonic() + max(0.0, timeout)
+        while self.in_flight and time.monotonic() < deadline:
+            await asyncio.sleep(0.05)
+        for rid in list(self.in_flight):
+            log.warning("shutdown: aborting in-flight request %s", rid)
+            await _safe_abort(self.view.async_engine, rid)
 
     def close(self) -> None:
         """Stop the tokenizer and grammar threads (after the app stopped serving)."""
@@ -561,11 +713,22 @@ class Service:
 
     # ---- validation ------------------------------------------------------------------------
     def check_model(self, model: str | None) -> None:
+        """Accept the served model's names and an omitted ``model``.
+
+        Raises:
+            APIError: 400 ``model_not_found`` for any other name.
+        """
         if model is not None and model not in self.model_names:
             raise APIError(f"model {model!r} does not exist; this server serves {self.served_model_name!r} "
                            "(see GET /v1/models)", param="model", code="model_not_found")
 
     def check_capacity(self, num_new: int) -> None:
+        """Refuse new work while the server shuts down or the engine's waiting queue is full
+        (``num_new``: the engine requests about to be added; the bound is checked as it stands).
+
+        Raises:
+            APIError: 503 ``shutting_down``; 429 ``queue_full``.
+        """
         if self.draining:
             raise APIError("the server is shutting down", status_code=503, type="service_unavailable",
                            code="shutting_down")
@@ -621,7 +784,11 @@ class Service:
 
     def check_context(self, num_prompt: int, max_tokens: int, param: str) -> None:
         """The served context limit (possibly below the engine's), by the engine's admission
-        rule, with OpenAI's wording and error code."""
+        rule, with OpenAI's wording and error code.
+
+        Raises:
+            APIError: 400 ``context_length_exceeded`` (:meth:`context_error`).
+        """
         limit = self.view.max_model_len
         err = request_rejection(num_prompt, max_tokens, RequestLimits(limit))
         if err is not None:
@@ -630,27 +797,41 @@ class Service:
     def sampling_params(self, req, max_tokens: int, logprobs: int | None, seed_offset: int,
                         stop_token_ids: list[int], prompt_logprobs: int | None = None,
                         structured_output: StructuredOutput | None = None) -> SamplingParams:
+        """One choice's :class:`SamplingParams`: the fields of
+        :data:`TRANSLATED_SAMPLING_FIELDS` as described there, every other one from the request
+        field of the same name (:func:`request_sampling_fields`).
+
+        Args:
+            req: the request (:class:`~llmserve.serve.protocol.CompletionRequest` or
+                :class:`~llmserve.serve.protocol.ChatCompletionRequest`).
+            max_tokens: completion tokens to generate at most (>= 1).
+            logprobs: top alternatives per output token (None: no logprobs).
+            seed_offset: the choice's sample index, added to the request's seed.
+            stop_token_ids: token ids that end the choice.
+            prompt_logprobs: top alternatives per prompt token (None: none).
+            structured_output: the grammar the output must follow (None: free text).
+
+        Raises:
+            APIError: 400: a ``logit_bias`` id that is not a token of the vocabulary
+                (``invalid_logit_bias``), or a value SamplingParams refuses.
+        """
         seed = req.seed
         if seed is not None:
             seed = (seed + seed_offset) % (2**63)
+        translated = {
+            "max_tokens": max_tokens,
+            "temperature": 1.0 if req.temperature is None else req.temperature,
+            "seed": seed,
+            "stop": [],
+            "stop_token_ids": list(stop_token_ids),
+            "logprobs": logprobs,
+            "prompt_logprobs": prompt_logprobs,
+            "logit_bias": self.logit_bias(req),
+            "structured_output": structured_output,
+            "num_speculative_tokens": None,
+        }
         try:
-            return SamplingParams(
-                max_tokens=max_tokens,
-                temperature=1.0 if req.temperature is None else req.temperature,
-                top_p=1.0 if req.top_p is None else req.top_p,
-                top_k=0 if req.top_k is None else req.top_k,
-                seed=seed,
-                stop_token_ids=list(stop_token_ids),
-                stop=[],  # stop strings are matched here, on detokenized text
-                ignore_eos=bool(req.ignore_eos),
-                logprobs=logprobs,
-                prompt_logprobs=prompt_logprobs,
-                presence_penalty=req.presence_penalty or 0.0,
-                frequency_penalty=req.frequency_penalty or 0.0,
-                repetition_penalty=1.0 if req.repetition_penalty is None else req.repetition_penalty,
-                logit_bias=self.logit_bias(req),
-                structured_output=structured_output,
-            )
+            return SamplingParams(**request_sampling_fields(req), **translated)
         except ValueError as e:
             raise APIError(str(e)) from e
 
@@ -703,7 +884,21 @@ class Service:
         return APIError(msg, code=getattr(e, "code", None))
 
     def build_choices(self, prompts: list[list[int]], n: int, make_sp: Callable[[int, int], SamplingParams],
-                      stop: list[str], priority: int, kind: str, prompt_param: str = "prompt") -> list[_Choice]:
+                      stop: list[str], priority: int, kind: str, prompt_param: str = "prompt") -> list[Choice]:
+        """``n`` choices per prompt, checked by the engine's admission rule, none submitted yet.
+
+        Args:
+            prompts: token ids of each prompt.
+            n: choices per prompt; choice ``p * n + i`` is sample ``i`` of prompt ``p``.
+            make_sp: ``(prompt index, sample index) -> SamplingParams``.
+            stop: stop strings, matched on each choice's detokenized text.
+            priority: the engine priority (lower is served first under the priority policy).
+            kind: the request ids' prefix (``cmpl``, ``chat``).
+            prompt_param: the request field an error about the prompt names.
+
+        Raises:
+            APIError: 400, the engine refuses a request (:meth:`engine_error`).
+        """
         base = uuid.uuid4().hex
         choices = []
         for p_idx, ids in enumerate(prompts):
@@ -713,30 +908,33 @@ class Service:
                     self.view.check_request(ids, sp)
                 except ValueError as e:
                     raise self.engine_error(e, len(ids), prompt_param) from e
-                choices.append(_Choice(index=p_idx * n + i, request_id=f"{kind}-{base}-{p_idx * n + i}",
+                choices.append(Choice(index=p_idx * n + i, request_id=f"{kind}-{base}-{p_idx * n + i}",
                                        prompt_ids=ids, sampling_params=sp, priority=priority,
                                        detok=IncrementalDetokenizer(self.tokenizer, stop),
                                        tracker=None))
         return choices
 
-    def start_tracking(self, choices: list[_Choice]) -> None:
+    def start_tracking(self, choices: list[Choice]) -> None:
+        """Start each choice's metrics (time to first token and the rest) from now."""
         for ch in choices:
             ch.tracker = self.metrics.tracker(len(ch.prompt_ids))
 
 
-def _usage(prompt_tokens: int, completion_tokens: int) -> dict:
+def usage_object(prompt_tokens: int, completion_tokens: int) -> dict:
+    """OpenAI's ``usage``: prompt, completion and total token counts."""
     return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
             "total_tokens": prompt_tokens + completion_tokens}
 
 
-def _sse(obj: Any) -> str:
+def sse_event(obj: Any) -> str:
+    """One server-sent event: ``data: <compact JSON of obj>`` and a blank line."""
     return f"data: {json.dumps(obj, ensure_ascii=False, separators=(',', ':'))}\n\n"
 
 
 # ------------------------------------------------------------------------------------------------
 # Logprob formatting
 # ------------------------------------------------------------------------------------------------
-def _completion_logprobs(tokenizer, entries, start_offset: int) -> dict:
+def completion_logprobs(tokenizer, entries, start_offset: int) -> dict:
     """OpenAI's completion ``logprobs`` object. ``text_offset`` is each token's start in the
     returned text (``start_offset`` = the echoed prompt's length): the characters decoded before
     it, so a token that ends inside a UTF-8 character starts where that character does; offsets
@@ -751,7 +949,7 @@ def _completion_logprobs(tokenizer, entries, start_offset: int) -> dict:
     return {"tokens": tokens, "token_logprobs": token_lps, "top_logprobs": tops, "text_offset": offsets}
 
 
-def _prompt_logprobs(tokenizer, prompt_ids: list[int], records: list | None, text_len: int) -> dict:
+def echoed_prompt_logprobs(tokenizer, prompt_ids: list[int], records: list | None, text_len: int) -> dict:
     """OpenAI's legacy completion ``logprobs`` of an echoed prompt: one entry per prompt token,
     the first token's logprob and top alternatives ``null`` (nothing precedes it), offsets into
     the echoed text (characters decoded before each token, capped at ``text_len``)."""
@@ -774,14 +972,18 @@ def _prompt_logprobs(tokenizer, prompt_ids: list[int], records: list | None, tex
     return {"tokens": tokens, "token_logprobs": token_lps, "top_logprobs": tops, "text_offset": offsets}
 
 
-def _merge_logprobs(first: dict | None, second: dict | None) -> dict | None:
-    """Concatenate two completion ``logprobs`` objects (echoed prompt, then the output)."""
+def merge_logprobs(first: dict | None, second: dict | None) -> dict | None:
+    """Concatenate two completion ``logprobs`` objects (echoed prompt, then the output); either
+    may be None (the other is returned)."""
     if first is None or second is None:
         return first or second
     return {k: first[k] + second[k] for k in first}
 
 
-def _chat_logprobs(tokenizer, entries) -> dict:
+def chat_logprobs(tokenizer, entries) -> dict:
+    """OpenAI's chat ``logprobs`` object, ``{"content": [...]}``: per token its text, logprob
+    (``null`` when not finite), UTF-8 bytes and ``top_logprobs``. ``entries`` are logprob
+    records as in :class:`ChoiceEvent` (the text offset is not used)."""
     content = []
     for tok, lp, top, _ in entries:
         content.append({

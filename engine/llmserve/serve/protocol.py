@@ -46,17 +46,28 @@ NonEmptyText = Annotated[str, Field(min_length=1), AfterValidator(_valid_unicode
 
 
 class _Strict(BaseModel):
+    """Strict request models: no type coercion, unknown fields refused, no NaN or infinity."""
+
     model_config = ConfigDict(strict=True, extra="forbid", allow_inf_nan=False)
 
 
 class StreamOptions(_Strict):
+    """``stream_options``: ``include_usage`` adds a last chunk with the answer's usage (and
+    ``"usage": null`` on every other chunk)."""
+
     include_usage: bool = False
     continuous_usage_stats: bool = Field(
         default=False, description="extension (vLLM): with include_usage, every chunk carries the usage so far")
 
 
 class _SamplingFields(_Strict):
-    """Fields shared by both endpoints."""
+    """Fields shared by both endpoints.
+
+    A field named like a :class:`~llmserve.core.sampling_params.SamplingParams` field reaches
+    the engine under that name (``None``, the default here, leaving the engine's default);
+    the few that are converted on the way are listed in
+    ``llmserve.serve.generation.TRANSLATED_SAMPLING_FIELDS``.
+    """
 
     model: Optional[Text] = Field(default=None, description="served model name; omitted means the served model")
     temperature: Optional[Annotated[float, Field(ge=0.0, le=2.0)]] = Field(
@@ -94,6 +105,7 @@ class _SamplingFields(_Strict):
         return out
 
     def stop_list(self) -> list[str]:
+        """``stop`` as a list of strings (empty when omitted)."""
         if self.stop is None:
             return []
         return [self.stop] if isinstance(self.stop, str) else list(self.stop)
@@ -101,7 +113,10 @@ class _SamplingFields(_Strict):
 
 class CompletionRequest(_SamplingFields):
     """``POST /v1/completions``. ``prompt`` is a string, a list of strings, a list of token ids,
-    or a list of token-id lists; each prompt yields ``n`` choices."""
+    or a list of token-id lists; each prompt yields ``n`` choices. ``max_tokens`` counts
+    completion tokens (default 16); ``logprobs`` asks for that many top alternatives per token
+    (with ``echo``, for the prompt's tokens too). A non-empty ``suffix`` and a ``best_of`` other than ``n``
+    answer 400 ``unsupported_parameter``."""
 
     prompt: Union[NonEmptyText,
                   Annotated[list[NonEmptyText], Field(min_length=1)],
@@ -162,12 +177,23 @@ class ToolCallFunction(_Strict):
 
 
 class MessageToolCall(_Strict):
+    """A tool call of an assistant message in the history (OpenAI's ``tool_calls`` item)."""
+
     id: Text
     type: Literal["function"] = "function"
     function: ToolCallFunction
 
 
 class ChatMessage(_Strict):
+    """One message of a chat request: its role and text (a string or text parts); an assistant
+    message may carry the tool or function calls it made, a ``tool`` message the id of the call
+    it answers.
+
+    Raises:
+        ValueError: (as HTTP 400) tool or function calls on a message that is not the
+            assistant's.
+    """
+
     role: Literal["system", "developer", "user", "assistant", "tool", "function"]
     content: Optional[Union[Text, Annotated[list[ChatContentPart], Field(min_length=1)]]] = None
     name: Optional[Text] = None
@@ -184,6 +210,7 @@ class ChatMessage(_Strict):
         return self
 
     def text(self) -> str:
+        """The message's text: the string, or its text parts joined ("" when it has none)."""
         if self.content is None:
             return ""
         if isinstance(self.content, str):
@@ -234,21 +261,36 @@ class FunctionDefinition(_Strict):
 
 
 class ToolDefinition(_Strict):
+    """An item of ``tools``: a function the model may call."""
+
     type: Literal["function"]
     function: FunctionDefinition
 
 
 class NamedFunction(_Strict):
+    """A function chosen by name (``tool_choice.function``, legacy ``function_call``)."""
+
     name: FunctionName
 
 
 class NamedToolChoice(_Strict):
+    """``tool_choice`` naming one function: the answer is a call of it (grammar-constrained)."""
+
     type: Literal["function"]
     function: NamedFunction
 
 
 class ChatCompletionRequest(_SamplingFields):
-    """``POST /v1/chat/completions``; messages are rendered with the ChatML template."""
+    """``POST /v1/chat/completions``; messages are rendered with the ChatML template.
+
+    ``max_completion_tokens`` (or the older ``max_tokens``) counts completion tokens; omitted,
+    the answer may fill the rest of the context. ``logprobs`` (a boolean here) with
+    ``top_logprobs`` alternatives per token; ``response_format`` and forced tool calls are
+    enforced by grammar-constrained decoding (:mod:`llmserve.serve.structured`).
+
+    Raises:
+        ValueError: (as HTTP 400) messages without any text.
+    """
 
     messages: Annotated[list[ChatMessage], Field(min_length=1)]
     max_tokens: Optional[Annotated[int, Field(ge=1)]] = None
@@ -295,6 +337,8 @@ class DetokenizeRequest(_Strict):
 
 
 class ErrorInfo(BaseModel):
+    """The ``error`` object: a message, OpenAI's error type, the field at fault and a code."""
+
     message: str
     type: str
     param: Optional[str] = None
@@ -308,7 +352,16 @@ class ErrorResponse(BaseModel):
 
 
 class APIError(Exception):
-    """Raised inside handlers; rendered as :class:`ErrorResponse` with ``status_code``."""
+    """Raised inside handlers; rendered as :class:`ErrorResponse` with ``status_code``.
+
+    Args:
+        message: the explanation the client reads.
+        status_code: the HTTP status (400 by default; 429 for a full queue, 503 while shutting
+            down).
+        param: the request field at fault, dotted, if any.
+        code: a machine-readable code (``context_length_exceeded``, ``queue_full``, ...).
+        type: OpenAI's error type.
+    """
 
     def __init__(self, message: str, *, status_code: int = 400, param: str | None = None,
                  code: str | None = None, type: str = "invalid_request_error") -> None:
@@ -320,15 +373,21 @@ class APIError(Exception):
         self.type = type
 
     def body(self) -> dict[str, Any]:
+        """The answer's JSON body, ``{"error": {message, type, param, code}}``."""
         return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
 
 
 def error_body(message: str, type: str = "invalid_request_error", param: str | None = None,
                code: str | None = None) -> dict[str, Any]:
+    """The body of an error answer, ``{"error": {message, type, param, code}}`` (as
+    :class:`ErrorResponse`); also the payload of an in-band error chunk of a stream."""
     return {"error": {"message": message, "type": type, "param": param, "code": code}}
 
 
 class ModelCard(BaseModel):
+    """A served model (``GET /v1/models``, ``/v1/models/{id}``): its name, creation time (Unix
+    seconds) and context length in tokens."""
+
     id: str
     object: Literal["model"] = "model"
     created: int
@@ -340,17 +399,25 @@ class ModelCard(BaseModel):
 
 
 class ModelList(BaseModel):
+    """``GET /v1/models``: the served model (one card)."""
+
     object: Literal["list"] = "list"
     data: list[ModelCard]
 
 
 class Usage(BaseModel):
+    """Token counts of an answer: prompt, completion (every choice's) and their sum."""
+
     prompt_tokens: int
     completion_tokens: int
     total_tokens: int
 
 
 class CompletionChoice(BaseModel):
+    """One choice of a completion: its text (the echoed prompt first, with ``echo``), its
+    ``logprobs`` (``tokens``, ``token_logprobs``, ``top_logprobs``, ``text_offset``) and why
+    it ended (``stop``, ``length``, ``abort``)."""
+
     index: int
     text: str
     logprobs: Optional[dict[str, Any]] = None
@@ -358,6 +425,8 @@ class CompletionChoice(BaseModel):
 
 
 class CompletionResponse(BaseModel):
+    """The whole answer of ``POST /v1/completions``."""
+
     id: str
     object: Literal["text_completion"] = "text_completion"
     created: int
@@ -367,12 +436,17 @@ class CompletionResponse(BaseModel):
 
 
 class ResponseToolCall(BaseModel):
+    """A tool call in an answer: its id and the function's name and arguments (JSON text)."""
+
     id: str
     type: Literal["function"] = "function"
     function: dict[str, str]   # {"name", "arguments" (JSON text)}
 
 
 class ChatResponseMessage(BaseModel):
+    """The assistant's answer: ``content`` text, or ``tool_calls`` (legacy: ``function_call``)
+    with ``content`` null."""
+
     role: Literal["assistant"] = "assistant"
     content: Optional[str] = None
     tool_calls: Optional[list[ResponseToolCall]] = None
@@ -380,6 +454,9 @@ class ChatResponseMessage(BaseModel):
 
 
 class ChatCompletionChoice(BaseModel):
+    """One choice of a chat answer: its message, ``logprobs`` (``{"content": [...]}``) and
+    finish reason (``stop``, ``length``, ``tool_calls``, ``function_call``, ``abort``)."""
+
     index: int
     message: ChatResponseMessage
     logprobs: Optional[dict[str, Any]] = None
@@ -387,6 +464,8 @@ class ChatCompletionChoice(BaseModel):
 
 
 class ChatCompletionResponse(BaseModel):
+    """The whole answer of ``POST /v1/chat/completions``."""
+
     id: str
     object: Literal["chat.completion"] = "chat.completion"
     created: int
