@@ -140,3 +140,15 @@ def test_client_fields_still_accepted(server):
     s = c.completions.create(model="tiny", prompt="Hi", max_tokens=2, stream=True,
                              stream_options={"include_usage": True})
     assert [ch for ch in s][-1].usage.completion_tokens >= 1
+
+
+@pytest.mark.parametrize("path,body", [
+    ("/v1/completions", {"prompt": "Hi", "max_tokens": 2}),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "Hi"}], "max_tokens": 2}),
+])
+def test_stream_options_without_stream_is_refused(client, path, body):
+    for extra in ({}, {"stream": False}):
+        r = client.post(path, json={**body, **extra, "stream_options": {"include_usage": True}})
+        assert r.status_code == 400, r.text
+        assert "stream_options" in r.json()["error"]["message"]
+    assert client.post(path, json=body).status_code == 200   # the server keeps serving

@@ -47,6 +47,7 @@ rule verdicts:
     copy, the config's claims judged on this run; also the report's first page."""
     input:
         script=f"{SCRIPTS}/verdicts.py",
+        columns=f"{SCRIPTS}/matrix_columns.py",  # the column table
         tables=[f"{OUT}/{name}.csv" for name in TABLE_NAMES],
     output:
         md=_table("verdicts", "verdicts.rst"),

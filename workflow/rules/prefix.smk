@@ -49,7 +49,7 @@ if PREFIX_CFG:
         wildcard_constraints:
             rep=r"\d+",
         params:
-            spec=lambda w: json.dumps(PREFIX_CELLS[int(w.rep)]),  # a changed flag reruns the repetition
+            spec=lambda w: json.dumps(PREFIX_CELLS[int(w.rep)]),  # a changed flag reruns the repetition (where .snakemake/metadata holds the old one)
             group=lambda w: f"prefix_rep{w.rep}",
             raw=lambda w, output: os.path.dirname(output[0]),
             logs=lambda w, output: os.path.join(os.path.dirname(os.path.dirname(output[0])), "logs"),

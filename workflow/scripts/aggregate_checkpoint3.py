@@ -48,6 +48,11 @@ from typing import Any
 
 import pandas as pd
 from machine_load import is_contended  # noqa: E402  (workflow/scripts/, next to this file)
+from matrix_columns import COLUMNS  # noqa: E402
+
+#: The matrix columns a focused table holds at their defaults (every column but the two it
+#: compares: the scheduler and the max batch size).
+SLICE_COLUMNS = tuple(c.name for c in COLUMNS if c.name not in ("scheduler", "batch"))
 from matrix_columns import COLUMN_NAMES, ID_DEFAULTS, parse_cell_id  # noqa: E402
 
 #: The matrix columns (workflow/scripts/matrix_columns.py), in cell-id order.
@@ -624,7 +629,7 @@ def headline_frame(main: pd.DataFrame, batch: str, defaults: dict[str, str]) -> 
     otherwise (fcfs, chunk off, default backends, rate and KV budget, the default load)."""
     d = main.copy()
     keep = pd.Series(True, index=d.index)
-    for col in ("policy", "chunk", "linear", "attn", "rate", "blocks", "load", "invariant"):
+    for col in SLICE_COLUMNS:
         if col in defaults:
             keep &= (d[col] == defaults[col]) | ((d["scheduler"] == "naive") & (col in ("chunk", "attn", "policy")))
     keep &= (d["batch"] == str(batch)) | d["scheduler"].isin(["naive", "paged"])

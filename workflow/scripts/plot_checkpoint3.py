@@ -45,6 +45,8 @@ POLICY_STYLE = {"fcfs": "-", "sjf": "--", "priority": ":"}
 FAILED = dict(marker="x", color="red", markersize=10, mew=2.5, linestyle="none")
 #: Columns read as text (matrix values are labels, e.g. batch "8", rate "inf").
 STR_COLUMNS = {c: str for c in (*COLUMN_NAMES, "cell", "status")}
+#: The columns a slice holds at their defaults (all but the scheduler and the max batch size).
+SLICE_COLUMNS = tuple(c for c in COLUMN_NAMES if c not in ("scheduler", "batch"))
 
 
 class EmptySelection(ValueError):
@@ -71,10 +73,10 @@ def baseline_slice(df: pd.DataFrame, defaults: dict[str, str]) -> pd.DataFrame:
     """
     d = df.copy()
     keep = pd.Series(True, index=d.index)
-    for col in ("chunk", "linear", "attn", "rate", "blocks", "load"):
+    for col in SLICE_COLUMNS:
         if col in defaults and col in d:
             ok = d[col] == str(defaults[col])
-            if col in ("chunk", "attn"):
+            if col in ("chunk", "attn", "policy"):
                 ok |= d["scheduler"] == "naive"
             keep &= ok
     return _require(d[keep], "the batch-size axis (cells at the matrix defaults)")

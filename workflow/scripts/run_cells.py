@@ -117,13 +117,14 @@ def run_group(spec: dict[str, str], raw: Path, log_dir: Path, expected_hash: str
         signature = kernel_signature(opts)
         if signature in warmed:
             opts.kernel_warmup = False      # this process compiled these kernels already
-        warmed.add(signature)
         gpu = device.startswith("cuda")
         before = machine_load.snapshot(gpu=gpu)
         t0 = time.perf_counter()
         with open(log, "w") as f, contextlib.redirect_stdout(f), contextlib.redirect_stderr(f):
             report, _, _ = run_benchmark(opts)
         took = time.perf_counter() - t0
+        if opts.kernel_warmup and report.get("status") == "ok":
+            warmed.add(signature)           # only a cell that ran the warm-up, and ran, counts
         load = machine_load.summarize(before, machine_load.snapshot(gpu=gpu))
         ch.write_provenance(
             json_path=out, csv_path=csv, output=prov, cell=cell, exit_status=0,

@@ -43,6 +43,7 @@ from pathlib import Path
 from typing import Any
 
 import pandas as pd
+from matrix_columns import COLUMN_NAMES  # noqa: E402  (workflow/scripts/, next to this file)
 
 #: Headline metrics: CSV stem, label, unit, whether higher is better.
 HEADLINE_METRICS = (("output_throughput", "output throughput", "tok/s", True),
@@ -51,9 +52,7 @@ HEADLINE_METRICS = (("output_throughput", "output throughput", "tok/s", True),
 SCHEDULER_NAMES = {"naive": "Naive", "paged": "Paged", "static": "Static batching",
                    "continuous": "Continuous batching"}
 #: Columns read as text (matrix values are labels: batch "8", rate "inf").
-TEXT = {c: str for c in ("scheduler", "policy", "batch", "chunk", "linear", "attn", "rate",
-                         "blocks", "load", "invariant", "cell", "status",
-                         "digest_agrees_with_naive")}
+TEXT = {c: str for c in (*COLUMN_NAMES, "cell", "status", "digest_agrees_with_naive")}
 
 
 def committed_table(path: Path, rev: str = "HEAD") -> tuple[pd.DataFrame | None, str]:

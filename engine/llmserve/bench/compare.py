@@ -34,6 +34,8 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from ..engine_args import int_at_least
+
 
 # ---------------------------------------------------------------------------------------------
 # ceilings
@@ -572,8 +574,8 @@ def run(args: argparse.Namespace) -> dict:
             # HF's step costs the same at any output length: clipping its outputs shortens the
             # run without flattering llmserve (a shorter static batch wastes fewer padded steps)
             cap = args.hf_max_new_tokens
-            hf_outs = [min(o, cap) for o in outs] if cap else outs
-            clipped = f", outputs clipped to {cap}" if cap else ""
+            hf_outs = [min(o, cap) for o in outs] if cap is not None else outs
+            clipped = f", outputs clipped to {cap}" if cap is not None else ""
             k = args.hf_requests
             rows.append(_row(f"hf generate_batch (continuous){clipped}", offline_hf_continuous,
                              args.offline_model, prompts[:k], hf_outs[:k], repetitions=reps))
@@ -836,10 +838,10 @@ def add_bench_compare_subparser(sub) -> None:
     p.add_argument("--hf-static-batch", type=int, default=64, help="batch size of HF's static-batch baseline")
     p.add_argument("--hf-static-requests", type=int, default=256,
                    help="offline requests given to HF's static-batch baseline (the first N)")
-    p.add_argument("--hf-max-new-tokens", type=int, default=None,
+    p.add_argument("--hf-max-new-tokens", type=int_at_least(1), default=None,
                    help="clip the output length of every HF offline request to this many tokens "
                         "(default: the workload's own lengths)")
-    p.add_argument("--offline-repetitions", type=int, default=3,
+    p.add_argument("--offline-repetitions", type=int_at_least(1), default=3,
                    help="timed runs of every offline row on one loaded engine or model")
     p.add_argument("--code-hash", default=None,
                    help="the engine's code hash, recorded in the report (the pipeline passes it)")
@@ -847,7 +849,7 @@ def add_bench_compare_subparser(sub) -> None:
     p.add_argument("--rates", nargs="+", type=float, default=[4.0, 16.0, 64.0],
                    help="open-loop arrival rates (requests/s)")
     p.add_argument("--openloop-requests", type=int, default=200, help="requests per open-loop rate")
-    p.add_argument("--openloop-repetitions", type=int, default=3,
+    p.add_argument("--openloop-repetitions", type=int_at_least(1), default=3,
                    help="runs of every open-loop row (tuned flags and defaults alternated)")
     p.add_argument("--openloop-flags", nargs="+", default=["tuned", "defaults"], choices=["tuned", "defaults"],
                    help="open-loop rows: with the hand-tuned engine flags, with every flag at its "

@@ -104,6 +104,13 @@ class _SamplingFields(_Strict):
             out[int(k)] = float(v)
         return out
 
+    @model_validator(mode="after")
+    def _stream_options_need_stream(self) -> "_SamplingFields":
+        # as OpenAI and vLLM answer: options of a stream on a request that does not stream
+        if self.stream_options is not None and not self.stream:
+            raise ValueError("stream_options is only allowed when stream is true")
+        return self
+
     def stop_list(self) -> list[str]:
         """``stop`` as a list of strings (empty when omitted)."""
         if self.stop is None:
