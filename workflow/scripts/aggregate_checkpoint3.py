@@ -48,11 +48,7 @@ from typing import Any
 
 import pandas as pd
 from machine_load import is_contended  # noqa: E402  (workflow/scripts/, next to this file)
-from matrix_columns import COLUMNS  # noqa: E402
-
-#: The matrix columns a focused table holds at their defaults (every column but the two it
-#: compares: the scheduler and the max batch size).
-SLICE_COLUMNS = tuple(c.name for c in COLUMNS if c.name not in ("scheduler", "batch"))
+from matrix_columns import SLICE_COLUMNS  # noqa: E402
 from matrix_columns import COLUMN_NAMES, ID_DEFAULTS, parse_cell_id  # noqa: E402
 
 #: The matrix columns (workflow/scripts/matrix_columns.py), in cell-id order.

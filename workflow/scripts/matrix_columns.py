@@ -75,6 +75,9 @@ COLUMNS: tuple[Column, ...] = (
            unflagged="off", switch=True),
 )
 COLUMN_NAMES: tuple[str, ...] = tuple(c.name for c in COLUMNS)
+#: The columns a focused table or plot holds at their defaults: all but the two it compares
+#: (the scheduler and the max batch size).
+SLICE_COLUMNS: tuple[str, ...] = tuple(c for c in COLUMN_NAMES if c not in ("scheduler", "batch"))
 #: Columns a cell id leaves out at the given value.
 OPTIONAL_COLUMNS: dict[str, str] = {c.name: c.omitted for c in COLUMNS if c.omitted is not None}
 #: A column's value when a cell id or provenance file does not name it.

@@ -34,7 +34,7 @@ import matplotlib.pyplot as plt  # noqa: E402  (after choosing the backend)
 import numpy as np  # noqa: E402
 from matplotlib.patches import Patch  # noqa: E402
 import pandas as pd  # noqa: E402
-from matrix_columns import COLUMN_NAMES  # noqa: E402  (workflow/scripts/, next to this file)
+from matrix_columns import COLUMN_NAMES, SLICE_COLUMNS  # noqa: E402  (workflow/scripts/, next to this file)
 
 # Deterministic PNG bytes for identical data: no creation time / software stamp in the file.
 PNG_METADATA = {"Software": None}
@@ -45,8 +45,6 @@ POLICY_STYLE = {"fcfs": "-", "sjf": "--", "priority": ":"}
 FAILED = dict(marker="x", color="red", markersize=10, mew=2.5, linestyle="none")
 #: Columns read as text (matrix values are labels, e.g. batch "8", rate "inf").
 STR_COLUMNS = {c: str for c in (*COLUMN_NAMES, "cell", "status")}
-#: The columns a slice holds at their defaults (all but the scheduler and the max batch size).
-SLICE_COLUMNS = tuple(c for c in COLUMN_NAMES if c not in ("scheduler", "batch"))
 
 
 class EmptySelection(ValueError):
