@@ -9,7 +9,10 @@ seconds; reported in ms):
 * TPOT = ``(E2E - TTFT) / (output_len - 1)`` for requests with >= 2 output tokens (vLLM's
   definition, ``benchmarks/benchmark_serving.py``);
 * ITL = differences of consecutive ``token_times`` (pooled over all requests for the aggregate);
-* queue time = ``first_scheduled_time - arrival_time``.
+* queue time = ``first_scheduled_time - arrival_time``; per request also prefill time =
+  ``first_token_time - first_scheduled_time`` and decode time = ``finish_time -
+  first_token_time`` (queue + prefill + decode = E2E; a preempted request's recompute counts
+  where it happens, usually in decode).
 
 Aggregates are mean/p50/p95/p99 over completed requests with numpy's ``linear`` percentile
 (the default; type 7 of Hyndman & Fan), throughputs are per second of the measured phase
@@ -69,6 +72,8 @@ class RequestRecord:
     arrival_offset_s: float = 0.0
     submit_lag_ms: float | None = None
     queue_ms: float | None = None
+    prefill_ms: float | None = None
+    decode_ms: float | None = None
     ttft_ms: float | None = None
     tpot_ms: float | None = None
     e2e_ms: float | None = None
@@ -134,6 +139,8 @@ def build_request_record(index: int, request_id: str, *, prompt_len: int, max_to
         rec.queue_ms = _ms(first_sched - arrival)
     if first_tok is not None:
         rec.ttft_ms = _ms(first_tok - arrival)
+        if first_sched is not None:
+            rec.prefill_ms = _ms(first_tok - first_sched)
     if token_times and len(token_times) >= 2:
         itl = np.diff(np.asarray(token_times)) * 1000.0
         rec.itl_ms = itl.tolist()
@@ -141,6 +148,8 @@ def build_request_record(index: int, request_id: str, *, prompt_len: int, max_to
         rec.itl_ms_max = float(itl.max())
     if finish is not None and status == "ok":
         rec.e2e_ms = _ms(finish - arrival)
+        if first_tok is not None:
+            rec.decode_ms = _ms(finish - first_tok)
         n_out = output_len or len(token_times)
         if n_out >= 2 and rec.ttft_ms is not None:
             rec.tpot_ms = (rec.e2e_ms - rec.ttft_ms) / (n_out - 1)

@@ -39,6 +39,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable
 
+from ..core.trace import RequestTracer, write_trace
 from ..engine_args import EngineArgs, add_engine_args, int_at_least
 from .gpu_monitor import GPUMonitor, empty_gpu_summary
 from .metrics import RequestRecord, aggregate_records, build_request_record
@@ -92,6 +93,7 @@ class BenchmarkOptions(EngineArgs):
     slo_ttft_ms: float | None = None
     slo_tpot_ms: float | None = None
     save_itl: bool = False
+    trace: str | None = None
     progress: bool = True
     code_hash: str | None = None
     torch_threads: int | None = None
@@ -169,6 +171,10 @@ def add_benchmark_args(p: argparse.ArgumentParser) -> None:
                    help="most engine steps of the component profile pass (default 256)")
     o.add_argument("--save-itl", action="store_true",
                    help="store every request's inter-token latencies in the JSON (large)")
+    o.add_argument("--trace", default=None, metavar="FILE.jsonl",
+                   help="write every measured request's lifecycle events (arrived, queued, prefill "
+                        "chunks, first token, decode steps, preemptions, finish) as JSON lines; "
+                        "gzip when the name ends in .gz (docs/benchmarking.md, 'Request timelines')")
     o.add_argument("--fail-on-error", action="store_true",
                    help="exit non-zero when the run fails (the report is written either way)")
     o.add_argument("--timeout", type=_positive_float, default=None,
@@ -312,6 +318,7 @@ class _RunState:
     peak_contiguous_tokens: int = 0
     peak_request_max_tokens: int = 0
     num_finished: int = 0
+    tracer: RequestTracer | None = None
 
 
 def _sampling_params(req: BenchmarkRequest, temperature: float, seed: int, structured_output: Any = None):
@@ -608,7 +615,7 @@ def run_benchmark(opts: BenchmarkOptions, engine_factory: Callable[[Any, bool], 
         "hardware": hardware_info(opts.device), "requests": [], "aggregates": None,
         "kv_cache": None, "gpu": empty_gpu_summary("run did not reach the measured phase"),
         "component_profile": None, "token_digest": None, "speculative": None, "structured_output": None,
-        "code_hash": opts.code_hash,
+        "code_hash": opts.code_hash, "trace": None,
     }
     engine = None
     workload: Workload | None = None
@@ -629,6 +636,8 @@ def run_benchmark(opts: BenchmarkOptions, engine_factory: Callable[[Any, bool], 
         structured = None
         if opts.json_schema:
             structured, report["structured_output"] = load_json_schema(opts.json_schema)
+        if opts.trace:    # a path that cannot be written fails now, not after the run
+            Path(opts.trace).parent.mkdir(parents=True, exist_ok=True)
         econf = make_engine_config(opts, seed)
         report["engine_config"] = dataclasses.asdict(econf)
         report["config"].update(resolved_flags(econf))   # what the device defaults resolved to
@@ -677,6 +686,10 @@ def run_benchmark(opts: BenchmarkOptions, engine_factory: Callable[[Any, bool], 
             reset_stats()  # engine counters (KV high-water, speculative, ...) of the measured phase only
 
         block_size = int(getattr(engine, "block_size", None) or opts.block_size)
+        if opts.trace and not hasattr(engine, "tracer"):
+            raise ValueError(f"--trace: the {opts.config} engine records no request lifecycle")
+        if hasattr(engine, "tracer"):   # the measured requests only; None detaches an earlier run's
+            state.tracer = engine.tracer = RequestTracer() if opts.trace else None
         gc_pauses = _GCPauses().start()
         monitor = GPUMonitor(opts.device).start()
         progress = None
@@ -697,6 +710,8 @@ def run_benchmark(opts: BenchmarkOptions, engine_factory: Callable[[Any, bool], 
             report["gpu"] = monitor.stop()
             monitor = None
             report["host"] = gc_pauses.stop()
+            if state.tracer is not None:
+                engine.tracer = None
         cache1 = triton_cache_entries()
         if cache0 is not None and cache1 is not None:
             # kernels compiled inside the measured phase (each one a stall of every running request)
@@ -758,6 +773,10 @@ def _finish_report(report: dict[str, Any], opts: BenchmarkOptions, state: _RunSt
         report["aggregates"]["num_steps"] = state.num_steps
         report["requests"] = [r.to_dict(include_itl=opts.save_itl) for r in records]
         report["token_digest"] = token_digest(tokens) if workload is not None else None
+        if state.tracer is not None:
+            n = write_trace(opts.trace, state.tracer.events(origin=state.t0 or 0.0))
+            report["trace"] = {"path": str(opts.trace), "num_events": n,
+                               "clock": "seconds since the measured phase began"}
     except Exception as e:  # noqa: BLE001 - never lose the report
         report["status"] = "failed"
         report["error"] = (report.get("error") or "") + f" | report assembly failed: {type(e).__name__}: {e}"

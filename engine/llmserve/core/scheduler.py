@@ -476,6 +476,7 @@ class Scheduler:
     def _preempt(self, seq: Sequence) -> None:
         """Preempt by recompute: free all blocks, forget computed tokens, requeue at the front."""
         recomputed = seq.num_computed_tokens
+        seq.metrics.preemptions.append((time.perf_counter(), len(seq.block_ids), recomputed))
         self.block_manager.free(seq)
         seq.num_computed_tokens = 0
         seq.status = SequenceStatus.WAITING

@@ -42,6 +42,8 @@ class RequestMetrics:
 
     ``token_times[i]`` is when output token i was produced, so TTFT = token_times[0] -
     arrival_time and the inter-token latencies are the differences of consecutive entries.
+    ``preemptions`` holds one ``(time, blocks freed, computed tokens dropped)`` record per
+    preemption (recompute).
     """
 
     arrival_time: float
@@ -51,6 +53,7 @@ class RequestMetrics:
     finish_time: float | None = None
     num_preemptions: int = 0
     num_recomputed_tokens: int = 0
+    preemptions: list[tuple[float, int, int]] = field(default_factory=list)
 
 
 class Sequence:

@@ -30,6 +30,7 @@ from ..core.outputs import RequestOutput, SampledTokens, StepUpdate
 from ..core.sampling_params import SamplingParams
 from ..core.scheduler import SchedulerOutput
 from ..core.sequence import Sequence, SequenceStatus
+from ..core.trace import RequestTracer
 from .builder import build_paged_parts, build_structured_output, load_target
 from .triton_cache import triton_cache_entries
 
@@ -79,6 +80,9 @@ class _EngineBase:
             (self.tokenizer.eos_token_id,) if self.tokenizer.eos_token_id is not None else ())
         self.sampler = Sampler(self.device, seed=config.seed)
         self._ids = itertools.count()
+        #: per-request lifecycle records (:class:`~llmserve.core.trace.RequestTracer`), or None
+        #: (off: the default; ``llmserve benchmark --trace`` and ``serve --trace`` attach one)
+        self.tracer: RequestTracer | None = None
         self.structured = build_structured_output(self, config) if self.supports_structured_output else None
 
     def _tp_abort(self, cause: BaseException) -> None:
@@ -443,17 +447,26 @@ class LLMEngine(_EngineBase):
         Raises:
             ValueError: the request can never fit (rejected at once; nothing is queued).
         """
-        seq = self._new_seq(prompt, sampling_params, request_id, arrival_time, priority)
-        if seq.request_id in self._seqs:
-            raise ValueError(f"request_id {seq.request_id!r} is already in use")
+        try:
+            seq = self._new_seq(prompt, sampling_params, request_id, arrival_time, priority)
+            if seq.request_id in self._seqs:
+                raise ValueError(f"request_id {seq.request_id!r} is already in use")
+        except ValueError as e:
+            if self.tracer is not None:
+                self.tracer.on_rejected(request_id, str(e))
+            raise
         if seq.sampling_params.structured_output is not None:
             self.structured.add(seq)                  # compiled in check_request: a cache hit
         try:
             self.scheduler.add_request(seq)
-        except BaseException:
+        except BaseException as e:
             if self.structured is not None:
                 self.structured.remove(seq.request_id)
+            if self.tracer is not None and seq.status is SequenceStatus.REJECTED:
+                self.tracer.on_rejected(seq.request_id, str(e))
             raise
+        if self.tracer is not None:
+            self.tracer.on_queued(seq)
         self._seqs[seq.request_id] = seq
         if callback is not None:
             self._callbacks[seq.request_id] = callback
@@ -471,6 +484,8 @@ class LLMEngine(_EngineBase):
         """Release a finished request's engine state (sampler generator, grammar matcher,
         proposer state); an aborted request's callback is told here."""
         self._seqs.pop(seq.request_id, None)
+        if self.tracer is not None:
+            self.tracer.on_finished(seq)
         self.sampler.release(seq.request_id)
         if self.speculator is not None:
             self.speculator.release(seq.request_id)
@@ -499,6 +514,8 @@ class LLMEngine(_EngineBase):
             self.tp_runtime.check()
         t0 = time.perf_counter()
         plan = self.scheduler.schedule()
+        if self.tracer is not None and (plan.scheduled or plan.preempted):
+            self.tracer.on_step(t0, self.num_steps + bool(plan.scheduled), plan.scheduled, plan.preempted)
         launched, outputs, early_error = None, [], None
         if plan.scheduled:
             launched, outputs, early_error = self._launch(plan, t0)

@@ -13,6 +13,20 @@ from ..worker.sampler import TokenHistory
 from .llm_engine import RequestOutput, TokenCallback, _EngineBase
 
 
+class _NaiveStepItem:
+    """The naive engine's step as a trace item (the fields a scheduled item has): the first
+    step of a request is its prefill (the whole prompt), every later one a decode, although
+    each recomputes the whole prefix."""
+
+    __slots__ = ("seq", "num_new_tokens", "start_position", "is_prefill")
+
+    def __init__(self, seq: Sequence) -> None:
+        self.seq = seq
+        self.is_prefill = not seq.output_token_ids
+        self.num_new_tokens = seq.num_prompt_tokens if self.is_prefill else 1
+        self.start_position = 0 if self.is_prefill else seq.num_tokens - 1
+
+
 class NaiveEngine(_EngineBase):
     """The control: one request at a time, a full-prefix forward pass per generated token.
 
@@ -39,6 +53,8 @@ class NaiveEngine(_EngineBase):
         seq = self._new_seq(prompt, sampling_params, request_id, arrival_time, priority)
         with self._lock:
             self._queue.append(seq)
+            if self.tracer is not None:
+                self.tracer.on_queued(seq)
             if callback is not None:
                 self._callbacks[seq.request_id] = callback
         return seq
@@ -53,6 +69,8 @@ class NaiveEngine(_EngineBase):
                         self._queue.remove(seq)
                     seq.status = SequenceStatus.FINISHED_ABORTED
                     seq.metrics.finish_time = time.perf_counter()
+                    if self.tracer is not None:
+                        self.tracer.on_finished(seq)
                     cb = self._callbacks.pop(request_id, None)
                     if cb:
                         cb(RequestOutput.from_seq(seq, []))
@@ -75,13 +93,16 @@ class NaiveEngine(_EngineBase):
     def step(self) -> list[RequestOutput]:
         """Generate one token of the current request (full-prefix forward, batch 1)."""
         with self._lock:
+            t0 = time.perf_counter()
             if self._current is None:
                 if not self._queue:
                     return []
                 self._current = self._queue.popleft()
                 self._current.status = SequenceStatus.RUNNING
-                self._current.metrics.first_scheduled_time = time.perf_counter()
+                self._current.metrics.first_scheduled_time = t0
             seq = self._current
+            if self.tracer is not None:
+                self.tracer.on_step(t0, self.num_steps + 1, (_NaiveStepItem(seq),))
             ids = torch.tensor([seq.all_token_ids], dtype=torch.long, device=self.device)     # [1, T]
             logits = self.model.forward_reference(ids, last_only=True)[:, -1, :]                               # [1, V]
             self.num_steps += 1
@@ -96,6 +117,8 @@ class NaiveEngine(_EngineBase):
                 seq.status = status
                 seq.metrics.finish_time = time.perf_counter()
                 self._current = None
+                if self.tracer is not None:
+                    self.tracer.on_finished(seq)
                 self.sampler.release(seq.request_id)
             ro = RequestOutput.from_seq(seq, [tok])
             cb = self._callbacks.get(seq.request_id)
