@@ -467,6 +467,10 @@ def test_metrics_exposition(client, engine):
     assert sample(text, "llmserve:time_to_first_token_seconds_count") >= 1
     assert sample(text, "llmserve:e2e_request_latency_seconds_count") >= 1
     assert sample(text, "llmserve:request_queue_time_seconds_count") >= 1
+    for name in ("request_prefill_time_seconds", "request_decode_time_seconds",
+                 "request_inference_time_seconds", "request_num_preemptions"):
+        assert sample(text, f"llmserve:{name}_count") >= 1, name
+    assert sample(text, "llmserve:request_num_preemptions_sum") == 0   # a cache with room: none
     assert sample(text, "llmserve:inter_token_latency_seconds_count") >= 2
     # counts follow traffic exactly
     before = sample(text, "llmserve:generation_tokens_total")

@@ -56,7 +56,9 @@ def test_exported_metrics_list_matches_the_exposition():
                 "llmserve:generation_tokens_total", "llmserve:request_success_total"]
     hist = ["llmserve:time_to_first_token_seconds", "llmserve:inter_token_latency_seconds",
             "llmserve:request_time_per_output_token_seconds", "llmserve:e2e_request_latency_seconds",
-            "llmserve:request_queue_time_seconds"]
+            "llmserve:request_queue_time_seconds", "llmserve:request_prefill_time_seconds",
+            "llmserve:request_decode_time_seconds", "llmserve:request_inference_time_seconds",
+            "llmserve:request_num_preemptions"]
     assert all(n in series for n in required)
     assert all(f"{h}_bucket" in series and f"{h}_count" in series for h in hist)
 

@@ -212,3 +212,46 @@ def test_benchmark_trace_path_that_cannot_be_written_fails_the_run_early(tmp_pat
                             output=str(tmp_path / "b.json"), progress=False)
     report, _, _ = run_benchmark(opts)
     assert report["status"] == "failed" and report["workload"] is None
+
+
+def test_async_engine_writes_the_trace_it_serves(tmp_path):
+    import asyncio
+
+    from llmserve.engine.async_engine import AsyncLLMEngine
+
+    path = tmp_path / "serve.jsonl.gz"
+    eng = LLMEngine(EngineConfig(model="tiny", device="cpu", dtype="float32",
+                                 scheduler=SchedulerConfig(max_num_seqs=2, max_model_len=128)))
+    aeng = AsyncLLMEngine(eng, trace_path=str(path))
+    assert path.exists() and read_trace(path) == []
+
+    async def one(i):
+        async for out in aeng.generate([3 + i, 4, 5], SamplingParams(max_tokens=5, ignore_eos=True),
+                                       request_id=f"s{i}"):
+            last = out
+        return last
+
+    async def main():
+        return await asyncio.gather(*(one(i) for i in range(3)))
+
+    outs = asyncio.run(main())
+    aeng.shutdown()
+    events = read_trace(path)
+    for out in outs:
+        evs = _events_of(events, out.request_id)
+        assert [e["event"] for e in evs][-1] == "finished"
+        assert sum(e["event"] == "decode" for e in evs) >= 4
+    assert eng.tracer.drain() == []                       # everything was flushed
+
+
+def test_serve_refuses_a_trace_path_it_cannot_write_before_loading(tmp_path):
+    import argparse
+
+    from llmserve.serve.server import add_serve_subparser, build_app
+
+    blocker = tmp_path / "file"
+    blocker.write_text("x")
+    sub = argparse.ArgumentParser().add_subparsers()
+    args = add_serve_subparser(sub).parse_args(["tiny", "--trace", str(blocker / "t.jsonl")])
+    with pytest.raises(ValueError, match="--trace .* cannot be written"):
+        build_app(args)

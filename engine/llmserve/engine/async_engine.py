@@ -8,6 +8,7 @@ Callers talk to the engine thread through typed messages (:class:`AddRequest`,
 from __future__ import annotations
 
 import asyncio
+import logging
 import queue
 import threading
 import time
@@ -16,10 +17,13 @@ from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 
 from ..core.sampling_params import SamplingParams
+from ..core.trace import RequestTracer, write_trace
 from .llm_engine import LLMEngine, RequestOutput
 from .naive import NaiveEngine
 
 __all__ = ["AbortRequest", "AddRequest", "AsyncLLMEngine", "QueueFullError"]
+
+log = logging.getLogger(__name__)
 
 _SENTINEL = object()
 _ADMITTED = object()  # the engine thread added the request (delivered before any output)
@@ -67,11 +71,28 @@ class AsyncLLMEngine:
     Args:
         engine: an ``LLMEngine`` or ``NaiveEngine``.
         max_waiting: bound on queued (not yet running) requests; ``None`` = unbounded.
+        trace_path: write every request's lifecycle events (:mod:`llmserve.core.trace`) to this
+            JSON-lines file (gzip when it ends in ``.gz``), appended by the engine thread about
+            once a second and at shutdown; ``t`` counts seconds from the engine's construction.
+            ``None`` (the default): no trace.
+
+    Raises:
+        OSError: ``trace_path`` cannot be written.
     """
 
-    def __init__(self, engine: LLMEngine | NaiveEngine, max_waiting: int | None = None) -> None:
+    #: seconds between two trace flushes of the engine thread
+    TRACE_FLUSH_S = 1.0
+
+    def __init__(self, engine: LLMEngine | NaiveEngine, max_waiting: int | None = None,
+                 trace_path: str | None = None) -> None:
         self.engine = engine
         self.max_waiting = max_waiting
+        self.trace_path = trace_path
+        self._trace_origin = time.perf_counter()
+        self._last_flush = self._trace_origin
+        if trace_path is not None:
+            write_trace(trace_path, [])          # created (or emptied) now: a bad path fails here
+            engine.tracer = RequestTracer()
         self._commands: queue.SimpleQueue[AddRequest | AbortRequest] = queue.SimpleQueue()
         self._wake = threading.Event()
         self._stop = threading.Event()
@@ -159,6 +180,8 @@ class AsyncLLMEngine:
         while not self._stop.is_set():
             self._apply_commands()
             if not self.engine.has_unfinished_requests():
+                if self.trace_path is not None and self._last_flush < time.perf_counter() - self.TRACE_FLUSH_S:
+                    self.flush_trace()
                 self._wake.wait(0.05)
                 self._wake.clear()
                 continue
@@ -172,7 +195,26 @@ class AsyncLLMEngine:
                 continue
             for out in outputs:
                 self._deliver(out.request_id, out)
+            if self.trace_path is not None and time.perf_counter() - self._last_flush > self.TRACE_FLUSH_S:
+                self.flush_trace()
         self._apply_commands()
+        self.flush_trace()
+
+    def flush_trace(self) -> int:
+        """Append the trace events recorded since the last flush to ``trace_path`` (the engine
+        thread calls it; call it yourself only while the loop is stopped). Returns the number
+        of events written (0 without a trace)."""
+        tracer = getattr(self.engine, "tracer", None)
+        if self.trace_path is None or tracer is None:
+            return 0
+        self._last_flush = time.perf_counter()
+        try:
+            return write_trace(self.trace_path, tracer.drain(self._trace_origin), append=True)
+        except OSError as e:   # a full disk must not stop serving: say so once and stop tracing
+            log.error("request trace disabled: cannot write %s (%s)", self.trace_path, e)
+            self.trace_path = None
+            self.engine.tracer = None
+            return 0
 
     # ---- public async API --------------------------------------------------------------------
     async def generate(self, prompt: str | list[int], sampling_params: SamplingParams | None = None,

@@ -23,6 +23,10 @@ Exported series (``_total`` is appended to counters by the exposition format):
 | ``llmserve:request_time_per_output_token_seconds`` | histogram | (last - first token) / (n - 1) |
 | ``llmserve:e2e_request_latency_seconds`` | histogram | finish - arrival |
 | ``llmserve:request_queue_time_seconds`` | histogram | first scheduled - arrival |
+| ``llmserve:request_prefill_time_seconds`` | histogram | first token - first scheduled |
+| ``llmserve:request_decode_time_seconds`` | histogram | finish - first token |
+| ``llmserve:request_inference_time_seconds`` | histogram | finish - first scheduled |
+| ``llmserve:request_num_preemptions`` | histogram | preemptions (recomputes) of each finished request |
 | ``llmserve:request_prompt_tokens`` / ``llmserve:request_generation_tokens`` | histogram | per request |
 | ``llmserve:spec_decode_num_drafts_total`` | counter | verifications (speculative engine only) |
 | ``llmserve:spec_decode_num_draft_tokens_total`` | counter | draft tokens proposed (speculative only) |
@@ -63,6 +67,7 @@ ITL_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.015, 0.02, 0.025, 0.03, 0.04, 0.05,
                0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0, 40.0, 80.0)
 REQUEST_LATENCY_BUCKETS = (0.01, 0.05, 0.1, 0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0,
                            20.0, 30.0, 40.0, 50.0, 60.0, 120.0, 240.0, 480.0, 960.0, 1920.0, 7680.0)
+PREEMPTION_BUCKETS = (0, 1, 2, 4, 8, 16, 32)
 TOKEN_COUNT_BUCKETS = (1, 2, 5, 10, 20, 50, 100, 200, 500, 1000, 2000, 5000, 10000, 20000, 50000)
 
 #: Every series name the app exports (dashboards and tests check against it).
@@ -84,6 +89,10 @@ EXPORTED_METRICS = (
     "llmserve:request_time_per_output_token_seconds",
     "llmserve:e2e_request_latency_seconds",
     "llmserve:request_queue_time_seconds",
+    "llmserve:request_prefill_time_seconds",
+    "llmserve:request_decode_time_seconds",
+    "llmserve:request_inference_time_seconds",
+    "llmserve:request_num_preemptions",
     "llmserve:request_prompt_tokens",
     "llmserve:request_generation_tokens",
 )
@@ -186,6 +195,18 @@ class ServiceMetrics:
         self.queue_time = Histogram(PREFIX + "request_queue_time_seconds",
                                     "Histogram of time spent waiting before first being scheduled, in seconds.",
                                     buckets=REQUEST_LATENCY_BUCKETS, registry=r)
+        self.prefill_time = Histogram(PREFIX + "request_prefill_time_seconds",
+                                      "Histogram of time from first scheduled to first token, in seconds.",
+                                      buckets=REQUEST_LATENCY_BUCKETS, registry=r)
+        self.decode_time = Histogram(PREFIX + "request_decode_time_seconds",
+                                     "Histogram of time from first token to finish, in seconds.",
+                                     buckets=REQUEST_LATENCY_BUCKETS, registry=r)
+        self.inference_time = Histogram(PREFIX + "request_inference_time_seconds",
+                                        "Histogram of time from first scheduled to finish, in seconds.",
+                                        buckets=REQUEST_LATENCY_BUCKETS, registry=r)
+        self.request_preemptions = Histogram(PREFIX + "request_num_preemptions",
+                                             "Preemptions (recomputes) of each finished request.",
+                                             buckets=PREEMPTION_BUCKETS, registry=r)
         self.request_prompt_tokens = Histogram(PREFIX + "request_prompt_tokens", "Prompt tokens per request.",
                                                buckets=TOKEN_COUNT_BUCKETS, registry=r)
         self.request_generation_tokens = Histogram(PREFIX + "request_generation_tokens",
@@ -274,8 +295,16 @@ class RequestTracker:
             self.m.request_success.labels(finish_reason or "abort").inc()
             self.m.e2e.observe(max(0.0, finish - arrival))
             scheduled = getattr(rm, "first_scheduled_time", None)
+            first = getattr(rm, "first_token_time", None)
             if scheduled is not None:
                 self.m.queue_time.observe(max(0.0, scheduled - arrival))
+                self.m.inference_time.observe(max(0.0, finish - scheduled))
+                if first is not None:
+                    self.m.prefill_time.observe(max(0.0, first - scheduled))
+            if first is not None:
+                self.m.decode_time.observe(max(0.0, finish - first))
+            if rm is not None:
+                self.m.request_preemptions.observe(int(getattr(rm, "num_preemptions", 0) or 0))
             if self.num_tokens > 1 and self.first_token is not None and self.last_token is not None:
                 self.m.tpot.observe(max(0.0, (self.last_token - self.first_token) / (self.num_tokens - 1)))
             self.m.request_generation_tokens.observe(self.num_tokens)

@@ -48,6 +48,10 @@ def add_serve_subparser(subparsers: Any) -> argparse.ArgumentParser:
                    help="read the API key from the first line of FILE")
     p.add_argument("--api-key-protect-metrics", action="store_true",
                    help="require the API key on /health and /metrics too")
+    p.add_argument("--trace", default=None, metavar="FILE.jsonl",
+                   help="write every request's lifecycle events (queued, prefill chunks, first token, "
+                        "decode steps, preemptions, finish) as JSON lines, appended about once a "
+                        "second; gzip when the name ends in .gz (default: off)")
     p.add_argument("--shutdown-timeout", type=float, default=10.0,
                    help="seconds to drain in-flight requests on shutdown before aborting them")
     p.add_argument("--no-kernel-warmup", dest="kernel_warmup", action="store_false",
@@ -135,6 +139,12 @@ def build_app(args: argparse.Namespace):
         raise ValueError(f"--shutdown-timeout must be >= 0 seconds, got {args.shutdown_timeout}")
     if getattr(args, "max_request_body_bytes", 1) < 0:
         raise ValueError(f"--max-request-body-bytes must be >= 0 (0 = no limit), got {args.max_request_body_bytes}")
+    if getattr(args, "trace", None):     # before the model loads: a bad path fails in a second
+        from ..core.trace import write_trace
+        try:
+            write_trace(args.trace, [])
+        except OSError as e:
+            raise ValueError(f"--trace {args.trace!r} cannot be written: {e}") from None
     api_key = resolve_api_key(args)
     model = _model_name(args)
     config = build_engine_config(args)
@@ -152,7 +162,9 @@ def build_app(args: argparse.Namespace):
                          info["requests"], info["seconds"], info["triton_compiles"])
     log.info("ready: %s", describe_startup(getattr(engine, "startup", None) or {}))
     max_waiting = args.max_waiting or None
-    async_engine = AsyncLLMEngine(engine, max_waiting=max_waiting)
+    async_engine = AsyncLLMEngine(engine, max_waiting=max_waiting, trace_path=getattr(args, "trace", None))
+    if async_engine.trace_path is not None:
+        log.info("request trace: %s", async_engine.trace_path)
     name = args.served_model_name or model
     aliases = tuple(a for a in {model, str(getattr(engine, "model_path", "") or "")} if a and a != name)
     return create_app(async_engine, served_model_name=name, model_aliases=aliases, max_waiting=max_waiting,
