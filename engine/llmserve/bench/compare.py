@@ -417,7 +417,7 @@ def kv_bytes_per_token(model_config, dtype_bytes: int = 2) -> int:
 
 
 def decode_sweep(engine, batches: list[int], contexts: list[int], steps: int, warm: int = 8,
-                 seed: int = 0, sync=None) -> list[dict]:
+                 seed: int = 0, sync=None, trace: bool = True) -> list[dict]:
     """Steady-state decode step time of ``engine`` at each batch size and context length.
 
     For each ``(context, batch)``: ``batch`` requests with distinct random prompts of
@@ -427,12 +427,19 @@ def decode_sweep(engine, batches: list[int], contexts: list[int], steps: int, wa
     each checked to decode the whole batch with no preemption; then the requests are aborted.
     The engine must admit ``max(batches)`` sequences and hold their KV.
 
+    With ``trace`` the cost of request lifecycle tracing (:mod:`llmserve.core.trace`) is
+    measured on the same requests: ``steps`` more steps with a tracer attached, then ``steps``
+    without, and the traced window is compared with the mean of the untraced windows around it
+    (the context grows by ``steps`` tokens a window, so bracketing cancels that drift).
+
     Returns:
         One row per cell: ``batch``, ``context``, ``ms_per_step``, ``kv_bytes`` (KV read per
-        step at the timed steps' mean context), ``status`` and ``error`` (a failed cell, a batch
-        that was not full or was preempted included, stays a row).
+        step at the timed steps' mean context), with ``trace`` also ``traced_ms_per_step`` and
+        ``trace_overhead`` (traced / untraced - 1), ``status`` and ``error`` (a failed cell, a
+        batch that was not full or was preempted included, stays a row).
     """
     from ..core.sampling_params import SamplingParams
+    from ..core.trace import RequestTracer
 
     sync = sync or (lambda: None)
     rng = np.random.default_rng(seed)
@@ -448,20 +455,34 @@ def decode_sweep(engine, batches: list[int], contexts: list[int], steps: int, wa
                 # the timed window (requests admitted first decode during the later prefills)
                 budget = engine.scheduler.config.max_num_batched_tokens
                 extra = -(-b * ctx // budget) + b + 16           # steps spent admitting the batch
-                sp = SamplingParams(max_tokens=warm + steps + extra, ignore_eos=True)
+                windows = 3 if trace else 1
+                sp = SamplingParams(max_tokens=warm + windows * steps + extra, ignore_eos=True)
                 seqs = [engine.add_request(rng.integers(0, vocab, ctx).tolist(), sp) for _ in range(b)]
                 while min(len(q.output_token_ids) for q in seqs) < warm:
                     engine.step()
                 preempt0 = engine.scheduler.num_preemptions
-                sync()
-                t0 = time.perf_counter()
                 short = 0
-                for _ in range(steps):
-                    engine.step()
-                    short += engine.scheduler.num_running != b
-                sync()
-                row["ms_per_step"] = (time.perf_counter() - t0) / steps * 1e3
+
+                def window() -> float:
+                    nonlocal short
+                    sync()
+                    t0 = time.perf_counter()
+                    for _ in range(steps):
+                        engine.step()
+                        short += engine.scheduler.num_running != b
+                    sync()
+                    return (time.perf_counter() - t0) / steps * 1e3
+
+                row["ms_per_step"] = window()
                 row["kv_bytes"] = b * (ctx + warm + steps // 2) * per_token
+                if trace:
+                    engine.tracer = RequestTracer()
+                    try:
+                        row["traced_ms_per_step"] = window()
+                    finally:
+                        engine.tracer = None
+                    after = window()
+                    row["trace_overhead"] = row["traced_ms_per_step"] / ((row["ms_per_step"] + after) / 2) - 1
                 if short or engine.scheduler.num_preemptions != preempt0:
                     row.update(status="failed", error=f"batch not full in {short} of {steps} timed steps, "
                                f"{engine.scheduler.num_preemptions - preempt0} preemptions (KV cache too small?)")
@@ -733,6 +754,8 @@ def to_markdown(rep: dict) -> str:
         batches = sorted({r["batch"] for r in rows})
         lines += [f"## Decode step at batch 1..{max(batches)} ({d['model']}, ms/step; x floor = over "
                   "(weight + KV bytes) / copy bandwidth)", "",
+                  "Tracing on: the step time with request lifecycle tracing (`--trace`) against "
+                  "the untraced steps around it, on the same requests.", "",
                   "| context | " + " | ".join(str(b) for b in batches) + " |",
                   "| --- |" + " ---: |" * len(batches)]
         for ctx in sorted({r["context"] for r in rows}):
@@ -742,6 +765,10 @@ def to_markdown(rep: dict) -> str:
             xf = [_f(cells[b].get("ratio_to_floor")) if b in cells else "" for b in batches]
             lines.append(f"| {ctx}: ms/step | " + " | ".join(ms) + " |")
             lines.append(f"| {ctx}: x floor | " + " | ".join(xf) + " |")
+            if any(c.get("trace_overhead") is not None for c in cells.values()):
+                tr = [f"{cells[b]['trace_overhead']:+.1%}" if cells.get(b, {}).get("trace_overhead") is not None
+                      else "" for b in batches]
+                lines.append(f"| {ctx}: tracing on | " + " | ".join(tr) + " |")
         errors = [r for r in rows if r["status"] != "ok"]
         lines += [f"- batch {r['batch']} context {r['context']}: {r['error']}" for r in errors]
         lines.append("")
