@@ -223,6 +223,9 @@ def run_benchmark_cli(args: argparse.Namespace) -> int:
     else:
         print(f"benchmark failed: {report.get('error')}", file=sys.stderr)
     print(f"wrote {out} and {csv_path}", file=sys.stderr)
+    if report.get("trace"):
+        print(f"wrote {report['trace']['num_events']} request lifecycle events to {report['trace']['path']}",
+              file=sys.stderr)
     return 1 if (report["status"] != "ok" and opts.fail_on_error) else 0
 
 
