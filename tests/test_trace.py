@@ -102,6 +102,8 @@ def test_preemption_is_traced_with_blocks_and_recompute():
         evs = _events_of(events, e["request_id"])
         after = [x for x in evs if x["t"] >= e["t"] and x["event"] == "prefill"]
         assert after and after[0]["recompute"] is True
+        before = [x for x in evs if x["t"] < e["t"] and x["event"] == "prefill"]
+        assert before and before[0]["recompute"] is False     # its first prefill was no recompute
     spans = request_spans(events)
     victim = pre[0]["request_id"]
     kinds = [s.kind for s in spans[victim]]
@@ -200,6 +202,11 @@ def test_trace_file_round_trip_and_bad_lines(tmp_path):
         assert write_trace(tmp_path / name, ev) == 1
         assert read_trace(tmp_path / name) == ev
     assert gzip.decompress((tmp_path / "t.jsonl.gz").read_bytes()).startswith(b"{")
+    first = (tmp_path / "t.jsonl.gz").read_bytes()
+    write_trace(tmp_path / "t.jsonl.gz", ev)
+    assert (tmp_path / "t.jsonl.gz").read_bytes() == first       # reproducible bytes
+    write_trace(tmp_path / "t.jsonl.gz", ev, append=True)
+    assert read_trace(tmp_path / "t.jsonl.gz") == ev + ev
     (tmp_path / "bad.jsonl").write_text(json.dumps({"t": 1}) + "\n")
     with pytest.raises(ValueError, match="not a trace event"):
         read_trace(tmp_path / "bad.jsonl")

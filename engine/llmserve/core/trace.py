@@ -161,7 +161,7 @@ def _expand(queued, steps, ended, rejected, origin: float, state: dict[str, bool
                 ev.append({"t": t, "request_id": rid, "event": "prefill", "step": step,
                            "tokens": item.num_new_tokens, "start": item.start_position,
                            "cached_tokens": item.start_position if admitted else 0,
-                           "recompute": item.seq.metrics.num_preemptions > 0,
+                           "recompute": any(r[0] < start for r in item.seq.metrics.preemptions),
                            "batch_size": batch, "batch_tokens": batch_tokens})
             else:
                 ev.append({"t": t, "request_id": rid, "event": "decode", "step": step,
@@ -268,10 +268,13 @@ def write_trace(path: str | Path, events: Iterable[dict], append: bool = False) 
     """
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
-    mode = "at" if append else "wt"
     n = 0
-    opener = gzip.open if path.suffix == ".gz" else open
-    with opener(path, mode, encoding="utf-8") as f:
+    if path.suffix == ".gz":     # no timestamp in the header: the same events, the same bytes
+        raw = gzip.GzipFile(filename=str(path), mode="ab" if append else "wb", mtime=0)
+        f = io.TextIOWrapper(raw, encoding="utf-8")
+    else:
+        f = open(path, "a" if append else "w", encoding="utf-8")
+    with f:
         for e in events:
             f.write(json.dumps(e, separators=(",", ":")) + "\n")
             n += 1
