@@ -339,6 +339,8 @@ def deep_merge(base, overrides):
 
 PLOT_NAMES = ["batch_scaling", "ttft_cdf", "chunked_prefill", "latency_throughput"]
 PLOT_FILES = [f"{PLOTS}/{name}.png" for name in PLOT_NAMES]
+#: The per-request timelines, one PNG a figure of the config's `timelines`.
+TIMELINE_FILES = [f"{PLOTS}/timeline_{name}.png" for name in TIMELINES]
 TABLE_NAMES = ["summary", "headline", "chunked_prefill", "rates", "failure_regimes",
                "batch_invariant"]
 TABLE_FILES = [f"{OUT}/{name}.{ext}" for name in TABLE_NAMES for ext in ("csv", "md")]
@@ -347,7 +349,7 @@ STALE_MARKERS = sorted({m for m in map(stale_marker, ALL_CELLS) if m})
 VERDICT_FILES = [f"{OUT}/verdicts.md", f"{OUT}/verdicts.csv", f"{OUT}/report.rst"]
 TRACKED_FILES = (([LOAD_PROFILE] if DERIVE_PROFILE else [])
                  + [LOAD_FILES[name] for name in EXTRA_LOADS] + raw_files(ALL_CELLS)
-                 + TABLE_FILES + PLOT_FILES + VERDICT_FILES)
+                 + TABLE_FILES + PLOT_FILES + TIMELINE_FILES + VERDICT_FILES)
 
 wildcard_constraints:
     cell="[a-z]+~[^/]+",
@@ -398,6 +400,13 @@ def _table(name, caption):
 def _plot(name, caption):
     return report(f"{PLOTS}/{name}.png", caption=f"{REPORT}/{caption}", category=PLOTS_CATEGORY,
                   labels={"profile": PROFILE, "plot": name.replace("_", " ")})
+
+
+def _timeline_caption(name):
+    """The caption of timeline figure ``name``: workflow/report/timeline_<name>.rst, or the
+    generic timeline.rst for a figure the report has no words of its own for."""
+    own = f"timeline_{name}.rst"
+    return own if (REPO / "workflow" / "report" / own).exists() else "timeline.rst"
 
 
 # ---- the prefix-caching sweep (workflow/rules/prefix.smk; settings: the config's `prefix`) ----
