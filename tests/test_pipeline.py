@@ -99,6 +99,8 @@ def test_every_rule_is_named_in_the_workflow_sources():
             assert "benchmark_<sweep>_rep<N>" in sources and "benchmark_rep<N>" in sources
         elif name.startswith("structured_rep"):
             assert "structured_rep<N>" in sources
+        elif name.startswith("timeline_"):
+            assert "timeline_<name>" in sources
         elif name.startswith("results/"):
             assert f'"{name}"' in sources, name
         else:
@@ -554,6 +556,8 @@ sweeps:
   rates:
     - {scheduler: [continuous], batch: [8], rate: [inf]}
   failure_regimes: []
+timelines:
+  batching: [{scheduler: naive}, {scheduler: continuous, batch: 8}]
 """
 
 
@@ -590,8 +594,16 @@ def test_reduced_matrix_end_to_end(reduced_run):
     head = (out / "headline.md").read_text()
     cont = next(ln for ln in head.splitlines() if ln.startswith("| Continuous batching"))
     assert cont.count("[") == 3 and cont.count("–") == 3, head
-    for png in ("batch_scaling", "ttft_cdf", "chunked_prefill", "latency_throughput"):
+    for png in ("batch_scaling", "ttft_cdf", "chunked_prefill", "latency_throughput",
+                "timeline_batching"):
         assert (out / "plots" / f"{png}.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    # repetition 0 of the timeline's cells traced its requests, and only that repetition
+    traces = sorted(p.name for p in (out / "raw").glob("*.trace.jsonl.gz"))
+    assert len(traces) == 2 and all(t.endswith("_rep~0.trace.jsonl.gz") for t in traces), traces
+    from llmserve.core.trace import read_trace
+
+    events = read_trace(out / "raw" / traces[0])
+    assert {e["event"] for e in events} >= {"arrived", "queued", "prefill", "finished"}, events[:5]
     prov = json.loads(next((out / "raw").glob("*rep~1.provenance.json")).read_text())
     assert prov["torch_threads"] == 1 and prov["process"]["cells_in_group"] == 2, prov
     assert prov["code_hash"] == prov["code_hash_at_dag_build"]
@@ -607,6 +619,8 @@ def test_reduced_matrix_end_to_end(reduced_run):
     listed = [ln.split("  ", 1)[1] for ln in checksum.read_text().splitlines()]
     assert "results/checkpoint3/citest/summary.md" in listed
     assert sum(p.endswith(".json") and "/raw/" in p for p in listed) == 8  # 2 cells x 2 reps x 2
+    assert sum(p.endswith(".trace.jsonl.gz") for p in listed) == 2  # the traced repetition 0
+    assert "results/checkpoint3/citest/plots/timeline_batching.png" in listed
     assert not any("/logs/" in p for p in listed)
     if shutil.which("sha256sum"):
         ok = subprocess.run(["sha256sum", "-c", str(checksum.relative_to(work))], cwd=work,
@@ -630,7 +644,7 @@ def test_report_embeds_every_table_and_plot(reduced_run):
     html = report.read_text()
     assert "<html" in html.lower()
     plots = sorted((work / "results" / "checkpoint3" / "citest" / "plots").glob("*.png"))
-    assert len(plots) == 4
+    assert len(plots) == 5   # the four plots and the timeline of the config's `timelines`
     # self-contained: the results are embedded as data (base64), not linked files
     for png in plots:
         assert png.name in html, png.name

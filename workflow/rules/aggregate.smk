@@ -97,3 +97,39 @@ rule plots:
         " --reports {input.main} --batch-scaling {output.batch_scaling}"
         " --ttft-cdf {output.ttft_cdf} --chunked-plot {output.chunked_prefill}"
         " --latency-throughput {output.latency_throughput} > {log} 2>&1"
+
+
+# The per-request timelines: one rule per figure of the config's `timelines`, named
+# timeline_<name> (e.g. timeline_batching), each drawing the lifecycle traces that repetition 0
+# of its cells wrote (TIMELINES in common.smk). A figure's caption is
+# workflow/report/timeline_<name>.rst, or the generic timeline.rst for a name without one.
+for _name, _cells in TIMELINES.items():
+
+    rule:
+        """One per-request timeline figure: a panel per cell, a row per request, its spans."""
+        name:
+            f"timeline_{_name}"
+        input:
+            script=f"{SCRIPTS}/plot_timeline.py",
+            columns=f"{SCRIPTS}/matrix_columns.py",  # cell ids, the cells' words
+            traces=[trace_file(c) for c in _cells],
+            reports=[f"{RAW}/{c}.json" for c in _cells],
+            provenance=[f"{RAW}/{c}.provenance.json" for c in _cells],
+        output:
+            png=_plot(f"timeline_{_name}", _timeline_caption(_name)),
+        params:
+            profile=PROFILE,
+            figure=_name,
+            cells=" ".join(_cells),
+            raw=lambda wildcards, input: os.path.dirname(input.reports[0]),
+            defaults=json.dumps({k: _fmt(v) for k, v in DEFAULTS.items()}),
+        log:
+            f"{LOGS}/timeline_{_name}.log",
+        message:
+            f"checkpoint 3 ({PROFILE}): timeline {_name} ({len(_cells)} cells)"
+        conda:
+            ENV
+        shell:
+            "python {input.script} --profile {params.profile} --figure {params.figure}"
+            " --defaults {params.defaults:q} --raw {params.raw} --cells {params.cells}"
+            " --output {output.png} > {log} 2>&1"

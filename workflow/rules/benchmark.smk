@@ -13,6 +13,10 @@
 # compares the hash each cell recorded in its provenance file with the current one and reruns
 # the stale groups. If the sources change while a group runs, the job fails instead of keeping
 # a cell measured on code its recorded hash does not describe.
+#
+# Repetition 0 of a cell that a figure of the config's `timelines` draws also writes its
+# requests' lifecycle trace (raw/<cell>.trace.jsonl.gz, one more output of its group; an empty
+# trace when the cell failed before writing one).
 
 # Cluster sizing of a benchmark process, read by cluster executors (workflow/profiles/slurm);
 # local runs ignore it. The rule names are generated (one per sweep and repetition), so a

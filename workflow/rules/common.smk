@@ -134,6 +134,57 @@ def _cell_params(cell_id):
     return matrix_columns.cell_params(cell_id)
 
 
+# ---- per-request timelines (the config's `timelines`; workflow/scripts/plot_timeline.py) -------
+# Repetition 0 of every cell a figure lists runs with `--trace`, writing its requests' lifecycle
+# events beside its report; no other cell's flags change (a traced run pays one tuple append a
+# step, so only the cells drawn carry it).
+TRACED_REP = "0"
+
+
+def timeline_cells(figures):
+    """``{figure: [cell id of repetition 0, ...]}`` of the config's `timelines`.
+
+    Each entry is a mapping of column settings, unset columns taking `defaults`, normalised as
+    the sweeps' cells are. A setting that is not a cell of the matrix is refused: a timeline of
+    a run that never happens cannot be drawn, and tracing it would add a cell behind the
+    sweeps' back.
+
+    Raises:
+        WorkflowError: a setting names no cell of the matrix, or a figure lists a cell twice.
+    """
+    known = set(ALL_CELLS)
+    out = {}
+    for name, settings in (figures or {}).items():
+        ids = []
+        for setting in settings:
+            cell = normalise_cell({**DEFAULTS, **setting})
+            cid = cell_ids(cell_frame([cell], 1))[0]
+            if cid not in known:
+                wanted = _cell_params(cid)
+                nearest = sorted({c.rsplit("_rep~", 1)[0] for c in known},
+                                 key=lambda c: sum(_cell_params(c)[k] != wanted[k] for k in COLUMNS))
+                raise WorkflowError(
+                    f"timelines: figure {name!r} lists {dict(setting)}, i.e. the cell "
+                    f"{cid.rsplit('_rep~', 1)[0]}, which no sweep of profile {PROFILE!r} runs. "
+                    "List a cell of the matrix (unset columns take `defaults`) or add it to a "
+                    "sweep. Nearest cells of the matrix: " + "; ".join(nearest[:3]))
+            if cid in ids:
+                raise WorkflowError(f"timelines: figure {name!r} lists the cell "
+                                    f"{cid.rsplit('_rep~', 1)[0]} twice ({dict(setting)})")
+            ids.append(cid)
+        out[name] = ids
+    return out
+
+
+TIMELINES = timeline_cells(config.get("timelines"))
+TRACED_CELLS = {c for cells in TIMELINES.values() for c in cells}
+
+
+def trace_file(cell_id):
+    """The lifecycle trace a traced cell writes (gzip-compressed JSON lines)."""
+    return f"{RAW}/{cell_id}.trace.jsonl.gz"
+
+
 # Benchmark processes: the cells of one sweep and repetition run in one process (the first sweep
 # that names a cell runs it), so start-up (torch, tokenizer, prompts; CUDA context, kernels) is
 # paid once a group, while repetitions stay separate processes and an edit of one sweep reruns
@@ -172,7 +223,8 @@ def cell_flags(cell_id):
     """`llmserve benchmark` flags of one cell: every column's flag from the column table
     (matrix_columns.column_flag, in FLAG_ORDER; the load as its profile file), with the
     profile-wide settings after the columns named in `settings_after`, where they have always
-    been (the flag string is a param of the benchmark jobs: another order reruns every cell)."""
+    been (the flag string is a param of the benchmark jobs: another order reruns every cell),
+    and `--trace` last on the runs a timeline figure draws (TRACED_CELLS)."""
     c = _cell_params(cell_id)
     load = EXTRA_LOADS.get(c["load"]) or {}
     requests = load.get("num_requests", config["requests"])
@@ -196,6 +248,8 @@ def cell_flags(cell_id):
         flags.append(f"--slo-ttft-ms {slo['ttft_ms']}")
     if slo.get("tpot_ms"):
         flags.append(f"--slo-tpot-ms {slo['tpot_ms']}")
+    if cell_id in TRACED_CELLS:
+        flags.append(f"--trace {trace_file(cell_id)}")
     return " ".join(flags)
 
 
@@ -261,8 +315,11 @@ def code_change_markers(cells):
 
 
 def raw_files(cells, kinds=("json", "csv", "provenance.json")):
-    """Raw result paths of the given cell ids."""
-    return [f"{RAW}/{cell}.{kind}" for cell in cells for kind in kinds]
+    """Raw result paths of the given cell ids: ``kinds`` of each, and the lifecycle trace of
+    each traced cell (TRACED_CELLS)."""
+    return [path for cell in cells
+            for path in [f"{RAW}/{cell}.{kind}" for kind in kinds]
+            + ([trace_file(cell)] if cell in TRACED_CELLS else [])]
 
 
 def deep_merge(base, overrides):
@@ -282,6 +339,8 @@ def deep_merge(base, overrides):
 
 PLOT_NAMES = ["batch_scaling", "ttft_cdf", "chunked_prefill", "latency_throughput"]
 PLOT_FILES = [f"{PLOTS}/{name}.png" for name in PLOT_NAMES]
+#: The per-request timelines, one PNG a figure of the config's `timelines`.
+TIMELINE_FILES = [f"{PLOTS}/timeline_{name}.png" for name in TIMELINES]
 TABLE_NAMES = ["summary", "headline", "chunked_prefill", "rates", "failure_regimes",
                "batch_invariant"]
 TABLE_FILES = [f"{OUT}/{name}.{ext}" for name in TABLE_NAMES for ext in ("csv", "md")]
@@ -290,7 +349,7 @@ STALE_MARKERS = sorted({m for m in map(stale_marker, ALL_CELLS) if m})
 VERDICT_FILES = [f"{OUT}/verdicts.md", f"{OUT}/verdicts.csv", f"{OUT}/report.rst"]
 TRACKED_FILES = (([LOAD_PROFILE] if DERIVE_PROFILE else [])
                  + [LOAD_FILES[name] for name in EXTRA_LOADS] + raw_files(ALL_CELLS)
-                 + TABLE_FILES + PLOT_FILES + VERDICT_FILES)
+                 + TABLE_FILES + PLOT_FILES + TIMELINE_FILES + VERDICT_FILES)
 
 wildcard_constraints:
     cell="[a-z]+~[^/]+",
@@ -341,6 +400,13 @@ def _table(name, caption):
 def _plot(name, caption):
     return report(f"{PLOTS}/{name}.png", caption=f"{REPORT}/{caption}", category=PLOTS_CATEGORY,
                   labels={"profile": PROFILE, "plot": name.replace("_", " ")})
+
+
+def _timeline_caption(name):
+    """The caption of timeline figure ``name``: workflow/report/timeline_<name>.rst, or the
+    generic timeline.rst for a figure the report has no words of its own for."""
+    own = f"timeline_{name}.rst"
+    return own if (REPO / "workflow" / "report" / own).exists() else "timeline.rst"
 
 
 # ---- the prefix-caching sweep (workflow/rules/prefix.smk; settings: the config's `prefix`) ----

@@ -23,12 +23,18 @@ that fails is a ``status: failed`` report (the harness writes it) and the group 
 (the process was killed, ran out of memory, segfaulted) gets a failed report in its place, so a
 crash is a failed row, never a hole. Only a broken pipeline (an unknown flag, sources edited
 while the group runs) fails the job.
+
+A cell whose flags carry ``--trace FILE`` declares that file as one more output: the harness
+writes it when the run reaches its report, and ``finalize`` writes an empty trace for a cell
+that left none (it failed before its measured phase, or the process died), so the job keeps its
+outputs and the plot shows the failure instead of a missing file.
 """
 
 from __future__ import annotations
 
 import argparse
 import contextlib
+import gzip
 import json
 import os
 import shlex
@@ -47,6 +53,24 @@ def load_spec(text: str) -> dict[str, str]:
     if not isinstance(spec, dict) or not all(isinstance(v, str) for v in spec.values()):
         raise ValueError("spec must be a JSON object mapping cell id -> flags string")
     return spec
+
+
+def trace_path(flags: str) -> Path | None:
+    """The ``--trace`` file a cell's flags name (``--trace FILE`` or ``--trace=FILE``), else None."""
+    args = shlex.split(flags)
+    for i, arg in enumerate(args):
+        if arg == "--trace" and i + 1 < len(args):
+            return Path(args[i + 1])
+        if arg.startswith("--trace="):
+            return Path(arg.split("=", 1)[1])
+    return None
+
+
+def write_empty_trace(path: Path) -> None:
+    """An empty lifecycle trace at ``path`` (gzip when the name ends in ``.gz``; fixed bytes:
+    no time stamp in the gzip header), which reads back as no events."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_bytes(gzip.compress(b"", mtime=0) if path.suffix == ".gz" else b"")
 
 
 def set_threads(n: int) -> int:
@@ -105,8 +129,10 @@ def run_group(spec: dict[str, str], raw: Path, log_dir: Path, expected_hash: str
             print(f"error: {e}", file=sys.stderr)
             return 1
         out, csv, prov = raw / f"{cell}.json", raw / f"{cell}.csv", raw / f"{cell}.provenance.json"
-        for p in (out, csv, prov):
-            p.unlink(missing_ok=True)
+        trace = trace_path(flags)
+        for p in (out, csv, prov, trace):
+            if p is not None:
+                p.unlink(missing_ok=True)   # an earlier run's trace never passes for this one's
         log = log_dir / f"{cell}.log"
         parser = argparse.ArgumentParser(prog="llmserve benchmark")
         add_benchmark_args(parser)
@@ -151,7 +177,13 @@ def run_group(spec: dict[str, str], raw: Path, log_dir: Path, expected_hash: str
 
 def finalize(spec: dict[str, str], raw: Path, log_dir: Path, expected_hash: str, device: str,
              exit_status: int, group: str) -> int:
-    """Failed reports for the cells the ``run`` step left without a provenance file."""
+    """Failed reports for the cells the ``run`` step left without a provenance file, and an
+    empty trace for every traced cell left without one."""
+    for cell, flags in spec.items():
+        trace = trace_path(flags)
+        if trace is not None and not trace.exists():
+            write_empty_trace(trace)
+            print(f"{cell}: no trace from the run; empty trace written to {trace}")
     missing = [c for c in spec if not (raw / f"{c}.provenance.json").exists()]
     for cell in missing:
         ch.write_provenance(
