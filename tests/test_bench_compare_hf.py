@@ -67,7 +67,8 @@ def test_decode_sweep_mechanics(hf_qwen2, tmp_path):
     rows = decode_sweep(eng, [1, 3], [16, 40], steps=4, warm=2)
     assert [(r["context"], r["batch"]) for r in rows] == [(16, 1), (16, 3), (40, 1), (40, 3)]
     assert all(r["status"] == "ok" and r["ms_per_step"] > 0 for r in rows), rows
-    assert all(r["traced_ms_per_step"] > 0 and r["trace_overhead"] > -1 for r in rows), rows
+    for r in rows:                             # the bracketed comparison, recomputed
+        assert r["traced_ms_per_step"] > 0 and -0.9 < r["trace_overhead"] < 10, r
     assert eng.tracer is None                  # detached after its window
     per_token = kv_bytes_per_token(eng.model_config, 4)
     assert rows[1]["kv_bytes"] == 3 * (16 + 2 + 2) * per_token

@@ -173,8 +173,7 @@ def test_tracer_off_by_default_and_drain_forgets():
     while eng.has_unfinished_requests():
         eng.step()
     rest = tr.drain()
-    assert [e["event"] for e in rest] == ["decode", "decode", "first_token", "finished"] or \
-        sorted(e["event"] for e in rest) == sorted(["decode", "decode", "first_token", "finished"])
+    assert sorted(e["event"] for e in rest) == ["decode", "decode", "finished", "first_token"]
     assert not [e for e in rest if e["event"] == "prefill"]      # the request stays admitted
     assert tr.drain() == []
 
@@ -215,10 +214,12 @@ def test_trace_file_round_trip_and_bad_lines(tmp_path):
 def test_benchmark_trace_path_that_cannot_be_written_fails_the_run_early(tmp_path):
     blocker = tmp_path / "file"
     blocker.write_text("x")
-    opts = BenchmarkOptions(config="continuous", requests=2, trace=str(blocker / "t.jsonl"),
-                            output=str(tmp_path / "b.json"), progress=False)
-    report, _, _ = run_benchmark(opts)
-    assert report["status"] == "failed" and report["workload"] is None
+    for bad in (blocker / "t.jsonl", tmp_path):          # under a file; a directory
+        opts = BenchmarkOptions(config="continuous", requests=2, trace=str(bad),
+                                output=str(tmp_path / "b.json"), progress=False)
+        report, _, _ = run_benchmark(opts)
+        assert report["status"] == "failed" and report["workload"] is None, bad
+        assert "--trace" in report["error"] and "cannot be written" in report["error"]
 
 
 def test_async_engine_writes_the_trace_it_serves(tmp_path):
@@ -249,6 +250,50 @@ def test_async_engine_writes_the_trace_it_serves(tmp_path):
         assert [e["event"] for e in evs][-1] == "finished"
         assert sum(e["event"] == "decode" for e in evs) >= 4
     assert eng.tracer.drain() == []                       # everything was flushed
+    assert aeng._writer is None                            # the writer thread stopped
+
+
+def test_serve_trace_flushes_while_running_and_records_aborts(tmp_path):
+    import asyncio
+    import time as _time
+
+    from llmserve.engine.async_engine import AsyncLLMEngine
+
+    path = tmp_path / "serve.jsonl.gz"
+    eng = LLMEngine(EngineConfig(model="tiny", device="cpu", dtype="float32",
+                                 scheduler=SchedulerConfig(max_num_seqs=2, max_model_len=256)))
+    aeng = AsyncLLMEngine(eng, trace_path=str(path))
+    aeng.TRACE_FLUSH_S = 0.05
+
+    async def first_tokens_then_leave():
+        gen = aeng.generate([3, 4, 5], SamplingParams(max_tokens=200, ignore_eos=True), request_id="gone")
+        async for _ in gen:
+            break
+        await gen.aclose()                                 # the client disconnects
+
+    async def short():
+        async for _ in aeng.generate([6, 7], SamplingParams(max_tokens=3, ignore_eos=True), request_id="ok"):
+            pass
+
+    async def main():
+        await asyncio.gather(first_tokens_then_leave(), short())
+
+    asyncio.run(main())
+    deadline = _time.monotonic() + 10
+    while _time.monotonic() < deadline:                  # written while the server still runs
+        try:
+            evs = read_trace(path)
+        except EOFError:                                  # caught mid-write
+            evs = []
+        if {e["request_id"] for e in evs if e["event"] == "finished"} == {"gone", "ok"}:
+            break
+        _time.sleep(0.05)
+    reasons = {e["request_id"]: e["reason"] for e in evs if e["event"] == "finished"}
+    assert reasons == {"gone": "abort", "ok": "length"}
+    size = path.stat().st_size
+    _time.sleep(0.3)                                       # idle: nothing is appended
+    assert path.stat().st_size == size
+    aeng.shutdown()
 
 
 def test_serve_refuses_a_trace_path_it_cannot_write_before_loading(tmp_path):

@@ -3,7 +3,7 @@
 One figure per entry of the config's ``timelines``: one panel per cell, stacked on a shared x
 axis (seconds since the measured phase began), one row per request in order of arrival, and
 the request's life drawn as contiguous horizontal bars (:func:`llmserve.core.trace.request_spans`):
-queued (light grey), prefill (orange; a recompute after a preemption in dark orange), decode
+queued (light grey), prefill (orange; a recompute after a preemption hatched black on orange), decode
 (blue) and preempted (red, waiting to be recomputed). A rejected request is a black cross at its
 rejection. Each panel's title is the cell in words with its number of requests and preemptions;
 the figure's title names the profile and the engine code hash the cells' provenance files
@@ -200,7 +200,7 @@ def _draw_panel(ax, tl: CellTimeline, words: str) -> set[str]:
     for kind, (ys, lefts, widths) in bars.items():
         if ys:
             ax.barh(ys, widths, left=lefts, height=0.82, color=SPAN_COLOURS[kind], linewidth=0,
-                    hatch=SPAN_HATCH.get(kind), hatchcolor="black")
+                    hatch=SPAN_HATCH.get(kind), edgecolor="black")  # hatch colour = edge colour
             drawn.add(kind)
     rejected = [(float(e["t"]), row[e["request_id"]]) for e in tl.events if e["event"] == "rejected"]
     if rejected:
@@ -255,7 +255,7 @@ def plot_timeline(cells: list[CellTimeline], defaults: dict[str, str], profile: 
     bottom = axes[-1, 0]
     bottom.set_xlabel("seconds since the measured phase began")
     bottom.set_xlim(left=0)
-    handles = [Patch(facecolor=SPAN_COLOURS[k], hatch=SPAN_HATCH.get(k), hatchcolor="black",
+    handles = [Patch(facecolor=SPAN_COLOURS[k], hatch=SPAN_HATCH.get(k), edgecolor="black",
                      linewidth=0, label=SPAN_LABELS[k]) for k in SPAN_COLOURS
                if k in drawn or k in ("queued", "prefill", "decode", "preempted")]
     if "rejected" in drawn:

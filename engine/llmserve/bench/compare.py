@@ -484,7 +484,7 @@ def decode_sweep(engine, batches: list[int], contexts: list[int], steps: int, wa
                     after = window()
                     row["trace_overhead"] = row["traced_ms_per_step"] / ((row["ms_per_step"] + after) / 2) - 1
                 if short or engine.scheduler.num_preemptions != preempt0:
-                    row.update(status="failed", error=f"batch not full in {short} of {steps} timed steps, "
+                    row.update(status="failed", error=f"batch not full in {short} of {windows * steps} timed steps, "
                                f"{engine.scheduler.num_preemptions - preempt0} preemptions (KV cache too small?)")
             except Exception as e:  # noqa: BLE001 - the cell stays a row with its error
                 row.update(status="failed", error=f"{type(e).__name__}: {e}")

@@ -640,7 +640,10 @@ def run_benchmark(opts: BenchmarkOptions, engine_factory: Callable[[Any, bool], 
         if opts.json_schema:
             structured, report["structured_output"] = load_json_schema(opts.json_schema)
         if opts.trace:    # a path that cannot be written fails now, not after the run
-            Path(opts.trace).parent.mkdir(parents=True, exist_ok=True)
+            try:
+                write_trace(opts.trace, [])
+            except OSError as e:
+                raise ValueError(f"--trace {opts.trace!r} cannot be written: {e}") from None
         econf = make_engine_config(opts, seed)
         report["engine_config"] = dataclasses.asdict(econf)
         report["config"].update(resolved_flags(econf))   # what the device defaults resolved to

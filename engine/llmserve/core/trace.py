@@ -25,13 +25,25 @@ prefill    one step computed a chunk of its prompt (or, after a preemption, of i
            prefix cache when the chunk is the first after admission, ``recompute`` (bool),
            ``batch_size`` (sequences in the step) and ``batch_tokens`` (tokens in the step)
 first_token its first output token was read by the host
-decode     one step computed one token of it: ``step``, ``batch_size``, ``batch_tokens``
+decode     one step computed its next token: ``step``, ``batch_size``, ``batch_tokens``
+           (the planned tokens; a speculative step verifies more, see below)
 preempted  the scheduler took its KV blocks (``reason``: ``out of KV blocks``) and sent it
            back to the waiting queue: ``step``, ``blocks_freed``, ``tokens_dropped`` (computed
            tokens it must recompute)
 finished   it ended: ``reason`` (``stop`` | ``length`` | ``abort``), ``output_tokens``
 rejected   it could never fit and was not queued: ``reason`` (the error message)
 ========== =====================================================================================
+
+What the events do not say: with asynchronous scheduling (the CUDA default) the step after
+the one that produced a stop token is planned before that token is read, so a request that
+ends on EOS or a stop token has one ``decode`` more than its output tokens after the first
+(that step's token is dropped, and its ``batch_size`` counts the row); with speculative
+decoding a ``decode`` step may append up to 1 + k tokens; a request ended by a stop *string*
+in ``serve`` (matched on text by the server, outside the engine) is ``finished`` with reason
+``abort`` (the HTTP answer and the metrics say ``stop``). Event times are taken at the start of
+a step's scheduling, a few microseconds before ``first_scheduled_time`` (so the trace's queue
+span and the report's ``queue_ms`` differ by that much). Request ids must be unique within
+one trace: an id reused after its request finished is merged with the earlier one.
 
 :func:`request_spans` turns one request's events into contiguous spans (queued, prefill,
 decode, preempted) from arrival to finish, so the spans of a finished request add up to its
@@ -124,8 +136,20 @@ class RequestTracer:
     def drain(self, origin: float = 0.0) -> list[dict]:
         """Like :meth:`events`, then forget the records it expanded (a server's periodic
         flush). Step events of a request keep their prefill/decode state across drains."""
-        queued, steps, ended, rejected = self._queued, self._steps, self._ended, self._rejected
+        return self.expand(self.take(), origin)
+
+    def take(self) -> tuple:
+        """Hand over the records made since the last :meth:`take` (O(1): the lists are
+        swapped, not copied). Call it on the thread that feeds the tracer; :meth:`expand` may
+        then run on another thread, so a server's engine thread never serialises events."""
+        records = (self._queued, self._steps, self._ended, self._rejected)
         self._queued, self._steps, self._ended, self._rejected = [], [], [], []
+        return records
+
+    def expand(self, records: tuple, origin: float = 0.0) -> list[dict]:
+        """The events of records from :meth:`take`, in order (one caller at a time: it keeps
+        each request's admission state between calls)."""
+        queued, steps, ended, rejected = records
         out = _expand(queued, steps, ended, rejected, origin, self._state)
         for seq in ended:
             self._state.pop(seq.request_id, None)
@@ -268,6 +292,9 @@ def write_trace(path: str | Path, events: Iterable[dict], append: bool = False) 
     """
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
+    events = list(events)
+    if append and not events:
+        return 0                 # nothing to add: not even an empty gzip member
     n = 0
     if path.suffix == ".gz":     # no timestamp in the header: the same events, the same bytes
         raw = gzip.GzipFile(filename=str(path), mode="ab" if append else "wb", mtime=0)
@@ -286,6 +313,7 @@ def read_trace(path: str | Path) -> list[dict]:
 
     Raises:
         OSError: the file cannot be read.
+        EOFError: a ``.gz`` file ends mid-stream (a server still writing it).
         ValueError: a line is not a JSON object with ``t``, ``request_id`` and ``event``.
     """
     path = Path(path)

@@ -72,9 +72,12 @@ class AsyncLLMEngine:
         engine: an ``LLMEngine`` or ``NaiveEngine``.
         max_waiting: bound on queued (not yet running) requests; ``None`` = unbounded.
         trace_path: write every request's lifecycle events (:mod:`llmserve.core.trace`) to this
-            JSON-lines file (gzip when it ends in ``.gz``), appended by the engine thread about
-            once a second and at shutdown; ``t`` counts seconds from the engine's construction.
-            ``None`` (the default): no trace.
+            JSON-lines file (gzip when it ends in ``.gz``), appended about once a second and at
+            shutdown; ``t`` counts seconds from the engine's construction. The engine thread
+            only hands the records over (a list swap); a writer thread expands and writes them.
+            A request's ``first_token`` and ``finished`` events are written when it finishes, so
+            lines are in time order within a flush, not across flushes. ``None`` (the
+            default): no trace.
 
     Raises:
         OSError: ``trace_path`` cannot be written.
@@ -90,9 +93,14 @@ class AsyncLLMEngine:
         self.trace_path = trace_path
         self._trace_origin = time.perf_counter()
         self._last_flush = self._trace_origin
+        self._trace_q: queue.SimpleQueue = queue.SimpleQueue()
+        self._writer: threading.Thread | None = None
         if trace_path is not None:
             write_trace(trace_path, [])          # created (or emptied) now: a bad path fails here
             engine.tracer = RequestTracer()
+            self._writer = threading.Thread(target=self._write_trace_loop, name="llmserve-trace",
+                                            daemon=True)
+            self._writer.start()
         self._commands: queue.SimpleQueue[AddRequest | AbortRequest] = queue.SimpleQueue()
         self._wake = threading.Event()
         self._stop = threading.Event()
@@ -122,6 +130,12 @@ class AsyncLLMEngine:
             self._thread = None
             if alive:                  # a step still running: leave the engine to it
                 return
+        else:
+            self.flush_trace()         # the loop never ran: hand over what there is
+        if self._writer is not None:   # the loop's last flush is queued: write it, then stop
+            self._trace_q.put(None)
+            self._writer.join(timeout)
+            self._writer = None
         stop = getattr(self.engine, "shutdown", None)
         if callable(stop):
             stop()
@@ -200,21 +214,31 @@ class AsyncLLMEngine:
         self._apply_commands()
         self.flush_trace()
 
-    def flush_trace(self) -> int:
-        """Append the trace events recorded since the last flush to ``trace_path`` (the engine
-        thread calls it; call it yourself only while the loop is stopped). Returns the number
-        of events written (0 without a trace)."""
+    def flush_trace(self) -> None:
+        """Hand the trace records made since the last flush to the writer thread (the engine
+        thread calls it; O(1)). No-op without a trace."""
         tracer = getattr(self.engine, "tracer", None)
         if self.trace_path is None or tracer is None:
-            return 0
+            return
         self._last_flush = time.perf_counter()
-        try:
-            return write_trace(self.trace_path, tracer.drain(self._trace_origin), append=True)
-        except OSError as e:   # a full disk must not stop serving: say so once and stop tracing
-            log.error("request trace disabled: cannot write %s (%s)", self.trace_path, e)
-            self.trace_path = None
-            self.engine.tracer = None
-            return 0
+        self._trace_q.put(tracer.take())
+
+    def _write_trace_loop(self) -> None:
+        """Writer thread: expand each handed-over batch of records and append its events;
+        ``None`` ends it. A write error (a full disk) stops tracing, never serving."""
+        tracer = self.engine.tracer
+        while True:
+            records = self._trace_q.get()
+            if records is None:
+                return
+            if self.trace_path is None:
+                continue
+            try:
+                write_trace(self.trace_path, tracer.expand(records, self._trace_origin), append=True)
+            except OSError as e:
+                log.error("request trace disabled: cannot write %s (%s)", self.trace_path, e)
+                self.trace_path = None
+                self.engine.tracer = None
 
     # ---- public async API --------------------------------------------------------------------
     async def generate(self, prompt: str | list[int], sampling_params: SamplingParams | None = None,

@@ -26,7 +26,7 @@ Exported series (``_total`` is appended to counters by the exposition format):
 | ``llmserve:request_prefill_time_seconds`` | histogram | first token - first scheduled |
 | ``llmserve:request_decode_time_seconds`` | histogram | finish - first token |
 | ``llmserve:request_inference_time_seconds`` | histogram | finish - first scheduled |
-| ``llmserve:request_num_preemptions`` | histogram | preemptions (recomputes) of each finished request |
+| ``llmserve:request_num_preemptions`` | histogram | preemptions (recomputes) of each request the engine finished |
 | ``llmserve:request_prompt_tokens`` / ``llmserve:request_generation_tokens`` | histogram | per request |
 | ``llmserve:spec_decode_num_drafts_total`` | counter | verifications (speculative engine only) |
 | ``llmserve:spec_decode_num_draft_tokens_total`` | counter | draft tokens proposed (speculative only) |
@@ -205,7 +205,7 @@ class ServiceMetrics:
                                         "Histogram of time from first scheduled to finish, in seconds.",
                                         buckets=REQUEST_LATENCY_BUCKETS, registry=r)
         self.request_preemptions = Histogram(PREFIX + "request_num_preemptions",
-                                             "Preemptions (recomputes) of each finished request.",
+                                             "Preemptions (recomputes) of each request the engine finished (client aborts not counted).",
                                              buckets=PREEMPTION_BUCKETS, registry=r)
         self.request_prompt_tokens = Histogram(PREFIX + "request_prompt_tokens", "Prompt tokens per request.",
                                                buckets=TOKEN_COUNT_BUCKETS, registry=r)
