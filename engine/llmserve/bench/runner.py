@@ -39,7 +39,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable
 
-from ..core.trace import RequestTracer, write_trace
+from ..core.trace import RequestTracer, check_trace_path, write_trace
 from ..engine_args import EngineArgs, add_engine_args, int_at_least
 from .gpu_monitor import GPUMonitor, empty_gpu_summary
 from .metrics import RequestRecord, aggregate_records, build_request_record
@@ -640,10 +640,7 @@ def run_benchmark(opts: BenchmarkOptions, engine_factory: Callable[[Any, bool], 
         if opts.json_schema:
             structured, report["structured_output"] = load_json_schema(opts.json_schema)
         if opts.trace:    # a path that cannot be written fails now, not after the run
-            try:
-                write_trace(opts.trace, [])
-            except OSError as e:
-                raise ValueError(f"--trace {opts.trace!r} cannot be written: {e}") from None
+            check_trace_path(opts.trace)
         econf = make_engine_config(opts, seed)
         report["engine_config"] = dataclasses.asdict(econf)
         report["config"].update(resolved_flags(econf))   # what the device defaults resolved to

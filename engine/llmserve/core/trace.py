@@ -63,8 +63,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-__all__ = ["EVENT_KINDS", "SPAN_KINDS", "RequestTracer", "Span", "request_spans", "read_trace",
-           "write_trace"]
+__all__ = ["EVENT_KINDS", "SPAN_KINDS", "RequestTracer", "Span", "check_trace_path", "request_spans",
+           "read_trace", "write_trace"]
 
 #: Every event kind, in the order a request meets them.
 EVENT_KINDS = ("arrived", "queued", "prefill", "first_token", "decode", "preempted", "finished",
@@ -306,6 +306,19 @@ def write_trace(path: str | Path, events: Iterable[dict], append: bool = False) 
             f.write(json.dumps(e, separators=(",", ":")) + "\n")
             n += 1
     return n
+
+
+def check_trace_path(path: str | Path, flag: str = "--trace") -> None:
+    """Create (or empty) the trace file now, so a path that cannot be written is refused before
+    a model loads or a run starts.
+
+    Raises:
+        ValueError: the file cannot be written (the message names ``flag`` and the path).
+    """
+    try:
+        write_trace(path, [])
+    except OSError as e:
+        raise ValueError(f"{flag} {str(path)!r} cannot be written: {e}") from None
 
 
 def read_trace(path: str | Path) -> list[dict]:

@@ -194,7 +194,7 @@ class AsyncLLMEngine:
         while not self._stop.is_set():
             self._apply_commands()
             if not self.engine.has_unfinished_requests():
-                if self.trace_path is not None and self._last_flush < time.perf_counter() - self.TRACE_FLUSH_S:
+                if self._trace_due():
                     self.flush_trace()
                 self._wake.wait(0.05)
                 self._wake.clear()
@@ -209,10 +209,14 @@ class AsyncLLMEngine:
                 continue
             for out in outputs:
                 self._deliver(out.request_id, out)
-            if self.trace_path is not None and time.perf_counter() - self._last_flush > self.TRACE_FLUSH_S:
+            if self._trace_due():
                 self.flush_trace()
         self._apply_commands()
         self.flush_trace()
+
+    def _trace_due(self) -> bool:
+        """A trace is written and its last flush is more than :attr:`TRACE_FLUSH_S` old."""
+        return self.trace_path is not None and time.perf_counter() - self._last_flush > self.TRACE_FLUSH_S
 
     def flush_trace(self) -> None:
         """Hand the trace records made since the last flush to the writer thread (the engine

@@ -189,23 +189,21 @@ class ServiceMetrics:
         self.tpot = Histogram(PREFIX + "request_time_per_output_token_seconds",
                               "Histogram of time per output token (after the first) in seconds.",
                               buckets=ITL_BUCKETS, registry=r)
-        self.e2e = Histogram(PREFIX + "e2e_request_latency_seconds",
-                             "Histogram of end-to-end request latency in seconds.",
-                             buckets=REQUEST_LATENCY_BUCKETS, registry=r)
-        self.queue_time = Histogram(PREFIX + "request_queue_time_seconds",
-                                    "Histogram of time spent waiting before first being scheduled, in seconds.",
-                                    buckets=REQUEST_LATENCY_BUCKETS, registry=r)
-        self.prefill_time = Histogram(PREFIX + "request_prefill_time_seconds",
-                                      "Histogram of time from first scheduled to first token, in seconds.",
-                                      buckets=REQUEST_LATENCY_BUCKETS, registry=r)
-        self.decode_time = Histogram(PREFIX + "request_decode_time_seconds",
-                                     "Histogram of time from first token to finish, in seconds.",
-                                     buckets=REQUEST_LATENCY_BUCKETS, registry=r)
-        self.inference_time = Histogram(PREFIX + "request_inference_time_seconds",
-                                        "Histogram of time from first scheduled to finish, in seconds.",
-                                        buckets=REQUEST_LATENCY_BUCKETS, registry=r)
+        def latency(name: str, doc: str) -> Histogram:
+            return Histogram(PREFIX + name, doc, buckets=REQUEST_LATENCY_BUCKETS, registry=r)
+
+        self.e2e = latency("e2e_request_latency_seconds", "Histogram of end-to-end request latency in seconds.")
+        self.queue_time = latency("request_queue_time_seconds",
+                                  "Histogram of time spent waiting before first being scheduled, in seconds.")
+        self.prefill_time = latency("request_prefill_time_seconds",
+                                    "Histogram of time from first scheduled to first token, in seconds.")
+        self.decode_time = latency("request_decode_time_seconds",
+                                   "Histogram of time from first token to finish, in seconds.")
+        self.inference_time = latency("request_inference_time_seconds",
+                                      "Histogram of time from first scheduled to finish, in seconds.")
         self.request_preemptions = Histogram(PREFIX + "request_num_preemptions",
-                                             "Preemptions (recomputes) of each request the engine finished (client aborts not counted).",
+                                             "Preemptions (recomputes) of each request the engine finished "
+                                             "(client aborts not counted).",
                                              buckets=PREEMPTION_BUCKETS, registry=r)
         self.request_prompt_tokens = Histogram(PREFIX + "request_prompt_tokens", "Prompt tokens per request.",
                                                buckets=TOKEN_COUNT_BUCKETS, registry=r)

@@ -140,11 +140,8 @@ def build_app(args: argparse.Namespace):
     if getattr(args, "max_request_body_bytes", 1) < 0:
         raise ValueError(f"--max-request-body-bytes must be >= 0 (0 = no limit), got {args.max_request_body_bytes}")
     if getattr(args, "trace", None):     # before the model loads: a bad path fails in a second
-        from ..core.trace import write_trace
-        try:
-            write_trace(args.trace, [])
-        except OSError as e:
-            raise ValueError(f"--trace {args.trace!r} cannot be written: {e}") from None
+        from ..core.trace import check_trace_path
+        check_trace_path(args.trace)
     api_key = resolve_api_key(args)
     model = _model_name(args)
     config = build_engine_config(args)
