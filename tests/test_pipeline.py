@@ -18,6 +18,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import yaml
 
 ROOT = Path(__file__).resolve().parents[1]
 SCRIPTS = ROOT / "workflow" / "scripts"
@@ -188,10 +189,39 @@ def test_gpu_profile_selected_by_config_and_configfile():
             assert want in r.stdout, want
 
 
+@pytest.mark.parametrize("sel", [["--config", "profile=h100"],
+                                 ["--configfile", "config/h200.yaml", "--config", "profile=h100"],
+                                 ["--configfile", "config/h100.yaml"]])
+def test_a_gpu_profile_keeps_its_own_load_overrides(tmp_path, sel):
+    """The GPU load profile is derived from the GPU file's overrides alone (prompts up to 2048
+    tokens), never merged with the CPU profile's (prompts up to 128), whether the profile is
+    named, extended (`extends:`) or given with --configfile."""
+    for folder in ("workflow", "config"):
+        shutil.copytree(ROOT / folder, tmp_path / folder)
+    target = "results/checkpoint3/h100/load_profile.yaml"
+    r = snakemake("--cores", "1", "--nolock", target, *sel, cwd=tmp_path)
+    assert r.returncode == 0, r.stdout[-3000:]
+    derived = yaml.safe_load((tmp_path / target).read_text())
+    assert derived["prompt_len"]["max"] == 2048 and derived["output_len"]["min"] == 4, derived
+    assert "(profile h100)" in (tmp_path / target).read_text()
+
+
+def test_an_extends_loop_is_refused(tmp_path):
+    for folder in ("workflow", "config"):
+        shutil.copytree(ROOT / folder, tmp_path / folder)
+    (tmp_path / "config" / "a.yaml").write_text("extends: config/b.yaml\nprofile: a\n")
+    (tmp_path / "config" / "b.yaml").write_text("extends: config/a.yaml\nprofile: b\n")
+    r = snakemake("-n", "--nolock", "--config", "profile=a", cwd=tmp_path)
+    assert r.returncode != 0 and "loops back" in r.stdout, r.stdout[-2000:]
+    (tmp_path / "config" / "b.yaml").write_text("extends: config/nope.yaml\nprofile: b\n")
+    r = snakemake("-n", "--nolock", "--config", "profile=a", cwd=tmp_path)
+    assert r.returncode != 0 and "config/nope.yaml" in r.stdout, r.stdout[-2000:]
+
+
 def test_unknown_profile_names_the_known_ones():
     r = snakemake("-n", "--nolock", "--config", "profile=nope")
     assert r.returncode != 0
-    assert "config/nope.yaml" in r.stdout and "cpu, h200" in r.stdout
+    assert "config/nope.yaml" in r.stdout and "cpu, h100, h200" in r.stdout
 
 
 def test_schema_rejects_a_bad_matrix(tmp_path):
