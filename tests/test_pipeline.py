@@ -218,6 +218,30 @@ def test_an_extends_loop_is_refused(tmp_path):
     assert r.returncode != 0 and "config/nope.yaml" in r.stdout, r.stdout[-2000:]
 
 
+def test_a_configfile_goes_on_top_of_a_named_profile(tmp_path):
+    """`--configfile FILE --config profile=h200` runs the H200 matrix with FILE's values on top,
+    never the CPU matrix under the H200 folder."""
+    extra = tmp_path / "reps.yaml"
+    extra.write_text("repetitions: 1\n")
+    r = snakemake("-n", "--nolock", "-p", "--forceall", "results/checkpoint3", "--resources", "gpu=1",
+                  "--configfile", str(extra), "--config", "profile=h200")
+    assert r.returncode == 0, r.stdout[-3000:]
+    groups = [k for k in job_counts(r.stdout) if k.startswith("benchmark_")]
+    assert groups == ["benchmark_rep0"], groups
+    assert "--device cuda" in r.stdout and "--device cpu" not in r.stdout
+
+
+def test_a_bad_profile_file_is_a_clear_error(tmp_path):
+    for folder in ("workflow", "config"):
+        shutil.copytree(ROOT / folder, tmp_path / folder)
+    bad = tmp_path / "config" / "bad.yaml"
+    for text, want in [("- a\n", "not a list"), ("extends: 5\n", "names a file"),
+                       ("a: [1\n", "not valid YAML")]:
+        bad.write_text(text)
+        r = snakemake("-n", "--nolock", "--config", "profile=bad", cwd=tmp_path)
+        assert r.returncode != 0 and want in r.stdout and "Traceback" not in r.stdout, r.stdout[-2000:]
+
+
 def test_unknown_profile_names_the_known_ones():
     r = snakemake("-n", "--nolock", "--config", "profile=nope")
     assert r.returncode != 0
