@@ -734,3 +734,23 @@ def test_reduced_matrix_reruns_only_what_changed(reduced_run):
     assert r.returncode == 0, r.stdout[-3000:]
     r = snakemake(*dry, cwd=work, env=env)
     assert "Nothing to be done" in r.stdout, r.stdout[-3000:]
+
+
+def test_structured_table_names_model_hardware_and_command(tmp_path):
+    """The structured-output table says where it ran: the model, the device and the command of
+    its profile (the folder it is written to)."""
+    raw = tmp_path / "raw"
+    raw.mkdir()
+    for schema, tput in (("off", 100.0), ("on", 90.0)):
+        (raw / f"batch~8_schema~{schema}_rep~0.json").write_text(json.dumps({
+            "status": "ok", "config": {"model": "random:qwen2.5-1.5b", "dtype": "bfloat16"},
+            "hardware": {"device_name": "NVIDIA H100 80GB HBM3", "cpu_count": 16},
+            "aggregates": {"output_throughput": tput, "tpot_ms_p50": 2.0, "num_requests": 32}}))
+    out = tmp_path / "h100"
+    out.mkdir()
+    r = script("structured_table.py", "--code-hash", "abc", "--md", str(out / "table.md"),
+               "--json", str(out / "table.json"), *map(str, sorted(raw.glob("*.json"))))
+    assert r.returncode == 0, r.stderr
+    md = (out / "table.md").read_text()
+    assert "`random:qwen2.5-1.5b` (bfloat16) on NVIDIA H100 80GB HBM3" in md, md
+    assert "--config profile=h100" in md and "| 8 | 32 |" in md and "| 0.90 |" in md, md

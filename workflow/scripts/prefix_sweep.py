@@ -142,7 +142,10 @@ def _digest(row: dict) -> str:
     return " / ".join(d[:10] for d in row["token_digests"].split()) or "–"
 
 
-def markdown(rows: list[dict], runs: list[dict]) -> str:
+def markdown(rows: list[dict], runs: list[dict], profile: str = "cpu") -> str:
+    """The sweep's table as Markdown: where and how it ran, then a row a cell."""
+    command = ("snakemake --cores 1 prefix" if profile == "cpu" else
+               f"snakemake prefix --cores 4 --resources gpu=1 --config profile={profile}")
     first = next((x["report"] for x in runs if x["report"].get("config")), {})
     hw, cfg = first.get("hardware") or {}, first.get("config") or {}
     reps = sorted({x["rep"] for x in runs})
@@ -154,10 +157,11 @@ def markdown(rows: list[dict], runs: list[dict]) -> str:
               f"ones; CV = standard deviation / mean of p50 TTFT over them (above {NOISY_CV:.0%}: noisy)")
     lines = [
         f"# Prefix-caching sweep — model `{cfg.get('model')}` on `{cfg.get('device')}`", "",
-        f"{hw.get('cpu_model') or hw.get('device_name')}, {hw.get('cpu_count')} CPUs; "
+        (f"{hw.get('gpu_name')} ({hw.get('cpu_model')}, {hw.get('cpu_count')} host CPUs); "
+         if hw.get("gpu_name") else f"{hw.get('cpu_model') or hw.get('device_name')}, {hw.get('cpu_count')} CPUs; ") +
         f"{cfg.get('requests')} measured requests a cell, profile `{first.get('profile_path')}`; "
         f"{spread}. Engine code hash `{', '.join(h[:16] for h in hashes) or '?'}`. Command: "
-        "`snakemake --cores 1 prefix` (settings: the config's `prefix` section). Queries and hits "
+        f"`{command}` (settings: the config's `prefix` section). Queries and hits "
         "are prompt tokens at admission; equal output digests mean equal outputs (caching on and "
         "off should agree). TTFT and TPOT in ms.", "",
         f"Machine load during the runs: {_load_line(runs)}.", "",
@@ -191,7 +195,7 @@ def report(out_dir: Path, files: list[Path], contention: dict | None = None) -> 
         fh.write(",".join(COLUMNS) + "\n")
         for r in rows:
             fh.write(",".join(_csv_value(r[k]) for k in COLUMNS) + "\n")
-    (out_dir / "table.md").write_text(markdown(rows, runs))
+    (out_dir / "table.md").write_text(markdown(rows, runs, Path(out_dir).resolve().name))
 
     plots = out_dir / "plots"
     plots.mkdir(exist_ok=True)

@@ -73,14 +73,30 @@ def build(reports: list[Path]) -> dict:
     return {"rows": rows}
 
 
-def markdown(table: dict, code_hash: str) -> str:
-    """The table as Markdown, with what it shows and the engine's code hash."""
+def setting(reports: list[Path], profile: str) -> str:
+    """Where the cells ran: model, hardware and the command, from the first readable report."""
+    for path in reports:
+        try:
+            rep = json.loads(path.read_text())
+        except (OSError, ValueError):
+            continue
+        hw, cfg = rep.get("hardware") or {}, rep.get("config") or {}
+        if cfg:
+            return (f"Model `{cfg.get('model')}` ({cfg.get('dtype')}) on {hw.get('device_name')} "
+                    f"({hw.get('cpu_count')} host CPUs). Command: `snakemake results/gpu --cores 8 "
+                    f"--resources gpu=1 --config profile={profile}` (the cells: the config's "
+                    f"`structured` section).")
+    return ""
+
+
+def markdown(table: dict, code_hash: str, where: str = "") -> str:
+    """The table as Markdown, with what it shows, where it ran and the engine's code hash."""
     lines = ["# Structured output: constrained against free decoding", "",
              f"The same seeded workload (`config/benchmark-structured.yaml`, greedy, `ignore_eos`) with "
              f"and without `--json-schema`, at each max batch size; median [min-max] over the "
              f"repetitions; ratio = constrained / free median output throughput; CV = standard "
              f"deviation / mean of output throughput (over {NOISY_CV:.0%}: noisy). Engine code hash "
-             f"`{code_hash}`.", "",
+             f"`{code_hash}`." + (f" {where}" if where else ""), "",
              "| max sequences | requests | free tok/s | constrained tok/s | ratio | free p50 TPOT ms "
              "| constrained p50 TPOT ms | CV free / constrained | runs ok | status |",
              "| ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | --- |"]
@@ -107,9 +123,11 @@ def main(argv: list[str] | None = None) -> int:
     a = p.parse_args(argv)
     table = build(a.reports)
     table["code_hash"] = a.code_hash
-    a.md.write_text(markdown(table, a.code_hash))
+    # the profile is the name of the folder the table goes to (results/structured/<profile>/)
+    md = markdown(table, a.code_hash, setting(a.reports, a.md.resolve().parent.name))
+    a.md.write_text(md)
     a.json.write_text(json.dumps(table, indent=2) + "\n")
-    print(markdown(table, a.code_hash))
+    print(md)
     return 0
 
 
