@@ -45,12 +45,16 @@ def cv(values: list[float]) -> float | None:
     return statistics.pstdev(values) / statistics.fmean(values)
 
 
-def build(reports: list[Path]) -> dict:
-    """Rows per max batch size from the raw reports."""
+def load(reports: list[Path]) -> list[tuple[Path, dict]]:
+    """Each raw report with its path (read once; the table and its header both use them)."""
+    return [(path, json.loads(path.read_text())) for path in reports]
+
+
+def build(loaded: list[tuple[Path, dict]]) -> dict:
+    """Rows per max batch size from the raw reports (:func:`load`)."""
     runs: dict[int, dict[str, list[dict]]] = {}
-    for path in reports:
+    for path, rep in loaded:
         cell = parse_cell(path)
-        rep = json.loads(path.read_text())
         runs.setdefault(cell["batch"], {"off": [], "on": []})[cell["schema"]].append(rep)
     rows = []
     for batch in sorted(runs):
@@ -73,13 +77,9 @@ def build(reports: list[Path]) -> dict:
     return {"rows": rows}
 
 
-def setting(reports: list[Path], profile: str) -> str:
-    """Where the cells ran: model, hardware and the command, from the first readable report."""
-    for path in reports:
-        try:
-            rep = json.loads(path.read_text())
-        except (OSError, ValueError):
-            continue
+def setting(loaded: list[tuple[Path, dict]], profile: str) -> str:
+    """Where the cells ran: model, hardware and the command, from the first report with a config."""
+    for _, rep in loaded:
         hw, cfg = rep.get("hardware") or {}, rep.get("config") or {}
         if cfg:
             return (f"Model `{cfg.get('model')}` ({cfg.get('dtype')}) on {hw.get('device_name')} "
@@ -121,10 +121,11 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--json", type=Path, required=True, help="JSON rows to write")
     p.add_argument("reports", nargs="+", type=Path, help="raw benchmark reports (JSON)")
     a = p.parse_args(argv)
-    table = build(a.reports)
+    loaded = load(a.reports)
+    table = build(loaded)
     table["code_hash"] = a.code_hash
     # the profile is the name of the folder the table goes to (results/structured/<profile>/)
-    md = markdown(table, a.code_hash, setting(a.reports, a.md.resolve().parent.name))
+    md = markdown(table, a.code_hash, setting(loaded, a.md.resolve().parent.name))
     a.md.write_text(md)
     a.json.write_text(json.dumps(table, indent=2) + "\n")
     print(md)
