@@ -189,6 +189,12 @@ def test_gpu_profile_selected_by_config_and_configfile():
             assert want in r.stdout, want
 
 
+def copy_workflow(dest: Path) -> None:
+    """The workflow and its configs (no results, no engine) under ``dest``, to run rules there."""
+    for folder in ("workflow", "config"):
+        shutil.copytree(ROOT / folder, dest / folder)
+
+
 @pytest.mark.parametrize("sel", [["--config", "profile=h100"],
                                  ["--configfile", "config/h200.yaml", "--config", "profile=h100"],
                                  ["--configfile", "config/h100.yaml"]])
@@ -196,8 +202,7 @@ def test_a_gpu_profile_keeps_its_own_load_overrides(tmp_path, sel):
     """The GPU load profile is derived from the GPU file's overrides alone (prompts up to 2048
     tokens), never merged with the CPU profile's (prompts up to 128), whether the profile is
     named, extended (`extends:`) or given with --configfile."""
-    for folder in ("workflow", "config"):
-        shutil.copytree(ROOT / folder, tmp_path / folder)
+    copy_workflow(tmp_path)
     target = "results/checkpoint3/h100/load_profile.yaml"
     r = snakemake("--cores", "1", "--nolock", target, *sel, cwd=tmp_path)
     assert r.returncode == 0, r.stdout[-3000:]
@@ -207,8 +212,7 @@ def test_a_gpu_profile_keeps_its_own_load_overrides(tmp_path, sel):
 
 
 def test_an_extends_loop_is_refused(tmp_path):
-    for folder in ("workflow", "config"):
-        shutil.copytree(ROOT / folder, tmp_path / folder)
+    copy_workflow(tmp_path)
     (tmp_path / "config" / "a.yaml").write_text("extends: config/b.yaml\nprofile: a\n")
     (tmp_path / "config" / "b.yaml").write_text("extends: config/a.yaml\nprofile: b\n")
     r = snakemake("-n", "--nolock", "--config", "profile=a", cwd=tmp_path)
@@ -232,8 +236,7 @@ def test_a_configfile_goes_on_top_of_a_named_profile(tmp_path):
 
 
 def test_a_bad_profile_file_is_a_clear_error(tmp_path):
-    for folder in ("workflow", "config"):
-        shutil.copytree(ROOT / folder, tmp_path / folder)
+    copy_workflow(tmp_path)
     bad = tmp_path / "config" / "bad.yaml"
     for text, want in [("- a\n", "not a list"), ("extends: 5\n", "names a file"),
                        ("a: [1\n", "not valid YAML")]:
