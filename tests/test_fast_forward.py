@@ -199,6 +199,44 @@ def test_cuda_graph_decode_matches_eager(monkeypatch, short_context, prompt_step
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+@pytest.mark.parametrize("dtype,chunk,async_", [("float32", 0, True), ("float32", 48, False),
+                                                ("bfloat16", 48, True)])
+def test_mixed_graphs_match_eager(dtype, chunk, async_):
+    """Steps with prefill chunks replayed from the token-count graphs
+    (``worker/mixed_graph.py``) give the eager steps' tokens: prompts of 1..300 tokens at block
+    and tile boundaries (15, 16, 17, 127, 128, 129), chunked or whole, with decodes riding
+    along, asynchronous scheduling or not, then the same prompts again as prefix-cache hits;
+    steps past the largest bucket (200 tokens here) run eagerly."""
+    from llmserve.config import CacheConfig, EngineConfig, SchedulerConfig
+    from llmserve.engine.llm_engine import LLMEngine
+    from llmserve.core.sampling_params import SamplingParams
+
+    lengths = [1, 2, 15, 16, 17, 33, 127, 128, 129, 200, 255, 300, 5, 64, 7]
+
+    def run(max_tokens: int):
+        cfg = EngineConfig(model="tiny", device="cuda", dtype=dtype, attention_backend="triton",
+                           use_cuda_graph=True, async_scheduling=async_,
+                           cache=CacheConfig(num_blocks=1024, enable_prefix_caching=True),
+                           fast_path=FastPathConfig(mixed_graph_max_tokens=max_tokens),
+                           scheduler=SchedulerConfig(max_num_seqs=7, max_model_len=512,
+                                                     max_num_batched_tokens=400,
+                                                     prefill_chunk_size=chunk))
+        eng = LLMEngine(cfg)
+        prompts = [[(7 * i + 3 * j) % 90 + 5 for j in range(n)] for i, n in enumerate(lengths)]
+        sp = SamplingParams(max_tokens=24, ignore_eos=True)
+        first = [o.output_token_ids for o in eng.generate(prompts, sp)]
+        again = [o.output_token_ids for o in eng.generate(prompts, sp)]     # prefix-cache hits
+        r = eng.runner
+        return first, again, r.num_mixed_graph_steps, r.num_eager_steps
+
+    eager_first, eager_again, m0, e0 = run(0)
+    first, again, m1, e1 = run(200)
+    assert m0 == 0 and e0 > 0 and m1 > 0
+    assert first == eager_first and again == eager_again
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 def test_pdl_choices_same_tokens():
     """The QKV kernel triggering its successor first (the default for this size), not
     triggering, and no PDL at all change only when kernels start, not what they compute: the

@@ -241,6 +241,38 @@ def test_prefill_and_mixed_match_reference(seqs, block_size, hq, hkv, d, dtype):
     assert_close(paged_attention_triton(q, kc, vc, meta, d ** -0.5), ref, dtype)
 
 
+@pytest.mark.parametrize("seqs,block_size,hq,hkv,d,dtype", PREFILL_CASES)
+def test_scheduled_prefill_in_a_padded_graph_shape(seqs, block_size, hq, hkv, d, dtype):
+    """The shapes a CUDA graph of a mixed step replays (``worker/mixed_graph.py``): extra token
+    rows owned by no sequence, extra sequences of query length 0 and context 1,
+    ``max_query_len`` the bucket's row count, ``max_context_len`` the model's, and the prefill
+    kernel run from a tile schedule (grid ``(Hq, T)``). The real rows equal the reference; the
+    padding rows are zero."""
+    import numpy as np
+
+    from llmserve.kernels.paged_attention import prefill_block_m, prefill_tile_schedule
+
+    pad_rows, pad_seqs = 5, 3
+    q, kc, vc, meta = make_batch(seqs, block_size, hq, hkv, d, dtype, pad_rows=pad_rows)
+    ref = paged_attention_torch(q, kc, vc, meta, d ** -0.5)
+    n, b = q.shape[0], len(seqs)
+    real = int(meta.query_start_loc[-1])
+    qsl = torch.cat([meta.query_start_loc.cpu(), torch.full((pad_seqs,), real, dtype=torch.int32)])
+    ctx = torch.cat([meta.context_lens.cpu(), torch.ones(pad_seqs, dtype=torch.int32)])
+    table = torch.cat([meta.block_tables.cpu(), torch.zeros(pad_seqs, meta.block_tables.shape[1],
+                                                            dtype=torch.int32)])
+    block_m = prefill_block_m(d, DEVICE)
+    tiles = np.zeros(-(-n // block_m) + b + pad_seqs, dtype=np.int32)
+    prefill_tile_schedule(qsl.numpy(), block_m, tiles)
+    padded = AttentionMetadata(
+        slot_mapping=meta.slot_mapping, query_start_loc=qsl.to(DEVICE), context_lens=ctx.to(DEVICE),
+        block_tables=table.to(DEVICE), max_query_len=n, max_context_len=4 * max(c for c, _ in seqs),
+        block_size=block_size, prefill_tiles=torch.from_numpy(tiles).to(DEVICE))
+    out = paged_attention_triton(q, kc, vc, padded, d ** -0.5)
+    assert_close(out[:real], ref[:real], dtype)
+    assert (out[real:] == 0).all()
+
+
 def test_prefill_kernel_alone_serves_decode_rows_too():
     """The varlen kernel is correct for q_len == 1 sequences as well (no decode fast path)."""
     q, kc, vc, meta = make_batch([(1, 1), (23, 1), (20, 6)], 8, 4, 2, 32, torch.float32)

@@ -290,6 +290,10 @@ class FastPathConfig:
         graph_short_context: context length (tokens) of the second, short-context decode
             graphs captured for small batches (their attention grid has fewer splits, merged
             inside the decode kernel); ``0`` captures only full-length graphs. In [0, 1 << 20].
+        mixed_graph_max_tokens: largest step (tokens) with prefill chunks that replays a CUDA
+            graph captured for its token count (:mod:`llmserve.worker.mixed_graph`); larger
+            steps run eagerly, ``0`` runs every such step eagerly. Needs the Triton attention
+            backend and CUDA graphs. In [0, 16384].
         graph_argmax: compute greedy tokens inside the decode graphs (one Triton argmax after
             the LM head) rather than in the sampler.
         decode_splits: split-count policy of the decode attention kernel, ``legacy`` (about
@@ -328,6 +332,7 @@ class FastPathConfig:
     gemv_pre_wait: bool | None = None
     pdl_trigger_qkv: bool | None = None
     graph_short_context: int = 512
+    mixed_graph_max_tokens: int = 2048
     graph_argmax: bool = True
     decode_splits: str = "legacy"
     decode_stages: int = 3
@@ -352,6 +357,7 @@ class FastPathConfig:
             if not isinstance(v, bool):
                 raise ValueError(f"{name} must be True or False, got {v!r}")
         for name, lo, hi in (("gemv_max_tokens", 0, GEMV_MAX_TOKENS), ("graph_short_context", 0, 1 << 20),
+                             ("mixed_graph_max_tokens", 0, 16384),
                              ("decode_stages", 1, 8), ("decode_min_tiles", 1, 1024),
                              ("decode_fused_max_splits", 1, 128), ("invariant_block_rows", 1, 1024)):
             v = getattr(self, name)
@@ -381,7 +387,8 @@ class FastPathConfig:
             gemv_max_tokens=self.gemv_max_tokens, pdl=self.pdl,
             gemv_early_epilogue=rule(self.gemv_early_epilogue), gemv_pre_wait=rule(self.gemv_pre_wait),
             pdl_trigger_qkv=rule(self.pdl_trigger_qkv), graph_short_context=self.graph_short_context,
-            graph_argmax=self.graph_argmax, decode_splits=self.decode_splits,
+            mixed_graph_max_tokens=self.mixed_graph_max_tokens, graph_argmax=self.graph_argmax,
+            decode_splits=self.decode_splits,
             decode_stages=self.decode_stages, decode_min_tiles=self.decode_min_tiles,
             decode_fused_max_splits=self.decode_fused_max_splits, decode_wide_tile=self.decode_wide_tile,
             decode_early_pages=self.decode_early_pages, decode_prefetch_kv=self.decode_prefetch_kv,
@@ -402,6 +409,7 @@ class ResolvedFastPath:
     gemv_pre_wait: bool
     pdl_trigger_qkv: bool
     graph_short_context: int
+    mixed_graph_max_tokens: int
     graph_argmax: bool
     decode_splits: str
     decode_stages: int

@@ -238,6 +238,11 @@ class EngineArgs:
     fused_forward: bool | None = _flag(None, "--fused-forward", **_BOOL,
                                        help="the fused forward (Triton kernels, packed projections) "
                                             "or the readable one (default: fused on CUDA)")
+    mixed_graph_max_tokens: int = _flag(2048, "--mixed-graph-max-tokens", type=int_at_least(0),
+                                        metavar="N",
+                                        help="steps with prefill chunks of at most N tokens replay "
+                                             "a CUDA graph captured for their token count (with "
+                                             "--cuda-graph; 0: eager; default 2048)")
     pdl: bool = _flag(True, "--pdl", **_BOOL,
                       help="programmatic dependent launch of the fast-path kernels where the GPU "
                            "has it (default on)")
@@ -314,6 +319,7 @@ class EngineArgs:
             use_cuda_graph=graphs, async_scheduling=self.async_scheduling,
             fast_path=FastPathConfig(fused_forward=self.fused_forward, pdl=self.pdl,
                                      int8_layout=self.int8_layout,
+                                     mixed_graph_max_tokens=self.mixed_graph_max_tokens,
                                      invariant_block_rows=self.invariant_block_rows),
             batch_invariant=bool(self.batch_invariant), tensor_parallel_size=self.tensor_parallel_size,
             distributed_timeout_s=self.distributed_timeout_s)
@@ -367,7 +373,7 @@ def describe_config(config: EngineConfig) -> str:
         else "from the CPU budget")
     return (f"device={config.device} dtype={config.dtype} attention={config.attention_backend} "
             f"linear={config.linear_backend} forward={'fused' if fused else 'readable'} cuda_graph={graphs} "
-            f"async_scheduling={async_} "
+            f"mixed_graph_max_tokens={fp.mixed_graph_max_tokens if graphs else 0} async_scheduling={async_} "
             f"mode={s.mode} policy={s.policy} max_num_seqs={s.max_num_seqs} "
             f"max_num_batched_tokens={s.max_num_batched_tokens} prefill_chunk={chunk} "
             f"max_model_len={s.max_model_len} block_size={c.block_size} kv_blocks={blocks} "

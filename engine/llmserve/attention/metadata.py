@@ -33,6 +33,10 @@ class AttentionMetadata:
             from it, each sequence still reads only its own context).
         block_size: tokens per block.
         is_decode_only: every sequence has exactly one query token (decode kernels apply).
+        prefill_tiles: ``[T]`` int32 work list of the Triton prefill kernel
+            (:func:`~llmserve.kernels.paged_attention.prefill_tile_schedule`), or None: its
+            grid then spans every (sequence, query tile of ``max_query_len``) pair. Set by the
+            CUDA-graph runner of prefill steps, whose grid is fixed at capture.
     """
 
     slot_mapping: torch.Tensor
@@ -43,6 +47,7 @@ class AttentionMetadata:
     max_context_len: int
     block_size: int
     is_decode_only: bool = False
+    prefill_tiles: torch.Tensor | None = None
 
     @property
     def num_seqs(self) -> int:

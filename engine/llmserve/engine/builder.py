@@ -24,6 +24,8 @@ from ..core.scheduler import Scheduler
 from ..models.loader import load_model
 from ..tokenizer import load_tokenizer
 from ..worker.cuda_graph import CUDAGraphDecodeRunner
+from ..worker.mixed_graph import CUDAGraphMixedRunner
+from ..kernels.paged_attention import prefill_block_m
 from ..worker.kv_cache import KVCache
 from ..worker.model_runner import ModelRunner
 from .shard import LoadedShard, allocate_kv_cache, apply_decode_options, build_fast_forward, load_shard
@@ -119,7 +121,7 @@ def build_paged_parts(engine, config: EngineConfig) -> PagedParts:
                                  enable_prefix_caching=config.cache.enable_prefix_caching)
     sched_cfg = dataclasses.replace(config.scheduler, max_model_len=engine.max_model_len)
     scheduler = Scheduler(sched_cfg, block_manager)
-    graphs = None
+    graphs = mixed = None
     if forward is not None and engine.device.type == "cuda" and engine.tp_runtime is None and (
             config.attention_backend == "triton" and config.use_cuda_graph):
         graphs = CUDAGraphDecodeRunner(forward, forward.compute_logits, kv_cache.kv_caches, block_size,
@@ -128,12 +130,30 @@ def build_paged_parts(engine, config: EngineConfig) -> PagedParts:
                                        greedy=forward.greedy if engine.fast_path.graph_argmax else None)
         t0 = time.perf_counter()
         graphs.capture()
+        mixed = build_mixed_graphs(forward, kv_cache.kv_caches, config, engine)
         if startup is not None:
             startup["graph_capture_s"] = time.perf_counter() - t0
     runner = ModelRunner(engine.model, kv_cache.kv_caches, block_size, engine.device,
-                         forward=forward, cuda_graphs=graphs,
+                         forward=forward, cuda_graphs=graphs, mixed_graphs=mixed,
                          channel=engine.tp_runtime.channel if engine.tp_runtime is not None else None)
     return PagedParts(kv_cache, block_manager, scheduler, runner)
+
+
+def build_mixed_graphs(forward, kv_caches, config: EngineConfig, engine) -> CUDAGraphMixedRunner | None:
+    """The captured graphs of steps with prefill chunks (:mod:`llmserve.worker.mixed_graph`),
+    up to ``fast_path.mixed_graph_max_tokens`` tokens and never past the scheduler's step
+    budget; None when that is 0. Called where the decode graphs are built (CUDA, the Triton
+    attention backend, the fused forward, one rank)."""
+    budget = config.scheduler.max_num_batched_tokens
+    max_tokens = min(engine.fast_path.mixed_graph_max_tokens, budget or engine.max_model_len)
+    if max_tokens < 1:
+        return None
+    head_dim = engine.model_config.head_dim
+    mixed = CUDAGraphMixedRunner(forward, forward.compute_logits, kv_caches, config.cache.block_size,
+                                 config.scheduler.max_num_seqs, max_tokens, engine.max_model_len,
+                                 prefill_block_m(head_dim, engine.device), engine.device)
+    mixed.capture()
+    return mixed
 
 
 @dataclass(slots=True)

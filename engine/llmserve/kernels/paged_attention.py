@@ -29,6 +29,9 @@ Kernels:
   causal part of its own chunk; tiles entirely below the tile's first query position skip the
   mask. Query heads are the fastest grid axis so the ``G`` heads sharing a KV head run next to
   each other and share the K/V tiles through L2; query tiles run last-first (longest first).
+  A step replayed from a CUDA graph passes a tile schedule instead (grid ``(Hq, T)``, one
+  program a listed (sequence, query tile), :func:`prefill_tile_schedule`), so a grid fixed at
+  capture runs only the step's tiles, not ``B x`` the longest query's.
 
 Mixed batches (some sequences decoding one token, others prefilling a chunk) run both kernels:
 the decode kernel serves the ``q_len == 1`` sequences and the prefill kernel the rest, each
@@ -57,6 +60,8 @@ __all__ = [
     "paged_attention_decode",
     "paged_attention_prefill",
     "paged_attention_triton",
+    "prefill_block_m",
+    "prefill_tile_schedule",
     "write_kv_triton",
 ]
 
@@ -394,16 +399,25 @@ def _decode_reduce_kernel(out_ptr, m_ptr, l_ptr, acc_ptr, qsl_ptr, ctx_ptr, num_
 
 
 @triton.jit(do_not_specialize=["num_m_tiles", "stride_btb"])
-def _prefill_kernel(q_ptr, k_cache_ptr, v_cache_ptr, out_ptr, bt_ptr, ctx_ptr, qsl_ptr,
+def _prefill_kernel(q_ptr, k_cache_ptr, v_cache_ptr, out_ptr, bt_ptr, ctx_ptr, qsl_ptr, tile_ptr,
                     qk_scale, num_m_tiles,
                     stride_qn, stride_qh, stride_kb, stride_kt, stride_kh,
                     stride_on, stride_oh, stride_btb,
                     G: tl.constexpr, HEAD_DIM: tl.constexpr, PAGE: tl.constexpr,
                     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, FP32_MATH: tl.constexpr,
-                    SKIP_DECODE: tl.constexpr):
+                    SKIP_DECODE: tl.constexpr, SCHEDULED: tl.constexpr):
+    """Grid ``(Hq, query tiles, B)``, or with ``SCHEDULED`` ``(Hq, T)``: program ``(h, j)``
+    takes the tile ``tile_ptr[j]`` (``sequence << 16 | query tile``; negative: no work)."""
     h = tl.program_id(0)
-    m_tile = num_m_tiles - 1 - tl.program_id(1)   # longest (last) query tiles first
-    b = tl.program_id(2)
+    if SCHEDULED:
+        entry = tl.load(tile_ptr + tl.program_id(1))
+        if entry < 0:
+            return
+        m_tile = entry & 0xFFFF
+        b = entry >> 16
+    else:
+        m_tile = num_m_tiles - 1 - tl.program_id(1)   # longest (last) query tiles first
+        b = tl.program_id(2)
     q_start = tl.load(qsl_ptr + b)
     q_len = tl.load(qsl_ptr + b + 1) - q_start
     if SKIP_DECODE:
@@ -809,7 +823,9 @@ def paged_attention_prefill(query: torch.Tensor, k_cache: torch.Tensor, v_cache:
         query: ``[N, Hq, D]``, same dtype as the cache.
         k_cache, v_cache: ``[num_blocks + 1, block_size, Hkv, D]`` contiguous, already holding
             this step's K/V.
-        meta: :class:`~llmserve.attention.metadata.AttentionMetadata` (uses ``max_query_len``).
+        meta: :class:`~llmserve.attention.metadata.AttentionMetadata` (uses ``max_query_len``;
+            with ``prefill_tiles`` the grid is ``(Hq, len(prefill_tiles))`` and runs the listed
+            tiles, built by :func:`prefill_tile_schedule` with :func:`prefill_block_m`).
         scale: softmax scale.
         out: optional ``[N, Hq, D]`` output.
         skip_decode: leave sequences with query length 1 to the decode kernel.
@@ -834,15 +850,70 @@ def paged_attention_prefill(query: torch.Tensor, k_cache: torch.Tensor, v_cache:
             cfg[key] = val
     num_m_tiles = triton.cdiv(int(meta.max_query_len), cfg["BLOCK_M"])
     fp32_math = on_cpu or query.dtype == torch.float32
-    _prefill_kernel[(hq, num_m_tiles, b)](
+    tiles = meta.prefill_tiles
+    if tiles is not None:
+        if block_m is not None and block_m != cfg["BLOCK_M"]:
+            raise ValueError(f"meta.prefill_tiles were built for BLOCK_M={cfg['BLOCK_M']}, "
+                             f"not block_m={block_m}")
+        _check_index("meta.prefill_tiles", tiles, 1, k_cache.device)
+        grid = (hq, tiles.shape[0])
+    else:
+        tiles, grid = meta.query_start_loc, (hq, num_m_tiles, b)  # tiles unused
+    _prefill_kernel[grid](
         query, k_cache, v_cache, out, meta.block_tables, meta.context_lens, meta.query_start_loc,
-        float(scale) * _LOG2E, num_m_tiles,
+        tiles, float(scale) * _LOG2E, num_m_tiles,
         query.stride(0), query.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         out.stride(0), out.stride(1), meta.block_tables.stride(0),
         G=hq // hkv, HEAD_DIM=d, PAGE=bs, BLOCK_M=cfg["BLOCK_M"], BLOCK_N=cfg["BLOCK_N"],
-        FP32_MATH=fp32_math, SKIP_DECODE=skip_decode,
+        FP32_MATH=fp32_math, SKIP_DECODE=skip_decode, SCHEDULED=len(grid) == 2,
         num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
     return out
+
+
+def prefill_block_m(head_dim: int, device: torch.device | str) -> int:
+    """Query rows per tile of the prefill kernel for ``head_dim`` on ``device``: the unit of a
+    tile schedule (:func:`prefill_tile_schedule`)."""
+    return _prefill_config(head_dim, torch.device(device).type == "cpu")["BLOCK_M"]
+
+
+def prefill_tile_schedule(query_start_loc, block_m: int, out, skip_decode: bool = True) -> int:
+    """Write the prefill kernel's work list for one step into ``out`` (host arrays).
+
+    Entry ``j`` is ``sequence << 16 | query tile`` for every query tile of every sequence with
+    more than one query row (or every sequence, without ``skip_decode``), each sequence's
+    tiles last-first (its longest-context tiles start first); the rest of ``out`` is ``-1``.
+    A grid sized for ``len(out)`` then runs exactly the step's tiles whatever the batch looks
+    like, which is what a captured CUDA graph needs (its grid is fixed at capture).
+
+    Args:
+        query_start_loc: ``[B+1]`` integer array (``cu_seqlens_q``).
+        block_m: query rows per tile (:func:`prefill_block_m`).
+        out: ``[T]`` int32 numpy array, ``T >= ceil(N / block_m) + B`` always suffices.
+
+    Returns:
+        The number of tiles written.
+
+    Raises:
+        ValueError: ``out`` is too short, or a sequence index or tile does not fit 16 bits.
+    """
+    import numpy as np
+
+    qsl = np.asarray(query_start_loc, dtype=np.int64)
+    qlen = np.diff(qsl)
+    seqs = np.nonzero(qlen > 1 if skip_decode else qlen > 0)[0]
+    counts = -(-qlen[seqs] // block_m)
+    total = int(counts.sum())
+    if total > out.shape[0]:
+        raise ValueError(f"tile schedule needs {total} entries, out has {out.shape[0]}")
+    if len(seqs) and (int(seqs[-1]) >= 1 << 15 or int(counts.max()) > 1 << 16):
+        raise ValueError("tile schedule entries hold a sequence index < 32768 and a tile < 65536")
+    if total:
+        seq_of = np.repeat(seqs, counts)                                   # [total]
+        first = np.cumsum(counts) - counts                                 # each sequence's first entry
+        tile = np.repeat(counts - 1, counts) - (np.arange(total) - np.repeat(first, counts))
+        out[:total] = (seq_of << 16) | tile
+    out[total:] = -1
+    return total
 
 
 def paged_attention_triton(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,

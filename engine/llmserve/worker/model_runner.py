@@ -54,6 +54,8 @@ class ModelRunner:
         device: the model's device.
         forward: the fused forward (``models/fused_forward.py``) when enabled, else the model.
         cuda_graphs: a ``CUDAGraphDecodeRunner`` replaying decode-only steps, or None.
+        mixed_graphs: a :class:`~llmserve.worker.mixed_graph.CUDAGraphMixedRunner` replaying
+            the other steps up to its token count, or None (they run eagerly).
         channel: tensor parallelism on rank 0: the
             :class:`~llmserve.worker.step_channel.StepChannel` every eager step's packed inputs
             are broadcast through before the forward (the other ranks run
@@ -62,8 +64,8 @@ class ModelRunner:
 
     def __init__(self, model: torch.nn.Module, kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
                  block_size: int, device: torch.device | str, forward=None, cuda_graphs=None,
-                 channel=None) -> None:
-        if channel is not None and cuda_graphs is not None:
+                 channel=None, mixed_graphs=None) -> None:
+        if channel is not None and (cuda_graphs is not None or mixed_graphs is not None):
             raise ValueError("CUDA graphs are not supported with tensor parallelism")
         self.model = model
         self.kv_caches = kv_caches
@@ -72,14 +74,16 @@ class ModelRunner:
         self._pin = self.device.type == "cuda"
         self.forward = forward or model
         self.cuda_graphs = cuda_graphs
+        self.mixed_graphs = mixed_graphs
         self.channel = channel
         self.inputs = InputBuilder(block_size, self.device)
-        self.num_graph_steps = 0
+        self.num_graph_steps = 0          # decode-only steps replayed
+        self.num_mixed_graph_steps = 0    # steps with prefill chunks replayed
         self.num_eager_steps = 0
 
     def reset_stats(self) -> None:
         """Zero the step counters (and the graph runner's short-context replay count)."""
-        self.num_graph_steps = self.num_eager_steps = 0
+        self.num_graph_steps = self.num_eager_steps = self.num_mixed_graph_steps = 0
         if self.cuda_graphs is not None:
             self.cuda_graphs.num_short_replays = 0
 
@@ -134,7 +138,8 @@ class ModelRunner:
     @torch.inference_mode()
     def execute(self, scheduled: _Seq, pending: PendingTokens | None = None,
                 num_logits: _Seq[int] | None = None) -> ModelRunnerOutput:
-        """Run one forward pass (a CUDA-graph replay for decode-only steps when available).
+        """Run one forward pass (a CUDA-graph replay for decode-only steps, and for steps with
+        prefill chunks up to the mixed runner's token count, when available).
 
         Args:
             scheduled: the step's :class:`~llmserve.worker.input_builder.ScheduledItem` s.
@@ -151,6 +156,10 @@ class ModelRunner:
         """
         if self._graph_eligible(scheduled, num_logits):
             return self._run_graph(scheduled, pending)
+        if self.mixed_graphs is not None and self.mixed_graphs.eligible(scheduled, num_logits):
+            logits, rows = self.mixed_graphs.run(scheduled, pending)
+            self.num_mixed_graph_steps += 1
+            return ModelRunnerOutput(logits, rows, cuda_graph=True)
         self.num_eager_steps += 1
         packed = self.inputs.pack(scheduled, pending, num_logits)
         if self.channel is not None:               # tensor parallel: the same step on every rank
