@@ -74,7 +74,7 @@ def test_decode_sweep_mechanics(hf_qwen2, tmp_path):
     assert rows[1]["kv_bytes"] == 3 * (16 + 2 + 2) * per_token
     assert not eng.has_unfinished_requests()
     # a tight step budget staggers the batch's admission: the timed steps still see it whole
-    eng2 = LLMEngine(EngineConfig(model=path, cache=CacheConfig(num_blocks=128),
+    eng2 = LLMEngine(EngineConfig(model=path, cache=CacheConfig(num_blocks=192),
                                   scheduler=SchedulerConfig(max_num_seqs=16, max_num_batched_tokens=96)))
     r16 = decode_sweep(eng2, [16], [48], steps=10, warm=2)[0]
     assert r16["status"] == "ok", r16          # every timed step ran all 16 (else "failed")

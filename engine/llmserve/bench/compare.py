@@ -416,6 +416,10 @@ def kv_bytes_per_token(model_config, dtype_bytes: int = 2) -> int:
     return mc.num_hidden_layers * 2 * mc.num_key_value_heads * mc.head_dim * dtype_bytes
 
 
+#: Traced / untraced window pairs a decode-sweep cell times to measure the cost of tracing.
+TRACE_PAIRS = 3
+
+
 def decode_sweep(engine, batches: list[int], contexts: list[int], steps: int, warm: int = 8,
                  seed: int = 0, sync=None, trace: bool = True) -> list[dict]:
     """Steady-state decode step time of ``engine`` at each batch size and context length.
@@ -428,15 +432,19 @@ def decode_sweep(engine, batches: list[int], contexts: list[int], steps: int, wa
     The engine must admit ``max(batches)`` sequences and hold their KV.
 
     With ``trace`` the cost of request lifecycle tracing (:mod:`llmserve.core.trace`) is
-    measured on the same requests: ``steps`` more steps with a tracer attached, then ``steps``
-    without, and the traced window is compared with the mean of the untraced windows around it
-    (the context grows by ``steps`` tokens a window, so bracketing cancels that drift).
+    measured on the same requests: after the timed window, :data:`TRACE_PAIRS` pairs of
+    windows of ``steps`` steps, one with a tracer attached and one without; each traced window
+    is compared with the mean of the untraced windows around it (the context grows by ``steps``
+    tokens a window, so bracketing cancels that drift), and the median of the pairs is kept, so
+    one host pause (a page fault, a garbage collection of the benchmark's own objects) does
+    not decide the row.
 
     Returns:
         One row per cell: ``batch``, ``context``, ``ms_per_step``, ``kv_bytes`` (KV read per
-        step at the timed steps' mean context), with ``trace`` also ``traced_ms_per_step`` and
-        ``trace_overhead`` (traced / untraced - 1), ``status`` and ``error`` (a failed cell, a
-        batch that was not full or was preempted included, stays a row).
+        step at the timed steps' mean context), with ``trace`` also ``traced_ms_per_step`` (the
+        median traced window) and ``trace_overhead`` (median of traced / untraced - 1),
+        ``status`` and ``error`` (a failed cell, a batch that was not full or was preempted
+        included, stays a row).
     """
     from ..core.sampling_params import SamplingParams
     from ..core.trace import RequestTracer
@@ -455,7 +463,7 @@ def decode_sweep(engine, batches: list[int], contexts: list[int], steps: int, wa
                 # the timed window (requests admitted first decode during the later prefills)
                 budget = engine.scheduler.config.max_num_batched_tokens
                 extra = -(-b * ctx // budget) + b + 16           # steps spent admitting the batch
-                windows = 3 if trace else 1
+                windows = 1 + 2 * TRACE_PAIRS if trace else 1
                 sp = SamplingParams(max_tokens=warm + windows * steps + extra, ignore_eos=True)
                 seqs = [engine.add_request(rng.integers(0, vocab, ctx).tolist(), sp) for _ in range(b)]
                 while min(len(q.output_token_ids) for q in seqs) < warm:
@@ -476,13 +484,18 @@ def decode_sweep(engine, batches: list[int], contexts: list[int], steps: int, wa
                 row["ms_per_step"] = window()
                 row["kv_bytes"] = b * (ctx + warm + steps // 2) * per_token
                 if trace:
-                    engine.tracer = RequestTracer()
-                    try:
-                        row["traced_ms_per_step"] = window()
-                    finally:
-                        engine.tracer = None
-                    after = window()
-                    row["trace_overhead"] = row["traced_ms_per_step"] / ((row["ms_per_step"] + after) / 2) - 1
+                    before, traced, overheads = row["ms_per_step"], [], []
+                    for _ in range(TRACE_PAIRS):
+                        engine.tracer = RequestTracer()
+                        try:
+                            traced.append(window())
+                        finally:
+                            engine.tracer = None
+                        after = window()
+                        overheads.append(traced[-1] / ((before + after) / 2) - 1)
+                        before = after
+                    row["traced_ms_per_step"] = float(np.median(traced))
+                    row["trace_overhead"] = float(np.median(overheads))
                 if short or engine.scheduler.num_preemptions != preempt0:
                     row.update(status="failed", error=f"batch not full in {short} of {windows * steps} timed steps, "
                                f"{engine.scheduler.num_preemptions - preempt0} preemptions (KV cache too small?)")
@@ -755,7 +768,8 @@ def to_markdown(rep: dict) -> str:
         lines += [f"## Decode step at batch 1..{max(batches)} ({d['model']}, ms/step; x floor = over "
                   "(weight + KV bytes) / copy bandwidth)", "",
                   "Tracing on: the step time with request lifecycle tracing (`--trace`) against "
-                  "the untraced steps around it, on the same requests.", "",
+                  "the untraced steps around it, on the same requests (median of "
+                  f"{TRACE_PAIRS} traced windows, each bracketed by untraced ones).", "",
                   "| context | " + " | ".join(str(b) for b in batches) + " |",
                   "| --- |" + " ---: |" * len(batches)]
         for ctx in sorted({r["context"] for r in rows}):
