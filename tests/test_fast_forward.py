@@ -419,6 +419,7 @@ def test_fast_path_config_rejects_bad_values():
 
     bad = {"fused_forward": "yes", "gemv_max_tokens": 5, "pdl": None, "gemv_early_epilogue": 1,
            "gemv_pre_wait": "0", "pdl_trigger_qkv": 2, "graph_short_context": -1, "graph_argmax": "on",
+           "mixed_graph_max_tokens": 16385,
            "decode_splits": "fast", "decode_stages": 0, "decode_min_tiles": 0,
            "decode_fused_max_splits": 129, "decode_wide_tile": 1, "decode_early_pages": "1",
            "decode_prefetch_kv": None, "int8_layout": "col", "int8_fragments": "1", "int8_frag_pdl": 0.5,
