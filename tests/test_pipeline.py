@@ -495,7 +495,7 @@ def test_plot_scripts_raise_on_an_empty_selection(tmp_path):
     assert r.returncode != 0 and not (tmp_path / "q.png").exists(), r.stdout + r.stderr
 
 
-@pytest.mark.parametrize("profile,min_rows", [("cpu", 3), ("h200", 2)])
+@pytest.mark.parametrize("profile,min_rows", [("cpu", 3), ("h100", 2)])
 def test_readme_headline_numbers_come_from_headline_md(profile, min_rows):
     """Every number in README.md's headline section of a profile appears in that profile's
     committed headline.md (so the test still passes after the README's main job reran)."""
@@ -757,3 +757,55 @@ def test_structured_table_names_model_hardware_and_command(tmp_path):
     md = (out / "table.md").read_text()
     assert "`random:qwen2.5-1.5b` (bfloat16) on NVIDIA H100 80GB HBM3" in md, md
     assert "--config profile=h100" in md and "| 8 | 32 |" in md and "| 0.90 |" in md, md
+
+
+def _nvidia_driver_here() -> bool:
+    return Path("/proc/driver/nvidia/version").exists() or shutil.which("nvidia-smi") is not None
+
+
+def _stale_compare(root: Path, profile: str = "h100") -> tuple[Path, Path]:
+    """A GPU profile's compare.json measured on other sources (hash 0...0), and the path of the
+    marker that makes it rerun."""
+    (root / "engine").symlink_to(ROOT / "engine")        # the code hash the workflow computes
+    current = script("code_hash.py").stdout.strip()
+    out = root / "results" / profile
+    out.mkdir(parents=True)
+    (out / "compare.json").write_text(json.dumps({"code_hash": "0" * 64}))
+    (out / "compare.md").write_text("measured\n")
+    (out / "decode_sweep.png").write_bytes(b"png")
+    marker = (root / "results" / "checkpoint3" / profile / "logs" / "code-changed" / "gpu~compare"
+              / f"{'0' * 16}-to-{current[:16]}.stamp")
+    return out / "compare.json", marker
+
+
+def test_a_stale_gpu_result_reruns_even_when_restored_after_its_marker(tmp_path):
+    """A marker left by a run that stopped before its job finished, older than the job's output
+    copied back afterwards (which still records the old code hash): the job still reruns (its
+    marker is moved past the output), instead of the stale output passing for current."""
+    copy_workflow(tmp_path)
+    compare, marker = _stale_compare(tmp_path)
+    marker.parent.mkdir(parents=True)
+    marker.write_text("")
+    os.utime(marker, (1_000_000, 1_000_000))                       # long before the output
+    # the comparison's target (its outputs and markers; named results/h200 for every profile)
+    r = snakemake("-n", "--nolock", "results/h200", "--config", "profile=h100", cwd=tmp_path)
+    assert r.returncode == 0, r.stdout[-3000:]
+    assert job_counts(r.stdout).get("h200_compare") == 1, r.stdout[-3000:]
+    assert marker.stat().st_mtime > compare.stat().st_mtime
+
+
+@pytest.mark.skipif(_nvidia_driver_here(), reason="checks a machine without an NVIDIA driver")
+def test_no_gpu_job_runs_where_there_is_no_gpu(tmp_path):
+    """On a machine without a GPU a run that would start a GPU profile's measuring job stops
+    before any job starts, naming the jobs: a stale measured result is left as it is (no CPU
+    run replaces it with a failed one, or deletes it when that run fails); a dry run still
+    shows what a GPU machine would run."""
+    copy_workflow(tmp_path)
+    compare, marker = _stale_compare(tmp_path)
+    before = compare.read_text()
+    r = snakemake("--cores", "1", "--nolock", "results/h200", "--config", "profile=h100", cwd=tmp_path)
+    assert r.returncode != 0 and "measure on a GPU" in r.stdout and "h200_compare" in r.stdout, \
+        r.stdout[-3000:]
+    assert "Nothing was run" in r.stdout and compare.read_text() == before and not marker.exists()
+    r = snakemake("-n", "--nolock", "results/h200", "--config", "profile=h100", cwd=tmp_path)
+    assert r.returncode == 0 and job_counts(r.stdout).get("h200_compare") == 1, r.stdout[-3000:]

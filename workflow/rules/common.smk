@@ -4,6 +4,8 @@
 
 import importlib.util
 import json
+import os
+import shutil
 from itertools import product
 from pathlib import Path
 
@@ -35,6 +37,41 @@ LOAD_FILES = {"default": LOAD_PROFILE,
 
 # Benchmarks on a GPU declare it, so `--resources gpu=1` serialises them (docs/benchmarking.md).
 GPU = 1 if str(config["device"]).startswith("cuda") else 0
+
+
+def _nvidia_driver_here():
+    """Whether this machine has an NVIDIA driver (its /proc entry or nvidia-smi)."""
+    return os.path.exists("/proc/driver/nvidia/version") or shutil.which("nvidia-smi") is not None
+
+
+def _gpu_jobs_without_a_gpu(dag):
+    """The jobs of ``dag`` that would measure on a GPU (a ``gpu`` resource above 0) in this
+    process although this machine has no NVIDIA driver (see the ``onstart`` handler below)."""
+    if not workflow.local_exec or _nvidia_driver_here():
+        return []
+    out = []
+    for job in dag.needrun_jobs():
+        gpu = job.resources.get("gpu")               # evaluated for the job; None: not declared
+        if isinstance(gpu, int) and gpu > 0:
+            out.append(job)
+    return out
+
+
+onstart:
+    # A GPU profile's measuring jobs never run on a machine without a GPU, e.g. a laptop that
+    # pulled a GPU run's results to rebuild its tables or publish its checksums: such a run would
+    # replace the measured results with failed rows (or delete them when its job fails). Checked
+    # once the jobs to run are known and before any starts; dry runs and cluster executors,
+    # whose jobs run elsewhere, are not concerned.
+    _stranded = _gpu_jobs_without_a_gpu(workflow.dag)
+    if _stranded:
+        _names = sorted({j.rule.name for j in _stranded})
+        raise WorkflowError(
+            f"{len(_stranded)} job(s) of profile {PROFILE!r} measure on a GPU and this machine has "
+            f"no NVIDIA driver: {', '.join(_names)}. Their results are missing or measured on other "
+            "llmserve sources (see `snakemake -n` for the reasons); run them on a GPU machine "
+            "(docs/benchmarking.md), or target only what needs no GPU (tables, plots, `publish`). "
+            "Nothing was run.")
 
 
 def _load_code_hash_module():
@@ -294,24 +331,44 @@ def marker_path(name, old_hash):
     return f"{LOGS}/code-changed/{name}/{old_hash[:16]}-to-{CODE_HASH[:16]}.stamp"
 
 
-def change_markers(name, recorded):
+def change_markers(name, recorded, paths=()):
     """Markers of one job (a cell, or a GPU job named ``name``) for the current code: a new one
     for each recorded code hash (``recorded``; ``None`` where an output records none) that is
     not the current one, plus those that earlier reruns left for the current code, so the set of
     inputs Snakemake recorded for the job does not change after the rerun (which its `input`
-    rerun trigger would otherwise take for a change). See `stale_marker`."""
+    rerun trigger would otherwise take for a change). See `stale_marker`.
+
+    ``paths`` (the files the hashes were read from, in the same order) keep a marker meaningful
+    when its job's outputs come back from elsewhere: a marker that exists already (left by a
+    run that stopped before the job finished) but is not newer than an output still recording
+    the old hash (a restored or copied output) has its time moved to now, so the job reruns
+    instead of being taken as current by its newer, stale output."""
     folder = Path(f"{LOGS}/code-changed/{name}")
     found = sorted(str(p) for p in folder.glob(f"*-to-{CODE_HASH[:16]}.stamp"))
     for old in sorted({h for h in recorded if h and h != CODE_HASH}):
         marker = marker_path(name, old)
         if marker not in found:
             found.append(marker)
+        elif paths:
+            _refresh_marker(marker, [p for h, p in zip(recorded, paths) if h == old])
     return found
+
+
+def _refresh_marker(marker, stale_outputs):
+    """Move ``marker``'s modification time past every file of ``stale_outputs`` (see
+    `change_markers`)."""
+    try:
+        newest = max(os.path.getmtime(p) for p in stale_outputs)
+        if os.path.getmtime(marker) <= newest:
+            os.utime(marker, (newest + 1, newest + 1))
+    except (OSError, ValueError):      # a file went away, or none: nothing to order
+        pass
 
 
 def code_change_markers(cells):
     """Inputs of a benchmark group: its cells' markers for the current code."""
-    return [m for cell in cells for m in change_markers(cell, [recorded_code_hash(cell)])]
+    return [m for cell in cells
+            for m in change_markers(cell, [recorded_code_hash(cell)], [f"{RAW}/{cell}.provenance.json"])]
 
 
 def raw_files(cells, kinds=("json", "csv", "provenance.json")):
@@ -510,15 +567,20 @@ def gpu_inputs(wildcards):
 #: recorded; a repetition's cells rerun together when any of their provenance files names another
 #: hash). The jobs and the targets take them as inputs: the target needs a marker, so it is made,
 #: and the job whose input it is reruns.
-COMPARE_MARKERS = change_markers("gpu~compare", [recorded_hash_in(f"{GPU_OUT}/compare.json", "code_hash")])
-KERNEL_MARKERS = change_markers("gpu~kernels", [recorded_hash_in(KERNEL_FILES[0], "env", "code_hash")])
+def _hash_markers(name, paths, *keys):
+    """`change_markers` of job ``name`` from the code hash each of ``paths`` records (``keys``)."""
+    return change_markers(name, [recorded_hash_in(p, *keys) for p in paths], paths)
+
+
+COMPARE_MARKERS = _hash_markers("gpu~compare", [f"{GPU_OUT}/compare.json"], "code_hash")
+KERNEL_MARKERS = _hash_markers("gpu~kernels", [KERNEL_FILES[0]], "env", "code_hash")
 STRUCTURED_MARKERS = {
-    rep: change_markers(f"gpu~structured_rep{rep}",
-                        [recorded_hash_in(f"{STRUCTURED_OUT}/raw/{c}.provenance.json", "code_hash") for c in cells])
+    rep: _hash_markers(f"gpu~structured_rep{rep}",
+                       [f"{STRUCTURED_OUT}/raw/{c}.provenance.json" for c in cells], "code_hash")
     for rep, cells in STRUCTURED_CELLS.items()}
 PREFIX_MARKERS = {
-    rep: change_markers(f"prefix~{PROFILE}~rep{rep}",
-                        [recorded_hash_in(f"{PREFIX_OUT}/raw/{c}.provenance.json", "code_hash") for c in cells])
+    rep: _hash_markers(f"prefix~{PROFILE}~rep{rep}",
+                       [f"{PREFIX_OUT}/raw/{c}.provenance.json" for c in cells], "code_hash")
     for rep, cells in PREFIX_CELLS.items()}
 PREFIX_MARKER_FILES = [m for ms in PREFIX_MARKERS.values() for m in ms]
 GPU_MARKERS = (COMPARE_MARKERS + KERNEL_MARKERS + [m for ms in STRUCTURED_MARKERS.values() for m in ms]
