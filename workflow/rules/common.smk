@@ -5,7 +5,6 @@
 import importlib.util
 import json
 import os
-import shutil
 from itertools import product
 from pathlib import Path
 
@@ -39,22 +38,31 @@ LOAD_FILES = {"default": LOAD_PROFILE,
 GPU = 1 if str(config["device"]).startswith("cuda") else 0
 
 
-def _nvidia_driver_here():
-    """Whether this machine has an NVIDIA driver (its /proc entry or nvidia-smi)."""
-    return os.path.exists("/proc/driver/nvidia/version") or shutil.which("nvidia-smi") is not None
-
-
 def _gpu_jobs_without_a_gpu(dag):
-    """The jobs of ``dag`` that would measure on a GPU (a ``gpu`` resource above 0) in this
-    process although this machine has no NVIDIA driver (see the ``onstart`` handler below)."""
-    if not workflow.local_exec or _nvidia_driver_here():
+    """The jobs of ``dag`` that would measure on a GPU (a ``gpu`` resource above 0) on this
+    machine although torch sees no CUDA device here (see the ``onstart`` handler below)."""
+    if not workflow.local_exec:
         return []
     out = []
     for job in dag.needrun_jobs():
         gpu = job.resources.get("gpu")               # evaluated for the job; None: not declared
         if isinstance(gpu, int) and gpu > 0:
             out.append(job)
+    if out and _cuda_here():
+        return []
     return out
+
+
+def _cuda_here():
+    """Whether torch sees a CUDA device here (without torch in Snakemake's own environment:
+    whether an NVIDIA driver's nvidia-smi is on PATH)."""
+    try:
+        import torch                                 # only when a GPU job is about to run
+    except ImportError:
+        import shutil
+
+        return shutil.which("nvidia-smi") is not None
+    return torch.cuda.is_available()
 
 
 onstart:
@@ -67,9 +75,9 @@ onstart:
     if _stranded:
         _names = sorted({j.rule.name for j in _stranded})
         raise WorkflowError(
-            f"{len(_stranded)} job(s) of profile {PROFILE!r} measure on a GPU and this machine has "
-            f"no NVIDIA driver: {', '.join(_names)}. Their results are missing or measured on other "
-            "llmserve sources (see `snakemake -n` for the reasons); run them on a GPU machine "
+            f"{len(_stranded)} job(s) of profile {PROFILE!r} measure on a GPU and torch sees no "
+            f"CUDA device on this machine: {', '.join(_names)}. Their results are missing or "
+            "measured on other llmserve sources (see `snakemake -n` for the reasons); run them on a GPU machine "
             "(docs/benchmarking.md), or target only what needs no GPU (tables, plots, `publish`). "
             "Nothing was run.")
 
