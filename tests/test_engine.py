@@ -330,3 +330,38 @@ def test_freeze_gc_moves_live_objects_to_the_permanent_generation():
         gc.unfreeze()
     with pytest.raises(ValueError, match="freeze_gc"):
         EngineConfig(freeze_gc=1)
+
+
+def test_warmup_runs_eager_steps_and_graph_replays_of_prefill_steps():
+    """With graphs of steps with prefill chunks (``runner.mixed_graphs``) the warm-up's requests
+    run twice: first with those graphs set aside (the eager kernel variants that steps past the
+    largest bucket use compile too), then with them; the runner gets its graphs back."""
+    from llmserve.config import EngineConfig, SchedulerConfig
+
+    eng = LLMEngine(EngineConfig(scheduler=SchedulerConfig(max_num_seqs=4, max_model_len=256,
+                                                           prefill_chunk_size=32,
+                                                           max_num_batched_tokens=64)))
+
+    class NoGraphs:                       # a mixed runner that replays nothing (CPU)
+        def eligible(self, scheduled, num_logits):
+            return False
+
+    mixed = NoGraphs()
+    eng.runner.mixed_graphs = mixed
+    seen = []
+    original = eng.runner.execute
+
+    def spy(scheduled, pending=None, *rest, **kw):
+        seen.append((eng.runner.mixed_graphs is mixed,
+                     sorted({item.seq.request_id.split("-")[0] for item in scheduled})))
+        return original(scheduled, pending, *rest, **kw)
+
+    eng.runner.execute = spy
+    info = eng.warmup(force=True)
+    eng.runner.execute = original
+    assert eng.runner.mixed_graphs is mixed and not eng.has_unfinished_requests()
+    eager = [tags for with_graphs, tags in seen if not with_graphs]
+    graphed = [tags for with_graphs, tags in seen if with_graphs]
+    assert eager and graphed and seen.index(next(s for s in seen if s[0])) == len(eager)  # eager first
+    assert all(tags == ["warmup"] for tags in eager) and all(tags == ["warmup1"] for tags in graphed)
+    assert info["requests"] % 2 == 0                 # the same requests in each pass

@@ -271,6 +271,13 @@ def test_scheduled_prefill_in_a_padded_graph_shape(seqs, block_size, hq, hkv, d,
     out = paged_attention_triton(q, kc, vc, padded, d ** -0.5)
     assert_close(out[:real], ref[:real], dtype)
     assert (out[real:] == 0).all()
+    # a schedule is for the kernel's own tile height and next to the decode kernel only
+    with pytest.raises(ValueError, match="BLOCK_M"):
+        paged_attention_prefill(q, kc, vc, padded, d ** -0.5, skip_decode=True, block_m=2 * block_m)
+    with pytest.raises(ValueError, match="skip_decode"):
+        paged_attention_prefill(q, kc, vc, padded, d ** -0.5)
+    with pytest.raises(ValueError, match="block_m"):
+        prefill_tile_schedule(qsl.numpy(), 0, tiles)
 
 
 def test_prefill_kernel_alone_serves_decode_rows_too():

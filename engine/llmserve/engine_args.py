@@ -373,7 +373,8 @@ def describe_config(config: EngineConfig) -> str:
         else "from the CPU budget")
     return (f"device={config.device} dtype={config.dtype} attention={config.attention_backend} "
             f"linear={config.linear_backend} forward={'fused' if fused else 'readable'} cuda_graph={graphs} "
-            f"mixed_graph_max_tokens={fp.mixed_graph_max_tokens if graphs else 0} async_scheduling={async_} "
+            f"mixed_graph_max_tokens={min(fp.mixed_graph_max_tokens, s.max_num_batched_tokens) if graphs else 0} "
+            f"async_scheduling={async_} "
             f"mode={s.mode} policy={s.policy} max_num_seqs={s.max_num_seqs} "
             f"max_num_batched_tokens={s.max_num_batched_tokens} prefill_chunk={chunk} "
             f"max_model_len={s.max_model_len} block_size={c.block_size} kv_blocks={blocks} "

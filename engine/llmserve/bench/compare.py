@@ -150,6 +150,7 @@ def decode_llmserve(preset: str, steps: int, prompt_len: int = 32, linear_backen
     out = {"step_ms_median": float(np.median(gaps)), "step_ms_p90": float(np.percentile(gaps, 90)),
            "graph_replay_ms": graph_ms, "weight_bytes": weight_bytes, "step_split_us": split_us,
            "graph_steps": eng.runner.num_graph_steps, "eager_steps": eng.runner.num_eager_steps,
+           "mixed_graph_steps": eng.runner.num_mixed_graph_steps,
            "short_context_replays": g.num_short_replays if g is not None else 0}
     del eng
     gc.collect()
@@ -259,6 +260,7 @@ def offline_llmserve(preset: str, prompts, outs, max_num_seqs: int | None, chunk
     eng.generate(prompts[:64], SamplingParams(max_tokens=32, ignore_eos=True))
     torch.cuda.synchronize()
     steps0, graph0, eager0 = eng.stats()["num_steps"], eng.runner.num_graph_steps, eng.runner.num_eager_steps
+    mixed0 = eng.runner.num_mixed_graph_steps
 
     def run_once():
         for p, o in zip(prompts, outs):
@@ -275,6 +277,7 @@ def offline_llmserve(preset: str, prompts, outs, max_num_seqs: int | None, chunk
                 "num_preemptions": st["num_preemptions"],
                 "graph_steps": (eng.runner.num_graph_steps - graph0) // repetitions,
                 "eager_steps": (eng.runner.num_eager_steps - eager0) // repetitions,
+                "mixed_graph_steps": (eng.runner.num_mixed_graph_steps - mixed0) // repetitions,
                 "num_blocks": st["num_total_blocks"], "max_num_seqs": max_num_seqs, "prefill_chunk": chunk,
                 "max_num_batched_tokens": budget,
                 # where the wall time went (LLMEngine.step_seconds, all runs and the warm-up):

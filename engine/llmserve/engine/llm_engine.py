@@ -309,7 +309,9 @@ class LLMEngine(_EngineBase):
         of 24, 300 and 600 tokens of context, so decode rows mix with prefill chunks at growing
         batch sizes and at the contexts that switch the decode attention's tile and split merge;
         then a seeded sampled request with top-k/top-p and logprobs (no engine random stream is
-        consumed). Requests the engine cannot take (context, step budget, KV blocks) are
+        consumed). With CUDA graphs of steps with prefill chunks (``runner.mixed_graphs``) the
+        requests run twice, first with those graphs set aside, so the kernel variants of the
+        eager steps past their largest bucket compile too. Requests the engine cannot take (context, step budget, KV blocks) are
         skipped. The step, KV and graph counters are reset afterwards. CUDA only (a no-op
         elsewhere unless ``force``: the CPU tests run the same requests through the readable
         path).
@@ -355,33 +357,43 @@ class LLMEngine(_EngineBase):
                 self.step()
 
         greedy = SamplingParams(max_tokens=3, ignore_eos=True)
+        # Steps with prefill chunks replay a CUDA graph up to the mixed runner's token count and
+        # run eagerly past it, with other kernel variants (the prefill kernel without a tile
+        # schedule, the decode kernel's split count for the real context): the requests run once
+        # with the mixed graphs set aside, so the eager variants compile too, then with them.
+        mixed = getattr(self.runner, "mixed_graphs", None)
         try:
-            for i, n in enumerate(lengths):          # batched prefills (chunked), then batch decode
-                add(n, i, greedy, f"warmup-a{i}")
-            drain()
-            # Staggered arrivals next to a decoding request of a short, a medium and a long
-            # context: decode rows mixed with prefill chunks at batch 2, 3, ... (the attention
-            # kernels pick their tile, split count and merge by batch size and context, each a
-            # kernel variant).
-            small = [n for n in lengths if n <= 100]
-            for j, base in enumerate((24, 300, 600)):
-                bg = add(base, 200 + j, SamplingParams(max_tokens=len(small) + 4, ignore_eos=True),
-                         f"warmup-bg{j}")
-                if bg is None:
-                    continue
-                while bg.num_computed_tokens < base and self.has_unfinished_requests():
-                    self.step()
-                for i, n in enumerate(small):
-                    add(n, 50 + 10 * j + i, greedy, f"warmup-b{j}-{i}")
-                    self.step()
+            for p, graphs in enumerate([None, mixed] if mixed is not None else [None]):
+                self.runner.mixed_graphs = graphs
+                tag = "warmup" if p == 0 else f"warmup{p}"
+                for i, n in enumerate(lengths):      # batched prefills (chunked), then batch decode
+                    add(n, i, greedy, f"{tag}-a{i}")
                 drain()
-            add(5, 99, SamplingParams(max_tokens=3, temperature=0.8, top_p=0.9, top_k=20, seed=0,
-                                      logprobs=2, ignore_eos=True), "warmup-c0")
-            drain()
+                # Staggered arrivals next to a decoding request of a short, a medium and a long
+                # context: decode rows mixed with prefill chunks at batch 2, 3, ... (the
+                # attention kernels pick their tile, split count and merge by batch size and
+                # context, each a kernel variant).
+                small = [n for n in lengths if n <= 100]
+                for j, base in enumerate((24, 300, 600)):
+                    bg = add(base, 200 + j, SamplingParams(max_tokens=len(small) + 4, ignore_eos=True),
+                             f"{tag}-bg{j}")
+                    if bg is None:
+                        continue
+                    while bg.num_computed_tokens < base and self.has_unfinished_requests():
+                        self.step()
+                    for i, n in enumerate(small):
+                        add(n, 50 + 10 * j + i, greedy, f"{tag}-b{j}-{i}")
+                        self.step()
+                    drain()
+                add(5, 99, SamplingParams(max_tokens=3, temperature=0.8, top_p=0.9, top_k=20, seed=0,
+                                          logprobs=2, ignore_eos=True), f"{tag}-c0")
+                drain()
         except BaseException:
             for rid in added:                        # leave nothing queued behind
                 self.abort_request(rid)
             raise
+        finally:
+            self.runner.mixed_graphs = mixed
         count = len(added)
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)

@@ -844,18 +844,22 @@ def paged_attention_prefill(query: torch.Tensor, k_cache: torch.Tensor, v_cache:
     if b == 0 or n == 0 or meta.max_query_len <= 0:
         return out
     cfg = _prefill_config(d, on_cpu)
+    tiles = meta.prefill_tiles
+    if tiles is not None:
+        if block_m is not None and block_m != cfg["BLOCK_M"]:
+            raise ValueError(f"meta.prefill_tiles are built for BLOCK_M={cfg['BLOCK_M']} "
+                             f"(prefill_block_m), not block_m={block_m}")
+        if not skip_decode:
+            raise ValueError("meta.prefill_tiles list the sequences of more than one query row: "
+                             "run the prefill kernel with skip_decode=True next to the decode kernel")
+        _check_index("meta.prefill_tiles", tiles, 1, k_cache.device)
     for key, val in (("BLOCK_M", block_m), ("BLOCK_N", block_n), ("num_warps", num_warps),
                      ("num_stages", num_stages)):
         if val is not None:
             cfg[key] = val
     num_m_tiles = triton.cdiv(int(meta.max_query_len), cfg["BLOCK_M"])
     fp32_math = on_cpu or query.dtype == torch.float32
-    tiles = meta.prefill_tiles
     if tiles is not None:
-        if block_m is not None and block_m != cfg["BLOCK_M"]:
-            raise ValueError(f"meta.prefill_tiles were built for BLOCK_M={cfg['BLOCK_M']}, "
-                             f"not block_m={block_m}")
-        _check_index("meta.prefill_tiles", tiles, 1, k_cache.device)
         grid = (hq, tiles.shape[0])
     else:
         tiles, grid = meta.query_start_loc, (hq, num_m_tiles, b)  # tiles unused
@@ -894,10 +898,13 @@ def prefill_tile_schedule(query_start_loc, block_m: int, out, skip_decode: bool 
         The number of tiles written.
 
     Raises:
-        ValueError: ``out`` is too short, or a sequence index or tile does not fit 16 bits.
+        ValueError: ``block_m`` below 1, ``out`` too short, or a sequence index or tile that does
+            not fit 16 bits.
     """
     import numpy as np
 
+    if type(block_m) is not int or block_m < 1:
+        raise ValueError(f"block_m must be an integer >= 1, got {block_m!r}")
     qsl = np.asarray(query_start_loc, dtype=np.int64)
     qlen = np.diff(qsl)
     seqs = np.nonzero(qlen > 1 if skip_decode else qlen > 0)[0]

@@ -76,7 +76,7 @@ class CUDAGraphMixedRunner:
         kv_caches: per-layer ``(k, v)`` cache tensors.
         block_size: tokens per block.
         max_seqs: most sequences in a step (the scheduler's ``max_num_seqs``).
-        max_tokens: largest step captured, tokens (``FastPathConfig.graph_mixed_max_tokens``);
+        max_tokens: largest step captured, tokens (``FastPathConfig.mixed_graph_max_tokens``);
             larger steps run eagerly.
         max_model_len: longest sequence; fixes the block-table width and the decode kernel's
             grid.
