@@ -349,8 +349,8 @@ def change_markers(name, recorded, paths=()):
     ``paths`` (the files the hashes were read from, in the same order) keep a marker meaningful
     when its job's outputs come back from elsewhere: a marker that exists already (left by a
     run that stopped before the job finished) but is not newer than an output still recording
-    the old hash (a restored or copied output) has its time moved to now, so the job reruns
-    instead of being taken as current by its newer, stale output."""
+    the old hash (a restored or copied output) has its time moved past that output's, so the
+    job reruns instead of being taken as current by its newer, stale output."""
     folder = Path(f"{LOGS}/code-changed/{name}")
     found = sorted(str(p) for p in folder.glob(f"*-to-{CODE_HASH[:16]}.stamp"))
     for old in sorted({h for h in recorded if h and h != CODE_HASH}):
@@ -373,10 +373,14 @@ def _refresh_marker(marker, stale_outputs):
         pass
 
 
+def _hash_markers(name, paths, *keys):
+    """`change_markers` of job ``name`` from the code hash each of ``paths`` records (``keys``)."""
+    return change_markers(name, [recorded_hash_in(p, *keys) for p in paths], paths)
+
+
 def code_change_markers(cells):
     """Inputs of a benchmark group: its cells' markers for the current code."""
-    return [m for cell in cells
-            for m in change_markers(cell, [recorded_code_hash(cell)], [f"{RAW}/{cell}.provenance.json"])]
+    return [m for cell in cells for m in _hash_markers(cell, [f"{RAW}/{cell}.provenance.json"], "code_hash")]
 
 
 def raw_files(cells, kinds=("json", "csv", "provenance.json")):
@@ -575,11 +579,6 @@ def gpu_inputs(wildcards):
 #: recorded; a repetition's cells rerun together when any of their provenance files names another
 #: hash). The jobs and the targets take them as inputs: the target needs a marker, so it is made,
 #: and the job whose input it is reruns.
-def _hash_markers(name, paths, *keys):
-    """`change_markers` of job ``name`` from the code hash each of ``paths`` records (``keys``)."""
-    return change_markers(name, [recorded_hash_in(p, *keys) for p in paths], paths)
-
-
 COMPARE_MARKERS = _hash_markers("gpu~compare", [f"{GPU_OUT}/compare.json"], "code_hash")
 KERNEL_MARKERS = _hash_markers("gpu~kernels", [KERNEL_FILES[0]], "env", "code_hash")
 STRUCTURED_MARKERS = {

@@ -47,6 +47,7 @@ from __future__ import annotations
 
 import math
 
+import numpy as np
 import torch
 import triton
 import triton.language as tl
@@ -901,8 +902,6 @@ def prefill_tile_schedule(query_start_loc, block_m: int, out, skip_decode: bool 
         ValueError: ``block_m`` below 1, ``out`` too short, or a sequence index or tile that does
             not fit 16 bits.
     """
-    import numpy as np
-
     if type(block_m) is not int or block_m < 1:
         raise ValueError(f"block_m must be an integer >= 1, got {block_m!r}")
     qsl = np.asarray(query_start_loc, dtype=np.int64)

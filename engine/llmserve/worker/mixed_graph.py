@@ -48,7 +48,7 @@ import torch
 
 from ..attention.metadata import AttentionMetadata
 from ..kernels.paged_attention import prefill_tile_schedule
-from .input_builder import HostInputs, PendingTokens, batch_dims, write_host_inputs
+from .input_builder import HostInputs, PendingTokens, _even, batch_dims, write_host_inputs
 
 __all__ = ["CUDAGraphMixedRunner", "mixed_buckets"]
 
@@ -61,10 +61,6 @@ def mixed_buckets(max_tokens: int) -> list[int]:
     if not out or out[-1] != max_tokens:
         out.append(max_tokens)
     return sorted(set(out))
-
-
-def _even(words: int) -> int:
-    return words + (words & 1)
 
 
 class CUDAGraphMixedRunner:
@@ -219,10 +215,7 @@ class CUDAGraphMixedRunner:
         ``max_seqs`` sequences, block tables within ``max_model_len``, default logits rows."""
         if num_logits is not None or not self.graphs or len(scheduled) > self.max_seqs:
             return False
-        tokens = width = 0
-        for item in scheduled:
-            tokens += item.num_new_tokens
-            width = max(width, len(item.seq.block_ids))
+        tokens, _, width, _ = batch_dims(scheduled)
         return tokens <= self.max_tokens and width <= self.max_blocks
 
     def run(self, scheduled: _Seq, pending: PendingTokens | None = None
