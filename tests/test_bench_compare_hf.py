@@ -70,6 +70,7 @@ def test_decode_sweep_mechanics(hf_qwen2, tmp_path):
     for r in rows:                             # the bracketed comparison, recomputed
         assert r["traced_ms_per_step"] > 0 and -0.9 < r["trace_overhead"] < 10, r
     assert eng.tracer is None                  # detached after its window
+    assert all("replay_ms" not in r for r in rows)   # no decode graphs on the CPU: no replay row
     per_token = kv_bytes_per_token(eng.model_config, 4)
     assert rows[1]["kv_bytes"] == 3 * (16 + 2 + 2) * per_token
     assert not eng.has_unfinished_requests()
@@ -91,7 +92,32 @@ def test_decode_sweep_mechanics(hf_qwen2, tmp_path):
            "parts": {"decode-sweep": {"model": "m", "weight_bytes": 1, "rows": rows}}}
     md = to_markdown(rep)
     assert "| 40: ms/step |" in md and "| 16: x floor |" in md and "| 16: tracing on |" in md
+    assert "graph replay alone" not in md
+    rows[0].update(replay_ms=0.5, host_gap_ms=rows[0]["ms_per_step"] - 0.5)
+    assert "| 16: graph replay alone | 0.50 |" in to_markdown(rep) and "| 16: host gap" in to_markdown(rep)
     plot_decode_sweep(rows, tmp_path / "s.png", "t")
     assert (tmp_path / "s.png").stat().st_size > 1000
     with pytest.raises(ValueError, match="no successful cell"):
         plot_decode_sweep([dict(rows[0], status="failed")], tmp_path / "e.png", "t")
+
+
+def test_replay_ms_times_the_last_decode_graph():
+    """``_replay_ms`` replays the graph the last step replayed, ``steps`` times between two
+    waits for the device, and gives None where no decode graph ran."""
+    from types import SimpleNamespace
+
+    from llmserve.bench.compare import _replay_ms
+
+    class Graph:
+        replays = 0
+
+        def replay(self):
+            Graph.replays += 1
+
+    waits = []
+    eng = SimpleNamespace(runner=SimpleNamespace(cuda_graphs=SimpleNamespace(last_graph=Graph())))
+    ms = _replay_ms(eng, 7, lambda: waits.append(1))
+    assert Graph.replays == 7 and len(waits) == 2 and ms >= 0
+    assert _replay_ms(SimpleNamespace(runner=SimpleNamespace(cuda_graphs=None)), 3, lambda: None) is None
+    none_yet = SimpleNamespace(runner=SimpleNamespace(cuda_graphs=SimpleNamespace(last_graph=None)))
+    assert _replay_ms(none_yet, 3, lambda: None) is None

@@ -12,6 +12,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -263,6 +264,25 @@ def test_schema_rejects_a_bad_matrix(tmp_path):
     bad.write_text("quantization: {modes: [int3], eval_tokens: 8}\n")
     r = snakemake("-n", "--nolock", "--configfile", str(bad))
     assert r.returncode != 0 and "int3" in r.stdout, r.stdout[-2000:]
+
+
+def test_prefix_rates_per_workload(tmp_path):
+    """``prefix.arrival_rates`` as a mapping gives each workload its own rates (``inf`` allowed);
+    a workload it leaves out stops the run with a message naming it."""
+    import yaml
+
+    prefix = yaml.safe_load((ROOT / "config" / "config.yaml").read_text())["prefix"]
+    extra = tmp_path / "rates.yaml"
+    extra.write_text(yaml.safe_dump({"prefix": {**prefix, "arrival_rates": {"multi-turn": [2],
+                                                                            "shared-prefix": ["inf", 8]}}}))
+    r = snakemake("-n", "-p", "--nolock", "--forceall", "results/prefix/cpu/table.md", "--configfile",
+                  str(extra))
+    assert r.returncode == 0, r.stdout[-3000:]
+    cells = set(re.findall(r"workload~([a-z-]+)_caching~on_rate~([0-9a-z.]+)_rep~0\.json", r.stdout))
+    assert cells == {("multi-turn", "2"), ("shared-prefix", "inf"), ("shared-prefix", "8")}, cells
+    extra.write_text(yaml.safe_dump({"prefix": {**prefix, "arrival_rates": {"multi-turn": [2]}}}))
+    r = snakemake("-n", "--nolock", "results/prefix/cpu/table.md", "--configfile", str(extra))
+    assert r.returncode != 0 and "no rates for workload 'shared-prefix'" in r.stdout, r.stdout[-2000:]
 
 
 # ---------------------------------------------------------------------------------------------

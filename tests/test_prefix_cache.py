@@ -445,3 +445,28 @@ def test_speculative_and_async_scheduling_with_caching(workloads):
                                                                           "scheduler")},
                                     "async_scheduling": True}))
     assert _run_turns(asy, wl) == ref and asy.stats()["prefix_cache"]["hits"] > 0
+
+
+def test_multi_turn_system_prompt_opens_every_conversation():
+    """``multi_turn_system_prompt_len``: every turn of every conversation starts with the same
+    rendered system prompt of at least that many tokens; 0 leaves the conversations as they were."""
+    from llmserve.bench.workload import build_workload, load_profile, validate_profile
+    from llmserve.tokenizer import load_tokenizer
+
+    base, _ = load_profile("multiturn")
+    tok = load_tokenizer(None)
+
+    def wl(system_len):
+        prof = validate_profile({**base, "prompt_len": {"distribution": "dataset", "min": 4, "max": 1024},
+                                 "workload": {**base["workload"], "multi_turn_system_prompt_len": system_len}})
+        return build_workload(prof, num_requests=12, tokenizer=tok).requests
+
+    plain, with_system = wl(0), wl(300)
+    heads = {tuple(r.prompt_token_ids[:300]) for r in with_system}
+    assert len(heads) == 1                                   # one shared prefix across conversations
+    assert len({r.conversation for r in with_system}) > 1
+    assert all(r.prompt_len > 300 for r in with_system)
+    assert all(r.prompt_len <= 1024 for r in with_system)
+    assert len({tuple(r.prompt_token_ids[:300]) for r in plain}) > 1
+    with pytest.raises(ValueError, match="multi_turn_system_prompt_len"):
+        validate_profile({**base, "workload": {**base["workload"], "multi_turn_system_prompt_len": -1}})

@@ -70,3 +70,20 @@ def test_one_repetition_shows_the_run_without_a_spread(tmp_path):
     off = next(line for line in md.splitlines() if line.startswith("| shared-prefix | off "))
     assert "| 1/1 | 12.0 | 1 run |" in on and "[" not in on
     assert "| 0/1 | – | 1 run |" in off and "failed: boom" in off
+
+
+def test_caching_effect_table_gives_off_over_on_ratios(tmp_path):
+    """The "Caching on against off" section: p50 TTFT off / on and throughput on / off from the
+    medians, one row per workload and rate, a rate of inf included; a failed side shows a dash."""
+    raw = tmp_path / "raw"
+    raw.mkdir()
+    for rep in range(3):
+        _write(raw, "multi-turn", "on", float("inf"), rep, 5.0)
+        _write(raw, "multi-turn", "off", float("inf"), rep, 20.0)
+        _write(raw, "single-turn", "on", 32, rep, 10.0)
+    _write(raw, "single-turn", "off", 32, 0, 0.0, status="failed")
+    md, _ = _table(tmp_path)
+    section = md.split("## Caching on against off", 1)[1]
+    assert "| multi-turn | inf | 0.500 | 4.00x | 4.00x | 1.00x |" in section
+    assert "| single-turn | 32 | 0.500 | – | – | – |" in section
+    assert "On the CPU's readable path caching on and off agree." in md

@@ -503,12 +503,24 @@ def prefix_cell_flags(workload, caching, rate):
                                                                     "prefill_chunk_size") if k in p))
 
 
+def prefix_rates(workload):
+    """The arrival rates of ``workload`` in the prefix sweep: ``arrival_rates`` itself when it
+    is a list, else its entry for the workload (a workload it does not name stops the run)."""
+    rates = PREFIX_CFG["arrival_rates"]
+    if isinstance(rates, dict):
+        if workload not in rates:
+            raise ValueError(f"prefix.arrival_rates names no rates for workload {workload!r} "
+                             f"(it has {sorted(rates)})")
+        return rates[workload]
+    return rates
+
+
 def prefix_cells():
     """``{rep: {cell id: benchmark flags}}`` of the prefix sweep: every workload x caching x
-    arrival rate once per repetition; one process runs a repetition's cells."""
+    its arrival rates once per repetition; one process runs a repetition's cells."""
     p = PREFIX_CFG
     return {rep: {prefix_cell_id(w, c, r, rep): prefix_cell_flags(w, c, r)
-                  for w in p["workloads"] for r in p["arrival_rates"] for c in p["caching"]}
+                  for w in p["workloads"] for r in prefix_rates(w) for c in p["caching"]}
             for rep in range(int(p["repetitions"]))}
 
 

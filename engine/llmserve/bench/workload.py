@@ -41,7 +41,11 @@ Workload kinds (``workload.kind``), for prefix caching:
     conversation, so several conversations interleave). A conversation ends after
     ``max_turns`` turns, at its last reply, or before a turn whose prompt would exceed
     ``prompt_len.max``; conversations with fewer than ``min_turns`` such turns are skipped;
-    ``num_requests`` counts turns (the last conversation may be cut short).
+    ``num_requests`` counts turns (the last conversation may be cut short). With
+    ``multi_turn_system_prompt_len`` > 0 every conversation opens with the shared system
+    prompt of that many tokens (the text shared-prefix uses), as an assistant or agent
+    deployment sends its instructions: the resent history then dominates each prompt, and
+    ``prompt_len.max`` counts the system prompt too.
 
 Random streams: one :class:`numpy.random.SeedSequence` per purpose (arrivals, prompt lengths,
 output lengths, token ids, dataset order, priorities), spawned from ``(seed, stream)``, so
@@ -77,10 +81,11 @@ WORKLOAD_KINDS = ("single-turn", "shared-prefix", "multi-turn")
 _TOP_KEYS = {"name", "description", "seed", "num_requests", "warmup_requests", "arrival",
              "dataset", "prompt_len", "output_len", "ignore_eos", "temperature", "priorities",
              "workload"}
-_WORKLOAD_KEYS = {"kind", "system_prompt_len", "max_turns", "min_turns", "think_time_s"}
+_WORKLOAD_KEYS = {"kind", "system_prompt_len", "max_turns", "min_turns", "think_time_s",
+                  "multi_turn_system_prompt_len"}
 #: Defaults of the ``workload`` section (``kind`` single-turn ignores the others).
 WORKLOAD_DEFAULTS = {"kind": "single-turn", "system_prompt_len": 256, "max_turns": 4,
-                     "min_turns": 1, "think_time_s": 0.5}
+                     "min_turns": 1, "think_time_s": 0.5, "multi_turn_system_prompt_len": 0}
 #: Source text of the shared system prompt (repeated, then cut to ``system_prompt_len`` tokens).
 SYSTEM_PROMPT_TEXT = (
     "You are a helpful, careful and honest assistant. Answer the user's question directly and "
@@ -161,7 +166,7 @@ BUILTIN_PROFILES: dict[str, dict[str, Any]] = {
         "temperature": 0.0,
         "priorities": [0],
         "workload": {"kind": "multi-turn", "system_prompt_len": 256, "max_turns": 4,
-                     "min_turns": 1, "think_time_s": 0.5},
+                     "min_turns": 1, "think_time_s": 0.5, "multi_turn_system_prompt_len": 0},
     },
 }
 
@@ -445,6 +450,9 @@ def validate_profile(raw: Mapping[str, Any], source: str | None = None) -> dict[
                           f"{where}.workload", integer=True, lo=1),
         "think_time_s": float(_num(wl.get("think_time_s", WORKLOAD_DEFAULTS["think_time_s"]),
                                    "think_time_s", f"{where}.workload", lo=0)),
+        "multi_turn_system_prompt_len": _num(
+            wl.get("multi_turn_system_prompt_len", WORKLOAD_DEFAULTS["multi_turn_system_prompt_len"]),
+            "multi_turn_system_prompt_len", f"{where}.workload", integer=True, lo=0),
     }
     pr = d.get("priorities", [0])
     if not isinstance(pr, list) or not pr or any(isinstance(x, bool) or not isinstance(x, int) for x in pr):
@@ -683,12 +691,14 @@ def _multi_turn_requests(prof: dict[str, Any], n: int, offsets: np.ndarray, prio
     convs = load_sharegpt_conversations(prof["dataset"]["path"])
     order = rngs["dataset_order"].permutation(len(convs))
     requests: list[BenchmarkRequest] = []
+    system_len = wl.get("multi_turn_system_prompt_len", 0)
+    system = [{"role": "system", "content": system_prompt_text(enc, system_len)}] if system_len else []
     c = 0
     for j in order:
         if len(requests) == n:
             break
         cid, turns = convs[int(j)]
-        messages: list[dict[str, str]] = []
+        messages: list[dict[str, str]] = list(system)
         conv_reqs: list[BenchmarkRequest] = []
         for k, (user, reply) in enumerate(turns[: wl["max_turns"]]):
             if len(requests) + len(conv_reqs) == n:

@@ -161,8 +161,9 @@ class CUDAGraphDecodeRunner:
             for b in reversed(self.buckets):
                 variants = [False] + ([True] if self.short_context and b <= SHORT_MAX_BATCH else [])
                 for short in variants:
-                    for _ in range(2):                                        # warm-up / autotune
-                        self._run(b, short)
+                    # one eager run: compiles this shape's Triton variants and sets up cuBLAS's
+                    # workspace on this stream (nothing autotunes, so a second run only repeats it)
+                    self._run(b, short)
                     torch.cuda.synchronize(self.device)
                     g = torch.cuda.CUDAGraph()
                     with torch.cuda.graph(g, pool=self.pool, stream=stream):

@@ -197,8 +197,7 @@ class CUDAGraphMixedRunner:
         stream.wait_stream(torch.cuda.current_stream(self.device))
         with torch.cuda.stream(stream):
             for n in reversed(self.buckets):
-                for _ in range(2):                                        # warm-up / autotune
-                    self._run(n)
+                self._run(n)           # one eager run: compiles this shape's kernels (none autotunes)
                 torch.cuda.synchronize(self.device)
                 g = torch.cuda.CUDAGraph()
                 with torch.cuda.graph(g, pool=self.pool, stream=stream):
