@@ -470,3 +470,5 @@ def test_multi_turn_system_prompt_opens_every_conversation():
     assert len({tuple(r.prompt_token_ids[:300]) for r in plain}) > 1
     with pytest.raises(ValueError, match="multi_turn_system_prompt_len"):
         validate_profile({**base, "workload": {**base["workload"], "multi_turn_system_prompt_len": -1}})
+    with pytest.raises(ValueError, match="leaves no room for a conversation"):
+        validate_profile({**base, "workload": {**base["workload"], "multi_turn_system_prompt_len": 1024}})

@@ -500,7 +500,8 @@ def prefix_cell_flags(workload, caching, rate):
             f" {'--enable-prefix-caching' if caching == 'on' else '--no-prefix-caching'} --no-progress"
             f" --attention-backend {p.get('attention_backend', 'torch')} --code-hash {CODE_HASH}"
             + "".join(f" --{k.replace('_', '-')} {p[k]}" for k in ("max_num_seqs", "max_num_batched_tokens",
-                                                                    "prefill_chunk_size") if k in p))
+                                                                    "prefill_chunk_size", "max_model_len")
+                   if k in p))
 
 
 def prefix_rates(workload):

@@ -425,8 +425,10 @@ TRACE_PAIRS = 3
 
 def _replay_ms(engine, steps: int, sync) -> float | None:
     """Mean ms of ``steps`` back-to-back replays of the decode graph the engine's last step
-    replayed: the step's device time without the host's part (scheduling, input staging,
-    sampling, output handling). ``None`` when that step replayed no decode graph.
+    replayed: the step's device time in the graph, without the host's part (scheduling, input
+    staging, sampling, output handling) or the few small copies and kernels outside the graph.
+    ``None`` where the engine has no decode graphs. The caller must know that the last step
+    replayed a decode graph (``last_graph`` is not cleared by eager steps).
 
     Replaying is idempotent: the graph reads the inputs its last replay left in its static
     buffers and writes the same KV rows and outputs again, so the engine's next step is not
@@ -465,8 +467,9 @@ def decode_sweep(engine, batches: list[int], contexts: list[int], steps: int, wa
     Returns:
         One row per cell: ``batch``, ``context``, ``ms_per_step``, ``kv_bytes`` (KV read per
         step at the timed steps' mean context), where decode graphs replay ``replay_ms`` (the
-        graph alone, :func:`_replay_ms`) and ``host_gap_ms`` (``ms_per_step - replay_ms``: the
-        host's share of a step the device waited for), with ``trace`` also ``traced_ms_per_step`` (the
+        graph alone, :func:`_replay_ms`, where every timed step replayed one) and
+        ``host_gap_ms`` (``ms_per_step - replay_ms``: what a step costs beyond its graph, mostly
+        host work the device waited for), with ``trace`` also ``traced_ms_per_step`` (the
         median traced window) and ``trace_overhead`` (median of traced / untraced - 1),
         ``status`` and ``error`` (a failed cell, a batch that was not full or was preempted
         included, stays a row).
@@ -506,9 +509,12 @@ def decode_sweep(engine, batches: list[int], contexts: list[int], steps: int, wa
                     sync()
                     return (time.perf_counter() - t0) / steps * 1e3
 
+                graph0 = getattr(getattr(engine, "runner", None), "num_graph_steps", 0)
                 row["ms_per_step"] = window()
                 row["kv_bytes"] = b * (ctx + warm + steps // 2) * per_token
-                replay = _replay_ms(engine, steps, sync)
+                # only where every timed step replayed a decode graph (else the last graph is stale)
+                graphed = getattr(getattr(engine, "runner", None), "num_graph_steps", 0) - graph0 == steps
+                replay = _replay_ms(engine, steps, sync) if graphed else None
                 if replay is not None:
                     row["replay_ms"] = replay
                     row["host_gap_ms"] = row["ms_per_step"] - replay
@@ -809,8 +815,9 @@ def to_markdown(rep: dict) -> str:
             lines.append(f"| {ctx}: ms/step | " + " | ".join(ms) + " |")
             lines.append(f"| {ctx}: x floor | " + " | ".join(xf) + " |")
             if any(c.get("replay_ms") is not None for c in cells.values()):
-                rp = [_f(cells[b].get("replay_ms")) if b in cells else "" for b in batches]
-                gap = [_f(cells[b].get("host_gap_ms")) if b in cells else "" for b in batches]
+                okc = {b: c for b, c in cells.items() if c["status"] == "ok"}
+                rp = [_f(okc[b].get("replay_ms")) if b in okc else "" for b in batches]
+                gap = [_f(okc[b].get("host_gap_ms")) if b in okc else "" for b in batches]
                 lines.append(f"| {ctx}: graph replay alone | " + " | ".join(rp) + " |")
                 lines.append(f"| {ctx}: host gap (step - replay) | " + " | ".join(gap) + " |")
             if any(c.get("trace_overhead") is not None for c in cells.values()):

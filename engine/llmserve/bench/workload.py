@@ -454,6 +454,11 @@ def validate_profile(raw: Mapping[str, Any], source: str | None = None) -> dict[
             wl.get("multi_turn_system_prompt_len", WORKLOAD_DEFAULTS["multi_turn_system_prompt_len"]),
             "multi_turn_system_prompt_len", f"{where}.workload", integer=True, lo=0),
     }
+    system_len = out["workload"]["multi_turn_system_prompt_len"]
+    if wk == "multi-turn" and system_len >= out["prompt_len"]["max"]:
+        raise ValueError(f"{where}.workload.multi_turn_system_prompt_len ({system_len}) leaves no room for a "
+                         f"conversation within prompt_len.max ({out['prompt_len']['max']}): it counts the "
+                         "system prompt too")
     pr = d.get("priorities", [0])
     if not isinstance(pr, list) or not pr or any(isinstance(x, bool) or not isinstance(x, int) for x in pr):
         raise ValueError(f"{where}: priorities must be a non-empty list of integers, got {pr!r}")
