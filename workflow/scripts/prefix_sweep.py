@@ -29,7 +29,7 @@ from pathlib import Path
 import yaml
 # median [min–max], the CV and its noisy mark: the same helpers as the checkpoint-3 and
 # structured-output tables (workflow/scripts/, next to this file)
-from aggregate_checkpoint3 import NOISY_CV, _cv, _load_line, _num, _ranged, provenance_path  # noqa: E402
+from aggregate_checkpoint3 import NOISY_CV, _cv, _load_line, _num, _ranged, _ratio, provenance_path  # noqa: E402
 from machine_load import is_contended  # noqa: E402
 from matrix_columns import parse_cell_id  # noqa: E402
 from structured_table import cv  # noqa: E402
@@ -187,8 +187,10 @@ def markdown(rows: list[dict], runs: list[dict], profile: str = "cpu") -> str:
     return "\n".join(lines) + "\n"
 
 
-def _ratio(a, b) -> str:
-    return f"{a / b:.2f}x" if isinstance(a, (int, float)) and isinstance(b, (int, float)) and b > 0 else "–"
+def _times(a, b) -> str:
+    """``a / b`` as ``1.23x`` (aggregate_checkpoint3's ratio), or a dash where either is missing."""
+    r = _ratio(a, b)
+    return "–" if r is None else f"{r:.2f}x"
 
 
 def effect_lines(rows: list[dict]) -> list[str]:
@@ -206,9 +208,9 @@ def effect_lines(rows: list[dict]) -> list[str]:
     for w, rate in pairs:
         on, off = by[(w, rate, "on")], by[(w, rate, "off")]
         out.append(f"| {w} | {rate:g} | {_num(on['hit_rate_median'], 3)} "
-                   f"| {_ratio(off['ttft_p50_ms_median'], on['ttft_p50_ms_median'])} "
-                   f"| {_ratio(off['ttft_p95_ms_median'], on['ttft_p95_ms_median'])} "
-                   f"| {_ratio(on['output_throughput_median'], off['output_throughput_median'])} |")
+                   f"| {_times(off['ttft_p50_ms_median'], on['ttft_p50_ms_median'])} "
+                   f"| {_times(off['ttft_p95_ms_median'], on['ttft_p95_ms_median'])} "
+                   f"| {_times(on['output_throughput_median'], off['output_throughput_median'])} |")
     return out
 
 
