@@ -285,6 +285,39 @@ def test_prefix_rates_per_workload(tmp_path):
     assert r.returncode != 0 and "no rates for workload 'shared-prefix'" in r.stdout, r.stdout[-2000:]
 
 
+def test_prefix_profile_follows_its_settings(tmp_path):
+    """The prefix sweep's derived load profile names its settings' digest in its first line; a
+    changed override, or a profile on disk derived from other settings (a restored file, a tree
+    copied without .snakemake), derives it again and reruns the cells; unchanged settings do not."""
+    import yaml
+
+    copy_workflow(tmp_path)
+    shutil.copytree(ROOT / "envs", tmp_path / "envs")  # the rule's conda env (recorded in metadata)
+    target = "results/prefix/cpu/load_profile.yaml"
+    r = snakemake("--cores", "1", "--nolock", target, cwd=tmp_path)
+    assert r.returncode == 0, r.stdout[-3000:]
+    head = (tmp_path / target).read_text().split("\n", 1)[0]
+    assert re.search(r"\(settings [0-9a-f]{16}\)$", head), head
+
+    def planned(*extra):
+        r = snakemake("-n", "--nolock", "prefix", *extra, cwd=tmp_path)
+        assert r.returncode == 0, r.stdout[-3000:]
+        return job_counts(r.stdout)
+
+    assert "prefix_profile" not in planned()
+    prefix = yaml.safe_load((ROOT / "config" / "config.yaml").read_text())["prefix"]
+    changed = tmp_path / "changed.yaml"
+    overrides = {**prefix["profile_overrides"], "name": "renamed"}
+    changed.write_text(yaml.safe_dump({"prefix": {**prefix, "profile_overrides": overrides}}))
+    jobs = planned("--configfile", str(changed))
+    assert {"prefix_settings_marker", "prefix_profile", "prefix_cells"} <= set(jobs), jobs
+    # the same settings, but the file on disk from elsewhere and no metadata to compare params with
+    shutil.rmtree(tmp_path / ".snakemake")
+    text = (tmp_path / target).read_text()
+    (tmp_path / target).write_text(re.sub(r"\(settings [0-9a-f]{16}\)", "(settings 0000000000000000)", text, 1))
+    assert "prefix_profile" in planned()
+
+
 # ---------------------------------------------------------------------------------------------
 # Scripts: code hash, checksums, aggregation rules
 # ---------------------------------------------------------------------------------------------

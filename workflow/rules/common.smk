@@ -2,6 +2,7 @@
 # named like snakemake.utils.Paramspace's instance patterns) and helpers. No jobs are defined
 # in this file.
 
+import hashlib
 import importlib.util
 import json
 import os
@@ -482,6 +483,43 @@ def _timeline_caption(name):
 PREFIX_CFG = config.get("prefix")
 PREFIX_OUT = f"results/prefix/{PROFILE}"
 PREFIX_PROFILE = f"{PREFIX_OUT}/load_profile.yaml"  # the derived load profile every cell runs
+#: What the derived load profile is made from (the config's base profile and overrides).
+PREFIX_SETTINGS = {k: (PREFIX_CFG or {}).get(k) for k in ("base_profile", "profile_overrides")}
+
+
+def prefix_settings_digest():
+    """16 hex digits of sha256 over the prefix settings and the base profile's text: the derived
+    profile records it in its first line, so a profile derived from other settings reruns."""
+    h = hashlib.sha256(json.dumps(PREFIX_SETTINGS, sort_keys=True).encode())
+    base = PREFIX_SETTINGS.get("base_profile")
+    if base and (REPO / base).is_file():
+        h.update((REPO / base).read_bytes())
+    return h.hexdigest()[:16]
+
+
+def prefix_profile_markers():
+    """Inputs of rule prefix_profile that make it rerun when its settings changed: a marker
+    named by the current settings digest, listed while the profile on disk records another
+    digest (or none) and kept listed once made (so the recorded input set stays the same after
+    the rerun). Snakemake's params trigger needs .snakemake/metadata, which a fresh clone or a
+    copied tree lacks; the digest travels with the profile. A marker left beside a stale profile
+    (a restored file) is removed, so it is made again with new contents (Snakemake compares an
+    input's checksum, not only its time)."""
+    if not PREFIX_CFG:
+        return []
+    marker = f"{PREFIX_OUT}/logs/settings/{PREFIX_SETTINGS_DIGEST}.stamp"
+    try:
+        head = Path(PREFIX_PROFILE).read_text().split("\n", 1)[0]
+    except OSError:
+        head = None                  # no profile yet: the rule runs anyway
+    stale = head is not None and f"settings {PREFIX_SETTINGS_DIGEST}" not in head
+    if stale and os.path.exists(marker):
+        os.remove(marker)
+    return [marker] if stale or os.path.exists(marker) else []
+
+
+PREFIX_SETTINGS_DIGEST = prefix_settings_digest() if PREFIX_CFG else ""
+PREFIX_PROFILE_MARKERS = prefix_profile_markers()
 
 
 def prefix_cell_id(workload, caching, rate, rep):
@@ -602,7 +640,7 @@ PREFIX_MARKERS = {
     rep: _hash_markers(f"prefix~{PROFILE}~rep{rep}",
                        [f"{PREFIX_OUT}/raw/{c}.provenance.json" for c in cells], "code_hash")
     for rep, cells in PREFIX_CELLS.items()}
-PREFIX_MARKER_FILES = [m for ms in PREFIX_MARKERS.values() for m in ms]
+PREFIX_MARKER_FILES = PREFIX_PROFILE_MARKERS + [m for ms in PREFIX_MARKERS.values() for m in ms]
 GPU_MARKERS = (COMPARE_MARKERS + KERNEL_MARKERS + [m for ms in STRUCTURED_MARKERS.values() for m in ms]
                + PREFIX_MARKER_FILES)
 

@@ -12,14 +12,30 @@
 # Settings, cell ids and flags: workflow/rules/common.smk (PREFIX_*).
 
 
+rule prefix_settings_marker:
+    """A marker that makes the prefix sweep's load profile be derived again (settings changed)."""
+    output:
+        f"{PREFIX_OUT}/logs/settings/{{digest}}.stamp",
+    wildcard_constraints:
+        digest=r"[0-9a-f]{16}",
+    message:
+        "prefix sweep ({PROFILE}): settings changed, the load profile is derived again"
+    shell:
+        "echo \"prefix settings {wildcards.digest}, $(date -u +%FT%T.%NZ)\" > {output:q}"
+
+
 rule prefix_profile:
     """The prefix sweep's load profile: the base profile with the config's overrides."""
+    input:
+        # settings changed since the profile on disk was derived (its first line names them)
+        settings_changed=PREFIX_PROFILE_MARKERS,
     output:
         PREFIX_PROFILE,
     params:
         script=f"{SCRIPTS}/prefix_sweep.py",
         profile=PROFILE,
-        settings=json.dumps({k: (PREFIX_CFG or {}).get(k) for k in ("base_profile", "profile_overrides")}),
+        settings=json.dumps(PREFIX_SETTINGS),
+        digest=PREFIX_SETTINGS_DIGEST,
     log:
         f"{PREFIX_OUT}/logs/profile.log",
     message:
@@ -28,7 +44,8 @@ rule prefix_profile:
         ENV
     shell:
         "python {params.script} profile --profile {params.profile}"
-        " --settings {params.settings:q} --output {output:q} > {log:q} 2>&1"
+        " --settings {params.settings:q} --settings-digest {params.digest}"
+        " --output {output:q} > {log:q} 2>&1"
 
 
 if PREFIX_CFG:

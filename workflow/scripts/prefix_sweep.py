@@ -47,8 +47,10 @@ COLUMNS = (["workload", "caching", "arrival_rate", "repetitions", "runs_ok", "st
            + ["ttft_p50_cv", "noisy"] + list(COUNTERS) + ["token_digests", "code_hashes", "error"])
 
 
-def write_profile(profile: str, settings: dict, output: Path) -> None:
-    """Write ``settings["base_profile"]`` with ``settings["profile_overrides"]`` merged into it.
+def write_profile(profile: str, settings: dict, output: Path, digest: str = "") -> None:
+    """Write ``settings["base_profile"]`` with ``settings["profile_overrides"]`` merged into it;
+    the first line names ``digest`` (the pipeline's digest of the settings, by which it sees a
+    profile derived from other settings).
 
     Raises:
         ValueError: the merged profile fails llmserve's profile validation.
@@ -62,7 +64,7 @@ def write_profile(profile: str, settings: dict, output: Path) -> None:
     prof = validate_profile(base, source=f"the prefix settings of profile {profile}")
     output.parent.mkdir(parents=True, exist_ok=True)
     output.write_text("# Derived by workflow/scripts/prefix_sweep.py from the prefix settings of "
-                      f"profile {profile}\n"
+                      f"profile {profile}" + (f" (settings {digest})" if digest else "") + "\n"
                       + yaml.safe_dump(prof, sort_keys=False))
 
 
@@ -274,6 +276,7 @@ def main() -> None:
     a = sub.add_parser("profile")
     a.add_argument("--profile", required=True, help="the pipeline profile (for the header)")
     a.add_argument("--settings", required=True, help="JSON: base_profile, profile_overrides")
+    a.add_argument("--settings-digest", default="", help="written into the first line")
     a.add_argument("--output", required=True, type=Path)
     b = sub.add_parser("report")
     b.add_argument("--out-dir", required=True, type=Path)
@@ -282,7 +285,7 @@ def main() -> None:
     b.add_argument("files", nargs="+", type=Path)
     args = p.parse_args()
     if args.cmd == "profile":
-        write_profile(args.profile, json.loads(args.settings), args.output)
+        write_profile(args.profile, json.loads(args.settings), args.output, args.settings_digest)
     else:
         report(args.out_dir, args.files, json.loads(args.contention))
 
