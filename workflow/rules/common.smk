@@ -498,10 +498,10 @@ def prefix_settings_digest():
 
 
 def prefix_profile_markers():
-    """Inputs of rule prefix_profile that make it rerun when its settings changed: a marker
-    named by the current settings digest, listed while the profile on disk records another
-    digest (or none) and kept listed once made (so the recorded input set stays the same after
-    the rerun). Snakemake's params trigger needs .snakemake/metadata, which a fresh clone or a
+    """Inputs of the prefix sweep's profile job that make it rerun when its settings changed:
+    a marker named by the current settings digest, listed while the profile on disk records
+    another digest (or none) and kept listed once made (so the recorded input set stays the
+    same after the rerun). Snakemake's params trigger needs .snakemake/metadata, which a fresh clone or a
     copied tree lacks; the digest travels with the profile. A marker left beside a stale profile
     (a restored file) is removed, so it is made again with new contents (Snakemake compares an
     input's checksum, not only its time)."""

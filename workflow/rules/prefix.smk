@@ -18,10 +18,14 @@ rule prefix_settings_marker:
         f"{PREFIX_OUT}/logs/settings/{{digest}}.stamp",
     wildcard_constraints:
         digest=r"[0-9a-f]{16}",
+    log:
+        f"{PREFIX_OUT}/logs/settings/{{digest}}.log",
     message:
         "prefix sweep ({PROFILE}): settings changed, the load profile is derived again"
+    conda:
+        ENV
     shell:
-        "echo \"prefix settings {wildcards.digest}, $(date -u +%FT%T.%NZ)\" > {output:q}"
+        "echo \"prefix settings {wildcards.digest}, $(date -u +%FT%T.%NZ)\" > {output:q} 2> {log:q}"
 
 
 rule prefix_profile:
