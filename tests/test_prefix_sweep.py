@@ -16,7 +16,7 @@ HASH = "ab" * 32
 
 
 def _write(raw: Path, workload: str, caching: str, rate: float, rep: int, ttft_p50: float,
-           status: str = "ok") -> None:
+           status: str = "ok", position: int | None = None) -> None:
     cell = f"workload~{workload}_caching~{caching}_rate~{rate:g}_rep~{rep}"
     agg = {"num_requests": 8, "num_completed": 8, "ttft_ms_p50": ttft_p50, "ttft_ms_p95": 2 * ttft_p50,
            "ttft_ms_p99": 3 * ttft_p50, "tpot_ms_p50": 10.0, "output_throughput": 40.0,
@@ -29,7 +29,10 @@ def _write(raw: Path, workload: str, caching: str, rate: float, rep: int, ttft_p
               "aggregates": agg if status == "ok" else {}, "token_digest": "d" * 64,
               "requests": [{"ttft_ms": ttft_p50}, {"ttft_ms": 2 * ttft_p50}]}
     (raw / f"{cell}.json").write_text(json.dumps(report))
-    (raw / f"{cell}.provenance.json").write_text(json.dumps({"cell": cell, "code_hash": HASH}))
+    prov = {"cell": cell, "code_hash": HASH}
+    if position is not None:
+        prov["process"] = {"position": position, "cells_in_group": 2}
+    (raw / f"{cell}.provenance.json").write_text(json.dumps(prov))
 
 
 def _table(tmp_path: Path) -> tuple[str, str]:
@@ -87,3 +90,20 @@ def test_caching_effect_table_gives_off_over_on_ratios(tmp_path):
     assert "| multi-turn | inf | 0.500 | 4.00x | 4.00x | 1.00x |" in section
     assert "| single-turn | 32 | 0.500 | – | – | – |" in section
     assert "On the CPU's readable path caching on and off agree." in md
+
+
+def test_order_shows_each_cell_place_in_its_process(tmp_path):
+    """The order column: a cell's place among its process's cells (from the provenance), the
+    places of every repetition when they differ, a dash where the provenance has none."""
+    raw = tmp_path / "raw"
+    raw.mkdir()
+    for rep in range(2):
+        _write(raw, "single-turn", "on", float("inf"), rep, 9.0, position=0)
+        _write(raw, "single-turn", "off", float("inf"), rep, 6.0, position=1 - rep)
+    _write(raw, "multi-turn", "on", 2, 0, 5.0)
+    md, csv = _table(tmp_path)
+    lines = md.splitlines()
+    assert any(line.startswith("| single-turn | on | inf | 1 of 2 | 2/2 |") for line in lines), md
+    assert any(line.startswith("| single-turn | off | inf | 1 of 2 / 2 of 2 | 2/2 |") for line in lines), md
+    assert any(line.startswith("| multi-turn | on | 2 | – | 1/1 |") for line in lines), md
+    assert csv.splitlines()[0].split(",")[:4] == ["workload", "caching", "arrival_rate", "order"]

@@ -41,7 +41,7 @@ STATS = {"ttft_p50_ms": "ttft_ms_p50", "ttft_p95_ms": "ttft_ms_p95", "ttft_p99_m
 #: Prefix-cache counters (their median over the repetitions; seeded, so normally equal).
 COUNTERS = {"queries": "prefix_cache_queries", "hits": "prefix_cache_hits",
             "cached_blocks": "prefix_cache_cached_blocks", "evicted_blocks": "prefix_cache_evicted_blocks"}
-COLUMNS = (["workload", "caching", "arrival_rate", "repetitions", "runs_ok", "status", "num_requests",
+COLUMNS = (["workload", "caching", "arrival_rate", "order", "repetitions", "runs_ok", "status", "num_requests",
             "num_completed"]
            + [f"{stem}_{k}" for stem in STATS for k in ("median", "min", "max")]
            + ["ttft_p50_cv", "noisy"] + list(COUNTERS) + ["token_digests", "code_hashes", "error"])
@@ -78,7 +78,12 @@ def load_run(path: Path, contention: dict | None = None) -> dict:
     prov = json.loads(prov_file.read_text()) if prov_file.exists() else {}
     agg = r.get("aggregates") or {}
     load = prov.get("machine_load")
+    proc = prov.get("process") or {}
+    order = None     # the cell's place in its repetition's process, e.g. "7 of 8"
+    if isinstance(proc.get("position"), int) and isinstance(proc.get("cells_in_group"), int):
+        order = f"{proc['position'] + 1} of {proc['cells_in_group']}"
     return {"workload": cell["workload"], "caching": cell["caching"], "arrival_rate": float(cell["rate"]),
+            "order": order,
             "rep": int(cell["rep"]), "status": r.get("status") or "failed", "error": r.get("error"),
             "report": r, "agg": agg, "token_digest": r.get("token_digest"),
             "code_hash": prov.get("code_hash") or r.get("code_hash"),
@@ -120,6 +125,7 @@ def fold(runs: list[dict]) -> list[dict]:
         contended = sum(bool(x["contended"]) for x in reps)
         if contended:
             row["status"] += f", contended {contended}/{len(reps)}"
+        row["order"] = " / ".join(sorted({x["order"] for x in reps if x["order"]})) or None
         row["token_digests"] = " ".join(sorted({x["token_digest"] for x in ok if x["token_digest"]}))
         row["code_hashes"] = " ".join(sorted({x["code_hash"] for x in reps if x["code_hash"]}))
         row["error"] = " | ".join(dict.fromkeys(str(x["error"]) for x in reps if x["error"]))
@@ -169,17 +175,20 @@ def markdown(rows: list[dict], runs: list[dict], profile: str = "cpu") -> str:
            "On the GPU the digests of caching on and off, and of repetitions, may differ: random bf16 "
            "weights without the batch-invariant mode, and a cached prefix's KV was computed in another "
            "step shape, so near-tied greedy tokens can flip."), "",
-        f"Machine load during the runs: {_load_line(runs)}.", "",
-        "| workload | caching | rate (/s) | runs ok | p50 TTFT | CV p50 TTFT | p95 TTFT | p99 TTFT "
+        f"Machine load during the runs: {_load_line(runs)}. Order: a cell's place among the cells "
+        "its repetition's process runs (the first runs of a process also pay first-use costs that "
+        "the warm-up requests do not reach).", "",
+        "| workload | caching | rate (/s) | order | runs ok | p50 TTFT | CV p50 TTFT | p95 TTFT | p99 TTFT "
         "| p50 TPOT | output tok/s | hit rate | queries | hits | cached blocks | evicted blocks "
         "| output digest | status |",
-        "| --- | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: "
+        "| --- | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: "
         "| ---: | ---: | --- | --- |"]
     for r in rows:
         cv_cell = "1 run" if r["repetitions"] == 1 else (_cv(r["ttft_p50_cv"]) or "–")
         status = r["status"] + (f": {r['error'][:160]}" if r["error"] else "")
         lines.append(
-            f"| {r['workload']} | {r['caching']} | {r['arrival_rate']:g} | {r['runs_ok']}/{r['repetitions']} "
+            f"| {r['workload']} | {r['caching']} | {r['arrival_rate']:g} | {r['order'] or '–'} "
+            f"| {r['runs_ok']}/{r['repetitions']} "
             f"| {_ranged(r, 'ttft_p50_ms')} | {cv_cell} | {_ranged(r, 'ttft_p95_ms')} "
             f"| {_ranged(r, 'ttft_p99_ms')} | {_ranged(r, 'tpot_p50_ms', 2)} "
             f"| {_ranged(r, 'output_throughput')} | {_ranged(r, 'hit_rate', 3)} | "
