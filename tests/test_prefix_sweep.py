@@ -16,7 +16,7 @@ HASH = "ab" * 32
 
 
 def _write(raw: Path, workload: str, caching: str, rate: float, rep: int, ttft_p50: float,
-           status: str = "ok", position: int | None = None) -> None:
+           status: str = "ok", position: int | None = None, group: int = 2) -> None:
     cell = f"workload~{workload}_caching~{caching}_rate~{rate:g}_rep~{rep}"
     agg = {"num_requests": 8, "num_completed": 8, "ttft_ms_p50": ttft_p50, "ttft_ms_p95": 2 * ttft_p50,
            "ttft_ms_p99": 3 * ttft_p50, "tpot_ms_p50": 10.0, "output_throughput": 40.0,
@@ -31,7 +31,7 @@ def _write(raw: Path, workload: str, caching: str, rate: float, rep: int, ttft_p
     (raw / f"{cell}.json").write_text(json.dumps(report))
     prov = {"cell": cell, "code_hash": HASH}
     if position is not None:
-        prov["process"] = {"position": position, "cells_in_group": 2}
+        prov["process"] = {"position": position, "cells_in_group": group}
     (raw / f"{cell}.provenance.json").write_text(json.dumps(prov))
 
 
@@ -101,9 +101,12 @@ def test_order_shows_each_cell_place_in_its_process(tmp_path):
         _write(raw, "single-turn", "on", float("inf"), rep, 9.0, position=0)
         _write(raw, "single-turn", "off", float("inf"), rep, 6.0, position=1 - rep)
     _write(raw, "multi-turn", "on", 2, 0, 5.0)
+    for rep, place in enumerate((9, 1)):                 # "10 of 12" sorts after "2 of 12"
+        _write(raw, "shared-prefix", "on", 8, rep, 5.0, position=place, group=12)
     md, csv = _table(tmp_path)
     lines = md.splitlines()
     assert any(line.startswith("| single-turn | on | inf | 1 of 2 | 2/2 |") for line in lines), md
     assert any(line.startswith("| single-turn | off | inf | 1 of 2 / 2 of 2 | 2/2 |") for line in lines), md
     assert any(line.startswith("| multi-turn | on | 2 | – | 1/1 |") for line in lines), md
+    assert any(line.startswith("| shared-prefix | on | 8 | 2 of 12 / 10 of 12 | 2/2 |") for line in lines), md
     assert csv.splitlines()[0].split(",")[:4] == ["workload", "caching", "arrival_rate", "order"]

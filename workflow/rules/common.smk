@@ -501,10 +501,15 @@ def prefix_profile_markers():
     """Inputs of the prefix sweep's profile job that make it rerun when its settings changed:
     a marker named by the current settings digest, listed while the profile on disk records
     another digest (or none) and kept listed once made (so the recorded input set stays the
-    same after the rerun). Snakemake's params trigger needs .snakemake/metadata, which a fresh clone or a
-    copied tree lacks; the digest travels with the profile. A marker left beside a stale profile
-    (a restored file) is removed, so it is made again with new contents (Snakemake compares an
-    input's checksum, not only its time)."""
+    same after the rerun). Snakemake's params trigger needs .snakemake/metadata, which a fresh
+    clone or a copied tree lacks; the digest travels with the profile. Like the code-hash
+    markers, a marker is made only where a target asks for it: `prefix`, `results/checkpoint3`
+    and `results/gpu` do (PREFIX_MARKER_FILES); a bare file target does not. A marker left
+    beside a stale profile (a restored file) is removed by the main Snakemake process, so it is
+    made again with new contents (Snakemake compares an input's checksum, not only its time);
+    a cluster job reading the workflow again leaves it alone (it may be that job's input).
+    The digest covers a base profile given as a file; a built-in profile name counts as its
+    name."""
     if not PREFIX_CFG:
         return []
     marker = f"{PREFIX_OUT}/logs/settings/{PREFIX_SETTINGS_DIGEST}.stamp"
@@ -513,7 +518,7 @@ def prefix_profile_markers():
     except OSError:
         head = None                  # no profile yet: the rule runs anyway
     stale = head is not None and f"settings {PREFIX_SETTINGS_DIGEST}" not in head
-    if stale and os.path.exists(marker):
+    if stale and os.path.exists(marker) and workflow.is_main_process:
         os.remove(marker)
     return [marker] if stale or os.path.exists(marker) else []
 

@@ -125,7 +125,8 @@ def fold(runs: list[dict]) -> list[dict]:
         contended = sum(bool(x["contended"]) for x in reps)
         if contended:
             row["status"] += f", contended {contended}/{len(reps)}"
-        row["order"] = " / ".join(sorted({x["order"] for x in reps if x["order"]})) or None
+        places = {x["order"] for x in reps if x["order"]}
+        row["order"] = " / ".join(sorted(places, key=lambda o: int(o.split()[0]))) or None
         row["token_digests"] = " ".join(sorted({x["token_digest"] for x in ok if x["token_digest"]}))
         row["code_hashes"] = " ".join(sorted({x["code_hash"] for x in reps if x["code_hash"]}))
         row["error"] = " | ".join(dict.fromkeys(str(x["error"]) for x in reps if x["error"]))
