@@ -79,9 +79,9 @@ def load_run(path: Path, contention: dict | None = None) -> dict:
     agg = r.get("aggregates") or {}
     load = prov.get("machine_load")
     proc = prov.get("process") or {}
-    order = None     # the cell's place in its repetition's process, e.g. "7 of 8"
+    order = None     # the cell's place in its repetition's process: (1-based place, cells)
     if isinstance(proc.get("position"), int) and isinstance(proc.get("cells_in_group"), int):
-        order = f"{proc['position'] + 1} of {proc['cells_in_group']}"
+        order = (proc["position"] + 1, proc["cells_in_group"])
     return {"workload": cell["workload"], "caching": cell["caching"], "arrival_rate": float(cell["rate"]),
             "order": order,
             "rep": int(cell["rep"]), "status": r.get("status") or "failed", "error": r.get("error"),
@@ -125,8 +125,8 @@ def fold(runs: list[dict]) -> list[dict]:
         contended = sum(bool(x["contended"]) for x in reps)
         if contended:
             row["status"] += f", contended {contended}/{len(reps)}"
-        places = {x["order"] for x in reps if x["order"]}
-        row["order"] = " / ".join(sorted(places, key=lambda o: int(o.split()[0]))) or None
+        places = sorted({x["order"] for x in reps if x["order"]})
+        row["order"] = " / ".join(f"{k} of {n}" for k, n in places) or None
         row["token_digests"] = " ".join(sorted({x["token_digest"] for x in ok if x["token_digest"]}))
         row["code_hashes"] = " ".join(sorted({x["code_hash"] for x in reps if x["code_hash"]}))
         row["error"] = " | ".join(dict.fromkeys(str(x["error"]) for x in reps if x["error"]))
@@ -177,8 +177,8 @@ def markdown(rows: list[dict], runs: list[dict], profile: str = "cpu") -> str:
            "weights without the batch-invariant mode, and a cached prefix's KV was computed in another "
            "step shape, so near-tied greedy tokens can flip."), "",
         f"Machine load during the runs: {_load_line(runs)}. Order: a cell's place among the cells "
-        "its repetition's process runs (the first runs of a process also pay first-use costs that "
-        "the warm-up requests do not reach).", "",
+        "its repetition's process runs (an earlier cell can pay first-use costs that a later one "
+        "does not).", "",
         "| workload | caching | rate (/s) | order | runs ok | p50 TTFT | CV p50 TTFT | p95 TTFT | p99 TTFT "
         "| p50 TPOT | output tok/s | hit rate | queries | hits | cached blocks | evicted blocks "
         "| output digest | status |",
