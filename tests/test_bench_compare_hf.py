@@ -115,10 +115,9 @@ def test_replay_ms_times_the_last_decode_graph():
             Graph.replays += 1
 
     waits = []
-    runner = SimpleNamespace(cuda_graphs=SimpleNamespace(last_graph=Graph()))
-    ms = _replay_ms(runner, 7, lambda: waits.append(1))
+    eng = SimpleNamespace(runner=SimpleNamespace(cuda_graphs=SimpleNamespace(last_graph=Graph())))
+    ms = _replay_ms(eng, 7, lambda: waits.append(1))
     assert Graph.replays == 7 and len(waits) == 2 and ms >= 0
-    assert _replay_ms(SimpleNamespace(cuda_graphs=None), 3, lambda: None) is None
-    assert _replay_ms(None, 3, lambda: None) is None                         # no model runner
-    none_yet = SimpleNamespace(cuda_graphs=SimpleNamespace(last_graph=None))
+    assert _replay_ms(SimpleNamespace(runner=SimpleNamespace(cuda_graphs=None)), 3, lambda: None) is None
+    none_yet = SimpleNamespace(runner=SimpleNamespace(cuda_graphs=SimpleNamespace(last_graph=None)))
     assert _replay_ms(none_yet, 3, lambda: None) is None

@@ -423,17 +423,18 @@ def kv_bytes_per_token(model_config, dtype_bytes: int = 2) -> int:
 TRACE_PAIRS = 3
 
 
-def _replay_ms(runner, steps: int, sync) -> float | None:
+def _replay_ms(engine, steps: int, sync) -> float | None:
     """Mean ms of ``steps`` back-to-back replays of the decode graph the engine's last step
     replayed: the step's device time in the graph, without the host's part (scheduling, input
     staging, sampling, output handling) or the few small copies and kernels outside the graph.
-    ``None`` where the engine's model runner (``runner``, or ``None``) has no decode graphs. The caller must know that the last step
+    ``None`` where the engine has no decode graphs. The caller must know that the last step
     replayed a decode graph (``last_graph`` is not cleared by eager steps).
 
     Replaying is idempotent: the graph reads the inputs its last replay left in its static
     buffers and writes the same KV rows and outputs again, so the engine's next step is not
     disturbed."""
-    g = getattr(getattr(runner, "cuda_graphs", None), "last_graph", None)
+    graphs = getattr(getattr(engine, "runner", None), "cuda_graphs", None)
+    g = getattr(graphs, "last_graph", None)
     if g is None:
         return None
     sync()
@@ -477,7 +478,6 @@ def decode_sweep(engine, batches: list[int], contexts: list[int], steps: int, wa
     from ..core.trace import RequestTracer
 
     sync = sync or (lambda: None)
-    runner = getattr(engine, "runner", None)          # graph counters and decode graphs, if any
     rng = np.random.default_rng(seed)
     vocab = engine.model_config.vocab_size
     per_token = kv_bytes_per_token(engine.model_config, torch.finfo(engine.model.dtype).bits // 8)
@@ -509,12 +509,12 @@ def decode_sweep(engine, batches: list[int], contexts: list[int], steps: int, wa
                     sync()
                     return (time.perf_counter() - t0) / steps * 1e3
 
-                graph0 = getattr(runner, "num_graph_steps", 0)
+                graph0 = getattr(getattr(engine, "runner", None), "num_graph_steps", 0)
                 row["ms_per_step"] = window()
                 row["kv_bytes"] = b * (ctx + warm + steps // 2) * per_token
                 # only where every timed step replayed a decode graph (else the last graph is stale)
-                graphed = getattr(runner, "num_graph_steps", 0) - graph0 == steps
-                replay = _replay_ms(runner, steps, sync) if graphed else None
+                graphed = getattr(getattr(engine, "runner", None), "num_graph_steps", 0) - graph0 == steps
+                replay = _replay_ms(engine, steps, sync) if graphed else None
                 if replay is not None:
                     row["replay_ms"] = replay
                     row["host_gap_ms"] = row["ms_per_step"] - replay
