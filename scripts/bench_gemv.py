@@ -7,15 +7,12 @@ Usage (on the GPU, from the repository root)::
     python3 scripts/bench_gemv.py --out artifacts/gemv          # report only
     python3 scripts/bench_gemv.py --table engine/llmserve/triton_kernels/gemv_configs.json
     python3 scripts/bench_gemv.py --only 1.5b 1.5b-int8         # some models
-    python3 scripts/bench_gemv.py --only 1.5b 1.5b-int8 --m 16  # the tensor-core tile (2..16 rows)
 
 For each projection of Qwen2.5-0.5B/1.5B/7B as the engine's decode path calls it (bf16, fused
-RMSNorm prologue, SwiGLU and residual epilogues; M = 1, or with ``--m`` those row counts on
-the tensor-core tile, bf16 and row-major INT8), the LM head, and the plain INT8
-linear shapes of Qwen2.5-1.5B (M = 1; set M_INT8 for more): a two-phase sweep of launch
+RMSNorm prologue, SwiGLU and residual epilogues; M = 1), the LM head, and the plain INT8
+linear shapes of Qwen2.5-1.5B (M = 1; set M_BF16 / M_INT8 for more): a two-phase sweep of launch
 configurations (phase 1: tile shapes x warps without pipelining; phase 2: 2 pipeline stages
-for the three best; for M > 1 one phase over the tensor-core tiles of DOT_CONFIGS, which compute
-16 rows whatever M, so an M = 16 entry serves 2..16), every configuration checked against an fp32 reference before it is
+for the three best), every configuration checked against an fp32 reference before it is
 timed, against the unfused kernels it replaces (cuBLAS ``F.linear`` plus the fused elementwise
 kernels) or, for INT8, the bf16 cuBLAS matmul. ``--table`` writes the best configuration of
 each case in the format ``choose_gemv_config`` reads.
@@ -81,9 +78,6 @@ PAIRS_P = [(bn, bk) for bn in (1, 2, 4, 8) for bk in (64, 128, 256, 512) if 64 <
 WARPS_P = (1, 2, 4)
 M_INT8P = (1, 2, 4)
 STAGES2 = (2,)
-# The tensor-core tile (GemvConfig.dot) for M > 1: weight rows a tile (GLU cases: pairs, half
-# as many) x block_k x warps x pipeline stages
-DOT_CONFIGS = [(bn, bk, nw, st) for bn in (16, 32) for bk in (128, 256, 512) for nw in (4, 8) for st in (1, 3, 4)]
 PERSISTENT = (4, 8, 16, 32)  # programs per SM tried for the three best configurations
 
 
@@ -120,13 +114,11 @@ def cases(only=None):
             for m in M_BF16.get(model, (1,)):
                 out.append((f"{model} {proj}", model, proj, k, n, False, m, *LAYER[proj]))
         for proj, (k, n) in projs.items():
-            for m in M_BF16.get(model, (1,)):
-                out.append((f"{model} {proj} int8", f"{model}-int8", proj, k, n, True, m, *LAYER[proj]))
+            out.append((f"{model} {proj} int8", f"{model}-int8", proj, k, n, True, 1, *LAYER[proj]))
         for proj, (k, n) in projs.items():
             out.append((f"{model} {proj} int8p", f"{model}-int8p", proj, k, n, "planes", 1, *LAYER[proj]))
     for model, (k, n) in LM_HEAD.items():
-        for m in M_BF16.get(model, (1,)):
-            out.append((f"{model} lm_head", model, "lm_head", k, n, False, m, "none", False, False, False))
+        out.append((f"{model} lm_head", model, "lm_head", k, n, False, 1, "none", False, False, False))
     for lab, k, n in INT8_SHAPES:
         for m in M_INT8:
             out.append((lab, "int8", "plain", k, n, True, m, "none", False, False, False))
@@ -186,22 +178,14 @@ class Case:
         return [lambda i=i: F.linear(self.x, w[i], self.bias) for i in range(self.copies)], None
 
 
-def dot_configs(glu: bool) -> list[GemvConfig]:
-    """The tensor-core tiles swept for M > 1 (``block_n`` counts gate/up pairs with ``glu``)."""
-    return [GemvConfig(bn // 2 if glu else bn, bk, nw, st, dot=True) for bn, bk, nw, st in DOT_CONFIGS]
-
-
-def all_configs(planes: bool = False, m: int = 1, glu: bool = False):
-    if m > 1:
-        return dot_configs(glu)
+def all_configs(planes: bool = False):
     if planes:
         return [GemvConfig(bn, bk, w, 1) for bn, bk in PAIRS_P for w in WARPS_P]
     return [GemvConfig(bn, bk, w, s) for bn, bk in PAIRS for w in WARPS for s in (1,) + STAGES2]
 
 
 def _precompile(args):
-    wid, nw, only, ms = args
-    M_BF16.update({model: tuple(ms) for model in MODELS})          # a spawned worker's own copy
+    wid, nw, only = args
     i = 0
     seen = set()
     for c in cases(only):
@@ -210,7 +194,7 @@ def _precompile(args):
         if key in seen:          # same kernel binaries as an earlier case
             continue
         seen.add(key)
-        for cfg in all_configs(c[5] == "planes", c[6], c[10]):
+        for cfg in all_configs(c[5] == "planes"):
             i += 1
             if i % nw != wid:
                 continue
@@ -271,10 +255,7 @@ def run_case(c, sweep: bool) -> dict:
     if row["default_pdl_us"] is not None and case.int8:
         row["pdl_speedup_vs_cublas"] = base / row["default_pdl_us"]
     tried = [d]
-    if sweep and m > 1:
-        tried += [t_cfg(cfg) for cfg in dot_configs(case.glu)]
-        row["sweep"] = tried
-    elif sweep:
+    if sweep:
         p1 = ([t_cfg(cfg) for cfg in all_configs(True)] if case.int8 == "planes" else
               [t_cfg(GemvConfig(bn, bk, nw, 1)) for bn, bk in PAIRS for nw in WARPS])
         tried += p1
@@ -341,16 +322,10 @@ def main() -> int:
     p.add_argument("--workers", type=int, default=14)
     p.add_argument("--no-sweep", action="store_true")
     p.add_argument("--table", type=Path, help="merge the tuned configurations into this JSON table")
-    p.add_argument("--m", type=int, nargs="+", default=[1],
-                   help="rows of x for the bf16 cases and the fused INT8 projections (M > 1: the "
-                        "tensor-core tile, tuned at M = 16 for 2..16); default 1")
     p.add_argument("--only", nargs="+", help="models to run (0.5b 1.5b 7b int8 0.5b-int8 1.5b-int8 "
                                              "7b-int8, int8p and <model>-int8p for byte planes); "
                                              "default all")
     a = p.parse_args()
-    if any(not 1 <= m <= 16 for m in a.m):
-        p.error(f"--m takes row counts in [1, 16], got {a.m}")
-    M_BF16.update({model: tuple(a.m) for model in MODELS})
     a.out.mkdir(parents=True, exist_ok=True)
     gpu = torch.cuda.get_device_name(0)
     env = dict(gpu=gpu, torch=torch.__version__, triton=triton.__version__,
@@ -358,7 +333,7 @@ def main() -> int:
                command="python3 scripts/bench_gemv.py " + " ".join(sys.argv[1:]))
     if not a.no_sweep and a.workers:
         with mp.get_context("spawn").Pool(a.workers) as pool:
-            list(pool.imap_unordered(_precompile, [(i, a.workers, a.only, a.m) for i in range(a.workers)]))
+            list(pool.imap_unordered(_precompile, [(i, a.workers, a.only) for i in range(a.workers)]))
         log("pre-compiled")
     res = dict(env=env, cases=[])
 

@@ -589,12 +589,6 @@ def _gemv_case(m, n, k, prologue, int8, dtype, glu=False, seed=0):
     (1, 37, 100, "none", False, torch.float16, GemvConfig(2, 16, 1, 1, 0, 16)),   # red = block_k
     (2, 21, 64, "rmsnorm", False, torch.float32, GemvConfig(4, 32, 1, 1, 1, 4)),  # persistent
     (4, 40, 72, "rmsnorm", "planes", torch.float32, GemvConfig(2, 8, 1, 1, 0, 4)),
-    # the tensor-core tile (dot) for 2..16 rows: the default above one row off the GPU
-    (5, 37, 100, "rmsnorm", False, torch.float32, None),           # N, K not tile multiples
-    (16, 21, 64, "none", True, torch.float16, GemvConfig(16, 16, 1, 2, dot=True)),  # pipelined
-    (3, 40, 72, "rmsnorm", True, torch.float32, GemvConfig(32, 32, 1, 1, dot=True)),
-    (9, 33, 40, "none", False, torch.float16, None),
-    (2, 16, 32, "rmsnorm", False, torch.float32, GemvConfig(16, 16, 1, 3, dot=True)),  # one tile of rows
 ])
 @pytest.mark.parametrize("early", [False, True, 2])
 def test_gemv_matches_reference(m, n, k, prologue, int8, dtype, cfg, early):
@@ -626,9 +620,6 @@ def test_gemv_matches_reference(m, n, k, prologue, int8, dtype, cfg, early):
     (1, 19, 100, "rmsnorm", "planes", torch.float16, None),
     (1, 19, 100, "rmsnorm", False, torch.float32, GemvConfig(2, 32, 1, 1, 0, 8)),
     (4, 24, 64, "rmsnorm", True, torch.float32, GemvConfig(2, 32, 1, 1, 0, 8)),
-    (7, 19, 100, "rmsnorm", False, torch.float32, None),           # dot: gate/up rows interleaved
-    (16, 24, 64, "rmsnorm", True, torch.float32, GemvConfig(8, 32, 1, 2, dot=True)),
-    (3, 33, 40, "none", False, torch.float16, GemvConfig(16, 16, 1, 1, dot=True)),
 ])
 @pytest.mark.parametrize("early", [False, True, 2])
 def test_gemv_swiglu_epilogue(m, n, k, prologue, int8, dtype, cfg, early):
@@ -657,9 +648,6 @@ def test_gemv_swiglu_epilogue(m, n, k, prologue, int8, dtype, cfg, early):
     (1, 12, 2, 32, "planes", torch.float16, None),
     (3, 7, 1, 16, True, torch.float32, GemvConfig(2, 16, 1, 1, 0, 8)),
     (1, 12, 2, 32, False, torch.float16, GemvConfig(1, 32, 1, 1, 0, 8)),
-    (6, 12, 2, 32, False, torch.float32, None),                    # dot: RoPE pairs interleaved
-    (16, 7, 1, 16, True, torch.float32, GemvConfig(16, 16, 1, 2, dot=True)),
-    (5, 2, 2, 64, False, torch.float16, GemvConfig(16, 32, 1, 1, dot=True)),
 ])
 @pytest.mark.parametrize("early", [False, True, 2])
 def test_gemv_qkv_rope_matches_unfused(m, hq, hkv, d, int8, dtype, cfg, early):
@@ -674,8 +662,8 @@ def test_gemv_qkv_rope_matches_unfused(m, hq, hkv, d, int8, dtype, cfg, early):
     shape = (6, 4, hkv, d)                                  # 5 blocks + scratch, block size 4
     kc, vc = torch.randn(shape).to(dtype).to(DEVICE), torch.randn(shape).to(dtype).to(DEVICE)
     kc_ref, vc_ref = kc.clone(), vc.clone()
-    pos = torch.tensor([5, 63, 0, 17, 9, 1, 2, 33, 40, 41, 7, 8, 60, 61, 3, 4][:m], device=DEVICE)
-    slots = torch.tensor([3, 19, -1, 4, 0, 1, 2, 5, 6, 7, 8, 9, 10, 11, 12, 13][:m], device=DEVICE)
+    pos = torch.tensor([5, 63, 0, 17][:m], device=DEVICE)
+    slots = torch.tensor([3, 19, -1, 4][:m], device=DEVICE)
     kw = dict(scale=scale, bias=bias, prologue="rmsnorm", norm_weight=gw, eps=1e-6)
     qkv = gemv(x, w, config=cfg, **kw)
     q_ref = rope_qkv_write_kv(qkv, pos, slots, cos, sin, kc_ref, vc_ref, hq, hkv)
@@ -705,16 +693,8 @@ def test_gemv_float32_output():
 
 def test_gemv_input_errors():
     x, w, scale, gw = _gemv_case(2, 8, 16, "rmsnorm", True, torch.float32)
-    with pytest.raises(ValueError, match="M <= 16"):
-        gemv(torch.randn(17, 16, device=DEVICE), w, scale=scale)
-    with pytest.raises(ValueError, match="needs a dot config"):
-        gemv(torch.randn(5, 16, device=DEVICE), w, scale=scale, config=GemvConfig(2, 16, 1, 1))
-    with pytest.raises(ValueError, match="16 weight rows"):
-        gemv(x, w, scale=scale, config=GemvConfig(8, 16, 1, 1, dot=True))
-    with pytest.raises(ValueError, match="byte planes"):
-        gemv(torch.randn(5, 16, device=DEVICE), pack_int8_planes(w), scale=scale)
-    with pytest.raises(ValueError, match="byte planes"):
-        gemv(x, pack_int8_planes(w), scale=scale, config=GemvConfig(16, 16, 1, 1, dot=True))
+    with pytest.raises(ValueError, match="M <= 4"):
+        gemv(torch.randn(5, 16, device=DEVICE), w, scale=scale)
     with pytest.raises(ValueError, match="scale"):
         gemv(x, w)
     with pytest.raises(ValueError, match="norm_weight"):
@@ -746,10 +726,7 @@ def test_gemv_input_errors():
         gemv(x, w, scale=scale, early_epilogue=3)
     for bad in (dict(block_n=3, block_k=32), dict(block_n=0, block_k=32), dict(block_n=2, block_k=48),
                 dict(block_n=2, block_k=32, stages=0), dict(block_n=2, block_k=32, red=3),
-                dict(block_n=2, block_k=32, red=64), dict(block_n=2, block_k=32, red=0),
-                dict(block_n=16, block_k=32, dot=2), dict(block_n=16, block_k=32, programs_per_sm=1, dot=True),
-                dict(block_n=16, block_k=32, red=2, dot=True), dict(block_n=16, block_k=32, pre=2, dot=True),
-                dict(block_n=16, block_k=8, dot=True)):
+                dict(block_n=2, block_k=32, red=64), dict(block_n=2, block_k=32, red=0)):
         with pytest.raises(ValueError, match="GemvConfig"):
             GemvConfig(**bad)
 
@@ -773,9 +750,7 @@ def test_gemv_gathered_rows(int8):
     res_table = torch.randn(50, 24, device=DEVICE)
     g = torch.rand(40, device=DEVICE) + 0.5
     for cfg, early in ((GemvConfig(8, 16, 1, 1), False), (GemvConfig(8, 16, 1, 1), True),
-                       (GemvConfig(4, 8, 1, 1, programs_per_sm=1), True), (GemvConfig(16, 16, 1, 1, dot=True), 2)):
-        if int8 == "planes" and cfg.dot:
-            continue                                        # the tensor-core tile reads rows
+                       (GemvConfig(4, 8, 1, 1, programs_per_sm=1), True)):
         for ids in (torch.tensor([7], device=DEVICE), torch.tensor([31, 2, 31], device=DEVICE, dtype=torch.int32)):
             x = table[ids.long()]
             kw = dict(scale=scale, config=cfg, early_epilogue=early)

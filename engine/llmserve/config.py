@@ -24,9 +24,8 @@ INT8_LAYOUTS = ("row", "planes")
 #: Qwen2.5-0.5B / 1.5B shapes (hidden 896 / 1536) and slower for 7B (hidden 3584); hidden
 #: 2048 was not measured (docs/performance.md).
 SMALL_HIDDEN_MAX = 2048
-#: Most tokens a step may have to take the matrix-vector path (``kernels/gemv.py``; 2..16
-#: tokens on its tensor-core tile).
-GEMV_MAX_TOKENS = 16
+#: Most tokens a step may have to take the matrix-vector path (``kernels/gemv.py``).
+GEMV_MAX_TOKENS = 4
 DTYPES = {
     "float32": torch.float32,
     "fp32": torch.float32,

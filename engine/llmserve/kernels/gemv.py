@@ -56,12 +56,10 @@ import triton.language as tl
 from .int8_layout import unpack_int8_planes
 from ._launch import check_cpu_launch, num_sms, pdl_launch_kwargs, pdl_start, pdl_wait
 
-__all__ = ["GemvConfig", "choose_gemv_config", "gemv", "gemv_qkv_rope", "gemv_reference", "GEMV_DOT_MAX_M",
-           "GEMV_MAX_M",
+__all__ = ["GemvConfig", "choose_gemv_config", "gemv", "gemv_qkv_rope", "gemv_reference", "GEMV_MAX_M",
            "tuned_gemv_config", "weight_kind"]
 
-GEMV_MAX_M = 4  # most rows of x for the element-wise tile (every program serves all of them)
-GEMV_DOT_MAX_M = 16  # most rows of x for the tensor-core tile (GemvConfig.dot); larger M use a GEMM
+GEMV_MAX_M = 4  # most rows of x (every program serves all of them); larger M use a GEMM
 
 PROLOGUES = {"none": 0, "rmsnorm": 1}
 
@@ -173,76 +171,6 @@ def _gemv_step(acc, acc_b, sq, w, wb, x_base, g_ptr, k0, K, rk, PROLOGUE: tl.con
 
 
 @triton.jit
-def _dot_rows(row_a, row_b, TWO_ROWS: tl.constexpr, BLOCK_N: tl.constexpr):
-    """Weight rows of a row block's tensor-core tile: ``row_a`` ``[BN]``, or (``TWO_ROWS``) the
-    pairs interleaved ``[a0, b0, a1, b1, ...]`` ``[2 BN]``, so one product serves both rows of a
-    GLU / RoPE pair and its output columns split back into ``a`` and ``b``."""
-    if TWO_ROWS:
-        return tl.reshape(tl.join(row_a, row_b), [2 * BLOCK_N])
-    else:
-        return row_a
-
-
-@triton.jit
-def _dot_w(w_ptr, rows, stride_wn, k0, K, rk, EVEN_K: tl.constexpr):
-    """The weight tile ``[R, BLOCK_K]`` of ``rows`` at columns ``k0 + rk`` (streamed once)."""
-    ptrs = w_ptr + rows[:, None].to(tl.int64) * stride_wn + k0 + rk[None, :]
-    if EVEN_K:
-        w = tl.load(ptrs, eviction_policy="evict_first")
-    else:
-        w = tl.load(ptrs, mask=((k0 + rk) < K)[None, :], other=0, eviction_policy="evict_first")
-    return w
-
-
-@triton.jit
-def _dot_step(acc, sq, w, x_base, g_ptr, k0, K, rk, PROLOGUE: tl.constexpr, EVEN_K: tl.constexpr):
-    """``acc [BM, R] += prologue(x)[:, k0:k0+BK] @ w.T`` on the tensor cores (fp32
-    accumulation; the activation enters the product in x's dtype, int8 weights are converted
-    to it exactly); ``sq [BM] += sum(x^2)`` for the RMSNorm prologue."""
-    if EVEN_K:
-        x = tl.load(x_base + k0).to(tl.float32)                                          # [BM, BK]
-    else:
-        x = tl.load(x_base + k0, mask=((k0 + rk) < K)[None, :], other=0.0).to(tl.float32)
-    if PROLOGUE == 1:        # RMSNorm: x * g now, rsqrt(mean(x^2) + eps) in the epilogue
-        sq += tl.sum(x * x, axis=1)
-        if EVEN_K:
-            g = tl.load(g_ptr + k0 + rk).to(tl.float32)
-        else:
-            g = tl.load(g_ptr + k0 + rk, mask=(k0 + rk) < K, other=0.0).to(tl.float32)
-        x = x * g[None, :]
-    dt = x_base.dtype.element_ty
-    wt = tl.trans(w.to(dt))                                                              # [BK, R]
-    if dt == tl.float32:
-        acc = tl.dot(x, wt, acc, input_precision="ieee")
-    else:
-        acc = tl.dot(x.to(dt), wt, acc)
-    return acc, sq
-
-
-@triton.jit
-def _dot_loop(w, x_ptr, w_ptr, g_ptr, x_row, rows, stride_xm, stride_wn, K, rk,
-              PROLOGUE: tl.constexpr, TWO_ROWS: tl.constexpr, EVEN_K: tl.constexpr, STAGES: tl.constexpr,
-              BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
-    """A row block's K loop on the tensor cores (``w``: its first tile, already loaded): returns
-    the projections of rows a and b ``[BM, BN]`` fp32 (b = a without ``TWO_ROWS``) and the
-    rows' sum of squares ``[BM]`` (zeros without the prologue)."""
-    R: tl.constexpr = 2 * BLOCK_N if TWO_ROWS else BLOCK_N
-    x_base = x_ptr + x_row[:, None] * stride_xm + rk[None, :]                           # [BM, BK]
-    acc = tl.zeros([BLOCK_M, R], dtype=tl.float32)
-    sq = tl.zeros([BLOCK_M], dtype=tl.float32)
-    acc, sq = _dot_step(acc, sq, w, x_base, g_ptr, 0, K, rk, PROLOGUE, EVEN_K)
-    for k0 in tl.range(BLOCK_K, K, BLOCK_K, num_stages=STAGES):
-        w = _dot_w(w_ptr, rows, stride_wn, k0, K, rk, EVEN_K)
-        acc, sq = _dot_step(acc, sq, w, x_base, g_ptr, k0, K, rk, PROLOGUE, EVEN_K)
-    if TWO_ROWS:
-        out, out_b = tl.split(tl.reshape(acc, [BLOCK_M, BLOCK_N, 2]))                   # [BM, BN] x 2
-    else:
-        out = acc
-        out_b = acc
-    return out, out_b, sq
-
-
-@triton.jit
 def _epilogue_operands(rm_ld, res_row, rn_ld, row_a, row_b, scale_ptr, bias_ptr, res_ptr, pos_ptr, slot_ptr,
                        stride_rm,
                        W_INT8: tl.constexpr, HAS_BIAS: tl.constexpr, HAS_RES: tl.constexpr,
@@ -291,16 +219,14 @@ def _gemv_block(blk, w, wb, rm, rm_ld, rk, x_ptr, w_ptr, y_ptr, scale_ptr, bias_
                 PLANES: tl.constexpr, X_GATHER: tl.constexpr, RES_GATHER: tl.constexpr,
                 RED: tl.constexpr = 1, pre_sc_a=None, pre_sc_b=None, pre_bias_a=None, pre_bias_b=None,
                 pre_pos=None, pre_slot=None, pre_c=None, pre_s=None, PRE: tl.constexpr = 1,
-                w1=None, wb1=None, w2=None, wb2=None, w3=None, wb3=None, DOT: tl.constexpr = False):
+                w1=None, wb1=None, w2=None, wb2=None, w3=None, wb3=None):
     """Row block ``blk``: accumulate over K (``w``/``wb``: its first weight tiles, already
     loaded; with ``PRE`` > 1 also ``w1``/``wb1`` .. the tiles at ``BLOCK_K``, ``2 * BLOCK_K``,
     .., loaded before the PDL wait), then the epilogue and the stores. ``X_GATHER`` /
     ``RES_GATHER``: row ``m`` of x / of the residual is row ``ids[m]`` of that table (an
     embedding lookup). ``EARLY_EPI == 2``:
     the ``pre_*`` operands (scales, bias, RoPE positions / slots / cos / sin rows) were loaded
-    by the caller before its PDL wait; only the residual is loaded here, before the K loop.
-    ``DOT``: the K loop runs on the tensor cores (:func:`_dot_loop`; ``w`` is then the first
-    ``[R, BLOCK_K]`` tile of :func:`_dot_rows`)."""
+    by the caller before its PDL wait; only the residual is loaded here, before the K loop."""
     TWO_ROWS: tl.constexpr = GLU or ROPE
     rn, rn_ld, row_a, row_b, head, j = _gemv_rows(blk, N, BLOCK_N, ROPE, HALF)
     if X_GATHER or RES_GATHER:
@@ -320,56 +246,48 @@ def _gemv_block(blk, w, wb, rm, rm_ld, rk, x_ptr, w_ptr, y_ptr, scale_ptr, bias_
         sc_a, sc_b, bias_a, bias_b, pos, slot, res = _epilogue_operands(
             rm_ld, res_row, rn_ld, row_a, row_b, scale_ptr, bias_ptr, res_ptr, pos_ptr, slot_ptr, stride_rm,
             W_INT8, HAS_BIAS, HAS_RES, ROPE, TWO_ROWS, BLOCK_M, BLOCK_N)
-    if DOT:     # tensor-core K loop: every row of x in one [BM, R] product per tile
-        out, out_b, sq_rows = _dot_loop(w, x_ptr, w_ptr, g_ptr, x_row, _dot_rows(row_a, row_b, TWO_ROWS, BLOCK_N),
-                                        stride_xm, stride_wn, K, rk, PROLOGUE, TWO_ROWS, EVEN_K, STAGES,
-                                        BLOCK_M, BLOCK_N, BLOCK_K)
-        sq_sum = sq_rows[:, None]                                                        # [BM, 1]
+    w_base = w_ptr + row_a[None, :, None].to(tl.int64) * stride_wn + rk[None, None, :]   # [1, BN, BK]
+    wb_base = w_ptr + row_b[None, :, None].to(tl.int64) * stride_wn + rk[None, None, :]
+    x_base = x_ptr + x_row[:, None, None] * stride_xm + (rn * 0)[None, :, None] \
+        + rk[None, None, :]                                                              # [BM, BN, BK]
+    acc = tl.zeros([BLOCK_M, BLOCK_N, BLOCK_K // RED], dtype=tl.float32)
+    if TWO_ROWS:
+        acc_b = tl.zeros([BLOCK_M, BLOCK_N, BLOCK_K // RED], dtype=tl.float32)
     else:
-        w_base = w_ptr + row_a[None, :, None].to(tl.int64) * stride_wn + rk[None, None, :]   # [1, BN, BK]
-        wb_base = w_ptr + row_b[None, :, None].to(tl.int64) * stride_wn + rk[None, None, :]
-        x_base = x_ptr + x_row[:, None, None] * stride_xm + (rn * 0)[None, :, None] \
-            + rk[None, None, :]                                                              # [BM, BN, BK]
-        acc = tl.zeros([BLOCK_M, BLOCK_N, BLOCK_K // RED], dtype=tl.float32)
+        acc_b = tl.zeros([1, 1, 1], dtype=tl.float32)
+    if PROLOGUE == 1:
+        sq = tl.zeros([BLOCK_M, BLOCK_N, BLOCK_K // RED], dtype=tl.float32)
+    else:
+        sq = tl.zeros([1, 1, 1], dtype=tl.float32)
+    acc, acc_b, sq = _gemv_step(acc, acc_b, sq, w, wb, x_base, g_ptr, 0, K, rk, PROLOGUE, TWO_ROWS,
+                                EVEN_K, PLANES, RED)
+    if PRE >= 2:
+        acc, acc_b, sq = _gemv_step(acc, acc_b, sq, w1, wb1, x_base, g_ptr, BLOCK_K, K, rk, PROLOGUE,
+                                    TWO_ROWS, EVEN_K, PLANES, RED)
+    if PRE >= 3:
+        acc, acc_b, sq = _gemv_step(acc, acc_b, sq, w2, wb2, x_base, g_ptr, 2 * BLOCK_K, K, rk, PROLOGUE,
+                                    TWO_ROWS, EVEN_K, PLANES, RED)
+    if PRE >= 4:
+        acc, acc_b, sq = _gemv_step(acc, acc_b, sq, w3, wb3, x_base, g_ptr, 3 * BLOCK_K, K, rk, PROLOGUE,
+                                    TWO_ROWS, EVEN_K, PLANES, RED)
+    for k0 in tl.range(PRE * BLOCK_K, K, BLOCK_K, num_stages=STAGES):
+        w = _load_w(w_base, k0, K, rk, EVEN_K)
         if TWO_ROWS:
-            acc_b = tl.zeros([BLOCK_M, BLOCK_N, BLOCK_K // RED], dtype=tl.float32)
-        else:
-            acc_b = tl.zeros([1, 1, 1], dtype=tl.float32)
-        if PROLOGUE == 1:
-            sq = tl.zeros([BLOCK_M, BLOCK_N, BLOCK_K // RED], dtype=tl.float32)
-        else:
-            sq = tl.zeros([1, 1, 1], dtype=tl.float32)
-        acc, acc_b, sq = _gemv_step(acc, acc_b, sq, w, wb, x_base, g_ptr, 0, K, rk, PROLOGUE, TWO_ROWS,
-                                    EVEN_K, PLANES, RED)
-        if PRE >= 2:
-            acc, acc_b, sq = _gemv_step(acc, acc_b, sq, w1, wb1, x_base, g_ptr, BLOCK_K, K, rk, PROLOGUE,
-                                        TWO_ROWS, EVEN_K, PLANES, RED)
-        if PRE >= 3:
-            acc, acc_b, sq = _gemv_step(acc, acc_b, sq, w2, wb2, x_base, g_ptr, 2 * BLOCK_K, K, rk, PROLOGUE,
-                                        TWO_ROWS, EVEN_K, PLANES, RED)
-        if PRE >= 4:
-            acc, acc_b, sq = _gemv_step(acc, acc_b, sq, w3, wb3, x_base, g_ptr, 3 * BLOCK_K, K, rk, PROLOGUE,
-                                        TWO_ROWS, EVEN_K, PLANES, RED)
-        for k0 in tl.range(PRE * BLOCK_K, K, BLOCK_K, num_stages=STAGES):
-            w = _load_w(w_base, k0, K, rk, EVEN_K)
-            if TWO_ROWS:
-                wb = _load_w(wb_base, k0, K, rk, EVEN_K)
-            acc, acc_b, sq = _gemv_step(acc, acc_b, sq, w, wb, x_base, g_ptr, k0, K, rk, PROLOGUE,
-                                        TWO_ROWS, EVEN_K, PLANES, RED)
-        out = tl.sum(acc, axis=2)                                                        # [BM, BN]
-        out_b = out
-        if TWO_ROWS:
-            out_b = tl.sum(acc_b, axis=2)
-        sq_sum = tl.sum(sq, axis=2)                            # [BM, BN], every column equal
+            wb = _load_w(wb_base, k0, K, rk, EVEN_K)
+        acc, acc_b, sq = _gemv_step(acc, acc_b, sq, w, wb, x_base, g_ptr, k0, K, rk, PROLOGUE,
+                                    TWO_ROWS, EVEN_K, PLANES, RED)
     if not EARLY_EPI:
         sc_a, sc_b, bias_a, bias_b, pos, slot, res = _epilogue_operands(
             rm_ld, res_row, rn_ld, row_a, row_b, scale_ptr, bias_ptr, res_ptr, pos_ptr, slot_ptr, stride_rm,
             W_INT8, HAS_BIAS, HAS_RES, ROPE, TWO_ROWS, BLOCK_M, BLOCK_N)
+    out = tl.sum(acc, axis=2)                                                            # [BM, BN]
+    if TWO_ROWS:
+        out_b = tl.sum(acc_b, axis=2)
     if PROLOGUE == 1:
         n_cols = K
         if PLANES:
             n_cols = 4 * K                                     # K counts words
-        ms = sq_sum / n_cols                                   # [BM, BN] or [BM, 1]
+        ms = tl.sum(sq, axis=2) / n_cols                       # [BM, BN], every column equal
         rstd = tl.math.rsqrt(ms + eps)
         out = out * rstd
         if TWO_ROWS:
@@ -436,7 +354,7 @@ def _gemv_kernel(x_ptr, w_ptr, y_ptr, scale_ptr, bias_ptr, res_ptr, g_ptr,
                  USE_PDL: tl.constexpr, EARLY_EPI: tl.constexpr = False,
                  PDL_TRIGGER_FIRST: tl.constexpr = False, PLANES: tl.constexpr = False,
                  X_GATHER: tl.constexpr = False, RES_GATHER: tl.constexpr = False,
-                 RED: tl.constexpr = 1, PRE: tl.constexpr = 1, DOT: tl.constexpr = False):
+                 RED: tl.constexpr = 1, PRE: tl.constexpr = 1):
     """A program computes ``BLOCK_N`` outputs (a row block) for all ``M <= BLOCK_M`` rows of x:
     row block ``pid``, or with ``PERSISTENT`` (a grid smaller than the block count) blocks
     ``pid, pid + grid, ...``, which avoids a last partial wave; the first tile of its next
@@ -457,15 +375,6 @@ def _gemv_kernel(x_ptr, w_ptr, y_ptr, scale_ptr, bias_ptr, res_ptr, g_ptr,
     with ``PERSISTENT``): that many tiles of each weight row are requested before the wait,
     so the HBM time that latency-bound predecessors (decode attention, kernel boundaries)
     leave idle streams more of this kernel's weights.
-
-    ``DOT`` (steps of 2..16 rows; ``BLOCK_M`` >= 16, not with ``PERSISTENT``, ``PRE`` > 1 or
-    ``PLANES``): the K loop is a tensor-core product of all ``BLOCK_M`` rows of x with a
-    ``[R, BLOCK_K]`` weight tile (``R`` = ``BLOCK_N`` weight rows, or ``BLOCK_N`` GLU / RoPE
-    pairs interleaved), so each weight is read once for every row of the step and the
-    accumulator is ``[BLOCK_M, R]`` instead of ``[BLOCK_M, BLOCK_N, BLOCK_K]``: the
-    element-wise tile's registers grow with M and stop it at 4 rows. The activation enters the
-    product in x's dtype (the RMSNorm gain applied, its rsqrt after the loop, as above), and
-    the prologue, epilogues, gathers and PDL are the same code.
     """
     TWO_ROWS: tl.constexpr = GLU or ROPE
     pdl_start(USE_PDL, PDL_TRIGGER_FIRST)
@@ -474,12 +383,7 @@ def _gemv_kernel(x_ptr, w_ptr, y_ptr, scale_ptr, bias_ptr, res_ptr, g_ptr,
     rm_ld = rm % M
     rk = tl.arange(0, BLOCK_K)
     _, _, row_a, row_b, _, _ = _gemv_rows(pid, N, BLOCK_N, ROPE, HALF)
-    if DOT:
-        tl.static_assert(not PERSISTENT and PRE == 1 and not PLANES, "DOT: one row block a program, PRE 1, no planes")
-        w = _dot_w(w_ptr, _dot_rows(row_a, row_b, TWO_ROWS, BLOCK_N), stride_wn, 0, K, rk, EVEN_K)   # [R, BK]
-        wb = w
-    else:
-        w, wb = _row_tiles(w_ptr, row_a, row_b, stride_wn, 0, K, rk, EVEN_K, TWO_ROWS)
+    w, wb = _row_tiles(w_ptr, row_a, row_b, stride_wn, 0, K, rk, EVEN_K, TWO_ROWS)
     w1, wb1, w2, wb2, w3, wb3 = w, wb, w, wb, w, wb                  # placeholders unless PRE > 1
     if PRE >= 2:
         tl.static_assert(not PERSISTENT, "PRE > 1 needs one row block a program")
@@ -536,7 +440,7 @@ def _gemv_kernel(x_ptr, w_ptr, y_ptr, scale_ptr, bias_ptr, res_ptr, g_ptr,
                     W_INT8, HAS_BIAS, HAS_RES, PROLOGUE, GLU, ROPE, HQ, HKV, HALF, BLOCK_M, BLOCK_N,
                     BLOCK_K, EVEN_K, STAGES, EARLY_EPI, PLANES, X_GATHER, RES_GATHER, RED,
                     p_sc_a, p_sc_b, p_bias_a, p_bias_b, p_pos, p_slot, p_c, p_s, PRE,
-                    w1, wb1, w2, wb2, w3, wb3, DOT)
+                    w1, wb1, w2, wb2, w3, wb3)
 
 
 @dataclass(frozen=True, slots=True)
@@ -551,11 +455,7 @@ class GemvConfig:
     the freed registers let more programs share an SM. H200, Qwen2.5-1.5B gate-up: 15.4 ->
     14.3 us with ``[1, 512, 1 warp]`` and red 8, ``scripts/bench_gemv.py``), ``pre``
     (1-4: weight tiles a program requests before its PDL wait; capped at the row's tile count,
-    and 1 on a persistent grid), ``dot`` (the tensor-core K loop of ``_gemv_kernel``'s
-    ``DOT``, for 2..16 rows: ``block_n`` then counts weight rows, or GLU / RoPE pairs, of a
-    ``[R, block_k]`` tile with ``R`` = ``block_n`` (pairs: ``2 * block_n``) >= 16 and
-    ``block_k`` >= 16; ``stages`` pipelines the tiles through shared memory; needs
-    ``programs_per_sm`` 0, ``red`` 1 and ``pre`` 1)."""
+    and 1 on a persistent grid)."""
 
     block_n: int
     block_k: int
@@ -564,7 +464,6 @@ class GemvConfig:
     programs_per_sm: int = 0
     red: int = 1
     pre: int = 1
-    dot: bool = False
 
     def __post_init__(self) -> None:
         for name in ("block_n", "block_k", "num_warps"):
@@ -581,25 +480,14 @@ class GemvConfig:
             raise ValueError(f"GemvConfig.red must be a power of two in [1, block_k], got {self.red!r}")
         if not isinstance(self.pre, int) or not 1 <= self.pre <= 4:
             raise ValueError(f"GemvConfig.pre must be an int in [1, 4], got {self.pre!r}")
-        if type(self.dot) not in (bool, int) or self.dot not in (0, 1):
-            raise ValueError(f"GemvConfig.dot must be True or False, got {self.dot!r}")
-        if self.dot and (self.programs_per_sm or self.red != 1 or self.pre != 1 or self.block_k < 16):
-            raise ValueError("GemvConfig.dot needs programs_per_sm 0, red 1, pre 1 and block_k >= 16, got "
-                             f"{self.programs_per_sm}, {self.red}, {self.pre}, {self.block_k}")
 
     def as_list(self) -> list[int]:
-        """The table form: ``[block_n, block_k, num_warps, stages(, programs_per_sm(, red(, pre(,
-        dot))))]`` (``dot`` as 0/1)."""
-        v = [self.block_n, self.block_k, self.num_warps, self.stages, self.programs_per_sm, self.red, self.pre,
-             int(self.dot)]
-        while len(v) > 4 and v[-1] == (0, 1, 1, 0)[len(v) - 5]:     # trailing defaults left out
+        """The table form: ``[block_n, block_k, num_warps, stages(, programs_per_sm(, red(, pre)))]``."""
+        v = [self.block_n, self.block_k, self.num_warps, self.stages, self.programs_per_sm, self.red, self.pre]
+        while len(v) > 4 and v[-1] == (0, 1, 1)[len(v) - 5]:     # trailing defaults left out
             v.pop()
         return v
 
-
-# The tensor-core tile of steps of 2..16 rows without a tuned entry: (weight rows a tile, block_k,
-# num_warps, stages); GLU / RoPE kernels take half as many pairs.
-DOT_RULE = (16, 256, 4, 3)
 
 _TABLES: dict[str, dict[str, GemvConfig]] = {}
 _DEFAULT_TABLE = os.path.join(os.path.dirname(__file__), "gemv_configs.json")
@@ -609,8 +497,8 @@ def _table(path: str | None = None) -> dict[str, GemvConfig]:
     """Tuned configurations: ``gemv_configs.json`` next to this file (``path``, default
     ``_DEFAULT_TABLE``: another table, for tests), written by ``scripts/bench_gemv.py --table`` from a device sweep. Keys are
     ``"<gpu name>|<float|int8|int8p>|<prologue>|<M>|<K>|<N>"`` (:func:`weight_kind`; ``K`` in
-    columns), values ``[block_n, block_k, num_warps, stages]``, with ``programs_per_sm`` fifth,
-    ``red`` sixth, ``pre`` seventh and ``dot`` (0/1) eighth (:class:`GemvConfig`); malformed entries are ignored, and
+    columns), values ``[block_n, block_k, num_warps, stages]``, with ``programs_per_sm`` fifth and
+    ``red`` sixth and ``pre`` seventh (:class:`GemvConfig`); malformed entries are ignored, and
     a missing or unreadable table gives no entries (the rules of :func:`choose_gemv_config`
     apply). Each file is read once per process."""
     path = path or _DEFAULT_TABLE
@@ -623,7 +511,7 @@ def _table(path: str | None = None) -> dict[str, GemvConfig]:
         configs = data.get("configs") if isinstance(data, dict) else None
         table = {}
         for key, v in (configs.items() if isinstance(configs, dict) else ()):
-            if isinstance(v, list) and len(v) in (4, 5, 6, 7, 8):
+            if isinstance(v, list) and len(v) in (4, 5, 6, 7):
                 try:
                     table[key] = GemvConfig(*v)
                 except (TypeError, ValueError):
@@ -649,29 +537,20 @@ def choose_gemv_config(m: int, n: int, k: int, w_dtype: torch.dtype, device: tor
                        prologue: str = "none") -> GemvConfig:
     """Shape-keyed configuration (deterministic, CUDA-graph safe; no autotuning at run time).
 
-    Order: the tuned table (exact GPU name, weight kind, prologue, M, K, N; for an M that is
-    not a power of two the next power's entry), then for 2..16 rows (weights other than int8
-    byte planes) the tensor-core tile of :data:`DOT_RULE`, else a rule from the H200 sweeps of
-    ``scripts/bench_gemv.py``: no software
+    Order: the tuned table (exact GPU name, weight kind, prologue, M, K, N; for M = 3 the
+    M = 4 entry), then a rule from the H200 sweeps of ``scripts/bench_gemv.py``: no software
     pipelining (``stages=1`` beat 2-4 on every
     shape: with one or two rows a program, many programs per SM keep enough loads in flight
     without it), 512-1024 weight elements a program and step, one or two rows a program; for
     int8 byte planes (``w_dtype`` int32) the same 2 KB a row and step in words. ``k`` counts
-    columns for every weight kind. CPU (Triton interpreter): small tiles (the tensor-core one
-    for 2..16 rows).
+    columns for every weight kind. CPU (Triton interpreter): small tiles.
     """
-    kind = weight_kind(w_dtype)
-    pairs = prologue.endswith(("+glu", "+rope"))          # each output two weight rows
     if device.type != "cuda":
-        if m > 1 and kind != "int8p":
-            return GemvConfig(block_n=8 if pairs else 16, block_k=32, num_warps=1, stages=1, dot=True)
         return GemvConfig(block_n=8, block_k=32, num_warps=1, stages=1)
     hit = tuned_gemv_config(m, n, k, w_dtype, device, prologue)
     if hit:
         return hit
-    if m > 1 and kind != "int8p":
-        return GemvConfig(block_n=DOT_RULE[0] // (2 if pairs else 1), block_k=DOT_RULE[1], num_warps=DOT_RULE[2],
-                          stages=DOT_RULE[3], dot=True)
+    kind = weight_kind(w_dtype)
     bn = 1 if n <= 4096 else 2
     bk = max(64, (1024 if bn == 1 else 512) // triton.next_power_of_2(m))
     if kind == "int8p":             # words: the same 2 KB a row and step as the float rule
@@ -683,20 +562,14 @@ def choose_gemv_config(m: int, n: int, k: int, w_dtype: torch.dtype, device: tor
 def tuned_gemv_config(m: int, n: int, k: int, w_dtype: torch.dtype, device: torch.device,
                       prologue: str = "none") -> GemvConfig | None:
     """The tuned table's configuration for this GPU and shape (see :func:`_table`), or None
-    (CPU devices, untuned shapes). An M that is not a power of two runs the kernel compiled for
-    the next power (``BLOCK_M``), so without an entry of its own it takes that M's (Qwen2.5-1.5B qkv
-    int8 at M = 3: 8.33 us on the rule tile, 4.68 with M = 4's, on the H200); then, for 2..15
-    rows, the M = 16 entry if it is a tensor-core tile (``scripts/bench_gemv.py --m 16``: that
-    tile computes 16 rows whatever M)."""
+    (CPU devices, untuned shapes). M = 3 runs the kernel compiled for 4 rows (``BLOCK_M`` is
+    the next power of two), so without an entry of its own it takes M = 4's (Qwen2.5-1.5B qkv
+    int8 at M = 3: 8.33 us on the rule tile, 4.68 with M = 4's, on the H200)."""
     if device.type != "cuda":
         return None
     gpu, kind = _gpu_name(device), weight_kind(w_dtype)
-    hit = _tuned(gpu, kind, prologue, m, k, n) or (
+    return _tuned(gpu, kind, prologue, m, k, n) or (
         _tuned(gpu, kind, prologue, triton.next_power_of_2(m), k, n) if m & (m - 1) else None)
-    if hit is None and 1 < m < GEMV_DOT_MAX_M:      # the tensor-core tile computes 16 rows for any M
-        hit = _tuned(gpu, kind, prologue, GEMV_DOT_MAX_M, k, n)
-        hit = hit if hit is not None and hit.dot else None
-    return hit
 
 
 def _tuned(gpu: str, int8: bool | str, prologue: str, m: int, k: int, n: int) -> GemvConfig | None:
@@ -757,9 +630,8 @@ def _check_gemv_inputs(x, weight, scale, bias, residual, prologue, norm_weight, 
     if glu and (rows % 2 or bias is not None or residual is not None):
         raise ValueError("glu needs a packed [2N, K] weight (an even row count), no bias and no residual")
     n = rows // 2 if glu else rows
-    if m > GEMV_DOT_MAX_M or (planes and m > GEMV_MAX_M):
-        raise ValueError(f"gemv serves M <= {GEMV_DOT_MAX_M} rows (M <= {GEMV_MAX_M} for int8 byte planes), "
-                         f"got M={m}; use a GEMM")
+    if m > GEMV_MAX_M:
+        raise ValueError(f"gemv serves M <= {GEMV_MAX_M} rows, got M={m}; use a GEMM")
     w_int8 = weight.dtype in (torch.int8, torch.int32)
     if w_int8 and (scale is None or scale.shape != (rows,)):
         raise ValueError(f"an int8 weight needs scale [{rows}] (one per weight row)")
@@ -814,14 +686,6 @@ def _launch(x, weight, out, cfg: GemvConfig, n: int, *, scale=None, bias=None, r
     else:
         hq = hkv = half = 1
         rope_args = (dummy, dummy, dummy, dummy, dummy, dummy, 0)
-    if cfg.dot:
-        if planes:
-            raise ValueError("a dot config (GemvConfig.dot) does not read int8 byte planes")
-        if cfg.block_n * (2 if (glu or rope is not None) else 1) < 16:
-            raise ValueError(f"a dot config needs >= 16 weight rows a tile: block_n >= 16, or >= 8 GLU / RoPE "
-                             f"pairs, got block_n={cfg.block_n}")
-    elif m > GEMV_MAX_M:
-        raise ValueError(f"M={m} > {GEMV_MAX_M} rows needs a dot config (GemvConfig.dot)")
     blocks = triton.cdiv(n, cfg.block_n)
     if cfg.programs_per_sm:
         blocks = min(blocks, cfg.programs_per_sm * num_sms(x.device, cpu_default=2))
@@ -834,12 +698,11 @@ def _launch(x, weight, out, cfg: GemvConfig, n: int, *, scale=None, bias=None, r
         W_INT8=weight.dtype in (torch.int8, torch.int32), PLANES=planes, HAS_BIAS=bias is not None,
         HAS_RES=residual is not None,
         PROLOGUE=PROLOGUES[prologue], GLU=glu, ROPE=rope is not None, HQ=hq, HKV=hkv, HALF=half,
-        BLOCK_M=max(16, triton.next_power_of_2(m)) if cfg.dot else triton.next_power_of_2(m), BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
+        BLOCK_M=triton.next_power_of_2(m), BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
         EVEN_K=k % cfg.block_k == 0, STAGES=cfg.stages, PERSISTENT=persistent,
         EARLY_EPI=_early_mode(early_epilogue, persistent), X_GATHER=x_rows is not None,
         RES_GATHER=residual_rows is not None, RED=min(cfg.red, cfg.block_k),
-        PRE=1 if persistent else min(cfg.pre, triton.cdiv(k, cfg.block_k)), DOT=bool(cfg.dot),
-        num_warps=cfg.num_warps,
+        PRE=1 if persistent else min(cfg.pre, triton.cdiv(k, cfg.block_k)), num_warps=cfg.num_warps,
         **pdl_launch_kwargs(pdl, pdl_trigger_first))
 
 
@@ -872,7 +735,7 @@ def gemv_qkv_rope(x: torch.Tensor, weight: torch.Tensor, *, bias: torch.Tensor |
     registers).
 
     Args:
-        x: ``[M, H]`` residual-stream rows, ``M <= GEMV_DOT_MAX_M`` (as :func:`gemv`).
+        x: ``[M, H]`` residual-stream rows, ``M <= GEMV_MAX_M``.
         weight: packed ``[(Hq + 2*Hkv) * D, H]`` q/k/v weight (float, or int8 with ``scale``,
             row-major or as byte planes ``[(Hq + 2*Hkv) * D, H / 4]`` int32).
         bias: ``[(Hq + 2*Hkv) * D]`` or ``None``.
@@ -931,13 +794,11 @@ def gemv(x: torch.Tensor, weight: torch.Tensor, *, scale: torch.Tensor | None = 
          config: GemvConfig | None = None, pdl: bool = False,
          early_epilogue: bool | int = False, pdl_trigger_first: bool = False,
          x_rows: torch.Tensor | None = None, residual_rows: torch.Tensor | None = None) -> torch.Tensor:
-    """``y = residual + (prologue(x) @ (weight * scale[:, None]).T + bias)`` for ``M <= 16`` rows
+    """``y = residual + (prologue(x) @ (weight * scale[:, None]).T + bias)`` for ``M <= 4`` rows
     (with ``glu``: ``y = silu(p[:, :N]) * p[:, N:]`` of that projection ``p``).
 
     Args:
-        x: ``[M, K]`` activations, ``M <= GEMV_DOT_MAX_M`` (16; more than ``GEMV_MAX_M`` = 4
-            rows need a ``dot`` config, the default for 2..16 rows), last dim contiguous;
-            fp16/bf16/fp32.
+        x: ``[M, K]`` activations, ``M <= GEMV_MAX_M``, last dim contiguous; fp16/bf16/fp32.
         weight: ``[N, K]`` (``[2N, K]`` = ``[gate; up]`` with ``glu``) row-major
             (``nn.Linear.weight`` orientation), int8 (then ``scale`` is required) or the float
             dtype of ``x``; or int8 byte planes, int32 ``[N, K / 4]`` (with ``scale``; see
@@ -982,9 +843,7 @@ def gemv(x: torch.Tensor, weight: torch.Tensor, *, scale: torch.Tensor | None = 
         ``[M, N]`` in ``out``'s dtype (default ``x.dtype``); fp32 accumulation.
 
     Raises:
-        ValueError: shapes, dtypes, strides or devices that do not fit, ``M > GEMV_DOT_MAX_M``
-            (int8 byte planes: ``M > GEMV_MAX_M``), ``M > GEMV_MAX_M`` with an element-wise
-            ``config``, a ``dot`` config with fewer than 16 weight rows a tile, an
+        ValueError: shapes, dtypes, strides or devices that do not fit, ``M > GEMV_MAX_M``, an
             unknown prologue, CPU tensors while the kernels are not interpreted
             (``TRITON_INTERPRET=1`` set before start-up); ``x_rows`` /
             ``residual_rows`` that are not contiguous 1-D int32/int64 on x's device, differ from

@@ -281,9 +281,8 @@ def choose_int8_config(m: int, n: int, k: int, device: torch.device, planes: boo
     columns).
     """
     w_dtype = torch.int32 if planes else torch.int8
-    tuned = tuned_gemv_config(m, n, k, w_dtype, device) if device.type == "cuda" and m <= GEMV_MAX_M else None
     vec = m == 1 or (device.type == "cuda" and m <= GEMV_MAX_M and (
-        (tuned is not None and not tuned.dot)          # the element-wise tile (Int8LinearConfig)
+        tuned_gemv_config(m, n, k, w_dtype, device) is not None
         or (planes and ((m == 2 and k <= 4096) or n * k <= 4 * 1024 * 1024))))
     if vec:  # block_n / block_k / num_warps / num_stages of the gemv.py launch
         g = choose_gemv_config(m, n, k, w_dtype, device)

@@ -9,9 +9,8 @@ What changes against the readable path (``models/qwen2.py``):
   ``state_dict()`` are unchanged and no memory is duplicated.
 * RMSNorm and the residual add are one kernel; RoPE, the QKV split and the K/V cache write are
   one kernel; SiLU-and-mul is one kernel (``kernels/fused.py``).
-* Steps of at most ``gemv_max_tokens`` tokens (up to ``GEMV_DOT_MAX_M`` = 16: one token on
-  the element-wise tile, 2..16 on the tensor-core tile that reads each weight once for every
-  row; int8 byte planes up to ``GEMV_MAX_M`` = 4) take a matrix-vector path (``kernels/gemv.py``) with the
+* Steps of at most ``gemv_max_tokens`` tokens (batch-1 decode by default; up to
+  ``GEMV_MAX_M`` = 4 on request) take a matrix-vector path (``kernels/gemv.py``) with the
   norms and SiLU-and-mul folded into the projections, RoPE and the K/V cache write into the
   QKV projection's epilogue and the residual adds into the O and down projections'
   epilogues: four projection kernels and the attention kernel a layer. The residual stream is
@@ -64,7 +63,7 @@ from ..kernels.int8_layout import pack_int8_fragments, pack_int8_planes
 from ..kernels._launch import pdl_available
 from ..kernels.argmax import argmax_rows
 from ..kernels.fused import add_rmsnorm, rope_qkv_write_kv, silu_and_mul
-from ..kernels.gemv import GEMV_DOT_MAX_M, GEMV_MAX_M, gemv, gemv_qkv_rope
+from ..kernels.gemv import GEMV_MAX_M, gemv, gemv_qkv_rope
 from ..kernels.int8_frag import FRAG_MAX_M, int8_frag_linear
 from ..kernels.int8_linear import int8_linear
 from ..kernels.paged_attention import paged_attention_decode
@@ -284,10 +283,8 @@ class FastQwen2Forward:
                                if type(m) is TritonInt8Linear)
         fusable = all("qkv" in e and "gate_up" in e and _kind(e["layer"].self_attn.o_proj) is not None
                       and _kind(e["layer"].mlp.down_proj) is not None for e in self.layers)
-        assert options.gemv_max_tokens <= GEMV_DOT_MAX_M   # FastPathConfig's range matches the kernel's
-        # int8 byte planes have no tensor-core tile: at most GEMV_MAX_M rows on this path
-        self.gemv_max_tokens = min(options.gemv_max_tokens, GEMV_MAX_M) if self.int8_planes \
-            else options.gemv_max_tokens
+        assert options.gemv_max_tokens <= GEMV_MAX_M   # FastPathConfig's range matches the kernel's
+        self.gemv_max_tokens = options.gemv_max_tokens
         self.use_gemv = options.gemv_max_tokens > 0 and fusable and self.tp.size == 1
         self.pdl = self.use_gemv and options.pdl and pdl_available(w0.device)
         self._plain_head = type(model.lm_head) is nn.Linear and model.lm_head.bias is None
@@ -377,7 +374,7 @@ class FastQwen2Forward:
     def _forward_gemv(self, input_ids: torch.Tensor, positions: torch.Tensor,
                       kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
                       meta: AttentionMetadata) -> torch.Tensor:
-        """The same function for ``N <= gemv_max_tokens`` tokens with fused matrix-vector kernels:
+        """The same function for ``N <= GEMV_MAX_M`` tokens with fused matrix-vector kernels:
         ``r`` is the residual stream ``[N, H]``, updated in place by the O and down
         projections' epilogues; each layer's two RMSNorms run inside the QKV and gate-up
         projections, RoPE and the K/V cache write in the QKV projection's epilogue and
