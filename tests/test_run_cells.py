@@ -43,3 +43,34 @@ def test_sizes_seeds_and_workload_share_a_signature(other):
 def test_kernel_choices_change_the_signature(a, b):
     base = BASE.replace("--linear-backend torch", "") if "linear" in a else BASE
     assert run_cells.kernel_signature(_opts(f"{base} {a}")) != run_cells.kernel_signature(_opts(f"{base} {b}"))
+
+
+def test_each_cell_starts_from_released_device_memory(monkeypatch, tmp_path):
+    """Before every cell the previous cell's objects are collected (and on CUDA the allocator's
+    cache emptied), so each engine sizes its KV cache from the same free memory; the free bytes
+    are recorded in the cell's provenance (``None`` off CUDA)."""
+    import gc
+    import json
+
+    calls = []
+    real_collect = gc.collect
+    monkeypatch.setattr(gc, "collect", lambda *a: calls.append("collect") or real_collect(*a))
+
+    def fake_run(opts):
+        calls.append("cell")
+        report = {"status": "ok", "aggregates": {"output_throughput": 1.0}}
+        Path(opts.output).write_text(json.dumps(report))
+        Path(opts.csv).write_text("a\n1\n")
+        return report, Path(opts.output), Path(opts.csv)
+
+    import llmserve.bench.runner as runner
+    monkeypatch.setattr(runner, "run_benchmark", fake_run)
+    monkeypatch.setattr(run_cells.ch, "check_unchanged", lambda *a, **k: None)
+    monkeypatch.setattr(run_cells.ch, "write_provenance",
+                        lambda **kw: Path(kw["output"]).write_text(json.dumps(kw["extra"])))
+    spec = {f"scheduler~continuous_batch~{b}": BASE + f" --max-num-seqs {b}" for b in (1, 2)}
+    assert run_cells.run_group(spec, tmp_path / "raw", tmp_path / "logs", "h", "cpu", 1, "g") == 0
+    assert calls == ["collect", "cell", "collect", "cell"]
+    for cell in spec:
+        prov = json.loads((tmp_path / "raw" / f"{cell}.provenance.json").read_text())
+        assert prov["process"]["device_free_bytes_at_start"] is None

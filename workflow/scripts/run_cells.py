@@ -111,6 +111,29 @@ def kernel_signature(opts) -> tuple:
     return (opts.config, opts.json_schema is not None) + engine
 
 
+def release_device_memory(device: str) -> int | None:
+    """Free what the previous cell left on the device before the next one is built; return the
+    device's free bytes afterwards (``None`` off CUDA).
+
+    An engine sizes its KV cache from the device's free memory when it is built
+    (``gpu_memory_utilization``), so a cell built while the previous cell's engine still waits
+    for the garbage collector (reference cycles), or while PyTorch's caching allocator still
+    holds that engine's freed blocks, gets a smaller cache than the one before it: an H100
+    prefix sweep's eight cells of a process got 24,607 to 142,706 KV blocks, alternating with
+    their place. Collecting and emptying the allocator's cache here gives every cell of a
+    process the same free memory."""
+    import gc
+
+    gc.collect()
+    if not device.startswith("cuda"):
+        return None
+    import torch
+
+    torch.cuda.empty_cache()
+    free, _total = torch.cuda.mem_get_info(torch.device(device))
+    return int(free)
+
+
 def run_group(spec: dict[str, str], raw: Path, log_dir: Path, expected_hash: str, device: str,
               torch_threads: int, group: str) -> int:
     """Run every cell of ``spec`` in order; return 1 if the sources changed mid-group, else 0."""
@@ -144,6 +167,7 @@ def run_group(spec: dict[str, str], raw: Path, log_dir: Path, expected_hash: str
         if signature in warmed:
             opts.kernel_warmup = False      # this process compiled these kernels already
         gpu = device.startswith("cuda")
+        free_bytes = release_device_memory(device)   # every cell's KV cache sized from the same memory
         before = machine_load.snapshot(gpu=gpu)
         t0 = time.perf_counter()
         with open(log, "w") as f, contextlib.redirect_stdout(f), contextlib.redirect_stderr(f):
@@ -159,7 +183,8 @@ def run_group(spec: dict[str, str], raw: Path, log_dir: Path, expected_hash: str
                    "process": {"group": group, "position": i, "cells_in_group": len(spec),
                                "process_startup_s": round(t_ready - t_process, 3),
                                "cell_wall_s": round(took, 3),
-                               "kernel_warmup": opts.kernel_warmup},
+                               "kernel_warmup": opts.kernel_warmup,
+                               "device_free_bytes_at_start": free_bytes},
                    # what else ran meanwhile: other processes' cores, stolen time, load average,
                    # this process's CPU share, the GPU's clocks (machine_load.py)
                    "machine_load": load})
