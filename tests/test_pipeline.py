@@ -632,6 +632,17 @@ def test_verdicts_compare_a_rerun_with_the_committed_tables(tmp_path):
     assert "| continuous beats static | does not hold | 150.0 / 200.0 = ×0.75 (needs >= 1) | ×1.60 |" in md
     assert "report.rst" in {p.name for p in out.iterdir()}
 
+    # The rerun published (its tables committed): rebuilding its verdicts judges it against the
+    # run it replaced, the same text it got before the commit, not against itself.
+    published = {n: (out / n).read_text() for n in ("verdicts.md", "verdicts.csv", "report.rst")}
+    for cmd in (["add", "."], ["commit", "-qm", "published rerun"]):
+        subprocess.run(git + cmd, cwd=tmp_path, check=True)
+    r = script("verdicts.py", "--profile", "t", "--tables", str(out), "--claims",
+               json.dumps(claims), "--out-dir", str(out))
+    assert r.returncode == 0, r.stderr
+    assert {n: (out / n).read_text() for n in published} == published
+    assert "this run is the tracked one" not in (out / "verdicts.md").read_text()
+
 
 def test_aggregation_refuses_runs_from_different_hardware(tmp_path):
     main = [fake_report(tmp_path, scheduler="naive", batch=1),

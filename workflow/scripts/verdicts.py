@@ -56,7 +56,9 @@ TEXT = {c: str for c in (*COLUMN_NAMES, "cell", "status", "digest_agrees_with_na
 
 
 def committed_table(path: Path, rev: str = "HEAD") -> tuple[pd.DataFrame | None, str]:
-    """The table ``path`` as committed at ``rev`` and a label of where it came from.
+    """The table ``path`` as committed at ``rev`` and a label of where it came from: the commit
+    that brought that content (the last one at or before ``rev`` that changed the file), so
+    the label names the tracked run whenever the verdicts are written.
 
     Returns (None, reason) when git or the committed file is not there.
     """
@@ -65,13 +67,33 @@ def committed_table(path: Path, rev: str = "HEAD") -> tuple[pd.DataFrame | None,
                              text=True, check=True, cwd=path.parent if path.parent.exists() else None
                              ).stdout.strip()
         rel = path.resolve().relative_to(Path(top).resolve()).as_posix()
-        commit = subprocess.run(["git", "rev-parse", "--short=12", rev], capture_output=True,
-                                text=True, check=True, cwd=top).stdout.strip()
+        commit = subprocess.run(["git", "log", "-1", "--format=%h", "--abbrev=12", rev, "--", rel],
+                                capture_output=True, text=True, check=True, cwd=top).stdout.strip()
         text = subprocess.run(["git", "show", f"{rev}:{rel}"], capture_output=True, text=True,
                               check=True, cwd=top).stdout
     except (OSError, ValueError, subprocess.CalledProcessError):
         return None, f"no committed copy of {path.name} (not a git checkout, or never committed)"
     return pd.read_csv(io.StringIO(text), dtype=TEXT), f"git {commit}"
+
+
+def replaced_rev(path: Path, rev: str = "HEAD") -> str | None:
+    """The revision just before the commit that brought ``path``'s content at ``rev`` (the
+    tracked run this one replaced), or None (not a git checkout, no such commit, a root commit,
+    a shallow clone without it)."""
+    try:
+        top = subprocess.run(["git", "rev-parse", "--show-toplevel"], capture_output=True,
+                             text=True, check=True, cwd=path.parent if path.parent.exists() else None
+                             ).stdout.strip()
+        rel = path.resolve().relative_to(Path(top).resolve()).as_posix()
+        last = subprocess.run(["git", "log", "-1", "--format=%H", rev, "--", rel], capture_output=True,
+                              text=True, check=True, cwd=top).stdout.strip()
+        if not last:
+            return None
+        parent = subprocess.run(["git", "rev-parse", "--verify", "--quiet", f"{last}^"], capture_output=True,
+                                text=True, check=True, cwd=top).stdout.strip()
+    except (OSError, ValueError, subprocess.CalledProcessError):
+        return None
+    return parent or None
 
 
 def _read(path: Path) -> pd.DataFrame | None:
@@ -194,8 +216,18 @@ def contention_line(tables: dict[str, pd.DataFrame | None]) -> str:
 
 def write(profile: str, tables_dir: Path, claims: list[dict[str, Any]], out: Path,
           rev: str = "HEAD") -> dict[str, Any]:
-    """Write verdicts.md, verdicts.csv and report.rst; returns the summary counts."""
+    """Write verdicts.md, verdicts.csv and report.rst; returns the summary counts.
+
+    This run is judged against the tables committed at ``rev``. When they are this run's own
+    tables (the tracked run, its tables rebuilt on a fresh clone or after a ``publish`` was
+    committed), it is judged against the run they replaced instead (the revision before the
+    commit that brought them), so the verdict a run got when it was published is the one every
+    rebuild of it writes again, byte for byte."""
     new = {name: _read(tables_dir / f"{name}.csv") for name in TABLES}
+    if new["headline"] is not None:
+        at_rev, _ = committed_table(tables_dir / "headline.csv", rev)
+        if at_rev is not None and at_rev.equals(new["headline"]):
+            rev = replaced_rev(tables_dir / "headline.csv", rev) or rev
     old, source = {}, ""
     for name in TABLES:
         old[name], where = committed_table(tables_dir / f"{name}.csv", rev)
