@@ -615,10 +615,13 @@ def test_verdicts_compare_a_rerun_with_the_committed_tables(tmp_path):
             pd.DataFrame(rows).to_csv(out / f"{name}.csv", index=False)
 
     tables(320.0)
+    (out / "raw").mkdir()
+    (out / "raw" / "cell.json").write_text('{"run": 1}')
     git = ["git", "-c", "user.name=t", "-c", "user.email=t@t"]
     for cmd in (["init", "-q"], ["add", "."], ["commit", "-qm", "tracked run"]):
         subprocess.run(git + cmd, cwd=tmp_path, check=True)
     tables(150.0)  # the rerun: continuous far slower, now below static
+    (out / "raw" / "cell.json").write_text('{"run": 2}')
     claims = [{"text": "continuous beats static", "table": "summary", "metric": "output_throughput",
                "row": {"scheduler": "continuous", "batch": 8},
                "than": {"scheduler": "static", "batch": 8}, "at_least": 1.0}]
@@ -642,6 +645,32 @@ def test_verdicts_compare_a_rerun_with_the_committed_tables(tmp_path):
     assert r.returncode == 0, r.stderr
     assert {n: (out / n).read_text() for n in published} == published
     assert "this run is the tracked one" not in (out / "verdicts.md").read_text()
+
+    def rebuild() -> str:
+        r = script("verdicts.py", "--profile", "t", "--tables", str(out), "--claims",
+                   json.dumps(claims), "--out-dir", str(out))
+        assert r.returncode == 0, r.stderr
+        return (out / "verdicts.md").read_text()
+
+    def head_of(path: str) -> str:
+        return subprocess.run(["git", "log", "-1", "--format=%h", "--abbrev=12", "--", path], cwd=tmp_path,
+                              check=True, capture_output=True, text=True).stdout.strip()
+
+    # A commit that only reformats the headline brings no run: still judged against the run
+    # the published one replaced (its raw reports decide), with the same verdicts.
+    df = pd.read_csv(out / "headline.csv")
+    df["note"] = "x"
+    df.to_csv(out / "headline.csv", index=False)
+    for cmd in (["add", "."], ["commit", "-qm", "headline format"]):
+        subprocess.run(git + cmd, cwd=tmp_path, check=True)
+    assert rebuild() == published["verdicts.md"]
+    # A rerun of one sweep (its table changes, the headline does not) is judged against HEAD.
+    df = pd.read_csv(out / "summary.csv")
+    df["output_throughput_median"] = [200.0, 330.0]
+    df.to_csv(out / "summary.csv", index=False)
+    md = rebuild()
+    assert f"tracked values: git {head_of('results/headline.csv')}" in md, md
+    assert "1 of 1 stated conclusions hold" in md, md
 
 
 def test_aggregation_refuses_runs_from_different_hardware(tmp_path):

@@ -77,9 +77,10 @@ def committed_table(path: Path, rev: str = "HEAD") -> tuple[pd.DataFrame | None,
 
 
 def replaced_rev(path: Path, rev: str = "HEAD") -> str | None:
-    """The revision just before the commit that brought ``path``'s content at ``rev`` (the
-    tracked run this one replaced), or None (not a git checkout, no such commit, a root commit,
-    a shallow clone without it)."""
+    """The revision just before the last commit at or before ``rev`` that changed ``path`` (a
+    file or a folder), or None (not a git checkout, nothing committed there, a root commit, a
+    shallow clone without that history). With the run's ``raw/`` folder as ``path``: the
+    tracked run that the one committed at ``rev`` replaced."""
     try:
         top = subprocess.run(["git", "rev-parse", "--show-toplevel"], capture_output=True,
                              text=True, check=True, cwd=path.parent if path.parent.exists() else None
@@ -94,6 +95,21 @@ def replaced_rev(path: Path, rev: str = "HEAD") -> str | None:
     except (OSError, ValueError, subprocess.CalledProcessError):
         return None
     return parent or None
+
+
+def is_committed_run(tables_dir: Path, new: dict[str, pd.DataFrame | None], rev: str = "HEAD") -> bool:
+    """Whether this run's tables are the ones committed at ``rev``: the headline and every
+    other table this run has equal their committed copies (a rerun of one sweep changes its
+    table and not the headline, and is judged against ``rev``)."""
+    if new.get("headline") is None:
+        return False
+    for name, table in new.items():
+        if table is None:
+            continue
+        committed, _ = committed_table(tables_dir / f"{name}.csv", rev)
+        if committed is None or not committed.equals(table):
+            return False
+    return True
 
 
 def _read(path: Path) -> pd.DataFrame | None:
@@ -219,15 +235,17 @@ def write(profile: str, tables_dir: Path, claims: list[dict[str, Any]], out: Pat
     """Write verdicts.md, verdicts.csv and report.rst; returns the summary counts.
 
     This run is judged against the tables committed at ``rev``. When they are this run's own
-    tables (the tracked run, its tables rebuilt on a fresh clone or after a ``publish`` was
-    committed), it is judged against the run they replaced instead (the revision before the
-    commit that brought them), so the verdict a run got when it was published is the one every
-    rebuild of it writes again, byte for byte."""
+    tables (:func:`is_committed_run`: the tracked run, its tables rebuilt on a fresh clone or
+    after a ``publish`` was committed), it is judged against the run they replaced instead: the
+    revision before the last commit that changed the run's ``raw/`` reports (the headline's
+    if ``raw/`` is not tracked), so the verdict a run got when it was published is the one
+    every rebuild of it writes again, byte for byte. A shallow clone lacks that history and
+    judges the run against itself."""
     new = {name: _read(tables_dir / f"{name}.csv") for name in TABLES}
-    if new["headline"] is not None:
-        at_rev, _ = committed_table(tables_dir / "headline.csv", rev)
-        if at_rev is not None and at_rev.equals(new["headline"]):
-            rev = replaced_rev(tables_dir / "headline.csv", rev) or rev
+    if is_committed_run(tables_dir, new, rev):
+        # the run that brought the raw reports (a commit that only reformats tables is no run)
+        rev = (replaced_rev(tables_dir / "raw", rev) or replaced_rev(tables_dir / "headline.csv", rev)
+               or rev)
     old, source = {}, ""
     for name in TABLES:
         old[name], where = committed_table(tables_dir / f"{name}.csv", rev)
