@@ -55,6 +55,14 @@ SCHEDULER_NAMES = {"naive": "Naive", "paged": "Paged", "static": "Static batchin
 TEXT = {c: str for c in (*COLUMN_NAMES, "cell", "status", "digest_agrees_with_naive")}
 
 
+def _git_path(path: Path) -> tuple[str, str]:
+    """``(repository top, path relative to it)``; raises ``CalledProcessError`` / ``OSError``
+    outside a git checkout, ``ValueError`` for a path outside the repository."""
+    top = subprocess.run(["git", "rev-parse", "--show-toplevel"], capture_output=True, text=True, check=True,
+                         cwd=path.parent if path.parent.exists() else None).stdout.strip()
+    return top, path.resolve().relative_to(Path(top).resolve()).as_posix()
+
+
 def committed_table(path: Path, rev: str = "HEAD") -> tuple[pd.DataFrame | None, str]:
     """The table ``path`` as committed at ``rev`` and a label of where it came from: the commit
     that brought that content (the last one at or before ``rev`` that changed the file), so
@@ -63,10 +71,7 @@ def committed_table(path: Path, rev: str = "HEAD") -> tuple[pd.DataFrame | None,
     Returns (None, reason) when git or the committed file is not there.
     """
     try:
-        top = subprocess.run(["git", "rev-parse", "--show-toplevel"], capture_output=True,
-                             text=True, check=True, cwd=path.parent if path.parent.exists() else None
-                             ).stdout.strip()
-        rel = path.resolve().relative_to(Path(top).resolve()).as_posix()
+        top, rel = _git_path(path)
         commit = subprocess.run(["git", "log", "-1", "--format=%h", "--abbrev=12", rev, "--", rel],
                                 capture_output=True, text=True, check=True, cwd=top).stdout.strip()
         text = subprocess.run(["git", "show", f"{rev}:{rel}"], capture_output=True, text=True,
@@ -82,10 +87,7 @@ def replaced_rev(path: Path, rev: str = "HEAD") -> str | None:
     shallow clone without that history). With the run's ``raw/`` folder as ``path``: the
     tracked run that the one committed at ``rev`` replaced."""
     try:
-        top = subprocess.run(["git", "rev-parse", "--show-toplevel"], capture_output=True,
-                             text=True, check=True, cwd=path.parent if path.parent.exists() else None
-                             ).stdout.strip()
-        rel = path.resolve().relative_to(Path(top).resolve()).as_posix()
+        top, rel = _git_path(path)
         last = subprocess.run(["git", "log", "-1", "--format=%H", rev, "--", rel], capture_output=True,
                               text=True, check=True, cwd=top).stdout.strip()
         if not last:
