@@ -74,3 +74,28 @@ def test_each_cell_starts_from_released_device_memory(monkeypatch, tmp_path):
     for cell in spec:
         prov = json.loads((tmp_path / "raw" / f"{cell}.provenance.json").read_text())
         assert prov["process"]["device_free_bytes_at_start"] is None
+
+
+@pytest.mark.gpu
+def test_cells_of_one_process_get_the_same_kv_cache_on_cuda(tmp_path):
+    """On a GPU, engines built one after another in one process size their KV caches
+    (``gpu_memory_utilization`` of the free memory) from the same free memory: without
+    :func:`run_cells.release_device_memory` the second cell got a fraction of the first's
+    blocks while the first engine's memory was still held."""
+    import json
+
+    profile = Path(__file__).resolve().parents[1] / "config" / "benchmark-lognormal.yaml"
+    flags = (f"--model random:qwen2.5-0.5b --device cuda --profile {profile} --requests 4 "
+             "--warmup-requests 0 --arrival-rate inf --max-num-seqs 4 --no-progress --seed 0")
+    spec = {f"scheduler~continuous_batch~4_rep~{r}": flags for r in (0, 1, 2)}
+    code = run_cells.ch.code_hash(run_cells.ch.package_root())
+    assert run_cells.run_group(spec, tmp_path / "raw", tmp_path / "logs", code, "cuda", 1, "g") == 0
+    blocks, free = [], []
+    for cell in spec:
+        report = json.loads((tmp_path / "raw" / f"{cell}.json").read_text())
+        prov = json.loads((tmp_path / "raw" / f"{cell}.provenance.json").read_text())
+        assert report["status"] == "ok", report.get("error")
+        blocks.append(report["kv_cache"]["num_total_blocks"])
+        free.append(prov["process"]["device_free_bytes_at_start"])
+    assert all(isinstance(f, int) and f > 0 for f in free), free
+    assert max(blocks) - min(blocks) <= 0.02 * max(blocks), blocks
