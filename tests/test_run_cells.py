@@ -46,15 +46,16 @@ def test_kernel_choices_change_the_signature(a, b):
 
 
 def test_each_cell_starts_from_released_device_memory(monkeypatch, tmp_path):
-    """Before every cell the previous cell's objects are collected (and on CUDA the allocator's
-    cache emptied), so each engine sizes its KV cache from the same free memory; the free bytes
+    """Before every cell the previous cell's objects are unfrozen (the engine freezes the
+    collector after its warm-up) and collected (and on CUDA the allocator's cache emptied), so each engine sizes its KV cache from the same free memory; the free bytes
     are recorded in the cell's provenance (``None`` off CUDA)."""
     import gc
     import json
 
     calls = []
-    real_collect = gc.collect
+    real_collect, real_unfreeze = gc.collect, gc.unfreeze
     monkeypatch.setattr(gc, "collect", lambda *a: calls.append("collect") or real_collect(*a))
+    monkeypatch.setattr(gc, "unfreeze", lambda: calls.append("unfreeze") or real_unfreeze())
 
     def fake_run(opts):
         calls.append("cell")
@@ -70,7 +71,7 @@ def test_each_cell_starts_from_released_device_memory(monkeypatch, tmp_path):
                         lambda **kw: Path(kw["output"]).write_text(json.dumps(kw["extra"])))
     spec = {f"scheduler~continuous_batch~{b}": BASE + f" --max-num-seqs {b}" for b in (1, 2)}
     assert run_cells.run_group(spec, tmp_path / "raw", tmp_path / "logs", "h", "cpu", 1, "g") == 0
-    assert calls == ["collect", "cell", "collect", "cell"]
+    assert calls == ["unfreeze", "collect", "cell", "unfreeze", "collect", "cell"]
     for cell in spec:
         prov = json.loads((tmp_path / "raw" / f"{cell}.provenance.json").read_text())
         assert prov["process"]["device_free_bytes_at_start"] is None

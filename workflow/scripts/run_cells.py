@@ -121,9 +121,12 @@ def release_device_memory(device: str) -> int | None:
     holds that engine's freed blocks, gets a smaller cache than the one before it: an H100
     prefix sweep's eight cells of a process got 24,607 to 142,706 KV blocks, alternating with
     their place. Collecting and emptying the allocator's cache here gives every cell of a
-    process the same free memory."""
+    process the same free memory. The engine freezes the collector after its warm-up
+    (``EngineConfig.freeze_gc``: frozen objects are never collected), so the previous cell's
+    objects are unfrozen first; the next engine freezes its own again."""
     import gc
 
+    gc.unfreeze()
     gc.collect()
     if not device.startswith("cuda"):
         return None
