@@ -99,19 +99,25 @@ def replaced_rev(path: Path, rev: str = "HEAD") -> str | None:
     return parent or None
 
 
-def is_committed_run(tables_dir: Path, new: dict[str, pd.DataFrame | None], rev: str = "HEAD") -> bool:
-    """Whether this run's tables are the ones committed at ``rev``: the headline and every
+def committed_tables(tables_dir: Path, rev: str = "HEAD") -> tuple[dict[str, pd.DataFrame | None], str]:
+    """Every table of :data:`TABLES` as committed at ``rev`` (:func:`committed_table`; None
+    where absent) and the headline's label."""
+    old, source = {}, ""
+    for name in TABLES:
+        old[name], where = committed_table(tables_dir / f"{name}.csv", rev)
+        if name == "headline":
+            source = where
+    return old, source
+
+
+def is_committed_run(new: dict[str, pd.DataFrame | None], committed: dict[str, pd.DataFrame | None]) -> bool:
+    """Whether this run's tables (``new``) are the ``committed`` ones: the headline and every
     other table this run has equal their committed copies (a rerun of one sweep changes its
-    table and not the headline, and is judged against ``rev``)."""
+    table and not the headline, and is judged against them)."""
     if new.get("headline") is None:
         return False
-    for name, table in new.items():
-        if table is None:
-            continue
-        committed, _ = committed_table(tables_dir / f"{name}.csv", rev)
-        if committed is None or not committed.equals(table):
-            return False
-    return True
+    return all(table is None or (committed.get(name) is not None and committed[name].equals(table))
+               for name, table in new.items())
 
 
 def _read(path: Path) -> pd.DataFrame | None:
@@ -244,15 +250,12 @@ def write(profile: str, tables_dir: Path, claims: list[dict[str, Any]], out: Pat
     every rebuild of it writes again, byte for byte. A shallow clone lacks that history and
     judges the run against itself."""
     new = {name: _read(tables_dir / f"{name}.csv") for name in TABLES}
-    if is_committed_run(tables_dir, new, rev):
+    old, source = committed_tables(tables_dir, rev)
+    if is_committed_run(new, old):
         # the run that brought the raw reports (a commit that only reformats tables is no run)
-        rev = (replaced_rev(tables_dir / "raw", rev) or replaced_rev(tables_dir / "headline.csv", rev)
-               or rev)
-    old, source = {}, ""
-    for name in TABLES:
-        old[name], where = committed_table(tables_dir / f"{name}.csv", rev)
-        if name == "headline":
-            source = where
+        before = replaced_rev(tables_dir / "raw", rev) or replaced_rev(tables_dir / "headline.csv", rev)
+        if before:
+            old, source = committed_tables(tables_dir, before)
     head = headline_rows(new["headline"], old["headline"]) if new["headline"] is not None else []
     claim_rows = []
     for c in claims:
