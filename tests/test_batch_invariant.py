@@ -264,16 +264,28 @@ def test_uninitialised_cache_values_do_not_leak():
 # ---- configuration ----------------------------------------------------------------------------
 
 @pytest.mark.parametrize("kw,needle", [
-    ({"device": "cuda"}, "device='cuda'"),
+    ({"device": "cuda"}, "attention_backend='torch'"),
     ({"attention_backend": "triton"}, "attention_backend='triton'"),
     ({"linear_backend": "int8"}, "linear_backend='int8'"),
-    ({"fast_path": FastPathConfig(fused_forward=True)}, "fused_forward"),
+    ({"fast_path": FastPathConfig(fused_forward=True)}, "fused_forward=True"),
+    ({"device": "cuda", "attention_backend": "triton", "fast_path": FastPathConfig(fused_forward=False)},
+     "fused_forward=False"),
+    ({"device": "cuda", "attention_backend": "triton", "linear_backend": "triton-int8"},
+     "linear_backend='triton-int8'"),
     ({"tensor_parallel_size": 2}, "tensor_parallel_size=2"),
 ])
 def test_refused_combinations(kw, needle):
     with pytest.raises(ValueError, match="batch_invariant") as e:
         EngineConfig(batch_invariant=True, **kw)
     assert needle in str(e.value)
+
+
+def test_cuda_configuration_is_accepted():
+    """On CUDA the mode runs the fused forward with the Triton attention backend."""
+    cfg = EngineConfig(batch_invariant=True, device="cuda", attention_backend="triton", dtype="bfloat16")
+    assert cfg.batch_invariant
+    EngineConfig(batch_invariant=True, device="cuda:0", attention_backend="triton",
+                 fast_path=FastPathConfig(fused_forward=True))
 
 
 def test_bad_values():
@@ -366,3 +378,103 @@ def test_invariant_at_two_threads(models):
         _same(out["r6"], ref, "two threads before the engine was built")
     finally:
         torch.set_num_threads(before)
+
+
+# ---- on CUDA: the fused forward with the invariant kernels --------------------------------------
+
+GPU_MODEL = "random:qwen2.5-0.5b"      # GQA 7 (14 query heads, 2 KV heads), hidden 896
+GPU_TOKENS = 48
+
+
+def _gpu_engine(inv: bool = True, **sched):
+    chunk = sched.pop("chunk", None)
+    cfg = EngineConfig(model=GPU_MODEL, device="cuda", dtype="bfloat16", attention_backend="triton",
+                       batch_invariant=inv,
+                       cache=CacheConfig(num_blocks=sched.pop("num_blocks", 4096),
+                                         enable_prefix_caching=sched.pop("prefix", False)),
+                       scheduler=SchedulerConfig(max_num_seqs=sched.pop("max_seqs", 64),
+                                                 prefill_chunk_size=chunk,
+                                                 max_num_batched_tokens=sched.pop("budget", 8192)))
+    assert not sched, sched
+    return LLMEngine(cfg)
+
+
+def _gpu_run(prompts, first: int = 0, **kw):
+    """One engine per call (its memory released afterwards); ``{request id: (logits, tokens)}``."""
+    import gc
+
+    eng = _gpu_engine(**kw)
+    sp = SamplingParams(max_tokens=GPU_TOKENS, temperature=0.0, ignore_eos=True)
+    rec: dict[str, list[torch.Tensor]] = {}
+    orig = eng.sampler.sample_async
+
+    def spy(logits, params, request_ids, *a, **k):
+        for i, r in enumerate(request_ids):
+            rec.setdefault(r, []).append(logits[i].detach().clone())
+        return orig(logits, params, request_ids, *a, **k)
+
+    eng.sampler.sample_async = spy
+    seqs = [eng.add_request(p, sp, request_id=f"r{first + i}") for i, p in enumerate(prompts)]
+    while eng.has_unfinished_requests():
+        eng.step()
+    stats = {"preemptions": eng.scheduler.num_preemptions,
+             "prefix_hits": eng.block_manager.prefix_cache_hits,
+             "graph_steps": eng.runner.num_graph_steps}
+    out = {s.request_id: (rec[s.request_id], list(s.output_token_ids)) for s in seqs}
+    del eng, seqs
+    gc.collect()
+    torch.cuda.empty_cache()
+    return out, stats
+
+
+def _differing(out, ref) -> list[str]:
+    bad = []
+    for r, (lg, tg) in out.items():
+        lr, tr = ref[r]
+        if tg != tr or len(lg) != len(lr) or not all(torch.equal(a, b) for a, b in zip(lg, lr)):
+            bad.append(r)
+    return bad
+
+
+@pytest.mark.gpu
+def test_gpu_every_request_matches_its_batch1_run():
+    """64 prompts of 5-400 random token ids, 48 greedy tokens each, bf16 random weights (flat
+    logits, the hard case), every request's logits at every output position compared bitwise
+    with the same prompt run alone (batch 1, no chunking, no prefix cache): at batch 8, 17 and
+    64, with 16- and 256-token chunks, under preemption and with prefix-cache hits. 64 x 48 =
+    3,072 sampled outputs a setting. With the mode off the same comparison fails (so it can)."""
+    g = torch.Generator().manual_seed(0)
+    lens = torch.randint(5, 401, (64,), generator=g).tolist()
+    prompts = [torch.randint(0, 151_000, (m,), generator=g).tolist() for m in lens]
+    ref, _ = _gpu_run(prompts, max_seqs=1)             # one request at a time: each alone
+    settings = {
+        "batch 8": dict(max_seqs=8),
+        "batch 64": dict(max_seqs=64),
+        "batch 17, 256-token chunks": dict(max_seqs=17, chunk=256, budget=512),
+        "batch 64, 16-token chunks": dict(max_seqs=64, chunk=16, budget=128),
+        "preemption": dict(max_seqs=64, num_blocks=200),
+    }
+    failures = {}
+    for name, kw in settings.items():
+        out, stats = _gpu_run(prompts, **kw)
+        if name == "preemption":
+            assert stats["preemptions"] > 0, stats
+        assert stats["graph_steps"] > 0, (name, stats)
+        bad = _differing(out, ref)
+        if bad:
+            failures[name] = bad
+    # prefix hits: the first 32 prompts' first 160 tokens again, each with a new tail
+    tails = [torch.randint(0, 151_000, (9,), generator=g).tolist() for _ in range(32)]
+    shared = [p[:160] + t for p, t in zip(prompts[:32], tails)]
+    ref_shared, _ = _gpu_run(shared, max_seqs=1)
+    out, stats = _gpu_run(prompts[:32] + shared, max_seqs=64, prefix=True)
+    shared_out = {f"r{i}": out[f"r{32 + i}"] for i in range(32)}
+    assert stats["prefix_hits"] > 0, stats
+    bad = _differing(shared_out, ref_shared) + _differing({k: out[k] for k in list(out)[:32]}, ref)
+    if bad:
+        failures["prefix hits"] = bad
+    assert not failures, {k: f"{len(v)} of 64 differ: {v[:5]}" for k, v in failures.items()}
+    off, _ = _gpu_run(prompts, max_seqs=64, inv=False)
+    off_ref, _ = _gpu_run(prompts[:8], max_seqs=1, inv=False)
+    assert _differing({k: off[k] for k in off_ref}, off_ref), \
+        "with the mode off batch 64 gave batch 1's logits too: the comparison cannot tell"

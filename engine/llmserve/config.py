@@ -319,7 +319,8 @@ class FastPathConfig:
         invariant_block_rows: rows per fixed-shape matrix product in the batch-invariant mode
             (``EngineConfig.batch_invariant``); every projection and the LM head run as blocks
             of this many rows, the last zero-padded. Smaller wastes less work on padding at
-            small batches, larger makes fewer calls at large ones. In ``[1, 1024]``.
+            small batches, larger makes fewer calls at large ones. In ``[1, 1024]``. CPU
+            only: on CUDA the mode's Triton linear kernel has its own fixed tiles.
 
     Raises:
         ValueError: a field outside its range, naming it.
@@ -454,11 +455,14 @@ class EngineConfig:
             outputs, and seeded sampled ones, rerun exactly. Linear layers run in fixed-shape
             row blocks (``fast_path.invariant_block_rows``) and attention in one fixed tile
             order per row (:mod:`llmserve.models.batch_invariant`,
-            :mod:`llmserve.attention.invariant`). Needs the readable path: ``device='cpu'``,
-            ``attention_backend='torch'``, ``linear_backend='torch'``; the GPU kernels have no
-            fixed-order form yet, so ``cuda`` is refused. Building an engine in this mode sets
+            :mod:`llmserve.attention.invariant`). On a CPU it runs the readable path
+            (``attention_backend='torch'``, no fused forward) and building an engine sets
             torch's intra-op threads to 1 for the process (CPU kernels split a reduction across
             threads by problem size, which would make a row's sums depend on its batch again).
+            On CUDA it runs the fused forward with ``attention_backend='triton'`` and CUDA
+            graphs for decode steps, every projection and the attention through the
+            fixed-order Triton kernels of :mod:`llmserve.kernels.invariant` (steps with prefill
+            chunks run without graphs). ``linear_backend='torch'`` and one rank on both.
             Default off.
         freeze_gc: at the end of :meth:`LLMEngine.warmup` (which the server and the benchmark
             run before serving or measuring; on a CPU it only does this), collect once
@@ -520,17 +524,21 @@ class EngineConfig:
         if not (self.device == "cpu" or self.device.startswith("cuda")):
             raise ValueError(f"device must be 'cpu' or 'cuda[:N]', got {self.device!r}")
         if self.batch_invariant:
+            cuda = self.device.startswith("cuda")
+            attn = "triton" if cuda else "torch"
             wrong = [f"{k}={v!r}" for k, v, ok in (
-                ("device", self.device, "cpu"), ("attention_backend", self.attention_backend, "torch"),
+                ("attention_backend", self.attention_backend, attn),
                 ("linear_backend", self.linear_backend, "torch")) if v != ok]
-            if self.fast_path.fused_forward:
-                wrong.append("fast_path.fused_forward=True")
+            if self.fast_path.fused_forward is (not cuda):
+                wrong.append(f"fast_path.fused_forward={not cuda}")
             if tp > 1:
                 wrong.append(f"tensor_parallel_size={tp}")
             if wrong:
-                raise ValueError("batch_invariant=True runs on the readable path only (device 'cpu', "
-                                 "attention_backend 'torch', linear_backend 'torch', no fused "
-                                 "forward, one rank; the GPU kernels have no fixed-order form yet, and an "
+                raise ValueError("batch_invariant=True needs on a CPU the readable path (attention_backend "
+                                 "'torch', no fused forward) and on CUDA the fused forward with "
+                                 "attention_backend 'triton' (its invariant kernels replace the "
+                                 "attention and every projection); linear_backend 'torch' and one "
+                                 "rank on both (quantized kernels have no fixed-order form, and an "
                                  "all-reduce adds the ranks' partial sums in its own order); got "
                                  + ", ".join(wrong))
         if tp > 1 and self.device.startswith("cuda") and self.use_cuda_graph \

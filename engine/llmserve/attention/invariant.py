@@ -21,7 +21,10 @@ row is reduced the same way whatever it is batched with:
 This follows the fixed split-size strategy of Thinking Machines Lab's batch-invariant kernels
 (He et al. 2025, "Defeating Nondeterminism in LLM Inference"), written with plain tensor ops.
 Arithmetic is fp32 whatever the cache dtype. It is the readable path of the batch-invariant
-mode, on the CPU; its cost is one Python iteration per context tile per layer.
+mode, on the CPU; its cost is one Python iteration per context tile per layer. On a GPU the mode
+uses :class:`InvariantTritonAttention` instead (PyTorch's CUDA reductions choose how to split a
+sum from the tensor's shape, so the ops above are not invariant there): the same tiling and
+merge order in one Triton kernel (:mod:`llmserve.kernels.invariant`).
 """
 
 from __future__ import annotations
@@ -140,3 +143,29 @@ class InvariantPagedAttention(TorchPagedAttention):
     def forward(self, query, k_cache, v_cache, meta: AttentionMetadata, scale: float) -> torch.Tensor:
         """:func:`invariant_paged_attention`: ``[N, Hq, D]`` in the query dtype."""
         return invariant_paged_attention(query, k_cache, v_cache, meta, scale)
+
+
+class InvariantTritonAttention:
+    """The batch-invariant backend on CUDA (what ``EngineConfig.batch_invariant`` selects with
+    ``device='cuda'``): the Triton K/V write and
+    :func:`~llmserve.kernels.invariant.invariant_paged_attention` for prefill and decode rows
+    alike. Its key tile is ``block_n`` positions (default: the kernel's, 64)."""
+
+    name = "triton-invariant"
+
+    def __init__(self, block_n: int | None = None) -> None:
+        self.block_n = block_n
+
+    def write_kv(self, key, value, k_cache, v_cache, slot_mapping) -> None:
+        """Scatter ``key``/``value`` ``[N, Hkv, D]`` into the caches at ``slot_mapping`` ``[N]``
+        (entries < 0 are skipped)."""
+        from ..kernels.paged_attention import write_kv_triton
+
+        write_kv_triton(key, value, k_cache, v_cache, slot_mapping)
+
+    def forward(self, query, k_cache, v_cache, meta: AttentionMetadata, scale: float) -> torch.Tensor:
+        """:func:`~llmserve.kernels.invariant.invariant_paged_attention`: ``[N, Hq, D]`` in the
+        query dtype (padding rows zero)."""
+        from ..kernels.invariant import invariant_paged_attention
+
+        return invariant_paged_attention(query, k_cache, v_cache, meta, scale, block_n=self.block_n)

@@ -146,7 +146,9 @@ def build_mixed_graphs(forward, kv_caches, config: EngineConfig, engine) -> CUDA
     attention backend, the fused forward, one rank)."""
     budget = config.scheduler.max_num_batched_tokens
     max_tokens = min(engine.fast_path.mixed_graph_max_tokens, budget or engine.max_model_len)
-    if max_tokens < 1:
+    if max_tokens < 1 or config.batch_invariant:
+        # the batch-invariant attention serves every row of a step in one kernel; these graphs
+        # split a step between the decode kernel and a scheduled prefill kernel
         return None
     head_dim = engine.model_config.head_dim
     mixed = CUDAGraphMixedRunner(forward, forward.compute_logits, kv_caches, config.cache.block_size,

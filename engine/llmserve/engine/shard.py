@@ -64,11 +64,12 @@ def load_shard(config: EngineConfig, device: torch.device, loader: Callable, tp=
     fast_path = config.fast_path.resolve(model_config, device)
     apply_decode_options(model, fast_path)
     if config.batch_invariant:
-        from ..attention.invariant import InvariantPagedAttention
+        from ..attention.invariant import InvariantPagedAttention, InvariantTritonAttention
         from ..models.batch_invariant import make_batch_invariant
 
         make_batch_invariant(model, fast_path.invariant_block_rows, config.cache.block_size)
-        model.attention_backend = InvariantPagedAttention()
+        model.attention_backend = (InvariantTritonAttention() if torch.device(device).type == "cuda"
+                                   else InvariantPagedAttention())
     if config.linear_backend != "torch":
         from ..quant import quantize_model
 

@@ -14,6 +14,10 @@ the last dimension; RoPE and residuals are elementwise), except SiLU, whose vect
 scalar code paths round differently: it is computed as ``x / (1 + exp(-x))`` in fp32, one
 formula on every path. Attention is :mod:`llmserve.attention.invariant`.
 
+On a GPU the same layers run the Triton kernels of :mod:`llmserve.kernels.invariant` (one tile
+configuration per weight shape), inside the fused forward, whose norms and elementwise kernels
+already work one row a program.
+
 Model weights keep their names and values (the layers swap their class in place), so a model
 made batch-invariant loads and quantizes like any other.
 """
@@ -52,12 +56,19 @@ def row_blocked_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor
 
 
 class RowBlockedLinear(nn.Linear):
-    """``nn.Linear`` whose forward is :func:`row_blocked_linear` (the class a linear layer takes
-    in the batch-invariant mode; parameters unchanged)."""
+    """``nn.Linear`` in the batch-invariant mode (parameters unchanged): on CPU tensors
+    :func:`row_blocked_linear`; on CUDA tensors
+    :func:`~llmserve.kernels.invariant.invariant_linear`, one Triton kernel whose tile
+    configuration depends only on the weight's shape (a cuBLAS call of a fixed shape would be
+    invariant too, but a prefill of thousands of rows would take one launch per block)."""
 
     block_rows: int = 16
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if x.is_cuda:
+            from ..kernels.invariant import invariant_linear
+
+            return invariant_linear(x, self.weight, self.bias)
         return row_blocked_linear(x, self.weight, self.bias, self.block_rows)
 
 
