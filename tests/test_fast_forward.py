@@ -735,3 +735,27 @@ def test_int8_fragments_serve_small_steps(seqs, monkeypatch):
     assert ((ref2.float() - ref.float()).norm() / ref.float().norm()).item() > 0.1   # the load mattered
     err2 = ((out2.float() - ref2.float()).norm() / ref2.float().norm()).item()
     assert err2 < 2e-2, err2
+
+
+def test_batch_invariant_fused_forward():
+    """The batch-invariant mode's fused forward (packed projections through the invariant
+    linear kernel, the invariant attention backend, no matrix-vector path): the readable path's
+    function, and a decode row's hidden state the same bits alone as in a mixed step."""
+    from llmserve.attention.invariant import InvariantTritonAttention
+    from llmserve.models.batch_invariant import make_batch_invariant
+
+    model = small_model(6, 2, d=32)
+    make_batch_invariant(model, 16, 4)
+    ids, pos, caches, meta = batch(model, [(9, 9), (5, 1), (8, 3), (1, 1)])
+    caches2 = clone_caches(caches)
+    ref = model(ids, pos, caches, meta)            # readable path, torch invariant attention
+    model.attention_backend = InvariantTritonAttention(block_n=16)
+    fast = FastQwen2Forward(model, opts(model, gemv_max_tokens=4))
+    assert fast.invariant and not fast.use_gemv
+    out = fast(ids, pos, caches2, meta)
+    torch.testing.assert_close(out, ref, atol=2e-5, rtol=2e-5)
+    # the decode row (sequence 1, row 9) alone: same cache contents, a batch of one
+    meta1 = AttentionMetadata(meta.slot_mapping[9:10], torch.tensor([0, 1], dtype=torch.int32),
+                              meta.context_lens[1:2], meta.block_tables[1:2], 1, 5, 4, True)
+    alone = fast(ids[9:10], pos[9:10], clone_caches(caches2), meta1)
+    assert torch.equal(alone[0], out[9])

@@ -66,7 +66,9 @@ from ..kernels.fused import add_rmsnorm, rope_qkv_write_kv, silu_and_mul
 from ..kernels.gemv import GEMV_MAX_M, gemv, gemv_qkv_rope
 from ..kernels.int8_frag import FRAG_MAX_M, int8_frag_linear
 from ..kernels.int8_linear import int8_linear
+from ..kernels.invariant import invariant_linear
 from ..kernels.paged_attention import paged_attention_decode
+from .batch_invariant import RowBlockedLinear
 
 _log = logging.getLogger(__name__)
 
@@ -137,12 +139,17 @@ def _fragments(entry: dict, groups: dict[str, list[nn.Module]]
 def _kind(m: nn.Module) -> str | None:
     """``"float"`` for a plain ``nn.Linear``, ``"int8"`` for a Triton INT8 layer (same function
     through :func:`~llmserve.kernels.int8_linear.int8_linear` or the matrix-vector
-    kernel: int8 rows, per-row scale applied in the epilogue), ``None`` for anything else
-    (the reference quantized layers, INT4), which the fused path calls as modules."""
+    kernel: int8 rows, per-row scale applied in the epilogue), ``"invariant"`` for the
+    batch-invariant mode's :class:`~llmserve.models.batch_invariant.RowBlockedLinear`
+    (:func:`~llmserve.kernels.invariant.invariant_linear` on the packed weight), ``None`` for
+    anything else (the reference quantized layers, INT4), which the fused path calls as
+    modules."""
     if type(m) is nn.Linear:
         return "float"
     if type(m) is TritonInt8Linear:
         return "int8"
+    if type(m) is RowBlockedLinear:
+        return "invariant"
     return None
 
 
@@ -157,12 +164,15 @@ def _proj(m: nn.Module) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor
     return m.weight, m.bias, (m.weight_scale if _kind(m) == "int8" else None)
 
 
-def _linear(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None, s: torch.Tensor | None
-            ) -> torch.Tensor:
-    """``F.linear`` of a float weight, or the Triton INT8 linear when ``s`` (scales) is given."""
-    if s is None:
-        return F.linear(x, w, b)
-    return int8_linear(x, w, s, b)
+def _linear(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None, s: torch.Tensor | None,
+            invariant: bool = False) -> torch.Tensor:
+    """``F.linear`` of a float weight (the batch-invariant kernel with ``invariant``), or the
+    Triton INT8 linear when ``s`` (scales) is given."""
+    if s is not None:
+        return int8_linear(x, w, s, b)
+    if invariant:
+        return invariant_linear(x, w, b)
+    return F.linear(x, w, b)
 
 
 def qkv_early_mode(pdl: bool, pre_wait: bool, early_epilogue: bool) -> int:
@@ -285,7 +295,11 @@ class FastQwen2Forward:
                       and _kind(e["layer"].mlp.down_proj) is not None for e in self.layers)
         assert options.gemv_max_tokens <= GEMV_MAX_M   # FastPathConfig's range matches the kernel's
         self.gemv_max_tokens = options.gemv_max_tokens
-        self.use_gemv = options.gemv_max_tokens > 0 and fusable and self.tp.size == 1
+        # The batch-invariant mode's projections (packed like float ones) run the fixed-order
+        # kernel at every step size: the matrix-vector path would give a decode row other bits.
+        self.invariant = any(_kind(e["layer"].self_attn.o_proj) == "invariant" for e in self.layers)
+        self.use_gemv = (options.gemv_max_tokens > 0 and fusable and self.tp.size == 1
+                         and not self.invariant)
         self.pdl = self.use_gemv and options.pdl and pdl_available(w0.device)
         self._plain_head = type(model.lm_head) is nn.Linear and model.lm_head.bias is None
         # Epilogue operands requested before the gemv K loop (gemv's early_epilogue); by the
@@ -329,7 +343,7 @@ class FastQwen2Forward:
             if "qkv" in small:
                 qkv = int8_frag_linear(h, *small["qkv"], pdl=fpdl)          # [N, (Hq+2Hkv)*D]
             elif "qkv" in entry:
-                qkv = _linear(h, *entry["qkv"])                             # [N, (Hq+2Hkv)*D]
+                qkv = _linear(h, *entry["qkv"], self.invariant)             # [N, (Hq+2Hkv)*D]
             else:
                 qkv = torch.cat([attn.q_proj(h), attn.k_proj(h), attn.v_proj(h)], dim=-1)
             q = rope_qkv_write_kv(qkv, positions, meta.slot_mapping, cos, sin, k_cache, v_cache,
@@ -342,7 +356,7 @@ class FastQwen2Forward:
             if "gate_up" in small:
                 gu = int8_frag_linear(h, *small["gate_up"], pdl=fpdl)       # [N, 2I]
             elif "gate_up" in entry:
-                gu = _linear(h, *entry["gate_up"])                          # [N, 2I]
+                gu = _linear(h, *entry["gate_up"], self.invariant)          # [N, 2I]
             else:
                 gu = torch.cat([mlp.gate_proj(h), mlp.up_proj(h)], dim=-1)
             a = silu_and_mul(gu, pdl=fpdl)
