@@ -180,7 +180,7 @@ def test_gpu_profile_selected_by_config_and_configfile():
         r = snakemake("-n", "--nolock", "-p", "results/checkpoint3", "--forceall", *sel)
         assert r.returncode == 0, r.stdout
         assert "--device cuda" in r.stdout and "results/checkpoint3/h200/raw" in r.stdout
-        assert "32 cells, 1 GPU)" in r.stdout  # benchmark jobs declare the GPU
+        assert "35 cells, 1 GPU)" in r.stdout  # benchmark jobs declare the GPU
         assert "--max-batch-size 64" in r.stdout and "--paged-attention-backend triton" in r.stdout
         groups = [k for k in job_counts(r.stdout) if k.startswith("benchmark_")]
         assert sorted(groups) == ["benchmark_rep0", "benchmark_rep1", "benchmark_rep2"], groups
@@ -460,6 +460,24 @@ def test_gpu_digest_verdict_is_not_applicable(tmp_path):
     assert run_aggregate(tmp_path, main, []).returncode == 0
     df = pd.read_csv(tmp_path / "out" / "summary.csv")
     assert list(df["digest_agrees_with_naive"]) == ["reference", "n/a: not batch-invariant"]
+
+
+def test_gpu_batch_invariant_cells_are_compared_with_batch_1_in_the_mode(tmp_path):
+    """On a GPU the naive control has no fixed-order kernels: a cell with the mode on is
+    compared with the paged (batch 1) cell in the mode, and a difference is a finding."""
+    import pandas as pd
+
+    main = [fake_report(tmp_path, scheduler="naive", batch=1, digest="a", device="cuda"),
+            fake_report(tmp_path, scheduler="continuous", batch=8, digest="b", device="cuda")]
+    inv = [fake_report(tmp_path, scheduler="continuous", batch=8, digest="c", device="cuda", invariant=True),
+           fake_report(tmp_path, scheduler="continuous", batch=64, digest="d", device="cuda", invariant=True),
+           fake_report(tmp_path, scheduler="paged", batch=1, digest="c", device="cuda", invariant=True)]
+    assert run_aggregate(tmp_path, main, [], inv).returncode == 0
+    df = pd.read_csv(tmp_path / "out" / "batch_invariant.csv")
+    verdict = dict(zip(df["scheduler"] + df["batch"].astype(str), df["digest_agrees_with_naive"]))
+    assert verdict == {"continuous8": "yes (vs batch 1 with the mode)",
+                       "continuous64": "NO (differs from batch 1 with the mode)",
+                       "paged1": "reference (batch 1 with the mode)"}
 
 
 def test_batch_invariant_cells_beside_the_same_cells_without_the_mode(tmp_path):

@@ -24,8 +24,9 @@ Rules (docs/benchmarking.md explains them):
 * Digests: under greedy decoding every scheduler must generate the same tokens for the same
   workload. A cell's ``token_digest`` is compared with the naive (sequential, no KV cache)
   control that ran the same workload with the same weights (linear backend) in the same
-  batch-invariant mode (a cell with the mode on and no such control is compared with the naive
-  control with the mode off, and the verdict says so). On a GPU without the mode the verdict
+  batch-invariant mode (a cell with the mode on and no such control is compared with the paged
+  batch-1 cell in the mode when there is one, as on a GPU, else with the naive control with the
+  mode off, and the verdict says so). On a GPU without the mode the verdict
   is ``n/a: not batch-invariant``: random bf16 weights give near-tied logits and the kernels'
   reduction order depends on the batch, so tokens may legitimately differ.
 * Batch-invariant mode: each cell of the ``batch_invariant`` sweep with the mode on is shown
@@ -258,9 +259,14 @@ def _digest_group(r: dict[str, Any]) -> tuple:
 def aggregate_cells(runs: list[dict[str, Any]], all_runs: list[dict[str, Any]]) -> pd.DataFrame:
     """One row per cell (repetitions folded), in the order the cells were given."""
     naive_digest: dict[tuple, str] = {}
+    batch1_digest: dict[tuple, str] = {}   # paged (batch 1) with the mode: the GPU's control
     for r in all_runs:
-        if r["scheduler"] == "naive" and r["status"] == "ok" and r["token_digest"]:
+        if r["status"] != "ok" or not r["token_digest"]:
+            continue
+        if r["scheduler"] == "naive":
             naive_digest.setdefault(_digest_group(r), r["token_digest"])
+        elif r["scheduler"] == "paged" and r["invariant"] == "on":
+            batch1_digest.setdefault(_digest_group(r), r["token_digest"])
     cells: OrderedDict[str, list[dict]] = OrderedDict()
     for r in runs:
         cells.setdefault(r["cell"], []).append(r)
@@ -293,7 +299,7 @@ def aggregate_cells(runs: list[dict[str, Any]], all_runs: list[dict[str, Any]]) 
                                        if len(tput) >= 2 and tput.mean() else None)
         digests = sorted({r["token_digest"] for r in ok if r["token_digest"]})
         row["token_digest"] = digests[0] if len(digests) == 1 else ("; ".join(digests) or None)
-        row["digest_agrees_with_naive"] = _digest_verdict(first, ok, digests, naive_digest)
+        row["digest_agrees_with_naive"] = _digest_verdict(first, ok, digests, naive_digest, batch1_digest)
         recorded = [r for r in reps if r["contended"] is not None]
         row["runs_contended"] = sum(r["contended"] for r in recorded) if recorded else None
         for key, field in (("other_cores_max", "other_cores"), ("steal_max", "steal_fraction")):
@@ -313,7 +319,12 @@ def aggregate_cells(runs: list[dict[str, Any]], all_runs: list[dict[str, Any]]) 
 NOT_BATCH_INVARIANT = "n/a: not batch-invariant"
 
 
-def _digest_verdict(first: dict, ok: list[dict], digests: list[str], naive: dict) -> str:
+#: Verdict of the batch-1 control of a batch-invariant cell on a GPU (no naive run in its mode).
+BATCH1_REFERENCE = "reference (batch 1 with the mode)"
+
+
+def _digest_verdict(first: dict, ok: list[dict], digests: list[str], naive: dict,
+                    batch1: dict | None = None) -> str:
     if not ok:
         return "n/a (failed)"
     if str((first.get("hardware") or {}).get("device") or "").startswith("cuda") \
@@ -325,12 +336,20 @@ def _digest_verdict(first: dict, ok: list[dict], digests: list[str], naive: dict
         return "reference"
     group, against = _digest_group(first), ""
     ref = naive.get(group)
+    if ref is None and first["invariant"] == "on" and group in (batch1 or {}):
+        # no naive run in the mode (the GPU: the naive control's reference forward has no
+        # fixed-order kernels): the same workload at batch 1 with the mode is the control
+        if first["scheduler"] == "paged":
+            return BATCH1_REFERENCE
+        ref, against = batch1[group], " (vs batch 1 with the mode)"
     if ref is None and first["invariant"] == "on":
         ref, against = naive.get(group[:-1] + ("off",)), " (vs naive with the mode off)"
     if ref is None:
         return "n/a (no naive run)"
     if digests and digests[0] == ref:
         return "yes" + against
+    if against == " (vs batch 1 with the mode)":   # the mode's own control: a finding
+        return "NO (differs from batch 1 with the mode)"
     if against:  # another mode's control: a difference is no finding
         return "n/a (no naive run with the mode; differs from the one without it)"
     incomplete = [r for r in ok if r["completed"] is not None and r["num_requests"]
