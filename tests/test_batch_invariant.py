@@ -473,8 +473,16 @@ def test_gpu_every_request_matches_its_batch1_run():
     bad = _differing(shared_out, ref_shared) + _differing({k: out[k] for k in list(out)[:32]}, ref)
     if bad:
         failures["prefix hits"] = bad
-    assert not failures, {k: f"{len(v)} of 64 differ: {v[:5]}" for k, v in failures.items()}
+    assert not failures, {k: f"{len(v)} differ: {v[:5]}" for k, v in failures.items()}
     off, _ = _gpu_run(prompts, max_seqs=64, inv=False)
     off_ref, _ = _gpu_run(prompts[:8], max_seqs=1, inv=False)
     assert _differing({k: off[k] for k in off_ref}, off_ref), \
         "with the mode off batch 64 gave batch 1's logits too: the comparison cannot tell"
+
+
+def test_naive_engine_refuses_the_mode_on_cuda():
+    """The naive control's reference forward has no fixed-order CUDA kernels: refused before
+    anything is loaded (on a GPU the mode's control is the paged engine at batch 1)."""
+    cfg = EngineConfig(batch_invariant=True, device="cuda", attention_backend="triton")
+    with pytest.raises(ValueError, match="NaiveEngine supports batch_invariant=True on a CPU only"):
+        NaiveEngine(cfg)

@@ -69,9 +69,15 @@ def test_linear_bad_inputs():
     with pytest.raises(ValueError, match="disagree"):
         invariant_linear(torch.randn(3, 15), w)
     with pytest.raises(ValueError, match="share dtype"):
-        invariant_linear(torch.randn(3, 16, dtype=torch.float64), w)
+        invariant_linear(torch.randn(3, 16, dtype=torch.float16), w)
     with pytest.raises(ValueError, match="bias"):
         invariant_linear(torch.randn(3, 16), w, torch.randn(7))
+    with pytest.raises(ValueError, match="bias"):
+        invariant_linear(torch.randn(3, 16), w, torch.randn(16)[::2])      # strided
+    with pytest.raises(ValueError, match="float16, bfloat16 or float32"):
+        invariant_linear(torch.randn(3, 16).to(torch.int32), w.to(torch.int32))
+    with pytest.raises(ValueError, match="block_n"):
+        invariant_linear(torch.randn(3, 16), w, block_n=24)
 
 
 def _cache(device, dtype, blocks=24, bs=16, hkv=2, d=32, seed=0):

@@ -452,7 +452,7 @@ class EngineConfig:
         batch_invariant: the batch-invariant mode: a sequence's logits are bitwise the same
             whatever it is batched with (batch size, co-scheduled requests, prefill chunk size
             and step token budget, preemption and recompute, prefix-cache hits), so greedy
-            outputs, and seeded sampled ones, rerun exactly. Linear layers run in fixed-shape
+            outputs rerun exactly (seeded sampled ones too on a CPU, where that is tested). Linear layers run in fixed-shape
             row blocks (``fast_path.invariant_block_rows``) and attention in one fixed tile
             order per row (:mod:`llmserve.models.batch_invariant`,
             :mod:`llmserve.attention.invariant`). On a CPU it runs the readable path

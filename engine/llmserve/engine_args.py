@@ -251,7 +251,8 @@ class EngineArgs:
                                   "planes (default row)")
     batch_invariant: bool = _flag(False, "--batch-invariant", action="store_true",
                                   help="batch-invariant mode: a request's logits are bitwise the same "
-                                       "whatever it is batched with (CPU, readable path)")
+                                       "whatever it is batched with (on CUDA: fixed-order Triton kernels; "
+                                       "on a CPU: the readable path)")
     invariant_block_rows: int = _flag(16, "--invariant-block-rows", type=int_at_least(1), metavar="N",
                                       help="rows per fixed-shape matrix product in the batch-invariant "
                                            "mode (default 16)")

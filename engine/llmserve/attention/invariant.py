@@ -135,8 +135,9 @@ def invariant_paged_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cach
 
 
 class InvariantPagedAttention(TorchPagedAttention):
-    """The batch-invariant backend (what ``EngineConfig.batch_invariant`` selects): the torch
-    backend's K/V writes, :func:`invariant_paged_attention` for the attention."""
+    """The batch-invariant backend on a CPU (what ``EngineConfig.batch_invariant`` selects with
+    ``device='cpu'``): the torch backend's K/V writes, :func:`invariant_paged_attention` for the
+    attention."""
 
     name = "torch-invariant"
 

@@ -41,6 +41,11 @@ class NaiveEngine(_EngineBase):
                 "triton_compiles": 0, "requests": 0}
 
     def __init__(self, config: EngineConfig, **kw) -> None:
+        if config.batch_invariant and config.device.startswith("cuda"):
+            # its reference forward's invariant attention is PyTorch ops, whose CUDA reductions
+            # split by shape: on a GPU the mode lives in the paged engine's Triton kernels
+            raise ValueError("NaiveEngine supports batch_invariant=True on a CPU only; on CUDA "
+                             "compare with LLMEngine at max_num_seqs=1 in the mode")
         super().__init__(config, **kw)
         self._lock = threading.RLock()
         self._queue: collections.deque[Sequence] = collections.deque()

@@ -103,9 +103,10 @@ def invariant_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor |
     """``x @ weight.T + bias`` with a reduction order independent of the number of rows.
 
     Args:
-        x: ``[..., K]`` float16/bfloat16/float32 (last dim contiguous).
+        x: ``[..., K]`` float16/bfloat16/float32 (a copy is made when its rows are not
+            contiguous in the last dim).
         weight: ``[N, K]``, same dtype and device, last dim contiguous.
-        bias: ``[N]`` or None.
+        bias: ``[N]`` contiguous, same dtype and device, or None.
         block_m, block_n, block_k, num_warps, num_stages: overrides of
             :func:`invariant_linear_config` (a caller that wants invariance passes the same
             values for every call on one weight).
@@ -114,19 +115,24 @@ def invariant_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor |
         ``[..., N]`` in ``x.dtype``; fp32 accumulation, bias added in fp32, one rounding.
 
     Raises:
-        ValueError: mismatched shapes, dtypes or devices; a weight or input not contiguous in
-            its last dim; CPU tensors without the Triton interpreter.
+        ValueError: not float16/bfloat16/float32; mismatched shapes, dtypes or devices; a weight
+            not contiguous in its last dim or a bias not contiguous; a block size or launch
+            option that is not a positive integer (block sizes: powers of two); CPU tensors
+            without the Triton interpreter.
     """
     if not (isinstance(x, torch.Tensor) and isinstance(weight, torch.Tensor)):
         raise ValueError("x and weight must be tensors")
-    if weight.dim() != 2 or x.shape[-1] != weight.shape[1]:
+    if x.dtype not in (torch.float16, torch.bfloat16, torch.float32):
+        raise ValueError(f"x must be float16, bfloat16 or float32, got {x.dtype}")
+    if weight.dim() != 2 or x.dim() < 1 or x.shape[-1] != weight.shape[1]:
         raise ValueError(f"x [..., K] and weight [N, K] disagree: {tuple(x.shape)} vs {tuple(weight.shape)}")
     if x.dtype != weight.dtype or x.device != weight.device:
         raise ValueError(f"x ({x.dtype}, {x.device}) and weight ({weight.dtype}, {weight.device}) "
                          "must share dtype and device")
-    if bias is not None and (bias.shape != (weight.shape[0],) or bias.device != weight.device):
-        raise ValueError(f"bias must be [N={weight.shape[0]}] on {weight.device}, got "
-                         f"{tuple(bias.shape)} on {bias.device}")
+    if bias is not None and (bias.shape != (weight.shape[0],) or bias.device != weight.device
+                             or bias.dtype != weight.dtype or not bias.is_contiguous()):
+        raise ValueError(f"bias must be a contiguous [N={weight.shape[0]}] {weight.dtype} tensor on "
+                         f"{weight.device}, got {tuple(bias.shape)} {bias.dtype} on {bias.device}")
     if weight.stride(-1) != 1:
         raise ValueError("weight must be contiguous in its last dim")
     on_cpu = x.device.type == "cpu"
@@ -144,6 +150,9 @@ def invariant_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor |
     for key, val in (("BLOCK_M", block_m), ("BLOCK_N", block_n), ("BLOCK_K", block_k),
                      ("num_warps", num_warps), ("num_stages", num_stages)):
         if val is not None:
+            if type(val) is not int or val < 1 or (key.startswith("BLOCK") and val & (val - 1)):
+                raise ValueError(f"{key.lower()} must be a positive integer"
+                                 f"{' (a power of two)' if key.startswith('BLOCK') else ''}, got {val!r}")
             cfg[key] = val
     grid = (triton.cdiv(n, cfg["BLOCK_N"]), triton.cdiv(m, cfg["BLOCK_M"]))
     _invariant_matmul_kernel[grid](

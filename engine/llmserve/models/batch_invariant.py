@@ -87,7 +87,8 @@ def make_batch_invariant(model: nn.Module, block_rows: int, tile: int) -> nn.Mod
     ``block_rows``; the MLPs use :func:`invariant_silu`; the reference forward's attention uses
     tiles of ``tile`` keys (the KV cache's block size, so the reference and paged paths agree).
     The paged path's attention is the backend the engine installs
-    (:class:`~llmserve.attention.invariant.InvariantPagedAttention`).
+    (:class:`~llmserve.attention.invariant.InvariantPagedAttention` on a CPU,
+    :class:`~llmserve.attention.invariant.InvariantTritonAttention` on CUDA).
 
     Raises:
         ValueError: ``block_rows`` or ``tile`` not a positive integer; a linear layer that is
