@@ -50,7 +50,7 @@ def test_cpu_smoke_writes_json_and_markdown(tmp_path, capsys):
     assert env["decode_options"]["split_policy"] == "legacy"
     # parity: every kernel family checked, all within tolerance
     kernels = {r["kernel"] for r in res["parity"]}
-    assert kernels == {"paged_attention", "int8_linear"}
+    assert kernels == {"paged_attention", "int8_linear", "invariant_linear", "invariant_attention"}
     cases = " ".join(r["case"] for r in res["parity"])
     for part in ("decode", "prefill+chunk", "mixed", "fused_reduce", "dequant"):
         assert part in cases
@@ -73,20 +73,29 @@ def test_cpu_smoke_writes_json_and_markdown(tmp_path, capsys):
         for key in ("int8_us", "cublas_bf16_us", "speedup", "int8_gbps", "int8_floor_us", "int8_x_floor"):
             assert r[key] > 0, key
     assert any("us" in s and s["ok"] for s in res["int8_sweep"])
+    # the batch-invariant linear vs the float GEMM at its fixed configuration, and its sweep
+    # scored per weight over every swept M
+    assert {(r["weight"], r["M"]) for r in res["invariant"]} == {(w, m) for w in ("proj", "wide") for m in (1, 20)}
+    for r in res["invariant"]:
+        assert r["invariant_us"] > 0 and r["cublas_bf16_us"] > 0 and r["config"] == "16x16x16 w1 s1"
+    assert any("us" in s and s["ok"] for s in res["invariant_sweep"])
+    assert "rows alone: same bits" in cases and "first sequence alone: same bits" in cases
     assert res["targets"] == {"parity": "all ok"}
     # the report says the timings mean nothing and carries every section
     assert "Smoke run" in md and "of no value" in md
     for head in ("## Parity", "## Decode paged attention", "## Prefill / chunk attention",
-                 "## INT8 weight-only linear vs cuBLAS bf16", "## Targets"):
+                 "## INT8 weight-only linear vs cuBLAS bf16", "## Batch-invariant linear vs cuBLAS bf16",
+                 "Batch-invariant linear sweep, best 3", "## Targets"):
         assert head in md
 
 
 def test_cpu_smoke_skips_sections(tmp_path):
     out = tmp_path / "k"
     assert main(["bench-kernels", "--device", "cpu", "--quick", "--no-sweep",
-                 "--skip", "decode,int8,prefill", "--output", str(out)]) == 0
+                 "--skip", "decode,int8,prefill,invariant", "--output", str(out)]) == 0
     res = json.loads((out / "kernels.json").read_text())
     assert res["parity"] and not res["decode"] and not res["int8"] and not res["prefill"]
+    assert not res["invariant"]
     assert "## Decode paged attention" in (out / "kernels.md").read_text()
 
 
@@ -97,3 +106,17 @@ def test_decode_splits_follow_the_policy():
     assert decode_splits_used(2, 2, 40, 32, 2, legacy) == 3
     assert decode_splits_used(2, 2, 40, 32, 2, dict(legacy, min_tiles=4)) == 1
     assert decode_splits_used(2, 2, 1, 32, 2, legacy) == 1
+
+
+def test_invariant_sweep_scores_rank_fixed_configurations():
+    """A configuration is scored over every swept M (one serves them all); one that failed or
+    was wrong at some M is left out."""
+    from llmserve.bench.kernels import invariant_sweep_scores
+
+    sweep = [dict(weight="o", M=8, config="a", us=10.0, ok=True), dict(weight="o", M=2048, config="a", us=40.0, ok=True),
+             dict(weight="o", M=8, config="b", us=20.0, ok=True), dict(weight="o", M=2048, config="b", us=20.0, ok=True),
+             dict(weight="o", M=8, config="c", us=5.0, ok=False), dict(weight="o", M=2048, config="c", us=5.0, ok=True),
+             dict(weight="o", M=8, config="d", error="out of resources")]
+    scores = invariant_sweep_scores(sweep)
+    assert [r["config"] for r in scores] == ["a", "b"]
+    assert scores[0]["score"] == pytest.approx(2 ** 0.5) and scores[1]["score"] == pytest.approx(2 ** 0.5)

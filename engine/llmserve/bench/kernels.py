@@ -13,7 +13,11 @@ timings:
 * prefill/chunk attention (Triton varlen vs the PyTorch reference and SDPA on contiguous
   tensors as a FlashAttention-class peer), in TFLOP/s;
 * INT8 weight-only linear vs cuBLAS bf16 (``torch.nn.functional.linear``) at Qwen2.5-1.5B's
-  MLP and QKV shapes for M = 1 .. 2048, with config sweeps of both kernels.
+  MLP and QKV shapes for M = 1 .. 2048, with config sweeps of both kernels;
+* the batch-invariant linear (:func:`~llmserve.kernels.invariant.invariant_linear`, the
+  ``--batch-invariant`` mode's projections) vs cuBLAS bf16 at every Qwen2.5-1.5B projection
+  shape and the LM head for M = 1 .. 2048, with a sweep of fixed tile configurations (one
+  configuration serves every M of a weight, so each candidate is scored over all swept M).
 
 Timing: CUDA graphs of R back-to-back calls rotating over C input sets whose total size is
 > 2x the L2 (so every call reads from HBM), timed with CUDA events per replay after warm-up;
@@ -50,6 +54,7 @@ from ..attention.metadata import AttentionMetadata
 from ..attention.torch_backend import paged_attention_torch
 from ..config import DECODE_SPLIT_POLICIES, FastPathConfig
 from ..kernels._launch import interpreting
+from ..kernels.invariant import invariant_linear, invariant_linear_config, invariant_paged_attention
 from ..kernels.int8_linear import (
     Int8LinearConfig,
     _fit_split,
@@ -73,7 +78,7 @@ REF_BW = 4.24e12        # B/s, copy bandwidth of an H200 (torch copy of a 1 GiB 
 REF_FLOPS = 780e12      # FLOP/s, bf16 matmul on an H200 (8192^3 torch.matmul)
 ROTATE_BYTES = 200e6    # input bytes rotated over: > 2x the 50-60 MB L2 of an H100/H200
 QUICK_ROTATE_BYTES = 1e4
-SECTIONS = ("decode", "int8", "prefill")
+SECTIONS = ("decode", "int8", "prefill", "invariant")
 
 # Process-wide state of one run: the device, the pre-compile worker this process is (None in
 # the main process), the launch counter that shares launches out between workers, the rotation
@@ -329,6 +334,7 @@ def parity(cfg) -> list[dict]:
             log(f"parity attention {name} [{vname}]: rel err {e:.2e} (torch bf16 path {e_torch:.2e}) "
                 f"{'OK' if ok else 'FAIL'}")
         del kc, vc, sets
+    rows += _invariant_parity(cfg)
     for (k, n) in cfg.int8_shapes:
         w_q, scale = quantize_int8_per_channel(torch.randn(n, k, device=DEVICE) * 0.02)
         for m in cfg.parity_int8_m:
@@ -489,6 +495,135 @@ def bench_prefill(cfg) -> tuple[list[dict], list[dict]]:
                 log(f"SDPA peer failed: {e}")
         del kc, vc, sets
     return rows, sweep
+
+
+def _invariant_parity(cfg) -> list[dict]:
+    """Parity of the batch-invariant kernels: the linear against an fp32 matmul, with every row
+    of an ``M``-row product bitwise equal to the same row computed alone (the property the
+    mode rests on); the attention against the fp32 reference on decode, prefill and mixed
+    steps, with the decode rows bitwise equal to the same rows in a step of their own."""
+    rows = []
+    dtype = cfg.dtype
+    for name, (n, k) in cfg.invariant_shapes[:2]:
+        w = torch.randn(n, k, device=DEVICE).mul_(0.02).to(dtype)
+        for m in cfg.parity_int8_m:
+            if not mine(("inv-parity", name, m)):
+                continue
+            x = torch.randn(m, k, device=DEVICE).to(dtype)
+            y = invariant_linear(x, w)
+            if WARM is not None:
+                invariant_linear(x[-1:], w)
+                continue
+            e = rel_err(y, x.float() @ w.float().T)
+            same = all(torch.equal(invariant_linear(x[i:i + 1], w)[0], y[i]) for i in {0, m // 2, m - 1})
+            ok = e < 1e-2 and same
+            rows.append(dict(kernel="invariant_linear", case=f"{name} M={m} K={k} N={n} [rows alone: "
+                             f"{'same bits' if same else 'DIFFER'}]", rel_err=e, ok=ok))
+            log(f"parity invariant linear {name} M={m}: rel err {e:.2e}, rows alone same bits: {same}")
+    hq, hkv, d, bs = cfg.hq, cfg.hkv, cfg.d, 16
+    decode = [(c, 1) for c in cfg.parity_decode_ctx]
+    for case, seqs in (("decode", decode), ("prefill+chunk", cfg.parity_prefill),
+                       ("mixed", cfg.parity_mixed)):
+        if not mine(("inv-attn", case)):
+            continue
+        kc, vc, sets = paged_inputs(seqs, bs, hq, hkv, d, dtype)
+        q, meta = sets[0]
+        out = invariant_paged_attention(q, kc, vc, meta, d ** -0.5)
+        if WARM is not None:
+            continue
+        e = rel_err(out, paged_attention_torch(q.float(), kc.float(), vc.float(), meta, d ** -0.5))
+        # the first sequence's rows again, as a step of their own: the same bits
+        q0 = int(meta.query_start_loc[1])
+        meta0 = AttentionMetadata(meta.slot_mapping[:q0], meta.query_start_loc[:2], meta.context_lens[:1],
+                                  meta.block_tables[:1], q0, int(meta.context_lens[0]), bs, q0 == 1)
+        same = torch.equal(invariant_paged_attention(q[:q0], kc, vc, meta0, d ** -0.5), out[:q0])
+        ok = e < 2e-2 and same
+        note = f" [first sequence alone: {'same bits' if same else 'DIFFER'}]"
+        rows.append(dict(kernel="invariant_attention", case=case + note, rel_err=e, ok=ok))
+        log(f"parity invariant attention {case}: rel err {e:.2e}{note}")
+        del kc, vc, sets
+    return rows
+
+
+# ---------------------------------------------------------------------------------------------
+# batch-invariant linear timings
+# ---------------------------------------------------------------------------------------------
+
+def _inv_cfg_key(c: dict) -> str:
+    return (f"{c['BLOCK_M']}x{c['BLOCK_N']}x{c['BLOCK_K']} w{c['num_warps']} s{c['num_stages']}")
+
+
+def bench_invariant(cfg) -> tuple[list[dict], list[dict]]:
+    """The batch-invariant linear at its configuration (:func:`invariant_linear_config`) against
+    cuBLAS bf16 for every shape and M of ``cfg``; with ``cfg.sweep``, every candidate tile
+    configuration at ``cfg.invariant_sweep_m`` (checked against an fp32 matmul, not only timed)."""
+    rows, sweep = [], []
+    t_sec = time.time()
+    dtype = cfg.dtype
+    for name, (n, k) in cfg.invariant_shapes:
+        copies = max(1, math.ceil(_ROTATE / (2 * n * k)))
+        w = torch.empty((copies, n, k), dtype=dtype, device=DEVICE).normal_(0, 0.02)
+        base = invariant_linear_config(n, k, DEVICE.type == "cpu")
+        for m in cfg.invariant_m:
+            x = torch.empty((m, k), dtype=dtype, device=DEVICE).normal_()
+            reps = max(copies, cfg.min_reps) if m <= 64 else max(copies, min(8, cfg.min_reps))
+            i_fns = [lambda i=i, x=x, w=w: invariant_linear(x, w[i]) for i in range(copies)]
+            b_fns = [lambda i=i, x=x, w=w: F.linear(x, w[i]) for i in range(copies)]
+            if mine(("inv", name, m)):
+                us_i = time_graph(i_fns, reps)
+                us_b = time_graph(b_fns, reps)
+                rows.append(dict(weight=name, M=m, K=k, N=n, invariant_us=us_i, cublas_bf16_us=us_b,
+                                 ratio=us_i / us_b, config=_inv_cfg_key(base)))
+                log(f"invariant linear {name} M={m}: {us_i:.2f} us, cuBLAS bf16 {us_b:.2f} us "
+                    f"(x{us_i / us_b:.2f}) cfg={_inv_cfg_key(base)}")
+            if not (cfg.sweep and m in cfg.invariant_sweep_m):
+                continue
+            ref = None
+            for bm, bn, bk, warps, stages in cfg.invariant_sweep_cfgs:
+                cand = dict(BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, num_warps=warps, num_stages=stages)
+                key = _inv_cfg_key(cand)
+                if not mine(("inv-sweep", key)) or time.time() - t_sec > cfg.sweep_seconds["invariant"]:
+                    continue
+                kw = dict(block_m=bm, block_n=bn, block_k=bk, num_warps=warps, num_stages=stages)
+                f2 = [lambda i=i, x=x, w=w, kw=kw: invariant_linear(x, w[i], **kw) for i in range(copies)]
+                rec = dict(weight=name, M=m, K=k, N=n, config=key)
+                try:
+                    u = time_graph(f2, reps)
+                    e = float("nan")
+                    if WARM is None:
+                        if ref is None:
+                            ref = x.float() @ w[0].float().T
+                        e = rel_err(invariant_linear(x, w[0], **kw), ref)
+                except Exception as ex:  # noqa: BLE001 - a candidate that does not fit is a row
+                    sweep.append(dict(rec, error=str(ex)[:300]))
+                    continue
+                sweep.append(dict(rec, us=u, rel_err=e, ok=not (e > 1e-2)))
+        del w
+    return rows, sweep
+
+
+def invariant_sweep_scores(sweep: list[dict]) -> list[dict]:
+    """Per weight, each swept configuration's geometric-mean time over the swept M, relative to
+    the best time a complete candidate reached at each M (1.0: best everywhere); candidates that
+    failed, were wrong or were not reached (the sweep's deadline) at any M are left out.
+    Sorted by weight, then score."""
+    import itertools
+
+    ok = [s for s in sweep if "us" in s and s.get("ok", True)]
+    out = []
+    for name, group in itertools.groupby(sorted(ok, key=lambda s: s["weight"]), key=lambda s: s["weight"]):
+        group = list(group)
+        ms = sorted({s["M"] for s in sweep if s.get("weight") == name})
+        times = {key: {s["M"]: s["us"] for s in group if s["config"] == key}
+                 for key in sorted({s["config"] for s in group})}
+        complete = {key: t for key, t in times.items() if set(t) == set(ms)}
+        if not complete:
+            continue
+        best = {m: min(t[m] for t in complete.values()) for m in ms}
+        for key, t in complete.items():
+            score = math.exp(sum(math.log(t[m] / best[m]) for m in ms) / len(ms))
+            out.append(dict(weight=name, config=key, score=score, us={str(m): t[m] for m in ms}))
+    return sorted(out, key=lambda r: (r["weight"], r["score"]))
 
 
 # ---------------------------------------------------------------------------------------------
@@ -694,6 +829,23 @@ def markdown(res: dict) -> str:
         for key in sorted({(s["M"], s["K"], s["N"]) for s in isw}):
             b = min((s for s in isw if (s["M"], s["K"], s["N"]) == key), key=lambda s: s["us"])
             out.append(f"- M={key[0]} K={key[1]} N={key[2]}: {b['us']:.2f} us ({b['speedup']:.2f}x) {b['config']}")
+    if res.get("invariant"):
+        out += ["", "## Batch-invariant linear vs cuBLAS bf16", "",
+                "One tile configuration a weight, whatever M (`invariant_linear_config`): what the "
+                "`--batch-invariant` mode's projections cost against the library GEMM.", "",
+                "| weight | M | K | N | invariant us | cuBLAS bf16 us | ratio | config |",
+                "| --- | --- | --- | --- | --- | --- | --- | --- |"]
+        for r in res["invariant"]:
+            out.append(f"| {r['weight']} | {r['M']} | {r['K']} | {r['N']} | {r['invariant_us']:.2f} | "
+                       f"{r['cublas_bf16_us']:.2f} | x{r['ratio']:.2f} | {r['config']} |")
+    scores = invariant_sweep_scores(res.get("invariant_sweep", []))
+    if scores:
+        out += ["", "Batch-invariant linear sweep, best 3 fixed configurations a weight (score: geometric "
+                "mean over the swept M of time / the best time at that M):", ""]
+        for name in sorted({r["weight"] for r in scores}):
+            for r in [r for r in scores if r["weight"] == name][:3]:
+                times = ", ".join(f"M={m} {u:.1f} us" for m, u in r["us"].items())
+                out.append(f"- {name}: {r['config']} score {r['score']:.2f} ({times})")
     out += ["", "## Targets", ""]
     for k, v in res["targets"].items():
         out.append(f"- {k}: {v}")
@@ -739,7 +891,8 @@ class Cfg:
         self.sweep = sweep
         self.decode_options = decode_options
         # seconds of each section after which no further sweep point is started
-        self.sweep_seconds = dict(decode=0.3 * deadline, int8=0.55 * deadline, prefill=0.15 * deadline)
+        self.sweep_seconds = dict(decode=0.25 * deadline, int8=0.45 * deadline, prefill=0.1 * deadline,
+                                  invariant=0.2 * deadline)
         if quick:
             self.dtype = torch.float16 if cpu else torch.bfloat16
             self.min_reps, self.prefill_reps = 2, 1
@@ -763,6 +916,10 @@ class Cfg:
             self.int8_gemv_cfgs = [(2, 32, 1)]
             self.int8_mma_small_cfgs = [(True, 32, 32, 1)]
             self.int8_large_cfgs = []
+            self.invariant_shapes = [("proj", (48, 64)), ("wide", (80, 40))]
+            self.invariant_m = [1, 20]
+            self.invariant_sweep_m = [1, 20]
+            self.invariant_sweep_cfgs = [(16, 16, 16, 1, 1), (16, 32, 16, 1, 1)]
             return
         self.dtype = torch.bfloat16
         self.min_reps, self.prefill_reps = 20, 4
@@ -789,6 +946,15 @@ class Cfg:
         self.int8_mma_small_cfgs = [(True, 32, 512, 4), (True, 64, 256, 4), (True, 16, 512, 4),
                                     (False, 32, 256, 4), (False, 64, 256, 4), (False, 64, 128, 4),
                                     (False, 128, 128, 4)]
+        # batch-invariant linear: (name, (N, K)) of Qwen2.5-1.5B's packed projections and LM head
+        self.invariant_shapes = [("qkv", (2048, 1536)), ("o", (1536, 1536)), ("gate_up", (17920, 1536)),
+                                 ("down", (1536, 8960)), ("lm_head", (151936, 1536))]
+        self.invariant_m = [1, 8, 64, 256, 2048]
+        self.invariant_sweep_m = [8, 256, 2048]
+        # (BLOCK_M, BLOCK_N, BLOCK_K, warps, stages), each <= 96 KB of shared memory
+        self.invariant_sweep_cfgs = [(64, 16, 64, 4, 4), (64, 32, 64, 4, 5), (64, 64, 64, 4, 3),
+                                     (64, 64, 128, 4, 3), (64, 128, 64, 4, 3), (128, 64, 64, 8, 3),
+                                     (128, 128, 64, 8, 3), (16, 64, 256, 4, 3)]
         self.int8_large_cfgs = [(False, 128, 128, 64, 8, 4), (False, 64, 128, 64, 4, 4),
                                 (False, 128, 128, 64, 4, 4), (True, 128, 128, 64, 8, 4),
                                 (True, 64, 128, 64, 4, 4), (True, 128, 128, 64, 8, 3),
@@ -804,7 +970,8 @@ class KernelBenchOptions:
             interpreter, ``TRITON_INTERPRET=1`` set before Python starts).
         quick: tiny shapes, 2 calls a timing (a smoke run; its timings mean nothing).
         sweep: also sweep launch configurations (decode, prefill, INT8).
-        sweep_deadline: seconds of sweeping in all (30% decode, 55% INT8, 15% prefill), > 0.
+        sweep_deadline: seconds of sweeping in all (25% decode, 45% INT8, 10% prefill, 20% the
+            batch-invariant linear), > 0.
         workers: processes that pre-compile the kernels in parallel on a GPU, in [0, 64]
             (0: none).
         skip: sections left out, a subset of :data:`SECTIONS`.
@@ -876,6 +1043,9 @@ def run_all(cfg: Cfg, bw_meas: float, res: dict, skip, save) -> None:
     if "prefill" not in skip:
         res["prefill"], res["prefill_sweep"] = bench_prefill(cfg)
         save()
+    if "invariant" not in skip:
+        res["invariant"], res["invariant_sweep"] = bench_invariant(cfg)
+        save()
 
 
 def _warm_worker(args) -> str:
@@ -906,7 +1076,7 @@ def run(opts: KernelBenchOptions, command: str = "llmserve bench-kernels") -> tu
     Returns:
         ``(result dict, output directory)``; the dict has ``env``, ``shapes``, ``parity``,
         ``decode``, ``decode_sweep``, ``prefill``, ``prefill_sweep``, ``int8``, ``int8_sweep``,
-        ``targets`` (times in us, bandwidths in GB/s or TB/s as named).
+        ``invariant``, ``invariant_sweep``, ``targets`` (times in us, bandwidths in GB/s or TB/s as named).
 
     Raises:
         ValueError: CPU tensors without the Triton interpreter.
@@ -950,7 +1120,8 @@ def run(opts: KernelBenchOptions, command: str = "llmserve bench-kernels") -> tu
     log(f"env: {env}")
     res = dict(env=env, shapes=dict(hq=cfg.hq, hkv=cfg.hkv, d=cfg.d, dtype=str(cfg.dtype).replace("torch.", ""),
                                     block_size=16),
-               parity=[], decode=[], decode_sweep=[], prefill=[], prefill_sweep=[], int8=[], int8_sweep=[])
+               parity=[], decode=[], decode_sweep=[], prefill=[], prefill_sweep=[], int8=[], int8_sweep=[],
+               invariant=[], invariant_sweep=[])
 
     def save() -> None:
         res["targets"] = targets(res)
@@ -976,7 +1147,8 @@ def add_bench_kernels_subparser(sub) -> None:
                    help="tiny shapes, 2 calls a timing: a smoke run whose timings mean nothing")
     p.add_argument("--no-sweep", dest="sweep", action="store_false", help="skip the config sweeps")
     p.add_argument("--sweep-deadline", type=float, default=150.0,
-                   help="seconds of sweeping in all (30%% decode, 55%% int8, 15%% prefill; default 150)")
+                   help="seconds of sweeping in all (25%% decode, 45%% int8, 10%% prefill, 20%% the "
+                        "batch-invariant linear; default 150)")
     p.add_argument("--workers", type=int, default=min(12, max(1, (os.cpu_count() or 2) - 2)),
                    help="processes that pre-compile the kernels in parallel on a GPU (0: none)")
     p.add_argument("--skip", default="", help=f"comma list of sections to skip: {','.join(SECTIONS)}")
