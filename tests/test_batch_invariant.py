@@ -405,23 +405,11 @@ def _gpu_run(prompts, first: int = 0, **kw):
 
     eng = _gpu_engine(**kw)
     sp = SamplingParams(max_tokens=GPU_TOKENS, temperature=0.0, ignore_eos=True)
-    rec: dict[str, list[torch.Tensor]] = {}
-    orig = eng.sampler.sample_async
-
-    def spy(logits, params, request_ids, *a, **k):
-        for i, r in enumerate(request_ids):
-            rec.setdefault(r, []).append(logits[i].detach().clone())
-        return orig(logits, params, request_ids, *a, **k)
-
-    eng.sampler.sample_async = spy
-    seqs = [eng.add_request(p, sp, request_id=f"r{first + i}") for i, p in enumerate(prompts)]
-    while eng.has_unfinished_requests():
-        eng.step()
+    out = _run(eng, prompts, [sp] * len(prompts), first=first)
     stats = {"preemptions": eng.scheduler.num_preemptions,
              "prefix_hits": eng.block_manager.prefix_cache_hits,
              "graph_steps": eng.runner.num_graph_steps}
-    out = {s.request_id: (rec[s.request_id], list(s.output_token_ids)) for s in seqs}
-    del eng, seqs
+    del eng
     gc.collect()
     torch.cuda.empty_cache()
     return out, stats

@@ -155,18 +155,20 @@ class InvariantTritonAttention:
     name = "triton-invariant"
 
     def __init__(self, block_n: int | None = None) -> None:
+        # imported here, not at module level: the CPU backend above needs no Triton
+        from ..kernels.invariant import invariant_paged_attention
+        from ..kernels.paged_attention import write_kv_triton
+
         self.block_n = block_n
+        self._attend = invariant_paged_attention
+        self._write = write_kv_triton
 
     def write_kv(self, key, value, k_cache, v_cache, slot_mapping) -> None:
         """Scatter ``key``/``value`` ``[N, Hkv, D]`` into the caches at ``slot_mapping`` ``[N]``
         (entries < 0 are skipped)."""
-        from ..kernels.paged_attention import write_kv_triton
-
-        write_kv_triton(key, value, k_cache, v_cache, slot_mapping)
+        self._write(key, value, k_cache, v_cache, slot_mapping)
 
     def forward(self, query, k_cache, v_cache, meta: AttentionMetadata, scale: float) -> torch.Tensor:
         """:func:`~llmserve.kernels.invariant.invariant_paged_attention`: ``[N, Hq, D]`` in the
         query dtype (padding rows zero)."""
-        from ..kernels.invariant import invariant_paged_attention
-
-        return invariant_paged_attention(query, k_cache, v_cache, meta, scale, block_n=self.block_n)
+        return self._attend(query, k_cache, v_cache, meta, scale, block_n=self.block_n)

@@ -36,6 +36,7 @@ from __future__ import annotations
 
 import argparse
 import datetime as _dt
+import itertools
 import json
 import math
 import os
@@ -607,8 +608,6 @@ def invariant_sweep_scores(sweep: list[dict]) -> list[dict]:
     the best time a complete candidate reached at each M (1.0: best everywhere); candidates that
     failed, were wrong or were not reached (the sweep's deadline) at any M are left out.
     Sorted by weight, then score."""
-    import itertools
-
     ok = [s for s in sweep if "us" in s and s.get("ok", True)]
     out = []
     for name, group in itertools.groupby(sorted(ok, key=lambda s: s["weight"]), key=lambda s: s["weight"]):

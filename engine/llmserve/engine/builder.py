@@ -18,6 +18,7 @@ from typing import Any, Callable
 
 import torch
 
+from ..attention.triton_backend import TritonPagedAttention
 from ..config import EngineConfig, ModelConfig, ResolvedFastPath
 from ..core.block_manager import BlockManager
 from ..core.scheduler import Scheduler
@@ -146,9 +147,10 @@ def build_mixed_graphs(forward, kv_caches, config: EngineConfig, engine) -> CUDA
     attention backend, the fused forward, one rank)."""
     budget = config.scheduler.max_num_batched_tokens
     max_tokens = min(engine.fast_path.mixed_graph_max_tokens, budget or engine.max_model_len)
-    if max_tokens < 1 or config.batch_invariant:
-        # the batch-invariant attention serves every row of a step in one kernel; these graphs
-        # split a step between the decode kernel and a scheduled prefill kernel
+    if max_tokens < 1 or not isinstance(forward.model.attention_backend, TritonPagedAttention):
+        # these graphs split a step between the decode kernel and a scheduled prefill kernel
+        # (AttentionMetadata.prefill_tiles), which only the Triton backend runs; the
+        # batch-invariant backend serves every row of a step in one kernel
         return None
     head_dim = engine.model_config.head_dim
     mixed = CUDAGraphMixedRunner(forward, forward.compute_logits, kv_caches, config.cache.block_size,
