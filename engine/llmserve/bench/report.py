@@ -54,7 +54,7 @@ REQUIRED_FIELDS: tuple[str, ...] = (
     "profile_path",       # file it came from (null for a built-in)
     "seed",               # workload and engine seed
     "workload",           # summary: counts, totals, arrival rate, digest of the request specs
-    "warmup",             # {"num_requests", "wall_time_s"}
+    "warmup",             # {"num_requests", "wall_time_s", "engine_build_s", ...}
     "git",                # {"revision", "dirty", "untracked"}
     "versions",           # python, torch, transformers, triton, numpy, tokenizers, llmserve
     "hardware",           # device, device_name, cpu_model, cpu_count, memory_bytes, gpu_*

@@ -646,7 +646,9 @@ def run_benchmark(opts: BenchmarkOptions, engine_factory: Callable[[Any, bool], 
         report["config"].update(resolved_flags(econf))   # what the device defaults resolved to
         if engine_factory is None and opts.speculative_model:
             engine_factory = _speculative_engine_factory(opts)
+        t_build = time.perf_counter()
         engine = (engine_factory or default_engine_factory)(econf, opts.config == "naive")
+        build_s = time.perf_counter() - t_build
         if structured is not None:       # compile it now: a schema the grammar library refuses fails the run
             check = getattr(engine, "check_structured_output", None)
             if callable(check):
@@ -679,7 +681,7 @@ def run_benchmark(opts: BenchmarkOptions, engine_factory: Callable[[Any, bool], 
 
         cache0 = triton_cache_entries()
         report["warmup"] = {"num_requests": n_warm, "wall_time_s": time.perf_counter() - t_start,
-                            "kernel_warmup": kernel_warmup, "triton_compiles_measured": None,
+                            "engine_build_s": build_s, "kernel_warmup": kernel_warmup, "triton_compiles_measured": None,
                             "triton_kernels_compiled_measured": None}
         freeze_gc = getattr(engine, "freeze_gc", None)
         if callable(freeze_gc):
