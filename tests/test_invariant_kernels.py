@@ -13,7 +13,14 @@ import torch
 
 from conftest import build_attn_metadata
 from llmserve.attention.torch_backend import paged_attention_torch
-from llmserve.kernels.invariant import invariant_linear, invariant_linear_config, invariant_paged_attention
+from llmserve.kernels.invariant import (
+    decode_segment_programs,
+    invariant_linear,
+    INVARIANT_LARGE_M,
+    INVARIANT_MID_M,
+    invariant_linear_config,
+    invariant_paged_attention,
+)
 
 CUDA = torch.cuda.is_available()
 
@@ -52,16 +59,38 @@ def test_linear_rows_do_not_depend_on_the_batch(device, dtype):
     full = invariant_linear(x, w, b)
     for start, m in [(0, 1), (5, 1), (69, 1), (3, 2), (17, 16), (1, 17), (40, 30), (0, 64), (6, 64)]:
         assert torch.equal(invariant_linear(x[start:start + m], w, b), full[start:start + m]), (start, m)
-    if device == "cuda":
+    if device == "cuda":     # across INVARIANT_LARGE_M: other tiles, the same bits
         big = torch.randn(300, k, generator=g).to(device, dtype)
         big[123] = x[7]
         assert torch.equal(invariant_linear(big, w, b)[123], full[7])
+        for n2, k2 in [(8200, 96), (80, 4100), (300, 200)]:    # every configuration's shapes
+            w2 = torch.randn(n2, k2, generator=g).to(device, dtype) * 0.05
+            x2 = torch.randn(INVARIANT_LARGE_M + 3, k2, generator=g).to(device, dtype)
+            whole = invariant_linear(x2, w2)
+            for start, m in [(0, 1), (7, 1), (100, 9), (3, INVARIANT_MID_M - 1), (1, INVARIANT_MID_M),
+                             (2, INVARIANT_LARGE_M - 1), (0, INVARIANT_LARGE_M)]:
+                assert torch.equal(invariant_linear(x2[start:start + m], w2), whole[start:start + m]), \
+                    (n2, k2, start, m)
 
 
-def test_linear_config_depends_on_the_weight_only():
-    assert invariant_linear_config(2048, 1536) == invariant_linear_config(2048, 1536)
-    widths = [invariant_linear_config(n, 1536)["BLOCK_N"] for n in (1536, 17920, 151936)]
-    assert widths == [16, 64, 128]
+def test_linear_config():
+    """Narrow tiles for decode steps, larger ones from INVARIANT_MID_M and INVARIANT_LARGE_M
+    rows; every GPU configuration a warpgroup MMA (BLOCK_M a multiple of 64, 4 or 8 warps);
+    one configuration on CPU."""
+    small = [invariant_linear_config(n, k)["BLOCK_N"] for n, k in ((1536, 1536), (1536, 8960),
+                                                                   (17920, 1536), (151936, 1536))]
+    assert small == [16, 16, 64, 128]
+    assert invariant_linear_config(2048, 1536, m=INVARIANT_MID_M - 1) == invariant_linear_config(2048, 1536)
+    assert invariant_linear_config(17920, 1536, m=INVARIANT_MID_M)["BLOCK_M"] == 128
+    assert invariant_linear_config(1536, 8960, m=INVARIANT_MID_M)["BLOCK_N"] == 32
+    for n, k in [(2048, 1536), (1536, 8960)]:
+        assert invariant_linear_config(n, k, m=INVARIANT_LARGE_M)["BLOCK_M"] == 128
+    for n, k in [(2048, 1536), (1536, 1536), (17920, 1536), (1536, 8960), (151936, 1536)]:
+        for m in (1, 8, INVARIANT_MID_M - 1, INVARIANT_MID_M, INVARIANT_LARGE_M, 8192):
+            c = invariant_linear_config(n, k, m=m)
+            assert c["BLOCK_M"] % 64 == 0 and c["num_warps"] in (4, 8), (n, k, m, c)
+    assert {str(invariant_linear_config(2048, 1536, True, m)) for m in (1, 4096)} == \
+        {str(dict(BLOCK_M=16, BLOCK_N=16, BLOCK_K=16, num_warps=1, num_stages=1))}
 
 
 def test_linear_bad_inputs():
@@ -132,6 +161,56 @@ def test_attention_rows_do_not_depend_on_batch_or_chunking(device, dtype):
     assert torch.equal(mixed[1:25], ref[16:40])
 
 
+@pytest.mark.parametrize("device,dtype", _devices())
+def test_decode_rows_match_prompt_rows(device, dtype):
+    """Decode steps spread a row's context segments over programs and fold them in a second
+    kernel; steps with a prompt token fold them in one program. A token at a context just
+    under, at and over segment and tile boundaries gets the same bits both ways, and whatever
+    decodes beside it (batches of 1, 5 and 6, with a longer context sizing the grid)."""
+    bs, hkv, hq, d = 16, 2, 6, 32
+    seg = 32 if device == "cpu" else 128
+    ctxs = [1, seg - 1, seg, seg + 1, 2 * seg + 17, 3 * seg]
+    tables, nxt = [], 0
+    for c in ctxs:
+        tables.append(list(range(nxt, nxt - (-c // bs))))
+        nxt = tables[-1][-1] + 1
+    k_cache, v_cache = _cache(device, dtype, blocks=nxt + 1, hkv=hkv, d=d)
+    q = torch.randn(len(ctxs), hq, d, generator=torch.Generator().manual_seed(5)).to(device, dtype)
+    scale = d ** -0.5
+    decode, _ = build_attn_metadata([(c - 1, 1) for c in ctxs], tables, bs, device)
+    assert decode.is_decode_only
+    batched = invariant_paged_attention(q, k_cache, v_cache, decode, scale, segment=seg)
+    ref = paged_attention_torch(q.float(), k_cache.float(), v_cache.float(), decode, scale)
+    tol = dict(rtol=2e-2, atol=2e-2) if dtype == torch.bfloat16 else dict(rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(batched.float(), ref, **tol)
+    prompt = torch.randn(3, hq, d, generator=torch.Generator().manual_seed(6)).to(device, dtype)
+    for i, c in enumerate(ctxs):
+        alone, _ = build_attn_metadata([(c - 1, 1)], [tables[i]], bs, device)
+        assert torch.equal(invariant_paged_attention(q[i:i + 1], k_cache, v_cache, alone, scale,
+                                                     segment=seg), batched[i:i + 1]), c
+        # the same token in a step with a prompt (the one-kernel path)
+        mixed, _ = build_attn_metadata([(0, 3), (c - 1, 1)], [tables[-1], tables[i]], bs, device)
+        assert not mixed.is_decode_only
+        got = invariant_paged_attention(torch.cat([prompt, q[i:i + 1]]), k_cache, v_cache, mixed, scale,
+                                        segment=seg)
+        assert torch.equal(got[3:], batched[i:i + 1]), c
+    for programs in (1, 2, 3):      # the one-kernel path, and segments strided over programs
+        assert torch.equal(invariant_paged_attention(q, k_cache, v_cache, decode, scale, segment=seg,
+                                                     decode_programs=programs), batched), programs
+    part, _ = build_attn_metadata([(c - 1, 1) for c in ctxs[:5]], tables[:5], bs, device)
+    assert torch.equal(invariant_paged_attention(q[:5], k_cache, v_cache, part, scale, segment=seg),
+                       batched[:5])
+
+
+def test_decode_segment_programs():
+    """About four programs an SM, at most one a segment; 1 (the one-kernel path) when the
+    pairs fill the GPU or the workspace would be large."""
+    assert decode_segment_programs(8, 2, 256, 12, 128, 132) == 33
+    assert decode_segment_programs(8, 2, 4, 12, 128, 132) == 4
+    assert decode_segment_programs(256, 2, 4, 12, 128, 132) == 1
+    assert decode_segment_programs(64, 2, 256, 12, 128, 132) == 1      # 102 MB of workspace
+
+
 def test_attention_bad_inputs():
     bs, hkv, hq, d = 16, 2, 6, 32
     k_cache, v_cache = _cache("cpu", torch.float32, hkv=hkv, d=d)
@@ -139,6 +218,11 @@ def test_attention_bad_inputs():
     q = torch.randn(4, hq, d)
     with pytest.raises(ValueError, match="block_m"):
         invariant_paged_attention(q, k_cache, v_cache, meta, 1.0, block_m=2)
+    for bad in (24, 8, 0):
+        with pytest.raises(ValueError, match="segment"):
+            invariant_paged_attention(q, k_cache, v_cache, meta, 1.0, segment=bad)
+    with pytest.raises(ValueError, match="decode_programs"):
+        invariant_paged_attention(q, k_cache, v_cache, meta, 1.0, decode_programs=0)
     meta.prefill_tiles = torch.zeros(4, dtype=torch.int32)
     with pytest.raises(ValueError, match="prefill_tiles"):
         invariant_paged_attention(q, k_cache, v_cache, meta, 1.0)

@@ -564,8 +564,8 @@ def bench_invariant(cfg) -> tuple[list[dict], list[dict]]:
     for name, (n, k) in cfg.invariant_shapes:
         copies = max(1, math.ceil(_ROTATE / (2 * n * k)))
         w = torch.empty((copies, n, k), dtype=dtype, device=DEVICE).normal_(0, 0.02)
-        base = invariant_linear_config(n, k, DEVICE.type == "cpu")
         for m in cfg.invariant_m:
+            base = invariant_linear_config(n, k, DEVICE.type == "cpu", m)
             x = torch.empty((m, k), dtype=dtype, device=DEVICE).normal_()
             reps = max(copies, cfg.min_reps) if m <= 64 else max(copies, min(8, cfg.min_reps))
             i_fns = [lambda i=i, x=x, w=w: invariant_linear(x, w[i]) for i in range(copies)]
@@ -830,7 +830,7 @@ def markdown(res: dict) -> str:
             out.append(f"- M={key[0]} K={key[1]} N={key[2]}: {b['us']:.2f} us ({b['speedup']:.2f}x) {b['config']}")
     if res.get("invariant"):
         out += ["", "## Batch-invariant linear vs cuBLAS bf16", "",
-                "One tile configuration a weight, whatever M (`invariant_linear_config`): what the "
+                "The tile configuration of `invariant_linear_config` for each weight and M: what the "
                 "`--batch-invariant` mode's projections cost against the library GEMM.", "",
                 "| weight | M | K | N | invariant us | cuBLAS bf16 us | ratio | config |",
                 "| --- | --- | --- | --- | --- | --- | --- | --- |"]

@@ -8,20 +8,25 @@ kernel starts its masked (diagonal) tiles where a chunk starts. bf16 near-ties t
 difference into other tokens. The remedy (Thinking Machines Lab, He et al. 2025, "Defeating
 Nondeterminism in LLM Inference") is to fix the reduction order of every row:
 
-* :func:`invariant_linear`: one tile configuration per weight shape ``(N, K)``, never chosen
-  from ``M``; a program computes a ``BLOCK_M x BLOCK_N`` output tile by walking ``K`` in
-  ``BLOCK_K`` steps from 0 with ``tl.dot`` (no split-K). Every output row therefore goes through
-  the same instruction sequence whatever ``M`` is and wherever the row sits in its tile (a
-  tensor-core MMA computes each output element from its own row and column only).
-* :func:`invariant_paged_attention`: one kernel for prefill, chunked prefill and decode rows.
-  A program holds up to ``BLOCK_M // G`` query tokens of one sequence with the ``G`` query heads
-  of one KV head (``BLOCK_M`` rows), and folds the context in key tiles of ``BLOCK_N``
-  positions at absolute offsets ``0, BLOCK_N, 2 BLOCK_N, ...`` with the online softmax
-  (Milakov & Gimelshein 2018), always masked. A key tile past a row's own position changes
-  nothing bit for bit (its scores are ``-inf``: the rescale factor is exactly 1 and the added
-  terms exactly 0), so a row gets the same bits whether its program runs more tiles for other
-  rows or stops at its own last tile, whatever chunk it arrived in and whether its prefix came
-  from the prefix cache.
+* :func:`invariant_linear`: a program computes a ``BLOCK_M x BLOCK_N`` output tile by walking
+  ``K`` from 0 with ``tl.dot`` into one fp32 accumulator (no split-K), with the same MMA
+  instruction whatever the tile; so every output element goes through the same sequence of
+  16-wide products and adds whatever ``M`` is and wherever its row sits in its tile (a
+  tensor-core MMA computes each output element from its own row and column only). The tile
+  sizes may then follow ``M`` (:func:`invariant_linear_config`: narrow tiles for decode steps,
+  large ones for prefill steps).
+* :func:`invariant_paged_attention`: one computation for prefill, chunked prefill and decode
+  rows. A row's context is cut into segments of ``segment`` positions at absolute offsets;
+  each segment is folded from the empty state in key tiles of ``BLOCK_N`` positions at absolute
+  offsets with the online softmax (Milakov & Gimelshein 2018), always masked, and the segments'
+  states are folded in ascending order (split-KV with a fixed split size, as in the reference
+  above). A key tile or segment past a row's own position changes nothing bit for bit (its
+  scores are ``-inf``: the rescale factor is exactly 1 and the added terms exactly 0), so a row
+  gets the same bits whether its program runs more tiles for other rows or stops at its own,
+  whatever chunk it arrived in and whether its prefix came from the prefix cache. Steps with a
+  prompt token fold a row's segments inside one program (up to ``BLOCK_M // G`` query tokens
+  of one sequence with the ``G`` query heads of one KV head); decode steps compute the
+  segments in parallel programs and fold them in a second kernel, with the same function.
 
 The other ops of the fused forward are per row already (RMSNorm programs reduce one row each,
 RoPE, SiLU-and-mul and the residual adds are elementwise, the greedy argmax reduces one row a
@@ -46,17 +51,20 @@ from .paged_attention import (
     _qk,
 )
 
-__all__ = ["invariant_linear", "invariant_linear_config", "invariant_paged_attention"]
+__all__ = ["decode_segment_programs", "invariant_linear", "invariant_linear_config",
+           "invariant_paged_attention"]
 
 
 @triton.jit(do_not_specialize=["M"])
 def _invariant_matmul_kernel(x_ptr, w_ptr, b_ptr, out_ptr, M, N, K, stride_xm, stride_wn, stride_om,
                              HAS_BIAS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                              BLOCK_K: tl.constexpr, FP32_MATH: tl.constexpr):
-    """Grid ``(cdiv(N, BLOCK_N), cdiv(M, BLOCK_M))``: output tile ``(pid_m, pid_n)`` of
-    ``x @ w.T + b``, ``K`` walked from 0 in ``BLOCK_K`` steps."""
-    pid_n = tl.program_id(0)
-    pid_m = tl.program_id(1)
+    """Grid ``(cdiv(M, BLOCK_M), cdiv(N, BLOCK_N))``: output tile ``(pid_m, pid_n)`` of
+    ``x @ w.T + b``, ``K`` walked from 0 in ``BLOCK_K`` steps. Row tiles are the fast grid axis:
+    the programs that share a weight tile run together and read it from HBM once (with columns
+    first, a product of many row tiles streams a weight larger than the L2 once a row tile)."""
+    pid_m = tl.program_id(0)
+    pid_n = tl.program_id(1)
     offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     offs_k = tl.arange(0, BLOCK_K)
@@ -80,20 +88,42 @@ def _invariant_matmul_kernel(x_ptr, w_ptr, b_ptr, out_ptr, M, N, K, stride_xm, s
     tl.store(out, acc.to(out_ptr.dtype.element_ty), mask=mmask[:, None] & nmask[None, :])
 
 
-def invariant_linear_config(n: int, k: int, on_cpu: bool = False) -> dict:
-    """The tile configuration :func:`invariant_linear` uses for a ``[n, k]`` weight: a function
-    of the weight's shape only (never of the number of rows), which is what makes the product
-    batch-invariant.
+# Row counts from which larger tiles pay: decode steps of many sequences, then prefill steps.
+INVARIANT_MID_M = 128
+INVARIANT_LARGE_M = 512
 
-    ``BLOCK_M`` 64 rows (one Hopper warpgroup MMA), ``BLOCK_K`` 64; ``BLOCK_N`` as narrow as
-    keeps enough programs for a step of a few rows to spread a small weight over the GPU
-    (16 columns up to 4,096 outputs, 64 up to 32,768, else 128). On CPU (the interpreter):
-    16 x 16 x 16 tiles.
+
+def invariant_linear_config(n: int, k: int, on_cpu: bool = False, m: int = 1) -> dict:
+    """The tile configuration :func:`invariant_linear` uses for ``m`` rows times a ``[n, k]``
+    weight.
+
+    Every configuration accumulates ``K`` from 0 in the same 16-wide tensor-core steps into an
+    fp32 accumulator, with no split of ``K``, so an output element gets the same bits from any
+    of them: what fixes a row's bits is the order over ``K``, not the tile's width or height
+    (checked bitwise across the thresholds on the GPU by ``tests/test_invariant_kernels.py``).
+    The tiles can therefore follow the step's size:
+
+    * below :data:`INVARIANT_MID_M` rows (decode steps; reading the weight is the cost): 64-row
+      tiles, ``BLOCK_N`` 16 with ``BLOCK_K`` 128 and 6 stages for the narrow (<= 4,096 outputs)
+      or long (``K`` >= 4,096) weights, so a small weight still spreads over the GPU with enough
+      bytes in flight; 64 x 64 for wider ones and 64 x 128 beyond 32,768 outputs (the LM head);
+    * up to :data:`INVARIANT_LARGE_M`: 128 x 128 (8 warps) for wide weights, 64 x 32 x 128 for
+      long ones, 64 x 64 x 128 otherwise;
+    * from it on (prefill steps): 128 x 128 x 64, 8 warps, 3 stages.
+
+    Measured per shape on an H100 at M = 1..2048 (docs/performance.md). On CPU (the
+    interpreter): 16 x 16 x 16 tiles for every ``m``.
     """
     if on_cpu:
         return dict(BLOCK_M=16, BLOCK_N=16, BLOCK_K=16, num_warps=1, num_stages=1)
-    block_n = 16 if n <= 4096 else 64 if n <= 32768 else 128
-    return dict(BLOCK_M=64, BLOCK_N=block_n, BLOCK_K=64, num_warps=4, num_stages=4)
+    if m >= INVARIANT_LARGE_M or (m >= INVARIANT_MID_M and n > 4096):
+        return dict(BLOCK_M=128, BLOCK_N=128, BLOCK_K=64, num_warps=8, num_stages=3)
+    if m >= INVARIANT_MID_M:
+        return dict(BLOCK_M=64, BLOCK_N=32 if k >= 4096 else 64, BLOCK_K=128, num_warps=4,
+                    num_stages=6 if k >= 4096 else 4)
+    if n <= 4096 or k >= 4096:
+        return dict(BLOCK_M=64, BLOCK_N=16, BLOCK_K=128, num_warps=4, num_stages=6)
+    return dict(BLOCK_M=64, BLOCK_N=64 if n <= 32768 else 128, BLOCK_K=64, num_warps=4, num_stages=4)
 
 
 def invariant_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, *,
@@ -108,8 +138,8 @@ def invariant_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor |
         weight: ``[N, K]``, same dtype and device, last dim contiguous.
         bias: ``[N]`` contiguous, same dtype and device, or None.
         block_m, block_n, block_k, num_warps, num_stages: overrides of
-            :func:`invariant_linear_config` (a caller that wants invariance passes the same
-            values for every call on one weight).
+            :func:`invariant_linear_config` (a caller that wants invariance keeps ``BLOCK_M`` a
+            multiple of 64 and ``num_warps`` 4 or 8, the warpgroup MMA of the defaults).
 
     Returns:
         ``[..., N]`` in ``x.dtype``; fp32 accumulation, bias added in fp32, one rounding.
@@ -146,7 +176,7 @@ def invariant_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor |
     out = torch.empty((m, n), dtype=x.dtype, device=x.device)
     if m == 0:
         return out.reshape(*lead, n)
-    cfg = invariant_linear_config(n, k, on_cpu)
+    cfg = invariant_linear_config(n, k, on_cpu, m)
     for key, val in (("BLOCK_M", block_m), ("BLOCK_N", block_n), ("BLOCK_K", block_k),
                      ("num_warps", num_warps), ("num_stages", num_stages)):
         if val is not None:
@@ -154,7 +184,7 @@ def invariant_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor |
                 raise ValueError(f"{key.lower()} must be a positive integer"
                                  f"{' (a power of two)' if key.startswith('BLOCK') else ''}, got {val!r}")
             cfg[key] = val
-    grid = (triton.cdiv(n, cfg["BLOCK_N"]), triton.cdiv(m, cfg["BLOCK_M"]))
+    grid = (triton.cdiv(m, cfg["BLOCK_M"]), triton.cdiv(n, cfg["BLOCK_N"]))
     _invariant_matmul_kernel[grid](
         x2, weight, bias if bias is not None else weight, out, m, n, k,
         x2.stride(0), weight.stride(0), out.stride(0), HAS_BIAS=bias is not None,
@@ -162,16 +192,52 @@ def invariant_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor |
     return out.reshape(*lead, n)
 
 
+@triton.jit
+def _merge_segment(m_all, l_all, acc_all, m_s, l_s, acc_s):
+    """Fold one context segment's softmax state ``(m_s, l_s, acc_s)`` (max, denominator
+    ``[R]``, unnormalised output ``[R, D]``) into the running state of the segments before it.
+    Both attention kernels fold segments with this one function, so a row gets the same bits
+    whichever kernel ran it. A segment wholly past a row's position (``m_s = -inf``) changes
+    nothing bit for bit; so does folding the first segment into the empty state."""
+    m_new = tl.maximum(m_all, m_s)
+    m_ref = tl.where(m_new == float("-inf"), 0.0, m_new)
+    a = tl.exp2(m_all - m_ref)
+    b = tl.exp2(m_s - m_ref)
+    return m_new, l_all * a + l_s * b, acc_all * a[:, None] + acc_s * b[:, None]
+
+
+@triton.jit
+def _segment_state(q, q_pos, k_cache_ptr, v_cache_ptr, bt_row_ptr, kvh, offs_d, offs_n, s0, s_end,
+                   qk_scale, stride_kb, stride_kt, stride_kh, PAGE: tl.constexpr, BLOCK_M: tl.constexpr,
+                   HEAD_DIM: tl.constexpr, BLOCK_N: tl.constexpr, FP32_MATH: tl.constexpr):
+    """Softmax state of rows ``q`` ``[BLOCK_M, D]`` at positions ``q_pos`` over the keys at
+    ``s0 .. s_end - 1`` (one segment), from the empty state, in key tiles of ``BLOCK_N`` at
+    absolute offsets, every tile masked (a tile past a row's position is an exact no-op)."""
+    m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
+    l_i = tl.zeros([BLOCK_M], tl.float32)
+    acc = tl.zeros([BLOCK_M, HEAD_DIM], tl.float32)
+    for n0 in range(s0, s_end, BLOCK_N):
+        t = n0 + offs_n
+        tmask = t < s_end
+        k, v = _load_kv_tile(k_cache_ptr, v_cache_ptr, bt_row_ptr, t, kvh, offs_d, stride_kb, stride_kt,
+                             stride_kh, PAGE, True, tmask)                    # [BLOCK_N, D] each
+        allowed = (t[None, :] <= q_pos[:, None]) & tmask[None, :]
+        s = tl.where(allowed, _qk(q, k, FP32_MATH) * qk_scale, float("-inf"))
+        m_i, l_i, acc = _online_softmax_step(s, v, m_i, l_i, acc, FP32_MATH, True)
+    return m_i, l_i, acc
+
+
 @triton.jit(do_not_specialize=["stride_btb"])
 def _invariant_attention_kernel(q_ptr, k_cache_ptr, v_cache_ptr, out_ptr, bt_ptr, ctx_ptr, qsl_ptr,
                                 qk_scale, stride_qn, stride_qh, stride_kb, stride_kt, stride_kh,
                                 stride_on, stride_oh, stride_btb,
                                 G: tl.constexpr, HEAD_DIM: tl.constexpr, PAGE: tl.constexpr,
-                                BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                                BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, SEGMENT: tl.constexpr,
                                 FP32_MATH: tl.constexpr):
     """Grid ``(Hkv, query tiles, B)``: program ``(kvh, j, b)`` takes query tokens
     ``j*TOK .. (j+1)*TOK - 1`` (``TOK = BLOCK_M // G``) of sequence ``b`` with the ``G`` query
-    heads of KV head ``kvh``; row ``r`` is token ``r // G``, head ``kvh*G + r % G``."""
+    heads of KV head ``kvh``; row ``r`` is token ``r // G``, head ``kvh*G + r % G``. The context
+    is folded segment by segment (``SEGMENT`` positions from 0), in order."""
     TOK: tl.constexpr = BLOCK_M // G
     kvh = tl.program_id(0)
     m_tile = tl.program_id(1)
@@ -196,51 +262,167 @@ def _invariant_attention_kernel(q_ptr, k_cache_ptr, v_cache_ptr, out_ptr, bt_ptr
     else:
         q = q.to(k_cache_ptr.dtype.element_ty)
     bt_row_ptr = bt_ptr + b.to(tl.int64) * stride_btb
-    m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
-    l_i = tl.zeros([BLOCK_M], tl.float32)
-    acc = tl.zeros([BLOCK_M, HEAD_DIM], tl.float32)
+    m_all = tl.full([BLOCK_M], float("-inf"), tl.float32)
+    l_all = tl.zeros([BLOCK_M], tl.float32)
+    acc_all = tl.zeros([BLOCK_M, HEAD_DIM], tl.float32)
     last_tok = tl.minimum((m_tile + 1) * TOK, q_len) - 1
     kv_end = ctx - q_len + last_tok + 1               # one past the last key any row may see
-    for n0 in range(0, kv_end, BLOCK_N):              # every tile masked: one code path per row
-        t = n0 + offs_n
-        tmask = t < kv_end
-        k, v = _load_kv_tile(k_cache_ptr, v_cache_ptr, bt_row_ptr, t, kvh, offs_d, stride_kb, stride_kt,
-                             stride_kh, PAGE, True, tmask)                    # [BLOCK_N, D] each
-        allowed = (t[None, :] <= q_pos[:, None]) & tmask[None, :]
-        s = tl.where(allowed, _qk(q, k, FP32_MATH) * qk_scale, float("-inf"))
-        m_i, l_i, acc = _online_softmax_step(s, v, m_i, l_i, acc, FP32_MATH, True)
-    out = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
+    for s0 in range(0, kv_end, SEGMENT):
+        m_s, l_s, acc_s = _segment_state(q, q_pos, k_cache_ptr, v_cache_ptr, bt_row_ptr, kvh, offs_d,
+                                         offs_n, s0, tl.minimum(s0 + SEGMENT, kv_end), qk_scale,
+                                         stride_kb, stride_kt, stride_kh, PAGE, BLOCK_M, HEAD_DIM,
+                                         BLOCK_N, FP32_MATH)
+        m_all, l_all, acc_all = _merge_segment(m_all, l_all, acc_all, m_s, l_s, acc_s)
+    out = acc_all / tl.where(l_all > 0, l_all, 1.0)[:, None]
     tl.store(out_ptr + rows[:, None] * stride_on + head[:, None] * stride_oh + offs_d[None, :],
              out.to(out_ptr.dtype.element_ty), mask=rmask[:, None])
 
 
+@triton.jit(do_not_specialize=["stride_btb"])
+def _invariant_decode_segment_kernel(q_ptr, k_cache_ptr, v_cache_ptr, bt_ptr, ctx_ptr, qsl_ptr, ws_m_ptr, ws_l_ptr,
+                                     ws_acc_ptr, qk_scale, stride_qn, stride_qh, stride_kb, stride_kt,
+                                     stride_kh, stride_btb, NSEG,
+                                     G: tl.constexpr, HEAD_DIM: tl.constexpr, PAGE: tl.constexpr,
+                                     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                                     SEGMENT: tl.constexpr, FP32_MATH: tl.constexpr):
+    """Decode steps (one query token a sequence), grid ``(Hkv, P, B)``: program
+    ``(kvh, j, b)`` computes segments ``j, j + P, j + 2P, ...`` of sequence ``b``'s context for
+    the ``G`` heads of KV head ``kvh`` (rows laid out as in :func:`_invariant_attention_kernel`,
+    so the products run the same instructions), each from the empty state, and writes each
+    segment's state to the workspace ``[B, Hq, NSEG]`` (``+ [D]`` for the output)."""
+    kvh = tl.program_id(0)
+    j = tl.program_id(1)
+    b = tl.program_id(2)
+    ctx = tl.load(ctx_ptr + b)
+    q_row = tl.load(qsl_ptr + b)
+    if tl.load(qsl_ptr + b + 1) == q_row:
+        return
+    r = tl.arange(0, BLOCK_M)
+    head = kvh * G + r % G
+    rmask = r < G
+    q_pos = tl.zeros([BLOCK_M], tl.int32) + (ctx - 1)
+    offs_d = tl.arange(0, HEAD_DIM)
+    offs_n = tl.arange(0, BLOCK_N)
+    q = tl.load(q_ptr + q_row.to(tl.int64) * stride_qn + head[:, None] * stride_qh + offs_d[None, :],
+                mask=rmask[:, None], other=0.0)
+    if FP32_MATH:
+        q = q.to(tl.float32)
+    else:
+        q = q.to(k_cache_ptr.dtype.element_ty)
+    bt_row_ptr = bt_ptr + b.to(tl.int64) * stride_btb
+    hq = G * tl.num_programs(0)
+    for seg in range(j, tl.cdiv(ctx, SEGMENT), tl.num_programs(1)):
+        s0 = seg * SEGMENT
+        m_s, l_s, acc_s = _segment_state(q, q_pos, k_cache_ptr, v_cache_ptr, bt_row_ptr, kvh, offs_d, offs_n,
+                                         s0, tl.minimum(s0 + SEGMENT, ctx), qk_scale, stride_kb, stride_kt,
+                                         stride_kh, PAGE, BLOCK_M, HEAD_DIM, BLOCK_N, FP32_MATH)
+        ws = (b.to(tl.int64) * hq + head) * NSEG + seg                        # [BLOCK_M]
+        tl.store(ws_m_ptr + ws, m_s, mask=rmask)
+        tl.store(ws_l_ptr + ws, l_s, mask=rmask)
+        tl.store(ws_acc_ptr + ws[:, None] * HEAD_DIM + offs_d[None, :], acc_s, mask=rmask[:, None])
+
+
+@triton.jit
+def _invariant_decode_merge_kernel(ws_m_ptr, ws_l_ptr, ws_acc_ptr, ctx_ptr, qsl_ptr, out_ptr, stride_on, stride_oh,
+                                   NSEG, G: tl.constexpr, GP: tl.constexpr, HEAD_DIM: tl.constexpr,
+                                   SEGMENT: tl.constexpr):
+    """Grid ``(Hkv, B)``: fold sequence ``b``'s segments ``0, 1, ...`` for the ``G`` heads of
+    KV head ``kvh`` (``GP``: ``G`` rounded up to a power of two) with :func:`_merge_segment`, in
+    order, and write the normalised output."""
+    kvh = tl.program_id(0)
+    b = tl.program_id(1)
+    ctx = tl.load(ctx_ptr + b)
+    q_row = tl.load(qsl_ptr + b)
+    if tl.load(qsl_ptr + b + 1) == q_row:
+        return
+    r = tl.arange(0, GP)
+    rmask = r < G
+    head = kvh * G + r
+    offs_d = tl.arange(0, HEAD_DIM)
+    hq = G * tl.num_programs(0)
+    base = (b.to(tl.int64) * hq + head) * NSEG                                # [GP]
+    m_all = tl.full([GP], float("-inf"), tl.float32)
+    l_all = tl.zeros([GP], tl.float32)
+    acc_all = tl.zeros([GP, HEAD_DIM], tl.float32)
+    for seg in range(0, tl.cdiv(ctx, SEGMENT)):
+        m_s = tl.load(ws_m_ptr + base + seg, mask=rmask, other=float("-inf"))
+        l_s = tl.load(ws_l_ptr + base + seg, mask=rmask, other=0.0)
+        acc_s = tl.load(ws_acc_ptr + (base + seg)[:, None] * HEAD_DIM + offs_d[None, :],
+                        mask=rmask[:, None], other=0.0)
+        m_all, l_all, acc_all = _merge_segment(m_all, l_all, acc_all, m_s, l_s, acc_s)
+    out = acc_all / tl.where(l_all > 0, l_all, 1.0)[:, None]
+    tl.store(out_ptr + q_row.to(tl.int64) * stride_on + head[:, None] * stride_oh + offs_d[None, :],
+             out.to(out_ptr.dtype.element_ty), mask=rmask[:, None])
+
+
+# A decode step spreads its segments over programs only while the fp32 workspace stays small.
+DECODE_WORKSPACE_BYTES = 64 << 20
+
+
+def decode_segment_programs(batch: int, num_kv_heads: int, num_segments: int, num_q_heads: int,
+                            head_dim: int, num_sms: int) -> int:
+    """Programs a (sequence, KV head) pair gets in a decode step of
+    :func:`invariant_paged_attention`: enough for about four of them per SM over the whole step
+    (at most one a segment), or 1 when the step's pairs fill the GPU already or the workspace
+    (``batch x num_q_heads x num_segments x (head_dim + 2)`` fp32) would exceed
+    :data:`DECODE_WORKSPACE_BYTES`. 1 means the one-kernel path, which gives the same bits.
+    A function of the step's shape only (graphs capture it), never of the contexts."""
+    if batch * num_q_heads * num_segments * (head_dim + 2) * 4 > DECODE_WORKSPACE_BYTES:
+        return 1
+    return max(1, min(num_segments, (4 * num_sms) // max(1, batch * num_kv_heads)))
+
+
+def _num_sms(device: torch.device) -> int:
+    if device.type != "cuda":
+        return 64      # the interpreter: enough for the split path to run in tests
+    return torch.cuda.get_device_properties(device).multi_processor_count
+
+
 def invariant_paged_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                               meta, scale: float, *, block_m: int | None = None,
-                              block_n: int | None = None, num_warps: int | None = None,
+                              block_n: int | None = None, segment: int | None = None,
+                              decode_programs: int | None = None, num_warps: int | None = None,
                               num_stages: int | None = None) -> torch.Tensor:
     """Causal paged attention of a flat varlen batch (prefill chunks and decode tokens alike,
     same contract as :func:`~llmserve.kernels.paged_attention.paged_attention_triton`), each row
-    reduced in one fixed order: key tiles of ``block_n`` positions from position 0.
+    reduced in one fixed order.
+
+    A row's context is cut into segments of ``segment`` positions at absolute offsets
+    ``0, segment, 2 segment, ...``; within a segment keys are folded in tiles of ``block_n``
+    positions with the online softmax, and the segments' states are folded in ascending order
+    (:func:`_merge_segment`). Steps with a prompt token run one kernel that folds the segments
+    of a row one after the other; decode steps (``meta.is_decode_only``) spread the segments
+    over ``decode_programs`` programs a (sequence, KV head) pair (grid ``Hkv x P x B``, so a few
+    sequences with a long context still fill the GPU) and fold them in a second kernel, through
+    an fp32 workspace of ``B x Hq x segments x (D + 2)`` values. Both do the same operations in
+    the same order on each row, so a token decoded in a batch, recomputed as a prompt row after
+    preemption, or read back from the prefix cache gets the same bits.
 
     Args:
         query: ``[N, Hq, D]``, the cache dtype.
         k_cache, v_cache: ``[num_blocks + 1, block_size, Hkv, D]`` contiguous, holding this
             step's K/V.
         meta: :class:`~llmserve.attention.metadata.AttentionMetadata` (``max_query_len`` sizes
-            the grid; ``prefill_tiles`` must be None: this kernel serves decode rows too, so the
-            mixed-step graphs' split schedule does not apply).
+            the prompt kernel's grid, ``max_context_len`` the decode kernel's; ``prefill_tiles``
+            must be None: this kernel serves decode rows too, so the mixed-step graphs' split
+            schedule does not apply).
         scale: softmax scale.
         block_m: rows a program (query tokens x the ``G`` heads of a KV head; default 64, 16 on
-            CPU); at least ``G``. block_n: keys a tile (default 64, 16 on CPU). The same
-            values must be used for every call whose rows are to agree.
+            CPU); at least ``G``. block_n: keys a tile (default 64, 16 on CPU). segment:
+            positions a segment, a multiple of ``block_n`` (default ``2 * block_n``). The same
+            values must be used for every call whose rows are to agree. decode_programs:
+            programs a (sequence, KV head) pair of a decode step (default
+            :func:`decode_segment_programs`; 1: the one-kernel path); any value gives the same
+            bits.
         num_warps, num_stages: launch options.
 
     Returns:
         ``[N, Hq, D]`` in ``query.dtype``; rows not covered by ``query_start_loc`` are zero.
 
     Raises:
-        ValueError: inconsistent shapes, dtypes, devices or strides; ``block_m < G``;
-            ``meta.prefill_tiles`` set.
+        ValueError: inconsistent shapes, dtypes, devices or strides; ``block_m < G``; a
+            ``segment`` that is not a positive multiple of ``block_n``; ``decode_programs``
+            not a positive integer; ``meta.prefill_tiles`` set.
     """
     n, hq, hkv, d, bs, b = _check_attention_inputs(query, k_cache, v_cache, meta)
     if meta.prefill_tiles is not None:
@@ -255,8 +437,37 @@ def invariant_paged_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cach
     if bm < g or bm & (bm - 1) or bn < 16 or bn & (bn - 1):
         raise ValueError(f"block_m must be a power of two >= G={g} and block_n a power of two "
                          f">= 16, got {bm}, {bn}")
+    seg = segment if segment is not None else 2 * bn
+    if type(seg) is not int or seg < bn or seg % bn:
+        raise ValueError(f"segment must be a positive multiple of block_n={bn}, got {seg!r}")
     out = torch.zeros_like(query)
     if b == 0 or n == 0 or meta.max_query_len <= 0:
+        return out
+    fp32 = on_cpu or query.dtype == torch.float32
+    warps = num_warps or (1 if on_cpu else 4)
+    stages = num_stages or (1 if on_cpu else 2)
+    nseg = triton.cdiv(max(int(meta.max_context_len), 1), seg)
+    if decode_programs is None:
+        programs = decode_segment_programs(b, hkv, nseg, hq, d, _num_sms(query.device))
+    elif type(decode_programs) is not int or decode_programs < 1:
+        raise ValueError(f"decode_programs must be a positive integer, got {decode_programs!r}")
+    else:
+        programs = min(decode_programs, nseg)
+    if meta.is_decode_only and programs > 1:
+        ws_m = torch.empty((b, hq, nseg), dtype=torch.float32, device=query.device)
+        ws_l = torch.empty_like(ws_m)
+        ws_acc = torch.empty((b, hq, nseg, d), dtype=torch.float32, device=query.device)
+        _invariant_decode_segment_kernel[(hkv, programs, b)](
+            query, k_cache, v_cache, meta.block_tables, meta.context_lens, meta.query_start_loc,
+            ws_m, ws_l, ws_acc, float(scale) * _LOG2E,
+            query.stride(0), query.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
+            meta.block_tables.stride(0), nseg,
+            G=g, HEAD_DIM=d, PAGE=bs, BLOCK_M=bm, BLOCK_N=bn, SEGMENT=seg, FP32_MATH=fp32,
+            num_warps=warps, num_stages=stages)
+        _invariant_decode_merge_kernel[(hkv, b)](
+            ws_m, ws_l, ws_acc, meta.context_lens, meta.query_start_loc, out, out.stride(0),
+            out.stride(1), nseg, G=g, GP=triton.next_power_of_2(g), HEAD_DIM=d, SEGMENT=seg,
+            num_warps=1 if on_cpu else 4)
         return out
     tok = bm // g
     grid = (hkv, triton.cdiv(int(meta.max_query_len), tok), b)
@@ -265,7 +476,6 @@ def invariant_paged_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cach
         float(scale) * _LOG2E,
         query.stride(0), query.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         out.stride(0), out.stride(1), meta.block_tables.stride(0),
-        G=g, HEAD_DIM=d, PAGE=bs, BLOCK_M=bm, BLOCK_N=bn,
-        FP32_MATH=on_cpu or query.dtype == torch.float32,
-        num_warps=num_warps or (1 if on_cpu else 4), num_stages=num_stages or (1 if on_cpu else 2))
+        G=g, HEAD_DIM=d, PAGE=bs, BLOCK_M=bm, BLOCK_N=bn, SEGMENT=seg, FP32_MATH=fp32,
+        num_warps=warps, num_stages=stages)
     return out
