@@ -79,6 +79,10 @@ def test_cpu_smoke_writes_json_and_markdown(tmp_path, capsys):
     for r in res["invariant"]:
         assert r["invariant_us"] > 0 and r["cublas_bf16_us"] > 0 and r["config"] == "16x16x16 w1 s1"
     assert any("us" in s and s["ok"] for s in res["invariant_sweep"])
+    # each candidate's rows against the configured product of the same rows, bit for bit
+    checked = [s for s in res["invariant_sweep"] if "us" in s]
+    assert checked and all(isinstance(s["bitwise"], bool) for s in checked)
+    assert "bit for bit against the configured product" in md
     assert "rows alone: same bits" in cases and "first sequence alone: same bits" in cases
     assert res["targets"] == {"parity": "all ok"}
     # the report says the timings mean nothing and carries every section

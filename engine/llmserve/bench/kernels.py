@@ -557,7 +557,10 @@ def _inv_cfg_key(c: dict) -> str:
 def bench_invariant(cfg) -> tuple[list[dict], list[dict]]:
     """The batch-invariant linear at its configuration (:func:`invariant_linear_config`) against
     cuBLAS bf16 for every shape and M of ``cfg``; with ``cfg.sweep``, every candidate tile
-    configuration at ``cfg.invariant_sweep_m`` (checked against an fp32 matmul, not only timed)."""
+    configuration at ``cfg.invariant_sweep_m``, checked against an fp32 matmul and bit for bit
+    against the configured product of the same rows (``bitwise``: what lets the configuration
+    follow M; the rows are the first M of a fixed ``max(invariant_sweep_m)``-row input, whose
+    configured product is the reference), not only timed."""
     rows, sweep = [], []
     t_sec = time.time()
     dtype = cfg.dtype
@@ -580,6 +583,12 @@ def bench_invariant(cfg) -> tuple[list[dict], list[dict]]:
             if not (cfg.sweep and m in cfg.invariant_sweep_m):
                 continue
             ref = None
+            if WARM is None:     # the configured product of the largest swept M, its first m rows
+                g = torch.Generator(device=DEVICE).manual_seed(n * 31 + k)
+                x_all = torch.randn((max(cfg.invariant_sweep_m), k), generator=g, device=DEVICE).to(dtype)
+                x = x_all[:m].contiguous()
+                same_ref = invariant_linear(x_all, w[0])[:m]
+                del x_all
             for bm, bn, bk, warps, stages in cfg.invariant_sweep_cfgs:
                 cand = dict(BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, num_warps=warps, num_stages=stages)
                 key = _inv_cfg_key(cand)
@@ -594,7 +603,9 @@ def bench_invariant(cfg) -> tuple[list[dict], list[dict]]:
                     if WARM is None:
                         if ref is None:
                             ref = x.float() @ w[0].float().T
-                        e = rel_err(invariant_linear(x, w[0], **kw), ref)
+                        got = invariant_linear(x, w[0], **kw)
+                        e = rel_err(got, ref)
+                        rec["bitwise"] = bool(torch.equal(got, same_ref))
                 except Exception as ex:  # noqa: BLE001 - a candidate that does not fit is a row
                     sweep.append(dict(rec, error=str(ex)[:300]))
                     continue
@@ -837,6 +848,14 @@ def markdown(res: dict) -> str:
         for r in res["invariant"]:
             out.append(f"| {r['weight']} | {r['M']} | {r['K']} | {r['N']} | {r['invariant_us']:.2f} | "
                        f"{r['cublas_bf16_us']:.2f} | x{r['ratio']:.2f} | {r['config']} |")
+    checked = [s for s in res.get("invariant_sweep", []) if "bitwise" in s]
+    if checked:
+        differ = sorted({f"{s['weight']} {s['config']} at M={s['M']}" for s in checked if not s["bitwise"]})
+        out += ["", f"Batch-invariant linear sweep, bit for bit against the configured product of the "
+                f"same rows (taken from the largest swept M): {len(checked) - len(differ)} of "
+                f"{len(checked)} (weight, configuration, M) equal"
+                + (": every configuration gives the same bits." if not differ else
+                   "; different: " + "; ".join(differ[:12]) + ("; ..." if len(differ) > 12 else ""))]
     scores = invariant_sweep_scores(res.get("invariant_sweep", []))
     if scores:
         out += ["", "Batch-invariant linear sweep, best 3 fixed configurations a weight (score: geometric "
@@ -949,11 +968,12 @@ class Cfg:
         self.invariant_shapes = [("qkv", (2048, 1536)), ("o", (1536, 1536)), ("gate_up", (17920, 1536)),
                                  ("down", (1536, 8960)), ("lm_head", (151936, 1536))]
         self.invariant_m = [1, 8, 64, 256, 2048]
-        self.invariant_sweep_m = [8, 256, 2048]
-        # (BLOCK_M, BLOCK_N, BLOCK_K, warps, stages), each <= 96 KB of shared memory
-        self.invariant_sweep_cfgs = [(64, 16, 64, 4, 4), (64, 32, 64, 4, 5), (64, 64, 64, 4, 3),
-                                     (64, 64, 128, 4, 3), (64, 128, 64, 4, 3), (128, 64, 64, 8, 3),
-                                     (128, 128, 64, 8, 3), (16, 64, 256, 4, 3)]
+        self.invariant_sweep_m = [8, 128, 512, 2048]
+        # (BLOCK_M, BLOCK_N, BLOCK_K, warps, stages), each <= 128 KB of shared memory; the
+        # configurations invariant_linear_config picks are among them
+        self.invariant_sweep_cfgs = [(64, 16, 64, 4, 4), (64, 16, 128, 4, 6), (64, 32, 128, 4, 6),
+                                     (64, 64, 64, 4, 4), (64, 64, 128, 4, 4), (64, 128, 64, 4, 4),
+                                     (128, 64, 64, 8, 3), (128, 128, 64, 8, 3), (16, 64, 256, 4, 3)]
         self.int8_large_cfgs = [(False, 128, 128, 64, 8, 4), (False, 64, 128, 64, 4, 4),
                                 (False, 128, 128, 64, 4, 4), (True, 128, 128, 64, 8, 4),
                                 (True, 64, 128, 64, 4, 4), (True, 128, 128, 64, 8, 3),
