@@ -63,7 +63,7 @@ def test_linear_rows_do_not_depend_on_the_batch(device, dtype):
         big = torch.randn(300, k, generator=g).to(device, dtype)
         big[123] = x[7]
         assert torch.equal(invariant_linear(big, w, b)[123], full[7])
-        for n2, k2 in [(8200, 96), (80, 4100), (300, 200)]:    # every configuration's shapes
+        for n2, k2 in [(8200, 96), (33000, 64), (80, 4100), (300, 200)]:   # every configuration's shapes
             w2 = torch.randn(n2, k2, generator=g).to(device, dtype) * 0.05
             x2 = torch.randn(INVARIANT_LARGE_M + 3, k2, generator=g).to(device, dtype)
             whole = invariant_linear(x2, w2)
@@ -194,12 +194,38 @@ def test_decode_rows_match_prompt_rows(device, dtype):
         got = invariant_paged_attention(torch.cat([prompt, q[i:i + 1]]), k_cache, v_cache, mixed, scale,
                                         segment=seg)
         assert torch.equal(got[3:], batched[i:i + 1]), c
-    for programs in (1, 2, 3):      # the one-kernel path, and segments strided over programs
+    for programs in (1, 2):         # the one-kernel path, and segments strided over programs
+        # (the default gives every segment its own program)
         assert torch.equal(invariant_paged_attention(q, k_cache, v_cache, decode, scale, segment=seg,
                                                      decode_programs=programs), batched), programs
     part, _ = build_attn_metadata([(c - 1, 1) for c in ctxs[:5]], tables[:5], bs, device)
     assert torch.equal(invariant_paged_attention(q[:5], k_cache, v_cache, part, scale, segment=seg),
                        batched[:5])
+
+
+def test_decode_flag_with_longer_query_takes_the_one_kernel_path():
+    """A caller that marks a step decode-only while a sequence has two query tokens gets the
+    one-kernel path (the split path serves one token a sequence), so the rows stay right."""
+    bs, hkv, hq, d = 16, 2, 6, 32
+    k_cache, v_cache = _cache("cpu", torch.float32, hkv=hkv, d=d)
+    meta, _ = build_attn_metadata([(40, 2), (20, 1)], [[0, 1, 2], [3, 4]], bs)
+    meta.is_decode_only = True
+    q = torch.randn(3, hq, d, generator=torch.Generator().manual_seed(7))
+    got = invariant_paged_attention(q, k_cache, v_cache, meta, d ** -0.5, segment=32)
+    ref = paged_attention_torch(q, k_cache, v_cache, meta, d ** -0.5)
+    torch.testing.assert_close(got, ref, rtol=1e-5, atol=1e-5)
+
+
+def test_understated_max_context_stays_in_the_workspace():
+    """The decode workspace is sized from meta.max_context_len; a context past it is cut there
+    (documented), never written past the workspace."""
+    bs, hkv, hq, d = 16, 2, 6, 32
+    k_cache, v_cache = _cache("cpu", torch.float32, blocks=40, hkv=hkv, d=d)
+    meta, _ = build_attn_metadata([(99, 1), (299, 1)], [list(range(7)), list(range(7, 26))], bs)
+    meta.max_context_len = 40
+    q = torch.randn(2, hq, d, generator=torch.Generator().manual_seed(8))
+    out = invariant_paged_attention(q, k_cache, v_cache, meta, d ** -0.5, segment=32, decode_programs=2)
+    assert torch.isfinite(out).all()
 
 
 def test_decode_segment_programs():
@@ -223,6 +249,12 @@ def test_attention_bad_inputs():
             invariant_paged_attention(q, k_cache, v_cache, meta, 1.0, segment=bad)
     with pytest.raises(ValueError, match="decode_programs"):
         invariant_paged_attention(q, k_cache, v_cache, meta, 1.0, decode_programs=0)
+    for kw in (dict(block_m=16.0), dict(num_warps=0), dict(num_stages="x")):
+        with pytest.raises(ValueError):
+            invariant_paged_attention(q, k_cache, v_cache, meta, 1.0, **kw)
+    empty, _ = build_attn_metadata([(0, 0)], [[0]], bs)
+    with pytest.raises(ValueError, match="decode_programs"):      # checked before any early return
+        invariant_paged_attention(q[:0], k_cache, v_cache, empty, 1.0, decode_programs=-5)
     meta.prefill_tiles = torch.zeros(4, dtype=torch.int32)
     with pytest.raises(ValueError, match="prefill_tiles"):
         invariant_paged_attention(q, k_cache, v_cache, meta, 1.0)

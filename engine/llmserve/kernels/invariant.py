@@ -42,7 +42,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ._launch import check_cpu_launch
+from ._launch import check_cpu_launch, num_sms
 from .paged_attention import (
     _LOG2E,
     _check_attention_inputs,
@@ -278,7 +278,7 @@ def _invariant_attention_kernel(q_ptr, k_cache_ptr, v_cache_ptr, out_ptr, bt_ptr
              out.to(out_ptr.dtype.element_ty), mask=rmask[:, None])
 
 
-@triton.jit(do_not_specialize=["stride_btb"])
+@triton.jit(do_not_specialize=["stride_btb", "NSEG"])
 def _invariant_decode_segment_kernel(q_ptr, k_cache_ptr, v_cache_ptr, bt_ptr, ctx_ptr, qsl_ptr, ws_m_ptr, ws_l_ptr,
                                      ws_acc_ptr, qk_scale, stride_qn, stride_qh, stride_kb, stride_kt,
                                      stride_kh, stride_btb, NSEG,
@@ -311,7 +311,9 @@ def _invariant_decode_segment_kernel(q_ptr, k_cache_ptr, v_cache_ptr, bt_ptr, ct
         q = q.to(k_cache_ptr.dtype.element_ty)
     bt_row_ptr = bt_ptr + b.to(tl.int64) * stride_btb
     hq = G * tl.num_programs(0)
-    for seg in range(j, tl.cdiv(ctx, SEGMENT), tl.num_programs(1)):
+    # NSEG covers max_context_len, an upper bound of ctx; the clamp keeps a broken bound from
+    # writing past the workspace
+    for seg in range(j, tl.minimum(tl.cdiv(ctx, SEGMENT), NSEG), tl.num_programs(1)):
         s0 = seg * SEGMENT
         m_s, l_s, acc_s = _segment_state(q, q_pos, k_cache_ptr, v_cache_ptr, bt_row_ptr, kvh, offs_d, offs_n,
                                          s0, tl.minimum(s0 + SEGMENT, ctx), qk_scale, stride_kb, stride_kt,
@@ -322,7 +324,7 @@ def _invariant_decode_segment_kernel(q_ptr, k_cache_ptr, v_cache_ptr, bt_ptr, ct
         tl.store(ws_acc_ptr + ws[:, None] * HEAD_DIM + offs_d[None, :], acc_s, mask=rmask[:, None])
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["NSEG"])
 def _invariant_decode_merge_kernel(ws_m_ptr, ws_l_ptr, ws_acc_ptr, ctx_ptr, qsl_ptr, out_ptr, stride_on, stride_oh,
                                    NSEG, G: tl.constexpr, GP: tl.constexpr, HEAD_DIM: tl.constexpr,
                                    SEGMENT: tl.constexpr):
@@ -344,7 +346,7 @@ def _invariant_decode_merge_kernel(ws_m_ptr, ws_l_ptr, ws_acc_ptr, ctx_ptr, qsl_
     m_all = tl.full([GP], float("-inf"), tl.float32)
     l_all = tl.zeros([GP], tl.float32)
     acc_all = tl.zeros([GP, HEAD_DIM], tl.float32)
-    for seg in range(0, tl.cdiv(ctx, SEGMENT)):
+    for seg in range(0, tl.minimum(tl.cdiv(ctx, SEGMENT), NSEG)):
         m_s = tl.load(ws_m_ptr + base + seg, mask=rmask, other=float("-inf"))
         l_s = tl.load(ws_l_ptr + base + seg, mask=rmask, other=0.0)
         acc_s = tl.load(ws_acc_ptr + (base + seg)[:, None] * HEAD_DIM + offs_d[None, :],
@@ -366,16 +368,11 @@ def decode_segment_programs(batch: int, num_kv_heads: int, num_segments: int, nu
     (at most one a segment), or 1 when the step's pairs fill the GPU already or the workspace
     (``batch x num_q_heads x num_segments x (head_dim + 2)`` fp32) would exceed
     :data:`DECODE_WORKSPACE_BYTES`. 1 means the one-kernel path, which gives the same bits.
-    A function of the step's shape only (graphs capture it), never of the contexts."""
+    ``num_segments`` comes from the step's ``max_context_len`` (in a CUDA graph the length it
+    was captured for), so a graph fixes the count; the bits never depend on it."""
     if batch * num_q_heads * num_segments * (head_dim + 2) * 4 > DECODE_WORKSPACE_BYTES:
         return 1
     return max(1, min(num_segments, (4 * num_sms) // max(1, batch * num_kv_heads)))
-
-
-def _num_sms(device: torch.device) -> int:
-    if device.type != "cuda":
-        return 64      # the interpreter: enough for the split path to run in tests
-    return torch.cuda.get_device_properties(device).multi_processor_count
 
 
 def invariant_paged_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
@@ -391,10 +388,13 @@ def invariant_paged_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cach
     ``0, segment, 2 segment, ...``; within a segment keys are folded in tiles of ``block_n``
     positions with the online softmax, and the segments' states are folded in ascending order
     (:func:`_merge_segment`). Steps with a prompt token run one kernel that folds the segments
-    of a row one after the other; decode steps (``meta.is_decode_only``) spread the segments
-    over ``decode_programs`` programs a (sequence, KV head) pair (grid ``Hkv x P x B``, so a few
-    sequences with a long context still fill the GPU) and fold them in a second kernel, through
-    an fp32 workspace of ``B x Hq x segments x (D + 2)`` values. Both do the same operations in
+    of a row one after the other; decode steps (``meta.is_decode_only``, one query token a
+    sequence) spread the segments over ``decode_programs`` programs a (sequence, KV head) pair
+    (grid ``Hkv x P x B``, so a few sequences with a long context still fill the GPU) and fold
+    them in a second kernel, through an fp32 workspace of ``B x Hq x segments x (D + 2)``
+    values; with ``P = 1`` (a batch that fills the GPU already, or a workspace too large) they
+    take the one-kernel path. ``meta.max_context_len`` must bound every context (the workspace
+    is sized from it; a longer context is cut there). Both do the same operations in
     the same order on each row, so a token decoded in a batch, recomputed as a prompt row after
     preemption, or read back from the prefix cache gets the same bits.
 
@@ -421,8 +421,8 @@ def invariant_paged_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cach
 
     Raises:
         ValueError: inconsistent shapes, dtypes, devices or strides; ``block_m < G``; a
-            ``segment`` that is not a positive multiple of ``block_n``; ``decode_programs``
-            not a positive integer; ``meta.prefill_tiles`` set.
+            ``segment`` that is not a positive multiple of ``block_n``; ``decode_programs``,
+            ``num_warps`` or ``num_stages`` not a positive integer; ``meta.prefill_tiles`` set.
     """
     n, hq, hkv, d, bs, b = _check_attention_inputs(query, k_cache, v_cache, meta)
     if meta.prefill_tiles is not None:
@@ -434,12 +434,16 @@ def invariant_paged_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cach
     g = hq // hkv
     bm = block_m if block_m is not None else (16 if on_cpu else 64)
     bn = block_n if block_n is not None else (16 if on_cpu else 64)
-    if bm < g or bm & (bm - 1) or bn < 16 or bn & (bn - 1):
+    if type(bm) is not int or type(bn) is not int or bm < g or bm & (bm - 1) or bn < 16 or bn & (bn - 1):
         raise ValueError(f"block_m must be a power of two >= G={g} and block_n a power of two "
-                         f">= 16, got {bm}, {bn}")
+                         f">= 16, got {bm!r}, {bn!r}")
     seg = segment if segment is not None else 2 * bn
     if type(seg) is not int or seg < bn or seg % bn:
         raise ValueError(f"segment must be a positive multiple of block_n={bn}, got {seg!r}")
+    for name, val in (("decode_programs", decode_programs), ("num_warps", num_warps),
+                      ("num_stages", num_stages)):
+        if val is not None and (type(val) is not int or val < 1):
+            raise ValueError(f"{name} must be a positive integer, got {val!r}")
     out = torch.zeros_like(query)
     if b == 0 or n == 0 or meta.max_query_len <= 0:
         return out
@@ -448,12 +452,10 @@ def invariant_paged_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cach
     stages = num_stages or (1 if on_cpu else 2)
     nseg = triton.cdiv(max(int(meta.max_context_len), 1), seg)
     if decode_programs is None:
-        programs = decode_segment_programs(b, hkv, nseg, hq, d, _num_sms(query.device))
-    elif type(decode_programs) is not int or decode_programs < 1:
-        raise ValueError(f"decode_programs must be a positive integer, got {decode_programs!r}")
+        programs = decode_segment_programs(b, hkv, nseg, hq, d, num_sms(query.device, 64))
     else:
         programs = min(decode_programs, nseg)
-    if meta.is_decode_only and programs > 1:
+    if meta.is_decode_only and meta.max_query_len == 1 and programs > 1:
         ws_m = torch.empty((b, hq, nseg), dtype=torch.float32, device=query.device)
         ws_l = torch.empty_like(ws_m)
         ws_acc = torch.empty((b, hq, nseg, d), dtype=torch.float32, device=query.device)
