@@ -207,6 +207,18 @@ def _merge_segment(m_all, l_all, acc_all, m_s, l_s, acc_s):
 
 
 @triton.jit
+def _load_q_rows(q_ptr, rows, head, offs_d, rmask, stride_qn, stride_qh, k_cache_ptr,
+                 FP32_MATH: tl.constexpr):
+    """Query rows ``[R, D]`` (token ``rows``, head ``head``; masked rows 0) in the dtype the
+    attention products take: fp32 in the interpreter, the cache dtype on the GPU."""
+    q = tl.load(q_ptr + rows[:, None] * stride_qn + head[:, None] * stride_qh + offs_d[None, :],
+                mask=rmask[:, None], other=0.0)
+    if FP32_MATH:
+        return q.to(tl.float32)
+    return q.to(k_cache_ptr.dtype.element_ty)
+
+
+@triton.jit
 def _segment_state(q, q_pos, k_cache_ptr, v_cache_ptr, bt_row_ptr, kvh, offs_d, offs_n, s0, s_end,
                    qk_scale, stride_kb, stride_kt, stride_kh, PAGE: tl.constexpr, BLOCK_M: tl.constexpr,
                    HEAD_DIM: tl.constexpr, BLOCK_N: tl.constexpr, FP32_MATH: tl.constexpr):
@@ -255,12 +267,8 @@ def _invariant_attention_kernel(q_ptr, k_cache_ptr, v_cache_ptr, out_ptr, bt_ptr
     rows = (q_start + tok).to(tl.int64)
     offs_d = tl.arange(0, HEAD_DIM)
     offs_n = tl.arange(0, BLOCK_N)
-    q = tl.load(q_ptr + rows[:, None] * stride_qn + head[:, None] * stride_qh + offs_d[None, :],
-                mask=rmask[:, None], other=0.0)                               # [BLOCK_M, D]
-    if FP32_MATH:
-        q = q.to(tl.float32)
-    else:
-        q = q.to(k_cache_ptr.dtype.element_ty)
+    q = _load_q_rows(q_ptr, rows, head, offs_d, rmask, stride_qn, stride_qh, k_cache_ptr,
+                     FP32_MATH)                                               # [BLOCK_M, D]
     bt_row_ptr = bt_ptr + b.to(tl.int64) * stride_btb
     m_all = tl.full([BLOCK_M], float("-inf"), tl.float32)
     l_all = tl.zeros([BLOCK_M], tl.float32)
@@ -303,12 +311,8 @@ def _invariant_decode_segment_kernel(q_ptr, k_cache_ptr, v_cache_ptr, bt_ptr, ct
     q_pos = tl.zeros([BLOCK_M], tl.int32) + (ctx - 1)
     offs_d = tl.arange(0, HEAD_DIM)
     offs_n = tl.arange(0, BLOCK_N)
-    q = tl.load(q_ptr + q_row.to(tl.int64) * stride_qn + head[:, None] * stride_qh + offs_d[None, :],
-                mask=rmask[:, None], other=0.0)
-    if FP32_MATH:
-        q = q.to(tl.float32)
-    else:
-        q = q.to(k_cache_ptr.dtype.element_ty)
+    rows = tl.zeros([BLOCK_M], tl.int64) + q_row                              # the one token
+    q = _load_q_rows(q_ptr, rows, head, offs_d, rmask, stride_qn, stride_qh, k_cache_ptr, FP32_MATH)
     bt_row_ptr = bt_ptr + b.to(tl.int64) * stride_btb
     hq = G * tl.num_programs(0)
     # NSEG covers max_context_len, an upper bound of ctx; the clamp keeps a broken bound from
@@ -388,8 +392,8 @@ def invariant_paged_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cach
     ``0, segment, 2 segment, ...``; within a segment keys are folded in tiles of ``block_n``
     positions with the online softmax, and the segments' states are folded in ascending order
     (:func:`_merge_segment`). Steps with a prompt token run one kernel that folds the segments
-    of a row one after the other; decode steps (``meta.is_decode_only``, one query token a
-    sequence) spread the segments over ``decode_programs`` programs a (sequence, KV head) pair
+    of a row one after the other; decode steps (``meta.max_query_len == 1``, at most one query
+    token a sequence) spread the segments over ``decode_programs`` programs a (sequence, KV head) pair
     (grid ``Hkv x P x B``, so a few sequences with a long context still fill the GPU) and fold
     them in a second kernel, through an fp32 workspace of ``B x Hq x segments x (D + 2)``
     values; with ``P = 1`` (a batch that fills the GPU already, or a workspace too large) they
@@ -455,7 +459,7 @@ def invariant_paged_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cach
         programs = decode_segment_programs(b, hkv, nseg, hq, d, num_sms(query.device, 64))
     else:
         programs = min(decode_programs, nseg)
-    if meta.is_decode_only and meta.max_query_len == 1 and programs > 1:
+    if meta.max_query_len == 1 and programs > 1:
         ws_m = torch.empty((b, hq, nseg), dtype=torch.float32, device=query.device)
         ws_l = torch.empty_like(ws_m)
         ws_acc = torch.empty((b, hq, nseg, d), dtype=torch.float32, device=query.device)
