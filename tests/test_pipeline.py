@@ -613,6 +613,39 @@ def test_contended_runs_are_flagged_in_status_and_header(tmp_path):
     assert "**1 of 2 runs contended**" in head and "1-min load average 2.60–2.80" in head, head
 
 
+def test_verdicts_tolerance_band_around_the_tracked_range():
+    """A number just outside the tracked [min, max] reproduces inside the tolerance band (a
+    fraction of the tracked median on each side), not beyond it; 0 keeps the range alone."""
+    import pandas as pd
+    sys.path.insert(0, str(ROOT / "workflow" / "scripts"))
+    try:
+        import verdicts
+    finally:
+        sys.path.pop(0)
+    old = pd.DataFrame([{"scheduler": "continuous", "output_throughput_median": 100.0,
+                         "output_throughput_min": 98.0, "output_throughput_max": 102.0}])
+
+    def verdict(value: float, tolerance: float) -> tuple[str, bool | None, bool | None]:
+        new = pd.DataFrame([{"scheduler": "continuous", "output_throughput_median": value}])
+        row = verdicts.headline_rows(new, old, tolerance)[0]
+        return row["verdict"], row["within"], row["in_range"]
+
+    assert verdict(101.0, 0.1) == ("within the tracked range", True, True)
+    assert verdict(93.0, 0.1) == ("7% worse than tracked, inside the 10% tolerance", True, False)
+    assert verdict(111.5, 0.1) == ("12% better than tracked, inside the 10% tolerance", True, False)
+    assert verdict(87.0, 0.1) == ("13% worse than tracked, outside its range and the 10% tolerance",
+                                  False, False)
+    assert verdict(93.0, 0.0) == ("7% worse than tracked, outside its range", False, False)
+    # p95 TTFT: lower is better, so a higher number is worse
+    row = verdicts.headline_rows(pd.DataFrame([{"scheduler": "continuous", "ttft_p95_ms_median": 120.0}]),
+                                 pd.DataFrame([{"scheduler": "continuous", "ttft_p95_ms_median": 100.0,
+                                                "ttft_p95_ms_min": 95.0, "ttft_p95_ms_max": 105.0}]), 0.1)
+    ttft = [r for r in row if r["what"].endswith("p95 TTFT")][0]
+    assert ttft["verdict"] == "20% worse than tracked, outside its range and the 10% tolerance"
+    r = script("verdicts.py", "--profile", "t", "--tables", ".", "--out-dir", ".", "--tolerance", "1.5")
+    assert r.returncode != 0 and "--tolerance must be in [0, 1)" in r.stderr
+
+
 def test_verdicts_compare_a_rerun_with_the_committed_tables(tmp_path):
     """Headline numbers against git's committed copy with its spread; claims on this run."""
     import pandas as pd

@@ -56,6 +56,7 @@ rule verdicts:
     params:
         profile=PROFILE,
         claims=json.dumps(config["claims"]),
+        tolerance=config["reproduce_tolerance"],
         out=lambda wildcards, output: os.path.dirname(output.md),
     log:
         f"{LOGS}/verdicts.log",
@@ -65,7 +66,8 @@ rule verdicts:
         ENV
     shell:
         "python {input.script} --profile {params.profile} --tables {params.out}"
-        " --claims {params.claims:q} --out-dir {params.out} > {log} 2>&1"
+        " --claims {params.claims:q} --tolerance {params.tolerance}"
+        " --out-dir {params.out} > {log} 2>&1"
 
 
 rule plots:

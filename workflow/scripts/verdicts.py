@@ -9,7 +9,9 @@ nothing to compare with and still judges the conclusions.
 Outputs, in ``--out-dir``:
 
 * ``verdicts.md``: a one-line summary (how many conclusions hold, how many headline numbers
-  fall inside the tracked repetitions' range, whether runs were contended), the headline
+  fall inside the tracked repetitions' range and how many more inside the tolerance around it,
+  whether runs were contended; "Reproduced" when every conclusion holds and every number is
+  inside the tolerance), the headline
   comparison and the conclusions, each with this run's value and the tracked one.
 * ``verdicts.csv``: the same rows, every number.
 * ``report.rst``: the report's first page (the workflow description includes it): the
@@ -139,8 +141,14 @@ def _fmt(v: float | None, unit: str = "") -> str:
     return f"{v:,.{digits}f}" + (f" {unit}" if unit else "")
 
 
-def headline_rows(new: pd.DataFrame, old: pd.DataFrame | None) -> list[dict[str, Any]]:
-    """Each headline number of this run beside the tracked median and [min–max]."""
+def headline_rows(new: pd.DataFrame, old: pd.DataFrame | None,
+                  tolerance: float = 0.0) -> list[dict[str, Any]]:
+    """Each headline number of this run beside the tracked median and [min–max].
+
+    A number reproduces when it falls inside the tracked repetitions' [min, max] widened on each
+    side by ``tolerance`` times the tracked median (0.1: 10%). The band is for run-to-run spread
+    between sittings of one machine, which exceeds the spread of the repetitions within one
+    sitting on a shared host; a number outside it did not reproduce."""
     rows = []
     for _, r in new.iterrows():
         ref = None
@@ -151,22 +159,25 @@ def headline_rows(new: pd.DataFrame, old: pd.DataFrame | None) -> list[dict[str,
             value = _num(r.get(f"{stem}_median"))
             med, lo, hi = ((_num(ref.get(f"{stem}_{k}")) for k in ("median", "min", "max"))
                            if ref is not None else (None, None, None))
+            within = None
             if value is None:
                 verdict = "no value (failed)"
-            elif med is None:
+            elif med is None or lo is None or hi is None:
                 verdict = "nothing tracked to compare with"
-            elif lo is not None and hi is not None and lo <= value <= hi:
-                verdict = "within the tracked range"
+            elif lo <= value <= hi:
+                verdict, within = "within the tracked range", True
             else:
                 change = value / med - 1 if med else 0.0
                 better = (change > 0) == higher
-                verdict = (f"{abs(change) * 100:.0f}% {'better' if better else 'worse'} than "
-                           "tracked, outside its range")
+                band = tolerance * abs(med)
+                within = bool(lo - band <= value <= hi + band)
+                where = (f"inside the {tolerance:.0%} tolerance" if within else
+                         f"outside its range{f' and the {tolerance:.0%} tolerance' if tolerance else ''}")
+                verdict = f"{abs(change) * 100:.0f}% {'better' if better else 'worse'} than tracked, {where}"
             rows.append({"kind": "headline", "what": f"{SCHEDULER_NAMES.get(r['scheduler'], r['scheduler'])}: {label}",
                          "unit": unit, "this_run": value, "tracked": med, "tracked_min": lo,
-                         "tracked_max": hi, "verdict": verdict,
-                         "within": None if value is None or lo is None or hi is None
-                         else bool(lo <= value <= hi)})
+                         "tracked_max": hi, "verdict": verdict, "within": within,
+                         "in_range": None if within is None else bool(lo <= value <= hi)})
     return rows
 
 
@@ -239,7 +250,7 @@ def contention_line(tables: dict[str, pd.DataFrame | None]) -> str:
 
 
 def write(profile: str, tables_dir: Path, claims: list[dict[str, Any]], out: Path,
-          rev: str = "HEAD") -> dict[str, Any]:
+          rev: str = "HEAD", tolerance: float = 0.0) -> dict[str, Any]:
     """Write verdicts.md, verdicts.csv and report.rst; returns the summary counts.
 
     This run is judged against the tables committed at ``rev``. When they are this run's own
@@ -256,7 +267,8 @@ def write(profile: str, tables_dir: Path, claims: list[dict[str, Any]], out: Pat
         before = replaced_rev(tables_dir / "raw", rev) or replaced_rev(tables_dir / "headline.csv", rev)
         if before:
             old, source = committed_tables(tables_dir, before)
-    head = headline_rows(new["headline"], old["headline"]) if new["headline"] is not None else []
+    head = (headline_rows(new["headline"], old["headline"], tolerance)
+            if new["headline"] is not None else [])
     claim_rows = []
     for c in claims:
         now, then = judge(c, new), judge(c, old) if old.get(c["table"]) is not None else None
@@ -267,18 +279,21 @@ def write(profile: str, tables_dir: Path, claims: list[dict[str, Any]], out: Pat
                            "detail": now["detail"], "holds": now["holds"]})
     n_hold = sum(r["holds"] is True for r in claim_rows)
     within = [r["within"] for r in head if r["within"] is not None]
+    in_range = [r["in_range"] for r in head if r["in_range"] is not None]
     identical = (old["headline"] is not None and new["headline"] is not None
                  and old["headline"].equals(new["headline"]))
     contention = contention_line(new)
     reproduced = n_hold == len(claim_rows) and all(within)
     summary = (f"**{'Reproduced' if reproduced else 'Not reproduced'}** on this run: "
-               f"{n_hold} of {len(claim_rows)} stated conclusions hold; {sum(within)} of "
-               f"{len(within)} headline numbers fall inside the tracked repetitions' range "
-               f"(tracked values: {source}"
+               f"{n_hold} of {len(claim_rows)} stated conclusions hold; {sum(in_range)} of "
+               f"{len(in_range)} headline numbers fall inside the tracked repetitions' range"
+               + (f", {sum(within) - sum(in_range)} more inside its {tolerance:.0%} tolerance"
+                  if tolerance else "")
+               + f" (tracked values: {source}"
                + ("; this run is the tracked one" if identical else "") + f"); {contention}.")
 
     out.mkdir(parents=True, exist_ok=True)
-    pd.DataFrame(head + claim_rows).drop(columns=["within", "holds"], errors="ignore").to_csv(
+    pd.DataFrame(head + claim_rows).drop(columns=["within", "in_range", "holds"], errors="ignore").to_csv(
         out / "verdicts.csv", index=False, float_format="%.6g")
     md = [f"# Checkpoint 3: does this run reproduce the tracked results? — profile `{profile}`", "",
           "Generated by `workflow/scripts/verdicts.py` from this run's tables and git's committed",
@@ -297,7 +312,7 @@ def write(profile: str, tables_dir: Path, claims: list[dict[str, Any]], out: Pat
     (out / "verdicts.md").write_text("\n".join(md) + "\n")
     (out / "report.rst").write_text(_rst(profile, summary, new["headline"], head, claim_rows))
     return {"claims": len(claim_rows), "hold": n_hold, "within": sum(within),
-            "numbers": len(within), "reproduced": reproduced}
+            "in_range": sum(in_range), "numbers": len(within), "reproduced": reproduced}
 
 
 def _rst_table(header: list[str], rows: list[list[str]], widths: str) -> list[str]:
@@ -355,10 +370,16 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--claims", default="[]", help="JSON list of claims (the config's `claims`)")
     p.add_argument("--out-dir", type=Path, required=True)
     p.add_argument("--rev", default="HEAD", help="git revision of the tracked tables")
+    p.add_argument("--tolerance", type=float, default=0.0,
+                   help="a headline number reproduces inside the tracked [min, max] widened by this "
+                        "fraction of the tracked median on each side (default 0: the range alone)")
     a = p.parse_args(argv)
-    s = write(a.profile, a.tables, json.loads(a.claims), a.out_dir, a.rev)
-    print(f"{s['hold']}/{s['claims']} conclusions hold, {s['within']}/{s['numbers']} headline "
-          f"numbers within the tracked range -> {a.out_dir}/verdicts.md")
+    if not 0 <= a.tolerance < 1:
+        p.error(f"--tolerance must be in [0, 1), got {a.tolerance}")
+    s = write(a.profile, a.tables, json.loads(a.claims), a.out_dir, a.rev, a.tolerance)
+    print(f"{s['hold']}/{s['claims']} conclusions hold, {s['in_range']}/{s['numbers']} headline "
+          f"numbers within the tracked range, {s['within']}/{s['numbers']} within the tolerance"
+          f" -> {a.out_dir}/verdicts.md")
     return 0
 
 
