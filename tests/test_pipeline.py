@@ -480,6 +480,36 @@ def test_gpu_batch_invariant_cells_are_compared_with_batch_1_in_the_mode(tmp_pat
                        "paged1": "reference (batch 1 with the mode)"}
 
 
+def test_batch_invariant_cells_match_on_the_requested_thread_count(tmp_path):
+    """The mode pins torch to one thread: its cells record 1 where the others record the
+    process's 4, and still aggregate beside them; a plain cell at 1 thread is still refused."""
+    import pandas as pd
+
+    def threads(report: Path, recorded: int) -> Path:
+        rec = json.loads(report.read_text())
+        rec["hardware"]["torch_threads"] = recorded
+        report.write_text(json.dumps(rec))
+        prov = report.with_name(report.name.replace(".json", ".provenance.json"))
+        p = json.loads(prov.read_text())
+        p["torch_threads"] = 4
+        prov.write_text(json.dumps(p))
+        return report
+
+    main = [threads(fake_report(tmp_path, scheduler="naive", batch=1, digest="a", device="cuda"), 4),
+            threads(fake_report(tmp_path, scheduler="continuous", batch=8, digest="b", device="cuda"), 4)]
+    inv = [threads(fake_report(tmp_path, scheduler="continuous", batch=8, digest="c", device="cuda",
+                               invariant=True), 1),
+           threads(fake_report(tmp_path, scheduler="paged", batch=1, digest="c", device="cuda",
+                               invariant=True), 1)]
+    r = run_aggregate(tmp_path, main, [], inv)
+    assert r.returncode == 0, r.stderr
+    df = pd.read_csv(tmp_path / "out" / "batch_invariant.csv")
+    assert len(df) == 2
+    threads(main[1], 1)   # the same record without the mode: a real difference
+    r = run_aggregate(tmp_path, main, [], inv)
+    assert r.returncode != 0 and "torch_threads" in r.stderr, r.stderr
+
+
 def test_batch_invariant_cells_beside_the_same_cells_without_the_mode(tmp_path):
     import pandas as pd
 

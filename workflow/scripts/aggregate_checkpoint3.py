@@ -117,6 +117,13 @@ def load_run(path: Path, sweep: str, contention: dict[str, float] | None = None)
     hw = dict(report.get("hardware") or {})
     if prov.get("thread_env"):
         hw["thread_env"] = prov["thread_env"]
+    # The batch-invariant mode runs torch on one intra-op thread whatever the process asked for
+    # (engine/builder.py): its cells are matched with the others on the thread count the
+    # process asked for, every other hardware field as recorded.
+    invariant = econf.get("batch_invariant", cfg.get("batch_invariant"))
+    hw_match = dict(hw)
+    if invariant and "torch_threads" in hw:
+        hw_match["torch_threads"] = prov.get("torch_threads", cfg.get("torch_threads", hw["torch_threads"]))
     versions = dict(report.get("versions") or {})
     if prov.get("code_hash"):
         versions["llmserve_code_hash"] = prov["code_hash"]
@@ -130,7 +137,7 @@ def load_run(path: Path, sweep: str, contention: dict[str, float] | None = None)
         "arrival_rate": (profile.get("arrival") or {}).get("rate"),
         "torch_threads": prov.get("torch_threads", hw.get("torch_threads")),
         # the mode the engine reported (None: no engine config, e.g. a crash stub)
-        "batch_invariant": econf.get("batch_invariant", cfg.get("batch_invariant")),
+        "batch_invariant": invariant,
         "status": report.get("status") or "failed",
         "error": report.get("error") or None,
         "num_requests": agg.get("num_requests"),
@@ -149,7 +156,7 @@ def load_run(path: Path, sweep: str, contention: dict[str, float] | None = None)
             ("dtype", econf.get("dtype") or cfg.get("dtype")),
             ("warm-up requests", warm),
             ("software versions", json.dumps(versions, sort_keys=True) if versions else None),
-            ("hardware", json.dumps(hw, sort_keys=True) if hw else None),
+            ("hardware", json.dumps(hw_match, sort_keys=True) if hw_match else None),
         ]),
         "profile": profile, "versions": versions, "hardware": hw,
         # the machine's load while the run ran (None: not recorded by this run)

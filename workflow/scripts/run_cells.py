@@ -142,6 +142,7 @@ def run_group(spec: dict[str, str], raw: Path, log_dir: Path, expected_hash: str
     """Run every cell of ``spec`` in order; return 1 if the sources changed mid-group, else 0."""
     t_process = time.perf_counter()
     threads = set_threads(torch_threads)
+    import torch
     from llmserve.bench.runner import add_benchmark_args, options_from_args, run_benchmark
 
     t_ready = time.perf_counter()
@@ -170,6 +171,9 @@ def run_group(spec: dict[str, str], raw: Path, log_dir: Path, expected_hash: str
         if signature in warmed:
             opts.kernel_warmup = False      # this process compiled these kernels already
         gpu = device.startswith("cuda")
+        # each cell starts at the process's thread count: a batch-invariant cell's engine pins
+        # torch to one thread (engine/builder.py), which must not carry over to the next cell
+        torch.set_num_threads(threads)
         free_bytes = release_device_memory(device)   # every cell's KV cache sized from the same memory
         before = machine_load.snapshot(gpu=gpu)
         t0 = time.perf_counter()
