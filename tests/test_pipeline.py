@@ -661,17 +661,28 @@ def test_verdicts_tolerance_band_around_the_tracked_range():
         return row["verdict"], row["within"], row["in_range"]
 
     assert verdict(101.0, 0.1) == ("within the tracked range", True, True)
-    assert verdict(93.0, 0.1) == ("7% worse than tracked, inside the 10% tolerance", True, False)
-    assert verdict(111.5, 0.1) == ("12% better than tracked, inside the 10% tolerance", True, False)
-    assert verdict(87.0, 0.1) == ("13% worse than tracked, outside its range and the 10% tolerance",
+    assert verdict(93.0, 0.1) == ("7% worse than the tracked median, inside the 10% tolerance", True, False)
+    assert verdict(111.5, 0.1) == ("12% better than the tracked median, inside the 10% tolerance", True, False)
+    assert verdict(87.0, 0.1) == ("13% worse than the tracked median, outside its range and the 10% tolerance",
                                   False, False)
-    assert verdict(93.0, 0.0) == ("7% worse than tracked, outside its range", False, False)
+    assert verdict(93.0, 0.0) == ("7% worse than the tracked median, outside its range", False, False)
     # p95 TTFT: lower is better, so a higher number is worse
     row = verdicts.headline_rows(pd.DataFrame([{"scheduler": "continuous", "ttft_p95_ms_median": 120.0}]),
                                  pd.DataFrame([{"scheduler": "continuous", "ttft_p95_ms_median": 100.0,
                                                 "ttft_p95_ms_min": 95.0, "ttft_p95_ms_max": 105.0}]), 0.1)
     ttft = [r for r in row if r["what"].endswith("p95 TTFT")][0]
-    assert ttft["verdict"] == "20% worse than tracked, outside its range and the 10% tolerance"
+    assert ttft["verdict"] == "20% worse than the tracked median, outside its range and the 10% tolerance"
+    # a tracked table without min/max: the median is the range; a tolerance under 1% prints as such
+    bare = pd.DataFrame([{"scheduler": "continuous", "output_throughput_median": 100.0}])
+    row = verdicts.headline_rows(pd.DataFrame([{"scheduler": "continuous", "output_throughput_median": 100.4}]),
+                                 bare, 0.005)[0]
+    assert (row["verdict"], row["within"]) == (
+        "0% better than the tracked median, inside the 0.5% tolerance", True)
+    zero = pd.DataFrame([{"scheduler": "continuous", "output_throughput_median": 0.0,
+                          "output_throughput_min": 0.0, "output_throughput_max": 0.0}])
+    row = verdicts.headline_rows(pd.DataFrame([{"scheduler": "continuous", "output_throughput_median": 5.0}]),
+                                 zero, 0.1)[0]
+    assert row["verdict"] == "far better than the tracked median, outside its range and the 10% tolerance"
     r = script("verdicts.py", "--profile", "t", "--tables", ".", "--out-dir", ".", "--tolerance", "1.5")
     assert r.returncode != 0 and "--tolerance must be in [0, 1)" in r.stderr
 
@@ -712,7 +723,7 @@ def test_verdicts_compare_a_rerun_with_the_committed_tables(tmp_path):
     md = (out / "verdicts.md").read_text()
     assert "**Not reproduced**" in md and "0 of 1 stated conclusions hold" in md, md
     assert "| Continuous batching: output throughput (tok/s) | 150.0 | 320.0 [310.0–330.0] | " \
-           "53% worse than tracked, outside its range |" in md, md
+           "53% worse than the tracked median, outside its range and the 10% tolerance |" in md, md
     assert "| continuous beats static | does not hold | 150.0 / 200.0 = ×0.75 (needs >= 1) | ×1.60 |" in md
     assert "report.rst" in {p.name for p in out.iterdir()}
 

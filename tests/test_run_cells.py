@@ -100,3 +100,34 @@ def test_cells_of_one_process_get_the_same_kv_cache_on_cuda(tmp_path):
         free.append(prov["process"]["device_free_bytes_at_start"])
     assert all(isinstance(f, int) and f > 0 for f in free), free
     assert max(blocks) - min(blocks) <= 0.02 * max(blocks), blocks
+
+
+def test_each_cell_starts_at_the_process_thread_count(tmp_path, monkeypatch):
+    """A batch-invariant cell's engine pins torch to one thread; the next cell of the process
+    runs (and records) the thread count the process asked for again."""
+    import json
+
+    import torch
+
+    seen = []
+
+    def fake_run(opts):
+        seen.append((torch.get_num_threads(), opts.torch_threads))
+        torch.set_num_threads(1)     # what the mode's engine build does
+        report = {"status": "ok", "aggregates": {"output_throughput": 1.0}}
+        Path(opts.output).write_text(json.dumps(report))
+        Path(opts.csv).write_text("a\n1\n")
+        return report, Path(opts.output), Path(opts.csv)
+
+    import llmserve.bench.runner as runner
+    monkeypatch.setattr(runner, "run_benchmark", fake_run)
+    monkeypatch.setattr(run_cells.ch, "check_unchanged", lambda *a, **k: None)
+    monkeypatch.setattr(run_cells.ch, "write_provenance",
+                        lambda **kw: Path(kw["output"]).write_text(json.dumps(kw["extra"])))
+    before = torch.get_num_threads()
+    try:
+        spec = {f"scheduler~continuous_batch~8_rep~{r}": BASE + " --max-num-seqs 8" for r in (0, 1)}
+        assert run_cells.run_group(spec, tmp_path / "raw", tmp_path / "logs", "h", "cpu", 2, "g") == 0
+    finally:
+        torch.set_num_threads(before)
+    assert seen == [(2, 2), (2, 2)], seen

@@ -161,6 +161,9 @@ def run_group(spec: dict[str, str], raw: Path, log_dir: Path, expected_hash: str
             if p is not None:
                 p.unlink(missing_ok=True)   # an earlier run's trace never passes for this one's
         log = log_dir / f"{cell}.log"
+        # each cell starts at the process's thread count (and records it): a batch-invariant
+        # cell's engine pins torch to one thread (engine/builder.py), which must not carry over
+        torch.set_num_threads(threads)
         parser = argparse.ArgumentParser(prog="llmserve benchmark")
         add_benchmark_args(parser)
         argv = shlex.split(flags) + ["--output", str(out), "--csv", str(csv)]
@@ -171,9 +174,6 @@ def run_group(spec: dict[str, str], raw: Path, log_dir: Path, expected_hash: str
         if signature in warmed:
             opts.kernel_warmup = False      # this process compiled these kernels already
         gpu = device.startswith("cuda")
-        # each cell starts at the process's thread count: a batch-invariant cell's engine pins
-        # torch to one thread (engine/builder.py), which must not carry over to the next cell
-        torch.set_num_threads(threads)
         free_bytes = release_device_memory(device)   # every cell's KV cache sized from the same memory
         before = machine_load.snapshot(gpu=gpu)
         t0 = time.perf_counter()

@@ -159,25 +159,31 @@ def headline_rows(new: pd.DataFrame, old: pd.DataFrame | None,
             value = _num(r.get(f"{stem}_median"))
             med, lo, hi = ((_num(ref.get(f"{stem}_{k}")) for k in ("median", "min", "max"))
                            if ref is not None else (None, None, None))
-            within = None
+            within = in_range = None
             if value is None:
                 verdict = "no value (failed)"
-            elif med is None or lo is None or hi is None:
+            elif med is None:
                 verdict = "nothing tracked to compare with"
-            elif lo <= value <= hi:
-                verdict, within = "within the tracked range", True
             else:
-                change = value / med - 1 if med else 0.0
-                better = (change > 0) == higher
+                # a tracked table without its spread: the median is the whole range
+                lo, hi = (med, med) if lo is None or hi is None else (lo, hi)
                 band = tolerance * abs(med)
+                in_range = bool(lo <= value <= hi)
                 within = bool(lo - band <= value <= hi + band)
-                where = (f"inside the {tolerance:.0%} tolerance" if within else
-                         f"outside its range{f' and the {tolerance:.0%} tolerance' if tolerance else ''}")
-                verdict = f"{abs(change) * 100:.0f}% {'better' if better else 'worse'} than tracked, {where}"
+                if in_range:
+                    verdict = "within the tracked range"
+                else:
+                    change = value / med - 1 if med else math.copysign(math.inf, value - med)
+                    better = (change > 0) == higher
+                    pct = f"{abs(change) * 100:.0f}%" if math.isfinite(change) else "far"
+                    tol = f"{tolerance * 100:g}%"
+                    where = (f"inside the {tol} tolerance" if within else
+                             f"outside its range{f' and the {tol} tolerance' if tolerance else ''}")
+                    verdict = f"{pct} {'better' if better else 'worse'} than the tracked median, {where}"
             rows.append({"kind": "headline", "what": f"{SCHEDULER_NAMES.get(r['scheduler'], r['scheduler'])}: {label}",
                          "unit": unit, "this_run": value, "tracked": med, "tracked_min": lo,
                          "tracked_max": hi, "verdict": verdict, "within": within,
-                         "in_range": None if within is None else bool(lo <= value <= hi)})
+                         "in_range": in_range})
     return rows
 
 
@@ -287,7 +293,7 @@ def write(profile: str, tables_dir: Path, claims: list[dict[str, Any]], out: Pat
     summary = (f"**{'Reproduced' if reproduced else 'Not reproduced'}** on this run: "
                f"{n_hold} of {len(claim_rows)} stated conclusions hold; {sum(in_range)} of "
                f"{len(in_range)} headline numbers fall inside the tracked repetitions' range"
-               + (f", {sum(within) - sum(in_range)} more inside its {tolerance:.0%} tolerance"
+               + (f", {sum(within) - sum(in_range)} more inside its {tolerance * 100:g}% tolerance"
                   if tolerance else "")
                + f" (tracked values: {source}"
                + ("; this run is the tracked one" if identical else "") + f"); {contention}.")
@@ -370,11 +376,12 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--claims", default="[]", help="JSON list of claims (the config's `claims`)")
     p.add_argument("--out-dir", type=Path, required=True)
     p.add_argument("--rev", default="HEAD", help="git revision of the tracked tables")
-    p.add_argument("--tolerance", type=float, default=0.0,
+    p.add_argument("--tolerance", type=float, default=0.1,
                    help="a headline number reproduces inside the tracked [min, max] widened by this "
-                        "fraction of the tracked median on each side (default 0: the range alone)")
+                        "fraction of the tracked median on each side (default 0.1, the config's "
+                        "reproduce_tolerance; 0: the range alone)")
     a = p.parse_args(argv)
-    if not 0 <= a.tolerance < 1:
+    if not (0 <= a.tolerance < 1):   # also refuses nan
         p.error(f"--tolerance must be in [0, 1), got {a.tolerance}")
     s = write(a.profile, a.tables, json.loads(a.claims), a.out_dir, a.rev, a.tolerance)
     print(f"{s['hold']}/{s['claims']} conclusions hold, {s['in_range']}/{s['numbers']} headline "
