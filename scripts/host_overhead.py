@@ -19,8 +19,8 @@ import time
 import numpy as np
 import torch
 
-from llmserve.config import EngineConfig, SchedulerConfig
-from llmserve.engine.llm_engine.llm_engine import LLMEngine
+from llmserve.config import CacheConfig, EngineConfig, SchedulerConfig
+from llmserve.engine.llm_engine import LLMEngine
 from llmserve.core.sampling_params import SamplingParams
 
 
@@ -49,11 +49,20 @@ class InstantGraphs:
         return self.logits[:b]
 
 
+PROMPT_LEN = 32
+
+
 def measure(batch: int, steps: int) -> dict:
-    eng = LLMEngine(EngineConfig(scheduler=SchedulerConfig(max_num_seqs=max(batch, 8))))
+    # a KV cache that holds every sequence to its last token: a preemption would put eager
+    # recompute prefills (the CPU model) into the timed steps
+    block = CacheConfig().block_size
+    blocks = batch * (-(-(PROMPT_LEN + steps + 8) // block) + 1)
+    eng = LLMEngine(EngineConfig(scheduler=SchedulerConfig(max_num_seqs=max(batch, 8)),
+                                 cache=CacheConfig(num_blocks=blocks)))
     eng.runner.cuda_graphs = InstantGraphs(max(batch, 8), eng.max_model_len // eng.block_size + 1)
     for _ in range(batch):
-        eng.add_request(list(range(10, 42)), SamplingParams(max_tokens=steps + 8, ignore_eos=True))
+        eng.add_request(list(range(10, 10 + PROMPT_LEN)),
+                        SamplingParams(max_tokens=steps + 8, ignore_eos=True))
     while eng.runner.num_graph_steps == 0:      # prefill (eager, the CPU model) is not timed
         eng.step()
     for k in eng.step_seconds:
@@ -62,6 +71,9 @@ def measure(batch: int, steps: int) -> dict:
     for _ in range(steps):
         eng.step()
     dt = time.perf_counter() - t
+    if eng.scheduler.num_preemptions or eng.runner.num_graph_steps < steps:
+        raise RuntimeError(f"batch {batch}: {eng.scheduler.num_preemptions} preemptions, "
+                           f"{eng.runner.num_graph_steps} graph steps of {steps}: not a decode-only run")
     return {"batch": batch, "steps": steps, "host_us_per_step": dt / steps * 1e6,
             **{f"{k}_us": v / steps * 1e6 for k, v in eng.step_seconds.items()}}
 
