@@ -451,3 +451,21 @@ def test_cuda_staging_matches_reference_without_syncs():
                  "block_tables", "logit_rows")
         for name, t in zip(names, ts):
             assert t.tolist() == ref[name], name
+
+
+def test_stats_count_steps_by_path():
+    """``stats()['steps_by_path']`` splits the runner's steps into replayed decode graphs,
+    replayed mixed graphs and eager forwards (all eager on a CPU), and resets with the rest."""
+    from llmserve.core.sampling_params import SamplingParams
+    from llmserve.engine.llm_engine import LLMEngine
+    from test_engine import BLOCK, engine_config
+
+    eng = LLMEngine(engine_config(max_seqs=3, budget=4 * BLOCK))
+    for i in range(3):
+        eng.add_request(list(range(5, 5 + BLOCK + i)), SamplingParams(max_tokens=4 + i, ignore_eos=True))
+    while eng.has_unfinished_requests():
+        eng.step()
+    paths = eng.stats()["steps_by_path"]
+    assert paths == {"decode_graph": 0, "mixed_graph": 0, "eager": eng.num_steps} and eng.num_steps > 0
+    eng.reset_stats()
+    assert eng.stats()["steps_by_path"] == {"decode_graph": 0, "mixed_graph": 0, "eager": 0}

@@ -50,9 +50,11 @@ def load_target(engine, config: EngineConfig, load_model_fn: Callable | None) ->
         FileNotFoundError: from the loader.
     """
     loader = load_model_fn or load_model
-    if config.batch_invariant and torch.get_num_threads() != 1:
+    if config.batch_invariant and not str(config.device).startswith("cuda") \
+            and torch.get_num_threads() != 1:
         # CPU kernels split a product's reduction across intra-op threads by problem size, so a
-        # row's sums would depend on its batch again: the mode runs torch on one thread.
+        # row's sums would depend on its batch again: the mode runs torch on one thread (on
+        # CUDA the fixed-order Triton kernels do every reduction; the host threads stay).
         log.warning("batch-invariant mode: torch intra-op threads %d -> 1 for this process",
                     torch.get_num_threads())
         torch.set_num_threads(1)

@@ -781,6 +781,11 @@ class LLMEngine(_EngineBase):
             "num_preemptions": self.scheduler.num_preemptions,
             "num_recomputed_tokens": self.scheduler.num_recomputed_tokens,
             "num_steps": self.num_steps,
+            # how the model runner executed its steps: replayed decode graphs, replayed graphs
+            # of steps with prefill chunks, eager forwards (every step on a CPU)
+            "steps_by_path": {"decode_graph": self.runner.num_graph_steps,
+                              "mixed_graph": self.runner.num_mixed_graph_steps,
+                              "eager": self.runner.num_eager_steps},
             "block_size": self.block_size,
             "step_seconds": dict(self.step_seconds),
             "prompt_logprobs": {"rows": self.num_prompt_logprob_rows,
