@@ -65,15 +65,15 @@ def measure(batch: int, steps: int) -> dict:
                         SamplingParams(max_tokens=steps + 8, ignore_eos=True))
     while eng.runner.num_graph_steps == 0:      # prefill (eager, the CPU model) is not timed
         eng.step()
-    for k in eng.step_seconds:
-        eng.step_seconds[k] = 0.0
+    eng.reset_stats()
     t = time.perf_counter()
     for _ in range(steps):
         eng.step()
     dt = time.perf_counter() - t
-    if eng.scheduler.num_preemptions or eng.runner.num_graph_steps < steps:
-        raise RuntimeError(f"batch {batch}: {eng.scheduler.num_preemptions} preemptions, "
-                           f"{eng.runner.num_graph_steps} graph steps of {steps}: not a decode-only run")
+    paths = eng.stats()["steps_by_path"]
+    if eng.scheduler.num_preemptions or paths != {"decode_graph": steps, "mixed_graph": 0, "eager": 0}:
+        raise RuntimeError(f"batch {batch}: {eng.scheduler.num_preemptions} preemptions, steps "
+                           f"{paths} of {steps}: not a decode-only run")
     return {"batch": batch, "steps": steps, "host_us_per_step": dt / steps * 1e6,
             **{f"{k}_us": v / steps * 1e6 for k, v in eng.step_seconds.items()}}
 
@@ -85,6 +85,7 @@ def main() -> None:
     a = p.parse_args()
     print(f"cpu: {platform.processor() or platform.machine()}, threads {torch.get_num_threads()}, "
           f"python {platform.python_version()}, torch {torch.__version__}")
+    measure(min(a.batch), min(a.steps, 50))      # warm-up: the first engine of a process pays imports
     for b in a.batch:
         r = measure(b, a.steps)
         print(f"batch {b:4d}: {r['host_us_per_step']:8.1f} us/step  (schedule {r['schedule_us']:.1f}, "
