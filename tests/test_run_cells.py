@@ -21,6 +21,25 @@ def _opts(flags: str):
     return options_from_args(parser.parse_args(shlex.split(flags)))
 
 
+def _fake_cells(monkeypatch, on_cell) -> None:
+    """Cells without an engine: ``run_benchmark`` calls ``on_cell(opts)`` and writes a minimal
+    report and CSV; the source check passes and provenance is the ``extra`` record alone."""
+    import json
+
+    def fake_run(opts):
+        on_cell(opts)
+        report = {"status": "ok", "aggregates": {"output_throughput": 1.0}}
+        Path(opts.output).write_text(json.dumps(report))
+        Path(opts.csv).write_text("a\n1\n")
+        return report, Path(opts.output), Path(opts.csv)
+
+    import llmserve.bench.runner as runner
+    monkeypatch.setattr(runner, "run_benchmark", fake_run)
+    monkeypatch.setattr(run_cells.ch, "check_unchanged", lambda *a, **k: None)
+    monkeypatch.setattr(run_cells.ch, "write_provenance",
+                        lambda **kw: Path(kw["output"]).write_text(json.dumps(kw["extra"])))
+
+
 BASE = "--model tiny --device cpu --attention-backend triton --linear-backend torch"
 
 
@@ -57,18 +76,7 @@ def test_each_cell_starts_from_released_device_memory(monkeypatch, tmp_path):
     monkeypatch.setattr(gc, "collect", lambda *a: calls.append("collect") or real_collect(*a))
     monkeypatch.setattr(gc, "unfreeze", lambda: calls.append("unfreeze") or real_unfreeze())
 
-    def fake_run(opts):
-        calls.append("cell")
-        report = {"status": "ok", "aggregates": {"output_throughput": 1.0}}
-        Path(opts.output).write_text(json.dumps(report))
-        Path(opts.csv).write_text("a\n1\n")
-        return report, Path(opts.output), Path(opts.csv)
-
-    import llmserve.bench.runner as runner
-    monkeypatch.setattr(runner, "run_benchmark", fake_run)
-    monkeypatch.setattr(run_cells.ch, "check_unchanged", lambda *a, **k: None)
-    monkeypatch.setattr(run_cells.ch, "write_provenance",
-                        lambda **kw: Path(kw["output"]).write_text(json.dumps(kw["extra"])))
+    _fake_cells(monkeypatch, lambda opts: calls.append("cell"))
     spec = {f"scheduler~continuous_batch~{b}": BASE + f" --max-num-seqs {b}" for b in (1, 2)}
     assert run_cells.run_group(spec, tmp_path / "raw", tmp_path / "logs", "h", "cpu", 1, "g") == 0
     assert calls == ["unfreeze", "collect", "cell", "unfreeze", "collect", "cell"]
@@ -105,25 +113,15 @@ def test_cells_of_one_process_get_the_same_kv_cache_on_cuda(tmp_path):
 def test_each_cell_starts_at_the_process_thread_count(tmp_path, monkeypatch):
     """A batch-invariant cell's engine pins torch to one thread; the next cell of the process
     runs (and records) the thread count the process asked for again."""
-    import json
-
     import torch
 
     seen = []
 
-    def fake_run(opts):
+    def cell(opts):
         seen.append((torch.get_num_threads(), opts.torch_threads))
-        torch.set_num_threads(1)     # what the mode's engine build does
-        report = {"status": "ok", "aggregates": {"output_throughput": 1.0}}
-        Path(opts.output).write_text(json.dumps(report))
-        Path(opts.csv).write_text("a\n1\n")
-        return report, Path(opts.output), Path(opts.csv)
+        torch.set_num_threads(1)     # what the mode's engine build does on a CPU
 
-    import llmserve.bench.runner as runner
-    monkeypatch.setattr(runner, "run_benchmark", fake_run)
-    monkeypatch.setattr(run_cells.ch, "check_unchanged", lambda *a, **k: None)
-    monkeypatch.setattr(run_cells.ch, "write_provenance",
-                        lambda **kw: Path(kw["output"]).write_text(json.dumps(kw["extra"])))
+    _fake_cells(monkeypatch, cell)
     before = torch.get_num_threads()
     try:
         spec = {f"scheduler~continuous_batch~8_rep~{r}": BASE + " --max-num-seqs 8" for r in (0, 1)}

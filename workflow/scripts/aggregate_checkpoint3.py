@@ -117,9 +117,9 @@ def load_run(path: Path, sweep: str, contention: dict[str, float] | None = None)
     hw = dict(report.get("hardware") or {})
     if prov.get("thread_env"):
         hw["thread_env"] = prov["thread_env"]
-    # The batch-invariant mode runs torch on one intra-op thread whatever the process asked for
-    # (engine/builder.py): its cells are matched with the others on the thread count the
-    # process asked for, every other hardware field as recorded.
+    # On a CPU the batch-invariant mode runs torch on one intra-op thread whatever the process
+    # asked for (engine/builder.py): its cells are matched with the others on the thread count
+    # the process asked for, every other hardware field as recorded.
     invariant = econf.get("batch_invariant", cfg.get("batch_invariant"))
     hw_match = dict(hw)
     if invariant and "torch_threads" in hw:

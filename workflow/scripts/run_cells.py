@@ -142,7 +142,6 @@ def run_group(spec: dict[str, str], raw: Path, log_dir: Path, expected_hash: str
     """Run every cell of ``spec`` in order; return 1 if the sources changed mid-group, else 0."""
     t_process = time.perf_counter()
     threads = set_threads(torch_threads)
-    import torch
     from llmserve.bench.runner import add_benchmark_args, options_from_args, run_benchmark
 
     t_ready = time.perf_counter()
@@ -162,8 +161,9 @@ def run_group(spec: dict[str, str], raw: Path, log_dir: Path, expected_hash: str
                 p.unlink(missing_ok=True)   # an earlier run's trace never passes for this one's
         log = log_dir / f"{cell}.log"
         # each cell starts at the process's thread count (and records it): a batch-invariant
-        # cell's engine pins torch to one thread (engine/builder.py), which must not carry over
-        torch.set_num_threads(threads)
+        # cell's engine on a CPU pins torch to one thread (engine/builder.py), which must not
+        # carry over
+        set_threads(torch_threads)
         parser = argparse.ArgumentParser(prog="llmserve benchmark")
         add_benchmark_args(parser)
         argv = shlex.split(flags) + ["--output", str(out), "--csv", str(csv)]
