@@ -29,6 +29,41 @@ if "TRITON_INTERPRET" not in os.environ and not torch.cuda.is_available():
 from llmserve.attention import AttentionMetadata  # noqa: E402
 
 
+def _fixed_order_interpreter_dot() -> None:
+    """Make the Triton interpreter's ``tl.dot`` sum each output element over ``K`` in one fixed
+    order whatever the tile's height.
+
+    The interpreter computes ``tl.dot`` with ``np.matmul``, that is with the CPU's BLAS, and
+    OpenBLAS picks its kernel (and so each element's order of additions) from the CPU model and
+    the matrix's shape: on AMD EPYC processors a 16-row tile and a 17-row tile round the same
+    row differently. A GPU's tensor-core MMA computes every element from its own row and column
+    in a fixed order, which is what the batch-invariant kernels rely on
+    (llmserve.kernels.invariant); ``np.einsum`` without path optimisation loops over the
+    output elements and sums ``K`` in order in its own code, so it models that on any CPU."""
+    import numpy as np
+    from triton.runtime import interpreter as interp
+
+    cls = interp.InterpreterBuilder
+    if getattr(cls.create_dot, "_fixed_order", False):
+        return
+    plain = cls.create_dot
+
+    def create_dot(self, a, b, d, input_precision, max_num_imprecise_acc):
+        a_data, b_data = a.data, b.data
+        if not (a_data.dtype == b_data.dtype == d.data.dtype):
+            # mixed precisions (fp8, fp16 into fp32): the interpreter's own conversions
+            return plain(self, a, b, d, input_precision, max_num_imprecise_acc)
+        prod = np.einsum("...mk,...kn->...mn", a_data, b_data, optimize=False)
+        return interp.TensorHandle(prod + d.data, d.dtype.scalar)
+
+    create_dot._fixed_order = True
+    cls.create_dot = create_dot
+
+
+if os.environ.get("TRITON_INTERPRET") == "1":
+    _fixed_order_interpreter_dot()
+
+
 def pytest_collection_modifyitems(config, items):
     if torch.cuda.is_available():
         return

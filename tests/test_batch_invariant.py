@@ -408,7 +408,8 @@ def _gpu_run(prompts, first: int = 0, **kw):
     out = _run(eng, prompts, [sp] * len(prompts), first=first)
     stats = {"preemptions": eng.scheduler.num_preemptions,
              "prefix_hits": eng.block_manager.prefix_cache_hits,
-             "graph_steps": eng.runner.num_graph_steps}
+             "graph_steps": eng.runner.num_graph_steps,
+             "mixed_graph_steps": eng.runner.num_mixed_graph_steps}
     del eng
     gc.collect()
     torch.cuda.empty_cache()
@@ -448,6 +449,9 @@ def test_gpu_every_request_matches_its_batch1_run():
         if name == "preemption":
             assert stats["preemptions"] > 0, stats
         assert stats["graph_steps"] > 0, (name, stats)
+        # steps with prefill chunks replay their graphs in the mode too (one kernel, every row
+        # in its tile schedule)
+        assert stats["mixed_graph_steps"] > 0, (name, stats)
         bad = _differing(out, ref)
         if bad:
             failures[name] = bad

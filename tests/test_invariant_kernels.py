@@ -8,6 +8,7 @@ bf16 on CUDA, where the property matters (the engine's mode on CUDA is built on 
 
 from __future__ import annotations
 
+import numpy as np
 import pytest
 import torch
 
@@ -20,7 +21,10 @@ from llmserve.kernels.invariant import (
     INVARIANT_MID_M,
     invariant_linear_config,
     invariant_paged_attention,
+    invariant_tile_tokens,
 )
+from llmserve.attention.metadata import AttentionMetadata
+from llmserve.kernels.paged_attention import prefill_tile_schedule
 
 CUDA = torch.cuda.is_available()
 
@@ -257,4 +261,64 @@ def test_attention_bad_inputs():
         invariant_paged_attention(q[:0], k_cache, v_cache, empty, 1.0, decode_programs=-5)
     meta.prefill_tiles = torch.zeros(4, dtype=torch.int32)
     with pytest.raises(ValueError, match="prefill_tiles"):
+        invariant_paged_attention(q, k_cache, v_cache, meta, 1.0, block_m=16)
+    meta.prefill_tiles = torch.zeros(4, dtype=torch.float32)
+    with pytest.raises(ValueError, match="prefill_tiles"):
         invariant_paged_attention(q, k_cache, v_cache, meta, 1.0)
+    with pytest.raises(ValueError, match="num_q_heads"):
+        invariant_tile_tokens(6, 4, "cpu")
+    with pytest.raises(ValueError, match="block_m"):
+        invariant_tile_tokens(128, 1, "cpu")
+
+
+@pytest.mark.parametrize("device,dtype", _devices())
+def test_tile_schedule_gives_the_same_bits(device, dtype):
+    """A captured graph of a step with prefill chunks runs the kernel over a fixed grid with a
+    work list (every row's tiles, decode rows included) and padding: sequences of no query row,
+    padding token rows, unused list entries. Every real row gets the bits of the unscheduled
+    launch and of its own sequence launched alone; padding rows stay zero."""
+    bs, hkv, hq, d = 16, 2, 6, 32
+    k_cache, v_cache = _cache(device, dtype, blocks=40, hkv=hkv, d=d)
+    scale = d ** -0.5
+    # (context before the step, query tokens): a chunk crossing blocks, decode rows at awkward
+    # contexts, a whole prompt one past a tile of TOK tokens, a one-token prompt
+    tok = invariant_tile_tokens(hq, hkv, device)
+    seqs = [(33, 21), (16, 1), (0, tok + 1), (47, 1), (0, 1)]
+    tables, nxt = [], 0
+    for c, q_len in seqs:
+        nb = -(-(c + q_len) // bs)
+        tables.append(list(range(nxt, nxt + nb)))
+        nxt += nb
+    n_real = sum(q for _, q in seqs)
+    q = torch.randn(n_real, hq, d, generator=torch.Generator().manual_seed(11)).to(device, dtype)
+    meta, _ = build_attn_metadata(seqs, tables, bs, device)
+    ref = invariant_paged_attention(q, k_cache, v_cache, meta, scale)
+    # the bucket: 64 token rows, 8 sequences, a schedule as long as a graph's
+    n, s = 64, 8
+    width = max(len(t) for t in tables)
+    qsl = torch.full((s + 1,), n_real, dtype=torch.int32)
+    qsl[:len(seqs) + 1] = meta.query_start_loc.cpu()
+    ctx = torch.ones(s, dtype=torch.int32)
+    ctx[:len(seqs)] = meta.context_lens.cpu()
+    table = torch.zeros(s, width, dtype=torch.int32)
+    for i, t in enumerate(tables):
+        table[i, :len(t)] = torch.tensor(t)
+    sched = np.zeros(-(-n // tok) + s, dtype=np.int32)
+    used = prefill_tile_schedule(qsl.numpy(), tok, sched, skip_decode=False)
+    assert used == sum(-(-q_len // tok) for _, q_len in seqs) and (sched[used:] == -1).all()
+    qpad = torch.zeros(n, hq, d, dtype=dtype, device=device)
+    qpad[:n_real] = q
+    slots = torch.full((n,), -1, dtype=torch.int64, device=device)
+    graph_meta = AttentionMetadata(
+        slot_mapping=slots, query_start_loc=qsl.to(device), context_lens=ctx.to(device),
+        block_tables=table.to(device), max_query_len=n, max_context_len=bs * width, block_size=bs,
+        prefill_tiles=torch.from_numpy(sched).to(device))
+    got = invariant_paged_attention(qpad, k_cache, v_cache, graph_meta, scale)
+    assert torch.equal(got[:n_real], ref)
+    assert not got[n_real:].any()
+    start = 0
+    for (c, q_len), t in zip(seqs, tables):
+        alone, _ = build_attn_metadata([(c, q_len)], [t], bs, device)
+        assert torch.equal(invariant_paged_attention(q[start:start + q_len], k_cache, v_cache, alone, scale),
+                           ref[start:start + q_len]), (c, q_len)
+        start += q_len

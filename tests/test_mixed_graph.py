@@ -45,7 +45,7 @@ class Model(torch.nn.Module):
         return h * 2.0
 
 
-def mixed_runner(max_seqs, max_tokens, block_size, max_model_len=256, block_m=16):
+def mixed_runner(max_seqs, max_tokens, block_size, max_model_len=256, block_m=16, every_row=False):
     seen = []
 
     def forward(ids, pos, kv, meta):
@@ -61,7 +61,7 @@ def mixed_runner(max_seqs, max_tokens, block_size, max_model_len=256, block_m=16
         return fake_forward(ids, pos, kv, meta)
 
     g = CUDAGraphMixedRunner(forward, Model().compute_logits, [], block_size, max_seqs, max_tokens,
-                             max_model_len, block_m, torch.device("cpu"))
+                             max_model_len, block_m, torch.device("cpu"), schedule_decode_rows=every_row)
 
     class EagerGraph:                                 # "replays" the captured function
         def __init__(self, n):
@@ -104,15 +104,17 @@ def test_tile_schedule_lists_every_tile_once(block_m):
         prefill_tile_schedule(np.array([0, 40]), 16, np.zeros(2, dtype=np.int32))
 
 
-@pytest.mark.parametrize("bs", [1, 4, 16])
-def test_replay_matches_the_eager_step(bs):
+@pytest.mark.parametrize("bs,every_row", [(1, False), (4, False), (16, False), (16, True)])
+def test_replay_matches_the_eager_step(bs, every_row):
     """Random mixes of decodes, whole prompts and chunks (pending tokens included): the graph
     path's logits rows, their owners and the model's inputs equal the eager step's; the padding
     rows and sequences are inert (slot -1, query length 0, context 1, table 0); the bucket is
     the smallest that holds the step; a step over the largest bucket or with explicit logits rows
     runs eagerly."""
     rng = random.Random(bs)
-    g, seen = mixed_runner(max_seqs=12, max_tokens=96, block_size=bs)
+    # the batch-invariant attention's unit (every_row): a tile of 5 query tokens, every row listed
+    block_m = 5 if every_row else 16
+    g, seen = mixed_runner(max_seqs=12, max_tokens=96, block_size=bs, block_m=block_m, every_row=every_row)
     with_graph = ModelRunner(Model(), [], bs, "cpu", mixed_graphs=g)
     eager = ModelRunner(Model(), [], bs, "cpu")
     graphed = 0
@@ -141,8 +143,11 @@ def test_replay_matches_the_eager_step(bs):
         assert rec["table"][:B, :w].tolist() == ref["block_tables"]
         assert not rec["table"][:B, w:].any() and not rec["table"][B:].any()
         tiles = np.full(len(rec["tiles"]), 0, dtype=np.int32)
-        k = prefill_tile_schedule(np.array(rec["qsl"]), 16, tiles)
+        k = prefill_tile_schedule(np.array(rec["qsl"]), block_m, tiles, skip_decode=not every_row)
         assert rec["tiles"] == tiles.tolist() and k <= len(tiles)
+        decodes = sum(1 for i in items if i.num_new_tokens == 1)
+        listed = {e >> 16 for e in rec["tiles"] if e >= 0}
+        assert (len(listed) == B) if every_row else (len(listed) == B - decodes)
     assert graphed > 20 and with_graph.num_mixed_graph_steps == graphed
     # explicit logits rows (speculative verification) never replay a mixed graph
     items, _ = random_step(rng, bs, 3)

@@ -681,7 +681,10 @@ def run_benchmark(opts: BenchmarkOptions, engine_factory: Callable[[Any, bool], 
 
         cache0 = triton_cache_entries()
         report["warmup"] = {"num_requests": n_warm, "wall_time_s": time.perf_counter() - t_start,
-                            "engine_build_s": build_s, "kernel_warmup": kernel_warmup,
+                            "engine_build_s": build_s,
+                            # the build by phase (load, kv_cache, graph_capture seconds; pool size)
+                            "engine_startup": dict(getattr(engine, "startup", None) or {}) or None,
+                            "kernel_warmup": kernel_warmup,
                             "triton_compiles_measured": None, "triton_kernels_compiled_measured": None}
         freeze_gc = getattr(engine, "freeze_gc", None)
         if callable(freeze_gc):

@@ -18,6 +18,7 @@ from typing import Any, Callable
 
 import torch
 
+from ..attention.invariant import InvariantTritonAttention
 from ..attention.triton_backend import TritonPagedAttention
 from ..config import EngineConfig, ModelConfig, ResolvedFastPath
 from ..core.block_manager import BlockManager
@@ -26,6 +27,7 @@ from ..models.loader import load_model
 from ..tokenizer import load_tokenizer
 from ..worker.cuda_graph import CUDAGraphDecodeRunner
 from ..worker.mixed_graph import CUDAGraphMixedRunner
+from ..kernels.invariant import invariant_tile_tokens
 from ..kernels.paged_attention import prefill_block_m
 from ..worker.kv_cache import KVCache
 from ..worker.model_runner import ModelRunner
@@ -146,18 +148,27 @@ def build_mixed_graphs(forward, kv_caches, config: EngineConfig, engine) -> CUDA
     """The captured graphs of steps with prefill chunks (:mod:`llmserve.worker.mixed_graph`),
     up to ``fast_path.mixed_graph_max_tokens`` tokens and never past the scheduler's step
     budget; None when that is 0. Called where the decode graphs are built (CUDA, the Triton
-    attention backend, the fused forward, one rank)."""
+    attention backend, the fused forward, one rank); with the batch-invariant attention too,
+    whose one kernel then runs a schedule of every row's tiles."""
     budget = config.scheduler.max_num_batched_tokens
     max_tokens = min(engine.fast_path.mixed_graph_max_tokens, budget or engine.max_model_len)
-    if max_tokens < 1 or not isinstance(forward.model.attention_backend, TritonPagedAttention):
-        # these graphs split a step between the decode kernel and a scheduled prefill kernel
-        # (AttentionMetadata.prefill_tiles), which only the Triton backend runs; the
-        # batch-invariant backend serves every row of a step in one kernel
+    backend = forward.model.attention_backend
+    if max_tokens < 1:
         return None
-    head_dim = engine.model_config.head_dim
+    mc = engine.model_config
+    if isinstance(backend, TritonPagedAttention):
+        # the step splits between the decode kernel and a scheduled prefill kernel
+        # (AttentionMetadata.prefill_tiles) over the sequences with several query rows
+        block_m, every_row = prefill_block_m(mc.head_dim, engine.device), False
+    elif isinstance(backend, InvariantTritonAttention):
+        # the batch-invariant kernel serves every row of the step, the schedule lists them all
+        block_m = invariant_tile_tokens(mc.num_attention_heads, mc.num_key_value_heads, engine.device)
+        every_row = True
+    else:
+        return None
     mixed = CUDAGraphMixedRunner(forward, forward.compute_logits, kv_caches, config.cache.block_size,
                                  config.scheduler.max_num_seqs, max_tokens, engine.max_model_len,
-                                 prefill_block_m(head_dim, engine.device), engine.device)
+                                 block_m, engine.device, schedule_decode_rows=every_row)
     mixed.capture()
     return mixed
 

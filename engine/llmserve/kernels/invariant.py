@@ -46,13 +46,14 @@ from ._launch import check_cpu_launch, num_sms
 from .paged_attention import (
     _LOG2E,
     _check_attention_inputs,
+    _check_index,
     _load_kv_tile,
     _online_softmax_step,
     _qk,
 )
 
 __all__ = ["decode_segment_programs", "invariant_linear", "invariant_linear_config",
-           "invariant_paged_attention"]
+           "invariant_paged_attention", "invariant_tile_tokens"]
 
 
 @triton.jit(do_not_specialize=["M"])
@@ -241,19 +242,30 @@ def _segment_state(q, q_pos, k_cache_ptr, v_cache_ptr, bt_row_ptr, kvh, offs_d, 
 
 @triton.jit(do_not_specialize=["stride_btb"])
 def _invariant_attention_kernel(q_ptr, k_cache_ptr, v_cache_ptr, out_ptr, bt_ptr, ctx_ptr, qsl_ptr,
-                                qk_scale, stride_qn, stride_qh, stride_kb, stride_kt, stride_kh,
-                                stride_on, stride_oh, stride_btb,
+                                tiles_ptr, qk_scale, stride_qn, stride_qh, stride_kb, stride_kt,
+                                stride_kh, stride_on, stride_oh, stride_btb,
                                 G: tl.constexpr, HEAD_DIM: tl.constexpr, PAGE: tl.constexpr,
                                 BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, SEGMENT: tl.constexpr,
-                                FP32_MATH: tl.constexpr):
+                                FP32_MATH: tl.constexpr, SCHEDULED: tl.constexpr):
     """Grid ``(Hkv, query tiles, B)``: program ``(kvh, j, b)`` takes query tokens
     ``j*TOK .. (j+1)*TOK - 1`` (``TOK = BLOCK_M // G``) of sequence ``b`` with the ``G`` query
     heads of KV head ``kvh``; row ``r`` is token ``r // G``, head ``kvh*G + r % G``. The context
-    is folded segment by segment (``SEGMENT`` positions from 0), in order."""
+    is folded segment by segment (``SEGMENT`` positions from 0), in order. ``SCHEDULED``: grid
+    ``(Hkv, T)`` instead, program ``(kvh, t)`` taking the (sequence, query tile) of entry ``t``
+    of the work list at ``tiles_ptr`` (``sequence << 16 | tile``; ``-1``: nothing), so a captured
+    graph's fixed grid runs only the step's tiles. Which program computes a row does not change
+    its bits."""
     TOK: tl.constexpr = BLOCK_M // G
     kvh = tl.program_id(0)
-    m_tile = tl.program_id(1)
-    b = tl.program_id(2)
+    if SCHEDULED:
+        entry = tl.load(tiles_ptr + tl.program_id(1))
+        if entry < 0:
+            return
+        m_tile = entry & 0xFFFF
+        b = entry >> 16
+    else:
+        m_tile = tl.program_id(1)
+        b = tl.program_id(2)
     q_start = tl.load(qsl_ptr + b)
     q_len = tl.load(qsl_ptr + b + 1) - q_start
     if m_tile * TOK >= q_len:
@@ -379,6 +391,29 @@ def decode_segment_programs(batch: int, num_kv_heads: int, num_segments: int, nu
     return max(1, min(num_segments, (4 * num_sms) // max(1, batch * num_kv_heads)))
 
 
+def _default_block_m(on_cpu: bool) -> int:
+    return 16 if on_cpu else 64
+
+
+def invariant_tile_tokens(num_q_heads: int, num_kv_heads: int, device: torch.device | str) -> int:
+    """Query tokens a program of :func:`invariant_paged_attention` takes at its default
+    ``block_m`` (``block_m // G``, ``G = num_q_heads // num_kv_heads``): the unit of a tile
+    schedule for it (:func:`~llmserve.kernels.paged_attention.prefill_tile_schedule` with
+    ``skip_decode=False``, since this kernel serves decode rows too).
+
+    Raises:
+        ValueError: head counts that are not positive, or ``G`` above the default ``block_m``.
+    """
+    if num_q_heads < 1 or num_kv_heads < 1 or num_q_heads % num_kv_heads:
+        raise ValueError(f"num_q_heads must be a positive multiple of num_kv_heads, got "
+                         f"{num_q_heads}, {num_kv_heads}")
+    g = num_q_heads // num_kv_heads
+    bm = _default_block_m(torch.device(device).type == "cpu")
+    if g > bm:
+        raise ValueError(f"G={g} query heads a KV head exceed the default block_m={bm}")
+    return bm // g
+
+
 def invariant_paged_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                               meta, scale: float, *, block_m: int | None = None,
                               block_n: int | None = None, segment: int | None = None,
@@ -407,9 +442,13 @@ def invariant_paged_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cach
         k_cache, v_cache: ``[num_blocks + 1, block_size, Hkv, D]`` contiguous, holding this
             step's K/V.
         meta: :class:`~llmserve.attention.metadata.AttentionMetadata` (``max_query_len`` sizes
-            the prompt kernel's grid, ``max_context_len`` the decode kernel's; ``prefill_tiles``
-            must be None: this kernel serves decode rows too, so the mixed-step graphs' split
-            schedule does not apply).
+            the prompt kernel's grid, ``max_context_len`` the decode kernel's). With
+            ``prefill_tiles`` (a captured graph of a step with prefill chunks, whose grid is
+            fixed) the one-kernel path runs the listed (sequence, query tile) pairs, grid
+            ``(Hkv, len(prefill_tiles))``; the list must be built by
+            :func:`~llmserve.kernels.paged_attention.prefill_tile_schedule` with ``block_m =``
+            :func:`invariant_tile_tokens` and ``skip_decode=False`` (this kernel serves the
+            decode rows too). A row gets the same bits with or without a list.
         scale: softmax scale.
         block_m: rows a program (query tokens x the ``G`` heads of a KV head; default 64, 16 on
             CPU); at least ``G``. block_n: keys a tile (default 64, 16 on CPU). segment:
@@ -426,17 +465,15 @@ def invariant_paged_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cach
     Raises:
         ValueError: inconsistent shapes, dtypes, devices or strides; ``block_m < G``; a
             ``segment`` that is not a positive multiple of ``block_n``; ``decode_programs``,
-            ``num_warps`` or ``num_stages`` not a positive integer; ``meta.prefill_tiles`` set.
+            ``num_warps`` or ``num_stages`` not a positive integer; ``meta.prefill_tiles``
+            together with ``block_m``, or not a 1-D int32 tensor on the cache's device.
     """
     n, hq, hkv, d, bs, b = _check_attention_inputs(query, k_cache, v_cache, meta)
-    if meta.prefill_tiles is not None:
-        raise ValueError("invariant_paged_attention runs every row itself; meta.prefill_tiles "
-                         "(the mixed-step graphs' schedule) must be None")
     on_cpu = query.device.type == "cpu"
     if on_cpu:
         check_cpu_launch("the batch-invariant attention kernel")
     g = hq // hkv
-    bm = block_m if block_m is not None else (16 if on_cpu else 64)
+    bm = block_m if block_m is not None else _default_block_m(on_cpu)
     bn = block_n if block_n is not None else (16 if on_cpu else 64)
     if type(bm) is not int or type(bn) is not int or bm < g or bm & (bm - 1) or bn < 16 or bn & (bn - 1):
         raise ValueError(f"block_m must be a power of two >= G={g} and block_n a power of two "
@@ -448,6 +485,12 @@ def invariant_paged_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cach
                       ("num_stages", num_stages)):
         if val is not None and (type(val) is not int or val < 1):
             raise ValueError(f"{name} must be a positive integer, got {val!r}")
+    tiles = meta.prefill_tiles
+    if tiles is not None:
+        if block_m is not None:
+            raise ValueError("meta.prefill_tiles are built for the default tile "
+                             "(invariant_tile_tokens); block_m cannot be set with them")
+        _check_index("meta.prefill_tiles", tiles, 1, k_cache.device)
     out = torch.zeros_like(query)
     if b == 0 or n == 0 or meta.max_query_len <= 0:
         return out
@@ -459,7 +502,7 @@ def invariant_paged_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cach
         programs = decode_segment_programs(b, hkv, nseg, hq, d, num_sms(query.device, 64))
     else:
         programs = min(decode_programs, nseg)
-    if meta.max_query_len == 1 and programs > 1:
+    if meta.max_query_len == 1 and programs > 1 and tiles is None:
         ws_m = torch.empty((b, hq, nseg), dtype=torch.float32, device=query.device)
         ws_l = torch.empty_like(ws_m)
         ws_acc = torch.empty((b, hq, nseg, d), dtype=torch.float32, device=query.device)
@@ -476,12 +519,15 @@ def invariant_paged_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cach
             num_warps=1 if on_cpu else 4)
         return out
     tok = bm // g
-    grid = (hkv, triton.cdiv(int(meta.max_query_len), tok), b)
+    if tiles is not None:
+        grid = (hkv, tiles.shape[0])
+    else:
+        tiles, grid = meta.query_start_loc, (hkv, triton.cdiv(int(meta.max_query_len), tok), b)  # unused
     _invariant_attention_kernel[grid](
         query, k_cache, v_cache, out, meta.block_tables, meta.context_lens, meta.query_start_loc,
-        float(scale) * _LOG2E,
+        tiles, float(scale) * _LOG2E,
         query.stride(0), query.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         out.stride(0), out.stride(1), meta.block_tables.stride(0),
         G=g, HEAD_DIM=d, PAGE=bs, BLOCK_M=bm, BLOCK_N=bn, SEGMENT=seg, FP32_MATH=fp32,
-        num_warps=warps, num_stages=stages)
+        SCHEDULED=len(grid) == 2, num_warps=warps, num_stages=stages)
     return out

@@ -23,7 +23,9 @@ least one token, so ``B <= s``). Padding is harmless by construction:
   ``(Hq, ceil(n / BLOCK_M) + s)`` programs, each taking one listed (sequence, query tile) or
   returning at once, rather than ``Hq x tiles(n) x s``; the decode kernel serves the
   one-token sequences with a grid sized for ``max_model_len`` (each sequence reads only its
-  own context).
+  own context). In the batch-invariant mode one kernel serves every row
+  (:func:`~llmserve.kernels.invariant.invariant_paged_attention`), so the schedule lists the
+  one-token sequences too, in tiles of that kernel's query tokens per program.
 
 The graph ends at the final norm's hidden states ``[n, H]``; the LM head runs after the replay
 on the rows that are sampled (a gather and one matrix product), so the graph holds no
@@ -77,15 +79,22 @@ class CUDAGraphMixedRunner:
         max_model_len: longest sequence; fixes the block-table width and the decode kernel's
             grid.
         block_m: query rows per prefill-kernel tile
-            (:func:`~llmserve.kernels.paged_attention.prefill_block_m`).
+            (:func:`~llmserve.kernels.paged_attention.prefill_block_m`), or query tokens per
+            program of the batch-invariant attention
+            (:func:`~llmserve.kernels.invariant.invariant_tile_tokens`).
         device: where the model runs (CUDA for real graphs; the CPU tests replace the graphs).
+        schedule_decode_rows: list the one-token sequences in the tile schedule too (the
+            batch-invariant attention serves every row of a step in one kernel); default: only
+            sequences with more than one query row (the Triton backend's decode kernel takes
+            the others).
 
     Raises:
         ValueError: ``max_tokens``, ``max_seqs`` or ``block_m`` below 1.
     """
 
     def __init__(self, forward, compute_logits, kv_caches, block_size: int, max_seqs: int,
-                 max_tokens: int, max_model_len: int, block_m: int, device: torch.device) -> None:
+                 max_tokens: int, max_model_len: int, block_m: int, device: torch.device,
+                 schedule_decode_rows: bool = False) -> None:
         for name, v in (("max_tokens", max_tokens), ("max_seqs", max_seqs), ("block_m", block_m)):
             if type(v) is not int or v < 1:
                 raise ValueError(f"{name} must be an integer >= 1, got {v!r}")
@@ -95,6 +104,7 @@ class CUDAGraphMixedRunner:
         self.block_size = block_size
         self.max_model_len = max_model_len
         self.block_m = block_m
+        self.schedule_decode_rows = schedule_decode_rows
         self.device = device
         self.buckets = mixed_buckets(max_tokens)
         self.max_tokens = self.buckets[-1]
@@ -244,7 +254,8 @@ class CUDAGraphMixedRunner:
         write_host_inputs(scheduled, self.block_size, host, pending)
         self._pad(views, num_tokens, num_seqs, n)
         s = self.seqs_for(n)
-        prefill_tile_schedule(qsl[:s + 1], self.block_m, tiles[:self.tiles_for(n)])
+        prefill_tile_schedule(qsl[:s + 1], self.block_m, tiles[:self.tiles_for(n)],
+                              skip_decode=not self.schedule_decode_rows)
         # one copy: everything up to the block table's last row of this bucket
         a, _ = self._i32[3]
         words = a + _even((s * self.max_blocks + 1) // 2)
