@@ -316,6 +316,15 @@ def test_tile_schedule_gives_the_same_bits(device, dtype):
     got = invariant_paged_attention(qpad, k_cache, v_cache, graph_meta, scale)
     assert torch.equal(got[:n_real], ref)
     assert not got[n_real:].any()
+    # an int64 list works the same; an entry naming a sequence past the step's is skipped
+    wide = torch.from_numpy(sched.astype(np.int64))
+    wide[used] = (s + 3) << 16
+    graph_meta.prefill_tiles = wide.to(device)
+    assert torch.equal(invariant_paged_attention(qpad, k_cache, v_cache, graph_meta, scale), got)
+    # a list too short for the step is refused (rows would stay uncomputed)
+    graph_meta.prefill_tiles = torch.from_numpy(sched[:used]).to(device)
+    with pytest.raises(ValueError, match="needs"):
+        invariant_paged_attention(qpad, k_cache, v_cache, graph_meta, scale)
     start = 0
     for (c, q_len), t in zip(seqs, tables):
         alone, _ = build_attn_metadata([(c, q_len)], [t], bs, device)

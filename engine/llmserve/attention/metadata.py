@@ -33,8 +33,9 @@ class AttentionMetadata:
             from it, each sequence still reads only its own context).
         block_size: tokens per block.
         is_decode_only: every sequence has exactly one query token (decode kernels apply).
-        prefill_tiles: ``[T]`` int32 work list of the Triton prefill kernel
-            (:func:`~llmserve.kernels.paged_attention.prefill_tile_schedule`), or None: its
+        prefill_tiles: ``[T]`` int32 work list of the Triton prefill kernel, or of the
+            batch-invariant attention kernel, which lists decode rows too
+            (:func:`~llmserve.kernels.paged_attention.prefill_tile_schedule`), or None: the
             grid then spans every (sequence, query tile of ``max_query_len``) pair. Set by the
             CUDA-graph runner of prefill steps, whose grid is fixed at capture.
     """

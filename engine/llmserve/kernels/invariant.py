@@ -242,7 +242,7 @@ def _segment_state(q, q_pos, k_cache_ptr, v_cache_ptr, bt_row_ptr, kvh, offs_d, 
 
 @triton.jit(do_not_specialize=["stride_btb"])
 def _invariant_attention_kernel(q_ptr, k_cache_ptr, v_cache_ptr, out_ptr, bt_ptr, ctx_ptr, qsl_ptr,
-                                tiles_ptr, qk_scale, stride_qn, stride_qh, stride_kb, stride_kt,
+                                tiles_ptr, num_seqs, qk_scale, stride_qn, stride_qh, stride_kb, stride_kt,
                                 stride_kh, stride_on, stride_oh, stride_btb,
                                 G: tl.constexpr, HEAD_DIM: tl.constexpr, PAGE: tl.constexpr,
                                 BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, SEGMENT: tl.constexpr,
@@ -252,9 +252,9 @@ def _invariant_attention_kernel(q_ptr, k_cache_ptr, v_cache_ptr, out_ptr, bt_ptr
     heads of KV head ``kvh``; row ``r`` is token ``r // G``, head ``kvh*G + r % G``. The context
     is folded segment by segment (``SEGMENT`` positions from 0), in order. ``SCHEDULED``: grid
     ``(Hkv, T)`` instead, program ``(kvh, t)`` taking the (sequence, query tile) of entry ``t``
-    of the work list at ``tiles_ptr`` (``sequence << 16 | tile``; ``-1``: nothing), so a captured
-    graph's fixed grid runs only the step's tiles. Which program computes a row does not change
-    its bits."""
+    of the work list at ``tiles_ptr`` (``sequence << 16 | tile``; ``-1``, or a sequence not
+    below ``num_seqs``: nothing), so a captured graph's fixed grid runs only the step's tiles.
+    Which program computes a row does not change its bits."""
     TOK: tl.constexpr = BLOCK_M // G
     kvh = tl.program_id(0)
     if SCHEDULED:
@@ -263,6 +263,8 @@ def _invariant_attention_kernel(q_ptr, k_cache_ptr, v_cache_ptr, out_ptr, bt_ptr
             return
         m_tile = entry & 0xFFFF
         b = entry >> 16
+        if b >= num_seqs:               # a malformed entry reads nothing out of bounds
+            return
     else:
         m_tile = tl.program_id(1)
         b = tl.program_id(2)
@@ -466,7 +468,8 @@ def invariant_paged_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cach
         ValueError: inconsistent shapes, dtypes, devices or strides; ``block_m < G``; a
             ``segment`` that is not a positive multiple of ``block_n``; ``decode_programs``,
             ``num_warps`` or ``num_stages`` not a positive integer; ``meta.prefill_tiles``
-            together with ``block_m``, or not a 1-D int32 tensor on the cache's device.
+            together with ``block_m``, not a 1-D int32/int64 tensor on the cache's device, or
+            shorter than ``ceil(N / invariant_tile_tokens) + B``.
     """
     n, hq, hkv, d, bs, b = _check_attention_inputs(query, k_cache, v_cache, meta)
     on_cpu = query.device.type == "cpu"
@@ -491,6 +494,12 @@ def invariant_paged_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cach
             raise ValueError("meta.prefill_tiles are built for the default tile "
                              "(invariant_tile_tokens); block_m cannot be set with them")
         _check_index("meta.prefill_tiles", tiles, 1, k_cache.device)
+        need = triton.cdiv(n, bm // g) + b
+        if tiles.shape[0] < need:
+            raise ValueError(f"meta.prefill_tiles has {tiles.shape[0]} entries; a step of {n} "
+                             f"query rows in {b} sequences needs {need} (ceil(rows / "
+                             f"invariant_tile_tokens) + sequences, as prefill_tile_schedule "
+                             "sizes it): a shorter list leaves rows uncomputed")
     out = torch.zeros_like(query)
     if b == 0 or n == 0 or meta.max_query_len <= 0:
         return out
@@ -525,7 +534,7 @@ def invariant_paged_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cach
         tiles, grid = meta.query_start_loc, (hkv, triton.cdiv(int(meta.max_query_len), tok), b)  # unused
     _invariant_attention_kernel[grid](
         query, k_cache, v_cache, out, meta.block_tables, meta.context_lens, meta.query_start_loc,
-        tiles, float(scale) * _LOG2E,
+        tiles, b, float(scale) * _LOG2E,
         query.stride(0), query.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         out.stride(0), out.stride(1), meta.block_tables.stride(0),
         G=g, HEAD_DIM=d, PAGE=bs, BLOCK_M=bm, BLOCK_N=bn, SEGMENT=seg, FP32_MATH=fp32,
