@@ -26,7 +26,7 @@ def _fake_cells(monkeypatch, on_cell) -> None:
     report and CSV; the source check passes and provenance is the ``extra`` record alone."""
     import json
 
-    def fake_run(opts):
+    def fake_run(opts, parts_cache=None):
         on_cell(opts)
         report = {"status": "ok", "aggregates": {"output_throughput": 1.0}}
         Path(opts.output).write_text(json.dumps(report))

@@ -8,6 +8,14 @@ compiled Triton kernels). A group never mixes repetitions, so repetitions stay i
 processes. The pipeline groups cells by (sweep, repetition): editing one sweep reruns that
 sweep's groups only.
 
+Cells whose engines differ only in scheduling (scheduler mode and policy, prefill chunk size,
+prefix caching: :func:`llmserve.engine.builder.parts_key`) run one after another, and each takes
+over the previous one's device parts (weights, KV cache, CUDA graphs) through an
+:class:`~llmserve.engine.builder.EnginePartsCache` instead of building and capturing them again;
+its scheduler, block manager, sampler and counters are its own. The group keeps the spec's
+order otherwise (cells of one engine setting gathered where the first of them stands); each
+provenance file records the position a cell ran at.
+
 Usage (the pipeline's benchmark rules run it)::
 
     python workflow/scripts/run_cells.py run --spec SPEC.json|'{...}' --raw results/.../raw \\
@@ -137,18 +145,69 @@ def release_device_memory(device: str) -> int | None:
     return int(free)
 
 
+def parse_cell(cell: str, flags: str, raw: Path):
+    """``(options, argv)`` of one cell (its ``--output``/``--csv`` under ``raw``); an unknown
+    flag exits 2 (a broken pipeline stops)."""
+    from llmserve.bench.runner import add_benchmark_args, options_from_args
+
+    parser = argparse.ArgumentParser(prog="llmserve benchmark")
+    add_benchmark_args(parser)
+    argv = shlex.split(flags) + ["--output", str(raw / f"{cell}.json"), "--csv", str(raw / f"{cell}.csv")]
+    opts = options_from_args(parser.parse_args(argv))
+    opts.command = ["llmserve", "benchmark", *argv]
+    return opts, argv
+
+
+def parts_group(opts) -> object:
+    """Cells of equal value can share one engine's device parts: the engine settings without
+    the scheduling-only fields (:func:`llmserve.engine.builder.parts_key`); the naive control
+    and speculative cells share nothing (a unique value each)."""
+    from llmserve.bench.runner import engine_config_of
+    from llmserve.engine.builder import parts_key
+
+    if opts.config == "naive" or opts.speculative_model:
+        return object()
+    try:
+        return parts_key(engine_config_of(opts))
+    except (ValueError, FileNotFoundError):
+        return object()   # the cell fails in run_benchmark, with its report
+
+
+def run_order(cells: list[str], groups: list[object]) -> list[int]:
+    """Indices of ``cells`` in the order they run: the spec's, except that the cells of one
+    parts group follow the first of them."""
+    order: list[int] = []
+    placed: set[int] = set()
+    for i in range(len(cells)):
+        if i in placed:
+            continue
+        for j in range(i, len(cells)):
+            if j not in placed and (j == i or groups[j] == groups[i]):
+                order.append(j)
+                placed.add(j)
+    return order
+
+
 def run_group(spec: dict[str, str], raw: Path, log_dir: Path, expected_hash: str, device: str,
               torch_threads: int, group: str) -> int:
-    """Run every cell of ``spec`` in order; return 1 if the sources changed mid-group, else 0."""
+    """Run every cell of ``spec`` (in :func:`run_order`); return 1 if the sources changed
+    mid-group, else 0."""
     t_process = time.perf_counter()
     threads = set_threads(torch_threads)
-    from llmserve.bench.runner import add_benchmark_args, options_from_args, run_benchmark
+    from llmserve.bench.runner import run_benchmark
+    from llmserve.engine.builder import EnginePartsCache
 
     t_ready = time.perf_counter()
     warmed: set[tuple] = set()
     raw.mkdir(parents=True, exist_ok=True)
     log_dir.mkdir(parents=True, exist_ok=True)
-    for i, (cell, flags) in enumerate(spec.items()):
+    cells = list(spec)
+    parsed = [parse_cell(c, spec[c], raw) for c in cells]
+    groups = [parts_group(opts) for opts, _ in parsed]
+    parts = EnginePartsCache()
+    prev: int | None = None
+    for i, k in enumerate(run_order(cells, groups)):
+        cell, flags = cells[k], spec[cells[k]]
         try:
             ch.check_unchanged(expected_hash, "since the workflow started")
         except ch.SourcesChanged as e:
@@ -164,21 +223,19 @@ def run_group(spec: dict[str, str], raw: Path, log_dir: Path, expected_hash: str
         # cell's engine on a CPU pins torch to one thread (engine/builder.py), which must not
         # carry over
         set_threads(torch_threads)
-        parser = argparse.ArgumentParser(prog="llmserve benchmark")
-        add_benchmark_args(parser)
-        argv = shlex.split(flags) + ["--output", str(out), "--csv", str(csv)]
-        args = parser.parse_args(argv)  # an unknown flag exits 2: a broken pipeline stops
-        opts = options_from_args(args)
-        opts.command = ["llmserve", "benchmark", *argv]
+        opts, argv = parse_cell(cell, flags, raw)
         signature = kernel_signature(opts)
         if signature in warmed:
             opts.kernel_warmup = False      # this process compiled these kernels already
+        if prev is not None and groups[k] != groups[prev]:
+            parts.clear()                   # another engine setting: its memory goes back first
+        prev = k
         gpu = device.startswith("cuda")
         free_bytes = release_device_memory(device)   # every cell's KV cache sized from the same memory
         before = machine_load.snapshot(gpu=gpu)
         t0 = time.perf_counter()
         with open(log, "w") as f, contextlib.redirect_stdout(f), contextlib.redirect_stderr(f):
-            report, _, _ = run_benchmark(opts)
+            report, _, _ = run_benchmark(opts, parts_cache=parts)
         took = time.perf_counter() - t0
         if opts.kernel_warmup and report.get("status") == "ok":
             warmed.add(signature)           # only a cell that ran the warm-up, and ran, counts
@@ -190,6 +247,8 @@ def run_group(spec: dict[str, str], raw: Path, log_dir: Path, expected_hash: str
                    "process": {"group": group, "position": i, "cells_in_group": len(spec),
                                "process_startup_s": round(t_ready - t_process, 3),
                                "cell_wall_s": round(took, 3),
+                               "reused_engine_parts": bool(((report.get("warmup") or {}).get("engine_startup")
+                                                            or {}).get("reused_parts")),
                                "kernel_warmup": opts.kernel_warmup,
                                "device_free_bytes_at_start": free_bytes},
                    # what else ran meanwhile: other processes' cores, stolen time, load average,

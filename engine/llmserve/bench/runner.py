@@ -59,7 +59,7 @@ from .workload import (DEFAULT_PROFILE, WORKLOAD_KINDS, BenchmarkRequest, Worklo
                        load_profile, validate_profile)
 
 __all__ = ["BenchmarkOptions", "BenchmarkTimeout", "add_benchmark_subparser", "run_benchmark_cli",
-           "run_benchmark", "make_engine_config", "options_from_args", "main", "CONFIGS"]
+           "run_benchmark", "engine_config_of", "make_engine_config", "options_from_args", "main", "CONFIGS"]
 
 CONFIGS = ("naive", "paged", "static", "continuous")
 
@@ -251,6 +251,20 @@ def make_engine_config(opts: BenchmarkOptions, seed: int):
         raise ValueError(f"config must be one of {list(CONFIGS)}, got {opts.config!r}")
     return opts.create_engine_config("offline", mode="static" if opts.config == "static" else "continuous",
                                      seed=seed, max_num_seqs=1 if opts.config in ("paged", "naive") else None)
+
+
+def engine_config_of(opts: BenchmarkOptions):
+    """The :class:`~llmserve.config.EngineConfig` :func:`run_benchmark` builds for ``opts``
+    (seed: ``opts.seed``, else the load profile's).
+
+    Raises:
+        ValueError/FileNotFoundError: an invalid value or profile.
+    """
+    seed = opts.seed
+    if seed is None:
+        profile, _ = load_profile(opts.profile)
+        seed = int(profile["seed"])
+    return make_engine_config(opts, seed)
 
 
 def resolved_flags(econf) -> dict[str, Any]:
@@ -595,13 +609,18 @@ class _GCPauses:
                 "gc_total_pause_ms": round(self.total_ms, 3)}
 
 
-def run_benchmark(opts: BenchmarkOptions, engine_factory: Callable[[Any, bool], Any] | None = None
-                  ) -> tuple[dict[str, Any], Path, Path]:
+def run_benchmark(opts: BenchmarkOptions, engine_factory: Callable[[Any, bool], Any] | None = None,
+                  parts_cache: Any = None) -> tuple[dict[str, Any], Path, Path]:
     """Run one benchmark and write its JSON report and CSV row (also on failure).
 
     Args:
         opts: the options (CLI flags).
         engine_factory: ``(EngineConfig, naive: bool) -> engine``; default builds the real one.
+        parts_cache: an :class:`~llmserve.engine.builder.EnginePartsCache` shared by the runs
+            of one process (the pipeline's cells): the default factory's paged engine takes the
+            device parts an earlier run of the same engine settings left there, and a run that
+            ends with its engine idle leaves its own (``warmup.engine_startup.reused_parts``
+            says which runs took them). Not used with ``engine_factory`` or a speculative model.
 
     Returns:
         ``(report, json_path, csv_path)``.
@@ -647,7 +666,12 @@ def run_benchmark(opts: BenchmarkOptions, engine_factory: Callable[[Any, bool], 
         if engine_factory is None and opts.speculative_model:
             engine_factory = _speculative_engine_factory(opts)
         t_build = time.perf_counter()
-        engine = (engine_factory or default_engine_factory)(econf, opts.config == "naive")
+        if engine_factory is None and parts_cache is not None:
+            from ..engine import build_engine
+
+            engine = build_engine(econf, opts.config == "naive", parts_cache=parts_cache)
+        else:
+            engine = (engine_factory or default_engine_factory)(econf, opts.config == "naive")
         build_s = time.perf_counter() - t_build
         if structured is not None:       # compile it now: a schema the grammar library refuses fails the run
             check = getattr(engine, "check_structured_output", None)
@@ -747,6 +771,11 @@ def run_benchmark(opts: BenchmarkOptions, engine_factory: Callable[[Any, bool], 
             _finish_report(report, opts, state, workload, engine, max_model_len, wall0, out_path, csv_path)
             raise
     _finish_report(report, opts, state, workload, engine, max_model_len, wall0, out_path, csv_path)
+    if parts_cache is not None:   # a failed run's engine may hold requests: its parts are dropped
+        if report["status"] == "ok" and engine is not None and not opts.speculative_model:
+            parts_cache.put(engine)
+        else:
+            parts_cache.clear()
     shutdown = getattr(engine, "shutdown", None)
     if callable(shutdown):
         shutdown()   # tensor parallelism: the other ranks stop

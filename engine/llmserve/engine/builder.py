@@ -10,6 +10,7 @@ constructor; :class:`~llmserve.engine.speculative.SpeculativeEngine` calls
 from __future__ import annotations
 
 import dataclasses
+import gc
 import logging
 import time
 import weakref
@@ -37,8 +38,8 @@ from .tensor_parallel import start_tensor_parallel
 
 log = logging.getLogger("llmserve.engine.builder")
 
-__all__ = ["DraftParts", "PagedParts", "build_draft_parts", "build_paged_parts", "build_structured_output",
-           "load_target"]
+__all__ = ["DeviceParts", "DraftParts", "EnginePartsCache", "PagedParts", "build_draft_parts", "build_paged_parts",
+           "build_structured_output", "load_target", "parts_key"]
 
 
 def load_target(engine, config: EngineConfig, load_model_fn: Callable | None) -> None:
@@ -81,6 +82,115 @@ def load_target(engine, config: EngineConfig, load_model_fn: Callable | None) ->
     engine.tokenizer = load_tokenizer(engine.model_path)
 
 
+@dataclass(slots=True)
+class DeviceParts:
+    """What a paged engine builds on its device before its first step, and what an engine of
+    the same :func:`parts_key` can take over instead of building it again (:class:`EnginePartsCache`).
+
+    Attributes:
+        shard: the loaded model, its config and path, and the resolved fast-path choices.
+        tokenizer: the model's tokenizer.
+        forward: the fused forward, or None (the readable path).
+        kv_cache: the KV cache tensors (their contents are never read before a new owner's
+            block manager hands a block out and its prefill writes it).
+        graphs: the decode CUDA graphs, or None.
+        mixed: the CUDA graphs of steps with prefill chunks, or None.
+    """
+
+    shard: LoadedShard
+    tokenizer: Any
+    forward: Any
+    kv_cache: KVCache
+    graphs: CUDAGraphDecodeRunner | None
+    mixed: CUDAGraphMixedRunner | None
+
+    def reset(self) -> None:
+        """Ready the parts for a new engine: wait for the device, zero the graph runners'
+        replay counters and staging turns (what a fresh capture starts from)."""
+        if self.kv_cache.kv_caches and self.kv_cache.kv_caches[0][0].is_cuda:
+            torch.cuda.synchronize(self.kv_cache.kv_caches[0][0].device)
+        for runner in (self.graphs, self.mixed):
+            if runner is not None:
+                runner.reset()
+
+
+#: Scheduler and cache fields that only the host side of an engine reads (the scheduler, the
+#: block manager): two configurations differing only in these build the same device parts.
+SCHEDULING_ONLY = {"scheduler": ("mode", "policy", "prefill_chunk_size"), "cache": ("enable_prefix_caching",)}
+
+
+def parts_key(config: EngineConfig) -> EngineConfig:
+    """``config`` with the fields of :data:`SCHEDULING_ONLY` set to fixed values: equal keys
+    build equal :class:`DeviceParts` (the same weights from the same seed, KV cache, kernels
+    and graph buckets), so an engine may take over another's."""
+    sched = dataclasses.replace(config.scheduler, mode="continuous", policy="fcfs", prefill_chunk_size=None)
+    cache = dataclasses.replace(config.cache, enable_prefix_caching=True)
+    return dataclasses.replace(config, scheduler=sched, cache=cache)
+
+
+class EnginePartsCache:
+    """Keeps one finished engine's :class:`DeviceParts` for the next engine of the same
+    :func:`parts_key`, so a process that runs many engines one after another (a benchmark
+    matrix's cells) loads the weights, allocates the KV cache and captures the CUDA graphs once
+    per distinct configuration instead of once per engine.
+
+    The scheduler, block manager, sampler, structured-output matchers and every counter of the
+    new engine are its own, built fresh; only the device parts move. An engine gives its parts
+    back with :meth:`put` (it can take no request afterwards), the next one with an equal key
+    takes them in :func:`llmserve.engine.build_engine` (``parts_cache=``). One engine owns the
+    parts at a time, and the cache holds at most one set: a key that differs drops it.
+
+    Not for tensor parallelism or speculative decoding (those build their own parts).
+    """
+
+    def __init__(self) -> None:
+        self._key: EngineConfig | None = None
+        self._parts: DeviceParts | None = None
+        #: engines built on parts taken from this cache
+        self.reuses = 0
+
+    def holds(self, config: EngineConfig) -> bool:
+        """Whether the cache holds parts an engine of ``config`` can take."""
+        return self._parts is not None and self._key == parts_key(config)
+
+    def take(self, config: EngineConfig) -> DeviceParts | None:
+        """The held parts when their key equals ``config``'s (the cache lets go of them), else
+        None; parts of another key are dropped (:meth:`clear`)."""
+        if not self.holds(config):
+            self.clear()
+            return None
+        parts, self._parts, self._key = self._parts, None, None
+        parts.reset()
+        self.reuses += 1
+        return parts
+
+    def put(self, engine) -> bool:
+        """Take ``engine``'s device parts for the next engine of its key; ``engine`` cannot
+        take requests afterwards. An engine with requests in flight, or one without parts to
+        give (naive, speculative, tensor parallel), leaves the cache empty. Returns whether
+        parts were kept."""
+        self.clear()
+        detach = getattr(engine, "detach_device_parts", None)
+        if not callable(detach) or engine.has_unfinished_requests():
+            return False
+        parts = detach()
+        if parts is None:
+            return False
+        self._key, self._parts = parts_key(engine.config), parts
+        return True
+
+    def clear(self) -> None:
+        """Drop the held parts (their device memory is freed once nothing else refers to them;
+        ``gc.collect`` runs here for reference cycles among them)."""
+        if self._parts is None:
+            return
+        cuda = bool(self._parts.kv_cache.kv_caches) and self._parts.kv_cache.kv_caches[0][0].is_cuda
+        self._key = self._parts = None
+        gc.collect()
+        if cuda:
+            torch.cuda.empty_cache()
+
+
 def build_structured_output(engine, config: EngineConfig) -> StructuredOutputManager:
     """The grammar matchers of an engine that enforces structured output."""
     return StructuredOutputManager(engine.tokenizer, engine.model_config.vocab_size, engine.eos_token_ids,
@@ -105,27 +215,49 @@ class PagedParts:
     runner: ModelRunner
 
 
-def build_paged_parts(engine, config: EngineConfig) -> PagedParts:
-    """Build the paged engine's parts for ``engine`` (loaded by :func:`load_target`).
+def build_paged_parts(engine, config: EngineConfig, reuse: DeviceParts | None = None) -> PagedParts:
+    """Build the paged engine's parts for ``engine`` (loaded by :func:`load_target`), or with
+    ``reuse`` (taken from an :class:`EnginePartsCache`) only the host side: block manager,
+    scheduler and model runner over the reused forward, KV cache and graphs.
 
     The fused forward is built before the KV cache: the copies it may keep
     (``fast_path.int8_fragments``) count against the free memory the cache is sized from.
     """
     tp = engine.tp_runtime.group if engine.tp_runtime is not None else None
-    forward = build_fast_forward(LoadedShard(engine.model, engine.model_config, engine.model_path,
-                                             engine.fast_path))
-    dtype = engine.model.dtype if hasattr(engine.model, "dtype") else config.torch_dtype
-    t0 = time.perf_counter()
-    kv_cache = allocate_kv_cache(config, engine.model_config, dtype, engine.device, tp)
     startup = getattr(engine, "startup", None)
-    if startup is not None:       # start-up record: seconds per phase and the KV pool's size
-        startup.update(kv_cache_s=time.perf_counter() - t0, num_kv_blocks=kv_cache.num_blocks,
-                       kv_cache_bytes=kv_cache.total_bytes)
     block_size = config.cache.block_size
+    if reuse is not None:
+        forward, kv_cache, graphs, mixed = reuse.forward, reuse.kv_cache, reuse.graphs, reuse.mixed
+        if startup is not None:
+            startup.update(kv_cache_s=0.0, num_kv_blocks=kv_cache.num_blocks, kv_cache_bytes=kv_cache.total_bytes,
+                           graph_capture_s=0.0, reused_parts=True)
+    else:
+        forward = build_fast_forward(LoadedShard(engine.model, engine.model_config, engine.model_path,
+                                                 engine.fast_path))
+        dtype = engine.model.dtype if hasattr(engine.model, "dtype") else config.torch_dtype
+        t0 = time.perf_counter()
+        kv_cache = allocate_kv_cache(config, engine.model_config, dtype, engine.device, tp)
+        if startup is not None:       # start-up record: seconds per phase and the KV pool's size
+            startup.update(kv_cache_s=time.perf_counter() - t0, num_kv_blocks=kv_cache.num_blocks,
+                           kv_cache_bytes=kv_cache.total_bytes)
+        graphs, mixed = build_graphs(engine, config, forward, kv_cache)
     block_manager = BlockManager(kv_cache.num_blocks, block_size,
                                  enable_prefix_caching=config.cache.enable_prefix_caching)
     sched_cfg = dataclasses.replace(config.scheduler, max_model_len=engine.max_model_len)
     scheduler = Scheduler(sched_cfg, block_manager)
+    runner = ModelRunner(engine.model, kv_cache.kv_caches, block_size, engine.device,
+                         forward=forward, cuda_graphs=graphs, mixed_graphs=mixed,
+                         channel=engine.tp_runtime.channel if engine.tp_runtime is not None else None)
+    return PagedParts(kv_cache, block_manager, scheduler, runner)
+
+
+def build_graphs(engine, config: EngineConfig, forward, kv_cache: KVCache
+                 ) -> tuple[CUDAGraphDecodeRunner | None, CUDAGraphMixedRunner | None]:
+    """Capture the decode graphs and the graphs of steps with prefill chunks (CUDA, the Triton
+    attention backends, the fused forward, one rank, ``use_cuda_graph``), else ``(None, None)``;
+    the capture's wall seconds go to ``engine.startup["graph_capture_s"]``."""
+    startup = getattr(engine, "startup", None)
+    block_size = config.cache.block_size
     graphs = mixed = None
     if forward is not None and engine.device.type == "cuda" and engine.tp_runtime is None and (
             config.attention_backend == "triton" and config.use_cuda_graph):
@@ -138,10 +270,7 @@ def build_paged_parts(engine, config: EngineConfig) -> PagedParts:
         mixed = build_mixed_graphs(forward, kv_cache.kv_caches, config, engine)
         if startup is not None:
             startup["graph_capture_s"] = time.perf_counter() - t0
-    runner = ModelRunner(engine.model, kv_cache.kv_caches, block_size, engine.device,
-                         forward=forward, cuda_graphs=graphs, mixed_graphs=mixed,
-                         channel=engine.tp_runtime.channel if engine.tp_runtime is not None else None)
-    return PagedParts(kv_cache, block_manager, scheduler, runner)
+    return graphs, mixed
 
 
 def build_mixed_graphs(forward, kv_caches, config: EngineConfig, engine) -> CUDAGraphMixedRunner | None:

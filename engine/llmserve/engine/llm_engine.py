@@ -31,7 +31,7 @@ from ..core.sampling_params import SamplingParams
 from ..core.scheduler import SchedulerOutput
 from ..core.sequence import Sequence, SequenceStatus
 from ..core.trace import RequestTracer
-from .builder import build_paged_parts, build_structured_output, load_target
+from .builder import DeviceParts, build_paged_parts, build_structured_output, load_target
 from .triton_cache import triton_cache_entries
 
 
@@ -62,7 +62,7 @@ class _EngineBase:
     #: whether ``EngineConfig.tensor_parallel_size > 1`` is served (else refused)
     supports_tensor_parallel = False
 
-    def __init__(self, config: EngineConfig, *, load_model_fn=None) -> None:
+    def __init__(self, config: EngineConfig, *, load_model_fn=None, reuse: DeviceParts | None = None) -> None:
         self.config = config
         self.device = torch.device(config.device)
         _check_interpreter(config, self.device)
@@ -73,7 +73,12 @@ class _EngineBase:
         torch.manual_seed(config.seed)
         #: rank 0's tensor-parallel runtime (:mod:`llmserve.engine.tensor_parallel`), or None
         self.tp_runtime = None
-        load_target(self, config, load_model_fn)
+        if reuse is None:
+            load_target(self, config, load_model_fn)
+        else:   # another engine's model and tokenizer (llmserve.engine.builder.EnginePartsCache)
+            self.model, self.model_config = reuse.shard.model, reuse.shard.model_config
+            self.model_path, self.fast_path = reuse.shard.model_path, reuse.shard.fast_path
+            self.tokenizer = reuse.tokenizer
         self.startup["load_s"] = time.perf_counter() - t_load
         self.max_model_len = min(config.scheduler.max_model_len, self.model_config.max_position_embeddings)
         self.eos_token_ids = tuple(self.model_config.eos_token_ids) or (
@@ -260,16 +265,29 @@ class LLMEngine(_EngineBase):
     supports_structured_output = True
     supports_tensor_parallel = True
 
-    def __init__(self, config: EngineConfig, **kw) -> None:
-        super().__init__(config, **kw)
+    def __init__(self, config: EngineConfig, *, reuse: DeviceParts | None = None, **kw) -> None:
+        if reuse is not None and config.tensor_parallel_size > 1:
+            raise ValueError("reused device parts serve one rank; tensor_parallel_size must be 1")
+        super().__init__(config, reuse=reuse, **kw)
         try:
-            self._init_engine(config)
+            self._init_engine(config, reuse)
         except BaseException as e:
             self._tp_abort(e)
             raise
 
-    def _init_engine(self, config: EngineConfig) -> None:
-        parts = build_paged_parts(self, config)
+    def _init_engine(self, config: EngineConfig, reuse: DeviceParts | None = None) -> None:
+        parts = build_paged_parts(self, config, reuse)
+        # what another engine of the same settings may take over (detach_device_parts)
+        self._device_parts: DeviceParts | None = None
+        if self.tp_runtime is None:
+            from .shard import LoadedShard
+
+            runner = parts.runner
+            self._device_parts = DeviceParts(
+                LoadedShard(self.model, self.model_config, self.model_path, self.fast_path), self.tokenizer,
+                runner.forward if runner.forward is not self.model else None, parts.kv_cache,
+                runner.cuda_graphs, runner.mixed_graphs)
+        self._detached = False
         self.block_size = config.cache.block_size
         self.kv_cache, self.block_manager = parts.kv_cache, parts.block_manager
         self.scheduler, self.runner = parts.scheduler, parts.runner
@@ -404,6 +422,22 @@ class LLMEngine(_EngineBase):
         return {"seconds": time.perf_counter() - t0, "requests": count,
                 "triton_compiles": None if c0 is None or c1 is None else len(c1 - c0)}
 
+    def detach_device_parts(self) -> DeviceParts | None:
+        """Give up this engine's device parts (model, KV cache, fused forward, CUDA graphs) for
+        another engine of the same settings to take over
+        (:class:`~llmserve.engine.builder.EnginePartsCache`); this engine takes no request
+        afterwards (:meth:`add_request` raises RuntimeError). None when it has none to give
+        (tensor parallelism) or gave them already.
+
+        Raises:
+            RuntimeError: requests are queued or running, or a step is still in flight.
+        """
+        if self.has_unfinished_requests() or self._inflight is not None:
+            raise RuntimeError("detach_device_parts() needs an idle engine (requests are queued or running)")
+        parts, self._device_parts = self._device_parts, None
+        self._detached = True
+        return parts
+
     def freeze_gc(self) -> None:
         """Collect once and freeze every live object (``gc.freeze()``), when
         ``config.freeze_gc``: the collector's later passes skip the long-lived model, tokenizer
@@ -458,7 +492,10 @@ class LLMEngine(_EngineBase):
 
         Raises:
             ValueError: the request can never fit (rejected at once; nothing is queued).
+            RuntimeError: the engine gave its device parts away (:meth:`detach_device_parts`).
         """
+        if self._detached:
+            raise RuntimeError("this engine gave its device parts to another engine; it takes no requests")
         try:
             seq = self._new_seq(prompt, sampling_params, request_id, arrival_time, priority)
             if seq.request_id in self._seqs:

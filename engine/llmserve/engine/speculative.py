@@ -912,7 +912,11 @@ class SpeculativeEngine(LLMEngine):
         self.requested_config = config
         cfg = _split_cache(config, target_cfg, draft[1] if draft else target_cfg) \
             if (draft or target_cfg) else config
+        if kw.get("reuse") is not None:
+            raise ValueError("speculative decoding builds its own parts (its KV cache is split with the draft's); "
+                             "reuse= is for LLMEngine")
         super().__init__(cfg, **kw)
+        self._device_parts = None     # the draft shares the KV budget: nothing to hand over
         self.async_scheduling = False  # a verification's tokens are read in the same step
         self.draft_model_name = str(draft_model)
         self.num_speculative_tokens = k

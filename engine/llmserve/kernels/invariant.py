@@ -50,6 +50,7 @@ from .paged_attention import (
     _load_kv_tile,
     _online_softmax_step,
     _qk,
+    schedule_entry,
 )
 
 __all__ = ["decode_segment_programs", "invariant_linear", "invariant_linear_config",
@@ -258,12 +259,8 @@ def _invariant_attention_kernel(q_ptr, k_cache_ptr, v_cache_ptr, out_ptr, bt_ptr
     TOK: tl.constexpr = BLOCK_M // G
     kvh = tl.program_id(0)
     if SCHEDULED:
-        entry = tl.load(tiles_ptr + tl.program_id(1))
-        if entry < 0:
-            return
-        m_tile = entry & 0xFFFF
-        b = entry >> 16
-        if b >= num_seqs:               # a malformed entry reads nothing out of bounds
+        b, m_tile = schedule_entry(tiles_ptr, tl.program_id(1))
+        if (b < 0) | (b >= num_seqs):   # no work, or a malformed entry: nothing read out of bounds
             return
     else:
         m_tile = tl.program_id(1)

@@ -399,6 +399,15 @@ def _decode_reduce_kernel(out_ptr, m_ptr, l_ptr, acc_ptr, qsl_ptr, ctx_ptr, num_
              out.to(out_ptr.dtype.element_ty))
 
 
+@triton.jit
+def schedule_entry(tile_ptr, j):
+    """Entry ``j`` of a tile schedule (:func:`prefill_tile_schedule`'s ``sequence << 16 |
+    query tile``) as ``(sequence, query tile)``; the sequence is -1 for a negative entry (no
+    work)."""
+    entry = tl.load(tile_ptr + j)
+    return tl.where(entry < 0, -1, entry >> 16), entry & 0xFFFF
+
+
 @triton.jit(do_not_specialize=["num_m_tiles", "stride_btb"])
 def _prefill_kernel(q_ptr, k_cache_ptr, v_cache_ptr, out_ptr, bt_ptr, ctx_ptr, qsl_ptr, tile_ptr,
                     qk_scale, num_m_tiles,
@@ -411,11 +420,9 @@ def _prefill_kernel(q_ptr, k_cache_ptr, v_cache_ptr, out_ptr, bt_ptr, ctx_ptr, q
     takes the tile ``tile_ptr[j]`` (``sequence << 16 | query tile``; negative: no work)."""
     h = tl.program_id(0)
     if SCHEDULED:
-        entry = tl.load(tile_ptr + tl.program_id(1))
-        if entry < 0:
+        b, m_tile = schedule_entry(tile_ptr, tl.program_id(1))
+        if b < 0:
             return
-        m_tile = entry & 0xFFFF
-        b = entry >> 16
     else:
         m_tile = num_m_tiles - 1 - tl.program_id(1)   # longest (last) query tiles first
         b = tl.program_id(2)

@@ -174,6 +174,16 @@ class CUDAGraphDecodeRunner:
         torch.cuda.current_stream(self.device).wait_stream(stream)
         torch.cuda.synchronize(self.device)
 
+    def reset(self) -> None:
+        """Return to the state :meth:`capture` leaves (staging turn 0, no replay yet, counters
+        zero), for an engine that takes these graphs over from another; the device must be
+        idle (no replay in flight)."""
+        self._turn = 0
+        self._replays = 0
+        self.num_short_replays = 0
+        self.last_graph = None
+        self.last_argmax = None
+
     def _fill_padding(self, start: int) -> None:
         o, h = self._offsets, self._hosts_np[self._turn]
         h[o[0] + start:o[0] + self.max_batch] = 0                # ids (not the parity word)

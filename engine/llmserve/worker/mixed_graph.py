@@ -141,6 +141,12 @@ class CUDAGraphMixedRunner:
         self.pool = None
         self.num_replays = 0
 
+    def reset(self) -> None:
+        """Return to the state :meth:`capture` leaves (staging turn 0, no replay counted), for
+        an engine that takes these graphs over from another; the device must be idle."""
+        self._turn = 0
+        self.num_replays = 0
+
     # ---- shapes ----------------------------------------------------------------------------
     def seqs_for(self, n: int) -> int:
         """Sequences the graph of bucket ``n`` is captured for."""
