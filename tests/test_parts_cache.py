@@ -20,8 +20,8 @@ BLOCK = 16
 
 
 def _config(mode="continuous", max_seqs=4, chunk=None, caching=True, policy="fcfs", seed=0, device="cpu",
-            model="tiny", dtype="float32", **cache):
-    return EngineConfig(model=model, device=device, dtype=dtype, seed=seed,
+            model="tiny", dtype="float32", attention_backend="torch", **cache):
+    return EngineConfig(model=model, device=device, dtype=dtype, seed=seed, attention_backend=attention_backend,
                         cache=CacheConfig(block_size=BLOCK, enable_prefix_caching=caching,
                                           **(cache or {"memory_bytes": 16 << 20})),
                         scheduler=SchedulerConfig(mode=mode, policy=policy, max_num_seqs=max_seqs,
@@ -136,7 +136,8 @@ def test_reused_cuda_graphs_generate_what_fresh_ones_do(second):
     """On a GPU with the fused forward and CUDA graphs (decode and mixed): a second engine on
     the first's parts (graphs replayed, not captured again) generates a freshly built engine's
     greedy tokens, in steps that replayed the graphs."""
-    kw = dict(device="cuda", model="random:qwen2.5-0.5b", dtype="bfloat16", gpu_memory_utilization=0.3)
+    kw = dict(device="cuda", model="random:qwen2.5-0.5b", dtype="bfloat16", attention_backend="triton",
+              gpu_memory_utilization=0.3)
     reqs = _requests(n=9, seed=3)
     cache = EnginePartsCache()
     first = build_engine(_config(max_seqs=8, **kw), parts_cache=cache)
@@ -146,7 +147,7 @@ def test_reused_cuda_graphs_generate_what_fresh_ones_do(second):
     reused = build_engine(cfg, parts_cache=cache)
     assert reused.startup["reused_parts"] and reused.startup["graph_capture_s"] == 0.0
     got = _run(reused, reqs)
-    assert reused.runner.num_graph_steps > 0
+    assert reused.runner.num_graph_steps > 0 and reused.runner.num_mixed_graph_steps > 0
     del first
     cache.clear()
     fresh = LLMEngine(cfg)
