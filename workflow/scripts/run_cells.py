@@ -94,7 +94,8 @@ def set_threads(n: int) -> int:
 
 
 #: Engine flags that do not change which GPU kernels a cell compiles (sizes, seeds, policies): a
-#: cell differing from an earlier cell of its process only in these skips the kernel warm-up.
+#: cell differing from an earlier cell of its process only in these skips the kernel warm-up,
+#: unless its steps can be larger than the warmed cell's (:func:`covered`).
 WARMUP_IRRELEVANT = frozenset({"seed", "policy", "max_num_seqs", "max_num_batched_tokens", "max_model_len",
                                "num_blocks", "gpu_memory_utilization"})
 
@@ -117,6 +118,27 @@ def kernel_signature(opts) -> tuple:
     engine = tuple((f.name, repr(getattr(opts, f.name))) for f in dataclasses.fields(EngineArgs)
                    if f.name not in WARMUP_IRRELEVANT)
     return (opts.config, opts.json_schema is not None) + engine
+
+
+def step_sizes(opts) -> tuple[int, int]:
+    """``(max_num_seqs, max_num_batched_tokens)`` of a cell's engine (0, 0 when its flags do
+    not resolve: the cell then fails in its own run)."""
+    from llmserve.bench.runner import engine_config_of
+
+    try:
+        sched = engine_config_of(opts).scheduler
+    except (ValueError, FileNotFoundError):
+        return (0, 0)
+    return (sched.max_num_seqs, sched.max_num_batched_tokens)
+
+
+def covered(warmed: "list[tuple[int, int]] | tuple", sizes: tuple[int, int]) -> bool:
+    """Whether a cell of step sizes ``sizes`` meets only kernel variants an earlier warm-up of
+    its signature compiled: one of ``warmed`` was at least as large in both sizes. Eager steps
+    of more sequences or tokens reach argument values (batch sizes, grid sizes) that a
+    smaller engine's warm-up never ran: a batch-invariant cell at batch 64 after one at batch
+    8 compiled the invariant attention kernel inside its measured phase."""
+    return any(s >= sizes[0] and t >= sizes[1] for s, t in warmed)
 
 
 def release_device_memory(device: str) -> int | None:
@@ -198,7 +220,7 @@ def run_group(spec: dict[str, str], raw: Path, log_dir: Path, expected_hash: str
     from llmserve.engine.builder import EnginePartsCache
 
     t_ready = time.perf_counter()
-    warmed: set[tuple] = set()
+    warmed: dict[tuple, list[tuple[int, int]]] = {}   # signature -> (max seqs, step tokens) warmed
     raw.mkdir(parents=True, exist_ok=True)
     log_dir.mkdir(parents=True, exist_ok=True)
     cells = list(spec)
@@ -225,7 +247,8 @@ def run_group(spec: dict[str, str], raw: Path, log_dir: Path, expected_hash: str
         set_threads(torch_threads)
         opts, argv = parse_cell(cell, flags, raw)
         signature = kernel_signature(opts)
-        if signature in warmed:
+        sizes = step_sizes(opts)
+        if covered(warmed.get(signature, ()), sizes):
             opts.kernel_warmup = False      # this process compiled these kernels already
         if prev is not None and groups[k] != groups[prev]:
             parts.clear()                   # another engine setting: its memory goes back first
@@ -238,7 +261,7 @@ def run_group(spec: dict[str, str], raw: Path, log_dir: Path, expected_hash: str
             report, _, _ = run_benchmark(opts, parts_cache=parts)
         took = time.perf_counter() - t0
         if opts.kernel_warmup and report.get("status") == "ok":
-            warmed.add(signature)           # only a cell that ran the warm-up, and ran, counts
+            warmed.setdefault(signature, []).append(sizes)   # only a cell that ran it, and ran, counts
         load = machine_load.summarize(before, machine_load.snapshot(gpu=gpu))
         ch.write_provenance(
             json_path=out, csv_path=csv, output=prov, cell=cell, exit_status=0,
