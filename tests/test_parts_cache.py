@@ -152,3 +152,61 @@ def test_reused_cuda_graphs_generate_what_fresh_ones_do(second):
     cache.clear()
     fresh = LLMEngine(cfg)
     assert got == _run(fresh, reqs)
+
+
+def test_parts_of_a_custom_loader_are_not_offered():
+    """A ``load_model_fn`` builds weights the configuration does not name: nothing to share."""
+    from llmserve.models.loader import load_model
+
+    cache = EnginePartsCache()
+    eng = LLMEngine(_config(), load_model_fn=load_model)
+    assert not cache.put(eng) and not cache.holds(_config())
+
+
+def test_mismatched_parts_are_refused():
+    parts = build_engine(_config()).detach_device_parts()
+    with pytest.raises(ValueError, match="other engine settings"):
+        LLMEngine(_config(max_seqs=8), reuse=parts)
+
+
+def test_an_engine_that_takes_no_parts_empties_the_cache_first():
+    cache = EnginePartsCache()
+    assert cache.put(build_engine(_config(), parts_cache=cache))
+    build_engine(_config(), naive=True, parts_cache=cache)
+    assert not cache.holds(_config())
+
+
+def test_a_reused_cpu_engine_in_the_invariant_mode_runs_on_one_thread():
+    before = torch.get_num_threads()
+    try:
+        cache = EnginePartsCache()
+        first = build_engine(dataclasses.replace(_config(), batch_invariant=True), parts_cache=cache)
+        assert torch.get_num_threads() == 1
+        assert cache.put(first)
+        torch.set_num_threads(2)                     # what the pipeline's runner does between cells
+        second = build_engine(dataclasses.replace(_config(mode="static"), batch_invariant=True), parts_cache=cache)
+        assert second.startup["reused_parts"] and torch.get_num_threads() == 1
+    finally:
+        torch.set_num_threads(before)
+
+
+def test_run_benchmark_keeps_parts_only_of_engines_it_built_through_the_cache(tmp_path):
+    import argparse
+    import shlex
+
+    from llmserve.bench.runner import add_benchmark_args, options_from_args, run_benchmark
+
+    def opts(name):
+        p = argparse.ArgumentParser()
+        add_benchmark_args(p)
+        return options_from_args(p.parse_args(shlex.split(
+            f"--model tiny --device cpu --requests 3 --warmup-requests 0 --arrival-rate inf --no-progress "
+            f"--max-num-seqs 4 --output {tmp_path / name}.json")))
+
+    cache = EnginePartsCache()
+    report, _, _ = run_benchmark(opts("a"), engine_factory=lambda c, naive: LLMEngine(c), parts_cache=cache)
+    assert report["status"] == "ok" and cache.reuses == 0 and cache._parts is None
+    report, _, _ = run_benchmark(opts("b"), parts_cache=cache)
+    assert report["status"] == "ok" and cache._parts is not None
+    report, _, _ = run_benchmark(opts("c"), parts_cache=cache)
+    assert report["status"] == "ok" and cache.reuses == 1 and report["warmup"]["engine_startup"]["reused_parts"]

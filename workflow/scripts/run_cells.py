@@ -257,8 +257,10 @@ def run_group(spec: dict[str, str], raw: Path, log_dir: Path, expected_hash: str
         free_bytes = release_device_memory(device)   # every cell's KV cache sized from the same memory
         before = machine_load.snapshot(gpu=gpu)
         t0 = time.perf_counter()
+        reuses = parts.reuses
         with open(log, "w") as f, contextlib.redirect_stdout(f), contextlib.redirect_stderr(f):
             report, _, _ = run_benchmark(opts, parts_cache=parts)
+        reused = parts.reuses > reuses      # known even when the run failed before its report's warm-up
         took = time.perf_counter() - t0
         if opts.kernel_warmup and report.get("status") == "ok":
             warmed.setdefault(signature, []).append(sizes)   # only a cell that ran it, and ran, counts
@@ -270,8 +272,7 @@ def run_group(spec: dict[str, str], raw: Path, log_dir: Path, expected_hash: str
                    "process": {"group": group, "position": i, "cells_in_group": len(spec),
                                "process_startup_s": round(t_ready - t_process, 3),
                                "cell_wall_s": round(took, 3),
-                               "reused_engine_parts": bool(((report.get("warmup") or {}).get("engine_startup")
-                                                            or {}).get("reused_parts")),
+                               "reused_engine_parts": reused,
                                "kernel_warmup": opts.kernel_warmup,
                                "device_free_bytes_at_start": free_bytes},
                    # what else ran meanwhile: other processes' cores, stolen time, load average,

@@ -640,6 +640,7 @@ def run_benchmark(opts: BenchmarkOptions, engine_factory: Callable[[Any, bool], 
         "code_hash": opts.code_hash, "trace": None,
     }
     engine = None
+    shares_parts = False     # built through parts_cache (a custom factory's engine never is)
     workload: Workload | None = None
     state = _RunState()
     monitor: GPUMonitor | None = None
@@ -670,6 +671,7 @@ def run_benchmark(opts: BenchmarkOptions, engine_factory: Callable[[Any, bool], 
             from ..engine import build_engine
 
             engine = build_engine(econf, opts.config == "naive", parts_cache=parts_cache)
+            shares_parts = True
         else:
             engine = (engine_factory or default_engine_factory)(econf, opts.config == "naive")
         build_s = time.perf_counter() - t_build
@@ -772,7 +774,7 @@ def run_benchmark(opts: BenchmarkOptions, engine_factory: Callable[[Any, bool], 
             raise
     _finish_report(report, opts, state, workload, engine, max_model_len, wall0, out_path, csv_path)
     if parts_cache is not None:   # a failed run's engine may hold requests: its parts are dropped
-        if report["status"] == "ok" and engine is not None and not opts.speculative_model:
+        if report["status"] == "ok" and shares_parts:
             parts_cache.put(engine)
         else:
             parts_cache.clear()

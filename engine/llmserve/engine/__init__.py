@@ -34,6 +34,8 @@ def build_engine(config: EngineConfig, naive: bool = False, *, speculative_model
     Raises:
         ValueError: ``naive`` with ``speculative_model``, or what the engine's constructor raises.
     """
+    if parts_cache is not None and (naive or speculative_model or config.tensor_parallel_size > 1):
+        parts_cache.clear()    # this engine takes no parts: the held ones' memory goes back first
     if speculative_model:
         if naive:
             raise ValueError("--speculative-model needs a paged engine; it cannot be used with the naive engine")

@@ -42,6 +42,17 @@ __all__ = ["DeviceParts", "DraftParts", "EnginePartsCache", "PagedParts", "build
            "build_structured_output", "load_target", "parts_key"]
 
 
+def pin_invariant_threads(config: EngineConfig) -> None:
+    """The batch-invariant mode on a CPU runs torch on one intra-op thread (for the process):
+    CPU kernels split a product's reduction across threads by problem size, so a row's sums
+    would depend on its batch again. On CUDA the fixed-order Triton kernels do every reduction
+    and the host threads stay."""
+    if config.batch_invariant and not str(config.device).startswith("cuda") and torch.get_num_threads() != 1:
+        log.warning("batch-invariant mode: torch intra-op threads %d -> 1 for this process",
+                    torch.get_num_threads())
+        torch.set_num_threads(1)
+
+
 def load_target(engine, config: EngineConfig, load_model_fn: Callable | None) -> None:
     """Load the target model and tokenizer into ``engine`` (``tp_runtime``, ``device``,
     ``model``, ``model_config``, ``model_path``, ``fast_path``, ``tokenizer``); with
@@ -53,14 +64,7 @@ def load_target(engine, config: EngineConfig, load_model_fn: Callable | None) ->
         FileNotFoundError: from the loader.
     """
     loader = load_model_fn or load_model
-    if config.batch_invariant and not str(config.device).startswith("cuda") \
-            and torch.get_num_threads() != 1:
-        # CPU kernels split a product's reduction across intra-op threads by problem size, so a
-        # row's sums would depend on its batch again: the mode runs torch on one thread (on
-        # CUDA the fixed-order Triton kernels do every reduction; the host threads stay).
-        log.warning("batch-invariant mode: torch intra-op threads %d -> 1 for this process",
-                    torch.get_num_threads())
-        torch.set_num_threads(1)
+    pin_invariant_threads(config)
     engine.tp_runtime = None
     tp = None
     if config.tensor_parallel_size > 1:
@@ -95,6 +99,8 @@ class DeviceParts:
             block manager hands a block out and its prefill writes it).
         graphs: the decode CUDA graphs, or None.
         mixed: the CUDA graphs of steps with prefill chunks, or None.
+        key: the :func:`parts_key` of the configuration they were built for (an engine of
+            another key refuses them).
     """
 
     shard: LoadedShard
@@ -103,6 +109,8 @@ class DeviceParts:
     kv_cache: KVCache
     graphs: CUDAGraphDecodeRunner | None
     mixed: CUDAGraphMixedRunner | None
+    #: :func:`parts_key` of the configuration the parts were built for
+    key: EngineConfig | None = None
 
     def reset(self) -> None:
         """Ready the parts for a new engine: wait for the device, zero the graph runners'
@@ -180,8 +188,9 @@ class EnginePartsCache:
         return True
 
     def clear(self) -> None:
-        """Drop the held parts (their device memory is freed once nothing else refers to them;
-        ``gc.collect`` runs here for reference cycles among them)."""
+        """Drop the held parts; their device memory is freed once nothing else refers to them
+        (``gc.collect`` runs here for reference cycles among them; objects an engine froze with
+        ``gc.freeze`` wait for ``gc.unfreeze``, which the pipeline's runner calls)."""
         if self._parts is None:
             return
         cuda = bool(self._parts.kv_cache.kv_caches) and self._parts.kv_cache.kv_caches[0][0].is_cuda
@@ -227,10 +236,13 @@ def build_paged_parts(engine, config: EngineConfig, reuse: DeviceParts | None = 
     startup = getattr(engine, "startup", None)
     block_size = config.cache.block_size
     if reuse is not None:
+        if reuse.key != parts_key(config):
+            raise ValueError("the reused device parts were built for other engine settings (their parts_key "
+                             "differs: block size, batch size, memory, model, backends or seed)")
         forward, kv_cache, graphs, mixed = reuse.forward, reuse.kv_cache, reuse.graphs, reuse.mixed
         if startup is not None:
             startup.update(kv_cache_s=0.0, num_kv_blocks=kv_cache.num_blocks, kv_cache_bytes=kv_cache.total_bytes,
-                           graph_capture_s=0.0, reused_parts=True)
+                           reused_parts=True, **({"graph_capture_s": 0.0} if graphs is not None else {}))
     else:
         forward = build_fast_forward(LoadedShard(engine.model, engine.model_config, engine.model_path,
                                                  engine.fast_path))
