@@ -169,11 +169,23 @@ def test_mismatched_parts_are_refused():
         LLMEngine(_config(max_seqs=8), reuse=parts)
 
 
-def test_an_engine_that_takes_no_parts_empties_the_cache_first():
+def test_an_engine_that_takes_no_parts_empties_the_cache_first(monkeypatch):
+    """The naive engine is built after the held parts were dropped (on a GPU their KV cache
+    would otherwise shrink the new engine's free memory)."""
+    from llmserve.engine import NaiveEngine
+
     cache = EnginePartsCache()
     assert cache.put(build_engine(_config(), parts_cache=cache))
+    held_at_build = []
+    real_init = NaiveEngine.__init__
+
+    def init(self, config, **kw):
+        held_at_build.append(cache.holds(_config()))
+        real_init(self, config, **kw)
+
+    monkeypatch.setattr(NaiveEngine, "__init__", init)
     build_engine(_config(), naive=True, parts_cache=cache)
-    assert not cache.holds(_config())
+    assert held_at_build == [False] and not cache.holds(_config())
 
 
 def test_a_reused_cpu_engine_in_the_invariant_mode_runs_on_one_thread():
