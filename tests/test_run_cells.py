@@ -137,23 +137,7 @@ def test_a_larger_batch_repeats_the_kernel_warm_up(monkeypatch, tmp_path):
     then batch 8 and batch 64 skip."""
     seen = []
 
-    def cell(opts):
-        seen.append((opts.max_num_seqs, opts.kernel_warmup))
-
-    def fake_run(opts, parts_cache=None):
-        cell(opts)
-        report = {"status": "ok", "aggregates": {"output_throughput": 1.0}}
-        Path(opts.output).write_text("{}")
-        Path(opts.csv).write_text("a\n1\n")
-        return report, Path(opts.output), Path(opts.csv)
-
-    import json
-
-    import llmserve.bench.runner as runner
-    monkeypatch.setattr(runner, "run_benchmark", fake_run)
-    monkeypatch.setattr(run_cells.ch, "check_unchanged", lambda *a, **k: None)
-    monkeypatch.setattr(run_cells.ch, "write_provenance",
-                        lambda **kw: Path(kw["output"]).write_text(json.dumps(kw["extra"])))
+    _fake_cells(monkeypatch, lambda opts: seen.append((opts.max_num_seqs, opts.kernel_warmup)))
     spec = {f"c{i}": BASE + f" --max-num-seqs {b} --seed {i}" for i, b in enumerate((8, 64, 8, 64))}
     assert run_cells.run_group(spec, tmp_path / "raw", tmp_path / "logs", "h", "cpu", 1, "g") == 0
     assert sorted(seen) == sorted([(8, True), (64, True), (8, False), (64, False)]), seen

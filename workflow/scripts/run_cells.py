@@ -120,16 +120,22 @@ def kernel_signature(opts) -> tuple:
     return (opts.config, opts.json_schema is not None) + engine
 
 
-def step_sizes(opts) -> tuple[int, int]:
-    """``(max_num_seqs, max_num_batched_tokens)`` of a cell's engine (0, 0 when its flags do
-    not resolve: the cell then fails in its own run)."""
+def engine_config(opts):
+    """The cell's :class:`~llmserve.config.EngineConfig`, or None when its flags or profile do
+    not resolve (the cell then fails in its own run, with its report)."""
     from llmserve.bench.runner import engine_config_of
 
     try:
-        sched = engine_config_of(opts).scheduler
+        return engine_config_of(opts)
     except (ValueError, FileNotFoundError):
+        return None
+
+
+def step_sizes(econf) -> tuple[int, int]:
+    """``(max_num_seqs, max_num_batched_tokens)`` of a cell's engine config (0, 0 for None)."""
+    if econf is None:
         return (0, 0)
-    return (sched.max_num_seqs, sched.max_num_batched_tokens)
+    return (econf.scheduler.max_num_seqs, econf.scheduler.max_num_batched_tokens)
 
 
 def covered(warmed: "list[tuple[int, int]] | tuple", sizes: tuple[int, int]) -> bool:
@@ -168,7 +174,7 @@ def release_device_memory(device: str) -> int | None:
 
 
 def parse_cell(cell: str, flags: str, raw: Path):
-    """``(options, argv)`` of one cell (its ``--output``/``--csv`` under ``raw``); an unknown
+    """The options of one cell (its ``--output``/``--csv`` under ``raw``); an unknown
     flag exits 2 (a broken pipeline stops)."""
     from llmserve.bench.runner import add_benchmark_args, options_from_args
 
@@ -177,22 +183,18 @@ def parse_cell(cell: str, flags: str, raw: Path):
     argv = shlex.split(flags) + ["--output", str(raw / f"{cell}.json"), "--csv", str(raw / f"{cell}.csv")]
     opts = options_from_args(parser.parse_args(argv))
     opts.command = ["llmserve", "benchmark", *argv]
-    return opts, argv
+    return opts
 
 
-def parts_group(opts) -> object:
+def parts_group(opts, econf) -> object:
     """Cells of equal value can share one engine's device parts: the engine settings without
-    the scheduling-only fields (:func:`llmserve.engine.builder.parts_key`); the naive control
-    and speculative cells share nothing (a unique value each)."""
-    from llmserve.bench.runner import engine_config_of
+    the scheduling-only fields (:func:`llmserve.engine.builder.parts_key`); the naive control,
+    speculative cells and cells whose settings do not resolve share nothing (a unique value each)."""
     from llmserve.engine.builder import parts_key
 
-    if opts.config == "naive" or opts.speculative_model:
+    if opts.config == "naive" or opts.speculative_model or econf is None:
         return object()
-    try:
-        return parts_key(engine_config_of(opts))
-    except (ValueError, FileNotFoundError):
-        return object()   # the cell fails in run_benchmark, with its report
+    return parts_key(econf)
 
 
 def run_order(cells: list[str], groups: list[object]) -> list[int]:
@@ -225,7 +227,8 @@ def run_group(spec: dict[str, str], raw: Path, log_dir: Path, expected_hash: str
     log_dir.mkdir(parents=True, exist_ok=True)
     cells = list(spec)
     parsed = [parse_cell(c, spec[c], raw) for c in cells]
-    groups = [parts_group(opts) for opts, _ in parsed]
+    configs = [engine_config(opts) for opts in parsed]
+    groups = [parts_group(opts, econf) for opts, econf in zip(parsed, configs)]
     parts = EnginePartsCache()
     prev: int | None = None
     for i, k in enumerate(run_order(cells, groups)):
@@ -245,9 +248,9 @@ def run_group(spec: dict[str, str], raw: Path, log_dir: Path, expected_hash: str
         # cell's engine on a CPU pins torch to one thread (engine/builder.py), which must not
         # carry over
         set_threads(torch_threads)
-        opts, argv = parse_cell(cell, flags, raw)
+        opts = parsed[k]
         signature = kernel_signature(opts)
-        sizes = step_sizes(opts)
+        sizes = step_sizes(configs[k])
         if covered(warmed.get(signature, ()), sizes):
             opts.kernel_warmup = False      # this process compiled these kernels already
         if prev is not None and groups[k] != groups[prev]:

@@ -29,7 +29,8 @@ def build_engine(config: EngineConfig, naive: bool = False, *, speculative_model
         parts_cache: an :class:`~llmserve.engine.builder.EnginePartsCache`: a paged engine on
             one rank takes the device parts (weights, KV cache, CUDA graphs) it holds for an
             equal configuration instead of building them (give them back with
-            ``parts_cache.put(engine)`` when done); ignored by the naive and speculative engines.
+            ``parts_cache.put(engine)`` when done). The naive, speculative and tensor-parallel
+            engines take none: the cache is emptied before they are built.
 
     Raises:
         ValueError: ``naive`` with ``speculative_model``, or what the engine's constructor raises.
@@ -42,5 +43,5 @@ def build_engine(config: EngineConfig, naive: bool = False, *, speculative_model
         return SpeculativeEngine(config, draft_model=speculative_model, num_speculative_tokens=num_speculative_tokens)
     if naive:
         return NaiveEngine(config)
-    reuse = parts_cache.take(config) if parts_cache is not None and config.tensor_parallel_size == 1 else None
+    reuse = parts_cache.take(config) if parts_cache is not None else None   # emptied above for tensor parallel
     return LLMEngine(config, reuse=reuse)

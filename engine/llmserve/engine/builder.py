@@ -64,7 +64,6 @@ def load_target(engine, config: EngineConfig, load_model_fn: Callable | None) ->
         FileNotFoundError: from the loader.
     """
     loader = load_model_fn or load_model
-    pin_invariant_threads(config)
     engine.tp_runtime = None
     tp = None
     if config.tensor_parallel_size > 1:
@@ -128,12 +127,15 @@ SCHEDULING_ONLY = {"scheduler": ("mode", "policy", "prefill_chunk_size"), "cache
 
 
 def parts_key(config: EngineConfig) -> EngineConfig:
-    """``config`` with the fields of :data:`SCHEDULING_ONLY` set to fixed values: equal keys
+    """``config`` with the fields of :data:`SCHEDULING_ONLY` at their defaults: equal keys
     build equal :class:`DeviceParts` (the same weights from the same seed, KV cache, kernels
     and graph buckets), so an engine may take over another's."""
-    sched = dataclasses.replace(config.scheduler, mode="continuous", policy="fcfs", prefill_chunk_size=None)
-    cache = dataclasses.replace(config.cache, enable_prefix_caching=True)
-    return dataclasses.replace(config, scheduler=sched, cache=cache)
+    fixed = {}
+    for section, names in SCHEDULING_ONLY.items():
+        part = getattr(config, section)
+        defaults = {f.name: f.default for f in dataclasses.fields(part) if f.name in names}
+        fixed[section] = dataclasses.replace(part, **defaults)
+    return dataclasses.replace(config, **fixed)
 
 
 class EnginePartsCache:
@@ -216,12 +218,15 @@ class PagedParts:
         block_manager: its blocks.
         scheduler: the scheduler over them (``max_model_len`` capped by the model's).
         runner: the model runner (fused forward and decode CUDA graphs when enabled).
+        device: what of these another engine of the same :func:`parts_key` may take over
+            (None with tensor parallelism).
     """
 
     kv_cache: KVCache
     block_manager: BlockManager
     scheduler: Scheduler
     runner: ModelRunner
+    device: DeviceParts | None = None
 
 
 def build_paged_parts(engine, config: EngineConfig, reuse: DeviceParts | None = None) -> PagedParts:
@@ -260,7 +265,11 @@ def build_paged_parts(engine, config: EngineConfig, reuse: DeviceParts | None = 
     runner = ModelRunner(engine.model, kv_cache.kv_caches, block_size, engine.device,
                          forward=forward, cuda_graphs=graphs, mixed_graphs=mixed,
                          channel=engine.tp_runtime.channel if engine.tp_runtime is not None else None)
-    return PagedParts(kv_cache, block_manager, scheduler, runner)
+    device = None
+    if engine.tp_runtime is None:
+        device = DeviceParts(LoadedShard(engine.model, engine.model_config, engine.model_path, engine.fast_path),
+                             engine.tokenizer, forward, kv_cache, graphs, mixed, key=parts_key(config))
+    return PagedParts(kv_cache, block_manager, scheduler, runner, device)
 
 
 def build_graphs(engine, config: EngineConfig, forward, kv_cache: KVCache

@@ -31,7 +31,7 @@ from ..core.sampling_params import SamplingParams
 from ..core.scheduler import SchedulerOutput
 from ..core.sequence import Sequence, SequenceStatus
 from ..core.trace import RequestTracer
-from .builder import DeviceParts, build_paged_parts, build_structured_output, load_target, parts_key, pin_invariant_threads
+from .builder import DeviceParts, build_paged_parts, build_structured_output, load_target, pin_invariant_threads
 from .triton_cache import triton_cache_entries
 
 
@@ -76,10 +76,10 @@ class _EngineBase:
         #: whether another engine may take this one's device parts (not with a custom loader:
         #: its weights are not named by the configuration)
         self._shareable = load_model_fn is None
+        pin_invariant_threads(config)
         if reuse is None:
             load_target(self, config, load_model_fn)
         else:   # another engine's model and tokenizer (llmserve.engine.builder.EnginePartsCache)
-            pin_invariant_threads(config)
             self.model, self.model_config = reuse.shard.model, reuse.shard.model_config
             self.model_path, self.fast_path = reuse.shard.model_path, reuse.shard.fast_path
             self.tokenizer = reuse.tokenizer
@@ -282,15 +282,7 @@ class LLMEngine(_EngineBase):
     def _init_engine(self, config: EngineConfig, reuse: DeviceParts | None = None) -> None:
         parts = build_paged_parts(self, config, reuse)
         # what another engine of the same settings may take over (detach_device_parts)
-        self._device_parts: DeviceParts | None = None
-        if self.tp_runtime is None and self._shareable:
-            from .shard import LoadedShard
-
-            runner = parts.runner
-            self._device_parts = DeviceParts(
-                LoadedShard(self.model, self.model_config, self.model_path, self.fast_path), self.tokenizer,
-                runner.forward if runner.forward is not self.model else None, parts.kv_cache,
-                runner.cuda_graphs, runner.mixed_graphs, key=parts_key(config))
+        self._device_parts: DeviceParts | None = parts.device if self._shareable else None
         self._detached = False
         self.block_size = config.cache.block_size
         self.kv_cache, self.block_manager = parts.kv_cache, parts.block_manager
