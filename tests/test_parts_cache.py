@@ -163,10 +163,30 @@ def test_parts_of_a_custom_loader_are_not_offered():
     assert not cache.put(eng) and not cache.holds(_config())
 
 
-def test_mismatched_parts_are_refused():
+def test_mismatched_parts_are_refused_before_the_engine_is_set_up(monkeypatch):
+    """The key check comes first: an invariant-mode config does not pin the thread count, nor
+    load anything, before it is refused."""
+    import llmserve.engine.llm_engine as llm_engine
+
     parts = build_engine(_config()).detach_device_parts()
+    pinned = []
+    monkeypatch.setattr(llm_engine, "pin_invariant_threads", lambda config: pinned.append(config))
     with pytest.raises(ValueError, match="other engine settings"):
-        LLMEngine(_config(max_seqs=8), reuse=parts)
+        LLMEngine(dataclasses.replace(_config(max_seqs=8), batch_invariant=True), reuse=parts)
+    assert pinned == []
+
+
+def test_a_failed_construction_is_not_counted_as_a_reuse(monkeypatch):
+    cache = EnginePartsCache()
+    assert cache.put(build_engine(_config(), parts_cache=cache))
+
+    def fail(self, config, reuse=None):
+        raise RuntimeError("construction failed")
+
+    monkeypatch.setattr(LLMEngine, "_init_engine", fail)
+    with pytest.raises(RuntimeError, match="construction failed"):
+        build_engine(_config(mode="static"), parts_cache=cache)
+    assert cache.reuses == 0 and not cache.holds(_config())
 
 
 def test_an_engine_that_takes_no_parts_empties_the_cache_first(monkeypatch):
@@ -218,6 +238,16 @@ def test_run_benchmark_keeps_parts_only_of_engines_it_built_through_the_cache(tm
     cache = EnginePartsCache()
     report, _, _ = run_benchmark(opts("a"), engine_factory=lambda c, naive: LLMEngine(c), parts_cache=cache)
     assert report["status"] == "ok" and cache.reuses == 0 and cache._parts is None
+    # a custom factory's engine is built after the held parts were dropped
+    assert cache.put(build_engine(_config(), parts_cache=cache))
+    held = []
+
+    def factory(c, naive):
+        held.append(cache._parts is not None)
+        return LLMEngine(c)
+
+    report, _, _ = run_benchmark(opts("a2"), engine_factory=factory, parts_cache=cache)
+    assert report["status"] == "ok" and held == [False] and cache._parts is None
     report, _, _ = run_benchmark(opts("b"), parts_cache=cache)
     assert report["status"] == "ok" and cache._parts is not None
     report, _, _ = run_benchmark(opts("c"), parts_cache=cache)

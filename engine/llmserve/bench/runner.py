@@ -667,6 +667,8 @@ def run_benchmark(opts: BenchmarkOptions, engine_factory: Callable[[Any, bool], 
         if engine_factory is None and opts.speculative_model:
             engine_factory = _speculative_engine_factory(opts)
         t_build = time.perf_counter()
+        if engine_factory is not None and parts_cache is not None:
+            parts_cache.clear()   # this engine takes no parts: the held ones' memory goes back first
         if engine_factory is None and parts_cache is not None:
             from ..engine import build_engine
 

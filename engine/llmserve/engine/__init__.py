@@ -44,4 +44,7 @@ def build_engine(config: EngineConfig, naive: bool = False, *, speculative_model
     if naive:
         return NaiveEngine(config)
     reuse = parts_cache.take(config) if parts_cache is not None else None   # emptied above for tensor parallel
-    return LLMEngine(config, reuse=reuse)
+    engine = LLMEngine(config, reuse=reuse)
+    if reuse is not None:
+        parts_cache.reuses += 1
+    return engine

@@ -138,6 +138,13 @@ def parts_key(config: EngineConfig) -> EngineConfig:
     return dataclasses.replace(config, **fixed)
 
 
+def check_reuse_key(reuse: DeviceParts, config: EngineConfig) -> None:
+    """Raises ValueError when ``reuse`` was built for another :func:`parts_key` than ``config``'s."""
+    if reuse.key != parts_key(config):
+        raise ValueError("the reused device parts were built for other engine settings (their parts_key "
+                         "differs: block size, batch size, memory, model, backends or seed)")
+
+
 class EnginePartsCache:
     """Keeps one finished engine's :class:`DeviceParts` for the next engine of the same
     :func:`parts_key`, so a process that runs many engines one after another (a benchmark
@@ -156,7 +163,8 @@ class EnginePartsCache:
     def __init__(self) -> None:
         self._key: EngineConfig | None = None
         self._parts: DeviceParts | None = None
-        #: engines built on parts taken from this cache
+        #: engines built on parts taken from this cache (counted by ``build_engine`` once the
+        #: engine is constructed)
         self.reuses = 0
 
     def holds(self, config: EngineConfig) -> bool:
@@ -171,7 +179,6 @@ class EnginePartsCache:
             return None
         parts, self._parts, self._key = self._parts, None, None
         parts.reset()
-        self.reuses += 1
         return parts
 
     def put(self, engine) -> bool:
@@ -241,9 +248,7 @@ def build_paged_parts(engine, config: EngineConfig, reuse: DeviceParts | None = 
     startup = getattr(engine, "startup", None)
     block_size = config.cache.block_size
     if reuse is not None:
-        if reuse.key != parts_key(config):
-            raise ValueError("the reused device parts were built for other engine settings (their parts_key "
-                             "differs: block size, batch size, memory, model, backends or seed)")
+        check_reuse_key(reuse, config)
         forward, kv_cache, graphs, mixed = reuse.forward, reuse.kv_cache, reuse.graphs, reuse.mixed
         if startup is not None:
             startup.update(kv_cache_s=0.0, num_kv_blocks=kv_cache.num_blocks, kv_cache_bytes=kv_cache.total_bytes,

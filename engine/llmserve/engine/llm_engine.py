@@ -31,7 +31,8 @@ from ..core.sampling_params import SamplingParams
 from ..core.scheduler import SchedulerOutput
 from ..core.sequence import Sequence, SequenceStatus
 from ..core.trace import RequestTracer
-from .builder import DeviceParts, build_paged_parts, build_structured_output, load_target, pin_invariant_threads
+from .builder import (DeviceParts, build_paged_parts, build_structured_output, check_reuse_key, load_target,
+                      pin_invariant_threads)
 from .triton_cache import triton_cache_entries
 
 
@@ -270,8 +271,10 @@ class LLMEngine(_EngineBase):
     supports_tensor_parallel = True
 
     def __init__(self, config: EngineConfig, *, reuse: DeviceParts | None = None, **kw) -> None:
-        if reuse is not None and config.tensor_parallel_size > 1:
-            raise ValueError("reused device parts serve one rank; tensor_parallel_size must be 1")
+        if reuse is not None:   # refused before anything of the engine is set up
+            if config.tensor_parallel_size > 1:
+                raise ValueError("reused device parts serve one rank; tensor_parallel_size must be 1")
+            check_reuse_key(reuse, config)
         super().__init__(config, reuse=reuse, **kw)
         try:
             self._init_engine(config, reuse)
