@@ -17,6 +17,7 @@ H200_ARGS = (f"--presets {' '.join(_CMP['decode_presets'])} --hf-requests {_CMP[
              f" --hf-decode-presets {' '.join(_CMP['hf_decode_presets'])}"
              f" --hf-static-batch {_CMP['hf_static_batch']} --hf-static-requests {_CMP['hf_static_requests']}"
              f" --hf-max-new-tokens {_CMP['hf_max_new_tokens']} --offline-repetitions {_CMP['offline_repetitions']}"
+             f" --offline-flags {' '.join(_CMP['offline_flags'])}"
              f" --rates {' '.join(f'{r:g}' for r in _CMP['rates'])}"
              f" --openloop-requests {_CMP['openloop_requests']}"
              f" --openloop-repetitions {_CMP['openloop_repetitions']}"

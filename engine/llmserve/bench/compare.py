@@ -639,10 +639,13 @@ def run(args: argparse.Namespace) -> dict:
     if "offline" in args.parts:
         prompts, outs = offline_workload(args.offline_requests, args.offline_lo, args.offline_hi, args.seed)
         reps = args.offline_repetitions
-        rows = [_row("llmserve continuous", offline_llmserve, args.offline_model, prompts, outs,
-                     args.max_num_seqs, args.prefill_chunk, args.max_num_batched_tokens, repetitions=reps),
-                _row("llmserve continuous, defaults", offline_llmserve, args.offline_model, prompts, outs,
-                     None, None, None, defaults=True, repetitions=reps)]
+        rows = []
+        if "tuned" in args.offline_flags:
+            rows.append(_row("llmserve continuous", offline_llmserve, args.offline_model, prompts, outs,
+                             args.max_num_seqs, args.prefill_chunk, args.max_num_batched_tokens, repetitions=reps))
+        if "defaults" in args.offline_flags:
+            rows.append(_row("llmserve continuous, defaults", offline_llmserve, args.offline_model, prompts, outs,
+                             None, None, None, defaults=True, repetitions=reps))
         if not args.skip_hf:
             # HF's step costs the same at any output length: clipping its outputs shortens the
             # run without flattering llmserve (a shorter static batch wastes fewer padded steps)
@@ -940,6 +943,9 @@ def add_bench_compare_subparser(sub) -> None:
     p.add_argument("--openloop-flags", nargs="+", default=["tuned", "defaults"], choices=["tuned", "defaults"],
                    help="open-loop rows: with the hand-tuned engine flags, with every flag at its "
                         "default, or both (alternated)")
+    p.add_argument("--offline-flags", nargs="+", default=["tuned", "defaults"], choices=["tuned", "defaults"],
+                   help="offline llmserve rows: with --max-num-seqs/--prefill-chunk-size/"
+                        "--max-num-batched-tokens, with every engine flag at its default, or both")
     p.add_argument("--serve-tokens", type=int, default=256, help="serve rows: tokens of the timed completion")
     p.add_argument("--serve-repetitions", type=int, default=5, help="serve rows: timed completions per row")
     p.add_argument("--seed", type=int, default=0, help="workload seed")
