@@ -413,6 +413,29 @@ def test_a_token_outside_the_grammar_aborts_the_request_once(monkeypatch, caplog
     assert eng.stats()["structured_output"]["rejected_tokens"] == 1 and len(eng.structured) == 0
 
 
+def test_step_bitmasks_reuse_two_buffers_and_fill_every_row():
+    """fill_bitmask without ``out`` takes rows of two host buffers in turn (stale contents are
+    overwritten: the rows equal masks filled into a fresh all-allowed bitmask)."""
+    from llmserve.engine.llm_engine import LLMEngine
+
+    eng = LLMEngine(_config())
+    spec = StructuredOutput("json_schema", {"enum": ["yes", "no"]})
+    seqs = [eng.add_request([5, 6, 7], SamplingParams(max_tokens=8, structured_output=spec)) for _ in range(10)]
+    m = eng.structured
+    ids = [s.request_id for s in seqs]
+    first = m.fill_bitmask(ids[:3])
+    first.fill_(0)                                           # stale contents for the next turn
+    second = m.fill_bitmask(ids[:5])
+    third = m.fill_bitmask(ids[:4])
+    assert first.data_ptr() == third.data_ptr() != second.data_ptr()
+    assert third.shape == (4, m.cache.bitmask_words) and second.shape == (5, m.cache.bitmask_words)
+    fresh = m.new_bitmask(4)
+    m.fill_bitmask(ids[:4], out=fresh)
+    assert torch.equal(third, fresh) and torch.equal(second[:4], fresh)
+    bigger = m.fill_bitmask(ids)                             # grows past the buffer's 8 rows
+    assert bigger.shape[0] == 10 and torch.equal(bigger[:4], fresh)
+
+
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 def test_gpu_constrained_decode_graphs_async_match_sync():

@@ -213,6 +213,14 @@ class StructuredOutputManager:
         self.pin_memory = pin_memory
         self._active: dict[str, _Constrained] = {}
         self._batch = None
+        # The step bitmasks (fill_bitmask without ``out``): two host buffers used in turn, grown
+        # to the largest step and never cleared (xgrammar writes every word of a row it fills;
+        # clearing a [128, 4,748] buffer with torch would wake torch's CPU thread pool, whose
+        # spinning threads slow xgrammar's own). A buffer is filled again two fills later; by
+        # then the sampler has copied it (the engine reads a step's tokens, which come after
+        # the copy on the device, before it fills the next step's masks).
+        self._step_masks: list[torch.Tensor | None] = [None, None]
+        self._turn = 0
         self.num_requests = 0
         self.num_mask_rows = 0
         self.mask_seconds = 0.0
@@ -271,13 +279,26 @@ class StructuredOutputManager:
         """``[rows, ceil(V / 32)]`` int32 on the host, every token allowed."""
         return torch.full((rows, self.cache.bitmask_words), -1, dtype=torch.int32, pin_memory=self.pin_memory)
 
+    def _step_bitmask(self, rows: int) -> torch.Tensor:
+        """``[rows, ceil(V / 32)]`` int32 host rows of the next step buffer (stale contents:
+        the caller fills every row)."""
+        buf = self._step_masks[self._turn]
+        if buf is None or buf.shape[0] < rows:
+            buf = torch.empty((max(rows, 8), self.cache.bitmask_words), dtype=torch.int32,
+                              pin_memory=self.pin_memory)
+            self._step_masks[self._turn] = buf
+        self._turn ^= 1
+        return buf[:rows]
+
     def fill_bitmask(self, request_ids: list[str], out: torch.Tensor | None = None,
                      start: int = 0) -> torch.Tensor:
         """The next-token bitmasks of the given constrained sequences, one row each.
 
         Args:
             request_ids: constrained sequences.
-            out: bitmask to fill (rows ``start ..``), from :meth:`new_bitmask`; default a new one.
+            out: bitmask to fill (rows ``start ..``), from :meth:`new_bitmask`. Default: rows of
+                one of two reused host buffers, valid until the second fill after this one
+                without ``out`` (an engine's sampler has copied it to the device by then).
 
         Returns:
             ``out``, or ``[len(request_ids), ceil(V / 32)]`` int32 on the host (see
@@ -288,7 +309,7 @@ class StructuredOutputManager:
         """
         t0 = time.perf_counter()
         matchers = [self._active[r].matcher for r in request_ids]
-        bitmask = self.new_bitmask(len(matchers)) if out is None else out
+        bitmask = self._step_bitmask(len(matchers)) if out is None else out
         if len(matchers) == 1:
             matchers[0].fill_next_token_bitmask(bitmask, start)
         elif matchers:

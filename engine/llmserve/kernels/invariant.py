@@ -241,7 +241,7 @@ def _segment_state(q, q_pos, k_cache_ptr, v_cache_ptr, bt_row_ptr, kvh, offs_d, 
     return m_i, l_i, acc
 
 
-@triton.jit(do_not_specialize=["stride_btb"])
+@triton.jit(do_not_specialize=["num_seqs", "stride_btb"])   # num_seqs varies per step: no recompiles
 def _invariant_attention_kernel(q_ptr, k_cache_ptr, v_cache_ptr, out_ptr, bt_ptr, ctx_ptr, qsl_ptr,
                                 tiles_ptr, num_seqs, qk_scale, stride_qn, stride_qh, stride_kb, stride_kt,
                                 stride_kh, stride_on, stride_oh, stride_btb,
