@@ -121,3 +121,41 @@ def test_replay_ms_times_the_last_decode_graph():
     assert _replay_ms(SimpleNamespace(runner=SimpleNamespace(cuda_graphs=None)), 3, lambda: None) is None
     none_yet = SimpleNamespace(runner=SimpleNamespace(cuda_graphs=SimpleNamespace(last_graph=None)))
     assert _replay_ms(none_yet, 3, lambda: None) is None
+
+
+@pytest.mark.parametrize("flags,rows", [
+    ([], ["llmserve continuous", "llmserve continuous, defaults"]),
+    (["--offline-flags", "tuned"], ["llmserve continuous"]),
+    (["--offline-flags", "defaults"], ["llmserve continuous, defaults"]),
+    (["--offline-flags", "defaults", "tuned"], ["llmserve continuous", "llmserve continuous, defaults"]),
+])
+def test_offline_flags_choose_the_llmserve_rows(monkeypatch, flags, rows):
+    """``bench-compare --offline-flags``: the tuned row, the defaults row or both (the engine
+    run itself stubbed: no GPU here); the report's markdown takes either alone."""
+    import argparse
+
+    import llmserve.bench.compare as c
+
+    monkeypatch.setattr(c, "measure_ceilings", lambda device: {"copy_bandwidth_Bps": 1e12, "bf16_matmul_flops": 1e14})
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: "test GPU")
+    monkeypatch.setattr(c, "offline_llmserve", lambda *a, **kw: {"requests": 4, "output_tokens": 8,
+                                                                 "output_tok_per_s": 1.0})
+    p = argparse.ArgumentParser()
+    c.add_bench_compare_subparser(p.add_subparsers())
+    args = p.parse_args(["bench-compare", "--parts", "offline", "--skip-hf", "--offline-requests", "4"] + flags)
+    args.command_line = "llmserve bench-compare"
+    report = c.run(args)
+    assert [r["name"] for r in report["parts"]["offline"]["rows"]] == rows
+    assert all(name in c.to_markdown(report) for name in rows)
+
+
+def test_offline_flags_refuse_other_values(capsys):
+    import argparse
+
+    import llmserve.bench.compare as c
+
+    p = argparse.ArgumentParser()
+    c.add_bench_compare_subparser(p.add_subparsers())
+    with pytest.raises(SystemExit):
+        p.parse_args(["bench-compare", "--offline-flags", "bogus"])
+    assert "invalid choice: 'bogus'" in capsys.readouterr().err

@@ -1,8 +1,9 @@
 # llmserve against the hardware and a peer on one GPU (`llmserve bench-compare`): batch-1 decode
 # against the weight-bandwidth floor, the decode sweep (batch 1..256), the offline 256-request
-# workload against HF transformers (generate_batch and static generate) and with every engine
-# flag at its default, open-loop TTFT/TPOT at several rates with repetitions (tuned flags and
-# defaults alternated), and one `serve` completion with and without tuning flags. GPU only; part
+# workload against HF transformers (generate_batch and static generate), open-loop TTFT/TPOT at
+# several rates with repetitions (the config's `offline_flags` and `openloop_flags` say whether
+# llmserve runs with hand-tuned flags, every flag at its default, or both), and one `serve`
+# completion with and without tuning flags. GPU only; part
 # of `results/gpu` (workflow/rules/gpu.smk), or alone:
 #
 #   snakemake results/h200 --cores 4 --resources gpu=1

@@ -7,11 +7,13 @@ a. batch-1 decode ms/step for each model against the floor (unique weight bytes 
    ``--decode-linear-backends`` also the Triton INT8 weight-only projections, whose floor
    counts their int8 bytes) and HF ``generate``;
 b. the offline workload (N requests, input and output lengths uniform in [lo, hi], EOS
-   ignored): output tok/s of llmserve continuous batching, HF ``generate_batch`` (its
-   continuous batching) and HF static ``generate``; the HF runs may use a subset of the
+   ignored): output tok/s of llmserve continuous batching (with the hand-tuned scheduler
+   flags, with every flag at its default, or both: ``--offline-flags``), HF ``generate_batch``
+   (its continuous batching) and HF static ``generate``; the HF runs may use a subset of the
    requests (``--hf-requests``) to keep the run short, which the report states;
 c. open-loop ShareGPT-profile runs at several arrival rates: p50/p95 TTFT and TPOT
-   (through ``llmserve benchmark``'s runner);
+   (through ``llmserve benchmark``'s runner; tuned flags, defaults or both, alternated:
+   ``--openloop-flags``);
 d. the decode sweep (``--parts decode-sweep``): ms per decode step at batch 1..256 and contexts
    128 and 1024 against the floor (weight bytes plus the step's KV bytes over the copy
    bandwidth), with a plot.
@@ -837,7 +839,8 @@ def to_markdown(rep: dict) -> str:
     if "openloop" in rep["parts"]:
         lines += ["## Open-loop ShareGPT profile (llmserve continuous, Qwen2.5-1.5B shapes)", "",
                   "Tuned flags: `" + " ".join(OPENLOOP_TUNED_FLAGS) + "`; defaults: none of them. "
-                  "Median [min-max] over the repetitions (tuned and defaults alternated); CV = "
+                  "Median [min-max] over the repetitions (tuned and defaults alternated when both "
+                  "run); CV = "
                   "standard deviation / mean of p50 TTFT.", "",
                   "| rate req/s | flags | runs | p50 TTFT ms | CV | p95 TTFT ms | p50 TPOT ms | output tok/s | status |",
                   "| ---: | --- | ---: | ---: | ---: | ---: | ---: | ---: | --- |"]

@@ -283,8 +283,9 @@ class StructuredOutputManager:
         """``[rows, ceil(V / 32)]`` int32 host rows of the next step buffer (stale contents:
         the caller fills every row)."""
         buf = self._step_masks[self._turn]
-        if buf is None or buf.shape[0] < rows:
-            buf = torch.empty((max(rows, 8), self.cache.bitmask_words), dtype=torch.int32,
+        if buf is None or buf.shape[0] < rows:   # grown by doubling: few allocations as a batch ramps up
+            grown = max(rows, 8, 2 * buf.shape[0] if buf is not None else 0)
+            buf = torch.empty((grown, self.cache.bitmask_words), dtype=torch.int32,
                               pin_memory=self.pin_memory)
             self._step_masks[self._turn] = buf
         self._turn ^= 1
