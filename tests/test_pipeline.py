@@ -95,18 +95,42 @@ def test_every_rule_is_named_in_the_workflow_sources():
              if ln and not ln.startswith((" ", "Using", "Assuming", "Config"))]
     sources = "\n".join(p.read_text() for p in [ROOT / "workflow" / "Snakefile",
                                                 *sorted((ROOT / "workflow" / "rules").glob("*.smk"))])
-    assert "benchmark_rep0" in names, names       # the h200 profile groups cells by repetition
+    assert "benchmark_all" in names, names       # the h200 profile runs the matrix in one process
     for name in names:
         if name.startswith("benchmark_"):
-            assert "benchmark_<sweep>_rep<N>" in sources and "benchmark_rep<N>" in sources
-        elif name.startswith("structured_rep"):
-            assert "structured_rep<N>" in sources
+            assert all(f"benchmark_{p}" in sources for p in ("<sweep>_rep<N>", "rep<N>", "all"))
+        elif name.startswith("structured_"):
+            assert "structured_rep<N>" in sources and "structured_all" in sources
+        elif name.startswith("prefix_cells_"):
+            assert "prefix_cells_rep<N>" in sources and "prefix_cells_all" in sources
         elif name.startswith("timeline_"):
             assert "timeline_<name>" in sources
         elif name.startswith("results/"):
             assert f'"{name}"' in sources, name
         else:
             assert f"rule {name}:" in sources, name
+
+
+def test_group_cells_by_all_runs_every_repetition_in_one_process():
+    """`group_cells_by: all` (the h200 profile's matrix, prefix sweep and structured-output
+    cost) plans one process for each of them, holding every repetition, repetition 0's cells
+    first; `repetition` plans one process a repetition."""
+    r = snakemake("-n", "--nolock", "results/gpu", "--config", "profile=h200")
+    assert r.returncode == 0, r.stdout[-3000:]
+    jobs = job_counts(r.stdout)
+    assert {"benchmark_all", "structured_all", "prefix_cells_all"} <= set(jobs), jobs
+    assert not any(j.startswith(("benchmark_rep", "structured_rep", "prefix_cells_rep")) for j in jobs), jobs
+    r = snakemake("-n", "--nolock", "results/checkpoint3", "--config", "profile=h200",
+                  "group_cells_by=repetition")
+    assert r.returncode == 0, r.stdout[-3000:]
+    jobs = job_counts(r.stdout)
+    assert {"benchmark_rep0", "benchmark_rep1", "benchmark_rep2"} <= set(jobs), jobs
+    # the one process's spec: every cell of every repetition, repetition 0's first
+    r = snakemake("-n", "--nolock", "-p", "results/checkpoint3", "--config", "profile=h200")
+    spec = re.search(r"run_cells\.py run --spec '(\{.*?\})'", r.stdout)
+    assert spec, r.stdout[-3000:]
+    reps = [int(c.rsplit("_rep~", 1)[1]) for c in json.loads(spec.group(1))]
+    assert len(reps) == 105 and reps == sorted(reps) and set(reps) == {0, 1, 2}
 
 
 def test_column_table_is_the_schemas_and_the_rules():
@@ -310,7 +334,7 @@ def test_prefix_profile_follows_its_settings(tmp_path):
     overrides = {**prefix["profile_overrides"], "name": "renamed"}
     changed.write_text(yaml.safe_dump({"prefix": {**prefix, "profile_overrides": overrides}}))
     jobs = planned("--configfile", str(changed))
-    assert {"prefix_settings_marker", "prefix_profile", "prefix_cells"} <= set(jobs), jobs
+    assert {"prefix_settings_marker", "prefix_profile", "prefix_cells_rep0"} <= set(jobs), jobs
     # the same settings, but the file on disk from elsewhere and no metadata to compare params with
     shutil.rmtree(tmp_path / ".snakemake")
     text = (tmp_path / target).read_text()

@@ -1,5 +1,6 @@
-# Stage 2: the benchmark cells, one process per group (the cells of one sweep and repetition;
-# GROUPS in common.smk), each cell one `llmserve benchmark` run inside it
+# Stage 2: the benchmark cells, one process per group (the cells of one sweep and repetition,
+# of one repetition, or all of them: `group_cells_by`, GROUPS in common.smk), each cell one
+# `llmserve benchmark` run inside it
 # (workflow/scripts/run_cells.py). Rules are named benchmark_<sweep>_rep<N>.
 #
 # A failed cell is a result, not a workflow error: the harness writes a `status: failed` report
@@ -53,14 +54,14 @@ rule code_changed_marker:
         " > {output:q} 2> {log:q}"
 
 
-# One rule per group, named benchmark_<sweep>_rep<N> (e.g. benchmark_main_rep0), or
-# benchmark_rep<N> with `group_cells_by: repetition` (the list:
+# One rule per group, named benchmark_<sweep>_rep<N> (e.g. benchmark_main_rep0),
+# benchmark_rep<N> with `group_cells_by: repetition`, or benchmark_all with `all` (the list:
 # `snakemake --list-rules`): a rule's output must be a fixed list of files, and a group's files
 # are its cells'.
 for _group, _cells in GROUPS.items():
 
     rule:
-        """The benchmark cells of one sweep and repetition, in one process."""
+        """The benchmark cells of one group (GROUPS in common.smk), in one process."""
         name:
             f"benchmark_{_group}"
         input:

@@ -235,7 +235,18 @@ def trace_file(cell_id):
 # that names a cell runs it), so start-up (torch, tokenizer, prompts; CUDA context, kernels) is
 # paid once a group, while repetitions stay separate processes and an edit of one sweep reruns
 # that sweep's groups only. `group_cells_by: repetition` puts every cell of a repetition in one
-# process (the GPU profile: a CUDA start-up a repetition instead of one a sweep and repetition).
+# process (a CUDA start-up a repetition instead of one a sweep and repetition); `all` puts the
+# whole matrix in one process (group `all`), repetition 0's cells first: the runner then runs a
+# cell's repetitions one after another on one engine (workflow/scripts/run_cells.py), so its
+# weights load, its CUDA graphs are captured and its kernels warm up once, not once a repetition.
+def group_name(grouping, sweep, rep):
+    """The process group of a cell of ``sweep`` and repetition ``rep`` under ``grouping``
+    (`sweep`, `repetition` or `all`)."""
+    if grouping == "all":
+        return "all"
+    return f"rep{rep}" if grouping == "repetition" else f"{sweep}_rep{rep}"
+
+
 GROUPS = {}
 _owner = {}
 for _sweep, _ids in SWEEP_CELLS.items():
@@ -243,8 +254,9 @@ for _sweep, _ids in SWEEP_CELLS.items():
         if _cell not in _owner:
             _owner[_cell] = _sweep
             _rep = _cell_params(_cell)["rep"]
-            _name = f"rep{_rep}" if config["group_cells_by"] == "repetition" else f"{_sweep}_rep{_rep}"
-            GROUPS.setdefault(_name, []).append(_cell)
+            GROUPS.setdefault(group_name(config["group_cells_by"], _sweep, _rep), []).append(_cell)
+# within a process, repetition 0 of every cell first, then repetition 1, ... (a stable sort)
+GROUPS = {name: sorted(cells, key=lambda c: int(_cell_params(c)["rep"])) for name, cells in GROUPS.items()}
 
 
 def cell_label(cell_id):
@@ -569,6 +581,20 @@ def prefix_cells():
 
 
 PREFIX_CELLS = prefix_cells() if PREFIX_CFG else {}
+
+
+def process_groups(cells_by_rep, grouping):
+    """``{group: {cell id: flags}}``: the processes a sweep's cells run in. ``grouping``
+    `repetition` gives one process a repetition (groups ``rep0``, ``rep1``, ...); `all` one
+    process for every repetition (group ``all``, repetition 0's cells first), in which the
+    runner (workflow/scripts/run_cells.py) runs the repetitions of cells that share an engine
+    setting back to back on one engine, built, captured and warmed once."""
+    if grouping == "all":
+        return {"all": {c: f for rep in sorted(cells_by_rep) for c, f in cells_by_rep[rep].items()}}
+    return {f"rep{rep}": cells for rep, cells in cells_by_rep.items()}
+
+
+PREFIX_GROUPS = process_groups(PREFIX_CELLS, PREFIX_CFG.get("group_cells_by", "repetition")) if PREFIX_CFG else {}
 PREFIX_TABLES = [f"{PREFIX_OUT}/table.csv", f"{PREFIX_OUT}/table.md",
                  f"{PREFIX_OUT}/plots/ttft_cdf.png", f"{PREFIX_OUT}/plots/hit_rate.png"]
 PREFIX_CHECKSUMS = f"{PREFIX_OUT}/checksums.sha256"  # the run's; published to checksums/
@@ -610,6 +636,8 @@ def structured_cells():
 
 
 STRUCTURED_CELLS = structured_cells() if STRUCTURED_CFG else {}
+STRUCTURED_GROUPS = (process_groups(STRUCTURED_CELLS, STRUCTURED_CFG.get("group_cells_by", "repetition"))
+                     if STRUCTURED_CFG else {})
 STRUCTURED_FILES = (
     [f"{STRUCTURED_OUT}/raw/{c}.{ext}" for cells in STRUCTURED_CELLS.values() for c in cells
      for ext in ("json", "csv")]
@@ -638,13 +666,13 @@ def gpu_inputs(wildcards):
 COMPARE_MARKERS = _hash_markers("gpu~compare", [f"{GPU_OUT}/compare.json"], "code_hash")
 KERNEL_MARKERS = _hash_markers("gpu~kernels", [KERNEL_FILES[0]], "env", "code_hash")
 STRUCTURED_MARKERS = {
-    rep: _hash_markers(f"gpu~structured_rep{rep}",
-                       [f"{STRUCTURED_OUT}/raw/{c}.provenance.json" for c in cells], "code_hash")
-    for rep, cells in STRUCTURED_CELLS.items()}
+    group: _hash_markers(f"gpu~structured_{group}",
+                         [f"{STRUCTURED_OUT}/raw/{c}.provenance.json" for c in cells], "code_hash")
+    for group, cells in STRUCTURED_GROUPS.items()}
 PREFIX_MARKERS = {
-    rep: _hash_markers(f"prefix~{PROFILE}~rep{rep}",
-                       [f"{PREFIX_OUT}/raw/{c}.provenance.json" for c in cells], "code_hash")
-    for rep, cells in PREFIX_CELLS.items()}
+    group: _hash_markers(f"prefix~{PROFILE}~{group}",
+                         [f"{PREFIX_OUT}/raw/{c}.provenance.json" for c in cells], "code_hash")
+    for group, cells in PREFIX_GROUPS.items()}
 PREFIX_MARKER_FILES = PREFIX_PROFILE_MARKERS + [m for ms in PREFIX_MARKERS.values() for m in ms]
 GPU_MARKERS = (COMPARE_MARKERS + KERNEL_MARKERS + [m for ms in STRUCTURED_MARKERS.values() for m in ms]
                + PREFIX_MARKER_FILES)

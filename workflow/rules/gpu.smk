@@ -11,17 +11,18 @@
 # `snakemake publish publish_gpu --cores 1 --config profile=h200` then makes the run the tracked
 # results (the committed sums in checksums/).
 
-# One rule per repetition, named structured_rep<N>.
-for _rep, _cells in STRUCTURED_CELLS.items():
+# One rule per process group (STRUCTURED_GROUPS in common.smk), named structured_rep<N> (one
+# process a repetition) or structured_all (`group_cells_by: all`: every repetition in one process).
+for _group, _cells in STRUCTURED_GROUPS.items():
 
     rule:
-        """The structured-output cost cells of one repetition, in one process."""
+        """The structured-output cost cells of one process group, in one process."""
         name:
-            f"structured_rep{_rep}"
+            f"structured_{_group}"
         input:
             profile=STRUCTURED_CFG["profile"],
             schema=STRUCTURED_CFG["schema"],
-            code_changed=STRUCTURED_MARKERS[_rep],
+            code_changed=STRUCTURED_MARKERS[_group],
         output:
             [f"{STRUCTURED_OUT}/raw/{c}.{ext}" for c in _cells for ext in ("json", "csv", "provenance.json")],
         params:
@@ -32,14 +33,14 @@ for _rep, _cells in STRUCTURED_CELLS.items():
             tool=f"{SCRIPTS}/run_cells.py",
             device=config["device"],
             torch_threads=config["torch_threads"],
-            group=f"structured_rep{_rep}",
+            group=f"structured_{_group}",
         log:
-            f"{STRUCTURED_OUT}/logs/rep{_rep}.log",
+            f"{STRUCTURED_OUT}/logs/{_group}.log",
         resources:
             gpu=GPU,
             benchmark_slot=1,
         message:
-            f"structured-output cost ({PROFILE}): repetition {_rep}, {len(_cells)} cells"
+            f"structured-output cost ({PROFILE}): process {_group}, {len(_cells)} cells"
         conda:
             ENV
         shell:

@@ -1,13 +1,14 @@
 # Prefix-caching sweep: automatic prefix caching on/off x workload (multi-turn ShareGPT,
 # shared system prompt) x arrival rate, each cell one `llmserve benchmark` run, repeated
-# `repetitions` times; the cells of one repetition run in one process (workflow/scripts/run_cells.py:
-# torch, the model and the prompts load once a repetition), then a table (median [min–max] over
+# `repetitions` times; the cells of one repetition, or of all of them (the section's
+# `group_cells_by`), run in one process (workflow/scripts/run_cells.py: torch, the model and the
+# prompts load once a process; cells of one engine setting share its built engine), then a table (median [min–max] over
 # the repetitions, the coefficient of variation of p50 TTFT) and plots (TTFT CDF with and without
 # caching, hit rate). Settings: the `prefix` section of the profile's config (config/config.yaml,
 # config/<profile>.yaml). Outputs under results/prefix/<profile>/:
 #   load_profile.yaml, raw/workload~<w>_caching~<on|off>_rate~<r>_rep~<n>.{json,csv,provenance.json},
 #   table.{csv,md}, plots/ttft_cdf.png, plots/hit_rate.png; checksums in checksums/prefix-<profile>.sha256.
-# A repetition whose provenance files record another engine code hash reruns (PREFIX_MARKERS).
+# A process group whose provenance files record another engine code hash reruns (PREFIX_MARKERS).
 
 # Settings, cell ids and flags: workflow/rules/common.smk (PREFIX_*).
 
@@ -52,47 +53,47 @@ rule prefix_profile:
         " --output {output:q} > {log:q} 2>&1"
 
 
-if PREFIX_CFG:
-    # a repetition's files, with {rep} left as the rule's wildcard
-    _PREFIX_STEMS = [c.rsplit("_rep~", 1)[0] for c in PREFIX_CELLS[0]]
-    _PREFIX_TIMEOUT = len(_PREFIX_STEMS) * int(PREFIX_CFG["timeout_s"]) + 300  # the process's limit, s
+# One rule per process group (PREFIX_GROUPS in common.smk), named prefix_cells_rep<N> (one
+# process a repetition) or prefix_cells_all (the section's `group_cells_by: all`: every
+# repetition in one process).
+for _group, _cells in PREFIX_GROUPS.items():
+    _timeout = len(_cells) * int(PREFIX_CFG["timeout_s"]) + 300  # the process's limit, s
 
-    rule prefix_cells:
-        """The prefix sweep's cells of one repetition (every workload x caching x arrival rate),
-        in one process: the model and the prompts load once."""
+    rule:
+        """The prefix sweep's cells of one process group (every workload x caching x arrival
+        rate of its repetitions), in one process: the model and the prompts load once."""
+        name:
+            f"prefix_cells_{_group}"
         input:
             profile=PREFIX_PROFILE,
-            # a repetition measured on other llmserve sources (the hash its cells recorded) reruns
-            code_changed=lambda w: PREFIX_MARKERS[int(w.rep)],
+            # a group measured on other llmserve sources (the hash its cells recorded) reruns
+            code_changed=PREFIX_MARKERS[_group],
         output:
-            expand(f"{PREFIX_OUT}/raw/{{stem}}_rep~{{{{rep}}}}.{{ext}}", stem=_PREFIX_STEMS,
-                   ext=("json", "csv", "provenance.json")),
-        wildcard_constraints:
-            rep=r"\d+",
+            [f"{PREFIX_OUT}/raw/{c}.{ext}" for c in _cells for ext in ("json", "csv", "provenance.json")],
         params:
-            spec=lambda w: json.dumps(PREFIX_CELLS[int(w.rep)]),  # a changed flag reruns the repetition (where .snakemake/metadata holds the old one)
-            group=lambda w: f"prefix_rep{w.rep}",
+            spec=json.dumps(_cells),  # a changed flag reruns the group (where .snakemake/metadata holds the old one)
+            group=f"prefix_{_group}",
             raw=lambda w, output: os.path.dirname(output[0]),
             logs=lambda w, output: os.path.join(os.path.dirname(os.path.dirname(output[0])), "logs"),
             device=PREFIX_CFG["device"],
             torch_threads=config["torch_threads"],
             code_hash=CODE_HASH,  # any engine source change reruns the cells
             tool=f"{SCRIPTS}/run_cells.py",
-            outer_timeout=_PREFIX_TIMEOUT,
+            outer_timeout=_timeout,
         log:
-            f"{PREFIX_OUT}/logs/rep{{rep}}.log",
+            f"{PREFIX_OUT}/logs/{_group}.log",
         threads: int(config["torch_threads"])
         resources:
             gpu=1 if str(PREFIX_CFG["device"]).startswith("cuda") else 0,
             benchmark_slot=1,  # it measures latency: never beside another measuring job
             # cluster sizing as for the benchmark processes (workflow/rules/benchmark.smk)
-            runtime=-(-(_PREFIX_TIMEOUT + 30) // 60) + 10,  # minutes
+            runtime=-(-(_timeout + 30) // 60) + 10,  # minutes
             mem_mb=BENCHMARK_MEM_MB,
             cpus_per_task=BENCHMARK_CPUS,
             slurm_partition=BENCHMARK_PARTITION,
             slurm_extra="--exclusive",
         message:
-            f"prefix sweep ({PROFILE}): repetition {{wildcards.rep}}, {len(_PREFIX_STEMS)} cells in one process"
+            f"prefix sweep ({PROFILE}): process {_group}, {len(_cells)} cells"
         conda:
             ENV
         shell:

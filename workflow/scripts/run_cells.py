@@ -4,9 +4,11 @@ Each cell is one ``llmserve benchmark`` run (same flags, same report and CSV, vi
 :func:`llmserve.bench.runner.run_benchmark`), but the cells of a group share one process: torch,
 the tokenizer and the parsed ShareGPT prompts are loaded once instead of once per cell (on a
 2-core CPU that start-up is 10-15 s a process; on a GPU it also keeps the CUDA context and the
-compiled Triton kernels). A group never mixes repetitions, so repetitions stay independent
-processes. The pipeline groups cells by (sweep, repetition): editing one sweep reruns that
-sweep's groups only.
+compiled Triton kernels). The pipeline's ``group_cells_by`` chooses the groups: (sweep,
+repetition) by default, so editing one sweep reruns that sweep's groups only and repetitions
+are separate processes; a repetition; or everything (``all``, the GPU profiles), where a
+cell's repetitions run one after another on one engine (below) and their spread is
+run-to-run within one process.
 
 Cells whose engines differ only in scheduling (scheduler mode and policy, prefill chunk size,
 prefix caching: :func:`llmserve.engine.builder.parts_key`) run one after another, and each takes
