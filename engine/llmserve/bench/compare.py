@@ -665,15 +665,19 @@ def run(args: argparse.Namespace) -> dict:
                                       "hi": args.offline_hi, "seed": args.seed, "repetitions": reps,
                                       "hf_max_new_tokens": args.hf_max_new_tokens, "rows": rows}
     if "openloop" in args.parts:
+        from ..engine.builder import EnginePartsCache
+
         rows = []
+        parts = EnginePartsCache()   # one engine per flag set, built once for its rows
         for rep in range(args.openloop_repetitions):
             for rate in args.rates:
                 for defaults in [f == "defaults" for f in args.openloop_flags]:
                     name = f"llmserve open-loop {rate} req/s" + (", defaults" if defaults else "")
                     r = _row(name, openloop, args.offline_model, rate, args.openloop_requests, args.seed,
-                             defaults=defaults)
+                             defaults=defaults, parts_cache=parts)
                     r.update(repetition=rep, defaults=defaults)
                     rows.append(r)
+        parts.clear()
         report["parts"]["openloop"] = rows
     if "serve" in args.parts:
         rows = []
@@ -692,12 +696,16 @@ OPENLOOP_TUNED_FLAGS = ("--attention-backend", "triton", "--max-num-seqs", "128"
                         "512", "--max-num-batched-tokens", "2048")
 
 
-def openloop(preset: str, rate: float, requests: int, seed: int, defaults: bool = False) -> dict:
+def openloop(preset: str, rate: float, requests: int, seed: int, defaults: bool = False,
+             parts_cache=None) -> dict:
     """One open-loop ``llmserve benchmark`` run of the ShareGPT GPU profile at ``rate`` req/s;
-    ``defaults``: without :data:`OPENLOOP_TUNED_FLAGS` (every engine flag at its CUDA default)."""
+    ``defaults``: without :data:`OPENLOOP_TUNED_FLAGS` (every engine flag at its CUDA default).
+    ``parts_cache`` (an :class:`~llmserve.engine.builder.EnginePartsCache`): the rows of one
+    flag set take over the previous row's weights, KV cache and CUDA graphs instead of
+    building them again (their schedulers, caches and counters are fresh)."""
     import tempfile
 
-    from .runner import main as benchmark_main
+    from .runner import add_benchmark_args, options_from_args, run_benchmark
 
     out = Path(tempfile.mkdtemp()) / f"openloop-{rate}.json"
     argv = ["--config", "continuous", "--model", f"random:{preset}", "--device", "cuda",
@@ -709,8 +717,9 @@ def openloop(preset: str, rate: float, requests: int, seed: int, defaults: bool 
     from ..envs import sharegpt_path
     if sharegpt_path():
         argv += ["--dataset-path", sharegpt_path()]
-    benchmark_main(argv)
-    rep = json.loads(out.read_text())
+    parser = argparse.ArgumentParser(prog="llmserve benchmark")
+    add_benchmark_args(parser)
+    rep, _, _ = run_benchmark(options_from_args(parser.parse_args(argv)), parts_cache=parts_cache)
     agg = rep.get("aggregates", {})
     keys = ["ttft_ms_p50", "ttft_ms_p95", "tpot_ms_p50", "tpot_ms_p95", "output_throughput",
             "request_throughput", "num_requests", "num_preemptions"]
