@@ -16,7 +16,8 @@ HASH = "ab" * 32
 
 
 def _write(raw: Path, workload: str, caching: str, rate: float, rep: int, ttft_p50: float,
-           status: str = "ok", position: int | None = None, group: int = 2) -> None:
+           status: str = "ok", position: int | None = None, group: int = 2,
+           process: str | None = None) -> None:
     cell = f"workload~{workload}_caching~{caching}_rate~{rate:g}_rep~{rep}"
     agg = {"num_requests": 8, "num_completed": 8, "ttft_ms_p50": ttft_p50, "ttft_ms_p95": 2 * ttft_p50,
            "ttft_ms_p99": 3 * ttft_p50, "tpot_ms_p50": 10.0, "output_throughput": 40.0,
@@ -31,7 +32,7 @@ def _write(raw: Path, workload: str, caching: str, rate: float, rep: int, ttft_p
     (raw / f"{cell}.json").write_text(json.dumps(report))
     prov = {"cell": cell, "code_hash": HASH}
     if position is not None:
-        prov["process"] = {"position": position, "cells_in_group": group}
+        prov["process"] = {"position": position, "cells_in_group": group, "group": process}
     (raw / f"{cell}.provenance.json").write_text(json.dumps(prov))
 
 
@@ -110,3 +111,17 @@ def test_order_shows_each_cell_place_in_its_process(tmp_path):
     assert any(line.startswith("| multi-turn | on | 2 | – | 1/1 |") for line in lines), md
     assert any(line.startswith("| shared-prefix | on | 8 | 2 of 12 / 10 of 12 | 2/2 |") for line in lines), md
     assert csv.splitlines()[0].split(",")[:4] == ["workload", "caching", "arrival_rate", "order"]
+
+
+def test_header_says_whether_the_repetitions_shared_a_process(tmp_path):
+    """The table says "one process each" when the repetitions ran in their own processes and
+    "all in one process" when one process ran them all (`group_cells_by: all`)."""
+    raw = tmp_path / "raw"
+    raw.mkdir()
+    for rep in range(2):
+        _write(raw, "single-turn", "on", float("inf"), rep, 9.0, position=rep, process=f"prefix_rep{rep}")
+    assert "2 repetitions, one process each" in _table(tmp_path)[0]
+    for rep in range(2):
+        _write(raw, "single-turn", "on", float("inf"), rep, 9.0, position=rep, process="prefix_all")
+    md = _table(tmp_path)[0]
+    assert "2 repetitions, all in one process" in md and "one process each" not in md

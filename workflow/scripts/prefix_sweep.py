@@ -83,7 +83,7 @@ def load_run(path: Path, contention: dict | None = None) -> dict:
     if isinstance(proc.get("position"), int) and isinstance(proc.get("cells_in_group"), int):
         order = (proc["position"] + 1, proc["cells_in_group"])
     return {"workload": cell["workload"], "caching": cell["caching"], "arrival_rate": float(cell["rate"]),
-            "order": order,
+            "order": order, "group": proc.get("group"),
             "rep": int(cell["rep"]), "status": r.get("status") or "failed", "error": r.get("error"),
             "report": r, "agg": agg, "token_digest": r.get("token_digest"),
             "code_hash": prov.get("code_hash") or r.get("code_hash"),
@@ -160,9 +160,12 @@ def markdown(rows: list[dict], runs: list[dict], profile: str = "cpu") -> str:
     reps = sorted({x["rep"] for x in runs})
     hashes = sorted({x["code_hash"] for x in runs if x["code_hash"]})
     single = len(reps) == 1
+    groups = {x["group"] for x in runs}
+    processes = ("all in one process (a cell's repetitions on one engine)"
+                 if len(groups) == 1 and None not in groups else "one process each")
     spread = ("one run a cell (the config's `repetitions: 1`): each figure is that run, and no CV"
               if single else
-              f"{len(reps)} repetitions, one process each: median [min–max] over the successful "
+              f"{len(reps)} repetitions, {processes}: median [min–max] over the successful "
               f"ones; CV = standard deviation / mean of p50 TTFT over them (above {NOISY_CV:.0%}: noisy)")
     lines = [
         f"# Prefix-caching sweep — model `{cfg.get('model')}` on `{cfg.get('device')}`", "",
@@ -177,7 +180,7 @@ def markdown(rows: list[dict], runs: list[dict], profile: str = "cpu") -> str:
            "weights without the batch-invariant mode, and a cached prefix's KV was computed in another "
            "step shape, so near-tied greedy tokens can flip."), "",
         f"Machine load during the runs: {_load_line(runs)}. Order: a cell's place among the cells "
-        "its repetition's process runs (an earlier cell can pay first-use costs that a later one "
+        "its process runs (an earlier cell can pay first-use costs that a later one "
         "does not).", "",
         "| workload | caching | rate (/s) | order | runs ok | p50 TTFT | CV p50 TTFT | p95 TTFT | p99 TTFT "
         "| p50 TPOT | output tok/s | hit rate | queries | hits | cached blocks | evicted blocks "
