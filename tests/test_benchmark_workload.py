@@ -187,3 +187,37 @@ def test_sharegpt_loader_truncated_user_file(tmp_path, monkeypatch):
     assert list((tmp_path / "cache" / "sharegpt").glob("*.json"))
     with pytest.raises(FileNotFoundError):
         sharegpt.load_sharegpt_pairs(tmp_path / "missing.json")
+
+
+class _CountingTokenizer:
+    """A stand-in tokenizer with ``encode`` that counts its calls (one id per word)."""
+
+    def __init__(self, offset: int = 0) -> None:
+        self.calls = 0
+        self.offset = offset
+
+    def encode(self, text: str, add_special_tokens: bool = False) -> list[int]:
+        self.calls += 1
+        return [(len(w) + self.offset) % 1000 for w in text.split()]
+
+
+@pytest.mark.parametrize("kind", ["single-turn", "multi-turn"])
+def test_a_rebuilt_workload_reuses_its_encodings(kind):
+    """The same workload built again in a process encodes nothing again and gives the same
+    requests; another tokenizer object never gets the first one's ids."""
+    prof, _ = load_profile("sharegpt")
+    prof = validate_profile({**prof, "workload": {**prof["workload"], "kind": kind}})
+    tok = _CountingTokenizer()
+    a = build_workload(prof, num_requests=20, tokenizer=tok)
+    first = tok.calls
+    assert first > 0
+    b = build_workload(prof, num_requests=20, tokenizer=tok)
+    assert tok.calls == first
+    assert a.digest() == b.digest()
+    assert [r.prompt_token_ids for r in a.requests] == [r.prompt_token_ids for r in b.requests]
+    b.requests[0].prompt_token_ids.append(7)   # a caller's list is its own, never the cache's
+    c = build_workload(prof, num_requests=20, tokenizer=tok)
+    assert c.digest() == a.digest()
+    other = _CountingTokenizer(offset=1)
+    d = build_workload(prof, num_requests=20, tokenizer=other)
+    assert other.calls > 0 and d.digest() != a.digest()

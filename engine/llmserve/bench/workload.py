@@ -59,6 +59,8 @@ import copy
 import hashlib
 import json
 import math
+from array import array
+from collections import OrderedDict
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -505,15 +507,40 @@ def sample_lengths(spec: Mapping[str, Any], n: int, rng: np.random.Generator) ->
     raise ValueError(f"sample_lengths cannot draw {dist!r} lengths")
 
 
+#: Token ids of texts already encoded in this process, keyed by (tokenizer, text): the cells
+#: of a pipeline process build the same ShareGPT workloads again and again (a multi-turn
+#: workload renders and encodes ~300 conversations of up to 8k tokens, 1-2 s on a host CPU),
+#: with the one tokenizer object :func:`llmserve.tokenizer.load_tokenizer` memoises. Least
+#: recently used entries go first past :data:`ENCODE_CACHE_ENTRIES`.
+_ENCODE_CACHE: "OrderedDict[tuple[int, str], array]" = OrderedDict()
+#: the tokenizers the cache has keys of, held so that no other object can take their ``id``
+_ENCODE_TOKENIZERS: dict[int, Any] = {}
+ENCODE_CACHE_ENTRIES = 8192
+
+
 def _encoder(tokenizer: Any) -> Callable[[str], list[int]]:
     if tokenizer is None:
         raise ValueError("ShareGPT prompts need a tokenizer (the engine's) to count tokens")
     if hasattr(tokenizer, "encode"):
-        def enc(text: str) -> list[int]:
+        def encode(text: str) -> list[int]:
             try:
                 return list(tokenizer.encode(text, add_special_tokens=False))
             except TypeError:
                 return list(tokenizer.encode(text))
+
+        key = id(tokenizer)
+        _ENCODE_TOKENIZERS[key] = tokenizer
+
+        def enc(text: str) -> list[int]:
+            hit = _ENCODE_CACHE.get((key, text))
+            if hit is not None:
+                _ENCODE_CACHE.move_to_end((key, text))
+                return hit.tolist()
+            ids = encode(text)
+            _ENCODE_CACHE[(key, text)] = array("q", ids)
+            if len(_ENCODE_CACHE) > ENCODE_CACHE_ENTRIES:
+                _ENCODE_CACHE.popitem(last=False)
+            return ids
         return enc
     if callable(tokenizer):
         return lambda text: list(tokenizer(text))
