@@ -436,6 +436,47 @@ def test_step_bitmasks_reuse_two_buffers_and_fill_every_row():
     assert bigger.shape[0] == 10 and torch.equal(bigger[:4], fresh)
 
 
+@pytest.mark.parametrize("rows", [2, 3, 16, 17])
+def test_serial_and_pooled_bitmask_fills_agree(rows):
+    """Below ``grammar_parallel_fill_rows`` the rows are filled one by one on the calling thread
+    (no xgrammar pool is made), at or above it on the pool; both give the same bits, for
+    matchers in different states of the schema."""
+    from llmserve.engine.llm_engine import LLMEngine
+
+    spec = StructuredOutput("json_schema", SCHEMA)
+    masks = {}
+    for threshold in (rows + 1, rows):                       # serial, then pooled
+        eng = LLMEngine(dataclasses.replace(_config(max_seqs=32), grammar_parallel_fill_rows=threshold,
+                                            grammar_fill_threads=2))
+        seqs = [eng.add_request([5, 6, 7], SamplingParams(max_tokens=64, structured_output=spec))
+                for _ in range(rows)]
+        m = eng.structured
+        ids = [s.request_id for s in seqs]
+        for i, sid in enumerate(ids):                        # row i accepts i grammar-allowed tokens
+            matcher = m._active[sid].matcher
+            for _ in range(i):
+                one = m.new_bitmask(1)
+                matcher.fill_next_token_bitmask(one, 0)
+                bits = (one[0].to(torch.int64).unsqueeze(1) >> torch.arange(32)) & 1
+                allowed = bits.flatten()[: m.vocab_size].nonzero().flatten().tolist()
+                assert allowed and matcher.accept_token(allowed[len(allowed) // 2])
+        masks[threshold] = m.fill_bitmask(ids).clone()
+        assert (m._batch is not None) == (threshold <= rows)
+    assert torch.equal(masks[rows], masks[rows + 1])
+
+
+def test_grammar_fill_settings_are_validated():
+    from llmserve.config import EngineConfig
+
+    for bad in (0, -1, True, 2.5):
+        with pytest.raises(ValueError, match="grammar_parallel_fill_rows"):
+            EngineConfig(grammar_parallel_fill_rows=bad)
+    for bad in (0, False, "auto"):
+        with pytest.raises(ValueError, match="grammar_fill_threads"):
+            EngineConfig(grammar_fill_threads=bad)
+    assert EngineConfig(grammar_fill_threads=None).grammar_fill_threads is None
+
+
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 def test_gpu_constrained_decode_graphs_async_match_sync():

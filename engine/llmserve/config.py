@@ -472,6 +472,14 @@ class EngineConfig:
             decode step for over 100 ms at batch 256). Default on.
         grammar_cache_size: compiled grammars of structured-output requests kept for reuse
             (one per distinct schema; least recently used ones are dropped), >= 1.
+        grammar_parallel_fill_rows: a step with at least this many constrained rows fills
+            their next-token bitmasks on xgrammar's thread pool; fewer rows are filled one after
+            another on the engine's thread, >= 1. On an H100 host (16 cores) a pool filled 7
+            rows in 0.40 ms a step when the host was quiet and ~1 ms with 3-4% of its time
+            stolen, where one thread fills a row in ~40 µs; at 25 rows the pool was 2x faster
+            than one thread when quiet. Default 16.
+        grammar_fill_threads: threads of that pool, >= 1 (``None``: xgrammar's default, half
+            the host's cores).
         tensor_parallel_size: ranks the model is sharded over (Megatron-style, one process a
             rank on one host: :mod:`llmserve.engine.tensor_parallel`), >= 1. With ``N > 1`` the
             engine spawns ``N - 1`` worker processes (or joins the ranks ``torchrun`` started);
@@ -496,6 +504,8 @@ class EngineConfig:
     freeze_gc: bool = True
     batch_invariant: bool = False
     grammar_cache_size: int = 256
+    grammar_parallel_fill_rows: int = 16
+    grammar_fill_threads: int | None = None
     tensor_parallel_size: int = 1
     distributed_timeout_s: float = 300.0
 
@@ -504,6 +514,12 @@ class EngineConfig:
         g = self.grammar_cache_size
         if isinstance(g, bool) or not isinstance(g, int) or g < 1:
             raise ValueError(f"grammar_cache_size must be an integer >= 1, got {g!r}")
+        r = self.grammar_parallel_fill_rows
+        if isinstance(r, bool) or not isinstance(r, int) or r < 1:
+            raise ValueError(f"grammar_parallel_fill_rows must be an integer >= 1, got {r!r}")
+        f = self.grammar_fill_threads
+        if f is not None and (isinstance(f, bool) or not isinstance(f, int) or f < 1):
+            raise ValueError(f"grammar_fill_threads must be None or an integer >= 1, got {f!r}")
         tp = self.tensor_parallel_size
         if isinstance(tp, bool) or not isinstance(tp, int) or tp < 1:
             raise ValueError(f"tensor_parallel_size must be an integer >= 1, got {tp!r}")

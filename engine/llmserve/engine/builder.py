@@ -213,7 +213,9 @@ def build_structured_output(engine, config: EngineConfig) -> StructuredOutputMan
     """The grammar matchers of an engine that enforces structured output."""
     return StructuredOutputManager(engine.tokenizer, engine.model_config.vocab_size, engine.eos_token_ids,
                                    max_entries=config.grammar_cache_size,
-                                   pin_memory=engine.device.type == "cuda")
+                                   pin_memory=engine.device.type == "cuda",
+                                   parallel_fill_rows=config.grammar_parallel_fill_rows,
+                                   fill_threads=config.grammar_fill_threads)
 
 
 @dataclass(slots=True)

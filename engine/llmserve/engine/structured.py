@@ -201,16 +201,25 @@ class StructuredOutputManager:
     Args:
         tokenizer, vocab_size, eos_token_ids, max_entries: as :class:`GrammarCache`.
         pin_memory: allocate bitmasks in pinned host memory (a CUDA engine: asynchronous copies).
+        parallel_fill_rows: a step with at least this many constrained rows fills their
+            bitmasks on xgrammar's thread pool (``BatchGrammarMatcher``); fewer are filled one
+            after another on the calling thread. Waking a pool costs more than a few rows'
+            fills, and a pool's fill waits for its slowest thread, so it suffers most from a
+            busy host (:class:`~llmserve.config.EngineConfig` ``grammar_parallel_fill_rows``).
+        fill_threads: the pool's threads (``None``: xgrammar's choice, half the host's cores).
 
     Only the engine's step thread calls the per-sequence methods; :meth:`check` may run on
     any thread.
     """
 
     def __init__(self, tokenizer: Any, vocab_size: int, eos_token_ids: tuple[int, ...] = (),
-                 max_entries: int = 256, pin_memory: bool = False) -> None:
+                 max_entries: int = 256, pin_memory: bool = False, parallel_fill_rows: int = 16,
+                 fill_threads: int | None = None) -> None:
         self.cache = GrammarCache(tokenizer, vocab_size, eos_token_ids, max_entries)
         self.vocab_size = int(vocab_size)
         self.pin_memory = pin_memory
+        self.parallel_fill_rows = int(parallel_fill_rows)
+        self.fill_threads = fill_threads
         self._active: dict[str, _Constrained] = {}
         self._batch = None
         # The step bitmasks (fill_bitmask without ``out``): two host buffers used in turn, grown
@@ -311,11 +320,13 @@ class StructuredOutputManager:
         t0 = time.perf_counter()
         matchers = [self._active[r].matcher for r in request_ids]
         bitmask = self._step_bitmask(len(matchers)) if out is None else out
-        if len(matchers) == 1:
-            matchers[0].fill_next_token_bitmask(bitmask, start)
-        elif matchers:
+        if len(matchers) < max(2, self.parallel_fill_rows):
+            for i, m in enumerate(matchers):
+                m.fill_next_token_bitmask(bitmask, start + i)
+        else:
             if self._batch is None:
-                self._batch = _xgrammar().BatchGrammarMatcher(max_threads="auto")
+                threads = "auto" if self.fill_threads is None else int(self.fill_threads)
+                self._batch = _xgrammar().BatchGrammarMatcher(max_threads=threads)
             self._batch.batch_fill_next_token_bitmask(matchers, bitmask,
                                                       list(range(start, start + len(matchers))))
         self.num_mask_rows += len(matchers)
