@@ -221,3 +221,23 @@ def test_a_rebuilt_workload_reuses_its_encodings(kind):
     other = _CountingTokenizer(offset=1)
     d = build_workload(prof, num_requests=20, tokenizer=other)
     assert other.calls > 0 and d.digest() != a.digest()
+
+
+def test_encode_cache_is_bounded_by_tokens(monkeypatch):
+    """Past ``ENCODE_CACHE_TOKENS`` token ids the least recently used texts are dropped (and
+    encoded again when met again); the count of held ids stays within the bound."""
+    from llmserve.bench import workload as W
+
+    monkeypatch.setattr(W, "_ENCODE_CACHE", W.OrderedDict())
+    monkeypatch.setattr(W, "_encode_cache_tokens", 0)
+    monkeypatch.setattr(W, "ENCODE_CACHE_TOKENS", 10)
+    tok = _CountingTokenizer()
+    enc = W._encoder(tok)
+    assert enc("a b c d") == [1, 1, 1, 1] and enc("a b c d") == [1, 1, 1, 1] and tok.calls == 1
+    enc("e f g h i j")                      # 4 + 6 = 10 ids: both kept
+    assert tok.calls == 2 and W._encode_cache_tokens == 10
+    enc("k l")                              # 12 > 10: the oldest text goes
+    assert W._encode_cache_tokens == 8 and len(W._ENCODE_CACHE) == 2
+    enc("a b c d")
+    assert tok.calls == 4
+    assert W._encode_cache_tokens <= 10

@@ -99,7 +99,7 @@ def test_every_rule_is_named_in_the_workflow_sources():
     for name in names:
         if name.startswith("benchmark_"):
             assert all(f"benchmark_{p}" in sources for p in ("<sweep>_rep<N>", "rep<N>", "all"))
-        elif name.startswith("structured_"):
+        elif name.startswith("structured_rep") or name == "structured_all":
             assert "structured_rep<N>" in sources and "structured_all" in sources
         elif name.startswith("prefix_cells_"):
             assert "prefix_cells_rep<N>" in sources and "prefix_cells_all" in sources
@@ -131,6 +131,17 @@ def test_group_cells_by_all_runs_every_repetition_in_one_process():
     assert spec, r.stdout[-3000:]
     reps = [int(c.rsplit("_rep~", 1)[1]) for c in json.loads(spec.group(1))]
     assert len(reps) == 105 and reps == sorted(reps) and set(reps) == {0, 1, 2}
+
+
+def test_one_process_groups_ask_a_cluster_for_at_most_a_day():
+    """The runtime (minutes) a cluster executor reads is the process's own limit plus start-up,
+    capped at 24 h: the h200 matrix in one process (105 cells x 900 s) would sum to ~26 h."""
+    text = (ROOT / "workflow" / "rules" / "common.smk").read_text()
+    src = text[text.index("def slurm_runtime"):text.index("def run_cells_shell")]
+    scope: dict = {}
+    exec(src, scope)
+    assert scope["slurm_runtime"](105 * 900 + 300) == 24 * 60
+    assert scope["slurm_runtime"](2 * 120 + 300) == 20          # two CPU cells, as before
 
 
 def test_column_table_is_the_schemas_and_the_rules():

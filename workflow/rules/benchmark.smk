@@ -1,7 +1,8 @@
 # Stage 2: the benchmark cells, one process per group (the cells of one sweep and repetition,
 # of one repetition, or all of them: `group_cells_by`, GROUPS in common.smk), each cell one
 # `llmserve benchmark` run inside it
-# (workflow/scripts/run_cells.py). Rules are named benchmark_<sweep>_rep<N>.
+# (workflow/scripts/run_cells.py). Rules are named benchmark_<sweep>_rep<N>, benchmark_rep<N> or
+# benchmark_all.
 #
 # A failed cell is a result, not a workflow error: the harness writes a `status: failed` report
 # and the group goes on; if the process dies (outer timeout, OOM kill, segfault), `finalize`
@@ -24,7 +25,9 @@
 # profile's set-resources cannot list them: the rules carry their own sizing, and
 # `--set-resources benchmark_<sweep>_rep<N>:KEY=VALUE` still overrides it for one group.
 #   runtime          minutes: the process's own limit (outer_timeout below), the 30 s kill grace
-#                    and `finalize`, plus 10 min for the job's start-up
+#                    and `finalize`, plus 10 min for the job's start-up; at most 24 h
+#                    (slurm_runtime in common.smk: a whole matrix in one process would
+#                    otherwise ask for its cells' summed worst cases, over a day)
 #   mem_mb           host memory (random weights are built on the device; a tiny-model CPU
 #                    group peaks below 1 GB)
 #   cpus_per_task    torch_threads + 1: torch keeps `torch_threads` intra-op threads (the
@@ -85,7 +88,7 @@ for _group, _cells in GROUPS.items():
         resources:
             gpu=GPU,
             benchmark_slot=1,
-            runtime=-(-(len(_cells) * int(config["timeout_s"]) + 300 + 30) // 60) + 10,  # minutes
+            runtime=slurm_runtime(len(_cells) * int(config["timeout_s"]) + 300),  # minutes
             mem_mb=BENCHMARK_MEM_MB,
             cpus_per_task=BENCHMARK_CPUS,
             slurm_partition=BENCHMARK_PARTITION,

@@ -573,7 +573,7 @@ def prefix_rates(workload):
 
 def prefix_cells():
     """``{rep: {cell id: benchmark flags}}`` of the prefix sweep: every workload x caching x
-    its arrival rates once per repetition; one process runs a repetition's cells."""
+    its arrival rates once per repetition (the processes that run them: PREFIX_GROUPS)."""
     p = PREFIX_CFG
     return {rep: {prefix_cell_id(w, c, r, rep): prefix_cell_flags(w, c, r)
                   for w in p["workloads"] for r in prefix_rates(w) for c in p["caching"]}
@@ -676,6 +676,14 @@ PREFIX_MARKERS = {
 PREFIX_MARKER_FILES = PREFIX_PROFILE_MARKERS + [m for ms in PREFIX_MARKERS.values() for m in ms]
 GPU_MARKERS = (COMPARE_MARKERS + KERNEL_MARKERS + [m for ms in STRUCTURED_MARKERS.values() for m in ms]
                + PREFIX_MARKER_FILES)
+
+
+def slurm_runtime(process_limit_s):
+    """A cluster job's time limit in minutes for a process whose own limit is
+    ``process_limit_s``: that limit, the 30 s kill grace and `finalize`, plus 10 min for the
+    job's start-up; at most 24 h (1,440 min), the longest many partitions allow (the limit
+    sums every cell's worst case: a whole GPU matrix in one process would ask for ~26 h)."""
+    return min(-(-(int(process_limit_s) + 30) // 60) + 10, 24 * 60)
 
 
 def run_cells_shell(timed=False):

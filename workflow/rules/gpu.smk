@@ -39,6 +39,12 @@ for _group, _cells in STRUCTURED_GROUPS.items():
         resources:
             gpu=GPU,
             benchmark_slot=1,
+            # cluster sizing as for the benchmark processes (workflow/rules/benchmark.smk)
+            runtime=slurm_runtime(len(_cells) * int(config["timeout_s"]) + 300),  # minutes
+            mem_mb=BENCHMARK_MEM_MB,
+            cpus_per_task=BENCHMARK_CPUS,
+            slurm_partition=BENCHMARK_PARTITION,
+            slurm_extra="--exclusive",
         message:
             f"structured-output cost ({PROFILE}): process {_group}, {len(_cells)} cells"
         conda:

@@ -87,7 +87,7 @@ for _group, _cells in PREFIX_GROUPS.items():
             gpu=1 if str(PREFIX_CFG["device"]).startswith("cuda") else 0,
             benchmark_slot=1,  # it measures latency: never beside another measuring job
             # cluster sizing as for the benchmark processes (workflow/rules/benchmark.smk)
-            runtime=-(-(_timeout + 30) // 60) + 10,  # minutes
+            runtime=slurm_runtime(_timeout),  # minutes
             mem_mb=BENCHMARK_MEM_MB,
             cpus_per_task=BENCHMARK_CPUS,
             slurm_partition=BENCHMARK_PARTITION,

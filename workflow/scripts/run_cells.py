@@ -6,9 +6,9 @@ the tokenizer and the parsed ShareGPT prompts are loaded once instead of once pe
 2-core CPU that start-up is 10-15 s a process; on a GPU it also keeps the CUDA context and the
 compiled Triton kernels). The pipeline's ``group_cells_by`` chooses the groups: (sweep,
 repetition) by default, so editing one sweep reruns that sweep's groups only and repetitions
-are separate processes; a repetition; or everything (``all``, the GPU profiles), where a
-cell's repetitions run one after another on one engine (below) and their spread is
-run-to-run within one process.
+are separate processes; a repetition; or everything (``all``, the GPU profiles), where the
+repetitions of the cells of one engine setting run on one engine (below; repetition 0's cells
+first, then 1's, ...) and their spread is run-to-run within one process.
 
 Cells whose engines differ only in scheduling (scheduler mode and policy, prefill chunk size,
 prefix caching: :func:`llmserve.engine.builder.parts_key`) run one after another, and each takes

@@ -668,7 +668,9 @@ def run(args: argparse.Namespace) -> dict:
         from ..engine.builder import EnginePartsCache
 
         rows = []
-        parts = EnginePartsCache()   # one engine per flag set, built once for its rows
+        # With one flag set every row takes over the previous row's engine (built once); with
+        # both, the rows alternate settings (so drift spreads over both) and each builds its own.
+        parts = EnginePartsCache() if len(set(args.openloop_flags)) == 1 else None
         for rep in range(args.openloop_repetitions):
             for rate in args.rates:
                 for defaults in [f == "defaults" for f in args.openloop_flags]:
@@ -677,7 +679,8 @@ def run(args: argparse.Namespace) -> dict:
                              defaults=defaults, parts_cache=parts)
                     r.update(repetition=rep, defaults=defaults)
                     rows.append(r)
-        parts.clear()
+        if parts is not None:
+            parts.clear()
         report["parts"]["openloop"] = rows
     if "serve" in args.parts:
         rows = []
@@ -700,9 +703,10 @@ def openloop(preset: str, rate: float, requests: int, seed: int, defaults: bool 
              parts_cache=None) -> dict:
     """One open-loop ``llmserve benchmark`` run of the ShareGPT GPU profile at ``rate`` req/s;
     ``defaults``: without :data:`OPENLOOP_TUNED_FLAGS` (every engine flag at its CUDA default).
-    ``parts_cache`` (an :class:`~llmserve.engine.builder.EnginePartsCache`): the rows of one
-    flag set take over the previous row's weights, KV cache and CUDA graphs instead of
-    building them again (their schedulers, caches and counters are fresh)."""
+    ``parts_cache`` (an :class:`~llmserve.engine.builder.EnginePartsCache`): a row takes over
+    the previous row's weights, KV cache and CUDA graphs when that row had the same flags,
+    instead of building them again (its scheduler, caches and counters are fresh); the result's
+    ``reused_parts`` says whether it did."""
     import tempfile
 
     from .runner import add_benchmark_args, options_from_args, run_benchmark
@@ -724,7 +728,9 @@ def openloop(preset: str, rate: float, requests: int, seed: int, defaults: bool 
     keys = ["ttft_ms_p50", "ttft_ms_p95", "tpot_ms_p50", "tpot_ms_p95", "output_throughput",
             "request_throughput", "num_requests", "num_preemptions"]
     res = {k: agg.get(k) for k in keys}
-    res.update(rate=rate, run_status=rep.get("status"), run_error=rep.get("error"))
+    startup = (rep.get("warmup") or {}).get("engine_startup") or {}
+    res.update(rate=rate, run_status=rep.get("status"), run_error=rep.get("error"),
+               reused_parts=bool(startup.get("reused_parts")))
     gc.collect()
     torch.cuda.empty_cache()
     return res

@@ -507,15 +507,16 @@ def sample_lengths(spec: Mapping[str, Any], n: int, rng: np.random.Generator) ->
     raise ValueError(f"sample_lengths cannot draw {dist!r} lengths")
 
 
-#: Token ids of texts already encoded in this process, keyed by (tokenizer, text): the cells
-#: of a pipeline process build the same ShareGPT workloads again and again (a multi-turn
-#: workload renders and encodes ~300 conversations of up to 8k tokens, 1-2 s on a host CPU),
-#: with the one tokenizer object :func:`llmserve.tokenizer.load_tokenizer` memoises. Least
-#: recently used entries go first past :data:`ENCODE_CACHE_ENTRIES`.
-_ENCODE_CACHE: "OrderedDict[tuple[int, str], array]" = OrderedDict()
-#: the tokenizers the cache has keys of, held so that no other object can take their ``id``
-_ENCODE_TOKENIZERS: dict[int, Any] = {}
-ENCODE_CACHE_ENTRIES = 8192
+#: Token ids of texts already encoded in this process, keyed by (``id`` of the tokenizer,
+#: text): the cells of a pipeline process build the same ShareGPT workloads again and again (a
+#: multi-turn workload renders and encodes ~300 conversations of up to 8k tokens, 1-2 s on a host
+#: CPU), with the one tokenizer object :func:`llmserve.tokenizer.load_tokenizer` memoises. Each
+#: entry holds its tokenizer, so no other object can take that ``id`` while the entry lives.
+#: Least recently used entries go first once the entries hold more than
+#: :data:`ENCODE_CACHE_TOKENS` token ids (4 bytes each).
+_ENCODE_CACHE: "OrderedDict[tuple[int, str], tuple[Any, array]]" = OrderedDict()
+ENCODE_CACHE_TOKENS = 16 * 1024 * 1024
+_encode_cache_tokens = 0
 
 
 def _encoder(tokenizer: Any) -> Callable[[str], list[int]]:
@@ -529,17 +530,23 @@ def _encoder(tokenizer: Any) -> Callable[[str], list[int]]:
                 return list(tokenizer.encode(text))
 
         key = id(tokenizer)
-        _ENCODE_TOKENIZERS[key] = tokenizer
 
         def enc(text: str) -> list[int]:
+            global _encode_cache_tokens
             hit = _ENCODE_CACHE.get((key, text))
-            if hit is not None:
+            if hit is not None and hit[0] is tokenizer:
                 _ENCODE_CACHE.move_to_end((key, text))
-                return hit.tolist()
+                return hit[1].tolist()
             ids = encode(text)
-            _ENCODE_CACHE[(key, text)] = array("q", ids)
-            if len(_ENCODE_CACHE) > ENCODE_CACHE_ENTRIES:
-                _ENCODE_CACHE.popitem(last=False)
+            try:
+                packed = array("i", ids)
+            except (OverflowError, TypeError):   # not 32-bit ids: left out of the cache
+                return ids
+            old = _ENCODE_CACHE.pop((key, text), None)
+            _encode_cache_tokens += len(packed) - (len(old[1]) if old is not None else 0)
+            _ENCODE_CACHE[(key, text)] = (tokenizer, packed)
+            while _encode_cache_tokens > ENCODE_CACHE_TOKENS and _ENCODE_CACHE:
+                _encode_cache_tokens -= len(_ENCODE_CACHE.popitem(last=False)[1][1])
             return ids
         return enc
     if callable(tokenizer):

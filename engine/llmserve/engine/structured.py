@@ -203,8 +203,8 @@ class StructuredOutputManager:
         pin_memory: allocate bitmasks in pinned host memory (a CUDA engine: asynchronous copies).
         parallel_fill_rows: a step with at least this many constrained rows fills their
             bitmasks on xgrammar's thread pool (``BatchGrammarMatcher``); fewer are filled one
-            after another on the calling thread. Waking a pool costs more than a few rows'
-            fills, and a pool's fill waits for its slowest thread, so it suffers most from a
+            after another on the calling thread (a single row always is). Waking a pool
+            costs more than a few rows' fills, and a pool's fill waits for its slowest thread, so it suffers most from a
             busy host (:class:`~llmserve.config.EngineConfig` ``grammar_parallel_fill_rows``).
         fill_threads: the pool's threads (``None``: xgrammar's choice, half the host's cores).
 
