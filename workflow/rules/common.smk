@@ -236,12 +236,13 @@ def trace_file(cell_id):
 # paid once a group, while repetitions stay separate processes and an edit of one sweep reruns
 # that sweep's groups only. `group_cells_by: repetition` puts every cell of a repetition in one
 # process (a CUDA start-up a repetition instead of one a sweep and repetition); `all` puts the
-# whole matrix in one process (group `all`), repetition 0's cells first: the runner then runs a
-# cell's repetitions one after another on one engine (workflow/scripts/run_cells.py), so its
-# weights load, its CUDA graphs are captured and its kernels warm up once, not once a repetition.
+# whole matrix in one process (group `all`), repetition 0's cells first: the runner then runs
+# the cells of one engine setting, every repetition of them, on one engine
+# (workflow/scripts/run_cells.py), so its weights load, its CUDA graphs are captured and its
+# kernels warm up once, not once a repetition.
 def group_name(grouping, sweep, rep):
     """The process group of a cell of ``sweep`` and repetition ``rep`` under ``grouping``
-    (`sweep`, `repetition` or `all`)."""
+    (`sweep`, `repetition` or `all`; the prefix and structured sections name no sweep)."""
     if grouping == "all":
         return "all"
     return f"rep{rep}" if grouping == "repetition" else f"{sweep}_rep{rep}"
@@ -587,11 +588,12 @@ def process_groups(cells_by_rep, grouping):
     """``{group: {cell id: flags}}``: the processes a sweep's cells run in. ``grouping``
     `repetition` gives one process a repetition (groups ``rep0``, ``rep1``, ...); `all` one
     process for every repetition (group ``all``, repetition 0's cells first), in which the
-    runner (workflow/scripts/run_cells.py) runs the repetitions of cells that share an engine
-    setting back to back on one engine, built, captured and warmed once."""
-    if grouping == "all":
-        return {"all": {c: f for rep in sorted(cells_by_rep) for c, f in cells_by_rep[rep].items()}}
-    return {f"rep{rep}": cells for rep, cells in cells_by_rep.items()}
+    runner (workflow/scripts/run_cells.py) runs the cells that share an engine setting, every
+    repetition of them, on one engine, built, captured and warmed once. Names: group_name."""
+    groups = {}
+    for rep in sorted(cells_by_rep):
+        groups.setdefault(group_name(grouping, None, rep), {}).update(cells_by_rep[rep])
+    return groups
 
 
 PREFIX_GROUPS = process_groups(PREFIX_CELLS, PREFIX_CFG.get("group_cells_by", "repetition")) if PREFIX_CFG else {}

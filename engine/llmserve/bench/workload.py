@@ -534,7 +534,7 @@ def _encoder(tokenizer: Any) -> Callable[[str], list[int]]:
         def enc(text: str) -> list[int]:
             global _encode_cache_tokens
             hit = _ENCODE_CACHE.get((key, text))
-            if hit is not None and hit[0] is tokenizer:
+            if hit is not None:       # the entry holds its tokenizer: the id is this one's
                 _ENCODE_CACHE.move_to_end((key, text))
                 return hit[1].tolist()
             ids = encode(text)
@@ -542,8 +542,7 @@ def _encoder(tokenizer: Any) -> Callable[[str], list[int]]:
                 packed = array("i", ids)
             except (OverflowError, TypeError):   # not 32-bit ids: left out of the cache
                 return ids
-            old = _ENCODE_CACHE.pop((key, text), None)
-            _encode_cache_tokens += len(packed) - (len(old[1]) if old is not None else 0)
+            _encode_cache_tokens += len(packed)
             _ENCODE_CACHE[(key, text)] = (tokenizer, packed)
             while _encode_cache_tokens > ENCODE_CACHE_TOKENS and _ENCODE_CACHE:
                 _encode_cache_tokens -= len(_ENCODE_CACHE.popitem(last=False)[1][1])
