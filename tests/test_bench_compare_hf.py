@@ -70,6 +70,10 @@ def test_decode_sweep_mechanics(hf_qwen2, tmp_path):
     for r in rows:                             # the bracketed comparison, recomputed
         assert r["traced_ms_per_step"] > 0 and -0.9 < r["trace_overhead"] < 10, r
     assert eng.tracer is None                  # detached after its window
+    # tracing measured at the listed contexts only: the others time one window
+    some = decode_sweep(eng, [1], [16, 40], steps=4, warm=2, trace=[16])
+    assert "trace_overhead" in some[0] and "trace_overhead" not in some[1], some
+    assert all(r["status"] == "ok" for r in some), some
     assert all("replay_ms" not in r for r in rows)   # no decode graphs on the CPU: no replay row
     per_token = kv_bytes_per_token(eng.model_config, 4)
     assert rows[1]["kv_bytes"] == 3 * (16 + 2 + 2) * per_token
@@ -90,7 +94,9 @@ def test_decode_sweep_mechanics(hf_qwen2, tmp_path):
     rep = {"ceilings": {"copy_bandwidth_Bps": 1e12, "bf16_matmul_flops": 1e15}, "gpu": "cpu",
            "date": "d", "torch": "t", "transformers": "x", "triton": "y", "command": "c",
            "parts": {"decode-sweep": {"model": "m", "weight_bytes": 1, "rows": rows}}}
+    rep["part_seconds"] = {"ceilings": 1.04, "decode-sweep": 20.0}
     md = to_markdown(rep)
+    assert "Wall seconds of each part (model builds and warm-ups included): ceilings 1, decode-sweep 20; 21 in all." in md
     assert "| 40: ms/step |" in md and "| 16: x floor |" in md and "| 16: tracing on |" in md
     assert "graph replay alone" not in md
     rows[0].update(replay_ms=0.5, host_gap_ms=rows[0]["ms_per_step"] - 0.5)

@@ -287,6 +287,8 @@ def run_group(spec: dict[str, str], raw: Path, log_dir: Path, expected_hash: str
         print(f"[{i + 1}/{len(spec)}] {cell}: {report['status']}, "
               f"{agg.get('output_throughput') or 0:.1f} output tok/s, {took:.1f} s, "
               f"other processes {load['other_cores']} cores, load {load['loadavg_end']}", flush=True)
+    print(f"{len(spec)} cells in {time.perf_counter() - t_process:.1f} s (llmserve import "
+          f"{t_ready - t_process:.1f} s)", flush=True)
     try:
         ch.check_unchanged(expected_hash, "while the group ran")
     except ch.SourcesChanged as e:

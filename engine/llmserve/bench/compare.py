@@ -452,7 +452,7 @@ def _replay_ms(engine, steps: int, sync) -> float | None:
 
 
 def decode_sweep(engine, batches: list[int], contexts: list[int], steps: int, warm: int = 8,
-                 seed: int = 0, sync=None, trace: bool = True) -> list[dict]:
+                 seed: int = 0, sync=None, trace=True) -> list[dict]:
     """Steady-state decode step time of ``engine`` at each batch size and context length.
 
     For each ``(context, batch)``: ``batch`` requests with distinct random prompts of
@@ -462,13 +462,14 @@ def decode_sweep(engine, batches: list[int], contexts: list[int], steps: int, wa
     each checked to decode the whole batch with no preemption; then the requests are aborted.
     The engine must admit ``max(batches)`` sequences and hold their KV.
 
-    With ``trace`` the cost of request lifecycle tracing (:mod:`llmserve.core.trace`) is
-    measured on the same requests: after the timed window, :data:`TRACE_PAIRS` pairs of
-    windows of ``steps`` steps, one with a tracer attached and one without; each traced window
-    is compared with the mean of the untraced windows around it (the context grows by ``steps``
-    tokens a window, so bracketing cancels that drift), and the median of the pairs is kept, so
-    one host pause (a page fault, a garbage collection of the benchmark's own objects) does
-    not decide the row.
+    With ``trace`` (``True``: at every context; a collection of contexts: at those only; tracing
+    is host work per request and token, so one context shows it) the cost of request lifecycle
+    tracing (:mod:`llmserve.core.trace`) is measured on the same requests: after the timed
+    window, :data:`TRACE_PAIRS` pairs of windows of ``steps`` steps, one with a tracer attached
+    and one without; each traced window is compared with the mean of the untraced windows
+    around it (the context grows by ``steps`` tokens a window, so bracketing cancels that
+    drift), and the median of the pairs is kept, so one host pause (a page fault, a garbage
+    collection of the benchmark's own objects) does not decide the row.
 
     Returns:
         One row per cell: ``batch``, ``context``, ``ms_per_step``, ``kv_bytes`` (KV read per
@@ -487,8 +488,10 @@ def decode_sweep(engine, batches: list[int], contexts: list[int], steps: int, wa
     rng = np.random.default_rng(seed)
     vocab = engine.model_config.vocab_size
     per_token = kv_bytes_per_token(engine.model_config, torch.finfo(engine.model.dtype).bits // 8)
+    traced_contexts = set(contexts) if trace is True else set(trace or ())
     rows = []
     for ctx in contexts:
+        trace_here = ctx in traced_contexts
         for b in batches:
             row = {"batch": b, "context": ctx, "steps": steps, "status": "ok", "error": None}
             seqs = []
@@ -497,7 +500,7 @@ def decode_sweep(engine, batches: list[int], contexts: list[int], steps: int, wa
                 # the timed window (requests admitted first decode during the later prefills)
                 budget = engine.scheduler.config.max_num_batched_tokens
                 extra = -(-b * ctx // budget) + b + 16           # steps spent admitting the batch
-                windows = 1 + 2 * TRACE_PAIRS if trace else 1
+                windows = 1 + 2 * TRACE_PAIRS if trace_here else 1
                 sp = SamplingParams(max_tokens=warm + windows * steps + extra, ignore_eos=True)
                 seqs = [engine.add_request(rng.integers(0, vocab, ctx).tolist(), sp) for _ in range(b)]
                 while min(len(q.output_token_ids) for q in seqs) < warm:
@@ -524,7 +527,7 @@ def decode_sweep(engine, batches: list[int], contexts: list[int], steps: int, wa
                 if replay is not None:
                     row["replay_ms"] = replay
                     row["host_gap_ms"] = row["ms_per_step"] - replay
-                if trace:
+                if trace_here:
                     before, traced, overheads = row["ms_per_step"], [], []
                     for _ in range(TRACE_PAIRS):
                         engine.tracer = RequestTracer()
@@ -596,7 +599,17 @@ def run(args: argparse.Namespace) -> dict:
               "torch": torch.__version__, "transformers": transformers.__version__, "triton": triton_v,
               "python": platform.python_version(), "command": args.command_line,
               "code_hash": getattr(args, "code_hash", None), "parts": {}}
+    t_part = time.perf_counter()
+    seconds = report["part_seconds"] = {}
+
+    def part_done(name: str) -> None:
+        nonlocal t_part
+        now = time.perf_counter()
+        seconds[name] = round(now - t_part, 1)
+        t_part = now
+
     report["ceilings"] = measure_ceilings(device)
+    part_done("ceilings")
     bw = report["ceilings"]["copy_bandwidth_Bps"]
     print(json.dumps(report["ceilings"]), flush=True)
     if "decode" in args.parts:
@@ -617,6 +630,7 @@ def run(args: argparse.Namespace) -> dict:
                 h["preset"] = preset
                 rows.append(h)
         report["parts"]["decode"] = rows
+        part_done("decode")
     if "decode-sweep" in args.parts:
         preset = args.offline_model
         batches, contexts = args.sweep_batches, args.sweep_contexts
@@ -626,7 +640,7 @@ def run(args: argparse.Namespace) -> dict:
                                   max_model_len=max(contexts) + args.sweep_steps + 2 * max(batches) + 1024)
             part["weight_bytes"] = unique_param_bytes(eng.model)
             part["rows"] = decode_sweep(eng, batches, contexts, args.sweep_steps, seed=args.seed,
-                                        sync=torch.cuda.synchronize)
+                                        sync=torch.cuda.synchronize, trace=contexts[:1])
             for r in part["rows"]:
                 if r["status"] == "ok":
                     r["floor_ms"] = (part["weight_bytes"] + r["kv_bytes"]) / bw * 1e3
@@ -638,6 +652,7 @@ def run(args: argparse.Namespace) -> dict:
         report["parts"]["decode-sweep"] = part
         gc.collect()
         torch.cuda.empty_cache()
+        part_done("decode-sweep")
     if "offline" in args.parts:
         prompts, outs = offline_workload(args.offline_requests, args.offline_lo, args.offline_hi, args.seed)
         reps = args.offline_repetitions
@@ -664,6 +679,7 @@ def run(args: argparse.Namespace) -> dict:
                                       "output_tokens": sum(outs), "lo": args.offline_lo,
                                       "hi": args.offline_hi, "seed": args.seed, "repetitions": reps,
                                       "hf_max_new_tokens": args.hf_max_new_tokens, "rows": rows}
+        part_done("offline")
     if "openloop" in args.parts:
         from ..engine.builder import EnginePartsCache
 
@@ -682,6 +698,7 @@ def run(args: argparse.Namespace) -> dict:
         if parts is not None:
             parts.clear()
         report["parts"]["openloop"] = rows
+        part_done("openloop")
     if "serve" in args.parts:
         rows = []
         for defaults in (False, True):
@@ -691,6 +708,7 @@ def run(args: argparse.Namespace) -> dict:
             r["defaults"] = defaults
             rows.append(r)
         report["parts"]["serve"] = rows
+        part_done("serve")
     return report
 
 
@@ -828,7 +846,8 @@ def to_markdown(rep: dict) -> str:
                   "(weight + KV bytes) / copy bandwidth)", "",
                   "Tracing on: the step time with request lifecycle tracing (`--trace`) against "
                   "the untraced steps around it, on the same requests (median of "
-                  f"{TRACE_PAIRS} traced windows, each bracketed by untraced ones).", "",
+                  f"{TRACE_PAIRS} traced windows, each bracketed by untraced ones; at the contexts with "
+                  "a row of it: tracing is host work per token, so one context shows it).", "",
                   "| context | " + " | ".join(str(b) for b in batches) + " |",
                   "| --- |" + " ---: |" * len(batches)]
         for ctx in sorted({r["context"] for r in rows}):
@@ -886,6 +905,11 @@ def to_markdown(rep: dict) -> str:
                          f"{_f(r.get('ms_per_token'))} | {_f(r.get('startup_s'))} | "
                          f"{r['status']} {r.get('error') or ''} |")
         lines.append("")
+    if rep.get("part_seconds"):
+        sec = rep["part_seconds"]
+        lines += ["Wall seconds of each part (model builds and warm-ups included): "
+                  + ", ".join(f"{k} {v:.0f}" for k, v in sec.items())
+                  + f"; {sum(sec.values()):.0f} in all.", ""]
     return "\n".join(lines) + "\n"
 
 
