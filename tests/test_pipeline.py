@@ -321,6 +321,30 @@ def test_prefix_rates_per_workload(tmp_path):
     assert r.returncode != 0 and "no rates for workload 'shared-prefix'" in r.stdout, r.stdout[-2000:]
 
 
+def test_prefix_invariant_check_cells(tmp_path):
+    """``prefix.invariant_check`` adds its workload and rate with caching on and off and
+    ``--batch-invariant`` in its first ``repetitions`` repetitions; a workload outside the
+    schema's is refused."""
+    import yaml
+
+    prefix = yaml.safe_load((ROOT / "config" / "config.yaml").read_text())["prefix"]
+    extra = tmp_path / "check.yaml"
+    extra.write_text(yaml.safe_dump({"prefix": {**prefix, "repetitions": 2, "invariant_check": {
+        "workload": "shared-prefix", "rate": "inf", "repetitions": 1}}}))
+    r = snakemake("-n", "-p", "--nolock", "--forceall", "results/prefix/cpu/table.md", "--configfile",
+                  str(extra))
+    assert r.returncode == 0, r.stdout[-3000:]
+    checks = set(re.findall(r"workload~([a-z-]+)_caching~(on|off)_rate~([0-9a-z.]+)_invariant~on_rep~(\d)\.json",
+                            r.stdout))
+    assert checks == {("shared-prefix", "on", "inf", "0"), ("shared-prefix", "off", "inf", "0")}, checks
+    flags = re.findall(r'"workload~shared-prefix_caching~on_rate~inf_invariant~on_rep~0": "([^"]*)"', r.stdout)
+    assert flags and all("--batch-invariant" in f and "--enable-prefix-caching" in f for f in flags), flags
+    assert "_invariant~on" not in "".join(re.findall(r"workload~multi-turn\S*\.json", r.stdout))
+    extra.write_text(yaml.safe_dump({"prefix": {**prefix, "invariant_check": {"workload": "chat", "rate": 2}}}))
+    r = snakemake("-n", "--nolock", "results/prefix/cpu/table.md", "--configfile", str(extra))
+    assert r.returncode != 0 and "chat" in r.stdout, r.stdout[-2000:]
+
+
 def test_prefix_profile_follows_its_settings(tmp_path):
     """The prefix sweep's derived load profile names its settings' digest in its first line; a
     changed override, or a profile on disk derived from other settings (a restored file, a tree

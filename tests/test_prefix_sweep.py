@@ -17,8 +17,9 @@ HASH = "ab" * 32
 
 def _write(raw: Path, workload: str, caching: str, rate: float, rep: int, ttft_p50: float,
            status: str = "ok", position: int | None = None, group: int = 2,
-           process: str | None = None) -> None:
-    cell = f"workload~{workload}_caching~{caching}_rate~{rate:g}_rep~{rep}"
+           process: str | None = None, invariant: bool = False, digest: str = "d" * 64) -> None:
+    mode = "_invariant~on" if invariant else ""
+    cell = f"workload~{workload}_caching~{caching}_rate~{rate:g}{mode}_rep~{rep}"
     agg = {"num_requests": 8, "num_completed": 8, "ttft_ms_p50": ttft_p50, "ttft_ms_p95": 2 * ttft_p50,
            "ttft_ms_p99": 3 * ttft_p50, "tpot_ms_p50": 10.0, "output_throughput": 40.0,
            "prefix_cache_hit_rate": 0.5 if caching == "on" else 0.0,
@@ -27,7 +28,7 @@ def _write(raw: Path, workload: str, caching: str, rate: float, rep: int, ttft_p
     report = {"status": status, "error": None if status == "ok" else "boom",
               "config": {"model": "tiny", "device": "cpu", "requests": 8},
               "hardware": {"cpu_model": "test CPU", "cpu_count": 2}, "profile_path": "p.yaml",
-              "aggregates": agg if status == "ok" else {}, "token_digest": "d" * 64,
+              "aggregates": agg if status == "ok" else {}, "token_digest": digest,
               "requests": [{"ttft_ms": ttft_p50}, {"ttft_ms": 2 * ttft_p50}]}
     (raw / f"{cell}.json").write_text(json.dumps(report))
     prov = {"cell": cell, "code_hash": HASH}
@@ -88,8 +89,8 @@ def test_caching_effect_table_gives_off_over_on_ratios(tmp_path):
     _write(raw, "single-turn", "off", 32, 0, 0.0, status="failed")
     md, _ = _table(tmp_path)
     section = md.split("## Caching on against off", 1)[1]
-    assert "| multi-turn | inf | 0.500 | 4.00x | 4.00x | 1.00x |" in section
-    assert "| single-turn | 32 | 0.500 | – | – | – |" in section
+    assert "| multi-turn | inf | 0.500 | 4.00x | 4.00x | 1.00x | yes |" in section
+    assert "| single-turn | 32 | 0.500 | – | – | – | – |" in section
     assert "On the CPU's readable path caching on and off agree." in md
 
 
@@ -110,7 +111,7 @@ def test_order_shows_each_cell_place_in_its_process(tmp_path):
     assert any(line.startswith("| single-turn | off | inf | 1 of 2 / 2 of 2 | 2/2 |") for line in lines), md
     assert any(line.startswith("| multi-turn | on | 2 | – | 1/1 |") for line in lines), md
     assert any(line.startswith("| shared-prefix | on | 8 | 2 of 12 / 10 of 12 | 2/2 |") for line in lines), md
-    assert csv.splitlines()[0].split(",")[:4] == ["workload", "caching", "arrival_rate", "order"]
+    assert csv.splitlines()[0].split(",")[:5] == ["workload", "caching", "arrival_rate", "batch_invariant", "order"]
 
 
 def test_header_says_whether_the_repetitions_shared_a_process(tmp_path):
@@ -125,3 +126,29 @@ def test_header_says_whether_the_repetitions_shared_a_process(tmp_path):
         _write(raw, "single-turn", "on", float("inf"), rep, 9.0, position=rep, process="prefix_all")
     md = _table(tmp_path)[0]
     assert "2 repetitions, all in one process" in md and "one process each" not in md
+
+
+def test_batch_invariant_check_rows_fold_apart_and_compare_outputs(tmp_path):
+    """Cells of the batch-invariant check (``_invariant~on`` in the id) are rows of their own,
+    marked in the workload column, after the sweep's rows; the on/off section pairs them with
+    each other, and "same outputs" reads no where caching on and off generated other tokens (or
+    repetitions disagree), yes where one digest is shared."""
+    raw = tmp_path / "raw"
+    raw.mkdir()
+    for rep in range(2):
+        _write(raw, "multi-turn", "on", float("inf"), rep, 5.0, digest=f"{rep}" * 64)  # runs disagree
+        _write(raw, "multi-turn", "off", float("inf"), rep, 20.0)
+    _write(raw, "multi-turn", "on", float("inf"), 0, 8.0, invariant=True, digest="e" * 64)
+    _write(raw, "multi-turn", "off", float("inf"), 0, 24.0, invariant=True, digest="e" * 64)
+    md, csv = _table(tmp_path)
+    table, section = md.split("## Caching on against off", 1)
+    lines = [line for line in table.splitlines() if line.startswith("| multi-turn")]
+    assert [line.split(" | ")[:2] for line in lines] == [
+        ["| multi-turn", "on"], ["| multi-turn", "off"],
+        ["| multi-turn, `--batch-invariant`", "on"], ["| multi-turn, `--batch-invariant`", "off"]], lines
+    assert "| 1/1 | 8.0 | 1 run |" in lines[2]
+    assert "| multi-turn | inf | 0.500 | 4.00x | 4.00x | 1.00x | no |" in section
+    assert "| multi-turn, `--batch-invariant` | inf | 0.500 | 3.00x | 3.00x | 1.00x | yes |" in section
+    header, *rows = csv.splitlines()
+    flags = [dict(zip(header.split(","), r.split(",")))["batch_invariant"] for r in rows]
+    assert flags == ["false", "false", "true", "true"], flags

@@ -540,14 +540,17 @@ PREFIX_SETTINGS_DIGEST = prefix_settings_digest() if PREFIX_CFG else ""
 PREFIX_PROFILE_MARKERS = prefix_profile_markers()
 
 
-def prefix_cell_id(workload, caching, rate, rep):
+def prefix_cell_id(workload, caching, rate, rep, invariant=False):
     """A prefix-sweep cell id: ``workload~multi-turn_caching~on_rate~32_rep~0`` (the rate as
-    ``{:g}`` formats it)."""
-    return f"workload~{workload}_caching~{caching}_rate~{float(rate):g}_rep~{rep}"
+    ``{:g}`` formats it); a cell of the batch-invariant check has ``_invariant~on`` before
+    ``_rep~``."""
+    mode = "_invariant~on" if invariant else ""
+    return f"workload~{workload}_caching~{caching}_rate~{float(rate):g}{mode}_rep~{rep}"
 
 
-def prefix_cell_flags(workload, caching, rate):
-    """`llmserve benchmark` flags of one cell of the prefix sweep (without --output/--csv)."""
+def prefix_cell_flags(workload, caching, rate, invariant=False):
+    """`llmserve benchmark` flags of one cell of the prefix sweep (without --output/--csv);
+    ``invariant``: with ``--batch-invariant``."""
     p = PREFIX_CFG
     return (f"--model {p['model']} --device {p['device']} --dtype {p['dtype']}"
             f" --block-size {p['block_size']} --requests {p['requests']}"
@@ -557,7 +560,8 @@ def prefix_cell_flags(workload, caching, rate):
             f" --attention-backend {p.get('attention_backend', 'torch')} --code-hash {CODE_HASH}"
             + "".join(f" --{k.replace('_', '-')} {p[k]}" for k in ("max_num_seqs", "max_num_batched_tokens",
                                                                     "prefill_chunk_size", "max_model_len")
-                   if k in p))
+                   if k in p)
+            + (" --batch-invariant" if invariant else ""))
 
 
 def prefix_rates(workload):
@@ -574,11 +578,20 @@ def prefix_rates(workload):
 
 def prefix_cells():
     """``{rep: {cell id: benchmark flags}}`` of the prefix sweep: every workload x caching x
-    its arrival rates once per repetition (the processes that run them: PREFIX_GROUPS)."""
+    its arrival rates once per repetition, then the `invariant_check` cells (its workload and
+    rate, caching on and off, with --batch-invariant) in its first `repetitions` (default:
+    the sweep's) repetitions. The processes that run them: PREFIX_GROUPS."""
     p = PREFIX_CFG
-    return {rep: {prefix_cell_id(w, c, r, rep): prefix_cell_flags(w, c, r)
-                  for w in p["workloads"] for r in prefix_rates(w) for c in p["caching"]}
-            for rep in range(int(p["repetitions"]))}
+    cells = {rep: {prefix_cell_id(w, c, r, rep): prefix_cell_flags(w, c, r)
+                   for w in p["workloads"] for r in prefix_rates(w) for c in p["caching"]}
+             for rep in range(int(p["repetitions"]))}
+    check = p.get("invariant_check")
+    if check:
+        w, r = check["workload"], check["rate"]
+        for rep in range(min(int(check.get("repetitions", p["repetitions"])), int(p["repetitions"]))):
+            cells.setdefault(rep, {}).update(
+                {prefix_cell_id(w, c, r, rep, True): prefix_cell_flags(w, c, r, True) for c in p["caching"]})
+    return cells
 
 
 PREFIX_CELLS = prefix_cells() if PREFIX_CFG else {}

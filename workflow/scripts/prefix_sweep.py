@@ -14,7 +14,9 @@ JSON reports (``raw/workload~<w>_caching~<on|off>_rate~<r>_rep~<n>.json``, each 
 successful repetitions with [min–max], the coefficient of variation of p50 TTFT (over 10%:
 noisy), the prefix cache's queries, hits, cached and evicted blocks, and the output digests; the
 header names the engine code hash the runs recorded. With one repetition a row shows the single
-run. ``plots/ttft_cdf.png`` is the TTFT CDF with and without caching (a panel per workload, a
+run. Cells of the config's ``invariant_check`` (``..._invariant~on_rep~<n>``: caching on and off
+with ``--batch-invariant``) are rows of their own after the sweep's; the "Caching on against
+off" section says for each pair whether both generated the same outputs. ``plots/ttft_cdf.png`` is the TTFT CDF with and without caching (a panel per workload, a
 line style per rate, every repetition's requests pooled) and ``plots/hit_rate.png`` the hit rate
 (median, min–max as error bars).
 """
@@ -41,7 +43,7 @@ STATS = {"ttft_p50_ms": "ttft_ms_p50", "ttft_p95_ms": "ttft_ms_p95", "ttft_p99_m
 #: Prefix-cache counters (their median over the repetitions; seeded, so normally equal).
 COUNTERS = {"queries": "prefix_cache_queries", "hits": "prefix_cache_hits",
             "cached_blocks": "prefix_cache_cached_blocks", "evicted_blocks": "prefix_cache_evicted_blocks"}
-COLUMNS = (["workload", "caching", "arrival_rate", "order", "repetitions", "runs_ok", "status", "num_requests",
+COLUMNS = (["workload", "caching", "arrival_rate", "batch_invariant", "order", "repetitions", "runs_ok", "status", "num_requests",
             "num_completed"]
            + [f"{stem}_{k}" for stem in STATS for k in ("median", "min", "max")]
            + ["ttft_p50_cv", "noisy"] + list(COUNTERS) + ["token_digests", "code_hashes", "error"])
@@ -83,7 +85,7 @@ def load_run(path: Path, contention: dict | None = None) -> dict:
     if isinstance(proc.get("position"), int) and isinstance(proc.get("cells_in_group"), int):
         order = (proc["position"] + 1, proc["cells_in_group"])
     return {"workload": cell["workload"], "caching": cell["caching"], "arrival_rate": float(cell["rate"]),
-            "order": order, "group": proc.get("group"),
+            "batch_invariant": cell.get("invariant") == "on", "order": order, "group": proc.get("group"),
             "rep": int(cell["rep"]), "status": r.get("status") or "failed", "error": r.get("error"),
             "report": r, "agg": agg, "token_digest": r.get("token_digest"),
             "code_hash": prov.get("code_hash") or r.get("code_hash"),
@@ -97,15 +99,16 @@ def _values(runs: list[dict], key: str) -> list[float]:
 
 
 def fold(runs: list[dict]) -> list[dict]:
-    """One row per (workload, caching, arrival rate): the statistics over its repetitions."""
+    """One row per (workload, caching, arrival rate, batch-invariant mode): the statistics over
+    its repetitions (the mode's rows after the others)."""
     cells: dict[tuple, list[dict]] = {}
     for x in runs:
-        cells.setdefault((x["workload"], x["caching"], x["arrival_rate"]), []).append(x)
+        cells.setdefault((x["workload"], x["caching"], x["arrival_rate"], x["batch_invariant"]), []).append(x)
     rows = []
-    for (workload, caching, rate), reps in sorted(cells.items(), key=lambda kv: (kv[0][0], kv[0][2],
-                                                                                  kv[0][1] != "on")):
+    for (workload, caching, rate, invariant), reps in sorted(
+            cells.items(), key=lambda kv: (kv[0][3], kv[0][0], kv[0][2], kv[0][1] != "on")):
         ok = [x for x in reps if x["status"] == "ok"]
-        row = {"workload": workload, "caching": caching, "arrival_rate": rate,
+        row = {"workload": workload, "caching": caching, "arrival_rate": rate, "batch_invariant": invariant,
                "repetitions": len(reps), "runs_ok": len(ok),
                "status": ("ok" if len(ok) == len(reps) else "failed" if not ok
                           else f"partial ({len(ok)}/{len(reps)} ok)")}
@@ -176,9 +179,10 @@ def markdown(rows: list[dict], runs: list[dict], profile: str = "cpu") -> str:
         f"`{command}` (settings: the config's `prefix` section). Queries and hits "
         "are prompt tokens at admission; equal output digests mean equal outputs. TTFT and TPOT in ms. "
         + ("On the CPU's readable path caching on and off agree." if str(cfg.get("device", "cpu")) == "cpu" else
-           "On the GPU the digests of caching on and off, and of repetitions, may differ: random bf16 "
-           "weights without the batch-invariant mode, and a cached prefix's KV was computed in another "
-           "step shape, so near-tied greedy tokens can flip."), "",
+           "On the GPU the digests of caching on and off, and of repetitions, may differ without the "
+           "batch-invariant mode: random bf16 weights, and a cached prefix's KV was computed in another "
+           "step shape, so near-tied greedy tokens can flip; the rows marked `--batch-invariant` run "
+           "the mode, where they must not."), "",
         f"Machine load during the runs: {_load_line(runs)}. Order: a cell's place among the cells "
         "its process runs (an earlier cell can pay first-use costs that a later one "
         "does not).", "",
@@ -191,7 +195,7 @@ def markdown(rows: list[dict], runs: list[dict], profile: str = "cpu") -> str:
         cv_cell = "1 run" if r["repetitions"] == 1 else (_cv(r["ttft_p50_cv"]) or "–")
         status = r["status"] + (f": {r['error'][:160]}" if r["error"] else "")
         lines.append(
-            f"| {r['workload']} | {r['caching']} | {r['arrival_rate']:g} | {r['order'] or '–'} "
+            f"| {_workload(r)} | {r['caching']} | {r['arrival_rate']:g} | {r['order'] or '–'} "
             f"| {r['runs_ok']}/{r['repetitions']} "
             f"| {_ranged(r, 'ttft_p50_ms')} | {cv_cell} | {_ranged(r, 'ttft_p95_ms')} "
             f"| {_ranged(r, 'ttft_p99_ms')} | {_ranged(r, 'tpot_p50_ms', 2)} "
@@ -200,6 +204,11 @@ def markdown(rows: list[dict], runs: list[dict], profile: str = "cpu") -> str:
             + f"`{_digest(r)}` | {status} |")
     lines += effect_lines(rows)
     return "\n".join(lines) + "\n"
+
+
+def _workload(row: dict) -> str:
+    """The workload column: the workload, marked when the row ran with --batch-invariant."""
+    return row["workload"] + (", `--batch-invariant`" if row["batch_invariant"] else "")
 
 
 def _times(a, b) -> str:
@@ -211,22 +220,36 @@ def _times(a, b) -> str:
 def effect_lines(rows: list[dict]) -> list[str]:
     """What caching bought, per workload and rate: p50 / p95 TTFT without over with caching and
     output throughput with over without (ratios of the medians; > 1 is caching's gain)."""
-    by = {(r["workload"], r["arrival_rate"], r["caching"]): r for r in rows}
-    pairs = [(w, rate) for (w, rate, c) in by if c == "on" and (w, rate, "off") in by]
+    by = {(r["workload"], r["arrival_rate"], r["batch_invariant"], r["caching"]): r for r in rows}
+    pairs = [(w, rate, inv) for (w, rate, inv, c) in by if c == "on" and (w, rate, inv, "off") in by]
     if not pairs:
         return []
     out = ["", "## Caching on against off", "",
            "Ratios of the medians above: TTFT off / on and output throughput on / off (above 1: "
-           "caching is faster; a workload without shared prefixes shows what a miss costs).", "",
-           "| workload | rate (/s) | hit rate | p50 TTFT off / on | p95 TTFT off / on | output tok/s on / off |",
-           "| --- | ---: | ---: | ---: | ---: | ---: |"]
-    for w, rate in pairs:
-        on, off = by[(w, rate, "on")], by[(w, rate, "off")]
-        out.append(f"| {w} | {rate:g} | {_num(on['hit_rate_median'], 3)} "
+           "caching is faster; a workload without shared prefixes shows what a miss costs). Same "
+           "outputs: whether caching on and off generated the same tokens (one output digest, "
+           "the same, in every repetition of both).", "",
+           "| workload | rate (/s) | hit rate | p50 TTFT off / on | p95 TTFT off / on | output tok/s on / off "
+           "| same outputs |",
+           "| --- | ---: | ---: | ---: | ---: | ---: | --- |"]
+    for w, rate, inv in pairs:
+        on, off = by[(w, rate, inv, "on")], by[(w, rate, inv, "off")]
+        out.append(f"| {_workload(on)} | {rate:g} | {_num(on['hit_rate_median'], 3)} "
                    f"| {_times(off['ttft_p50_ms_median'], on['ttft_p50_ms_median'])} "
                    f"| {_times(off['ttft_p95_ms_median'], on['ttft_p95_ms_median'])} "
-                   f"| {_times(on['output_throughput_median'], off['output_throughput_median'])} |")
+                   f"| {_times(on['output_throughput_median'], off['output_throughput_median'])} "
+                   f"| {same_outputs(on, off)} |")
     return out
+
+
+def same_outputs(on: dict, off: dict) -> str:
+    """``yes`` when the caching-on and -off rows each have one output digest over their
+    successful repetitions and it is the same, ``no`` when they have digests that differ, ``–``
+    without a digest on either side."""
+    a, b = set(on["token_digests"].split()), set(off["token_digests"].split())
+    if not a or not b:
+        return "–"
+    return "yes" if len(a) == 1 and a == b else "no"
 
 
 def report(out_dir: Path, files: list[Path], contention: dict | None = None) -> None:
@@ -245,6 +268,7 @@ def report(out_dir: Path, files: list[Path], contention: dict | None = None) -> 
 
     plots = out_dir / "plots"
     plots.mkdir(exist_ok=True)
+    rows = [r for r in rows if not r["batch_invariant"]]   # the plots show the sweep itself
     workloads = sorted({r["workload"] for r in rows})
     rates = sorted({r["arrival_rate"] for r in rows})
     fig, axes = plt.subplots(1, len(workloads), figsize=(5 * len(workloads), 3.6), squeeze=False)
