@@ -74,6 +74,8 @@ def test_decode_sweep_mechanics(hf_qwen2, tmp_path):
     some = decode_sweep(eng, [1], [16, 40], steps=4, warm=2, trace=[16])
     assert "trace_overhead" in some[0] and "trace_overhead" not in some[1], some
     assert all(r["status"] == "ok" for r in some), some
+    with pytest.raises(ValueError, match=r"contexts \[99\]"):
+        decode_sweep(eng, [1], [16], steps=2, warm=1, trace=[99])
     assert all("replay_ms" not in r for r in rows)   # no decode graphs on the CPU: no replay row
     per_token = kv_bytes_per_token(eng.model_config, 4)
     assert rows[1]["kv_bytes"] == 3 * (16 + 2 + 2) * per_token

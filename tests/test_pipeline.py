@@ -343,6 +343,13 @@ def test_prefix_invariant_check_cells(tmp_path):
     extra.write_text(yaml.safe_dump({"prefix": {**prefix, "invariant_check": {"workload": "chat", "rate": 2}}}))
     r = snakemake("-n", "--nolock", "results/prefix/cpu/table.md", "--configfile", str(extra))
     assert r.returncode != 0 and "chat" in r.stdout, r.stdout[-2000:]
+    for bad, words in (({"caching": ["on"]}, "must hold both"),
+                       ({"invariant_check": {"workload": "multi-turn", "rate": 2, "repetitions": 3}},
+                        "must not exceed")):
+        extra.write_text(yaml.safe_dump({"prefix": {**prefix, "invariant_check": {
+            "workload": "multi-turn", "rate": 2}, **bad}}))
+        r = snakemake("-n", "--nolock", "results/prefix/cpu/table.md", "--configfile", str(extra))
+        assert r.returncode != 0 and words in r.stdout, r.stdout[-2000:]
 
 
 def test_prefix_profile_follows_its_settings(tmp_path):

@@ -152,3 +152,18 @@ def test_batch_invariant_check_rows_fold_apart_and_compare_outputs(tmp_path):
     header, *rows = csv.splitlines()
     flags = [dict(zip(header.split(","), r.split(",")))["batch_invariant"] for r in rows]
     assert flags == ["false", "false", "true", "true"], flags
+
+
+def test_same_outputs_needs_every_repetition(tmp_path):
+    """"same outputs" is a dash when a repetition of either side failed (its tokens are
+    unknown), and the plots still render when only check cells exist."""
+    raw = tmp_path / "raw"
+    raw.mkdir()
+    _write(raw, "multi-turn", "on", 4, 0, 5.0, invariant=True)
+    _write(raw, "multi-turn", "on", 4, 1, 5.0, invariant=True, status="failed")
+    _write(raw, "multi-turn", "off", 4, 0, 9.0, invariant=True)
+    _write(raw, "multi-turn", "off", 4, 1, 9.0, invariant=True)
+    md, _ = _table(tmp_path)
+    assert "| multi-turn, `--batch-invariant` | 4 | 0.500 | 1.80x | 1.80x | 1.00x | – |" in md, md
+    assert (tmp_path / "out" / "plots" / "ttft_cdf.png").stat().st_size > 1000
+    assert (tmp_path / "out" / "plots" / "hit_rate.png").is_file()

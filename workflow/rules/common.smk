@@ -588,7 +588,14 @@ def prefix_cells():
     check = p.get("invariant_check")
     if check:
         w, r = check["workload"], check["rate"]
-        for rep in range(min(int(check.get("repetitions", p["repetitions"])), int(p["repetitions"]))):
+        runs = int(check.get("repetitions", p["repetitions"]))
+        if set(p["caching"]) != {"on", "off"}:
+            raise ValueError("prefix.invariant_check compares caching on with off: prefix.caching "
+                             f"must hold both (it has {p['caching']})")
+        if runs > int(p["repetitions"]):
+            raise ValueError(f"prefix.invariant_check.repetitions ({runs}) must not exceed "
+                             f"prefix.repetitions ({p['repetitions']})")
+        for rep in range(runs):
             cells.setdefault(rep, {}).update(
                 {prefix_cell_id(w, c, r, rep, True): prefix_cell_flags(w, c, r, True) for c in p["caching"]})
     return cells

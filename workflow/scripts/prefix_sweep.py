@@ -43,8 +43,8 @@ STATS = {"ttft_p50_ms": "ttft_ms_p50", "ttft_p95_ms": "ttft_ms_p95", "ttft_p99_m
 #: Prefix-cache counters (their median over the repetitions; seeded, so normally equal).
 COUNTERS = {"queries": "prefix_cache_queries", "hits": "prefix_cache_hits",
             "cached_blocks": "prefix_cache_cached_blocks", "evicted_blocks": "prefix_cache_evicted_blocks"}
-COLUMNS = (["workload", "caching", "arrival_rate", "batch_invariant", "order", "repetitions", "runs_ok", "status", "num_requests",
-            "num_completed"]
+COLUMNS = (["workload", "caching", "arrival_rate", "batch_invariant", "order", "repetitions", "runs_ok", "status",
+            "num_requests", "num_completed"]
            + [f"{stem}_{k}" for stem in STATS for k in ("median", "min", "max")]
            + ["ttft_p50_cv", "noisy"] + list(COUNTERS) + ["token_digests", "code_hashes", "error"])
 
@@ -131,6 +131,7 @@ def fold(runs: list[dict]) -> list[dict]:
         places = sorted({x["order"] for x in reps if x["order"]})
         row["order"] = " / ".join(f"{k} of {n}" for k, n in places) or None
         row["token_digests"] = " ".join(sorted({x["token_digest"] for x in ok if x["token_digest"]}))
+        row["all_digested"] = bool(ok) and len(ok) == len(reps) and all(x["token_digest"] for x in ok)
         row["code_hashes"] = " ".join(sorted({x["code_hash"] for x in reps if x["code_hash"]}))
         row["error"] = " | ".join(dict.fromkeys(str(x["error"]) for x in reps if x["error"]))
         row["ttfts"] = sorted(t for x in ok for t in x["ttfts"])
@@ -228,7 +229,7 @@ def effect_lines(rows: list[dict]) -> list[str]:
            "Ratios of the medians above: TTFT off / on and output throughput on / off (above 1: "
            "caching is faster; a workload without shared prefixes shows what a miss costs). Same "
            "outputs: whether caching on and off generated the same tokens (one output digest, "
-           "the same, in every repetition of both).", "",
+           "the same, in every repetition of both; – where a repetition failed).", "",
            "| workload | rate (/s) | hit rate | p50 TTFT off / on | p95 TTFT off / on | output tok/s on / off "
            "| same outputs |",
            "| --- | ---: | ---: | ---: | ---: | ---: | --- |"]
@@ -243,12 +244,12 @@ def effect_lines(rows: list[dict]) -> list[str]:
 
 
 def same_outputs(on: dict, off: dict) -> str:
-    """``yes`` when the caching-on and -off rows each have one output digest over their
-    successful repetitions and it is the same, ``no`` when they have digests that differ, ``–``
-    without a digest on either side."""
-    a, b = set(on["token_digests"].split()), set(off["token_digests"].split())
-    if not a or not b:
+    """``yes`` when every repetition of the caching-on and -off rows ran and gave the same
+    output digest, ``no`` when digests differ (between on and off, or between repetitions),
+    ``–`` when a repetition failed or has no digest (nothing to decide)."""
+    if not (on["all_digested"] and off["all_digested"]):
         return "–"
+    a, b = set(on["token_digests"].split()), set(off["token_digests"].split())
     return "yes" if len(a) == 1 and a == b else "no"
 
 
@@ -269,6 +270,14 @@ def report(out_dir: Path, files: list[Path], contention: dict | None = None) -> 
     plots = out_dir / "plots"
     plots.mkdir(exist_ok=True)
     rows = [r for r in rows if not r["batch_invariant"]]   # the plots show the sweep itself
+    if not rows:                       # only check cells: the plots say so instead of failing
+        for name in ("ttft_cdf.png", "hit_rate.png"):
+            fig, ax = plt.subplots(figsize=(5, 3.4))
+            ax.text(0.5, 0.5, "no sweep cells (only the batch-invariant check)", ha="center", va="center")
+            ax.set_axis_off()
+            fig.savefig(plots / name, dpi=110)
+            plt.close(fig)
+        return
     workloads = sorted({r["workload"] for r in rows})
     rates = sorted({r["arrival_rate"] for r in rows})
     fig, axes = plt.subplots(1, len(workloads), figsize=(5 * len(workloads), 3.6), squeeze=False)

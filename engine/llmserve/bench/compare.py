@@ -462,9 +462,10 @@ def decode_sweep(engine, batches: list[int], contexts: list[int], steps: int, wa
     each checked to decode the whole batch with no preemption; then the requests are aborted.
     The engine must admit ``max(batches)`` sequences and hold their KV.
 
-    With ``trace`` (``True``: at every context; a collection of contexts: at those only; tracing
-    is host work per request and token, so one context shows it) the cost of request lifecycle
-    tracing (:mod:`llmserve.core.trace`) is measured on the same requests: after the timed
+    With ``trace`` (``True``: at every context; ``False`` or a collection of values of
+    ``contexts``: at those only; tracing is host work per request and token, so one context
+    shows it) the cost of request lifecycle tracing (:mod:`llmserve.core.trace`) is measured
+    on the same requests: after the timed
     window, :data:`TRACE_PAIRS` pairs of windows of ``steps`` steps, one with a tracer attached
     and one without; each traced window is compared with the mean of the untraced windows
     around it (the context grows by ``steps`` tokens a window, so bracketing cancels that
@@ -480,6 +481,9 @@ def decode_sweep(engine, batches: list[int], contexts: list[int], steps: int, wa
         median traced window) and ``trace_overhead`` (median of traced / untraced - 1),
         ``status`` and ``error`` (a failed cell, a batch that was not full or was preempted
         included, stays a row).
+
+    Raises:
+        ValueError: ``trace`` names a context that ``contexts`` does not hold.
     """
     from ..core.sampling_params import SamplingParams
     from ..core.trace import RequestTracer
@@ -488,7 +492,13 @@ def decode_sweep(engine, batches: list[int], contexts: list[int], steps: int, wa
     rng = np.random.default_rng(seed)
     vocab = engine.model_config.vocab_size
     per_token = kv_bytes_per_token(engine.model_config, torch.finfo(engine.model.dtype).bits // 8)
-    traced_contexts = set(contexts) if trace is True else set(trace or ())
+    if trace is True or trace is False:
+        traced_contexts = set(contexts) if trace else set()
+    else:
+        traced_contexts = set(trace)
+        if not traced_contexts <= set(contexts):
+            raise ValueError(f"trace names contexts {sorted(traced_contexts - set(contexts))} "
+                             f"that the sweep does not run (its contexts: {contexts})")
     rows = []
     for ctx in contexts:
         trace_here = ctx in traced_contexts
