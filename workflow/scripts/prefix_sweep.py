@@ -16,9 +16,10 @@ noisy), the prefix cache's queries, hits, cached and evicted blocks, and the out
 header names the engine code hash the runs recorded. With one repetition a row shows the single
 run. Cells of the config's ``invariant_check`` (``..._invariant~on_rep~<n>``: caching on and off
 with ``--batch-invariant``) are rows of their own after the sweep's; the "Caching on against
-off" section says for each pair whether both generated the same outputs. ``plots/ttft_cdf.png`` is the TTFT CDF with and without caching (a panel per workload, a
-line style per rate, every repetition's requests pooled) and ``plots/hit_rate.png`` the hit rate
-(median, min–max as error bars).
+off" section says for each pair whether both generated the same outputs.
+``plots/ttft_cdf.png`` is the TTFT CDF with and without caching (a panel per workload, a line
+style per rate, every repetition's requests pooled; the sweep's rows only) and
+``plots/hit_rate.png`` the hit rate (median, min–max as error bars).
 """
 
 from __future__ import annotations
