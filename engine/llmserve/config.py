@@ -474,11 +474,10 @@ class EngineConfig:
             (one per distinct schema; least recently used ones are dropped), >= 1.
         grammar_parallel_fill_rows: a step with at least this many constrained rows fills
             their next-token bitmasks on xgrammar's thread pool; fewer rows (and always a
-            single row) are filled one after another on the engine's thread, >= 1. A pool's
-            fill waits for its slowest thread: on an H100 host (16 cores) it filled 7 rows in
-            0.40 ms a step when the host was quiet and ~1 ms with 3-4% of its time stolen, and
-            25 rows in 0.48 ms (quiet); one thread of a 2-core AMD EPYC fills a row in ~46 µs
-            (docs/performance.md). Default 16.
+            single row) are filled one after another on the engine's thread, >= 1. Waking a
+            pool costs more than a few rows' serial fills, and a pool's fill waits for its
+            slowest thread, so a busy host hurts it most; the measurements behind the default
+            are in docs/performance.md (structured output). Default 16.
         grammar_fill_threads: threads of that pool, >= 1 (``None``: xgrammar's default, half
             the host's cores).
         tensor_parallel_size: ranks the model is sharded over (Megatron-style, one process a

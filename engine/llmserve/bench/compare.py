@@ -465,12 +465,12 @@ def decode_sweep(engine, batches: list[int], contexts: list[int], steps: int, wa
     With ``trace`` (``True``: at every context; ``False`` or a collection of values of
     ``contexts``: at those only; tracing is host work per request and token, so one context
     shows it) the cost of request lifecycle tracing (:mod:`llmserve.core.trace`) is measured
-    on the same requests: after the timed
-    window, :data:`TRACE_PAIRS` pairs of windows of ``steps`` steps, one with a tracer attached
-    and one without; each traced window is compared with the mean of the untraced windows
-    around it (the context grows by ``steps`` tokens a window, so bracketing cancels that
-    drift), and the median of the pairs is kept, so one host pause (a page fault, a garbage
-    collection of the benchmark's own objects) does not decide the row.
+    on the same requests: after the timed window, :data:`TRACE_PAIRS` pairs of windows of
+    ``steps`` steps, one with a tracer attached and one without; each traced window is compared
+    with the mean of the untraced windows around it (the context grows by ``steps`` tokens a
+    window, so bracketing cancels that drift), and the median of the pairs is kept, so one host
+    pause (a page fault, a garbage collection of the benchmark's own objects) does not decide
+    the row.
 
     Returns:
         One row per cell: ``batch``, ``context``, ``ms_per_step``, ``kv_bytes`` (KV read per
@@ -492,13 +492,10 @@ def decode_sweep(engine, batches: list[int], contexts: list[int], steps: int, wa
     rng = np.random.default_rng(seed)
     vocab = engine.model_config.vocab_size
     per_token = kv_bytes_per_token(engine.model_config, torch.finfo(engine.model.dtype).bits // 8)
-    if trace is True or trace is False:
-        traced_contexts = set(contexts) if trace else set()
-    else:
-        traced_contexts = set(trace)
-        if not traced_contexts <= set(contexts):
-            raise ValueError(f"trace names contexts {sorted(traced_contexts - set(contexts))} "
-                             f"that the sweep does not run (its contexts: {contexts})")
+    traced_contexts = set(contexts) if trace is True else set(trace or ())
+    if not traced_contexts <= set(contexts):
+        raise ValueError(f"trace names contexts {sorted(traced_contexts - set(contexts))} "
+                         f"that the sweep does not run (its contexts: {contexts})")
     rows = []
     for ctx in contexts:
         trace_here = ctx in traced_contexts

@@ -204,8 +204,9 @@ class StructuredOutputManager:
         parallel_fill_rows: a step with at least this many constrained rows fills their
             bitmasks on xgrammar's thread pool (``BatchGrammarMatcher``); fewer are filled one
             after another on the calling thread (a single row always is). Waking a pool
-            costs more than a few rows' fills, and a pool's fill waits for its slowest thread, so it suffers most from a
-            busy host (:class:`~llmserve.config.EngineConfig` ``grammar_parallel_fill_rows``).
+            costs more than a few rows' fills, and a pool's fill waits for its slowest thread,
+            so it suffers most from a busy host
+            (:class:`~llmserve.config.EngineConfig` ``grammar_parallel_fill_rows``).
         fill_threads: the pool's threads (``None``: xgrammar's choice, half the host's cores).
 
     Only the engine's step thread calls the per-sequence methods; :meth:`check` may run on
