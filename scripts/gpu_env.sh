@@ -77,5 +77,8 @@ export PYTHONPATH=$LLMSERVE_SITE:$PWD/engine${PYTHONPATH:+:$PYTHONPATH}
 export PATH=$LLMSERVE_SITE/bin:$PATH
 export LLMSERVE_CACHE=${LLMSERVE_CACHE:-/tmp/llmserve-cache}
 export PYTHONUNBUFFERED=1
+# No network: the Hugging Face libraries (transformers, used by the comparison's HF rows) must not
+# wait on hub requests that cannot succeed.
+export HF_HUB_OFFLINE=${HF_HUB_OFFLINE:-1}
 # Snakemake rules call `python`; some images only have python3.
 command -v python >/dev/null 2>&1 || ln -sf "$(command -v python3)" "$LLMSERVE_SITE/bin/python"
