@@ -142,6 +142,7 @@ def test_fake_run_writes_valid_report_and_csv(tmp_path):
     assert data["gpu"]["available"] is False and "cpu" in data["gpu"]["reason"]
     host = data["host"]                                  # collector passes of the measured phase
     assert host["gc_collections"] >= 0 and host["gc_max_pause_ms"] <= host["gc_total_pause_ms"] + 1e-9
+    assert host["step_seconds"] is None                  # the fake engine keeps no phase times
     assert data["versions"]["torch"] and data["hardware"]["cpu_count"]
     assert "hostname" not in json.dumps(data["hardware"]).lower()
     comp = data["component_profile"]
@@ -304,6 +305,11 @@ def test_cli_smoke_tiny_model(tmp_path):
     assert data["kv_cache"]["available"] and data["kv_cache"]["memory_reduction_vs_contiguous"] > 0
     rows = list(csv.DictReader((tmp_path / "smoke.csv").open()))
     assert rows[0]["status"] == "ok" and rows[0]["token_digest"] == data["token_digest"]
+    # the engine's phase seconds of the measured steps only (reset after the warm-up request)
+    st = data["host"]["step_seconds"]
+    assert set(st) == {"schedule", "execute", "sample", "device_wait", "postprocess"}
+    assert all(v >= 0 for v in st.values()) and st["execute"] > 0
+    assert sum(st.values()) <= agg["duration_s"]
 
 
 def test_stats_are_reset_through_the_public_method_after_warmup(tmp_path):

@@ -193,7 +193,8 @@ def test_naive_engine_serialises_callers():
 
 def test_step_seconds_account_for_the_steps():
     """``stats()["step_seconds"]`` splits step() wall time into schedule / execute / sample /
-    postprocess; the parts are non-negative and sum to no more than the time spent stepping."""
+    device_wait / postprocess; the parts are non-negative and sum to no more than the time
+    spent stepping."""
     import time as _time
 
     from llmserve.config import EngineConfig
@@ -208,7 +209,7 @@ def test_step_seconds_account_for_the_steps():
         eng.step()
     wall = _time.perf_counter() - t
     st = eng.stats()["step_seconds"]
-    assert set(st) == {"schedule", "execute", "sample", "postprocess"}
+    assert set(st) == {"schedule", "execute", "sample", "device_wait", "postprocess"}
     assert all(v >= 0 for v in st.values()) and st["execute"] > 0
     assert sum(st.values()) <= wall
 

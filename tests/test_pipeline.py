@@ -993,14 +993,19 @@ def test_reduced_matrix_reruns_only_what_changed(reduced_run):
 
 def test_structured_table_names_model_hardware_and_command(tmp_path):
     """The structured-output table says where it ran: the model, the device and the command of
-    its profile (the folder it is written to)."""
+    its profile (the folder it is written to), and where a step's time went (host work, of it
+    the bitmask fills, and the wait for the device, in ms per step)."""
     raw = tmp_path / "raw"
     raw.mkdir()
-    for schema, tput in (("off", 100.0), ("on", 90.0)):
+    for schema, tput, wait in (("off", 100.0, 0.3), ("on", 90.0, 0.02)):
         (raw / f"batch~8_schema~{schema}_rep~0.json").write_text(json.dumps({
             "status": "ok", "config": {"model": "random:qwen2.5-1.5b", "dtype": "bfloat16"},
             "hardware": {"device_name": "NVIDIA H100 80GB HBM3", "cpu_count": 16},
-            "aggregates": {"output_throughput": tput, "tpot_ms_p50": 2.0, "num_requests": 32}}))
+            "aggregates": {"output_throughput": tput, "tpot_ms_p50": 2.0, "num_requests": 32,
+                           "num_steps": 100},
+            "host": {"step_seconds": {"schedule": 0.05, "execute": 0.05, "sample": 0.1,
+                                      "device_wait": wait, "postprocess": 0.02}},
+            "structured_output": {"engine": {"mask_seconds": 0.04}} if schema == "on" else None}))
     out = tmp_path / "h100"
     out.mkdir()
     r = script("structured_table.py", "--code-hash", "abc", "--md", str(out / "table.md"),
@@ -1009,6 +1014,7 @@ def test_structured_table_names_model_hardware_and_command(tmp_path):
     md = (out / "table.md").read_text()
     assert "`random:qwen2.5-1.5b` (bfloat16) on NVIDIA H100 80GB HBM3" in md, md
     assert "--config profile=h100" in md and "| 8 | 32 |" in md and "| 0.90 |" in md, md
+    assert "| 8 | 2.20 | 2.20 | 0.40 | 3.00 | 0.20 |" in md, md
 
 
 def _cuda_here() -> bool:

@@ -50,6 +50,23 @@ def load(reports: list[Path]) -> list[tuple[Path, dict]]:
     return [(path, json.loads(path.read_text())) for path in reports]
 
 
+def per_step(rep: dict) -> dict:
+    """One run's ms per engine step: the host's work (``host.step_seconds`` without its
+    ``device_wait``), the host's wait for the device, and the grammar bitmask fills
+    (``structured_output.engine.mask_seconds``, part of the host's work); None where the report
+    lacks them."""
+    steps = (rep.get("aggregates") or {}).get("num_steps")
+    phases = (rep.get("host") or {}).get("step_seconds")
+    mask = ((rep.get("structured_output") or {}).get("engine") or {}).get("mask_seconds")
+    if not steps:
+        return {"host": None, "wait": None, "mask": None}
+    out = {"host": None, "wait": None, "mask": None if mask is None else mask / steps * 1e3}
+    if isinstance(phases, dict) and "device_wait" in phases:
+        out["wait"] = phases["device_wait"] / steps * 1e3
+        out["host"] = (sum(phases.values()) - phases["device_wait"]) / steps * 1e3
+    return out
+
+
 def build(loaded: list[tuple[Path, dict]]) -> dict:
     """Rows per max batch size from the raw reports (:func:`load`)."""
     runs: dict[int, dict[str, list[dict]]] = {}
@@ -64,7 +81,11 @@ def build(loaded: list[tuple[Path, dict]]) -> dict:
             agg = [r.get("aggregates") or {} for r in ok]
             tput = [a["output_throughput"] for a in agg if a.get("output_throughput") is not None]
             tpot = [a["tpot_ms_p50"] for a in agg if a.get("tpot_ms_p50") is not None]
+            steps = [per_step(r) for r in ok]
             row[schema] = {
+                "host_ms_per_step": [x["host"] for x in steps if x["host"] is not None],
+                "device_wait_ms_per_step": [x["wait"] for x in steps if x["wait"] is not None],
+                "mask_ms_per_step": [x["mask"] for x in steps if x["mask"] is not None],
                 "runs": len(runs[batch][schema]), "ok": len(ok),
                 "requests": agg[0].get("num_requests") if agg else None,
                 "output_throughput": tput, "tpot_ms_p50": tpot, "cv": cv(tput),
@@ -100,6 +121,14 @@ def markdown(table: dict, code_hash: str, where: str = "") -> str:
              "| max sequences | requests | free tok/s | constrained tok/s | ratio | free p50 TPOT ms "
              "| constrained p50 TPOT ms | CV free / constrained | runs ok | status |",
              "| ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | --- |"]
+    host_lines = ["", "Where a step's time goes (ms per engine step, median over the repetitions): the "
+                  "host's work (the engine's `step_seconds` without `device_wait`; the grammar's "
+                  "bitmask fills are part of it), and the host's wait for the device. Where the wait "
+                  "is near zero the device waits for the host, and host work added to a step "
+                  "(a grammar's) adds to its time.", "",
+                  "| max sequences | host work, free | host work, constrained | of it, bitmask fills "
+                  "| device wait, free | device wait, constrained |",
+                  "| ---: | ---: | ---: | ---: | ---: | ---: |"]
     for r in table["rows"]:
         off, on = r["off"], r["on"]
         cvs = " / ".join("" if c is None else f"{c:.0%}" + (" noisy" if c > NOISY_CV else "")
@@ -111,7 +140,20 @@ def markdown(table: dict, code_hash: str, where: str = "") -> str:
                      f"{spread(off['tpot_ms_p50'], '{:.2f}')} | {spread(on['tpot_ms_p50'], '{:.2f}')} | {cvs} | "
                      f"{off['ok']}/{off['runs']} + {on['ok']}/{on['runs']} | "
                      f"{'ok' if not errors else 'failed: ' + '; '.join(errors)} |")
+        med = {k: {sch: _median(r[sch][k]) for sch in ("off", "on")}
+               for k in ("host_ms_per_step", "device_wait_ms_per_step", "mask_ms_per_step")}
+        host_lines.append(f"| {r['max_num_seqs']} | {med['host_ms_per_step']['off']} | "
+                          f"{med['host_ms_per_step']['on']} | {med['mask_ms_per_step']['on']} | "
+                          f"{med['device_wait_ms_per_step']['off']} | "
+                          f"{med['device_wait_ms_per_step']['on']} |")
+    if any(r[sch]["host_ms_per_step"] for r in table["rows"] for sch in ("off", "on")):
+        lines += host_lines
     return "\n".join(lines) + "\n"
+
+
+def _median(values: list[float]) -> str:
+    """``values``' median to 0.01 ms, or empty."""
+    return f"{statistics.median(values):.2f}" if values else ""
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -746,6 +746,12 @@ def run_benchmark(opts: BenchmarkOptions, engine_factory: Callable[[Any, bool], 
             report["gpu"] = monitor.stop()
             monitor = None
             report["host"] = gc_pauses.stop()
+            # wall seconds of each phase of the measured steps (LLMEngine.step_seconds: host
+            # work, and the host's wait for the device in "device_wait"); None where the
+            # engine keeps none (the naive control)
+            stats = getattr(engine, "step_seconds", None)
+            report["host"]["step_seconds"] = (
+                {k: round(v, 6) for k, v in stats.items()} if isinstance(stats, dict) else None)
             if state.tracer is not None:
                 engine.tracer = None
         cache1 = triton_cache_entries()

@@ -296,10 +296,12 @@ class LLMEngine(_EngineBase):
         self.max_blocks_in_use = 0
         # Wall seconds of each phase of step(), summed over steps. On a GPU, "execute" is host
         # work (input preparation, kernel or graph launches; the device runs asynchronously),
-        # "sample" includes waiting for the device (the token ids come back to the host there),
-        # and "schedule" + "postprocess" are host work the device waits for at batch sizes
-        # where a step's kernels finish first.
-        self.step_seconds = {"schedule": 0.0, "execute": 0.0, "sample": 0.0, "postprocess": 0.0}
+        # "sample" is the host's part of sampling (launching it, grammar bitmasks, reading the
+        # ids), "device_wait" the host blocked until a launched step's token ids were on the
+        # host, and "schedule" + "postprocess" are host work. The device waits for the host
+        # where "device_wait" is near zero: everything else is host work per step.
+        self.step_seconds = {"schedule": 0.0, "execute": 0.0, "sample": 0.0, "device_wait": 0.0,
+                             "postprocess": 0.0}
         # Prompt logprobs: logits rows computed for them (beyond the sampled rows) and the wall
         # seconds of their log-softmax, top-k and host read (part of "execute"), summed over steps.
         self.num_prompt_logprob_rows = 0
@@ -769,6 +771,8 @@ class LLMEngine(_EngineBase):
             Exception: the first exception a callback raised, once every token is recorded.
         """
         t0 = time.perf_counter()
+        step.sample.wait()
+        t1 = time.perf_counter()
         result = step.sample.result()
         now = time.perf_counter()
         sampled = SampledTokens(step.seqs, result.token_ids, result.logprobs)
@@ -779,7 +783,8 @@ class LLMEngine(_EngineBase):
         if self.speculator is not None:
             self.speculator.after_update(step.verify, update.outputs)
         errors = self._deliver(update)
-        self.step_seconds["sample"] += now - t0
+        self.step_seconds["device_wait"] += t1 - t0
+        self.step_seconds["sample"] += now - t1
         self.step_seconds["postprocess"] += time.perf_counter() - now
         if errors:  # every token is recorded first; then the first callback error propagates
             raise errors[0]

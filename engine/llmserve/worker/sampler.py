@@ -201,8 +201,8 @@ def _copy_stream(device: torch.device) -> torch.cuda.Stream:
 class PendingSample:
     """One step's sampled ids (and logprobs) on their way to the host: the copies to pinned
     memory are queued at construction, on ``copy_stream`` (after it waits for the current
-    stream's work) when one is given, else on the current stream; :meth:`result` waits for
-    them.
+    stream's work) when one is given, else on the current stream; :meth:`wait` waits for
+    them, :meth:`result` returns them.
 
     Attributes:
         token_ids_device: ``[B]`` int64 on the logits' device (the next step's input ids); for a
@@ -232,11 +232,16 @@ class PendingSample:
                 self._event = torch.cuda.Event()
                 self._event.record()
 
-    def result(self) -> SampleResult:
-        """Wait for this step's sampling (only its own work, not later launches) and return
-        the ids and logprob records."""
+    def wait(self) -> None:
+        """Block until this step's sampled ids are on the host (only its own work, not later
+        launches); a no-op when they are already there."""
         if self._event is not None:
             self._event.synchronize()
+
+    def result(self) -> SampleResult:
+        """Wait for this step's sampling (:meth:`wait`) and return the ids and logprob
+        records."""
+        self.wait()
         ids = self._host.tolist()
         records: list[dict | None] = [None] * len(ids)
         if self._lp is not None:
