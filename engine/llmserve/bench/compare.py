@@ -462,9 +462,9 @@ def decode_sweep(engine, batches: list[int], contexts: list[int], steps: int, wa
     each checked to decode the whole batch with no preemption; then the requests are aborted.
     The engine must admit ``max(batches)`` sequences and hold their KV.
 
-    With ``trace`` (``True``: at every context; ``False`` or a collection of values of
-    ``contexts``: at those only; tracing is host work per request and token, so one context
-    shows it) the cost of request lifecycle tracing (:mod:`llmserve.core.trace`) is measured
+    With ``trace`` (``True``: at every context; ``False`` or ``None``: at none; a collection
+    of values of ``contexts``: at those only; tracing is host work per request and token, so
+    one context shows it) the cost of request lifecycle tracing (:mod:`llmserve.core.trace`) is measured
     on the same requests: after the timed window, :data:`TRACE_PAIRS` pairs of windows of
     ``steps`` steps, one with a tracer attached and one without; each traced window is compared
     with the mean of the untraced windows around it (the context grows by ``steps`` tokens a
