@@ -89,7 +89,8 @@ def main() -> None:
     for b in a.batch:
         r = measure(b, a.steps)
         print(f"batch {b:4d}: {r['host_us_per_step']:8.1f} us/step  (schedule {r['schedule_us']:.1f}, "
-              f"execute {r['execute_us']:.1f}, sample {r['sample_us']:.1f}, postprocess {r['postprocess_us']:.1f})")
+              f"execute {r['execute_us']:.1f}, sample {r['sample_us']:.1f}, "
+              f"device_wait {r['device_wait_us']:.1f}, postprocess {r['postprocess_us']:.1f})")
 
 
 if __name__ == "__main__":

@@ -333,6 +333,49 @@ def test_constrained_outputs_do_not_depend_on_the_batch(reference, workload, kw)
     assert len(eng.structured) == 0 and all(s.num_pending == 0 for s in seqs)
 
 
+def test_step_seconds_book_the_early_read_once(workload, monkeypatch):
+    """With asynchronous scheduling a step with constrained rows reads the previous step's
+    tokens before it samples (``_launch``); that read's seconds are booked once (its wait as
+    ``device_wait``, not again inside ``sample``), so the phases sum to at most the stepping
+    time and a slower device shows only as ``device_wait``."""
+    import time as _time
+
+    from llmserve.engine.llm_engine import LLMEngine
+    from llmserve.worker.sampler import PendingSample
+
+    original = PendingSample.wait
+
+    def run(delay: float) -> tuple[dict, float, float]:
+        waits, done = [], []                 # done: samples already waited for (kept alive)
+
+        def slow_wait(self):                 # a device that takes `delay` to deliver the ids
+            if any(d is self for d in done):  # the ids are here: result()'s wait is free
+                return original(self)
+            t = _time.perf_counter()
+            _time.sleep(delay)
+            original(self)
+            waits.append(_time.perf_counter() - t)
+            done.append(self)
+
+        monkeypatch.setattr(PendingSample, "wait", slow_wait)
+        eng = LLMEngine(_config(async_scheduling=True))
+        seqs = [eng.add_request(p, sp) for p, sp in workload]
+        t = _time.perf_counter()
+        while eng.has_unfinished_requests():
+            eng.step()
+        wall = _time.perf_counter() - t
+        assert all(s.is_finished for s in seqs)
+        return eng.stats()["step_seconds"], wall, sum(waits)
+
+    fast, fast_wall, _ = run(0.0)
+    slow, slow_wall, slept = run(0.02)
+    for st, wall in ((fast, fast_wall), (slow, slow_wall)):
+        assert sum(st.values()) <= wall
+    assert slept > 0.2 and slow["device_wait"] >= slept - 1e-3
+    # the sleeps are in device_wait only: sample grows by far less than they add
+    assert slow["sample"] - fast["sample"] < 0.25 * slept
+
+
 def test_ignore_eos_still_ends_with_the_grammar_and_abort_frees_the_matcher():
     from llmserve.engine.llm_engine import LLMEngine
 

@@ -4,7 +4,9 @@ Each cell is one ``llmserve benchmark`` report (``workflow/rules/gpu.smk``): the
 workload at a max batch size with (``schema~on``) and without (``schema~off``) a JSON schema,
 over the configured repetitions. The table gives median [min-max] output throughput and p50
 TPOT of both, the ratio of the medians, the coefficient of variation of each throughput (a row
-over 10% is marked noisy) and the failed runs as rows.
+over 10% is marked noisy) and the failed runs as rows. Where the reports carry the engine's
+phase seconds (``host.step_seconds``), a second table gives host work, bitmask fills and the
+wait for the device per engine step.
 
 Usage (the pipeline's ``structured_table`` rule)::
 
@@ -121,13 +123,13 @@ def markdown(table: dict, code_hash: str, where: str = "") -> str:
              "| max sequences | requests | free tok/s | constrained tok/s | ratio | free p50 TPOT ms "
              "| constrained p50 TPOT ms | CV free / constrained | runs ok | status |",
              "| ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | --- |"]
-    host_lines = ["", "Where a step's time goes (ms per engine step, median over the repetitions): the "
-                  "host's work (the engine's `step_seconds` without `device_wait`; the grammar's "
-                  "bitmask fills are part of it), and the host's wait for the device. Where the wait "
-                  "is near zero the device waits for the host, and host work added to a step "
-                  "(a grammar's) adds to its time.", "",
-                  "| max sequences | host work, free | host work, constrained | of it, bitmask fills "
-                  "| device wait, free | device wait, constrained |",
+    host_lines = ["", "Where a step's time goes (ms per engine step, median over the "
+                  "repetitions): the host's work (the engine's `step_seconds` without "
+                  "`device_wait`; the grammar's bitmask fills are part of it), and the host's "
+                  "wait for the device. Where the wait is near zero the device waits for the "
+                  "host, and host work added to a step (a grammar's) adds to its time.", "",
+                  "| max sequences | host work, free | host work, constrained "
+                  "| of it, bitmask fills | device wait, free | device wait, constrained |",
                   "| ---: | ---: | ---: | ---: | ---: | ---: |"]
     for r in table["rows"]:
         off, on = r["off"], r["on"]

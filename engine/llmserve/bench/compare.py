@@ -132,7 +132,7 @@ def decode_llmserve(preset: str, steps: int, prompt_len: int = 32, linear_backen
     while eng.has_unfinished_requests():
         eng.step()
     gaps = np.diff(np.array(seq.metrics.token_times)) * 1e3
-    # where a step's wall time went, us per step ("sample" includes the wait for the device)
+    # where a step's wall time went, us per step ("device_wait": the host waiting for the device)
     n_steps = max(1, eng.num_steps - steps0)
     split_us = {k: (eng.step_seconds[k] - before[k]) / n_steps * 1e6 for k in before}
     # the graph replay alone (GPU time of one decode step: the graph the last step replayed), CUDA events
@@ -283,7 +283,7 @@ def offline_llmserve(preset: str, prompts, outs, max_num_seqs: int | None, chunk
                 "num_blocks": st["num_total_blocks"], "max_num_seqs": max_num_seqs, "prefill_chunk": chunk,
                 "max_num_batched_tokens": budget,
                 # where the wall time went (LLMEngine.step_seconds, all runs and the warm-up):
-                # "sample" holds the device wait
+                # "device_wait": the host waiting for the device
                 "step_seconds": st["step_seconds"]})
     del eng
     gc.collect()
@@ -464,13 +464,13 @@ def decode_sweep(engine, batches: list[int], contexts: list[int], steps: int, wa
 
     With ``trace`` (``True``: at every context; ``False`` or ``None``: at none; a collection
     of values of ``contexts``: at those only; tracing is host work per request and token, so
-    one context shows it) the cost of request lifecycle tracing (:mod:`llmserve.core.trace`) is measured
-    on the same requests: after the timed window, :data:`TRACE_PAIRS` pairs of windows of
-    ``steps`` steps, one with a tracer attached and one without; each traced window is compared
-    with the mean of the untraced windows around it (the context grows by ``steps`` tokens a
-    window, so bracketing cancels that drift), and the median of the pairs is kept, so one host
-    pause (a page fault, a garbage collection of the benchmark's own objects) does not decide
-    the row.
+    one context shows it) the cost of request lifecycle tracing (:mod:`llmserve.core.trace`)
+    is measured on the same requests: after the timed window, :data:`TRACE_PAIRS` pairs of
+    windows of ``steps`` steps, one with a tracer attached and one without; each traced window
+    is compared with the mean of the untraced windows around it (the context grows by
+    ``steps`` tokens a window, so bracketing cancels that drift), and the median of the pairs
+    is kept, so one host pause (a page fault, a garbage collection of the benchmark's own
+    objects) does not decide the row.
 
     Returns:
         One row per cell: ``batch``, ``context``, ``ms_per_step``, ``kv_bytes`` (KV read per

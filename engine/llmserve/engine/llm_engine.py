@@ -298,8 +298,11 @@ class LLMEngine(_EngineBase):
         # work (input preparation, kernel or graph launches; the device runs asynchronously),
         # "sample" is the host's part of sampling (launching it, grammar bitmasks, reading the
         # ids), "device_wait" the host blocked until a launched step's token ids were on the
-        # host, and "schedule" + "postprocess" are host work. The device waits for the host
-        # where "device_wait" is near zero: everything else is host work per step.
+        # host, and "schedule" + "postprocess" are host work. On a GPU with asynchronous
+        # scheduling the device waits for the host where "device_wait" is near zero. Not
+        # counted as device_wait: speculative verification and drafts and prompt logprobs
+        # read device results inside "execute" / "sample", tensor-parallel sends wait for the
+        # other ranks inside "execute"; on a CPU the forward pass itself is "execute".
         self.step_seconds = {"schedule": 0.0, "execute": 0.0, "sample": 0.0, "device_wait": 0.0,
                              "postprocess": 0.0}
         # Prompt logprobs: logits rows computed for them (beyond the sampled rows) and the wall
@@ -614,6 +617,7 @@ class LLMEngine(_EngineBase):
         outputs: list[RequestOutput] = []
         early_error: Exception | None = None
         launched = None
+        early_read = 0.0   # seconds of the early read below: _update books them itself
         if sample_idx or verify is not None:
             seqs = [plan.scheduled[i].seq for i in sample_idx]
             argmax, mask = res.device_argmax, None
@@ -621,10 +625,12 @@ class LLMEngine(_EngineBase):
                     s.request_id in self.structured for s in seqs):
                 if self._inflight is not None:   # the constrained rows' previous tokens first
                     previous, self._inflight = self._inflight, None
+                    t_read = time.perf_counter()
                     try:
                         outputs += self._update(previous)
                     except Exception as e:  # noqa: BLE001 - a callback's; raised once this step is launched
                         early_error = e
+                    early_read = time.perf_counter() - t_read
                 seqs, logits, argmax, mask = self._constrain(seqs, logits, argmax)
             history, pending_ids = self._token_history(seqs, pending)
             sample = self.sampler.sample_async(logits, [s.sampling_params for s in seqs],
@@ -636,7 +642,7 @@ class LLMEngine(_EngineBase):
             if verify is not None:          # after the plain rows' draws (the random streams' order)
                 verify.run(res.logits)
             launched = _InFlightStep(seqs, sample, verify)
-        self.step_seconds["sample"] += time.perf_counter() - t2
+        self.step_seconds["sample"] += time.perf_counter() - t2 - early_read
         return launched, outputs, early_error
 
     def _speculate(self, plan: SchedulerOutput):

@@ -234,9 +234,10 @@ class PendingSample:
 
     def wait(self) -> None:
         """Block until this step's sampled ids are on the host (only its own work, not later
-        launches); a no-op when they are already there."""
+        launches); a no-op once it returned."""
         if self._event is not None:
             self._event.synchronize()
+            self._event = None
 
     def result(self) -> SampleResult:
         """Wait for this step's sampling (:meth:`wait`) and return the ids and logprob
